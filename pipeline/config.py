@@ -1,0 +1,309 @@
+"""Model configs: one TOML file per model, parsed into frozen dataclasses.
+
+Every key is checked: an unknown key gets a "did you mean" hint, a wrong type names the file,
+the key and the expected type, and a missing file names the path it looked for. Paths in a config
+are relative to the config file's folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .errors import ConfigError
+
+QuantType = Literal["uint8", "uint16", "int8", "int16", "uint4", "int4"]
+CalibrationMethod = Literal["MinMax", "Entropy", "Percentile", "Distribution"]
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Which float model to build, and under what name and version it is released."""
+
+    name: str
+    source: str
+    version: str = "0.1.0"
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class InputsSection:
+    """How to make the model static: dim values, whole input shapes and baked constants."""
+
+    # dim_param name -> value, e.g. {batch = 1}
+    dims: dict[str, int] = field(default_factory=dict)
+    # input name -> full shape, e.g. {x = [1, 3, 48, 192]}
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    # input name -> constant value baked into the graph, e.g. {sr = 16000}
+    constants: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ImageOptions:
+    """The usual image preprocessing of a vision model's input."""
+
+    size: list[int] = field(default_factory=lambda: [224, 224])  # [height, width]
+    resize: Literal["stretch", "shorter-crop", "pad"] = "stretch"
+    channel_order: Literal["RGB", "BGR", "GRAY"] = "RGB"
+    layout: Literal["NCHW", "NHWC"] = "NCHW"
+    scale: float = 1.0 / 255.0
+    mean: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    std: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    dtype: Literal["float32", "float16", "uint8"] = "float32"
+
+
+@dataclass(frozen=True)
+class AudioOptions:
+    """16-bit PCM wav files cut into fixed windows."""
+
+    window: int = 512
+    hop: int = 0  # 0 = same as window
+    sample_rate: int = 16000
+    scale: float = 1.0 / 32768.0
+
+
+@dataclass(frozen=True)
+class CalibrationSection:
+    """Where calibration samples come from and how many to use."""
+
+    kind: Literal["tensors", "images", "audio", "python", "random"] = "tensors"
+    path: str = ""
+    # tensors: .npy files are fed to ``input``; .npz files map input names to arrays.
+    # images/audio: ``input`` names the graph input the sample feeds.
+    input: str = ""
+    reader: str = ""  # python: "module:function" or "path/to/file.py:function"
+    samples: int = 64
+    held_out: float = 0.25
+    seed: int = 0
+    # Inputs not produced by the reader: "zeros" or "random" filling.
+    fill_others: Literal["zeros", "random"] = "zeros"
+    # Recurrent models: graph input -> graph output fed back across consecutive samples.
+    recurrent: dict[str, str] = field(default_factory=dict)
+    image: ImageOptions = field(default_factory=ImageOptions)
+    audio: AudioOptions = field(default_factory=AudioOptions)
+
+
+@dataclass(frozen=True)
+class OverridesSection:
+    """Mixed precision: per-tensor or per-op-type quantization types."""
+
+    tensors: dict[str, QuantType] = field(default_factory=dict)
+    op_types: dict[str, QuantType] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class QuantizationSection:
+    """onnxruntime static QDQ quantization settings, in QNN-friendly defaults."""
+
+    activation_type: QuantType = "uint16"
+    weight_type: QuantType = "uint8"
+    per_channel: bool = False
+    method: CalibrationMethod = "MinMax"
+    min_snr_db: float = 0.0  # gate on fp32 vs QDQ per output; 0 disables
+    auto_mixed_precision: bool = True  # raise the worst tensors to 16 bit when SNR is low
+    target_snr_db: float = 25.0
+    overrides: OverridesSection = field(default_factory=OverridesSection)
+
+
+@dataclass(frozen=True)
+class CompileSection:
+    """Which targets and toolchains to compile for, and the gates a variant must pass."""
+
+    targets: list[str] = field(default_factory=lambda: ["snapdragon-x-elite"])
+    toolchains: list[str] = field(default_factory=list)  # empty = newest pinned toolchain
+    embed: bool = True
+    max_partitions: int = 1
+    allowed_cpu_ops: list[str] = field(default_factory=list)
+    min_snr_db: float = 0.0  # gate on ctx vs QDQ; 0 disables
+    timeout_s: float = 900.0
+    load_runs: int = 3
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: ModelSection
+    inputs: InputsSection = field(default_factory=InputsSection)
+    calibration: CalibrationSection = field(default_factory=CalibrationSection)
+    quantization: QuantizationSection = field(default_factory=QuantizationSection)
+    compile: CompileSection = field(default_factory=CompileSection)
+    # Where the file came from; not a TOML key.
+    path: Path = field(default=Path("."), compare=False)
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent
+
+    def resolve(self, relative: str) -> Path:
+        """A path from the config, relative to the config file's folder."""
+        candidate = Path(relative).expanduser()
+        return candidate if candidate.is_absolute() else (self.base_dir / candidate).resolve()
+
+    @property
+    def source_path(self) -> Path:
+        return self.resolve(self.model.source)
+
+    def digest(self) -> str:
+        """A stable hash of every setting (not the file's bytes), for build records."""
+        data = dataclasses.asdict(self)
+        data.pop("path", None)
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["path"] = str(self.path)
+        return data
+
+
+_NOT_KEYS = {"path"}
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (list, dict):
+        return str(tp).replace("typing.", "")
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, where: str, file: Path) -> Any:
+    """Check ``value`` against the annotation ``tp``; nested dataclasses are built recursively."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{file}: [{where}] must be a table, got {type(value).__name__}.")
+        return _build(tp, value, where, file)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            hint = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            tip = f"did you mean {hint[0]!r}?" if hint else f"use one of {list(allowed)}."
+            raise ConfigError(f"{file}: {where} = {value!r} is not allowed; {tip}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{file}: {where} must be a list, got {value!r}.")
+        return [_convert(v, item_tp, f"{where}[{i}]", file) for i, v in enumerate(value)]
+    if origin is dict:
+        _, val_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{file}: {where} must be a table, got {value!r}.")
+        return {str(k): _convert(v, val_tp, f"{where}.{k}", file) for k, v in value.items()}
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool):
+        raise ConfigError(f"{file}: {where} must be true or false, got {value!r}.")
+    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{file}: {where} must be an integer, got {value!r}.")
+    if not isinstance(value, tp):
+        raise ConfigError(f"{file}: {where} must be {_type_name(tp)}, got {value!r}.")
+    return value
+
+
+def _build(cls: type, table: dict[str, Any], where: str, file: Path) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in _NOT_KEYS]
+    unknown = [k for k in table if k not in names]
+    if unknown:
+        key = unknown[0]
+        hint = difflib.get_close_matches(key, names, n=1)
+        prefix = f"[{where}] " if where else ""
+        msg = f"{file}: unknown key {prefix}{key!r}"
+        msg += f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(names)}."
+        raise ConfigError(msg)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in _NOT_KEYS:
+            continue
+        key_where = f"{where}.{f.name}" if where else f.name
+        if f.name in table:
+            kwargs[f.name] = _convert(table[f.name], hints[f.name], key_where, file)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{file}: missing required key {key_where!r}.")
+    return cls(**kwargs)
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    """Read a TOML file, turning I/O and syntax errors into ConfigError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Config file {path} does not exist.", tip="Check the path you passed.")
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
+def load_config(path: str | Path, check_files: bool = True) -> ModelConfig:
+    """Parse and validate a model config; with ``check_files`` every referenced path must exist."""
+    path = Path(path).resolve()
+    table = load_toml(path)
+    config = _build(ModelConfig, table, "", path)
+    config = dataclasses.replace(config, path=path)
+    _validate(config, check_files)
+    return config
+
+
+def _validate(config: ModelConfig, check_files: bool) -> None:
+    """Cross-field rules, each with a message that names the key and the fix."""
+    file = config.path
+    cal = config.calibration
+    if not 0.0 <= cal.held_out < 1.0:
+        raise ConfigError(f"{file}: calibration.held_out = {cal.held_out} must be in [0, 1).")
+    if cal.samples < 1:
+        raise ConfigError(f"{file}: calibration.samples = {cal.samples} must be at least 1.")
+    for dim, value in config.inputs.dims.items():
+        if value < 1:
+            raise ConfigError(f"{file}: inputs.dims.{dim} = {value} must be > 0.")
+    for name, shape in config.inputs.shapes.items():
+        if any(d < 1 for d in shape):
+            raise ConfigError(f"{file}: inputs.shapes.{name} = {shape} needs positive dims.")
+    if cal.kind in ("images", "audio", "tensors") and not cal.path:
+        raise ConfigError(
+            f"{file}: calibration.kind = {cal.kind!r} needs calibration.path.",
+            tip="Point calibration.path at a folder of calibration files.",
+        )
+    if cal.kind == "python" and ":" not in cal.reader:
+        raise ConfigError(
+            f"{file}: calibration.kind = 'python' needs calibration.reader = 'module:function'."
+        )
+    image = cal.image
+    if len(image.size) != 2:
+        raise ConfigError(f"{file}: calibration.image.size must be [height, width].")
+    channels = 1 if image.channel_order == "GRAY" else 3
+    for key in ("mean", "std"):
+        if len(getattr(image, key)) not in (1, channels):
+            raise ConfigError(
+                f"{file}: calibration.image.{key} needs 1 or {channels} values "
+                f"for channel_order = {image.channel_order!r}."
+            )
+    if config.compile.max_partitions < 1:
+        raise ConfigError(f"{file}: compile.max_partitions must be >= 1.")
+    if not config.compile.targets:
+        raise ConfigError(f"{file}: compile.targets is empty; name at least one target chip.")
+    if check_files:
+        if not config.source_path.is_file():
+            raise ConfigError(
+                f"{file}: model.source {config.source_path} does not exist.",
+                tip="Fix model.source (relative to the config file's folder).",
+            )
+        if cal.path and not config.resolve(cal.path).exists():
+            raise ConfigError(
+                f"{file}: calibration.path {config.resolve(cal.path)} does not exist.",
+                tip="Fix calibration.path (relative to the config file's folder).",
+            )
+
