@@ -50,7 +50,7 @@ class InputsSection:
 class ImageOptions:
     """The usual image preprocessing of a vision model's input."""
 
-    size: list[int] = field(default_factory=lambda: [224, 224])  # [height, width]
+    size: list[int] = field(default_factory=list)  # [height, width]; empty = the input's
     resize: Literal["stretch", "shorter-crop", "pad"] = "stretch"
     channel_order: Literal["RGB", "BGR", "GRAY"] = "RGB"
     layout: Literal["NCHW", "NHWC"] = "NCHW"
@@ -135,7 +135,7 @@ class ModelConfig:
     quantization: QuantizationSection = field(default_factory=QuantizationSection)
     compile: CompileSection = field(default_factory=CompileSection)
     # Where the file came from; not a TOML key.
-    path: Path = field(default=Path("."), compare=False)
+    path: Path = field(default=Path("."), compare=False, metadata={"toml": False})
 
     @property
     def base_dir(self) -> Path:
@@ -162,7 +162,8 @@ class ModelConfig:
         return data
 
 
-_NOT_KEYS = {"path"}
+def _is_key(f: dataclasses.Field) -> bool:
+    return f.metadata.get("toml", True)
 
 
 def _type_name(tp: Any) -> str:
@@ -215,7 +216,7 @@ def _convert(value: Any, tp: Any, where: str, file: Path) -> Any:
 
 def _build(cls: type, table: dict[str, Any], where: str, file: Path) -> Any:
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name not in _NOT_KEYS]
+    names = [f.name for f in dataclasses.fields(cls) if _is_key(f)]
     unknown = [k for k in table if k not in names]
     if unknown:
         key = unknown[0]
@@ -226,7 +227,7 @@ def _build(cls: type, table: dict[str, Any], where: str, file: Path) -> Any:
         raise ConfigError(msg)
     kwargs = {}
     for f in dataclasses.fields(cls):
-        if f.name in _NOT_KEYS:
+        if not _is_key(f):
             continue
         key_where = f"{where}.{f.name}" if where else f.name
         if f.name in table:
@@ -282,7 +283,7 @@ def _validate(config: ModelConfig, check_files: bool) -> None:
             f"{file}: calibration.kind = 'python' needs calibration.reader = 'module:function'."
         )
     image = cal.image
-    if len(image.size) != 2:
+    if image.size and len(image.size) != 2:
         raise ConfigError(f"{file}: calibration.image.size must be [height, width].")
     channels = 1 if image.channel_order == "GRAY" else 3
     for key in ("mean", "std"):
@@ -306,4 +307,3 @@ def _validate(config: ModelConfig, check_files: bool) -> None:
                 f"{file}: calibration.path {config.resolve(cal.path)} does not exist.",
                 tip="Fix calibration.path (relative to the config file's folder).",
             )
-

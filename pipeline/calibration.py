@@ -1,0 +1,484 @@
+"""Calibration samples: tensors, images, audio windows or a user reader, streamed one at a time.
+
+A ``SampleSet`` lists *where* samples come from (cheap: file names and offsets) and loads each
+sample only when it is iterated, so memory does not grow with the number of samples. The list
+is split once, deterministically, into calibration and held-out samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+import wave
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import CalibrationError
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif"}
+TENSOR_SUFFIXES = {".npy", ".npz"}
+AUDIO_SUFFIXES = {".wav"}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A graph input as calibration sees it: static shape and numpy dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def describe(self) -> str:
+        return f"{self.name} {list(self.shape)} {self.dtype}"
+
+
+def input_specs(model: Any) -> list[InputSpec]:
+    """The real (non-initializer) inputs of a static ``onnx.ModelProto``."""
+    from onnx import helper
+
+    initializers = {i.name for i in model.graph.initializer}
+    specs = []
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        tensor_type = value.type.tensor_type
+        dims = tuple(d.dim_value for d in tensor_type.shape.dim)
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
+        specs.append(InputSpec(value.name, dims, dtype))
+    return specs
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """Where one sample comes from: a file, and for audio the window offset in it."""
+
+    path: Path | None
+    offset: int = 0
+    index: int = 0  # position in a user reader's stream
+
+
+class SampleSet:
+    """Calibration or held-out samples, loaded lazily, validated against the model inputs."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        specs: list[InputSpec],
+        refs: list[SampleRef],
+        loader: Callable[[SampleRef], dict[str, np.ndarray]],
+        float_model_path: Path | None = None,
+    ) -> None:
+        self.config = config
+        self.specs = specs
+        self.refs = refs
+        self._loader = loader
+        self._float_model_path = float_model_path
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        recurrent = self.config.calibration.recurrent
+        if recurrent:
+            yield from self._iter_recurrent(recurrent)
+            return
+        for ref in self.refs:
+            yield self._complete(self._loader(ref), ref)
+
+    def _complete(self, sample: dict[str, np.ndarray], ref: SampleRef) -> dict[str, np.ndarray]:
+        """Check a loaded sample against the inputs and fill the inputs it does not provide."""
+        where = str(ref.path) if ref.path else f"reader sample #{ref.index}"
+        names = {s.name for s in self.specs}
+        unknown = sorted(set(sample) - names)
+        if unknown:
+            raise CalibrationError(
+                f"Calibration sample {where} has tensor(s) {unknown} that are not model inputs.",
+                tip=f"Name the tensors after the model inputs: {', '.join(sorted(names))}.",
+            )
+        rng = np.random.default_rng(self.config.calibration.seed + ref.index)
+        feeds = {}
+        for spec in self.specs:
+            if spec.name not in sample:
+                if self.config.calibration.fill_others == "random" and spec.dtype.kind == "f":
+                    feeds[spec.name] = rng.standard_normal(spec.shape).astype(spec.dtype)
+                else:
+                    feeds[spec.name] = np.zeros(spec.shape, dtype=spec.dtype)
+                continue
+            array = np.asarray(sample[spec.name])
+            if (
+                array.shape != spec.shape
+                and array.shape == spec.shape[1:]
+                and spec.shape[:1] == (1,)
+            ):
+                array = array[np.newaxis]  # a single sample without its batch axis
+            if array.shape != spec.shape:
+                raise CalibrationError(
+                    f"Calibration sample {where}: tensor {spec.name!r} has shape "
+                    f"{list(array.shape)}, the model input needs {list(spec.shape)}.",
+                    tip="Save samples at the model's fixed input shape (see [inputs] in the config).",
+                )
+            if array.dtype != spec.dtype:
+                raise CalibrationError(
+                    f"Calibration sample {where}: tensor {spec.name!r} has dtype {array.dtype}, "
+                    f"the model input needs {spec.dtype}.",
+                    tip=f"Save it with .astype(np.{spec.dtype.name}).",
+                )
+            feeds[spec.name] = array
+        return feeds
+
+    def _iter_recurrent(self, recurrent: dict[str, str]) -> Iterator[dict[str, np.ndarray]]:
+        """Feed state outputs back as inputs across consecutive windows of the same file."""
+        import onnxruntime as ort
+
+        if self._float_model_path is None:  # pragma: no cover - wired by quantize
+            raise CalibrationError("Recurrent calibration needs the float model to carry state.")
+        session = ort.InferenceSession(
+            str(self._float_model_path), providers=["CPUExecutionProvider"]
+        )
+        outputs = [o.name for o in session.get_outputs()]
+        missing = [o for o in recurrent.values() if o not in outputs]
+        if missing:
+            raise CalibrationError(
+                f"calibration.recurrent names output(s) {missing} that the model does not have.",
+                tip=f"Model outputs: {', '.join(outputs)}.",
+            )
+        state: dict[str, np.ndarray] = {}
+        previous_path: Path | None = None
+        for ref in self.refs:
+            feeds = self._complete(self._loader(ref), ref)
+            if ref.path != previous_path:
+                state = {}  # a new file starts from the initial (zero) state
+                previous_path = ref.path
+            feeds.update(state)
+            yield feeds
+            values = dict(zip(outputs, session.run(None, feeds), strict=True))
+            state = {inp: values[out] for inp, out in recurrent.items()}
+
+    def digest(self) -> str:
+        """Hash of the data behind these samples (file bytes and offsets), for build records."""
+        digest = hashlib.sha256()
+        seen: set[Path] = set()
+        for ref in self.refs:
+            digest.update(f"{ref.path}:{ref.offset}:{ref.index};".encode())
+            if ref.path is not None and ref.path not in seen and ref.path.is_file():
+                seen.add(ref.path)
+                with open(ref.path, "rb") as handle:
+                    while chunk := handle.read(1 << 20):
+                        digest.update(chunk)
+        return digest.hexdigest()
+
+
+# --- loaders -------------------------------------------------------------------------------------
+
+
+def _list_files(folder: Path, suffixes: set[str], kind: str) -> list[Path]:
+    if folder.is_file():
+        files = [folder]
+    else:
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in suffixes)
+    if not files:
+        raise CalibrationError(
+            f"Calibration folder {folder} holds no {kind} files ({', '.join(sorted(suffixes))}).",
+            tip="Put calibration files there, or fix calibration.path / calibration.kind.",
+        )
+    return files
+
+
+def _load_tensor_file(ref: SampleRef, default_input: str) -> dict[str, np.ndarray]:
+    path = ref.path
+    if path is None:  # pragma: no cover - tensors always have a path
+        raise CalibrationError("Tensor sample without a file.")
+    try:
+        if path.suffix.lower() == ".npz":
+            with np.load(path, allow_pickle=False) as data:
+                return {k: data[k] for k in data.files}
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise CalibrationError(f"Cannot read calibration tensor {path}: {exc}") from None
+    if not default_input:
+        raise CalibrationError(
+            f"{path} is a .npy file but the model has several inputs.",
+            tip="Set calibration.input to the input it feeds, or save .npz files keyed by input.",
+        )
+    return {default_input: array}
+
+
+def load_image(path: Path, spec: InputSpec, config: ModelConfig) -> np.ndarray:
+    """Read one image and preprocess it into the layout and dtype of ``spec``."""
+    from PIL import Image
+
+    options = config.calibration.image
+    nhwc = options.layout == "NHWC"
+    if options.size:
+        height, width = options.size
+    elif len(spec.shape) == 4:
+        height, width = spec.shape[1:3] if nhwc else spec.shape[2:4]
+    else:
+        raise CalibrationError(
+            f"Input {spec.describe()} is not an image tensor; set calibration.image.size."
+        )
+    try:
+        with Image.open(path) as raw:
+            image = raw.convert("L" if options.channel_order == "GRAY" else "RGB")
+    except OSError as exc:
+        raise CalibrationError(f"Cannot read calibration image {path}: {exc}") from None
+
+    pad_box: tuple[int, int] | None = None
+    if options.resize == "stretch":
+        image = image.resize((width, height), Image.BILINEAR)
+    elif options.resize == "shorter-crop":
+        ratio = max(width / image.width, height / image.height)
+        resized = (max(width, round(image.width * ratio)), max(height, round(image.height * ratio)))
+        image = image.resize(resized, Image.BILINEAR)
+        left, top = (image.width - width) // 2, (image.height - height) // 2
+        image = image.crop((left, top, left + width, top + height))
+    else:  # pad: fit inside keeping the aspect ratio, pad right/bottom after normalisation
+        ratio = min(width / image.width, height / image.height)
+        fitted = (max(1, round(image.width * ratio)), max(1, round(image.height * ratio)))
+        image = image.resize(fitted, Image.BILINEAR)
+        pad_box = (fitted[1], fitted[0])
+
+    array = np.asarray(image, dtype=np.float32)
+    if array.ndim == 2:
+        array = array[:, :, np.newaxis]
+    if options.channel_order == "BGR":
+        array = array[:, :, ::-1]
+    if options.dtype != "uint8":
+        mean = np.asarray(options.mean, np.float32)
+        std = np.asarray(options.std, np.float32)
+        array = (array * options.scale - mean) / std
+    if pad_box is not None:
+        canvas = np.zeros((height, width, array.shape[2]), np.float32)
+        canvas[: pad_box[0], : pad_box[1]] = array
+        array = canvas
+    if not nhwc:
+        array = array.transpose(2, 0, 1)
+    return array[np.newaxis].astype(options.dtype)
+
+
+def _wav_windows(path: Path, config: ModelConfig) -> tuple[int, list[int]]:
+    audio = config.calibration.audio
+    try:
+        with wave.open(str(path), "rb") as handle:
+            if handle.getsampwidth() != 2:
+                raise CalibrationError(
+                    f"{path} is {8 * handle.getsampwidth()}-bit audio; only 16-bit PCM is read.",
+                    tip="Convert it, e.g. `sox in.wav -b 16 out.wav`.",
+                )
+            if handle.getframerate() != audio.sample_rate:
+                raise CalibrationError(
+                    f"{path} is sampled at {handle.getframerate()} Hz, "
+                    f"calibration.audio.sample_rate is {audio.sample_rate}.",
+                    tip="Resample the file or change calibration.audio.sample_rate.",
+                )
+            frames = handle.getnframes()
+    except (wave.Error, EOFError) as exc:
+        raise CalibrationError(f"Cannot read wav file {path}: {exc}") from None
+    hop = audio.hop or audio.window
+    return frames, list(range(0, max(0, frames - audio.window) + 1, hop))
+
+
+def _load_wav_window(ref: SampleRef, spec: InputSpec, config: ModelConfig) -> dict[str, np.ndarray]:
+    audio = config.calibration.audio
+    if ref.path is None:  # pragma: no cover
+        raise CalibrationError("Audio sample without a file.")
+    with wave.open(str(ref.path), "rb") as handle:
+        channels = handle.getnchannels()
+        handle.setpos(ref.offset)
+        raw = handle.readframes(audio.window)
+    pcm = np.frombuffer(raw, dtype="<i2").reshape(-1, channels)[:, 0].astype(np.float32)
+    window = pcm * audio.scale
+    size = int(np.prod(spec.shape))
+    if window.size != size:
+        raise CalibrationError(
+            f"calibration.audio.window = {audio.window} samples does not fill input "
+            f"{spec.describe()} ({size} values).",
+            tip="Set calibration.audio.window to the input's length.",
+        )
+    return {spec.name: window.reshape(spec.shape).astype(spec.dtype)}
+
+
+def _import_reader(spec: str, base_dir: Path) -> Callable[..., Iterable[dict[str, np.ndarray]]]:
+    """Import ``module:function`` or ``path/to/file.py:function`` (relative to the config)."""
+    target, _, function = spec.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            path = (base_dir / target).resolve()
+            module_spec = importlib.util.spec_from_file_location(f"_calib_{path.stem}", path)
+            if module_spec is None or module_spec.loader is None or not path.is_file():
+                raise CalibrationError(f"calibration.reader: {path} does not exist.")
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_spec.name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+        return getattr(module, function)
+    except (ImportError, AttributeError) as exc:
+        raise CalibrationError(
+            f"calibration.reader = {spec!r} cannot be imported: {exc}",
+            tip="Use 'package.module:function' or 'file.py:function' next to the config.",
+        ) from None
+
+
+# --- selection -----------------------------------------------------------------------------------
+
+
+def _pick(count: int, wanted: int) -> list[int]:
+    """``wanted`` indices spread evenly over ``count``, keeping order (deterministic)."""
+    if wanted >= count:
+        return list(range(count))
+    return sorted({round(i * (count - 1) / max(1, wanted - 1)) for i in range(wanted)})
+
+
+def _split(refs: list[SampleRef], held_out: float) -> tuple[list[SampleRef], list[SampleRef]]:
+    """Every k-th sample goes to held-out, so both halves span all files and classes."""
+    if held_out <= 0 or len(refs) < 2:
+        return refs, []
+    n_held = max(1, round(len(refs) * held_out))
+    held_idx = set(_pick(len(refs), n_held))
+    if len(held_idx) == len(refs):
+        held_idx.pop()
+    calib = [r for i, r in enumerate(refs) if i not in held_idx]
+    held = [r for i, r in enumerate(refs) if i in held_idx]
+    return calib, held
+
+
+def _split_by_file(
+    refs: list[SampleRef], held_out: float
+) -> tuple[list[SampleRef], list[SampleRef]]:
+    """Audio: the tail of each file is held out, so recurrent state stays continuous."""
+    by_file: dict[Path | None, list[SampleRef]] = {}
+    for ref in refs:
+        by_file.setdefault(ref.path, []).append(ref)
+    calib: list[SampleRef] = []
+    held: list[SampleRef] = []
+    for windows in by_file.values():
+        n_held = round(len(windows) * held_out) if len(windows) > 1 else 0
+        cut = len(windows) - n_held
+        calib += windows[:cut]
+        held += windows[cut:]
+    if not calib:
+        raise CalibrationError("Too few audio windows to calibrate; lower calibration.held_out.")
+    return calib, held
+
+
+def build_samples(
+    config: ModelConfig, specs: list[InputSpec], float_model_path: Path | None = None
+) -> tuple[SampleSet, SampleSet]:
+    """The calibration and held-out sample sets for ``config`` against the inputs ``specs``."""
+    cal = config.calibration
+    folder = config.resolve(cal.path) if cal.path else None
+    spec_by_name = {s.name: s for s in specs}
+    default_input = cal.input or (specs[0].name if len(specs) == 1 else "")
+    if default_input and default_input not in spec_by_name:
+        raise CalibrationError(
+            f"{config.path}: calibration.input = {default_input!r} is not a model input.",
+            tip=f"Model inputs: {', '.join(s.describe() for s in specs)}.",
+        )
+    if cal.kind in ("images", "audio") and not default_input:
+        raise CalibrationError(
+            f"{config.path}: the model has several inputs; set calibration.input to the one "
+            f"the {cal.kind} feed ({', '.join(spec_by_name)})."
+        )
+    if folder is not None and not folder.exists():
+        raise CalibrationError(f"{config.path}: calibration.path {folder} does not exist.")
+
+    loader: Callable[[SampleRef], dict[str, np.ndarray]]
+    by_file = False
+    if cal.kind == "tensors":
+        assert folder is not None  # checked in config validation
+        refs = [SampleRef(p) for p in _list_files(folder, TENSOR_SUFFIXES, "tensor")]
+
+        def loader(ref: SampleRef) -> dict[str, np.ndarray]:
+            return _load_tensor_file(ref, default_input)
+    elif cal.kind == "images":
+        assert folder is not None
+        spec = spec_by_name[default_input]
+        refs = [SampleRef(p) for p in _list_files(folder, IMAGE_SUFFIXES, "image")]
+
+        def loader(ref: SampleRef) -> dict[str, np.ndarray]:
+            assert ref.path is not None
+            return {spec.name: load_image(ref.path, spec, config)}
+    elif cal.kind == "audio":
+        assert folder is not None
+        spec = spec_by_name[default_input]
+        refs = []
+        for path in _list_files(folder, AUDIO_SUFFIXES, "wav"):
+            _, offsets = _wav_windows(path, config)
+            refs += [SampleRef(path, offset) for offset in offsets]
+        if not refs:
+            raise CalibrationError(f"The wav files in {folder} are shorter than one window.")
+        by_file = True
+
+        def loader(ref: SampleRef) -> dict[str, np.ndarray]:
+            return _load_wav_window(ref, spec, config)
+    elif cal.kind == "python":
+        return _python_samples(config, specs, folder, float_model_path)
+    else:  # random: only for smoke tests; the report says so
+        refs = [SampleRef(None, index=i) for i in range(cal.samples)]
+
+        def loader(ref: SampleRef) -> dict[str, np.ndarray]:
+            rng = np.random.default_rng(cal.seed + ref.index)
+            return {
+                s.name: (
+                    rng.standard_normal(s.shape)
+                    if s.dtype.kind == "f"
+                    else rng.integers(0, 256, s.shape)
+                ).astype(s.dtype)
+                for s in specs
+            }
+
+    chosen = [refs[i] for i in _pick(len(refs), cal.samples)]
+    if not by_file and cal.kind != "random":
+        rng = np.random.default_rng(cal.seed)
+        chosen = [chosen[i] for i in rng.permutation(len(chosen))]
+    calib, held = (_split_by_file if by_file else _split)(chosen, cal.held_out)
+    return (
+        SampleSet(config, specs, calib, loader, float_model_path),
+        SampleSet(config, specs, held, loader, float_model_path),
+    )
+
+
+def _python_samples(
+    config: ModelConfig, specs: list[InputSpec], folder: Path | None, float_model: Path | None
+) -> tuple[SampleSet, SampleSet]:
+    """A user reader ``fn(path, specs) -> iterable of feeds``; it is streamed twice if needed."""
+    reader = _import_reader(config.calibration.reader, config.base_dir)
+    cal = config.calibration
+    total = cal.samples
+    n_held = round(total * cal.held_out) if total > 1 else 0
+    held_idx = set(_pick(total, n_held)) if n_held else set()
+
+    class _Stream(SampleSet):
+        def __init__(self, wanted: set[int]) -> None:
+            refs = [SampleRef(folder, index=i) for i in sorted(wanted)]
+            super().__init__(config, specs, refs, lambda ref: {}, float_model)
+            self._wanted = wanted
+
+        def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+            produced = 0
+            for index, sample in enumerate(reader(folder, specs)):
+                if index >= total:
+                    break
+                produced += 1
+                if index in self._wanted:
+                    yield self._complete(dict(sample), SampleRef(folder, index=index))
+            if produced == 0:
+                raise CalibrationError(f"calibration.reader {cal.reader!r} produced no samples.")
+
+        def digest(self) -> str:
+            digest = hashlib.sha256(cal.reader.encode())
+            if folder is not None:
+                for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+                    digest.update(str(path.relative_to(folder)).encode())
+                    digest.update(path.read_bytes())
+            return digest.hexdigest()
+
+    return _Stream(set(range(total)) - held_idx), _Stream(held_idx)

@@ -1,0 +1,139 @@
+"""The bundled example: a small CNN and its calibration data, generated from a seed.
+
+Nothing is downloaded: the model (with a dynamic batch dim and BatchNorms, like many exported
+models) and calibration images (smooth synthetic scenes) are rebuilt identically on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .fileio import atomic_dir, atomic_path
+
+HELP = """\
+Generate the bundled example model and its calibration data (deterministic, seeded).
+
+Writes artifacts/example/example_cnn.onnx and artifacts/example/calibration/*.npy, which
+configs/example.toml points at. `python -m pipeline quantize` with no config does this itself.
+"""
+
+SEED = 20261121
+INPUT_SHAPE = (3, 32, 32)
+CALIBRATION_SAMPLES = 48
+IR_VERSION = 10
+OPSET = 17
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--root", type=Path, default=Path("."), help="project root")
+    parser.add_argument("--force", action="store_true", help="regenerate even if present")
+
+
+def run(args: argparse.Namespace) -> int:
+    folder = ensure_example(args.root, force=args.force)
+    print(f"example written to {folder}")
+    return 0
+
+
+def build_example_model(seed: int = SEED) -> Any:
+    """Conv-BN-ReLU x3 -> global pool -> Gemm -> Softmax, dynamic batch, seeded weights."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+
+    def init(name: str, array: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(array.astype(np.float32), name))
+        return name
+
+    channels = [INPUT_SHAPE[0], 16, 32, 32]
+    current = "input"
+    for i in range(3):
+        cin, cout = channels[i], channels[i + 1]
+        fan_in = cin * 9
+        w = init(f"conv{i}.weight", rng.normal(0, np.sqrt(2 / fan_in), (cout, cin, 3, 3)))
+        b = init(f"conv{i}.bias", rng.normal(0, 0.05, cout))
+        stride = 1 if i == 0 else 2
+        nodes.append(
+            helper.make_node(
+                "Conv",
+                [current, w, b],
+                [f"conv{i}"],
+                name=f"conv{i}",
+                kernel_shape=[3, 3],
+                pads=[1, 1, 1, 1],
+                strides=[stride, stride],
+            )
+        )
+        bn = [
+            init(f"bn{i}.scale", rng.uniform(0.5, 1.5, cout)),
+            init(f"bn{i}.bias", rng.normal(0, 0.1, cout)),
+            init(f"bn{i}.mean", rng.normal(0, 0.1, cout)),
+            init(f"bn{i}.var", rng.uniform(0.5, 1.5, cout)),
+        ]
+        nodes.append(
+            helper.make_node(
+                "BatchNormalization", [f"conv{i}", *bn], [f"bn{i}"], name=f"bn{i}", epsilon=1e-5
+            )
+        )
+        nodes.append(helper.make_node("Relu", [f"bn{i}"], [f"relu{i}"], name=f"relu{i}"))
+        current = f"relu{i}"
+    nodes.append(helper.make_node("GlobalAveragePool", [current], ["pool"], name="pool"))
+    nodes.append(helper.make_node("Flatten", ["pool"], ["flat"], name="flatten", axis=1))
+    fc_w = init("fc.weight", rng.normal(0, np.sqrt(1 / channels[-1]), (10, channels[-1])))
+    fc_b = init("fc.bias", rng.normal(0, 0.05, 10))
+    nodes.append(helper.make_node("Gemm", ["flat", fc_w, fc_b], ["logits"], name="fc", transB=1))
+    nodes.append(helper.make_node("Softmax", ["logits"], ["probabilities"], name="softmax", axis=1))
+
+    graph = helper.make_graph(
+        nodes,
+        "example_cnn",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", *INPUT_SHAPE])],
+        [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", 10])],
+        inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="pipeline.example"
+    )
+    model.ir_version = IR_VERSION
+    return model
+
+
+def synthetic_image(rng: np.random.Generator) -> np.ndarray:
+    """A smooth scene (gradients, blobs, stripes) in [0, 1], NCHW, batch 1."""
+    _, height, width = INPUT_SHAPE
+    y, x = np.mgrid[0:height, 0:width] / np.array([height, width])[:, None, None]
+    channels = []
+    for _ in range(INPUT_SHAPE[0]):
+        fx, fy = rng.uniform(0.5, 4, 2).tolist()
+        phase = rng.uniform(0, np.pi)
+        cx, cy, r = rng.uniform(0.2, 0.8), rng.uniform(0.2, 0.8), rng.uniform(0.1, 0.4)
+        stripes = 0.5 + 0.5 * np.sin(2 * np.pi * (fx * x + fy * y) + phase)
+        blob = np.exp(-((x - cx) ** 2 + (y - cy) ** 2) / (2 * r * r))
+        value = 0.5 * stripes + 0.5 * blob + rng.normal(0, 0.03, (height, width))
+        channels.append(value)
+    image = np.clip(np.stack(channels), 0.0, 1.0)
+    return image[np.newaxis].astype(np.float32)
+
+
+def ensure_example(root: Path, force: bool = False) -> Path:
+    """Write the example model and calibration tensors under ``root/artifacts/example``."""
+    import onnx
+
+    folder = Path(root) / "artifacts" / "example"
+    model_path = folder / "example_cnn.onnx"
+    calib = folder / "calibration"
+    if not force and model_path.is_file() and len(list(calib.glob("*.npy"))) == CALIBRATION_SAMPLES:
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    with atomic_path(model_path) as tmp:
+        onnx.save(build_example_model(), str(tmp))
+    rng = np.random.default_rng(SEED + 1)
+    with atomic_dir(calib) as tmp_dir:
+        for index in range(CALIBRATION_SAMPLES):
+            np.save(tmp_dir / f"sample_{index:03d}.npy", synthetic_image(rng))
+    return folder
