@@ -1,0 +1,170 @@
+"""Calibration sources: tensors, images, wav windows, user readers; bad data gets clear errors."""
+
+from __future__ import annotations
+
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.calibration import InputSpec, build_samples
+from pipeline.config import load_config
+from pipeline.errors import CalibrationError
+
+SPEC = [InputSpec("x", (1, 3, 8, 8), np.dtype("float32"))]
+
+
+def make_config(tmp_path: Path, calibration: str) -> object:
+    (tmp_path / "m.onnx").write_bytes(b"x")
+    path = tmp_path / "cfg.toml"
+    path.write_text(f'[model]\nname = "m"\nsource = "m.onnx"\n[calibration]\n{calibration}\n')
+    return load_config(path)
+
+
+def tensor_folder(tmp_path: Path, count: int, **kwargs: object) -> Path:
+    folder = tmp_path / "data"
+    folder.mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    shape = kwargs.get("shape", (1, 3, 8, 8))
+    dtype = kwargs.get("dtype", np.float32)
+    for i in range(count):
+        np.save(folder / f"s{i:02d}.npy", rng.standard_normal(shape).astype(dtype))
+    return folder
+
+
+def test_tensors_split_is_deterministic_and_disjoint(tmp_path: Path) -> None:
+    tensor_folder(tmp_path, 20)
+    config = make_config(tmp_path, 'kind = "tensors"\npath = "data"\nsamples = 20\nheld_out = 0.25')
+    calib, held = build_samples(config, SPEC)
+    assert (len(calib), len(held)) == (15, 5)
+    assert not {r.path for r in calib.refs} & {r.path for r in held.refs}
+    again, _ = build_samples(config, SPEC)
+    assert [r.path for r in again.refs] == [r.path for r in calib.refs]
+    first = next(iter(calib))
+    assert first["x"].shape == (1, 3, 8, 8) and first["x"].dtype == np.float32
+
+
+def test_sample_count_caps_selection(tmp_path: Path) -> None:
+    tensor_folder(tmp_path, 20)
+    config = make_config(tmp_path, 'kind = "tensors"\npath = "data"\nsamples = 8\nheld_out = 0.25')
+    calib, held = build_samples(config, SPEC)
+    assert len(calib) + len(held) == 8
+
+
+def test_missing_batch_axis_is_added(tmp_path: Path) -> None:
+    tensor_folder(tmp_path, 2, shape=(3, 8, 8))
+    config = make_config(tmp_path, 'kind = "tensors"\npath = "data"\nheld_out = 0.0')
+    calib, _ = build_samples(config, SPEC)
+    assert next(iter(calib))["x"].shape == (1, 3, 8, 8)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"shape": (1, 3, 9, 9)}, r"has shape \[1, 3, 9, 9\], the model input needs \[1, 3, 8, 8\]"),
+        ({"dtype": np.float64}, "has dtype float64, the model input needs float32"),
+    ],
+)
+def test_wrong_shape_or_dtype(tmp_path: Path, kwargs: dict, message: str) -> None:
+    tensor_folder(tmp_path, 2, **kwargs)
+    config = make_config(tmp_path, 'kind = "tensors"\npath = "data"')
+    calib, _ = build_samples(config, SPEC)
+    with pytest.raises(CalibrationError, match=message) as info:
+        list(calib)
+    assert "s0" in str(info.value)  # names the file
+
+
+def test_wrong_tensor_name_in_npz(tmp_path: Path) -> None:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    np.savez(folder / "a.npz", y=np.zeros((1, 3, 8, 8), np.float32))
+    config = make_config(tmp_path, 'kind = "tensors"\npath = "data"\nheld_out = 0.0')
+    calib, _ = build_samples(config, SPEC)
+    with pytest.raises(CalibrationError, match=r"a.npz has tensor\(s\) \['y'\] that are not"):
+        list(calib)
+
+
+def test_empty_folder(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    config = make_config(tmp_path, 'kind = "tensors"\npath = "data"')
+    with pytest.raises(CalibrationError, match="holds no tensor files"):
+        build_samples(config, SPEC)
+
+
+def test_images_preprocessing(tmp_path: Path) -> None:
+    from PIL import Image
+
+    folder = tmp_path / "img"
+    folder.mkdir()
+    pixels = np.zeros((20, 40, 3), np.uint8)
+    pixels[:, :, 0] = 255  # pure red
+    Image.fromarray(pixels).save(folder / "red.png")
+    Image.fromarray(pixels).save(folder / "red2.png")
+    config = make_config(
+        tmp_path,
+        'kind = "images"\npath = "img"\nheld_out = 0.0\n[calibration.image]\n'
+        'channel_order = "BGR"\nresize = "pad"\nmean = [0.5]\nstd = [0.5]',
+    )
+    calib, _ = build_samples(config, SPEC)
+    x = next(iter(calib))["x"]
+    assert x.shape == (1, 3, 8, 8)
+    # BGR: red is the last channel; (1 - 0.5) / 0.5 = 1 inside the image, 0 in the padding.
+    assert np.allclose(x[0, 2, :4, :], 1.0) and np.allclose(x[0, 0, :4, :], -1.0)
+    assert np.allclose(x[0, :, 4:, :], 0.0)
+
+
+def write_wav(path: Path, samples: np.ndarray, rate: int = 16000) -> None:
+    with wave.open(str(path), "wb") as handle:
+        handle.setnchannels(1)
+        handle.setsampwidth(2)
+        handle.setframerate(rate)
+        handle.writeframes(samples.astype("<i2").tobytes())
+
+
+def test_audio_windows_and_tail_held_out(tmp_path: Path) -> None:
+    folder = tmp_path / "wav"
+    folder.mkdir()
+    write_wav(folder / "a.wav", np.arange(64 * 10) % 1000)
+    config = make_config(
+        tmp_path,
+        'kind = "audio"\npath = "wav"\nheld_out = 0.2\nsamples = 100\n[calibration.audio]\nwindow = 64',
+    )
+    spec = [InputSpec("audio", (1, 64), np.dtype("float32"))]
+    calib, held = build_samples(config, spec)
+    assert (len(calib), len(held)) == (8, 2)
+    first = next(iter(calib))["audio"]
+    assert np.allclose(first[0, :3] * 32768, [0, 1, 2])
+    assert held.refs[0].offset == 8 * 64  # the tail of the file
+
+
+def test_audio_wrong_rate(tmp_path: Path) -> None:
+    folder = tmp_path / "wav"
+    folder.mkdir()
+    write_wav(folder / "a.wav", np.zeros(1000), rate=8000)
+    config = make_config(tmp_path, 'kind = "audio"\npath = "wav"')
+    with pytest.raises(CalibrationError, match="sampled at 8000 Hz"):
+        build_samples(config, [InputSpec("a", (1, 64), np.dtype("float32"))])
+
+
+def test_python_reader_and_fill_others(tmp_path: Path) -> None:
+    (tmp_path / "reader.py").write_text(
+        "import numpy as np\n"
+        "def read(path, specs):\n"
+        "    for i in range(10):\n"
+        "        yield {'x': np.full((1, 3, 8, 8), i, np.float32)}\n"
+    )
+    config = make_config(tmp_path, 'kind = "python"\nreader = "reader.py:read"\nsamples = 10')
+    specs = [*SPEC, InputSpec("state", (2, 4), np.dtype("float32"))]
+    calib, held = build_samples(config, specs)
+    values = [float(s["x"][0, 0, 0, 0]) for s in calib]
+    held_values = [float(s["x"][0, 0, 0, 0]) for s in held]
+    assert sorted(values + held_values) == list(range(10))
+    assert not set(values) & set(held_values)
+    assert np.all(next(iter(calib))["state"] == 0)
+
+
+def test_python_reader_import_error(tmp_path: Path) -> None:
+    config = make_config(tmp_path, 'kind = "python"\nreader = "no_such_module_xyz:read"')
+    with pytest.raises(CalibrationError, match="cannot be imported"):
+        build_samples(config, SPEC)
