@@ -1,0 +1,462 @@
+"""The release manifest: one definition, written by ``publish`` and trusted by ``runtime`` alone.
+
+A manifest is parsed strictly: ``Manifest.from_json`` collects *every* unknown field, missing
+field, wrong type and bad value, then raises one ``ReleaseError`` listing them, so that a
+manifest object that exists is a valid one. The format version is a closed enum; a newer
+manifest is refused instead of half-understood. ``manifest.schema.json`` is generated from these
+dataclasses (``json_schema()``) for consumers in other languages; a test keeps it in sync.
+
+Standard library only: this module runs on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .errors import ReleaseError
+
+MANIFEST_FILE = "manifest.json"
+SCHEMA_FILE = Path(__file__).resolve().with_name("manifest.schema.json")
+SCHEMA_ID = "https://qnn-ctx-pipeline.invalid/manifest.schema.json"
+
+_SHA256 = r"^[0-9a-f]{64}$"
+_VERSION = r"^[0-9]+(\.[0-9]+)+$"
+_MAX_ISSUES = 25
+
+
+class SchemaVersion(StrEnum):
+    """Manifest format versions this code can read; add a member when the format changes."""
+
+    V1 = "1"
+
+
+def _doc(text: str, **extra: Any) -> dict[str, Any]:
+    """Field metadata: a description and optional JSON Schema keywords, for the schema file."""
+    return {"description": text, **extra}
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One published file; the runtime refuses the release if any byte differs."""
+
+    path: str = field(
+        metadata=_doc("POSIX path relative to the release folder; no '..', not absolute.")
+    )
+    sha256: str = field(metadata=_doc("Hex SHA-256 of the file's bytes.", pattern=_SHA256))
+    size: int = field(metadata=_doc("Size in bytes.", minimum=0))
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str = field(metadata=_doc("Graph input or output name."))
+    shape: list[int] = field(metadata=_doc("Static shape."))
+    dtype: str = field(metadata=_doc("numpy dtype name, e.g. float32."))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled EP-context model: a (target chip, QNN toolchain) pair."""
+
+    id: str = field(
+        metadata=_doc("Folder of the variant in the release; carries target and QNN SDK version.")
+    )
+    target: str = field(metadata=_doc("Chip name from pipeline.targets, e.g. snapdragon-x-elite."))
+    soc_model: int = field(metadata=_doc("QNN soc_model the binary was built for."))
+    htp_arch: int = field(metadata=_doc("QNN htp_arch the binary was built for (e.g. 73 for v73)."))
+    backend: str = field(metadata=_doc("QNN backend, e.g. htp."))
+    qnn_sdk_version: str = field(
+        metadata=_doc(
+            "QNN SDK that built the binary, read from the EPContext node.", pattern=_VERSION
+        )
+    )
+    ep_sdk_version: str = field(
+        metadata=_doc("Raw ep_sdk_version attribute of the EPContext node.")
+    )
+    onnxruntime_qnn: str = field(
+        metadata=_doc("onnxruntime-qnn version that compiled the variant.")
+    )
+    onnxruntime: str = field(metadata=_doc("onnxruntime version that compiled the variant."))
+    ep_compatibility_info: str = field(
+        metadata=_doc("Model metadata ep_compatibility_info.QNNExecutionProvider.")
+    )
+    embed_mode: int = field(
+        metadata=_doc("1: context binary inside the .onnx; 0: beside it in a .bin file.")
+    )
+    model: str = field(metadata=_doc("Path of the ctx .onnx file to load; one of files."))
+    files: list[FileEntry] = field(metadata=_doc("Every file of the variant, the ctx .onnx first."))
+    inputs: list[TensorInfo] = field(metadata=_doc("Graph inputs."))
+    outputs: list[TensorInfo] = field(metadata=_doc("Graph outputs."))
+    coverage: dict[str, Any] = field(
+        metadata=_doc("QNN partitions and nodes left on CPU, with the gate result.")
+    )
+    accuracy: dict[str, Any] = field(
+        metadata=_doc("ctx vs QDQ and vs float: SNR, max abs error, cosine.")
+    )
+    load: dict[str, Any] = field(
+        metadata=_doc("Session creation time from the QDQ model vs the ctx model.")
+    )
+    passed: bool = field(
+        metadata=_doc("True when every gate passed; false only in --allow-partial releases.")
+    )
+    failed_gates: list[str] = field(
+        metadata=_doc("Why a variant failed its gates; empty when passed.")
+    )
+
+
+@dataclass(frozen=True)
+class CpuModel:
+    """A model the CPU EP can run, for consumers that explicitly accept CPU fallback."""
+
+    kind: str = field(
+        metadata=_doc("What the model is, e.g. qdq (the quantized model the ctx was built from).")
+    )
+    model: str = field(metadata=_doc("Path of the .onnx file; one of files."))
+    files: list[FileEntry] = field(metadata=_doc("Every file of the CPU model."))
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """A configured variant that is not in the release, and why."""
+
+    id: str = field(metadata=_doc("Variant id, as it would have been named."))
+    reason: str = field(metadata=_doc("Why it was left out."))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a release holds and how each variant was built."""
+
+    schema_version: SchemaVersion = field(metadata=_doc("Manifest format version."))
+    model: str = field(metadata=_doc("Model name."))
+    version: str = field(metadata=_doc("Release version of the model."))
+    created: str = field(
+        metadata=_doc("Creation time, ISO 8601 UTC. Not part of the release's identity.")
+    )
+    generator: str = field(metadata=_doc("Tool and version that wrote the release."))
+    source_sha256: str = field(metadata=_doc("SHA-256 of the float source model.", pattern=_SHA256))
+    config_digest: str = field(metadata=_doc("Hash of every setting of the model config."))
+    quantization: dict[str, Any] = field(
+        metadata=_doc("Quantization settings and accuracy summary.")
+    )
+    variants: list[Variant] = field(metadata=_doc("Compiled variants, best first is not implied."))
+    cpu_fallback: CpuModel | None = field(metadata=_doc("CPU-runnable model, or null."))
+    excluded: list[Excluded] = field(metadata=_doc("Configured variants left out of the release."))
+
+    # -- reading --------------------------------------------------------------------------------
+
+    @classmethod
+    def from_json(cls, text: str | bytes, source: str = MANIFEST_FILE) -> Manifest:
+        """Parse and validate; every problem is reported at once in one ReleaseError."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ReleaseError(
+                f"{source} is not valid JSON: {exc}.",
+                tip="The release is damaged; download or publish it again.",
+            ) from None
+        return cls.from_dict(data, source)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = MANIFEST_FILE) -> Manifest:
+        issues: list[str] = []
+        manifest = _parse(cls, data, "", issues)
+        if manifest is not None:
+            _check_semantics(manifest, issues)
+        if issues or manifest is None:
+            shown = issues[:_MAX_ISSUES]
+            more = len(issues) - len(shown)
+            raise ReleaseError(
+                f"{source} is not a valid release manifest ({len(issues)} issue"
+                f"{'s' if len(issues) != 1 else ''}):\n  - "
+                + "\n  - ".join(shown)
+                + (f"\n  - … and {more} more" if more else ""),
+                tip="The manifest was edited or written by another tool; publish the release "
+                "again with `python -m pipeline publish`.",
+            )
+        return manifest
+
+    @classmethod
+    def read(cls, path: str | Path) -> Manifest:
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise ReleaseError(
+                f"Cannot read the release manifest {path}: {exc.strerror or exc}.",
+                tip="Pass a release folder that holds manifest.json, or its archive.",
+            ) from None
+        return cls.from_json(raw, str(path))
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["schema_version"] = self.schema_version.value
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
+
+    # -- queries --------------------------------------------------------------------------------
+
+    def files(self) -> list[FileEntry]:
+        """Every file the release must hold besides manifest.json."""
+        entries = [f for v in self.variants for f in v.files]
+        if self.cpu_fallback is not None:
+            entries.extend(self.cpu_fallback.files)
+        return entries
+
+    def identity(self) -> dict[str, Any]:
+        """The content that makes a release what it is: all but when and by what it was written."""
+        data = self.to_dict()
+        data.pop("created", None)
+        data.pop("generator", None)
+        return data
+
+    def differences(self, other: Manifest, limit: int = 12) -> list[str]:
+        """Readable differences between two releases' content, file hashes first."""
+        mine, theirs = _flatten(self.identity()), _flatten(other.identity())
+        lines = []
+        for key in sorted(mine.keys() | theirs.keys(), key=lambda k: (".sha256" not in k, k)):
+            if key not in theirs:
+                lines.append(f"{key}: only in the new release ({mine[key]!r})")
+            elif key not in mine:
+                lines.append(f"{key}: only in the existing release ({theirs[key]!r})")
+            elif mine[key] != theirs[key]:
+                lines.append(f"{key}: {theirs[key]!r} (existing) != {mine[key]!r} (new)")
+        if len(lines) > limit:
+            lines = [*lines[:limit], f"… and {len(lines) - limit} more"]
+        return lines
+
+
+# -- strict parsing ---------------------------------------------------------------------------
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number" if isinstance(value, int | float) else type(value).__name__
+    )
+
+
+def _parse(tp: Any, value: Any, where: str, issues: list[str]) -> Any:
+    """Convert ``value`` to ``tp``, appending a message per problem; None when it cannot."""
+    here = where or "the manifest"
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            issues.append(f"{here}: expected an object, got {_json_type(value)}")
+            return None
+        return _parse_object(tp, value, where, issues)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _parse(args[0], value, where, issues)
+    if isinstance(tp, type) and issubclass(tp, StrEnum):
+        try:
+            return tp(value)
+        except ValueError:
+            known = ", ".join(repr(m.value) for m in tp)
+            issues.append(
+                f"{here}: {value!r} is not a supported version (this code reads {known}); "
+                "a newer release needs a newer qnn-ctx-pipeline"
+            )
+            return None
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            issues.append(f"{here}: expected an array, got {_json_type(value)}")
+            return None
+        return [_parse(item_tp, v, f"{where}[{i}]", issues) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            issues.append(f"{here}: expected an object, got {_json_type(value)}")
+            return None
+        return value
+    if tp is Any:
+        return value
+    ok = {
+        str: isinstance(value, str),
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, int | float) and not isinstance(value, bool),
+    }.get(tp, isinstance(value, tp))
+    if not ok:
+        issues.append(
+            f"{here}: expected {_SCHEMA_TYPES[tp]['type']}, got {_json_type(value)} {value!r}"
+        )
+        return None
+    return value
+
+
+def _parse_object(cls: Any, table: dict[str, Any], where: str, issues: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    names = {f.name for f in fields}
+    prefix = f"{where}." if where else ""
+    for key in table:
+        if key not in names:
+            issues.append(f"{prefix}{key}: unknown field (known: {', '.join(sorted(names))})")
+    values: dict[str, Any] = {}
+    complete = True
+    for f in fields:
+        if f.name not in table:
+            issues.append(f"{prefix}{f.name}: missing field")
+            complete = False
+            continue
+        before = len(issues)
+        values[f.name] = _parse(hints[f.name], table[f.name], f"{prefix}{f.name}", issues)
+        if len(issues) > before:
+            complete = False
+            continue
+        _check_keywords(f, values[f.name], f"{prefix}{f.name}", issues)
+    return cls(**values) if complete else None
+
+
+def _check_keywords(f: dataclasses.Field, value: Any, where: str, issues: list[str]) -> None:
+    """The JSON Schema keywords declared on a field (pattern, minimum), checked here too."""
+    pattern = f.metadata.get("pattern")
+    if pattern and isinstance(value, str) and not re.fullmatch(pattern.strip("^$"), value):
+        issues.append(f"{where}: {value!r} does not match {pattern}")
+    minimum = f.metadata.get("minimum")
+    if minimum is not None and isinstance(value, int) and value < minimum:
+        issues.append(f"{where}: {value} is below the minimum {minimum}")
+
+
+def safe_relative_path(path: str) -> str | None:
+    """Why ``path`` cannot name a file inside a release folder, or None when it can."""
+    if not path:
+        return "is empty"
+    if "\\" in path or ":" in path:
+        return "must be a POSIX path without drive letters or backslashes"
+    pure = PurePosixPath(path)
+    if pure.is_absolute():
+        return "is absolute"
+    if any(part in ("..", ".", "") for part in path.split("/")):
+        return "has '..', '.' or empty parts"
+    return None
+
+
+def _check_semantics(manifest: Manifest, issues: list[str]) -> None:
+    """Cross-field rules that the types alone cannot express."""
+    seen: dict[str, str] = {}
+
+    def check_files(owner: str, model: str, files: list[FileEntry]) -> None:
+        paths = [f.path for f in files]
+        for i, entry in enumerate(files):
+            problem = safe_relative_path(entry.path)
+            if problem:
+                issues.append(f"{owner}.files[{i}].path {entry.path!r} {problem}")
+            if entry.path == MANIFEST_FILE:
+                issues.append(f"{owner}.files[{i}].path must not be {MANIFEST_FILE}")
+            if entry.path in seen:
+                issues.append(f"{owner}: file {entry.path!r} is also listed by {seen[entry.path]}")
+            seen[entry.path] = owner
+        if model not in paths:
+            issues.append(f"{owner}.model {model!r} is not one of its files")
+        elif not model.endswith(".onnx"):
+            issues.append(f"{owner}.model {model!r} is not an .onnx file")
+
+    ids = [v.id for v in manifest.variants]
+    for variant_id in sorted({i for i in ids if ids.count(i) > 1}):
+        issues.append(f"variants: id {variant_id!r} appears more than once")
+    for i, variant in enumerate(manifest.variants):
+        check_files(f"variants[{i}]", variant.model, variant.files)
+        if variant.embed_mode not in (0, 1):
+            issues.append(f"variants[{i}].embed_mode must be 0 or 1, got {variant.embed_mode}")
+        if variant.passed and variant.failed_gates:
+            issues.append(f"variants[{i}]: passed is true but failed_gates is not empty")
+    if manifest.cpu_fallback is not None:
+        check_files("cpu_fallback", manifest.cpu_fallback.model, manifest.cpu_fallback.files)
+    if not manifest.variants and manifest.cpu_fallback is None:
+        issues.append("variants: the release holds no model at all")
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested JSON -> {dotted path: leaf}; list items with an id/path/name are keyed by it."""
+    out: dict[str, Any] = {}
+    if isinstance(value, dict):
+        if not value and prefix:
+            out[prefix] = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+    elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        for i, item in enumerate(value):
+            label = next((item[k] for k in ("id", "path", "name") if k in item), i)
+            out.update(_flatten(item, f"{prefix}[{label}]"))
+    else:
+        out[prefix] = value
+    return out
+
+
+# -- JSON Schema ------------------------------------------------------------------------------
+
+_SCHEMA_TYPES: dict[Any, dict[str, Any]] = {
+    str: {"type": "string"},
+    int: {"type": "integer"},
+    float: {"type": "number"},
+    bool: {"type": "boolean"},
+    Any: {},
+}
+
+
+def _schema_for(tp: Any, defs: dict[str, Any]) -> dict[str, Any]:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if tp.__name__ not in defs:
+            defs[tp.__name__] = {}  # reserve the name before recursing
+            defs[tp.__name__] = _object_schema(tp, defs)
+        return {"$ref": f"#/$defs/{tp.__name__}"}
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return {"anyOf": [_schema_for(args[0], defs), {"type": "null"}]}
+    if isinstance(tp, type) and issubclass(tp, StrEnum):
+        return {"enum": [m.value for m in tp]}
+    if origin is list:
+        return {"type": "array", "items": _schema_for(typing.get_args(tp)[0], defs)}
+    if origin is dict:
+        return {"type": "object"}
+    return dict(_SCHEMA_TYPES[tp])
+
+
+def _object_schema(cls: Any, defs: dict[str, Any]) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    properties = {}
+    for f in dataclasses.fields(cls):
+        prop = _schema_for(hints[f.name], defs)
+        prop.update({k: v for k, v in f.metadata.items()})
+        properties[f.name] = prop
+    schema: dict[str, Any] = {"type": "object"}
+    if cls.__doc__:
+        schema["description"] = " ".join(cls.__doc__.split())
+    schema.update(
+        properties=properties,
+        required=[f.name for f in dataclasses.fields(cls)],
+        additionalProperties=False,
+    )
+    return schema
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema (2020-12) of a manifest, generated from the dataclasses above."""
+    defs: dict[str, Any] = {}
+    root = _object_schema(Manifest, defs)
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": SCHEMA_ID,
+        "title": "QNN EP-context release manifest",
+        **root,
+        "$defs": dict(sorted(defs.items())),
+    }
+
+
+def schema_text() -> str:
+    return json.dumps(json_schema(), indent=2) + "\n"
