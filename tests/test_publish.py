@@ -1,0 +1,305 @@
+"""publish: real compiled variants -> immutable, atomic, verifiable releases."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+from release_fixtures import MODEL, VERSION, Build, cached_build, ctx_facts_onnx
+from venvs import REPO_ROOT
+
+from pipeline import runtime
+from pipeline.__main__ import main
+from pipeline.config import load_config
+from pipeline.errors import PublishError
+from pipeline.fileio import sha256_file
+from pipeline.manifest import MANIFEST_FILE, Manifest
+from pipeline.publish import publish_model, read_ctx_facts
+
+pytestmark = pytest.mark.qnn
+X_ELITE, GEN3 = "snapdragon-x-elite", "snapdragon-8-gen-3"
+
+
+@pytest.fixture(scope="session")
+def base_build(tmp_path_factory) -> Build:
+    return cached_build(tmp_path_factory)
+
+
+@pytest.fixture
+def build(base_build: Build, tmp_path: Path) -> Build:
+    return base_build.copy(tmp_path / "project")
+
+
+def publish(build: Build, **kwargs):
+    return publish_model(load_config(build.config), build.artifacts, **kwargs)
+
+
+def edit_variant(build: Build, target: str, **changes) -> None:
+    path = build.variant_folder(target) / "variant.json"
+    data = json.loads(path.read_text("utf-8"))
+    data.update(changes)
+    path.write_text(json.dumps(data), "utf-8")
+
+
+def test_ctx_facts_without_onnx_match_onnx(base_build: Build):
+    for target in (X_ELITE, GEN3):
+        ctx = next(base_build.variant_folder(target).glob("*_ctx.onnx"))
+        facts, reference = read_ctx_facts(ctx), ctx_facts_onnx(ctx)
+        assert facts.ep_sdk_versions == [reference["ep_sdk_version"]]
+        assert facts.qnn_sdk_version == reference["qnn_sdk_version"] == "2.51.0"
+        assert facts.embed_modes == [reference["embed_mode"]]
+        assert facts.ep_compatibility_info == reference["ep_compatibility_info"]
+    assert read_ctx_facts(next(base_build.variant_folder(GEN3).glob("*_ctx.onnx"))).bin_files == [
+        f"{MODEL}_{GEN3}_ctx_qnn.bin"
+    ]
+
+
+def test_release_layout_and_manifest(build: Build):
+    result = publish(build)
+    release = build.release()
+    assert result.folder == release and not result.unchanged
+    manifest = Manifest.read(release / MANIFEST_FILE)
+    assert (manifest.model, manifest.version) == (MODEL, VERSION)
+    by_target = {v.target: v for v in manifest.variants}
+    assert set(by_target) == {X_ELITE, GEN3}
+    elite, gen3 = by_target[X_ELITE], by_target[GEN3]
+    # The SDK comes from the compiled node and is in the folder name.
+    assert elite.id == f"{X_ELITE}_qnn-2.51.0" and elite.ep_sdk_version.startswith("v2.51.0.")
+    assert (elite.soc_model, elite.htp_arch, elite.embed_mode) == (60, 73, 1)
+    assert (gen3.soc_model, gen3.htp_arch, gen3.embed_mode) == (57, 75, 0)
+    assert elite.ep_compatibility_info == "v2:6:2.51.0:5.51.0:73:60:0:0"
+    assert [f.path for f in gen3.files] == [
+        f"{gen3.id}/{MODEL}_{GEN3}_ctx.onnx",
+        f"{gen3.id}/{MODEL}_{GEN3}_ctx_qnn.bin",
+    ]
+    assert (elite.onnxruntime_qnn, elite.onnxruntime) == ("2.7.0", "1.31.1")
+    assert elite.inputs[0].shape == [1, 3, 16, 16] and elite.outputs[0].name == "y"
+    assert elite.accuracy["ctx_vs_qdq"]["y"]["snr_db"] > 20
+    assert manifest.source_sha256 == sha256_file(build.root / "models" / f"{MODEL}.onnx")
+    assert manifest.config_digest == load_config(build.config).digest()
+    assert manifest.quantization["worst_snr_db"] == 31.5
+    assert manifest.cpu_fallback is not None and manifest.excluded == []
+    for entry in manifest.files():
+        assert sha256_file(release / entry.path) == entry.sha256
+    # One archive with its checksum, holding exactly the manifest and the listed files.
+    archive = release / f"{MODEL}-{VERSION}.tar.gz"
+    assert (release / f"{archive.name}.sha256").read_text().split() == [
+        sha256_file(archive),
+        archive.name,
+    ]
+    with tarfile.open(archive) as tar:
+        assert sorted(tar.getnames()) == sorted(
+            [MANIFEST_FILE, *(e.path for e in manifest.files())]
+        )
+    assert runtime.verify(archive) == manifest
+    assert not [p for p in release.parent.iterdir() if p.name != VERSION]
+
+
+def test_same_content_again_is_a_no_op(build: Build):
+    publish(build)
+    release = build.release()
+    before = {p: (p.stat().st_mtime_ns, sha256_file(p)) for p in release.rglob("*") if p.is_file()}
+    result = publish(build)
+    assert result.unchanged
+    after = {p: (p.stat().st_mtime_ns, sha256_file(p)) for p in release.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_changed_content_is_refused_naming_what_differs(build: Build):
+    publish(build)
+    manifest_before = (build.release() / MANIFEST_FILE).read_bytes()
+    # A different ctx binary under the same version: swap in the .bin-less variant's sibling.
+    folder = build.variant_folder(X_ELITE)
+    ctx = next(folder.glob("*_ctx.onnx"))
+    other = next(build.variant_folder(GEN3).glob("*_ctx.onnx"))
+    data = bytearray(ctx.read_bytes())
+    # Change the partition name's last byte: still a valid model, different content.
+    marker = data.rfind(b"QNNExecutionProvider_QNNExecutionProvider_")
+    assert marker > 0 and other.exists()
+    data[marker + 42] = ord("9") if data[marker + 42] != ord("9") else ord("8")
+    ctx.write_bytes(bytes(data))
+    edit_variant(build, X_ELITE, load={"ctx_s": 0.5, "qdq_s": 1.0, "ratio": 2.0, "runs": 3})
+    with pytest.raises(PublishError) as info:
+        publish(build)
+    message = str(info.value)
+    assert "already exists" in message and "different content" in message
+    assert f"files[{X_ELITE}_qnn-2.51.0/{ctx.name}].sha256" in message
+    assert "load.ctx_s: 0.01 (existing) != 0.5 (new)" in message
+    assert "bump model.version" in message
+    assert (build.release() / MANIFEST_FILE).read_bytes() == manifest_before
+
+
+def test_failed_gate_left_out_unless_allow_partial(build: Build):
+    edit_variant(build, GEN3, validation={"passed": False, "gate": "ctx vs QDQ SNR 12.0 < 20 dB"})
+    manifest = publish(build).manifest
+    assert [v.target for v in manifest.variants] == [X_ELITE]
+    assert [(e.id, e.reason) for e in manifest.excluded] == [
+        (f"{GEN3}_qnn-2.51.0", "validation: ctx vs QDQ SNR 12.0 < 20 dB")
+    ]
+    assert not (build.release() / f"{GEN3}_qnn-2.51.0").exists()
+
+    partial = build.copy(build.root.parent / "partial")
+    shutil.rmtree(partial.artifacts / "releases")
+    manifest = publish(partial, allow_partial=True).manifest
+    gen3 = next(v for v in manifest.variants if v.target == GEN3)
+    assert gen3.passed is False
+    assert gen3.failed_gates == ["validation: ctx vs QDQ SNR 12.0 < 20 dB"]
+    # The loader never picks a failed variant: on an 8 Gen 3 it takes the v73 one instead.
+    with runtime.load(partial.release(), target=GEN3) as model:
+        assert model.variant.target == X_ELITE
+
+
+def test_nothing_passed_is_an_error(build: Build):
+    for target in (X_ELITE, GEN3):
+        edit_variant(build, target, coverage={"passed": False, "gate": "3 partitions > 1"})
+    with pytest.raises(PublishError, match="no variant passed its gates") as info:
+        publish(build)
+    assert "coverage: 3 partitions > 1" in str(info.value)
+    assert not (build.artifacts / "releases" / MODEL / VERSION).exists()
+
+
+def test_missing_variant_is_listed_as_excluded(build: Build):
+    shutil.rmtree(build.variant_folder(GEN3))
+    manifest = publish(build).manifest
+    assert [e.id for e in manifest.excluded] == [f"{GEN3}_qnn-2.51.0"]
+    assert "not built" in manifest.excluded[0].reason
+
+
+def test_variant_json_that_disagrees_with_the_ctx_is_refused(build: Build):
+    edit_variant(build, X_ELITE, qnn_sdk_version="2.49.40")
+    with pytest.raises(PublishError, match=r"the EPContext node says 2\.51\.0"):
+        publish(build)
+
+
+def test_missing_bin_is_refused(build: Build):
+    folder = build.variant_folder(GEN3)
+    edit_variant(build, GEN3, files=[f"{MODEL}_{GEN3}_ctx.onnx"])
+    with pytest.raises(PublishError, match=r"needs tiny_snapdragon-8-gen-3_ctx_qnn\.bin"):
+        publish(build)
+    (folder / f"{MODEL}_{GEN3}_ctx_qnn.bin").unlink()
+    edit_variant(build, GEN3, files=[f"{MODEL}_{GEN3}_ctx.onnx", f"{MODEL}_{GEN3}_ctx_qnn.bin"])
+    with pytest.raises(PublishError, match="are missing"):
+        publish(build)
+
+
+def test_source_changed_since_build_is_refused(build: Build):
+    source = build.root / "models" / f"{MODEL}.onnx"
+    source.write_bytes(source.read_bytes() + b"\0")
+    with pytest.raises(PublishError, match="changed since tiny was built"):
+        publish(build)
+
+
+def test_no_quantize_record_is_refused(build: Build):
+    (build.build / "record.json").unlink()
+    with pytest.raises(PublishError, match="No successful quantize build"):
+        publish(build)
+
+
+def test_cli(build: Build, capsys):
+    assert main(["publish", str(build.config), "--artifacts", str(build.artifacts)]) == 0
+    assert "published 2 variant(s)" in capsys.readouterr().out
+    assert main(["publish", str(build.config), "--artifacts", str(build.artifacts)]) == 0
+    assert "already published with the same content" in capsys.readouterr().out
+    edit_variant(build, X_ELITE, load={"ctx_s": 9.0})
+    assert main(["publish", str(build.config), "--artifacts", str(build.artifacts)]) == 1
+    assert "different content" in capsys.readouterr().err
+
+
+KILL_SCRIPT = """
+import sys, time
+from pathlib import Path
+from pipeline.config import load_config
+from pipeline.publish import publish_model
+config = load_config(sys.argv[1], check_files=False)
+print("ready", flush=True)
+sys.stdin.readline()
+started = time.perf_counter()
+publish_model(config, Path(sys.argv[2]))
+print(f"done {time.perf_counter() - started:.6f}", flush=True)
+"""
+
+
+def _start_publisher(build: Build) -> subprocess.Popen:
+    process = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, str(build.config), str(build.artifacts)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+    )
+    assert process.stdout.readline().strip() == "ready"
+    return process
+
+
+def _visible_state(build: Build) -> str:
+    """'absent' or 'complete'; anything else (a partial release) fails the test."""
+    parent = build.artifacts / "releases" / MODEL
+    visible = [p.name for p in parent.iterdir() if not p.name.startswith(".")]
+    if not visible:
+        return "absent"
+    assert visible == [VERSION], f"unexpected entries {visible}"
+    release = parent / VERSION
+    manifest = runtime.verify(release)  # every listed file present with its exact bytes
+    archive = release / f"{MODEL}-{VERSION}.tar.gz"
+    assert runtime.verify(archive) == manifest  # the archive is complete and matches its .sha256
+    extra = {p.relative_to(release).as_posix() for p in release.rglob("*") if p.is_file()}
+    expected = {MANIFEST_FILE, archive.name, f"{archive.name}.sha256"}
+    assert extra == expected | {e.path for e in manifest.files()}
+    return "complete"
+
+
+def test_kill_9_never_leaves_a_half_visible_release(build: Build):
+    """20 publishes killed with SIGKILL at random moments: the release is absent or whole."""
+    (build.artifacts / "releases" / MODEL).mkdir(parents=True)
+    windows = []  # wall time from "go" to exit of complete runs: the span the kills sample
+    for _ in range(3):
+        shutil.rmtree(build.release(), ignore_errors=True)
+        process = _start_publisher(build)
+        started = time.perf_counter()
+        process.stdin.write("\n")
+        process.stdin.flush()
+        process.communicate(timeout=120)
+        windows.append(time.perf_counter() - started)
+    duration = sorted(windows)[1]
+    rng = random.Random(20261121)
+    outcomes = []
+    for trial in range(20):
+        if trial % 5 != 4:  # mostly a fresh publish; every 5th runs over a complete release
+            shutil.rmtree(build.release(), ignore_errors=True)
+        had_release = build.release().exists()
+        process = _start_publisher(build)
+        process.stdin.write("\n")
+        process.stdin.flush()
+        time.sleep(rng.uniform(0, duration * 1.2))
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+        finished = "done" in process.stdout.read()
+        process.stdout.close()
+        process.stdin.close()
+        state = _visible_state(build)
+        if had_release:
+            assert state == "complete", f"trial {trial}: a kill removed the previous release"
+        if finished:
+            assert state == "complete", f"trial {trial}: publish reported done, no release"
+        temps = sum(".publish-" in p.name for p in build.release().parent.iterdir())
+        outcomes.append((trial, finished, state, temps))
+    print(
+        f"publish takes {duration * 1000:.1f} ms; trials (n, finished, state, temp folders): {outcomes}"
+    )
+    killed_midway = [o for o in outcomes if not o[1]]
+    assert killed_midway, f"no trial was killed before it finished: {outcomes}"
+    # A later publish completes and sweeps the temp folders the killed runs left behind.
+    shutil.rmtree(build.release(), ignore_errors=True)
+    assert not publish(build).unchanged
+    assert _visible_state(build) == "complete"
+    leftovers = [p.name for p in (build.artifacts / "releases" / MODEL).iterdir()]
+    assert leftovers == [VERSION]
