@@ -1,0 +1,435 @@
+"""``python -m pipeline doctor``: check this machine for every known barrier, one fix per row.
+
+The barriers come from FACTS and from users' field reports: a module clash between onnxruntime
+and onnxruntime-qnn 1.x, x86 Python emulated on ARM64 Windows (QNN kills the process), an
+onnxruntime / onnxruntime-qnn pair that silently falls back to CPU, non-ASCII paths, and releases
+built with a QNN SDK newer than the runtime's. The QNN probe runs in a child process, because a
+native abort would otherwise take the doctor down with it.
+
+Imports only what the runtime does (standard library, numpy, onnxruntime), so it runs on devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import PipelineError
+from .manifest import MANIFEST_FILE, Manifest
+
+HELP = """\
+Check this machine for the known barriers to running QNN EP-context models.
+
+Prints one row per check with its status (OK, WARN, FAIL, SKIP) and the fix: the
+onnxruntime / onnxruntime-qnn packages (module clash, pinned pair), x86 Python emulated on
+ARM64 Windows, a QNN probe model that must really run on the QNN EP (not fall back to CPU),
+non-ASCII paths, and every release under <artifacts>/releases against this runtime's QNN SDK.
+Exits 1 when a check fails.
+
+examples:
+  python -m pipeline doctor
+  python -m pipeline doctor --target snapdragon-8-gen-3 --release path/to/release.tar.gz
+"""
+
+# Add(x, x) -> Relu on a float [1, 8] tensor, opset 13, IR 7: every node runs on QNN HTP.
+# Embedded so that the doctor needs no onnx; tests/test_doctor.py rebuilds it with onnx.helper.
+PROBE_MODEL = base64.b64decode(
+    "CAcSF3Fubi1jdHgtcGlwZWxpbmUgZG9jdG9yOk8KDgoBeAoBeBIBcyIDQWRkCgwKAXMSAXkiBFJlbHUSBXByb2Jl"
+    "WhMKAXgSDgoMCAESCAoCCAEKAggIYhMKAXkSDgoMCAESCAoCCAEKAggIQgQKABAN"
+)
+PROBE_INPUT = [[-1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0]]
+
+OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
+
+
+@dataclass(frozen=True)
+class Row:
+    check: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--artifacts", type=Path, default=Path("artifacts"), help="where releases/ is looked for"
+    )
+    parser.add_argument(
+        "--release",
+        type=Path,
+        action="append",
+        default=[],
+        help="a release folder or archive to check as well (repeatable)",
+    )
+    parser.add_argument("--target", help="this device's chip (see pipeline.targets), if known")
+    parser.add_argument("--no-probe", action="store_true", help="skip the QNN probe model")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = diagnose(args.artifacts, args.release, args.target, probe=not args.no_probe)
+    if args.json:
+        print(json.dumps([row.__dict__ for row in rows], indent=2))
+    else:
+        from .report import table
+
+        print(
+            table(["check", "status", "detail", "fix"], [list(r.__dict__.values()) for r in rows])
+        )
+        failed = sum(r.status == FAIL for r in rows)
+        print(f"\n{failed} check(s) failed." if failed else "\nNo barrier found.")
+    return 1 if any(r.status == FAIL for r in rows) else 0
+
+
+def diagnose(
+    artifacts: Path, releases: list[Path], target: str | None, probe: bool = True
+) -> list[Row]:
+    from . import runtime
+
+    distributions = installed_distributions()
+    rows = [
+        Row(
+            "python",
+            OK,
+            f"Python {platform.python_version()} {runtime.process_machine()} on "
+            f"{platform.system()} ({runtime.native_machine()} hardware)",
+        ),
+        check_emulation(runtime.native_machine(), runtime.process_machine(), sys.platform),
+        check_packages(distributions),
+        check_pinned_pair(distributions, runtime.known_toolchains(), _pins_source()),
+    ]
+    qnn = runtime.detect_runtime()
+    if qnn is None:
+        rows.append(
+            Row("QNN SDK", FAIL, "onnxruntime-qnn is not importable", "pip install onnxruntime-qnn")
+        )
+    else:
+        rows.append(
+            Row(
+                "QNN SDK",
+                OK if qnn.qnn_sdk else WARN,
+                qnn.describe() + f", {qnn.api} API",
+                "" if qnn.qnn_sdk else "use an onnxruntime-qnn that reports qnn_version",
+            )
+        )
+    if probe:
+        rows.append(check_probe() if qnn else Row("QNN probe", SKIP, "no QNN EP to probe"))
+    rows.append(check_paths(_paths_to_check(artifacts), sys.platform == "win32"))
+    rows.extend(check_releases(_release_paths(artifacts, releases), qnn, target))
+    return rows
+
+
+# -- packages -----------------------------------------------------------------------------------
+
+ORT_FLAVOURS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino")
+
+
+def installed_distributions() -> dict[str, str]:
+    """Installed onnxruntime* distributions: name -> version."""
+    found: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith("onnxruntime"):
+            found[name] = dist.version
+    return found
+
+
+def check_packages(distributions: dict[str, str]) -> Row:
+    """Module clash: onnxruntime-qnn 1.x *is* an ``onnxruntime`` module, so another flavour hides
+    it (field report: QNNExecutionProvider missing). 2.x needs the plain onnxruntime beside it."""
+    qnn = distributions.get("onnxruntime-qnn")
+    others = {n: v for n, v in distributions.items() if n in ORT_FLAVOURS}
+    listing = ", ".join(f"{n} {v}" for n, v in sorted(distributions.items())) or "none"
+    if qnn is None:
+        return Row(
+            "packages",
+            FAIL,
+            f"onnxruntime-qnn is not installed ({listing})",
+            "pip install onnxruntime-qnn and its pinned onnxruntime",
+        )
+    if qnn.startswith("1."):
+        if others:
+            return Row(
+                "packages",
+                FAIL,
+                f"module clash: onnxruntime-qnn {qnn} and "
+                f"{', '.join(others)} both install the 'onnxruntime' module",
+                f"pip uninstall {' '.join(others)} (then reinstall onnxruntime-qnn {qnn})",
+            )
+        return Row("packages", OK, listing)
+    if "onnxruntime" not in others:
+        return Row(
+            "packages",
+            FAIL,
+            f"onnxruntime-qnn {qnn} is a plugin and needs the onnxruntime "
+            f"package, which is missing ({listing})",
+            "pip install onnxruntime (pinned pair)",
+        )
+    if len(others) > 1:
+        return Row(
+            "packages",
+            WARN,
+            f"several onnxruntime flavours share one module: {listing}",
+            f"keep only onnxruntime: pip uninstall {' '.join(n for n in others if n != 'onnxruntime')}",
+        )
+    return Row("packages", OK, listing)
+
+
+def check_pinned_pair(
+    distributions: dict[str, str], pins: dict[str, tuple[str, str]], source: str
+) -> Row:
+    """A wrong pair does not fail: ORT prints a warning and runs on CPU (FACTS §2)."""
+    qnn, ort = distributions.get("onnxruntime-qnn"), distributions.get("onnxruntime")
+    if qnn is None or qnn.startswith("1."):
+        return Row("pinned pair", SKIP, "no onnxruntime-qnn 2.x installed")
+    if qnn not in pins:
+        newest = max(pins, key=lambda v: tuple(int(p) for p in v.split(".") if p.isdigit()))
+        return Row(
+            "pinned pair",
+            WARN,
+            f"onnxruntime-qnn {qnn} is not pinned in {source}",
+            f"install a pinned pair, e.g. onnxruntime-qnn=={newest} "
+            f"onnxruntime=={pins[newest][1]}, or verify {qnn} and add a pin",
+        )
+    pinned_ort = pins[qnn][1]
+    if not pinned_ort:
+        return Row(
+            "pinned pair",
+            WARN,
+            f"no verified onnxruntime for onnxruntime-qnn {qnn} in {source}",
+            "verify the pair (see the QNN probe row) and pin it",
+        )
+    if ort != pinned_ort:
+        return Row(
+            "pinned pair",
+            FAIL,
+            f"onnxruntime-qnn {qnn} with onnxruntime {ort}; {source} pins "
+            f"{pinned_ort} (a wrong pair can fall back to CPU silently)",
+            f"pip install onnxruntime=={pinned_ort}",
+        )
+    return Row(
+        "pinned pair", OK, f"onnxruntime-qnn {qnn} + onnxruntime {ort}, as pinned in {source}"
+    )
+
+
+def _pins_source() -> str:
+    from .toolchains import PINS_FILE
+
+    return str(PINS_FILE) if PINS_FILE.is_file() else "the built-in table"
+
+
+# -- platform -----------------------------------------------------------------------------------
+
+
+def check_emulation(native: str, process: str, platform_name: str) -> Row:
+    """Field report: x86 Python on Snapdragon X lists the QNN EP, then dies with exit 127."""
+    if native == "arm64" and process != "arm64":
+        return Row(
+            "emulation",
+            FAIL,
+            f"{process} Python emulated on an ARM64 machine: QNN's ARM64 "
+            "drivers kill the process at the first session",
+            "install native ARM64 Python",
+        )
+    where = "Windows" if platform_name == "win32" else platform_name
+    return Row("emulation", OK, f"native {process} process on {native} {where}")
+
+
+def check_paths(paths: dict[str, str], windows: bool) -> Row:
+    """Field report: QNN on Windows fails on non-ASCII paths ('No mapping for the Unicode
+    character'). Elsewhere it is only a warning."""
+    bad = {label: path for label, path in paths.items() if not path.isascii()}
+    if not bad:
+        return Row("ASCII paths", OK, f"{len(paths)} paths checked ({', '.join(paths)})")
+    listing = "; ".join(f"{label}: {path}" for label, path in bad.items())
+    return Row(
+        "ASCII paths",
+        FAIL if windows else WARN,
+        f"non-ASCII characters in {listing}",
+        "move these to ASCII-only paths (for archives, pass extract_to= to runtime.load)",
+    )
+
+
+def _paths_to_check(artifacts: Path) -> dict[str, str]:
+    paths = {
+        "python": sys.executable,
+        "prefix": sys.prefix,
+        "working folder": os.getcwd(),
+        "temp folder": tempfile.gettempdir(),
+        "artifacts": str(artifacts.resolve()),
+    }
+    for module in ("onnxruntime", "onnxruntime_qnn"):
+        spec = importlib.util.find_spec(module)
+        if spec and spec.origin:
+            paths[module] = str(Path(spec.origin).parent)
+    return paths
+
+
+# -- QNN probe ----------------------------------------------------------------------------------
+
+PROBE_SCRIPT = """
+import base64, json, os, sys, tempfile
+import numpy as np
+from pipeline import runtime
+from pipeline.doctor import PROBE_INPUT, PROBE_MODEL
+out = {}
+qnn = runtime.detect_runtime()
+with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "probe.onnx")
+    with open(path, "wb") as handle:
+        handle.write(PROBE_MODEL)
+    config = {"session.record_ep_graph_assignment_info": "1"}
+    session = qnn.binding.session(runtime.Path(path), {"backend_type": "htp"}, config)
+    out["providers"] = session.get_providers()
+    try:
+        info = session.get_provider_graph_assignment_info()
+        out["nodes"] = {s.ep_name: [n.op_type for n in s.get_nodes()] for s in info}
+    except Exception:
+        out["nodes"] = None
+    x = np.array(PROBE_INPUT, dtype=np.float32)
+    y = session.run(None, {"x": x})[0]
+    out["max_error"] = float(np.abs(y - np.maximum(x + x, 0)).max())
+print("PROBE " + json.dumps(out))
+"""
+
+
+def check_probe(python: str | None = None, timeout: float = 180) -> Row:
+    """Run the probe model on the QNN EP in a child process; CPU fallback or a crash fails."""
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    try:
+        done = subprocess.run(
+            [python or sys.executable, "-c", PROBE_SCRIPT],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return Row(
+            "QNN probe",
+            FAIL,
+            f"the probe model hung for {timeout:.0f} s",
+            "check the NPU driver; run the probe again with a longer timeout",
+        )
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("PROBE ")), None)
+    if done.returncode != 0 or line is None:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        how = (
+            f"killed by signal {-done.returncode}"
+            if done.returncode < 0
+            else f"exit {done.returncode}"
+        )
+        return Row(
+            "QNN probe",
+            FAIL,
+            f"the probe process failed ({how}): {tail}",
+            "exit 127 on Windows means emulated x86 Python; otherwise check the pinned pair",
+        )
+    result = json.loads(line[len("PROBE ") :])
+    nodes = result.get("nodes") or {}
+    on_qnn = nodes.get("QNNExecutionProvider", [])
+    on_cpu = nodes.get("CPUExecutionProvider", [])
+    if "QNNExecutionProvider" not in result["providers"] or (
+        result.get("nodes") is not None and not on_qnn
+    ):
+        return Row(
+            "QNN probe",
+            FAIL,
+            f"the QNN EP is registered but the probe ran on CPU (providers {result['providers']})",
+            "install a pinned onnxruntime / onnxruntime-qnn pair (see the pinned pair row)",
+        )
+    if on_cpu:
+        return Row("QNN probe", WARN, f"probe nodes {on_cpu} stayed on CPU", "check the QNN EP log")
+    if result["max_error"] > 0.01:
+        return Row(
+            "QNN probe",
+            FAIL,
+            f"the probe ran on QNN but is wrong by {result['max_error']}",
+            "report this onnxruntime-qnn version",
+        )
+    placed = f"{len(on_qnn)} of {len(on_qnn)} nodes on QNN" if on_qnn else "QNN session created"
+    return Row("QNN probe", OK, f"{placed}, max error {result['max_error']:.3g}")
+
+
+# -- releases -----------------------------------------------------------------------------------
+
+
+def _release_paths(artifacts: Path, extra: list[Path]) -> list[Path]:
+    found = sorted(p.parent for p in (artifacts / "releases").glob(f"*/*/{MANIFEST_FILE}"))
+    return [*found, *extra]
+
+
+def _read_manifest(path: Path) -> Manifest:
+    """The manifest only (no hashing): enough to compare SDKs, cheap for big releases."""
+    if path.is_dir():
+        return Manifest.read(path / MANIFEST_FILE)
+    import tarfile
+    import zipfile
+
+    if path.name.endswith(".zip"):
+        with zipfile.ZipFile(path) as zf:
+            return Manifest.from_json(zf.read(MANIFEST_FILE), f"{path}!{MANIFEST_FILE}")
+    with tarfile.open(path) as tar:
+        member = tar.extractfile(MANIFEST_FILE)
+        if member is None:
+            raise KeyError(MANIFEST_FILE)
+        return Manifest.from_json(member.read(), f"{path}!{MANIFEST_FILE}")
+
+
+def check_releases(paths: list[Path], qnn, target: str | None) -> list[Row]:
+    from . import runtime
+
+    if not paths:
+        return [Row("releases", SKIP, "no release found", "pass --artifacts or --release")]
+    rows = []
+    for path in paths:
+        label = (
+            f"release {path.parent.name}/{path.name}" if path.is_dir() else f"release {path.name}"
+        )
+        try:
+            manifest = _read_manifest(path)
+        except (PipelineError, OSError, KeyError, ValueError) as exc:
+            message = exc.message if isinstance(exc, PipelineError) else str(exc)
+            rows.append(
+                Row(
+                    label,
+                    FAIL,
+                    f"unreadable manifest: {message.splitlines()[0]}",
+                    "publish the release again",
+                )
+            )
+            continue
+        sdks = ", ".join(
+            sorted({v.qnn_sdk_version for v in manifest.variants}, key=runtime.parse_version)
+        )
+        if qnn is None:
+            rows.append(Row(label, SKIP, f"needs QNN SDK {sdks}; no QNN EP installed"))
+            continue
+        try:
+            chosen = runtime.choose_variant(manifest, qnn, runtime.device_for(target))
+        except PipelineError as exc:
+            reasons = [line.strip(" -") for line in exc.message.splitlines()[1:]]
+            detail = "; ".join(reasons) or exc.message.splitlines()[0]
+            rows.append(
+                Row(
+                    label,
+                    FAIL,
+                    f"needs QNN SDK {sdks}, runtime has {qnn.qnn_sdk}: {detail}",
+                    exc.tip or "",
+                )
+            )
+            continue
+        rows.append(Row(label, OK, f"QNN SDK {sdks} vs runtime {qnn.qnn_sdk}: loads {chosen.id}"))
+    return rows
