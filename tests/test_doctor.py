@@ -1,0 +1,180 @@
+"""doctor: each barrier is detected, in this environment and in real second environments."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from release_fixtures import cached_build
+from venvs import run_in, toolchain_python
+
+from pipeline import doctor
+from pipeline.__main__ import main
+from pipeline.config import load_config
+from pipeline.publish import publish_model
+
+PINS = {"2.7.0": ("2.51.0", "1.31.1"), "2.3.0": ("2.47.0", "1.26.0"), "2.6.0": ("2.50.40", "")}
+
+
+def test_probe_model_is_what_onnx_helper_builds():
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Add", ["x", "x"], ["s"]), helper.make_node("Relu", ["s"], ["y"])]
+    graph = helper.make_graph(
+        nodes,
+        "probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 13)], producer_name="qnn-ctx-pipeline doctor"
+    )
+    model.ir_version = 7
+    onnx.checker.check_model(model)
+    assert model.SerializeToString() == doctor.PROBE_MODEL
+
+
+@pytest.mark.parametrize(
+    ("installed", "status", "words"),
+    [
+        ({"onnxruntime-qnn": "1.23.2", "onnxruntime": "1.19.0"}, "FAIL", "module clash"),
+        ({"onnxruntime-qnn": "1.23.2"}, "OK", "onnxruntime-qnn 1.23.2"),
+        ({"onnxruntime-qnn": "2.7.0"}, "FAIL", "needs the onnxruntime package"),
+        ({"onnxruntime-qnn": "2.7.0", "onnxruntime": "1.31.1"}, "OK", "onnxruntime 1.31.1"),
+        (
+            {"onnxruntime-qnn": "2.7.0", "onnxruntime": "1.31.1", "onnxruntime-gpu": "1.31.1"},
+            "WARN",
+            "several onnxruntime flavours",
+        ),
+        ({"onnxruntime": "1.31.1"}, "FAIL", "onnxruntime-qnn is not installed"),
+    ],
+)
+def test_packages(installed, status, words):
+    row = doctor.check_packages(installed)
+    assert (row.status, words in row.detail) == (status, True), row
+    if status == "FAIL" and "clash" in words:
+        assert row.fix.startswith("pip uninstall onnxruntime")
+
+
+@pytest.mark.parametrize(
+    ("installed", "status", "fix"),
+    [
+        ({"onnxruntime-qnn": "2.7.0", "onnxruntime": "1.31.1"}, "OK", ""),
+        ({"onnxruntime-qnn": "2.3.0", "onnxruntime": "1.31.1"}, "FAIL", "onnxruntime==1.26.0"),
+        ({"onnxruntime-qnn": "2.4.0", "onnxruntime": "1.31.1"}, "WARN", "onnxruntime-qnn==2.7.0"),
+        ({"onnxruntime-qnn": "2.6.0", "onnxruntime": "1.31.1"}, "WARN", "verify the pair"),
+        ({"onnxruntime-qnn": "1.23.2"}, "SKIP", ""),
+    ],
+)
+def test_pinned_pair(installed, status, fix):
+    row = doctor.check_pinned_pair(installed, PINS, "pins.toml")
+    assert row.status == status, row
+    assert fix in row.fix
+
+
+def test_emulated_x86_on_arm64_windows_fails():
+    row = doctor.check_emulation("arm64", "x86_64", "win32")
+    assert row.status == "FAIL" and "install native ARM64 Python" in row.fix
+    assert doctor.check_emulation("arm64", "arm64", "win32").status == "OK"
+    assert doctor.check_emulation("x86_64", "x86_64", "linux").status == "OK"
+
+
+def test_non_ascii_paths():
+    paths = {"python": "/usr/bin/python3", "artifacts": "/home/jörg/artifacts"}
+    assert doctor.check_paths(paths, windows=True).status == "FAIL"
+    row = doctor.check_paths(paths, windows=False)
+    assert row.status == "WARN" and "artifacts: /home/jörg/artifacts" in row.detail
+    assert "python" not in row.detail.split("in ", 1)[1]
+    assert doctor.check_paths({"python": "/usr/bin/python3"}, windows=True).status == "OK"
+
+
+def test_unreadable_release_is_a_failed_row(tmp_path: Path):
+    release = tmp_path / "releases" / "m" / "1.0.0"
+    release.mkdir(parents=True)
+    (release / "manifest.json").write_text('{"schema_version": "7"}', "utf-8")
+    (row,) = doctor.check_releases([release], None, None)
+    assert row.status == "FAIL" and "unreadable manifest" in row.detail
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> Path:
+    build = cached_build(tmp_path_factory).copy(tmp_path_factory.mktemp("doctor") / "p")
+    publish_model(load_config(build.config), build.artifacts)
+    return build.artifacts
+
+
+EXPECTED_CHECKS = {
+    "python",
+    "emulation",
+    "packages",
+    "pinned pair",
+    "QNN SDK",
+    "QNN probe",
+    "ASCII paths",
+    "release tiny/1.0.0",
+}
+
+
+@pytest.mark.qnn
+def test_doctor_here_prints_its_table(artifacts: Path, capsys):
+    assert main(["doctor", "--artifacts", str(artifacts)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| check | status | detail | fix |")
+    assert "| QNN probe | OK | 2 of 2 nodes on QNN" in out
+    assert "No barrier found." in out
+    assert main(["doctor", "--artifacts", str(artifacts), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["check"] for r in rows} == EXPECTED_CHECKS
+    assert all(r["status"] == "OK" for r in rows), rows
+
+
+def doctor_in(python: Path, artifacts: Path) -> tuple[int, dict[str, dict]]:
+    done = run_in(
+        python,
+        "from pipeline.__main__ import main; import sys; sys.exit(main())",
+        "doctor",
+        "--json",
+        "--artifacts",
+        str(artifacts),
+    )
+    assert done.stdout.strip(), done.stderr[-3000:]
+    return done.returncode, {r["check"]: r for r in json.loads(done.stdout)}
+
+
+@pytest.mark.qnn
+def test_bad_pair_falls_back_to_cpu_and_doctor_says_so(artifacts: Path):
+    """onnxruntime-qnn 2.3.0 with onnxruntime 1.31.1 (FACTS §2): a real env, a real fallback."""
+    python = toolchain_python("2.3.0", "1.31.1")
+    code, rows = doctor_in(python, artifacts)
+    assert code == 1
+    assert rows["pinned pair"]["status"] == "FAIL"
+    assert rows["pinned pair"]["fix"] == "pip install onnxruntime==1.26.0"
+    assert rows["QNN probe"]["status"] == "FAIL"
+    assert "the probe ran on CPU" in rows["QNN probe"]["detail"]
+    assert rows["release tiny/1.0.0"]["status"] == "FAIL"  # SDK 2.51.0 > 2.47.0
+
+
+@pytest.mark.qnn
+def test_release_newer_than_the_runtime_is_flagged(artifacts: Path):
+    python = toolchain_python("2.5.0", "1.31.1")
+    code, rows = doctor_in(python, artifacts)
+    assert code == 1
+    assert rows["QNN probe"]["status"] == "OK" and rows["pinned pair"]["status"] == "OK"
+    release = rows["release tiny/1.0.0"]
+    assert release["status"] == "FAIL"
+    assert "needs QNN SDK 2.51.0, runtime has 2.49.40" in release["detail"]
+    assert release["fix"].startswith("Install onnxruntime-qnn 2.7.0")
+    assert "rebuild with toolchain 2.5.0" in release["fix"]
+
+
+@pytest.mark.qnn
+def test_archive_release_is_checked_too(artifacts: Path, tmp_path: Path, capsys):
+    archive = next((artifacts / "releases").rglob("*.tar.gz"))
+    copy = shutil.copy(archive, tmp_path / archive.name)
+    rows = doctor.diagnose(tmp_path / "none", [Path(copy)], "snapdragon-888", probe=False)
+    row = rows[-1]
+    assert row.check == f"release {archive.name}" and row.status == "FAIL"
+    assert "add target 'snapdragon-888'" in row.fix.lower()
