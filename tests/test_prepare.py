@@ -1,0 +1,209 @@
+"""prepare_model end to end: small dynamic models become static, float32 and whole on the NPU,
+and the real models in ../shared/models all come out strictly static with unchanged outputs."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.parser
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+
+from pipeline.config import InputsSection, load_config
+from pipeline.errors import ModelError
+from pipeline.prepare import dynamic_tensors, prepare_model
+
+ROOT = Path(__file__).resolve().parent.parent
+RNG = np.random.default_rng(1)
+
+# Dynamic N/H/W, batch-norm parameters as Constant nodes (ppocr), a Shape->Gather->Concat->
+# Reshape flatten (ultraface, ppocr_rec) and x**2 (silero).
+CNN = """<ir_version: 8, opset_import: ["": 11]>
+g (float[N, 3, H, W] x) => (float[N, ?] y) {
+  gamma = Constant<value = float[4] {1.5, 0.5, 1.0, 2.0}>()
+  beta = Constant<value = float[4] {0.1, -0.2, 0.3, 0.0}>()
+  mean = Constant<value = float[4] {0.0, 0.5, -0.5, 1.0}>()
+  var = Constant<value = float[4] {1.0, 2.0, 0.5, 1.5}>()
+  c = Conv<pads = [1, 1, 1, 1]>(x, w)
+  b = BatchNormalization(c, gamma, beta, mean, var)
+  p = Pow(b, two)
+  s = Shape(p)
+  n = Gather<axis = 0>(s, zero)
+  n1 = Unsqueeze<axes = [0]>(n)
+  shape = Concat<axis = 0>(n1, minus_one)
+  y = Reshape(p, shape)
+}"""
+
+
+def cnn() -> onnx.ModelProto:
+    model = onnx.parser.parse_model(CNN)
+    model.graph.initializer.extend(
+        [
+            numpy_helper.from_array(RNG.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
+            numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+            numpy_helper.from_array(np.array(0, np.int64), "zero"),
+            numpy_helper.from_array(np.array([-1], np.int64), "minus_one"),
+        ]
+    )
+    onnx.checker.check_model(model)
+    return model
+
+
+def run(model: onnx.ModelProto | str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    source = model if isinstance(model, str) else model.SerializeToString()
+    session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+CNN_INPUTS = InputsSection(dims={"N": 1}, shapes={"x": [1, 3, 8, 12]})
+
+
+def test_prepare_makes_the_cnn_static_float_and_foldless() -> None:
+    model = cnn()
+    assert dynamic_tensors(model)
+    prepared, changes = prepare_model(model, CNN_INPUTS)
+    assert dynamic_tensors(prepared) == []
+    ops = collections.Counter(n.op_type for n in prepared.graph.node)
+    assert ops == {"Conv": 1, "Mul": 1, "Reshape": 1}, ops
+    assert prepared.ir_version == 10
+    assert [o.version for o in prepared.opset_import if o.domain == ""] == [21]
+    assert [d.dim_value for d in prepared.graph.output[0].type.tensor_type.shape.dim] == [1, 384]
+    changed = {c.step for c in changes if c.changed}
+    assert {"fix_input_shapes", "fold_constants", "fold_batchnorm", "rewrite_for_htp"} <= changed
+    x = RNG.standard_normal((1, 3, 8, 12)).astype(np.float32)
+    np.testing.assert_allclose(run(prepared, {"x": x})[0], run(model, {"x": x})[0], rtol=1e-4)
+
+
+def test_prepare_names_the_unfixed_dim_and_the_key_to_set() -> None:
+    with pytest.raises(ModelError) as info:
+        prepare_model(cnn(), InputsSection(dims={"N": 1}))
+    message = str(info.value)
+    assert "input 'x' dim 2 (H) is dynamic" in message and "[inputs] dims = {'H' = N}" in message
+    assert "input 'x' dim 3 (W)" in message
+
+
+def test_prepare_names_tensors_that_stay_dynamic_and_their_op() -> None:
+    model = onnx.parser.parse_model(
+        '<ir_version: 8, opset_import: ["": 13]> g (float[4] x) => (int64[1, ?] y) '
+        "{ y = NonZero(x) }"
+    )
+    with pytest.raises(ModelError, match=r"'y' from NonZero"):
+        prepare_model(model, InputsSection())
+
+
+def test_prepare_inlines_if_on_baked_constant_and_converts_fp16() -> None:
+    model = onnx.parser.parse_model(
+        """<ir_version: 8, opset_import: ["": 13]>
+        g (float16[B, 4] x, int64 sr) => (float16[B, 4] y) {
+          cond = Equal(sr, k)
+          y = If(cond) <
+            then_branch = t () => (float16[B, 4] a) { a = Relu(x) },
+            else_branch = e () => (float16[B, 4] b) { b = Neg(x) }
+          >
+        }"""
+    )
+    model.graph.initializer.append(numpy_helper.from_array(np.array(16000, np.int64), "k"))
+    prepared, _ = prepare_model(model, InputsSection(dims={"B": 2}, constants={"sr": 16000}))
+    assert [n.op_type for n in prepared.graph.node] == ["Relu"]
+    assert [i.name for i in prepared.graph.input] == ["x"]
+    assert prepared.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert dynamic_tensors(prepared) == []
+
+
+@pytest.mark.qnn
+def test_prepared_cnn_compiles_whole_on_htp(tmp_path: Path) -> None:
+    """The point of preparing: one QNN partition, only the graph-I/O Q/DQ left on the CPU."""
+    pytest.importorskip("onnxruntime_qnn")
+    from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    from tests.release_fixtures import qnn_devices
+
+    prepared, _ = prepare_model(cnn(), CNN_INPUTS)
+    float_path, qdq_path, ctx_path = (tmp_path / n for n in ("f.onnx", "q.onnx", "ctx.onnx"))
+    onnx.save(prepared, float_path)
+    samples = [{"x": RNG.standard_normal((1, 3, 8, 12)).astype(np.float32)} for _ in range(4)]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.it = iter(samples)
+
+        def get_next(self):  # type: ignore[override]
+            return next(self.it, None)
+
+    config = get_qnn_qdq_config(
+        str(float_path), Reader(), activation_type=QuantType.QUInt16, weight_type=QuantType.QUInt8
+    )
+    quantize(str(float_path), str(qdq_path), config)
+    qdq = onnx.load(qdq_path)
+    assert dynamic_tensors(qdq) == []
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    provider = {"backend_type": "htp", "soc_model": "60", "htp_arch": "73"}
+    options.add_provider_for_devices(qnn_devices(), provider)
+    ort.ModelCompiler(
+        options,
+        str(qdq_path),
+        embed_compiled_data_into_model=True,
+        flags=ort.OrtCompileApiFlags.ERROR_IF_NO_NODES_COMPILED,
+    ).compile_to_file(str(ctx_path))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_provider_for_devices(qnn_devices(), provider)
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    session = ort.InferenceSession(str(ctx_path), options)
+    assignment = session.get_provider_graph_assignment_info()
+    qnn = [s for s in assignment if s.ep_name == "QNNExecutionProvider"]
+    cpu_ops = {
+        n.op_type for s in assignment if s.ep_name != "QNNExecutionProvider" for n in s.get_nodes()
+    }
+    assert len(qnn) == 1 and cpu_ops <= {"QuantizeLinear", "DequantizeLinear"}, cpu_ops
+
+
+# --- the real models ------------------------------------------------------------------------
+
+REAL = sorted(p.stem for p in (ROOT / "configs" / "shared").glob("*.toml"))
+
+
+def _feed(info: ort.NodeArg, like: np.ndarray | None = None) -> np.ndarray:
+    if like is not None:  # the same data for the source model, in its input type
+        return like.astype(np.float16) if "float16" in info.type else like
+    shape = list(info.shape)
+    if "int" in info.type:
+        return RNG.integers(0, 256, size=shape).astype(np.int32)
+    return (RNG.standard_normal(shape) * 0.5).astype(np.float32)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", REAL)
+def test_real_model_prepares_static_with_same_outputs(name: str) -> None:
+    config = load_config(ROOT / "configs" / "shared" / f"{name}.toml", check_files=False)
+    if not config.source_path.is_file():
+        pytest.skip(f"real model {config.source_path} is not here (../shared/models)")
+    source = onnx.load(str(config.source_path))
+    prepared, _ = prepare_model(source, config.inputs)
+    assert dynamic_tensors(prepared) == []
+    assert "BatchNormalization" not in {n.op_type for n in prepared.graph.node}
+    assert all(
+        i.type.tensor_type.elem_type != onnx.TensorProto.FLOAT16 for i in prepared.graph.input
+    )
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(prepared.SerializeToString(), options)
+    feeds = {i.name: _feed(i) for i in session.get_inputs()}
+    original = ort.InferenceSession(str(config.source_path), options)
+    source_feeds = {}
+    for info in original.get_inputs():
+        if info.name in config.inputs.constants:
+            value = config.inputs.constants[info.name]
+            source_feeds[info.name] = np.array(value, dtype=np.int64)
+        else:
+            source_feeds[info.name] = _feed(info, feeds[info.name])
+    for got, want in zip(session.run(None, feeds), original.run(None, source_feeds), strict=True):
+        np.testing.assert_allclose(got, want.astype(np.float32), rtol=1e-3, atol=1e-4)

@@ -1,0 +1,413 @@
+"""Each graph transform on a tiny model: it does its edit, keeps the numbers, and is a no-op
+when there is nothing to do. Numbers are checked by running both models in onnxruntime."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.parser
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from pipeline import transforms as t
+from pipeline.errors import ModelError
+
+RNG = np.random.default_rng(0)
+
+
+def parse(text: str, check: bool = False) -> onnx.ModelProto:
+    model = onnx.parser.parse_model(text)
+    if check:
+        onnx.checker.check_model(model)
+    return model
+
+
+def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return session.run(None, feeds)
+
+
+def ops(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in model.graph.node]
+
+
+def weights(*arrays: tuple[str, np.ndarray]) -> list[TensorProto]:
+    return [numpy_helper.from_array(a, name) for name, a in arrays]
+
+
+def with_inits(model: onnx.ModelProto, *arrays: tuple[str, np.ndarray]) -> onnx.ModelProto:
+    model.graph.initializer.extend(weights(*arrays))
+    onnx.checker.check_model(model)
+    return model
+
+
+def test_change_reports_changed() -> None:
+    assert not t.Change("x").changed
+    change = t.Change("x", ("a", "b", "c", "d"))
+    assert change.changed
+    assert change.summary(2) == "x: 4 edit(s): a; b; … 2 more"
+
+
+# --- IR version and initializer inputs -----------------------------------------------------
+
+
+def test_set_ir_version_lowers_ir_14_and_is_noop_at_10() -> None:
+    model = parse(
+        '<ir_version: 10, opset_import: ["": 13]> g (float[2] x) => (float[2] y) { y = Relu(x) }'
+    )
+    model.ir_version = 14
+    fixed, change = t.set_ir_version(model)
+    assert fixed.ir_version == 10 and change.details == ("IR version 14 -> 10",)
+    assert model.ir_version == 14  # input untouched
+    _, again = t.set_ir_version(fixed)
+    assert not again.changed
+
+
+def test_drop_initializer_inputs() -> None:
+    model = parse(
+        '<ir_version: 3, opset_import: ["": 7]> g (float[2] x, float[2] w) => (float[2] y) '
+        "{ y = Add(x, w) }"
+    )
+    model.graph.initializer.extend(weights(("w", np.ones(2, np.float32))))
+    dropped, change = t.drop_initializer_inputs(model)
+    assert [i.name for i in dropped.graph.input] == ["x"] and change.changed
+    assert dropped.ir_version >= 4
+    _, again = t.drop_initializer_inputs(dropped)
+    assert not again.changed
+
+
+# --- fixed inputs ---------------------------------------------------------------------------
+
+DYNAMIC = """<ir_version: 8, opset_import: ["": 13]>
+g (float[batch, 4] x, int64 sr) => (float[batch, 4] y) {
+  y = Relu(x)
+}"""
+
+
+def test_bake_constant_inputs_makes_an_initializer() -> None:
+    baked, change = t.bake_constant_inputs(parse(DYNAMIC), {"sr": 16000})
+    assert [i.name for i in baked.graph.input] == ["x"]
+    (init,) = baked.graph.initializer
+    assert init.name == "sr" and numpy_helper.to_array(init).tolist() == 16000
+    assert change.details == ("input 'sr' baked in as constant 16000",)
+    _, noop = t.bake_constant_inputs(parse(DYNAMIC), {})
+    assert not noop.changed
+
+
+def test_bake_constant_inputs_unknown_name_has_hint() -> None:
+    with pytest.raises(ModelError, match=r"'sr_'.*did you mean 'sr'\?"):
+        t.bake_constant_inputs(parse(DYNAMIC), {"sr_": 16000})
+
+
+def test_fix_input_shapes_by_dim_param_and_by_shape() -> None:
+    fixed, change = t.fix_input_shapes(parse(DYNAMIC), {"batch": 2}, {"sr": []})
+    assert t._shape_of(fixed.graph.input[0]) == (2, 4)
+    assert change.details == ("input 'x': ['batch', 4] -> [2, 4]",)
+    fixed, _ = t.fix_input_shapes(parse(DYNAMIC), {}, {"x": [3, 4]})
+    assert t._shape_of(fixed.graph.input[0]) == (3, 4)
+    _, noop = t.fix_input_shapes(fixed, {}, {})
+    assert not noop.changed
+
+
+def test_fix_input_shapes_names_input_dim_and_config_key() -> None:
+    with pytest.raises(ModelError) as info:
+        t.fix_input_shapes(parse(DYNAMIC), {}, {})
+    message = str(info.value)
+    assert "input 'x' dim 0 (batch) is dynamic" in message
+    assert "[inputs] dims = {'batch' = N}" in message and "[inputs] shapes" in message
+
+
+@pytest.mark.parametrize(
+    ("dims", "shapes", "message"),
+    [
+        ({"btch": 1}, {}, "did you mean 'batch'"),
+        ({}, {"x": [1, 4, 4]}, "has rank 3"),
+        ({}, {"x": [1, 5]}, "sets dim 1 to 5, but the model fixes it to 4"),
+        ({}, {"xx": [1, 4]}, "'xx', not an input; did you mean 'x'"),
+    ],
+)
+def test_fix_input_shapes_rejects_bad_config(dims, shapes, message) -> None:
+    with pytest.raises(ModelError, match=message.replace("[", r"\[")):
+        t.fix_input_shapes(parse(DYNAMIC), dims, shapes)
+
+
+# --- Constant nodes and folding -------------------------------------------------------------
+
+
+def test_constants_to_initializers() -> None:
+    model = parse(
+        '<ir_version: 8, opset_import: ["": 13]> g (float[2] x) => (float[2] y) '
+        "{ c = Constant<value_floats: floats = [1.0, 2.0]>() \n y = Add(x, c) }"
+    )
+    converted, change = t.constants_to_initializers(model)
+    assert ops(converted) == ["Add"] and change.changed
+    assert numpy_helper.to_array(converted.graph.initializer[0]).tolist() == [1.0, 2.0]
+    _, noop = t.constants_to_initializers(converted)
+    assert not noop.changed
+
+
+SHAPE_CHAIN = """<ir_version: 8, opset_import: ["": 13]>
+g (float[1, 6] x) => (float[?, ?] y) {
+  s = Shape(x)
+  n = Gather<axis = 0>(s, idx)
+  y = Reshape(x, n)
+}"""
+
+
+def test_fold_constants_makes_reshape_shape_schema_static() -> None:
+    model = with_inits(parse(SHAPE_CHAIN, False), ("idx", np.array([1, 0], np.int64)))
+    assert t.dynamic_outputs(model), "the Reshape output needs data propagation before folding"
+    folded, change = t.fold_constants(model)
+    assert ops(folded) == ["Reshape"] and change.changed
+    assert t.dynamic_outputs(folded) == []
+    x = RNG.standard_normal((1, 6)).astype(np.float32)
+    np.testing.assert_array_equal(run(folded, {"x": x})[0], x.reshape(6, 1))
+    _, noop = t.fold_constants(folded)
+    assert not noop.changed
+
+
+IF_MODEL = """<ir_version: 8, opset_import: ["": 13]>
+g (float[2] x) => (float[2] y) {
+  cond = Equal(sr, k)
+  y = If(cond) <
+    then_branch = t () => (float[2] a) { a = Relu(x) },
+    else_branch = e () => (float[2] b) { b = Neg(x) }
+  >
+}"""
+
+
+@pytest.mark.parametrize(("sr", "expected"), [(16000, "Relu"), (8000, "Neg")])
+def test_fold_constants_inlines_if_on_constant_condition(sr: int, expected: str) -> None:
+    model = with_inits(
+        parse(IF_MODEL, False), ("sr", np.array(sr, np.int64)), ("k", np.array(16000, np.int64))
+    )
+    folded, change = t.fold_constants(model)
+    assert ops(folded) == [expected]
+    assert any("inlined" in line for line in change.details)
+    x = np.array([-1.0, 2.0], np.float32)
+    np.testing.assert_array_equal(run(folded, {"x": x})[0], run(model, {"x": x})[0])
+
+
+def test_fold_constants_keeps_results_that_would_bloat_the_model() -> None:
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 13]> g (float[1024, 1024] x) => '
+            "(float[1024, 1024] y) { big = Expand(one, shape) \n y = Add(x, big) }"
+        ),
+        ("one", np.ones(1, np.float32)),
+        ("shape", np.array([1024, 1024], np.int64)),
+    )
+    folded, change = t.fold_constants(model, max_bytes=1 << 20)
+    assert ops(folded) == ["Expand", "Add"] and not change.changed
+
+
+# --- batch norm -----------------------------------------------------------------------------
+
+
+def bn_params(channels: int) -> list[tuple[str, np.ndarray]]:
+    return [
+        ("gamma", RNG.uniform(0.5, 1.5, channels).astype(np.float32)),
+        ("beta", RNG.standard_normal(channels).astype(np.float32)),
+        ("mean", RNG.standard_normal(channels).astype(np.float32)),
+        ("var", RNG.uniform(0.5, 2.0, channels).astype(np.float32)),
+    ]
+
+
+def assert_same(a: onnx.ModelProto, b: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> None:
+    for x, y in zip(run(a, feeds), run(b, feeds), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+CONV_BN = """<ir_version: 8, opset_import: ["": 13]>
+g (float[1, 3, 8, 8] x) => (float[1, 4, 8, 8] y) {
+  c = Conv<pads = [1, 1, 1, 1]>(x, w)
+  y = BatchNormalization<epsilon = 0.001>(c, gamma, beta, mean, var)
+}"""
+
+
+def test_fold_batchnorm_into_conv() -> None:
+    model = with_inits(
+        parse(CONV_BN, False),
+        ("w", RNG.standard_normal((4, 3, 3, 3)).astype(np.float32)),
+        *bn_params(4),
+    )
+    folded, change = t.fold_batchnorm(model)
+    assert ops(folded) == ["Conv"] and len(change.details) == 1
+    assert_same(model, folded, {"x": RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)})
+
+
+def test_fold_batchnorm_into_grouped_conv_transpose() -> None:
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 13]> g (float[1, 4, 5, 5] x) => '
+            "(float[1, 6, 6, 6] y) { c = ConvTranspose<group = 2>(x, w, b) \n"
+            " y = BatchNormalization(c, gamma, beta, mean, var) }"
+        ),
+        ("w", RNG.standard_normal((4, 3, 2, 2)).astype(np.float32)),
+        ("b", RNG.standard_normal(6).astype(np.float32)),
+        *bn_params(6),
+    )
+    folded, change = t.fold_batchnorm(model)
+    assert ops(folded) == ["ConvTranspose"] and change.changed
+    assert_same(model, folded, {"x": RNG.standard_normal((1, 4, 5, 5)).astype(np.float32)})
+
+
+@pytest.mark.parametrize("trans_b", [0, 1])
+def test_fold_batchnorm_into_gemm(trans_b: int) -> None:
+    w_shape = (5, 3) if trans_b else (3, 5)
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 13]> g (float[2, 3] x) => (float[2, 5] y) {'
+            f" c = Gemm<transB = {trans_b}, beta = 0.5>(x, w, b) \n"
+            " y = BatchNormalization(c, gamma, beta, mean, var) }"
+        ),
+        ("w", RNG.standard_normal(w_shape).astype(np.float32)),
+        ("b", RNG.standard_normal(5).astype(np.float32)),
+        *bn_params(5),
+    )
+    folded, _ = t.fold_batchnorm(model)
+    assert ops(folded) == ["Gemm"]
+    assert_same(model, folded, {"x": RNG.standard_normal((2, 3)).astype(np.float32)})
+
+
+def test_fold_batchnorm_into_matmul_adds_the_shift() -> None:
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 13]> g (float[2, 3] x) => (float[2, 5] y) {'
+            " c = MatMul(x, w) \n y = BatchNormalization(c, gamma, beta, mean, var) }"
+        ),
+        ("w", RNG.standard_normal((3, 5)).astype(np.float32)),
+        *bn_params(5),
+    )
+    folded, _ = t.fold_batchnorm(model)
+    assert ops(folded) == ["MatMul", "Add"]
+    assert_same(model, folded, {"x": RNG.standard_normal((2, 3)).astype(np.float32)})
+
+
+def test_fold_batchnorm_noop_when_conv_output_has_another_reader() -> None:
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 13]> g (float[1, 3, 8, 8] x) => '
+            "(float[1, 4, 8, 8] y, float[1, 4, 8, 8] c) {"
+            " c = Conv<pads = [1, 1, 1, 1]>(x, w) \n"
+            " y = BatchNormalization(c, gamma, beta, mean, var) }"
+        ),
+        ("w", RNG.standard_normal((4, 3, 3, 3)).astype(np.float32)),
+        *bn_params(4),
+    )
+    folded, change = t.fold_batchnorm(model)
+    assert ops(folded) == ["Conv", "BatchNormalization"] and not change.changed
+
+
+# --- float16, legacy ops, opset -------------------------------------------------------------
+
+
+def test_float16_to_float32_everywhere() -> None:
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 13]> g (float16[3] x) => (float16[3] y) {'
+            " a = Add(x, w) \n f = Cast<to = 1>(a) \n y = Cast<to = 10>(f) }"
+        ),
+        ("w", np.array([1.5, -2.0, 0.25], np.float16)),
+    )
+    converted, change = t.float16_to_float32(model)
+    elem = lambda v: v.type.tensor_type.elem_type  # noqa: E731
+    assert elem(converted.graph.input[0]) == elem(converted.graph.output[0]) == TensorProto.FLOAT
+    assert converted.graph.initializer[0].data_type == TensorProto.FLOAT
+    assert any("Cast" in line for line in change.details)
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    np.testing.assert_allclose(run(converted, {"x": x})[0], [2.5, 0.0, 3.25])
+    _, noop = t.float16_to_float32(converted)
+    assert not noop.changed
+
+
+def test_replace_legacy_image_scaler_then_upgrade() -> None:
+    model = parse(
+        '<ir_version: 4, opset_import: ["": 8]> g (float[1, 2, 2, 2] x) => (float[1, 2, 2, 2] y)'
+        " { y = ImageScaler<scale: float = 2.0, bias: floats = [1.0, -1.0]>(x) }"
+    )
+    with pytest.raises(ModelError, match="ImageScaler"):
+        t.upgrade_opset(model)
+    replaced, change = t.replace_legacy_ops(model)
+    assert ops(replaced) == ["Mul", "Add"] and change.changed
+    upgraded, change = t.upgrade_opset(replaced)
+    assert t._opset(upgraded) == 21 and change.details == ("opset 8 -> 21",)
+    x = RNG.standard_normal((1, 2, 2, 2)).astype(np.float32)
+    np.testing.assert_allclose(run(upgraded, {"x": x})[0], run(model, {"x": x})[0], rtol=1e-6)
+    _, noop = t.replace_legacy_ops(upgraded)
+    assert not noop.changed
+    _, noop = t.upgrade_opset(upgraded)
+    assert not noop.changed
+
+
+# --- HTP rewrites, qnn_preprocess, order, shapes ---------------------------------------------
+
+POW = """<ir_version: 8, opset_import: ["": 13]>
+g (float[4] x) => (float[4] y) { y = Pow(x, p) }"""
+
+
+def test_rewrite_for_htp_pow_2_becomes_mul() -> None:
+    model = with_inits(parse(POW, False), ("p", np.array(2.0, np.float32)))
+    rewritten, change = t.rewrite_for_htp(model)
+    assert ops(rewritten) == ["Mul"] and change.changed
+    x = np.array([-1.5, 0.0, 0.5, 3.0], np.float32)
+    np.testing.assert_array_equal(run(rewritten, {"x": x})[0], run(model, {"x": x})[0])
+    odd = with_inits(parse(POW, False), ("p", np.array(3.0, np.float32)))
+    same, noop = t.rewrite_for_htp(odd)
+    assert ops(same) == ["Pow"] and not noop.changed
+
+
+def test_qnn_preprocess_keeps_metadata_props() -> None:
+    model = parse(
+        '<ir_version: 8, opset_import: ["": 13]> g (float[4] x) => (float[4] y) { y = Relu(x) }'
+    )
+    onnx.helper.set_model_props(model, {"author": "me", "license": "MIT"})
+    result, change = t.qnn_preprocess(model)
+    assert {p.key: p.value for p in result.metadata_props} == {"author": "me", "license": "MIT"}
+    assert change.details == ("named 1 unnamed node(s)",)
+    _, noop = t.qnn_preprocess(result)
+    assert not noop.changed
+
+
+def test_topological_sort_orders_and_detects_cycles() -> None:
+    relu = oh.make_node("Relu", ["a"], ["y"], name="second")
+    neg = oh.make_node("Neg", ["x"], ["a"], name="first")
+    x = oh.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    y = oh.make_tensor_value_info("y", TensorProto.FLOAT, [2])
+    graph = oh.make_graph([relu, neg], "g", [x], [y])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 13)], ir_version=8)
+    ordered, change = t.topological_sort(model)
+    assert [n.name for n in ordered.graph.node] == ["first", "second"] and change.changed
+    _, noop = t.topological_sort(ordered)
+    assert not noop.changed
+    loop = oh.make_graph(
+        [oh.make_node("Relu", ["b"], ["a"]), oh.make_node("Neg", ["a"], ["b"]),
+         oh.make_node("Add", ["x", "a"], ["y"])],
+        "g", [x], [y],
+    )  # fmt: skip
+    with pytest.raises(ModelError, match="cycle"):
+        t.topological_sort(oh.make_model(loop, opset_imports=[oh.make_opsetid("", 13)]))
+
+
+def test_store_inferred_shapes_fixes_stale_output_dims() -> None:
+    fixed, _ = t.fix_input_shapes(parse(DYNAMIC), {"batch": 1}, {"sr": []})
+    stored, change = t.store_inferred_shapes(fixed)
+    assert t._shape_of(stored.graph.output[0]) == (1, 4)
+    assert change.details == ("output 'y' shape -> [1, 4]",)
+    _, noop = t.store_inferred_shapes(stored)
+    assert not noop.changed
+
+
+def test_dynamic_outputs_ignores_stored_value_info() -> None:
+    model = with_inits(parse(SHAPE_CHAIN, False), ("idx", np.array([1, 0], np.int64)))
+    # A stored shape that only data propagation could justify does not count.
+    model.graph.value_info.append(oh.make_tensor_value_info("y", TensorProto.FLOAT, [6, 1]))
+    names = [name for name, _ in t.dynamic_outputs(model)]
+    assert names == ["y"]
