@@ -74,3 +74,38 @@ def prepare_model(
             "(dims/shapes/constants), or re-export the model without data-dependent shapes.",
         )
     return model, changes
+
+
+# A float32 activation range this wide only comes from overflow (inf/NaN) during calibration.
+_ABSURD_SCALE = 1e30
+
+
+def quantization_issues(model: onnx.ModelProto) -> list[str]:
+    """Q/DQ scales that QNN cannot take: non-finite, <= 0, or from an overflowed range.
+
+    Why: when calibration overflows (e.g. a reader that fed random data into weights listed as
+    graph inputs), scales become inf and the HTP backend rejects the ops with bare error codes
+    ("graphAddNode() failed ... Conv2d ... 6007", "ElementWiseMultiply ... 3110",
+    "Failed to compose Qnn graph"). This names the tensors before compiling.
+    """
+    import numpy as np
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    issues = []
+    seen: set[str] = set()
+    for node in model.graph.node:
+        if node.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(node.input) < 2:
+            continue
+        scale_name = node.input[1]
+        if scale_name in seen or scale_name not in inits:
+            continue
+        seen.add(scale_name)
+        scale = numpy_helper.to_array(inits[scale_name]).astype(np.float64)
+        bad = ~np.isfinite(scale) | (scale <= 0) | (scale >= _ABSURD_SCALE)
+        if bad.any():
+            tensor = node.input[0] if node.op_type == "QuantizeLinear" else node.output[0]
+            issues.append(
+                f"{tensor!r} ({node.op_type} {node.name!r}): scale {scale[bad].flat[0]:g}"
+            )
+    return issues

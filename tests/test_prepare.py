@@ -15,7 +15,7 @@ from onnx import numpy_helper
 
 from pipeline.config import InputsSection, load_config
 from pipeline.errors import ModelError
-from pipeline.prepare import dynamic_tensors, prepare_model
+from pipeline.prepare import dynamic_tensors, prepare_model, quantization_issues
 
 ROOT = Path(__file__).resolve().parent.parent
 RNG = np.random.default_rng(1)
@@ -114,6 +114,22 @@ def test_prepare_inlines_if_on_baked_constant_and_converts_fp16() -> None:
     assert [i.name for i in prepared.graph.input] == ["x"]
     assert prepared.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     assert dynamic_tensors(prepared) == []
+
+
+@pytest.mark.parametrize(("scale", "bad"), [(0.01, False), (np.inf, True), (3e30, True)])
+def test_quantization_issues_flags_overflowed_scales(scale: float, bad: bool) -> None:
+    model = onnx.parser.parse_model(
+        '<ir_version: 10, opset_import: ["": 21]> g (float[4] x) => (float[4] y) '
+        "{ q = QuantizeLinear(x, s, z) \n y = DequantizeLinear(q, s, z) }"
+    )
+    model.graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array(scale, np.float32), "s"),
+            numpy_helper.from_array(np.array(0, np.uint16), "z"),
+        ]
+    )
+    issues = quantization_issues(model)
+    assert issues == ([f"'x' (QuantizeLinear ''): scale {np.float32(scale):g}"] if bad else [])
 
 
 @pytest.mark.qnn
