@@ -25,6 +25,7 @@ import tempfile
 import warnings
 import weakref
 import zipfile
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -484,6 +485,15 @@ def extract_archive(archive: Path, dest: Path) -> Manifest:
     """
     archive = Path(archive)
     _check_archive_checksum(archive)
+    try:
+        return _extract(archive, Path(dest))
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, OSError) as exc:
+        raise ReleaseError(
+            f"{archive} is damaged or truncated: {type(exc).__name__}: {exc}.", tip=_TAMPERED_TIP
+        ) from None
+
+
+def _extract(archive: Path, dest: Path) -> Manifest:
     with _open_archive(archive) as opened:
         members = _members(archive, opened)
         issues = []

@@ -341,6 +341,15 @@ def test_archive_with_a_flipped_member_byte_is_refused(release: Path, tmp_path: 
 
 
 @pytest.mark.qnn
+def test_truncated_archive_is_refused(release: Path, tmp_path: Path):
+    data = (release / f"{MODEL}-{VERSION}.tar.gz").read_bytes()
+    archive = tmp_path / "cut.tar.gz"  # no .sha256 beside it: the archive itself must tell
+    archive.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ReleaseError, match="is damaged or truncated"):
+        runtime.load(archive)
+
+
+@pytest.mark.qnn
 def test_not_a_release():
     with pytest.raises(ReleaseError, match="neither a release folder nor a release archive"):
         runtime.load(Path(__file__))
