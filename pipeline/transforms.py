@@ -13,6 +13,7 @@ in pieces or fails to compile. ``pipeline.prepare`` chains the transforms in a w
 from __future__ import annotations
 
 import difflib
+import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -273,24 +274,22 @@ def _remove_dead(graph: onnx.GraphProto) -> int:
     removed = 0
     while True:
         used = _used_names(graph)
-        keep = [n for n in graph.node if any(o in used for o in n.output if o)]
-        if len(keep) == len(graph.node):
+        dead = {i for i, n in enumerate(graph.node) if not any(o in used for o in n.output if o)}
+        if not dead:
             break
-        removed += len(graph.node) - len(keep)
-        del graph.node[:]
-        graph.node.extend(keep)
-    used = _used_names(graph)
-    inputs = {i.name for i in graph.input}
-    kept_inits = [t for t in graph.initializer if t.name in used or t.name in inputs]
-    if len(kept_inits) != len(graph.initializer):
-        del graph.initializer[:]
-        graph.initializer.extend(kept_inits)
+        removed += len(dead)
+        _drop_nodes(graph, dead)
+    used = _used_names(graph) | Counter(i.name for i in graph.input)
+    _delete_where(graph.initializer, lambda t: t.name not in used)
     defined = _defined_names(graph)
-    kept_vi = [v for v in graph.value_info if v.name in defined]
-    if len(kept_vi) != len(graph.value_info):
-        del graph.value_info[:]
-        graph.value_info.extend(kept_vi)
+    _delete_where(graph.value_info, lambda v: v.name not in defined)
     return removed
+
+
+def _delete_where(items: Any, condition: Any) -> None:
+    """Delete from a repeated protobuf field in place (no copies of big tensors)."""
+    for index in reversed([i for i, item in enumerate(items) if condition(item)]):
+        del items[index]
 
 
 def _rename(graph: onnx.GraphProto, mapping: Mapping[str, str]) -> None:
@@ -451,6 +450,17 @@ def _hint(name: str, known: Iterable[str]) -> str:
     return f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known) or 'none'}."
 
 
+def _toml_key(name: str) -> str:
+    """``name`` as a TOML key: bare if it can be, quoted otherwise (``"p2o.Dim.0"``)."""
+    import re
+
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
+
+
+def _shape_hint(dims: Sequence[object]) -> str:
+    return "[" + ", ".join(str(d) if isinstance(d, int) else "?" for d in dims) + "]"
+
+
 def bake_constant_inputs(
     model: onnx.ModelProto, constants: Mapping[str, Any]
 ) -> tuple[onnx.ModelProto, Change]:
@@ -566,7 +576,7 @@ def fix_input_shapes(
         elif not tensor_type.HasField("shape"):
             issues.append(
                 f"input {value.name!r} has unknown rank; set [inputs] shapes = "
-                f"{{{value.name} = [...]}}"
+                f"{{{_toml_key(value.name)} = [...]}}"
             )
             continue
         else:
@@ -577,16 +587,15 @@ def fix_input_shapes(
                 elif dim.HasField("dim_param") and dim.dim_param in dims:
                     new.append(dims[dim.dim_param])
                 else:
-                    label = dim.dim_param or "unnamed"
-                    key = (
-                        f"[inputs] dims = {{{dim.dim_param!r} = N}}"
-                        if dim.dim_param
-                        else f"[inputs] shapes = {{{value.name} = [...]}}"
+                    shape_key = (
+                        f"[inputs] shapes = {{{_toml_key(value.name)} = {_shape_hint(old)}}}"
                     )
-                    issues.append(
-                        f"input {value.name!r} dim {i} ({label}) is dynamic; set {key} "
-                        f"or [inputs] shapes = {{{value.name} = [...]}}"
-                    )
+                    if dim.dim_param:
+                        where = f"dim {i} ({dim.dim_param})"
+                        key = f"[inputs] dims = {{{_toml_key(dim.dim_param)} = N}} or {shape_key}"
+                    else:
+                        where, key = f"dim {i} (unnamed)", shape_key
+                    issues.append(f"input {value.name!r} {where} is dynamic; set {key}")
                     new.append(None)
             if None in new:
                 continue

@@ -84,7 +84,7 @@ def test_prepare_names_the_unfixed_dim_and_the_key_to_set() -> None:
     with pytest.raises(ModelError) as info:
         prepare_model(cnn(), InputsSection(dims={"N": 1}))
     message = str(info.value)
-    assert "input 'x' dim 2 (H) is dynamic" in message and "[inputs] dims = {'H' = N}" in message
+    assert "input 'x' dim 2 (H) is dynamic" in message and "[inputs] dims = {H = N}" in message
     assert "input 'x' dim 3 (W)" in message
 
 

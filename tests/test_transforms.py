@@ -121,7 +121,7 @@ def test_fix_input_shapes_names_input_dim_and_config_key() -> None:
         t.fix_input_shapes(parse(DYNAMIC), {}, {})
     message = str(info.value)
     assert "input 'x' dim 0 (batch) is dynamic" in message
-    assert "[inputs] dims = {'batch' = N}" in message and "[inputs] shapes" in message
+    assert "[inputs] dims = {batch = N}" in message and "[inputs] shapes" in message
 
 
 @pytest.mark.parametrize(
