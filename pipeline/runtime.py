@@ -702,12 +702,14 @@ class LoadedModel:
             )
             self.restarts += 1
             self._session = None
-            self._session = self._create_session()
             try:
+                self._session = self._create_session()
                 values = self._session.run(names, arrays)
-            except EngineError as second:
+            except PipelineError:
+                raise
+            except Exception as second:
                 raise ReleaseError(
-                    f"QNN failed again with ENGINE_ERROR after recreating the session: {second}",
+                    f"QNN failed again after ENGINE_ERROR and recreating the session: {second}",
                     tip="The NPU is not recovering; restart the device or use allow_cpu_fallback.",
                 ) from second
         return dict(zip(names, values, strict=True))
