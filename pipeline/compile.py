@@ -364,7 +364,7 @@ def interpret(outcome: ChildOutcome, timeout_s: float) -> tuple[str, dict[str, A
         error = {
             "stage": stage,
             "kind": "timeout",
-            "message": f"no result after {timeout_s:.0f} s in step '{stage}' (hang, or a model "
+            "message": f"no result after {timeout_s:g} s in step '{stage}' (hang, or a model "
             "too big for compile.timeout_s)",
         }
     elif result.get("status") == "failed":
