@@ -24,6 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import qnn
 from .errors import PipelineError
 from .manifest import MANIFEST_FILE, Manifest
 
@@ -108,8 +109,9 @@ def diagnose(
         check_packages(distributions),
         check_pinned_pair(distributions, runtime.known_toolchains(), _pins_source()),
     ]
-    qnn = runtime.detect_runtime()
-    if qnn is None:
+    installed = qnn.installed_qnn()
+    ep = installed if installed.present else None
+    if ep is None:
         rows.append(
             Row("QNN SDK", FAIL, "onnxruntime-qnn is not importable", "pip install onnxruntime-qnn")
         )
@@ -117,15 +119,15 @@ def diagnose(
         rows.append(
             Row(
                 "QNN SDK",
-                OK if qnn.qnn_sdk else WARN,
-                qnn.describe() + f", {qnn.api} API",
-                "" if qnn.qnn_sdk else "use an onnxruntime-qnn that reports qnn_version",
+                OK if ep.qnn_sdk else WARN,
+                ep.describe() + f", {ep.api} API",
+                "" if ep.qnn_sdk else "use an onnxruntime-qnn that reports qnn_version",
             )
         )
     if probe:
-        rows.append(check_probe() if qnn else Row("QNN probe", SKIP, "no QNN EP to probe"))
+        rows.append(check_probe() if ep else Row("QNN probe", SKIP, "no QNN EP to probe"))
     rows.append(check_paths(_paths_to_check(artifacts), sys.platform == "win32"))
-    rows.extend(check_releases(_release_paths(artifacts, releases), qnn, target))
+    rows.extend(check_releases(_release_paths(artifacts, releases), ep, target))
     return rows
 
 
@@ -278,18 +280,19 @@ def _paths_to_check(artifacts: Path) -> dict[str, str]:
 # -- QNN probe ----------------------------------------------------------------------------------
 
 PROBE_SCRIPT = """
-import base64, json, os, sys, tempfile
+import json, os, tempfile
 import numpy as np
-from pipeline import runtime
+import onnxruntime as ort
+from pipeline import qnn
 from pipeline.doctor import PROBE_INPUT, PROBE_MODEL
 out = {}
-qnn = runtime.detect_runtime()
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "probe.onnx")
     with open(path, "wb") as handle:
         handle.write(PROBE_MODEL)
     config = {"session.record_ep_graph_assignment_info": "1"}
-    session = qnn.binding.session(runtime.Path(path), {"backend_type": "htp"}, config)
+    options = qnn.find_qnn_ep().session_options(qnn.QnnOptions(), config, log_severity=3)
+    session = ort.InferenceSession(path, sess_options=options)
     out["providers"] = session.get_providers()
     try:
         info = session.get_provider_graph_assignment_info()
@@ -388,7 +391,7 @@ def _read_manifest(path: Path) -> Manifest:
         return Manifest.from_json(member.read(), f"{path}!{MANIFEST_FILE}")
 
 
-def check_releases(paths: list[Path], qnn, target: str | None) -> list[Row]:
+def check_releases(paths: list[Path], ep: qnn.InstalledQnn | None, target: str | None) -> list[Row]:
     from . import runtime
 
     if not paths:
@@ -414,11 +417,11 @@ def check_releases(paths: list[Path], qnn, target: str | None) -> list[Row]:
         sdks = ", ".join(
             sorted({v.qnn_sdk_version for v in manifest.variants}, key=runtime.parse_version)
         )
-        if qnn is None:
+        if ep is None:
             rows.append(Row(label, SKIP, f"needs QNN SDK {sdks}; no QNN EP installed"))
             continue
         try:
-            chosen = runtime.choose_variant(manifest, qnn, runtime.device_for(target))
+            chosen = runtime.choose_variant(manifest, ep, runtime.device_for(target))
         except PipelineError as exc:
             reasons = [line.strip(" -") for line in exc.message.splitlines()[1:]]
             detail = "; ".join(reasons) or exc.message.splitlines()[0]
@@ -426,10 +429,10 @@ def check_releases(paths: list[Path], qnn, target: str | None) -> list[Row]:
                 Row(
                     label,
                     FAIL,
-                    f"needs QNN SDK {sdks}, runtime has {qnn.qnn_sdk}: {detail}",
+                    f"needs QNN SDK {sdks}, runtime has {ep.qnn_sdk}: {detail}",
                     exc.tip or "",
                 )
             )
             continue
-        rows.append(Row(label, OK, f"QNN SDK {sdks} vs runtime {qnn.qnn_sdk}: loads {chosen.id}"))
+        rows.append(Row(label, OK, f"QNN SDK {sdks} vs runtime {ep.qnn_sdk}: loads {chosen.id}"))
     return rows

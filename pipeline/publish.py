@@ -9,7 +9,7 @@ final place and renamed into place in one step, so a kill at any moment leaves t
 or the complete release. Publishing the same content again is a no-op; different content under
 an existing version is refused, naming what differs.
 
-The QNN SDK version is read from the EPContext node itself with a small protobuf reader, so
+The QNN SDK version is read from the EPContext node itself (pipeline.qnn's protobuf reader), so
 the publish environment needs no onnx.
 """
 
@@ -21,17 +21,15 @@ import datetime
 import gzip
 import json
 import math
-import mmap
 import os
 import shutil
 import tarfile
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from . import __version__, qnn
 from .config import ModelConfig, load_config
 from .errors import PipelineError, PublishError
 from .fileio import sha256_file
@@ -115,43 +113,12 @@ class PublishResult:
         return f"{text} -> {self.folder}"
 
 
-# -- reading EPContext facts without onnx -------------------------------------------------------
-
-
-def _varint(buf: Any, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
-
-
-def _fields(buf: Any, start: int, end: int) -> Iterator[tuple[int, int, Any]]:
-    """(field number, wire type, value) of one protobuf message; bytes fields as (start, end)."""
-    pos = start
-    while pos < end:
-        key, pos = _varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire == 1:
-            value, pos = None, pos + 8
-        elif wire == 2:
-            length, pos = _varint(buf, pos)
-            value, pos = (pos, pos + length), pos + length
-        elif wire == 5:
-            value, pos = None, pos + 4
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire} at byte {pos}")
-        yield number, wire, value
+# -- what the compiled file itself says ---------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class CtxFacts:
-    """What the compiled file itself says (ModelProto metadata and EPContext attributes)."""
+    """ModelProto metadata and EPContext attributes, read from the ctx file (not the config)."""
 
     ep_sdk_versions: list[str]
     embed_modes: list[int]
@@ -161,47 +128,24 @@ class CtxFacts:
     @property
     def qnn_sdk_version(self) -> str:
         """'v2.51.0.260929181845' -> '2.51.0'."""
-        raw = self.ep_sdk_versions[0] if self.ep_sdk_versions else ""
-        return ".".join(raw.lstrip("vV").split(".")[:3])
+        return qnn.sdk_version(self.ep_sdk_versions[0]) if self.ep_sdk_versions else ""
 
 
 def read_ctx_facts(path: Path) -> CtxFacts:
-    """Read EPContext nodes and metadata from an .onnx file (streamed via mmap, no onnx)."""
-    text = lambda buf, span: bytes(buf[span[0] : span[1]]).decode("utf-8", "replace")  # noqa: E731
-    sdks, modes, bins, compat = [], [], [], ""
-    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        for number, wire, value in _fields(buf, 0, len(buf)):
-            if number == 14 and wire == 2:  # metadata_props
-                entry = dict((n, text(buf, v)) for n, w, v in _fields(buf, *value) if w == 2)
-                if entry.get(1) == "ep_compatibility_info.QNNExecutionProvider":
-                    compat = entry.get(2, "")
-            if number != 7 or wire != 2:  # graph
-                continue
-            for n_num, n_wire, node in _fields(buf, *value):
-                if n_num != 1 or n_wire != 2:  # node
-                    continue
-                op_type, attrs = "", {}
-                for a_num, a_wire, a_val in _fields(buf, *node):
-                    if a_num == 4 and a_wire == 2:
-                        op_type = text(buf, a_val)
-                    elif a_num == 5 and a_wire == 2:  # attribute: name=1, i=3, s=4
-                        parts = {k: v for k, _, v in _fields(buf, *a_val)}
-                        if 1 in parts:
-                            name = text(buf, parts[1])
-                            if name == "ep_cache_context":
-                                attrs[name] = parts.get(4)
-                            elif 4 in parts:
-                                attrs[name] = text(buf, parts[4])
-                            elif 3 in parts:
-                                attrs[name] = parts[3]
-                if op_type != "EPContext":
-                    continue
-                sdks.append(str(attrs.get("ep_sdk_version", "")))
-                mode = int(attrs.get("embed_mode", 1))
-                modes.append(mode)
-                if mode == 0 and attrs.get("ep_cache_context"):
-                    bins.append(text(buf, attrs["ep_cache_context"]))
-    return CtxFacts(sdks, modes, bins, compat)
+    """EPContext facts of an .onnx file, via pipeline.qnn's protobuf reader (no onnx needed)."""
+    summary = qnn.read_model_summary(path)
+    nodes = summary.nodes_of("EPContext")
+    modes = [int(n.attributes.get("embed_mode", 1)) for n in nodes]
+    return CtxFacts(
+        ep_sdk_versions=[str(n.attributes.get("ep_sdk_version", "")) for n in nodes],
+        embed_modes=modes,
+        bin_files=[
+            str(n.attributes.get("ep_cache_context", ""))
+            for n, mode in zip(nodes, modes, strict=True)
+            if mode == 0
+        ],
+        ep_compatibility_info=summary.metadata.get(qnn.COMPATIBILITY_KEY, ""),
+    )
 
 
 # -- collecting variants ------------------------------------------------------------------------

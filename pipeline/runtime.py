@@ -7,15 +7,14 @@ runtime's, or for a newer HTP arch than the device's, fails inside QNN with an e
 no version (FACTS §3); here it is refused *before* any QNN call, with the fix.
 
 Imports only the standard library, numpy and onnxruntime (Windows ARM64 has little else);
-onnxruntime and onnxruntime_qnn are imported when first needed.
+onnxruntime and onnxruntime_qnn are imported when first needed. Attaching the EP is left to
+``pipeline.qnn``, which knows both the 2.x plugin API and the 1.x ``provider_options`` style.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
-import importlib
 import os
 import platform
 import shutil
@@ -29,15 +28,16 @@ import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 import numpy as np
 
+from . import qnn
 from .errors import ConfigError, PipelineError, ReleaseError
 from .manifest import MANIFEST_FILE, Manifest, TensorInfo, Variant, safe_relative_path
 from .targets import TARGETS, get_target
 
-QNN_EP = "QNNExecutionProvider"
+QNN_EP = qnn.EP_NAME
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".zip")
 _CHUNK = 1 << 20
 
@@ -54,13 +54,7 @@ BUILTIN_TOOLCHAINS: dict[str, tuple[str, str]] = {
 
 def parse_version(text: str) -> tuple[int, ...]:
     """'v2.51.0.260929181845' or '2.51.0' -> (2, 51, 0): SDKs compare on their first 3 parts."""
-    parts = []
-    for piece in text.strip().lstrip("vV").split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
+    return tuple(int(part) for part in qnn.sdk_version(text).split(".") if part)
 
 
 def known_toolchains() -> dict[str, tuple[str, str]]:
@@ -84,126 +78,12 @@ def toolchain_for_sdk(qnn_sdk: str) -> str | None:
     )
 
 
-# -- the installed QNN execution provider ------------------------------------------------------
-
-
-class QnnBinding(Protocol):
-    """How one generation of onnxruntime-qnn attaches the QNN EP to a session."""
-
-    def session(
-        self, model: Path, qnn_options: Mapping[str, str], config: Mapping[str, str]
-    ) -> Any: ...
-
-
-class QnnPlugin2x:
-    """onnxruntime-qnn 2.x: a plugin EP library registered with the regular onnxruntime."""
-
-    def __init__(self, library_path: str) -> None:
-        self.library_path = library_path
-
-    def devices(self) -> list[Any]:
-        import onnxruntime as ort
-
-        found = [d for d in ort.get_ep_devices() if d.ep_name == QNN_EP]
-        if not found:
-            ort.register_execution_provider_library(QNN_EP, self.library_path)
-            found = [d for d in ort.get_ep_devices() if d.ep_name == QNN_EP]
-        return found
-
-    def session(
-        self, model: Path, qnn_options: Mapping[str, str], config: Mapping[str, str]
-    ) -> Any:
-        import onnxruntime as ort
-
-        options = _session_options(config)
-        options.add_provider_for_devices(self.devices(), dict(qnn_options))
-        return ort.InferenceSession(str(model), sess_options=options)
-
-
-class QnnProviderOptions1x:
-    """onnxruntime-qnn 1.x: the EP is built into its own ``onnxruntime`` module, set up with
-    ``provider_options`` and a ``backend_path`` instead of ``backend_type``."""
-
-    def session(
-        self, model: Path, qnn_options: Mapping[str, str], config: Mapping[str, str]
-    ) -> Any:
-        import onnxruntime as ort
-
-        provider = {k: v for k, v in qnn_options.items() if k != "backend_type"}
-        provider.setdefault(
-            "backend_path", "QnnHtp.dll" if sys.platform == "win32" else "libQnnHtp.so"
-        )
-        return ort.InferenceSession(
-            str(model),
-            sess_options=_session_options(config),
-            providers=[QNN_EP],
-            provider_options=[provider],
-        )
-
-
-def _session_options(config: Mapping[str, str]) -> Any:
+def _cpu_session_options() -> Any:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.log_severity_level = 3  # errors only: the EP's warnings are not the user's business
-    for key, value in config.items():
-        options.add_session_config_entry(key, value)
+    options.log_severity_level = 3  # errors only
     return options
-
-
-@dataclass(frozen=True)
-class QnnRuntime:
-    """The installed QNN EP: its package, the QNN SDK it bundles, and how to attach it."""
-
-    package_version: str  # onnxruntime-qnn version
-    qnn_sdk: str  # "" when the package does not say
-    onnxruntime: str
-    api: str  # "plugin-2.x" or "provider-options-1.x"
-    binding: QnnBinding = dataclasses.field(compare=False, repr=False)
-
-    def describe(self) -> str:
-        sdk = self.qnn_sdk or "unknown"
-        return f"onnxruntime-qnn {self.package_version} (QNN SDK {sdk})"
-
-
-def detect_runtime() -> QnnRuntime | None:
-    """Read the installed onnxruntime-qnn's versions without loading any QNN library."""
-    try:
-        info = importlib.import_module("onnxruntime_qnn.build_and_package_info")
-        package = importlib.import_module("onnxruntime_qnn")
-    except ImportError:
-        info = None
-    if info is not None:
-        return QnnRuntime(
-            package_version=str(getattr(info, "__version__", "")),
-            qnn_sdk=str(getattr(info, "qnn_version", "")),
-            onnxruntime=_distribution_version("onnxruntime"),
-            api="plugin-2.x",
-            binding=QnnPlugin2x(package.get_library_path()),
-        )
-    try:  # 1.x ships as a replacement 'onnxruntime' module
-        legacy = importlib.import_module("onnxruntime.capi.build_and_package_info")
-    except ImportError:
-        return None
-    if getattr(legacy, "package_name", "") != "onnxruntime-qnn":
-        return None
-    version = str(getattr(legacy, "__version__", ""))
-    return QnnRuntime(
-        package_version=version,
-        qnn_sdk=str(getattr(legacy, "qnn_version", "")),
-        onnxruntime=version,
-        api="provider-options-1.x",
-        binding=QnnProviderOptions1x(),
-    )
-
-
-def _distribution_version(name: str) -> str:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return ""
 
 
 # -- the device ---------------------------------------------------------------------------------
@@ -282,7 +162,7 @@ def _fits(variant: Variant, runtime_sdk: str, device: Device) -> list[str]:
     return reasons
 
 
-def choose_variant(manifest: Manifest, runtime: QnnRuntime, device: Device) -> Variant:
+def choose_variant(manifest: Manifest, runtime: qnn.InstalledQnn, device: Device) -> Variant:
     """The best variant for this runtime and device, or a ReleaseError that says how to fix it.
 
     Rule: binary SDK <= runtime SDK and binary arch <= device arch; prefer the device's exact
@@ -314,7 +194,7 @@ def choose_variant(manifest: Manifest, runtime: QnnRuntime, device: Device) -> V
 
 
 def _no_fit_error(
-    manifest: Manifest, passing: list[Variant], runtime: QnnRuntime, device: Device
+    manifest: Manifest, passing: list[Variant], runtime: qnn.InstalledQnn, device: Device
 ) -> ReleaseError:
     sdks = sorted({v.qnn_sdk_version for v in passing}, key=parse_version)
     lines = [f"  - {v.id}: {'; '.join(_fits(v, runtime.qnn_sdk, device))}" for v in passing]
@@ -578,7 +458,7 @@ class LoadedModel:
         root: Path,
         manifest: Manifest,
         variant: Variant | None,
-        runtime: QnnRuntime | None,
+        runtime: qnn.InstalledQnn | None,
         device: Device,
         fallback_reason: str = "",
         cleanup: Path | None = None,
@@ -639,17 +519,20 @@ class LoadedModel:
 
             return ort.InferenceSession(
                 str(self.model_path),
-                sess_options=_session_options({}),
+                sess_options=_cpu_session_options(),
                 providers=["CPUExecutionProvider"],
             )
         if self.runtime is None:  # load() checks this first
             raise ReleaseError("onnxruntime-qnn is not installed.")
-        # Never compile online: a ctx model that QNN cannot take as-is must fail, not recompile.
-        session = self.runtime.binding.session(
-            self.model_path,
-            {"backend_type": self.variant.backend},
+        import onnxruntime as ort
+
+        options = qnn.find_qnn_ep().session_options(
+            qnn.QnnOptions(backend_type=self.variant.backend),
+            # Never compile online: a ctx model QNN cannot take as-is must fail, not recompile.
             {"session.disable_model_compile": "1"},
+            log_severity=3,
         )
+        session = ort.InferenceSession(str(self.model_path), sess_options=options)
         if QNN_EP not in session.get_providers():
             raise ReleaseError(
                 f"The QNN EP did not attach to {self.model_path.name}; onnxruntime fell back to CPU "
@@ -780,7 +663,8 @@ def _bind(
     root: Path, manifest: Manifest, device: Device, allow_cpu: bool, cleanup: Path | None
 ) -> LoadedModel:
     """Choose and open a variant, or fall back to the CPU model when (and only when) allowed."""
-    runtime = detect_runtime()
+    installed = qnn.installed_qnn()
+    runtime = installed if installed.present else None
     try:
         if emulated_on_arm64():
             raise ReleaseError(
@@ -810,7 +694,7 @@ def _bind(
                 f"v{variant.htp_arch}) with {runtime.describe()}: {exc}",
                 tip="Run `python -m pipeline doctor`; rebuild the release with this toolchain.",
             ) from exc
-    except ReleaseError as exc:
+    except PipelineError as exc:  # ReleaseError, or ToolchainError from registering the EP
         if not allow_cpu:
             raise
         if manifest.cpu_fallback is None:

@@ -156,7 +156,6 @@ def write_variant(
     validation: dict | None = None,
     model: str = MODEL,
     version: str = VERSION,
-    tensors: tuple[list, list] | None = None,
 ) -> None:
     """variant.json as the compile stage writes it, SDK facts read from the compiled file."""
     from pipeline.targets import get_target
@@ -178,8 +177,8 @@ def write_variant(
         ep_compatibility_info=facts["ep_compatibility_info"],
         embed_mode=facts["embed_mode"],
         files=files,
-        inputs=tensors[0] if tensors else [TensorSpec("x", [1, 3, 16, 16], "float32")],
-        outputs=tensors[1] if tensors else [TensorSpec("y", [1, 4, 16, 16], "float32")],
+        inputs=[TensorSpec("x", [1, 3, 16, 16], "float32")],
+        outputs=[TensorSpec("y", [1, 4, 16, 16], "float32")],
         coverage={"qnn_partitions": 1, "cpu_compute_nodes": [], "passed": True, "gate": "1"},
         validation=validation or {"passed": True, "gate": "snr"},
         load={"qdq_s": 0.1, "ctx_s": 0.01, "ratio": 10.0, "runs": 3},

@@ -28,7 +28,7 @@ from test_manifest import manifest as manifest_data
 from test_manifest import variant as make_variant
 from venvs import run_in, toolchain_python
 
-from pipeline import runtime
+from pipeline import qnn, runtime
 from pipeline.config import load_config
 from pipeline.errors import PipelineError, ReleaseError
 from pipeline.manifest import MANIFEST_FILE, Manifest
@@ -54,8 +54,9 @@ def test_import_pulls_in_nothing_heavy():
     assert done.stdout.strip() == "[]"
 
 
-def fake_runtime(sdk: str, package: str = "2.7.0") -> runtime.QnnRuntime:
-    return runtime.QnnRuntime(package, sdk, "1.31.1", "plugin-2.x", binding=None)
+def fake_runtime(sdk: str, package: str = "2.7.0") -> qnn.InstalledQnn:
+    """Version facts only: choose_variant must decide from them without touching QNN."""
+    return qnn.InstalledQnn(package, sdk, "1.31.1", "plugin")
 
 
 def sdk_manifest(*specs: tuple[str, int, str]) -> Manifest:
@@ -199,7 +200,7 @@ def test_no_heavy_modules_after_a_real_load(release: Path):
     code = textwrap.dedent(
         """
         import sys, numpy as np
-        from pipeline import runtime
+        from pipeline import qnn, runtime
         model = runtime.load(sys.argv[1], target="snapdragon-x-elite")
         model.run({"x": np.zeros((1, 3, 16, 16), np.float32)})
         print(sorted({m.split('.')[0] for m in sys.modules} & {'onnx', 'PIL', 'tqdm'}))
@@ -435,7 +436,7 @@ LOAD_SCRIPT = textwrap.dedent(
     import json, sys
     import numpy as np
     import onnxruntime as ort
-    from pipeline import runtime
+    from pipeline import qnn, runtime
     from pipeline.errors import ReleaseError
     try:
         model = runtime.load(sys.argv[1])
