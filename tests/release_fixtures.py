@@ -1,8 +1,9 @@
 """Real build trees for publish/runtime tests: a seeded CNN, quantized and compiled for QNN.
 
-Until the compile stage writes them, the tests make their own inputs the way it will: a float
-model from onnx.helper, QDQ from onnxruntime.quantization, ctx from ort.ModelCompiler (HTP, on
-the simulator here), and a ``variant.json`` whose SDK facts are read from the compiled file.
+The tests make their inputs the way the compile stage does, without its gates, child processes
+and benchmarks (faster, and independent of compile's own behaviour): a float model from
+onnx.helper, QDQ from onnxruntime.quantization, ctx from ort.ModelCompiler (HTP, on the simulator
+here), and a ``variant.json`` whose SDK facts are read from the compiled file with onnx.
 Everything is built once per test session and cached under pytest's base temp folder.
 """
 
