@@ -34,6 +34,7 @@ import numpy as np
 
 from . import qnn
 from .errors import ConfigError, PipelineError, ReleaseError
+from .fileio import sha256_file
 from .manifest import MANIFEST_FILE, Manifest, TensorInfo, Variant, safe_relative_path
 from .targets import TARGETS, get_target
 
@@ -246,11 +247,6 @@ def _copy_hashing(source: IO[bytes], target: IO[bytes]) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def _hash_file(path: Path) -> tuple[str, int]:
-    with open(path, "rb") as handle, open(os.devnull, "wb") as sink:
-        return _copy_hashing(handle, sink)
-
-
 def _raise_issues(what: str, issues: list[str], tip: str) -> None:
     if issues:
         shown = issues[:25] + ([f"… and {len(issues) - 25} more"] if len(issues) > 25 else [])
@@ -275,7 +271,7 @@ def verify_folder(root: Path) -> Manifest:
         elif not path.is_file():
             issues.append(f"{entry.path} is listed in the manifest but missing")
         else:
-            sha256, size = _hash_file(path)
+            sha256, size = sha256_file(path), path.stat().st_size
             if sha256 != entry.sha256 or size != entry.size:
                 issues.append(
                     f"{entry.path}: sha256 {sha256[:16]}… ({size} bytes) does not match the "
@@ -292,7 +288,7 @@ def _check_archive_checksum(archive: Path) -> None:
         return
     words = sidecar.read_text("utf-8", errors="replace").split()
     expected = words[0].lower() if words else ""
-    actual, _ = _hash_file(archive)
+    actual = sha256_file(archive)
     if actual != expected:
         raise ReleaseError(
             f"{archive}: sha256 {actual} does not match {sidecar.name} ({expected or 'empty'}).",
