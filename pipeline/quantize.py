@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -369,6 +370,11 @@ def _quantize_once(
     init_overrides = _tensor_overrides(model, tensor_overrides, op_type_overrides)
     progress = None if cache.is_file() else _progress(len(calib), f"calibrate {config.model.name}")
     reader = _StreamingReader(calib, CALIBRATION_CHUNK, progress)
+    # onnxruntime's quantizer logs advice ("consider pre-processing", opset upgrades) on the
+    # root logger; our own preparation already did that work, so keep the console readable.
+    root_logger = logging.getLogger()
+    previous_level = root_logger.level
+    root_logger.setLevel(logging.ERROR)
     try:
         qconfig = get_qnn_qdq_config(
             str(float_path),
@@ -406,6 +412,7 @@ def _quantize_once(
             tip="See the prepared model artifacts/build/<model>/float.onnx; report this model.",
         ) from exc
     finally:
+        root_logger.setLevel(previous_level)
         if progress is not None:
             progress.close()
 
