@@ -1294,51 +1294,130 @@ def upgrade_opset(
 # 6. HTP-friendly rewrites
 
 
-def rewrite_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """Exact rewrites of ops the HTP backend handles badly.
+def _scalar_const(inits: Mapping[str, onnx.TensorProto], name: str) -> float | None:
+    """The value of a constant whose elements are all equal, else None."""
+    if name not in inits:
+        return None
+    array = numpy_helper.to_array(inits[name])
+    if array.size == 0 or array.dtype.kind != "f" or not (array == array.flat[0]).all():
+        return None
+    return float(array.flat[0])
 
-    Pow(x, 2) -> Mul(x, x), Pow(x, 1) -> Identity(x), Pow(x, 0.5) -> Sqrt(x): a quantized
-    ElementWisePower is rejected by HTP (error 3110) and costs a partition.
+
+def _htp_rewrite(
+    node: onnx.NodeProto, inits: Mapping[str, onnx.TensorProto], shape: Any
+) -> tuple[str, list[str], str] | None:
+    """(new op, new inputs, why) for one node, or None. ``shape(name)`` gives static shapes;
+    each rewrite keeps the output shape (checked against the input it keeps)."""
+    same_shape = shape(node.output[0]) is not None
+    if node.op_type == "Pow" and len(node.input) == 2:
+        power = _scalar_const(inits, node.input[1])
+        x = node.input[0]
+        if power is None or not same_shape or shape(x) != shape(node.output[0]):
+            return None
+        ops = {2.0: ("Mul", [x, x]), 1.0: ("Identity", [x]), 0.5: ("Sqrt", [x])}
+        if power in ops:
+            return (*ops[power], f"exponent {power:g}")
+    elif node.op_type in ("Max", "Min"):
+        # -inf / lowest float in a Max (+inf / max float in a Min) changes nothing, but as a
+        # quantized constant it stretches the range until every real value rounds to one step.
+        limit = float(np.finfo(np.float32).max)
+        neutral = (lambda v: v <= -limit) if node.op_type == "Max" else (lambda v: v >= limit)
+        keep = []
+        for name in node.input:
+            value = _scalar_const(inits, name)
+            if value is None or not neutral(value):
+                keep.append(name)
+        if keep and len(keep) < len(node.input):
+            if len(keep) == 1 and shape(keep[0]) == shape(node.output[0]) and same_shape:
+                return "Identity", keep, "drops a no-op ±inf operand"
+            if len(keep) > 1:
+                return node.op_type, keep, "drops a no-op ±inf operand"
+        if node.op_type == "Max" and len(node.input) == 2:
+            zero = [i for i, n in enumerate(node.input) if _scalar_const(inits, n) == 0.0]
+            if len(zero) == 1:
+                x = node.input[1 - zero[0]]
+                if same_shape and shape(x) == shape(node.output[0]):
+                    return "Relu", [x], "Max with 0"
+    elif node.op_type in ("Expand", "Reshape") and same_shape:
+        unchanged = shape(node.input[0]) == shape(node.output[0])
+        return (
+            ("Identity", [node.input[0]], "output shape equals input shape") if unchanged else None
+        )
+    return None
+
+
+def _bypass_identities(graph: onnx.GraphProto) -> int:
+    """Remove Identity nodes by reading their input directly (graph outputs keep their names)."""
+    outputs = {o.name for o in graph.output}
+    producers = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
+    used = _used_names(graph)
+    mapping: dict[str, str] = {}
+    gone: set[int] = set()
+    for index, node in enumerate(graph.node):
+        if node.op_type != "Identity" or node.domain not in _DEFAULT_DOMAINS:
+            continue
+        source, target = node.input[0], node.output[0]
+        source = mapping.get(source, source)
+        if target not in outputs:
+            mapping[target] = source
+            gone.add(index)
+        elif source in producers and source not in outputs and used[source] == 1:
+            graph.node[producers[source]].output[:] = [
+                target if o == source else o for o in graph.node[producers[source]].output
+            ]
+            gone.add(index)
+    if not gone:
+        return 0
+    _drop_nodes(graph, gone)
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in mapping:
+                node.input[i] = mapping[name]
+        for sub in _subgraphs(node):
+            _rename(sub, mapping)
+    return len(gone)
+
+
+def rewrite_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Exact rewrites of patterns the HTP backend or its quantization handles badly.
+
+    - Pow(x, 2) -> Mul(x, x), Pow(x, 1) -> x, Pow(x, 0.5) -> Sqrt(x): a quantized
+      ElementWisePower is rejected by HTP (error 3110) and costs a partition.
+    - Max(x, -inf) / Min(x, +inf) -> x: the ±inf constant (a "no mask" sentinel in softmax
+      decompositions) makes the quantized range infinite and the whole output garbage.
+    - Max(x, 0) -> Relu(x): no quantized zero constant, a native HTP op.
+    - Expand/Reshape to the shape they already have, and Identity nodes, are removed.
     """
     model = _copy(model)
     graph = model.graph
     inits = _initializers(graph)
     values: dict[str, onnx.ValueInfoProto] | None = None
+
+    def shape(name: str) -> tuple[int, ...] | None:
+        nonlocal values
+        if name in inits:
+            return tuple(inits[name].dims)
+        values = values if values is not None else _inferred_values(model)
+        return _shape_of(values[name]) if name in values else None
+
     details = []
     for node in graph.node:
-        if node.op_type != "Pow" or node.domain not in _DEFAULT_DOMAINS:
+        if node.domain not in _DEFAULT_DOMAINS:
             continue
-        if node.input[1] not in inits:
+        rewrite = _htp_rewrite(node, inits, shape)
+        if rewrite is None:
             continue
-        exponent = numpy_helper.to_array(inits[node.input[1]])
-        if exponent.size != 1:
-            continue
-        if exponent.ndim > 0:
-            # A [1, 1] exponent can raise the output's rank; only safe if x has that rank.
-            values = values or _inferred_values(model)
-            x_info = values.get(node.input[0])
-            rank = (
-                len(x_info.type.tensor_type.shape.dim)
-                if x_info is not None and x_info.type.tensor_type.HasField("shape")
-                else -1
-            )
-            if rank < exponent.ndim:
-                continue
-        power = float(exponent.reshape(()))
-        x = node.input[0]
-        if power == 2.0:
-            op, inputs = "Mul", [x, x]
-        elif power == 1.0:
-            op, inputs = "Identity", [x]
-        elif power == 0.5:
-            op, inputs = "Sqrt", [x]
-        else:
-            continue
-        label = node_label(node)
+        op, inputs, why = rewrite
+        details.append(f"{node_label(node)} -> {op} ({why})")
         del node.input[:]
         node.input.extend(inputs)
         node.op_type = op
-        details.append(f"{label} (exponent {power:g}) -> {op}")
+        if op not in ("Max", "Min"):
+            del node.attribute[:]
+    removed = _bypass_identities(graph)
+    if removed:
+        details.append(f"removed {removed} Identity node(s)")
     _remove_dead(graph)
     return _done(model, "rewrite_for_htp", details)
 

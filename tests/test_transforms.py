@@ -364,6 +364,37 @@ def test_rewrite_for_htp_pow_2_becomes_mul() -> None:
     assert ops(same) == ["Pow"] and not noop.changed
 
 
+@pytest.mark.parametrize(
+    ("op", "value", "expected"),
+    [("Max", -np.inf, []), ("Min", np.inf, []), ("Max", 0.0, ["Relu"]), ("Max", 1.0, ["Max"])],
+)
+def test_rewrite_for_htp_neutral_and_zero_constants(op: str, value: float, expected) -> None:
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 13]> g (float[4] x) => (float[4] y)'
+            f" {{ m = {op}(c, x) \n y = Neg(m) }}"
+        ),
+        ("c", np.array(value, np.float32)),
+    )
+    rewritten, change = t.rewrite_for_htp(model)
+    assert ops(rewritten) == [*expected, "Neg"] and change.changed == (expected != [op])
+    x = np.array([-1.5, 0.0, 0.5, 3.0], np.float32)
+    np.testing.assert_array_equal(run(rewritten, {"x": x})[0], run(model, {"x": x})[0])
+
+
+def test_rewrite_for_htp_drops_noop_expand_and_identity_but_keeps_output_names() -> None:
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 13]> g (float[1, 4] x) => (float[1, 4] y)'
+            " { e = Expand(x, s) \n r = Relu(e) \n y = Identity(r) }"
+        ),
+        ("s", np.array([1, 4], np.int64)),
+    )
+    rewritten, change = t.rewrite_for_htp(model)
+    assert ops(rewritten) == ["Relu"] and rewritten.graph.node[0].output[0] == "y"
+    assert rewritten.graph.node[0].input[0] == "x" and change.changed
+
+
 def test_qnn_preprocess_keeps_metadata_props() -> None:
     model = parse(
         '<ir_version: 8, opset_import: ["": 13]> g (float[4] x) => (float[4] y) { y = Relu(x) }'
