@@ -337,6 +337,19 @@ def _pick(count: int, wanted: int) -> list[int]:
     return sorted({round(i * (count - 1) / max(1, wanted - 1)) for i in range(wanted)})
 
 
+def _pick_runs(refs: list[SampleRef], wanted: int) -> list[SampleRef]:
+    """``wanted`` windows as one contiguous run from the start of each file (fair share each)."""
+    by_file: dict[Path | None, list[SampleRef]] = {}
+    for ref in refs:
+        by_file.setdefault(ref.path, []).append(ref)
+    chosen: list[SampleRef] = []
+    files = list(by_file.values())
+    for position, windows in enumerate(files):
+        share = -(-(wanted - len(chosen)) // (len(files) - position))  # ceil of what is left
+        chosen += windows[:share]
+    return chosen
+
+
 def _split(refs: list[SampleRef], held_out: float) -> tuple[list[SampleRef], list[SampleRef]]:
     """Every k-th sample goes to held-out, so both halves span all files and classes."""
     if held_out <= 0 or len(refs) < 2:
@@ -435,7 +448,10 @@ def build_samples(
                 for s in specs
             }
 
-    chosen = [refs[i] for i in _pick(len(refs), cal.samples)]
+    if cal.recurrent and by_file:
+        chosen = _pick_runs(refs, cal.samples)  # state is only meaningful across neighbours
+    else:
+        chosen = [refs[i] for i in _pick(len(refs), cal.samples)]
     if not by_file and cal.kind != "random":
         rng = np.random.default_rng(cal.seed)
         chosen = [chosen[i] for i in rng.permutation(len(chosen))]
@@ -452,7 +468,10 @@ def _python_samples(
     """A user reader ``fn(path, specs) -> iterable of feeds``; it is streamed twice if needed."""
     reader = _import_reader(config.calibration.reader, config.base_dir)
     cal = config.calibration
-    total = cal.samples
+    # Count what the reader really offers (up to ``samples``) so the split is exact.
+    total = sum(1 for _, _ in zip(range(cal.samples), reader(folder, specs), strict=False))
+    if total == 0:
+        raise CalibrationError(f"calibration.reader {cal.reader!r} produced no samples.")
     n_held = round(total * cal.held_out) if total > 1 else 0
     held_idx = set(_pick(total, n_held)) if n_held else set()
 

@@ -39,7 +39,7 @@ class Pins:
                 f"Toolchain onnxruntime-qnn {version!r} is not pinned in {PINS_FILE}."
                 + (f" Did you mean {hint[0]!r}?" if hint else "")
                 + f" Pinned: {', '.join(self.toolchains)}.",
-                tip="Add a [toolchain.\"X\"] row with its qnn_sdk and a verified onnxruntime.",
+                tip='Add a [toolchain."X"] row with its qnn_sdk and a verified onnxruntime.',
             ) from None
 
     def for_sdk(self, qnn_sdk: str) -> Toolchain | None:

@@ -62,7 +62,10 @@ def test_missing_batch_axis_is_added(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"shape": (1, 3, 9, 9)}, r"has shape \[1, 3, 9, 9\], the model input needs \[1, 3, 8, 8\]"),
+        (
+            {"shape": (1, 3, 9, 9)},
+            r"has shape \[1, 3, 9, 9\], the model input needs \[1, 3, 8, 8\]",
+        ),
         ({"dtype": np.float64}, "has dtype float64, the model input needs float32"),
     ],
 )
@@ -168,3 +171,35 @@ def test_python_reader_import_error(tmp_path: Path) -> None:
     config = make_config(tmp_path, 'kind = "python"\nreader = "no_such_module_xyz:read"')
     with pytest.raises(CalibrationError, match="cannot be imported"):
         build_samples(config, SPEC)
+
+
+def test_recurrent_picks_contiguous_runs_per_file(tmp_path: Path) -> None:
+    folder = tmp_path / "wav"
+    folder.mkdir()
+    for name in ("a", "b"):
+        write_wav(folder / f"{name}.wav", np.zeros(64 * 20))
+    config = make_config(
+        tmp_path,
+        'kind = "audio"\npath = "wav"\nheld_out = 0.25\nsamples = 8\n'
+        'recurrent = { s = "s_out" }\n[calibration.audio]\nwindow = 64',
+    )
+    calib, held = build_samples(config, [InputSpec("a", (1, 64), np.dtype("float32"))])
+    for part in (calib, held):
+        for path in {r.path for r in part.refs}:
+            offsets = [r.offset for r in part.refs if r.path == path]
+            assert offsets == list(range(offsets[0], offsets[0] + 64 * len(offsets), 64))
+    assert len(calib) + len(held) == 8
+
+
+def test_short_python_reader_split_is_exact(tmp_path: Path) -> None:
+    (tmp_path / "reader.py").write_text(
+        "import numpy as np\n"
+        "def read(path, specs):\n"
+        "    for i in range(5):\n"
+        "        yield {'x': np.full((1, 3, 8, 8), i, np.float32)}\n"
+    )
+    config = make_config(
+        tmp_path, 'kind = "python"\nreader = "reader.py:read"\nsamples = 64\nheld_out = 0.4'
+    )
+    calib, held = build_samples(config, SPEC)
+    assert (len(list(calib)), len(list(held))) == (3, 2)

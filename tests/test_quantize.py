@@ -30,7 +30,9 @@ def run(root: Path, *args: str) -> int:
     return main(["quantize", "--artifacts", str(root / "artifacts"), *args])
 
 
-def test_example_builds_static_qdq_with_report(example: Path, capsys: pytest.CaptureFixture) -> None:
+def test_example_builds_static_qdq_with_report(
+    example: Path, capsys: pytest.CaptureFixture
+) -> None:
     from pipeline.prepare import dynamic_tensors
 
     assert run(example, str(example / "configs" / "example.toml"), "--force") == 0
