@@ -33,14 +33,19 @@ def generated_model(folder: Path) -> Path:
     rng = np.random.default_rng(0)
     nodes, inits, current = [], [], "input"
     for i, (cin, cout) in enumerate([(3, 32), (32, 32), (32, 32)]):
-        w = numpy_helper.from_array(rng.normal(0, 0.2, (cout, cin, 3, 3)).astype(np.float32), f"w{i}")
+        w = numpy_helper.from_array(
+            rng.normal(0, 0.2, (cout, cin, 3, 3)).astype(np.float32), f"w{i}"
+        )
         inits.append(w)
         nodes.append(helper.make_node("Conv", [current, f"w{i}"], [f"c{i}"], pads=[1, 1, 1, 1]))
         nodes.append(helper.make_node("Relu", [f"c{i}"], [f"r{i}"]))
         current = f"r{i}"
     graph = helper.make_graph(
-        nodes, "big", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 256, 256])],
-        [helper.make_tensor_value_info(current, TensorProto.FLOAT, [1, 32, 256, 256])], inits,
+        nodes,
+        "big",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 256, 256])],
+        [helper.make_tensor_value_info(current, TensorProto.FLOAT, [1, 32, 256, 256])],
+        inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 10
@@ -95,19 +100,41 @@ def main() -> int:
                 f'[calibration]\nkind = "random"\nsamples = {count + count // 4}\n'
                 "held_out = 0.2\n[quantization]\nauto_mixed_precision = false\n"
             )
-            ours = run_child([sys.executable, "-m", "pipeline", "quantize", str(config),
-                              "--artifacts", str(tmp / "art"), "--force"])
-            stock = run_child([sys.executable, "-c", STOCK, str(model), str(count),
-                               str(tmp / f"stock{count}.onnx")])
+            ours = run_child(
+                [
+                    sys.executable,
+                    "-m",
+                    "pipeline",
+                    "quantize",
+                    str(config),
+                    "--artifacts",
+                    str(tmp / "art"),
+                    "--force",
+                ]
+            )
+            stock = run_child(
+                [
+                    sys.executable,
+                    "-c",
+                    STOCK,
+                    str(model),
+                    str(count),
+                    str(tmp / f"stock{count}.onnx"),
+                ]
+            )
             rows.append((count, ours, stock))
     print(f"model: {model.name}")
-    print("| calibration samples | pipeline peak RSS (MiB) | time (s) | stock quantize_static peak RSS (MiB) | time (s) |")
+    print(
+        "| calibration samples | pipeline peak RSS (MiB) | time (s) | stock quantize_static peak RSS (MiB) | time (s) |"
+    )
     print("|---|---|---|---|---|")
     for count, (rss, wall), (srss, swall) in rows:
         print(f"| {count} | {rss:.0f} | {wall:.1f} | {srss:.0f} | {swall:.1f} |")
     ratio = rows[1][1][0] / rows[0][1][0]
     stock_ratio = rows[1][2][0] / rows[0][2][0]
-    print(f"\npeak RSS ratio 256/16: pipeline {ratio:.2f} (must stay <= 1.3), stock {stock_ratio:.2f}")
+    print(
+        f"\npeak RSS ratio 256/16: pipeline {ratio:.2f} (must stay <= 1.3), stock {stock_ratio:.2f}"
+    )
     return 0 if ratio <= 1.3 else 1
 
 

@@ -1,0 +1,150 @@
+"""The whole chain on every real-model config, one row per model, side by side in one run.
+
+    python benchmarks/real_models.py [configs/shared/*.toml] [--artifacts DIR] [--target NAME]
+
+For each config: `python -m pipeline quantize` then `python -m pipeline compile` (each in a child
+process, timed with --force so nothing is reused), then the figures are read from the reports:
+preparation steps applied, quantize and compile time, QNN partitions, CPU compute nodes, SNR of
+QDQ vs float and of ctx (HTP simulator) vs float on held-out real inputs, ctx / QDQ / float file
+sizes, and session creation with online compile (QDQ) vs from the ctx model, with their ratio.
+Prints a Markdown table (and writes it to <artifacts>/real_models.md). Models whose file is
+absent (../shared/models not here) are listed as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from datetime import date
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeline.config import load_config  # noqa: E402
+from pipeline.report import fmt, table  # noqa: E402
+
+SHORT_STEPS = {
+    "drop_initializer_inputs": "drop-init-inputs",
+    "bake_constant_inputs": "bake",
+    "fix_input_shapes": "fix-shapes",
+    "float16_to_float32": "fp16->fp32",
+    "replace_legacy_ops": "legacy-ops",
+    "upgrade_opset": "opset21",
+    "constants_to_initializers": "const->init",
+    "fold_constants": "fold",
+    "fold_batchnorm": "fold-BN",
+    "rewrite_for_htp": "htp-rewrites",
+    "qnn_preprocess": "qnn-preprocess",
+}
+
+
+def run_stage(argv: list[str]) -> tuple[float, int, str]:
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", *argv], cwd=ROOT, capture_output=True, text=True
+    )
+    return time.perf_counter() - start, proc.returncode, (proc.stdout + proc.stderr)[-1500:]
+
+
+def versions() -> str:
+    parts = []
+    for name in ("onnxruntime", "onnxruntime-qnn", "onnx"):
+        try:
+            parts.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            parts.append(f"{name} absent")
+    return ", ".join(parts)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("configs", nargs="*", type=Path)
+    parser.add_argument("--artifacts", type=Path, default=ROOT / "artifacts" / "bench")
+    args = parser.parse_args()
+    configs = args.configs or sorted((ROOT / "configs" / "shared").glob("*.toml"))
+    rows, notes = [], []
+    target = "-"
+    for path in configs:
+        config = load_config(path, check_files=False)
+        name = config.model.name
+        if not config.source_path.is_file():
+            notes.append(f"{name}: skipped, {config.source_path} is absent")
+            continue
+        art = str(args.artifacts)
+        q_time, q_rc, q_log = run_stage(["quantize", str(path), "--artifacts", art, "--force"])
+        build = args.artifacts / "build" / name
+        if q_rc != 0 and not (build / "qdq.onnx").is_file():
+            notes.append(f"{name}: quantize failed: {q_log.strip().splitlines()[-1]}")
+            continue
+        c_time, c_rc, c_log = run_stage(["compile", str(path), "--artifacts", art, "--force"])
+        report = json.loads((build / "report.json").read_text())
+        variants = sorted((build / "ctx").glob("*/*/variant.json"))
+        if not variants:
+            notes.append(f"{name}: compile produced no variant: {c_log.strip().splitlines()[-1]}")
+            continue
+        variant = json.loads(variants[0].read_text())
+        target = variant["target"]
+        steps = sorted(
+            {SHORT_STEPS.get(c["step"], c["step"]) for c in report["prepare"] if c["details"]}
+            - {"set_ir_version", "topological_sort", "store_inferred_shapes"}
+        )
+        ctx_bytes = sum((variants[0].parent / f).stat().st_size for f in variant["files"])
+        cov, val, load = variant["coverage"], variant["validation"], variant["load"]
+        cpu_nodes = cov.get("cpu_compute_nodes", [])
+        mixed = report["quantization"].get("mixed_precision") or {}
+        rows.append(
+            [
+                name,
+                ", ".join(steps),
+                q_time,
+                c_time,
+                cov.get("qnn_partitions"),
+                len(cpu_nodes),
+                report["accuracy"]["worst_snr_db"],
+                val.get("worst_snr_vs_float_db"),
+                f"{len(mixed.get('tensors', []))} raised" if mixed.get("tensors") else "-",
+                f"{ctx_bytes / 1e6:.2f} / {report['graph']['qdq_bytes'] / 1e6:.2f} / "
+                f"{report['graph']['float_bytes'] / 1e6:.2f}",
+                load.get("qdq_s"),
+                load.get("ctx_s"),
+                f"{load['ratio']:.0f}x" if load.get("ratio") else "-",
+                "ok" if variant["status"] == "ok" and q_rc == 0 and c_rc == 0 else "FAILED",
+            ]
+        )
+    headers = [
+        "model",
+        "preparation",
+        "quantize s",
+        "compile s",
+        "QNN partitions",
+        "CPU compute nodes",
+        "SNR QDQ vs float dB",
+        "SNR ctx vs float dB",
+        "mixed precision",
+        "MB ctx / QDQ / float",
+        "load QDQ s",
+        "load ctx s",
+        "ratio",
+        "status",
+    ]
+    text = "\n".join(
+        [
+            f"Real models, {date.today().isoformat()}, {versions()}, target {target} (HTP simulator)",
+            "",
+            table(headers, [[fmt(v, 3) if isinstance(v, float) else v for v in r] for r in rows]),
+            *(["", *notes] if notes else []),
+        ]
+    )
+    print(text)
+    args.artifacts.mkdir(parents=True, exist_ok=True)
+    (args.artifacts / "real_models.md").write_text(text + "\n")
+    return 0 if all(r[-1] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
