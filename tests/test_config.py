@@ -70,13 +70,13 @@ def test_held_out_range(tmp_path: Path) -> None:
 
 def test_missing_model_file_names_path(tmp_path: Path) -> None:
     path = write(tmp_path, MINIMAL.replace("m.onnx", "absent.onnx"))
-    with pytest.raises(ConfigError, match="absent.onnx does not exist"):
+    with pytest.raises(ConfigError, match=r"absent\.onnx does not exist"):
         load_config(path)
 
 
 def test_missing_calibration_folder(tmp_path: Path) -> None:
     text = MINIMAL.replace('kind = "random"', 'kind = "tensors"\npath = "nowhere"')
-    with pytest.raises(ConfigError, match="calibration.path .*nowhere does not exist"):
+    with pytest.raises(ConfigError, match=r"calibration\.path .*nowhere does not exist"):
         load_config(write(tmp_path, text))
 
 
