@@ -627,6 +627,17 @@ def _row(record: VariantRecord) -> dict[str, Any]:
     }
 
 
+def _num(value: Any, pattern: str) -> str:
+    """A table cell: fixed format, ``inf`` for exact matches, ``-`` when unknown."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return "inf" if value == float("inf") else pattern.format(value)
+    return fmt(value)
+
+
+def _ms(seconds: Any) -> float | None:
+    return seconds * 1000.0 if isinstance(seconds, (int, float)) else None
+
+
 def _worst(section: dict[str, Any], key: str, pick: Callable[..., float]) -> float | None:
     values = [o[key] for o in (section or {}).values() if isinstance(o, dict) and key in o]
     return pick(values) if values else None
@@ -655,8 +666,8 @@ def write_model_report(
         "cosine vs QDQ",
         "ctx MB",
         "compile s",
-        "load QDQ s",
-        "load ctx s",
+        "load QDQ ms",
+        "load ctx ms",
         "load ratio",
     ]
     lines = []
@@ -673,15 +684,15 @@ def write_model_report(
                 result,
                 row["qnn_partitions"],
                 ops,
-                row["snr_ctx_vs_qdq_db"],
-                row["snr_ctx_vs_float_db"],
-                _worst(vs_qdq, "max_abs", max),
-                _worst(vs_qdq, "cosine", min),
-                size / 1e6 if size else None,
-                row["compile_s"],
-                row["load_qdq_s"],
-                row["load_ctx_s"],
-                row["load_ratio"],
+                _num(row["snr_ctx_vs_qdq_db"], "{:.1f}"),
+                _num(row["snr_ctx_vs_float_db"], "{:.1f}"),
+                _num(_worst(vs_qdq, "max_abs", max), "{:.3g}"),
+                _num(_worst(vs_qdq, "cosine", min), "{:.5f}"),
+                _num(size / 1e6 if size else None, "{:.3f}"),
+                _num(row["compile_s"] if row["status"] == "ok" else None, "{:.2f}"),
+                _num(_ms(row["load_qdq_s"]), "{:.1f}"),
+                _num(_ms(row["load_ctx_s"]), "{:.1f}"),
+                _num(row["load_ratio"], "{:.1f}"),
             ]
         )
     notes = []
@@ -707,10 +718,21 @@ def write_model_report(
         if row["load_note"]:
             notes.append(f"- **{where}** load benchmark: {row['load_note']}")
     settings = config.compile
+    quantize = read_record(ctx_root.parent).get("quantize", {})
+    quantize_note = (
+        [
+            "Note: this QDQ model did not pass the quantize stage's own gate "
+            "(quantization.min_snr_db, see ../report.md).",
+            "",
+        ]
+        if quantize.get("status", "ok") != "ok"
+        else []
+    )
     markdown = "\n".join(
         [
             f"# Compile report: {config.model.name} {config.model.version}",
             "",
+            *quantize_note,
             f"Gates: all compute nodes on QNN in <= {settings.max_partitions} partition(s)"
             + (
                 f", allowed on CPU: {', '.join(settings.allowed_cpu_ops)}"
@@ -735,6 +757,7 @@ def write_model_report(
     data = {
         "model": config.model.name,
         "version": config.model.version,
+        "quantize_status": quantize.get("status"),
         "gates": {
             "max_partitions": settings.max_partitions,
             "allowed_cpu_ops": settings.allowed_cpu_ops,
