@@ -379,14 +379,12 @@ def interpret(outcome: ChildOutcome, timeout_s: float) -> tuple[str, dict[str, A
             "message": f"the worker died in step '{stage}': {_describe_death(outcome, facts)}",
         }
     error.update(facts.to_dict())
-    earlier = qnn.parse_ep_log(outcome.log)
-    rejected = [n for n in earlier.nodes if n not in facts.nodes]
+    rejected = qnn.parse_ep_log(outcome.log).rejected
     if rejected:
-        error["rejected_earlier"] = (
-            f"QNN rejected node(s) {', '.join(rejected[:10])} (op types "
-            f"{', '.join(earlier.op_types[:10])}, codes {', '.join(earlier.error_codes[:10])}) "
-            "before this step; they were left to the CPU"
-        )
+        error["rejected_by_qnn"] = rejected
+        shown = ", ".join(f"{r['node']} ({r['op_type']}, code {r['code']})" for r in rejected[:8])
+        more = f" and {len(rejected) - 8} more" if len(rejected) > 8 else ""
+        error["rejected_earlier"] = f"QNN declined {shown}{more}, leaving them to the CPU"
     return "failed", error
 
 

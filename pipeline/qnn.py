@@ -300,13 +300,19 @@ _WHAT = re.compile(r"what\(\):\s*(?P<what>.+)")
 
 @dataclass
 class LogFacts:
-    """What an EP log says went wrong: nodes, their QNN op types and QNN error codes."""
+    """What an EP log says went wrong: nodes, their QNN op types and QNN error codes.
+
+    ``nodes``/``op_types``/``error_codes`` come from error-level lines (what broke).
+    ``rejected`` lists nodes QNN declined at warning level while partitioning; those were left
+    to the CPU, which is context for a failure but not its cause.
+    """
 
     nodes: list[str] = field(default_factory=list)
     op_types: list[str] = field(default_factory=list)
     error_codes: list[str] = field(default_factory=list)
     error_lines: list[str] = field(default_factory=list)
     abort: str = ""  # the what() of a "terminate called ..." abort
+    rejected: list[dict[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -330,7 +336,15 @@ def parse_ep_log(text: str, max_lines: int = 20) -> LogFacts:
         line = re.sub(r"\x1b\[[0-9;]*m", "", raw_line).strip()
         if not line:
             continue
+        warning = "[W:" in line or "[I:" in line or "[V:" in line
         match = _ADD_NODE.search(line)
+        if match and warning:
+            entry = {"node": match["node"], "op_type": match["op"], "code": match["code"]}
+            if entry not in facts.rejected:
+                facts.rejected.append(entry)
+            continue
+        if warning:
+            continue
         if match:
             _add(facts.nodes, match["node"])
             _add(facts.op_types, match["op"])

@@ -141,7 +141,10 @@ def build_inputs(
     seed: int = 0,
     opset: int = 17,
 ) -> Path:
-    """Float + QDQ + held-out feeds + record for ``graph``; returns the config path."""
+    """Float + QDQ + held-out feeds + record for ``graph``; returns the config path.
+
+    Calibration uses 8 seeded samples, the held-out set ``samples`` more.
+    """
     from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
@@ -181,3 +184,56 @@ def build_inputs(
     record = {"quantize": {"status": "ok", "qdq_sha256": sha256_file(folder / "qdq.onnx")}}
     (folder / "record.json").write_text(json.dumps(record), encoding="utf-8")
     return write_config(root, name, compile_section)
+
+
+def stock_chain(root: Path, name: str, source: Path) -> Path:
+    """FACTS §4's stock chain on a real model: fix shapes, quantize u16/u8 on 4 seeded uniform
+    samples, nothing else; laid out like the quantize stage's output.
+
+    Like a naive calibration reader, it feeds *every* graph input, including the initializers
+    that old exporters also list as inputs (ultraface does). Calibrating with those overridden
+    gives the wild activation ranges behind ultraface's "Failed to compose Qnn graph".
+    """
+    from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+    from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_input_shape_fixed
+
+    model = onnx.load(str(source))
+    del model.metadata_props[:]
+    feeds_shape = {}
+    for graph_input in model.graph.input:
+        dims = [d.dim_value or 1 for d in graph_input.type.tensor_type.shape.dim]
+        make_input_shape_fixed(model.graph, graph_input.name, dims)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(graph_input.type.tensor_type.elem_type)
+        feeds_shape[graph_input.name] = (dims, dtype)
+    fix_output_shapes(model)
+    model = onnx.shape_inference.infer_shapes(model)
+    folder = root / "artifacts" / "build" / name
+    (folder / "heldout").mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(folder / "float.onnx"))
+    rng = np.random.default_rng(0)
+
+    def feeds() -> dict[str, np.ndarray]:
+        return {
+            k: rng.random(shape).astype(dtype) if dtype.kind == "f" else np.ones(shape, dtype)
+            for k, (shape, dtype) in feeds_shape.items()
+        }
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.samples = iter([feeds() for _ in range(4)])
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self.samples, None)
+
+    recipe = get_qnn_qdq_config(
+        str(folder / "float.onnx"),
+        Reader(),
+        activation_type=QuantType.QUInt16,
+        weight_type=QuantType.QUInt8,
+    )
+    quantize(str(folder / "float.onnx"), str(folder / "qdq.onnx"), recipe)
+    np.savez(folder / "heldout" / "sample_0000.npz", **feeds())
+    record = {"quantize": {"status": "ok", "qdq_sha256": sha256_file(folder / "qdq.onnx")}}
+    (folder / "record.json").write_text(json.dumps(record), encoding="utf-8")
+    return write_config(root, name, "")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import onnx
 import pytest
-from compile_fixtures import build_inputs, cnn_with_op, shape_tail, small_cnn
+from compile_fixtures import build_inputs, cnn_with_op, shape_tail, small_cnn, stock_chain
 
 from pipeline import coverage, qnn
 from pipeline.__main__ import main
@@ -122,9 +122,11 @@ def test_ep_log_facts_from_real_lines() -> None:
         "  what():  Tensor name not found.\n"
     )
     facts = qnn.parse_ep_log(log)
-    assert facts.nodes == ["_token_282", "shape"]
-    assert facts.op_types == ["Conv2d", "Shape"]
-    assert facts.error_codes == ["6007", "3110"]
+    assert facts.nodes == ["_token_282"]
+    assert facts.op_types == ["Conv2d"]
+    assert facts.error_codes == ["6007"]
+    # A warning-level rejection is a node QNN left to the CPU: context, not the failure.
+    assert facts.rejected == [{"node": "shape", "op_type": "Shape", "code": "3110"}]
     assert facts.abort == "Tensor name not found."
     assert any("Failed to compose Qnn graph" in line for line in facts.error_lines)
     assert qnn.parse_ep_log("all fine\n").to_dict()["nodes"] == []
@@ -333,3 +335,20 @@ def test_hang_is_cut_by_the_timeout(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "timeout" in capsys.readouterr().err
     work = [p for p in (tmp_path / "artifacts/build/slow/ctx").iterdir() if p.name.startswith(".")]
     assert work == [], "the worker's scratch folder was left behind"
+
+
+@pytest.mark.qnn
+@pytest.mark.real
+def test_compose_failure_names_node_op_and_qnn_code(tmp_path: Path) -> None:
+    """ultraface_rfb320 through the stock chain (FACTS §4): QNN cannot compose one Conv2d."""
+    pytest.importorskip("onnxruntime_qnn")
+    source = Path(__file__).resolve().parents[2] / "shared" / "models" / "ultraface_rfb320.onnx"
+    if not source.is_file():
+        pytest.skip(f"{source} is absent (the real models live in ../shared/models)")
+    config = stock_chain(tmp_path, "ultraface", source)
+    assert compile_cli(tmp_path, str(config)) == 1
+    error = variant(tmp_path, "ultraface", "snapdragon-x-elite").error
+    assert error["kind"] == "compose" and error["stage"] == "compile"
+    assert "Failed to compose Qnn graph" in error["message"]
+    assert error["op_types"] == ["Conv2d"] and error["qnn_error_codes"] == ["6007"]
+    assert len(error["nodes"]) == 1
