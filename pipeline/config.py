@@ -128,12 +128,53 @@ class CompileSection:
 
 
 @dataclass(frozen=True)
+class BucketPad:
+    """How an input is padded along one bucket dim: the value, and on which side."""
+
+    value: float = 0.0
+    side: Literal["end", "start"] = "end"  # end = right/bottom, start = left/top
+
+
+@dataclass(frozen=True)
+class BucketOutput:
+    """An output axis whose length follows a bucket dim, so the runtime crops it back."""
+
+    axis: int
+    follows: str  # a key of [buckets] dims (or "input:axis" with explicit shapes)
+
+
+@dataclass(frozen=True)
+class BucketsSection:
+    """Dynamic dims served by several static shapes ("buckets") sharing one set of weights.
+
+    A dim key is a dim_param of the source model (e.g. ``frames``) or ``"input:axis"``
+    (e.g. ``"x:3"``) for a dim without a usable name. See pipeline/buckets.py.
+    """
+
+    # dim -> sizes; the buckets are the product of the lists, e.g. { width = [160, 320, 640] }
+    dims: dict[str, list[int]] = field(default_factory=dict)
+    # or explicit buckets, each a table of whole input shapes, e.g. [{ x = [1, 3, 32, 160] }]
+    shapes: list[dict[str, list[int]]] = field(default_factory=list)
+    pad: dict[str, BucketPad] = field(default_factory=dict)  # dim -> pad value and side
+    outputs: dict[str, BucketOutput] = field(default_factory=dict)  # output -> followed dim
+    # shared: one weight-shared context binary for all buckets (the device release);
+    # standalone: one context binary per bucket (what the x86_64 HTP simulator can load).
+    packaging: list[Literal["shared", "standalone"]] = field(default_factory=lambda: ["shared"])
+    qnn_options: dict[str, str] = field(default_factory=dict)  # extra QNN EP options
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.dims or self.shapes)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model: ModelSection
     inputs: InputsSection = field(default_factory=InputsSection)
     calibration: CalibrationSection = field(default_factory=CalibrationSection)
     quantization: QuantizationSection = field(default_factory=QuantizationSection)
     compile: CompileSection = field(default_factory=CompileSection)
+    buckets: BucketsSection = field(default_factory=BucketsSection)
     # Where the file came from; not a TOML key.
     path: Path = field(default=Path("."), compare=False, metadata={"toml": False})
 
@@ -154,6 +195,8 @@ class ModelConfig:
         """A stable hash of every setting (not the file's bytes), for build records."""
         data = dataclasses.asdict(self)
         data.pop("path", None)
+        if not self.buckets.enabled:  # configs without buckets keep the digest they always had
+            data.pop("buckets", None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
@@ -296,6 +339,8 @@ def _validate(config: ModelConfig, check_files: bool) -> None:
         raise ConfigError(f"{file}: compile.max_partitions must be >= 1.")
     if not config.compile.targets:
         raise ConfigError(f"{file}: compile.targets is empty; name at least one target chip.")
+    if config.buckets.enabled or config.buckets != BucketsSection():
+        _validate_buckets(config)
     if check_files:
         if not config.source_path.is_file():
             raise ConfigError(
@@ -307,3 +352,98 @@ def _validate(config: ModelConfig, check_files: bool) -> None:
                 f"{file}: calibration.path {config.resolve(cal.path)} does not exist.",
                 tip="Fix calibration.path (relative to the config file's folder).",
             )
+
+
+def _validate_buckets(config: ModelConfig) -> None:
+    """Rules of [buckets] that need no model; the model-dependent ones are in pipeline.buckets."""
+    file = config.path
+    b = config.buckets
+    if not b.enabled:
+        raise ConfigError(
+            f"{file}: [buckets] needs buckets.dims (sizes per dynamic dim) or buckets.shapes "
+            "(explicit input shapes).",
+            tip="e.g. [buckets] dims = { width = [160, 320, 640] }",
+        )
+    if b.dims and b.shapes:
+        raise ConfigError(
+            f"{file}: set buckets.dims or buckets.shapes, not both.",
+            tip="dims gives the buckets as a product of sizes; shapes lists them one by one.",
+        )
+    for dim, sizes in b.dims.items():
+        if not sizes:
+            raise ConfigError(f"{file}: buckets.dims.{dim} is empty; list at least one size.")
+        if any(s < 1 for s in sizes):
+            raise ConfigError(f"{file}: buckets.dims.{dim} = {sizes} needs positive sizes.")
+        if len(set(sizes)) != len(sizes):
+            raise ConfigError(f"{file}: buckets.dims.{dim} = {sizes} repeats a size.")
+    if b.shapes:
+        names = set(b.shapes[0])
+        for index, bucket in enumerate(b.shapes):
+            if not bucket:
+                raise ConfigError(f"{file}: buckets.shapes[{index}] is empty; give input shapes.")
+            if set(bucket) != names:
+                raise ConfigError(
+                    f"{file}: buckets.shapes[{index}] names inputs {sorted(bucket)}, but "
+                    f"buckets.shapes[0] names {sorted(names)}; every bucket gives the same inputs."
+                )
+            for name, shape in bucket.items():
+                if not shape or any(d < 1 for d in shape):
+                    raise ConfigError(
+                        f"{file}: buckets.shapes[{index}].{name} = {shape} needs positive dims."
+                    )
+                if len(shape) != len(b.shapes[0][name]):
+                    raise ConfigError(
+                        f"{file}: buckets.shapes[{index}].{name} = {shape} has another rank "
+                        f"than buckets.shapes[0].{name} = {b.shapes[0][name]}."
+                    )
+        if len({tuple(tuple(s[n]) for n in sorted(s)) for s in b.shapes}) != len(b.shapes):
+            raise ConfigError(f"{file}: buckets.shapes lists the same bucket twice.")
+    keys = set(b.dims)
+    shapes_mode = bool(b.shapes)
+
+    def check_key(where: str, key: str) -> None:
+        if shapes_mode:
+            if not _is_axis_key(key):
+                raise ConfigError(
+                    f"{file}: {where} = {key!r}: with buckets.shapes, name a dim as "
+                    '"input:axis" (e.g. "x:3").'
+                )
+        elif key not in keys:
+            hint = difflib.get_close_matches(key, sorted(keys), n=1)
+            tip = f"did you mean {hint[0]!r}?" if hint else f"known: {', '.join(sorted(keys))}."
+            raise ConfigError(f"{file}: {where} = {key!r} is not a key of buckets.dims; {tip}")
+
+    for key in b.pad:
+        check_key("buckets.pad key", key)
+    for name, follow in b.outputs.items():
+        check_key(f"buckets.outputs.{name}.follows", follow.follows)
+        if follow.axis < 0:
+            raise ConfigError(f"{file}: buckets.outputs.{name}.axis = {follow.axis} must be >= 0.")
+    if not b.packaging:
+        raise ConfigError(
+            f'{file}: buckets.packaging is empty; use ["shared"], ["standalone"] or both.'
+        )
+    if len(set(b.packaging)) != len(b.packaging):
+        raise ConfigError(f"{file}: buckets.packaging = {b.packaging} repeats a value.")
+    if "shared" in b.packaging and config.compile.embed:
+        raise ConfigError(
+            f'{file}: buckets.packaging includes "shared", which needs compile.embed = false: '
+            "every bucket's _ctx.onnx points at one external _qnn.bin.",
+            tip="Set compile.embed = false in the config.",
+        )
+    kind = config.calibration.kind
+    if kind in ("images", "audio"):
+        raise ConfigError(
+            f"{file}: calibration.kind = {kind!r} makes every sample the same size, which "
+            "calibrates only one bucket.",
+            tip='Use kind = "tensors" (arrays at their natural size) or a python reader that '
+            "yields inputs at their natural size; each sample is padded into its bucket.",
+        )
+    if config.calibration.recurrent:
+        raise ConfigError(f"{file}: calibration.recurrent is not supported with [buckets].")
+
+
+def _is_axis_key(key: str) -> bool:
+    """``"input:axis"``: an input name, a colon, and a non-negative axis number."""
+    name, sep, axis = key.rpartition(":")
+    return bool(sep and name and axis.isdigit())

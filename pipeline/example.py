@@ -19,6 +19,9 @@ Generate the bundled example model and its calibration data (deterministic, seed
 
 Writes artifacts/example/example_cnn.onnx and artifacts/example/calibration/*.npy, which
 configs/example.toml points at. `python -m pipeline quantize` with no config does this itself.
+Also writes the bucketed example of configs/example_buckets.toml: a causal sequence model with a
+dynamic length, artifacts/example/example_seq.onnx, and latents of varied length in
+artifacts/example/seq_calibration/.
 """
 
 SEED = 20261121
@@ -35,6 +38,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     folder = ensure_example(args.root, force=args.force)
+    ensure_bucket_example(args.root, force=args.force)
     print(f"example written to {folder}")
     return 0
 
@@ -136,4 +140,114 @@ def ensure_example(root: Path, force: bool = False) -> Path:
     with atomic_dir(calib) as tmp_dir:
         for index in range(CALIBRATION_SAMPLES):
             np.save(tmp_dir / f"sample_{index:03d}.npy", synthetic_image(rng))
+    return folder
+
+
+# -- the bucketed example: a sequence model with a dynamic length --------------------------------
+
+SEQ_CHANNELS = 16
+SEQ_HIDDEN = 48
+SEQ_SAMPLES = 48
+SEQ_MAX_FRAMES = 256
+
+
+def build_sequence_model(seed: int = SEED) -> Any:
+    """A causal 1-D conv denoiser over ``latent [1, 16, frames]`` with a dynamic ``frames`` dim.
+
+    Causal convolutions (left padding only) make frame t depend on frames <= t alone, so padding
+    the end of a sequence into a longer bucket leaves the real frames' outputs unchanged: the
+    runtime's cropped output then equals the float model at the true length up to quantization.
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed + 2)
+    inits = []
+
+    def init(name: str, shape: tuple[int, ...], scale: float) -> str:
+        inits.append(numpy_helper.from_array(rng.normal(0, scale, shape).astype(np.float32), name))
+        return name
+
+    c, h = SEQ_CHANNELS, SEQ_HIDDEN
+    nodes = [
+        helper.make_node(
+            "Conv",
+            [
+                "latent",
+                init("conv0.weight", (h, c, 5), np.sqrt(2 / (c * 5))),
+                init("conv0.bias", (h,), 0.05),
+            ],
+            ["conv0"],
+            name="conv0",
+            kernel_shape=[5],
+            pads=[4, 0],  # causal: 4 frames of history, none of the future
+        ),
+        helper.make_node("Relu", ["conv0"], ["relu0"], name="relu0"),
+        helper.make_node(
+            "Conv",
+            [
+                "relu0",
+                init("conv1.weight", (h, h, 3), np.sqrt(2 / (h * 3))),
+                init("conv1.bias", (h,), 0.05),
+            ],
+            ["conv1"],
+            name="conv1",
+            kernel_shape=[3],
+            dilations=[2],
+            pads=[4, 0],
+        ),
+        helper.make_node("Relu", ["conv1"], ["relu1"], name="relu1"),
+        helper.make_node(
+            "Conv",
+            [
+                "relu1",
+                init("proj.weight", (c, h, 1), np.sqrt(1 / h)),
+                init("proj.bias", (c,), 0.02),
+            ],
+            ["residual"],
+            name="proj",
+            kernel_shape=[1],
+        ),
+        helper.make_node("Add", ["latent", "residual"], ["denoised"], name="add"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "example_seq",
+        [helper.make_tensor_value_info("latent", TensorProto.FLOAT, [1, c, "frames"])],
+        [helper.make_tensor_value_info("denoised", TensorProto.FLOAT, [1, c, "frames"])],
+        inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="pipeline.example"
+    )
+    model.ir_version = IR_VERSION
+    return model
+
+
+def synthetic_latent(rng: np.random.Generator, frames: int) -> np.ndarray:
+    """A noisy mix of slow sinusoids, ``[1, 16, frames]``: something a denoiser would see."""
+    t = np.arange(frames, dtype=np.float64)[np.newaxis, :]
+    freqs = rng.uniform(0.01, 0.2, (SEQ_CHANNELS, 1))
+    phases = rng.uniform(0, 2 * np.pi, (SEQ_CHANNELS, 1))
+    clean = np.sin(2 * np.pi * freqs * t + phases) * rng.uniform(0.5, 1.5, (SEQ_CHANNELS, 1))
+    noisy = clean + rng.normal(0, 0.2, clean.shape)
+    return noisy[np.newaxis].astype(np.float32)
+
+
+def ensure_bucket_example(root: Path, force: bool = False) -> Path:
+    """Write the sequence model and calibration latents of varied length (configs/example_buckets.toml)."""
+    import onnx
+
+    folder = Path(root) / "artifacts" / "example"
+    model_path = folder / "example_seq.onnx"
+    calib = folder / "seq_calibration"
+    if not force and model_path.is_file() and len(list(calib.glob("*.npy"))) == SEQ_SAMPLES:
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    with atomic_path(model_path) as tmp:
+        onnx.save(build_sequence_model(), str(tmp))
+    rng = np.random.default_rng(SEED + 3)
+    with atomic_dir(calib) as tmp_dir:
+        for index in range(SEQ_SAMPLES):
+            frames = int(rng.integers(16, SEQ_MAX_FRAMES + 1))
+            np.save(tmp_dir / f"latent_{index:03d}.npy", synthetic_latent(rng, frames))
     return folder

@@ -142,6 +142,10 @@ def load_source_model(path: Path) -> Any:
 
 def quantize_model(config: ModelConfig, artifacts: Path, force: bool = False) -> QuantizeResult:
     """Build (or reuse) the QDQ model for one config."""
+    if config.buckets.enabled:  # one QDQ model per shape bucket, quantized once
+        from .bucket_quantize import quantize_bucketed
+
+        return quantize_bucketed(config, artifacts, force=force)
     folder = artifacts / "build" / config.model.name
     inputs = build_inputs(config)
     record = read_record(folder)
