@@ -51,7 +51,15 @@ ORT_QUANT_TYPES = {
 }
 TOOLS = ("onnx", "onnxruntime", "numpy", "pillow")
 # Our modules whose code shapes the QDQ model: editing one of them rebuilds.
-CODE = ("calibration", "config", "mixed_precision", "prepare", "quantize", "transforms")
+CODE = (
+    "calibration",
+    "config",
+    "mixed_precision",
+    "prepare",
+    "quantize",
+    "ranges",
+    "transforms",
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -243,7 +251,7 @@ def _build(config: ModelConfig, folder: Path, inputs: dict[str, Any]) -> dict[st
             np.savez(tmp_dir / f"sample_{index:04d}.npz", **feeds)
 
     t0 = time.perf_counter()
-    mixed = _quantize(config, float_path, folder / "qdq.onnx", calib, folder, held)
+    mixed, range_changes = _quantize(config, float_path, folder / "qdq.onnx", calib, folder, held)
     timings["quantize"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -276,6 +284,7 @@ def _build(config: ModelConfig, folder: Path, inputs: dict[str, Any]) -> dict[st
             "method": q.method,
             "overrides": dataclasses.asdict(q.overrides),
             "mixed_precision": mixed,
+            "range_rules": range_changes,
         },
         "accuracy": {
             "qdq_vs_float": accuracy,
@@ -330,15 +339,20 @@ def _progress(total: int, desc: str) -> Any:
 
 def _quantize(
     config: ModelConfig, float_path: Path, qdq_path: Path, calib: Any, folder: Path, held: Any
-) -> dict[str, Any]:
-    """Calibrate once (ranges cached), quantize, and raise precision where SNR is too low."""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Calibrate once (ranges cached), quantize, and raise precision where SNR is too low.
+
+    Returns the mixed-precision summary and what the range rules (pipeline.ranges) changed.
+    """
     import tempfile
 
     q = config.quantization
     with tempfile.TemporaryDirectory(prefix="qdq-", dir=folder) as tmp:
         cache = Path(tmp) / "ranges.json"
         overrides = dict(q.overrides.tensors)
-        _quantize_once(config, float_path, qdq_path, calib, cache, overrides, q.overrides.op_types)
+        range_changes = _quantize_once(
+            config, float_path, qdq_path, calib, cache, overrides, q.overrides.op_types
+        )
         mixed: dict[str, Any] = {}
         if q.auto_mixed_precision and len(held):
             from .mixed_precision import raise_precision
@@ -348,12 +362,13 @@ def _quantize(
                 float_path,
                 qdq_path,
                 folder / "heldout",
+                calib,
                 overrides,
                 lambda extra: _quantize_once(
                     config, float_path, qdq_path, calib, cache, extra, q.overrides.op_types
                 ),
             )
-    return mixed
+    return mixed, range_changes
 
 
 def _quantize_once(
@@ -364,13 +379,59 @@ def _quantize_once(
     cache: Path,
     tensor_overrides: dict[str, str],
     op_type_overrides: dict[str, str],
-) -> None:
+) -> dict[str, Any]:
+    """Quantize with the calibrated ranges of ``cache`` (calibrating first if it is absent).
+
+    The raw MinMax ranges are tuned by ``pipeline.ranges`` (16-bit margin within op bounds,
+    int32-bias floor) into a second cache that the quantizer reads; returns what changed.
+    """
     import onnx
+
+    from . import ranges
+
+    q = config.quantization
+    model = onnx.load(str(float_path))
+    if not cache.is_file():
+        _run_quantizer(
+            config, float_path, qdq_path, calib, cache, model, tensor_overrides, op_type_overrides
+        )
+    tensor_types = dict(tensor_overrides)
+    for node in model.graph.node:
+        if node.op_type in op_type_overrides:
+            for output in node.output:
+                tensor_types.setdefault(output, op_type_overrides[node.op_type])
+    tuned = cache.with_name("tuned_" + cache.name)
+    try:
+        changes = ranges.tune(
+            model, cache, tuned, q.activation_type, q.weight_type, q.per_channel, tensor_types
+        )
+    except Exception as exc:
+        raise ModelError(
+            f"{config.model.name}: tuning the calibrated ranges failed: "
+            f"{type(exc).__name__}: {exc}",
+            tip="Report this model; see artifacts/build/<model>/float.onnx.",
+        ) from exc
+    _run_quantizer(
+        config, float_path, qdq_path, calib, tuned, model, tensor_overrides, op_type_overrides
+    )
+    return changes.to_dict()
+
+
+def _run_quantizer(
+    config: ModelConfig,
+    float_path: Path,
+    qdq_path: Path,
+    calib: Any,
+    cache: Path,
+    model: Any,
+    tensor_overrides: dict[str, str],
+    op_type_overrides: dict[str, str],
+) -> None:
+    """One onnxruntime ``quantize_static`` run; it calibrates only when ``cache`` is absent."""
     from onnxruntime.quantization import CalibrationMethod, QuantType, quantize_static
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
     q = config.quantization
-    model = onnx.load(str(float_path))
     init_overrides = _tensor_overrides(model, tensor_overrides, op_type_overrides)
     progress = None if cache.is_file() else _progress(len(calib), f"calibrate {config.model.name}")
     reader = _StreamingReader(calib, CALIBRATION_CHUNK, progress)
