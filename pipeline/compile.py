@@ -272,8 +272,9 @@ def run_child(
     log_path: Path,
     timeout_s: float,
     on_tick: Callable[[str, float], None] | None = None,
+    worker: str = WORKER,
 ) -> ChildOutcome:
-    """Run the worker on ``job``; kill its whole process group on timeout."""
+    """Run the worker module on ``job``; kill its whole process group on timeout."""
     job_path = work / "job.json"
     job_path.write_text(json.dumps(job, indent=2), encoding="utf-8")
     result_path = Path(job["result"])
@@ -285,7 +286,7 @@ def run_child(
     timed_out = False
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", WORKER, str(job_path)],
+            [sys.executable, "-m", worker, str(job_path)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -798,6 +799,12 @@ def compile_model(
     out: Callable[[str], None] = print,
 ) -> list[Built]:
     """Build every target of one config with this toolchain; returns the variants (or [])."""
+    if config.buckets.enabled:  # all buckets of a target in one weight-shared context
+        from .bucket_compile import compile_bucketed
+
+        return compile_bucketed(
+            config, artifacts, pins, toolchain, installed, force, log_severity, out
+        )
     targets = list({t.name: t for t in (get_target(n) for n in config.compile.targets)}.values())
     wanted = pins.selected(config.compile.toolchains)
     if toolchain not in wanted:
