@@ -57,8 +57,58 @@ class FileEntry:
 @dataclass(frozen=True)
 class TensorInfo:
     name: str = field(metadata=_doc("Graph input or output name."))
-    shape: list[int] = field(metadata=_doc("Static shape."))
+    shape: list[int] = field(
+        metadata=_doc("Static shape; -1 marks a dim that shape buckets serve (see buckets).")
+    )
     dtype: str = field(metadata=_doc("numpy dtype name, e.g. float32."))
+
+
+@dataclass(frozen=True)
+class BucketAxis:
+    """An input axis whose size varies between buckets, and how the runtime pads it."""
+
+    input: str = field(metadata=_doc("Graph input name."))
+    axis: int = field(metadata=_doc("Axis of that input.", minimum=0))
+    dim: str = field(metadata=_doc("The config's name of the dim ([buckets] dims key)."))
+    pad_value: float = field(metadata=_doc("Value the runtime pads with."))
+    pad_side: str = field(
+        metadata=_doc("Where the padding goes: end (right/bottom) or start (left/top).")
+    )
+
+
+@dataclass(frozen=True)
+class BucketCrop:
+    """An output axis that follows an input axis: the runtime crops it back to the true size."""
+
+    output: str = field(metadata=_doc("Graph output name."))
+    axis: int = field(metadata=_doc("Axis of that output.", minimum=0))
+    input: str = field(metadata=_doc("The input it follows."))
+    input_axis: int = field(metadata=_doc("The input axis it follows.", minimum=0))
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    """One static shape of the model: its own ctx .onnx (over the shared binary, if any)."""
+
+    name: str = field(metadata=_doc("Bucket name, e.g. width160."))
+    model: str = field(metadata=_doc("Path of the bucket's ctx .onnx; one of the variant's files."))
+    inputs: list[TensorInfo] = field(metadata=_doc("The bucket's static input shapes."))
+    outputs: list[TensorInfo] = field(metadata=_doc("The bucket's static output shapes."))
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Static shape buckets of a model with a dynamic dim; which files belong together."""
+
+    shared_binary: str | None = field(
+        metadata=_doc(
+            "The one context binary all buckets' ctx models reference (weight-shared); null when "
+            "each bucket has its own."
+        )
+    )
+    axes: list[BucketAxis] = field(metadata=_doc("Input axes the buckets vary, with padding."))
+    crops: list[BucketCrop] = field(metadata=_doc("Outputs cropped back to the true size."))
+    entries: list[BucketEntry] = field(metadata=_doc("The buckets, smallest first."))
 
 
 @dataclass(frozen=True)
@@ -108,6 +158,13 @@ class Variant:
     )
     failed_gates: list[str] = field(
         metadata=_doc("Why a variant failed its gates; empty when passed.")
+    )
+    buckets: Buckets | None = field(
+        default=None,
+        metadata=_doc(
+            "Shape buckets: one ctx model per static shape (optional; absent for one static "
+            "shape). The runtime pads an input into the smallest bucket that holds it."
+        ),
     )
 
 
@@ -198,7 +255,7 @@ class Manifest:
     # -- writing --------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        data = _asdict(self)
         data["schema_version"] = self.schema_version.value
         return data
 
@@ -309,6 +366,9 @@ def _parse_object(cls: Any, table: dict[str, Any], where: str, issues: list[str]
     complete = True
     for f in fields:
         if f.name not in table:
+            if _optional(f):  # an optional field may be left out
+                values[f.name] = f.default
+                continue
             issues.append(f"{prefix}{f.name}: missing field")
             complete = False
             continue
@@ -345,6 +405,65 @@ def safe_relative_path(path: str) -> str | None:
     return None
 
 
+def _optional(f: dataclasses.Field) -> bool:
+    """A field with a None default: it may be absent, and is left out when None."""
+    return f.default is None
+
+
+def _asdict(value: Any) -> Any:
+    """``dataclasses.asdict``, but optional fields that are None are left out.
+
+    So a release without buckets keeps exactly the manifest it always had.
+    """
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: _asdict(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if not (_optional(f) and getattr(value, f.name) is None)
+        }
+    if isinstance(value, list | tuple):
+        return [_asdict(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _asdict(v) for k, v in value.items()}
+    return value
+
+
+def _check_buckets(where: str, variant: Variant, buckets: Buckets, issues: list[str]) -> None:
+    """A bucket set must name files of its variant and the variant's own inputs and outputs."""
+    paths = {f.path for f in variant.files}
+    inputs = {t.name: t for t in variant.inputs}
+    outputs = {t.name: t for t in variant.outputs}
+    if not buckets.entries:
+        issues.append(f"{where}.entries is empty")
+    names = [e.name for e in buckets.entries]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        issues.append(f"{where}: bucket {name!r} appears more than once")
+    models = [e.model for e in buckets.entries]
+    for i, entry in enumerate(buckets.entries):
+        if entry.model not in paths:
+            issues.append(f"{where}.entries[{i}].model {entry.model!r} is not one of the files")
+        elif models.count(entry.model) > 1:
+            issues.append(f"{where}.entries[{i}].model {entry.model!r} is used by two buckets")
+        if sorted(t.name for t in entry.inputs) != sorted(inputs):
+            issues.append(f"{where}.entries[{i}].inputs do not name the variant's inputs")
+    if buckets.shared_binary is not None and buckets.shared_binary not in paths:
+        issues.append(f"{where}.shared_binary {buckets.shared_binary!r} is not one of the files")
+    if models and variant.model not in models:
+        issues.append(f"{where}: the variant's model {variant.model!r} is not a bucket's model")
+    for i, axis in enumerate(buckets.axes):
+        if axis.input not in inputs or axis.axis >= len(inputs[axis.input].shape):
+            issues.append(f"{where}.axes[{i}] names {axis.input}[{axis.axis}], not an input axis")
+        if axis.pad_side not in ("start", "end"):
+            issues.append(f"{where}.axes[{i}].pad_side must be start or end")
+    for i, crop in enumerate(buckets.crops):
+        if crop.output not in outputs or crop.axis >= len(outputs[crop.output].shape):
+            issues.append(
+                f"{where}.crops[{i}] names {crop.output}[{crop.axis}], not an output axis"
+            )
+        if crop.input not in inputs:
+            issues.append(f"{where}.crops[{i}] follows {crop.input!r}, not an input")
+
+
 def _check_semantics(manifest: Manifest, issues: list[str]) -> None:
     """Cross-field rules that the types alone cannot express."""
     seen: dict[str, str] = {}
@@ -374,6 +493,8 @@ def _check_semantics(manifest: Manifest, issues: list[str]) -> None:
             issues.append(f"variants[{i}].embed_mode must be 0 or 1, got {variant.embed_mode}")
         if variant.passed and variant.failed_gates:
             issues.append(f"variants[{i}]: passed is true but failed_gates is not empty")
+        if variant.buckets is not None:
+            _check_buckets(f"variants[{i}].buckets", variant, variant.buckets, issues)
     if manifest.cpu_fallback is not None:
         check_files("cpu_fallback", manifest.cpu_fallback.model, manifest.cpu_fallback.files)
     if not manifest.variants and manifest.cpu_fallback is None:
@@ -439,7 +560,7 @@ def _object_schema(cls: Any, defs: dict[str, Any]) -> dict[str, Any]:
         schema["description"] = " ".join(cls.__doc__.split())
     schema.update(
         properties=properties,
-        required=[f.name for f in dataclasses.fields(cls)],
+        required=[f.name for f in dataclasses.fields(cls) if not _optional(f)],
         additionalProperties=False,
     )
     return schema
