@@ -276,6 +276,10 @@ def build_manifest(
     config: ModelConfig, artifacts: Path, allow_partial: bool = False, cpu_fallback: bool = True
 ) -> tuple[Manifest, list[_Source]]:
     """The manifest of the release this config's build would make, and the files to copy."""
+    if config.buckets.enabled:  # variants made of shape buckets over one shared context
+        from .bucket_publish import build_bucket_manifest
+
+        return build_bucket_manifest(config, artifacts, allow_partial, cpu_fallback)
     name = config.model.name
     build = Path(artifacts) / "build" / name
     quantize = _quantize_record(build)
