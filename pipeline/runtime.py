@@ -160,6 +160,10 @@ def _fits(variant: Variant, runtime_sdk: str, device: Device) -> list[str]:
         reasons.append(f"built for HTP v{variant.htp_arch} > device's v{device.htp_arch}")
     if variant.backend != "htp":
         reasons.append(f"backend {variant.backend!r}, not htp")
+    if variant.buckets is not None:
+        from .bucket_runtime import fit_problems
+
+        reasons += fit_problems(variant, device.simulator)
     return reasons
 
 
@@ -180,12 +184,13 @@ def choose_variant(manifest: Manifest, runtime: qnn.InstalledQnn, device: Device
     fitting = [v for v in passing if not _fits(v, runtime_sdk, device)]
     if fitting:
 
-        def rank(v: Variant) -> tuple[bool, bool, tuple[int, ...], int]:
+        def rank(v: Variant) -> tuple[bool, bool, tuple[int, ...], int, bool]:
             return (
                 v.htp_arch == device.htp_arch,
                 v.soc_model == device.soc_model,
                 parse_version(v.qnn_sdk_version),
                 v.htp_arch,
+                v.buckets is None or v.buckets.shared_binary is not None,  # weight-shared first
             )
 
         if not runtime_sdk:  # cannot compare: the oldest SDK is the likeliest to load
@@ -507,6 +512,7 @@ class LoadedModel:
             "runtime": self.runtime.describe() if self.runtime else None,
             "device": self.device.describe(),
             "fallback_reason": self.fallback_reason or None,
+            **({"buckets": [e.name for e in v.buckets.entries]} if v and v.buckets else {}),
         }
 
     def _create_session(self) -> Any:
@@ -520,6 +526,10 @@ class LoadedModel:
             )
         if self.runtime is None:  # load() checks this first
             raise ReleaseError("onnxruntime-qnn is not installed.")
+        if self.variant.buckets is not None:  # a session per shape bucket, see bucket_runtime
+            from .bucket_runtime import BucketSessions
+
+            return BucketSessions(self.root, self.variant)
         import onnxruntime as ort
 
         options = qnn.find_qnn_ep().session_options(
@@ -568,6 +578,8 @@ class LoadedModel:
         """Run once; on an HTP subsystem restart (ENGINE_ERROR) recreate the session and retry once."""
         from onnxruntime.capi.onnxruntime_pybind11_state import EngineError
 
+        if self.buckets is not None:  # pad into the smallest bucket, run, crop back
+            return self.buckets.run(feeds, output_names)
         arrays = self._check_feeds(feeds)
         names = output_names or [t.name for t in self.outputs]
         try:
@@ -592,6 +604,13 @@ class LoadedModel:
                     tip="The NPU is not recovering; restart the device or use allow_cpu_fallback.",
                 ) from second
         return dict(zip(names, values, strict=True))
+
+    @property
+    def buckets(self) -> Any:
+        """The ``BucketSessions`` of a bucketed variant (``.last`` = padding applied), else None."""
+        from .bucket_runtime import BucketSessions
+
+        return self._session if isinstance(self._session, BucketSessions) else None
 
     def close(self) -> None:
         self._session = None

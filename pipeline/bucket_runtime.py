@@ -1,0 +1,186 @@
+"""Run a bucketed variant: one session per bucket, pad into the smallest bucket, crop back.
+
+Used by ``pipeline.runtime`` when the chosen variant has ``buckets``. Every bucket's session is
+opened at load time; for a weight-shared variant they are created with ``ep.share_ep_contexts=1``
+(the last with ``ep.stop_share_ep_contexts=1``), so QNN loads the one context binary once and all
+buckets run over it. ``run(feeds)`` checks names, dtypes and ranks, picks the smallest bucket that
+holds the input (pipeline.buckets), pads with the release's per-dim value and side, runs, and
+crops the outputs the release declares as following an input dim; other outputs come back raw,
+and ``last`` tells what padding was applied.
+
+Standard library, numpy and onnxruntime only, like the rest of the runtime.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import buckets as bk
+from . import qnn
+from .errors import PipelineError, ReleaseError
+from .manifest import Variant
+
+SIMULATOR_REFUSES_SHARED = (
+    "weight-shared bucket contexts do not load on the x86_64 HTP simulator (QNN refuses the "
+    "binary, or crashes); the release's _standalone variant, one context per bucket, does"
+)
+
+
+def fit_problems(variant: Variant, simulator: bool) -> list[str]:
+    """Why a bucketed variant cannot run here, decided before any QNN call."""
+    buckets = variant.buckets
+    if buckets is not None and buckets.shared_binary is not None and simulator:
+        return [SIMULATOR_REFUSES_SHARED]
+    return []
+
+
+def prefers(variant: Variant) -> bool:
+    """Between otherwise equal variants, the weight-shared one (less memory, one binary) wins."""
+    return variant.buckets is None or variant.buckets.shared_binary is not None
+
+
+class BucketSessions:
+    """Sessions over every bucket of one variant, and the pad / run / crop around them."""
+
+    def __init__(self, root: Path, variant: Variant, log_severity: int = 3) -> None:
+        if variant.buckets is None:  # the runtime only builds this for bucketed variants
+            raise ReleaseError(f"Variant {variant.id} has no buckets.")
+        self.variant = variant
+        self.root = Path(root)
+        self.log_severity = log_severity
+        spec = variant.buckets
+        self.shared = spec.shared_binary is not None
+        self.entries = list(spec.entries)
+        self.buckets = [
+            bk.Bucket(e.name, {t.name: tuple(t.shape) for t in e.inputs}) for e in self.entries
+        ]
+        self.pads = [
+            bk.PadRule(a.input, a.axis, a.dim, float(a.pad_value), a.pad_side) for a in spec.axes
+        ]
+        self.crops = [bk.CropRule(c.output, c.axis, c.input, c.input_axis, "") for c in spec.crops]
+        self.dtypes = {t.name: np.dtype(t.dtype) for t in variant.inputs}
+        self.outputs = [t.name for t in variant.outputs]
+        self.restarts = 0
+        self.last: bk.Padding | None = None
+        self.sessions = self._open()
+
+    def _open(self) -> list[Any]:
+        import onnxruntime as ort
+
+        ep = qnn.find_qnn_ep()
+        sessions = []
+        last = len(self.entries) - 1
+        for index, entry in enumerate(self.entries):
+            # Never compile online: a ctx model QNN cannot take as-is must fail, not recompile.
+            config = {"session.disable_model_compile": "1"}
+            if self.shared:  # one QNN context, loaded once, for every bucket's graph
+                config["ep.share_ep_contexts"] = "1"
+                if index == last:
+                    config["ep.stop_share_ep_contexts"] = "1"
+            options = ep.session_options(
+                qnn.QnnOptions(backend_type=self.variant.backend), config, self.log_severity
+            )
+            session = ort.InferenceSession(str(self.root / entry.model), sess_options=options)
+            if qnn.EP_NAME not in session.get_providers():
+                raise ReleaseError(
+                    f"The QNN EP did not attach to bucket {entry.name} ({entry.model}); "
+                    f"onnxruntime fell back to CPU (providers: {session.get_providers()}).",
+                    tip="Run `python -m pipeline doctor` to check the onnxruntime pair.",
+                )
+            sessions.append(session)
+        return sessions
+
+    def close(self) -> None:
+        self.sessions = []
+
+    def _arrays(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        issues = []
+        for name in feeds:
+            if name not in self.dtypes:
+                issues.append(f"{name!r} is not an input (inputs: {', '.join(self.dtypes)})")
+        arrays = {}
+        for name, dtype in self.dtypes.items():
+            if name not in feeds:
+                issues.append(f"input {name!r} is missing")
+                continue
+            array = np.asarray(feeds[name])
+            if array.dtype != dtype:
+                issues.append(
+                    f"input {name!r} has dtype {array.dtype}, expected {dtype} "
+                    f"(convert with .astype(np.{dtype.name}))"
+                )
+            arrays[name] = array
+        if issues:
+            raise PipelineError(
+                f"Bad feeds for {self.variant.id}: " + "; ".join(issues) + ".",
+                tip="Feed numpy arrays with the names and dtypes listed in model.inputs; "
+                "dims shown as -1 may take any size up to the largest bucket.",
+            )
+        return arrays
+
+    def choose(self, feeds: Mapping[str, Any]) -> tuple[int, dict[str, np.ndarray]]:
+        """(bucket index, checked arrays) for ``feeds``; a PipelineError says what is wrong."""
+        arrays = self._arrays(feeds)
+        bucket = bk.choose_bucket(self.buckets, self.pads, {k: v.shape for k, v in arrays.items()})
+        return self.buckets.index(bucket), arrays
+
+    def run_detailed(
+        self, feeds: Mapping[str, Any], output_names: list[str] | None = None
+    ) -> tuple[dict[str, np.ndarray], bk.Padding]:
+        """Outputs (cropped where the release says so) and the padding that was applied."""
+        index, arrays = self.choose(feeds)
+        bucket = self.buckets[index]
+        padded, applied = {}, {}
+        for name, array in arrays.items():
+            rules = [r for r in self.pads if r.input == name]
+            padded[name], applied[name] = bk.pad_input(array, bucket.shapes[name], rules)
+        names = output_names or self.outputs
+        values = dict(zip(names, self._run(index, names, padded), strict=True))
+        sides = {(r.input, r.axis): r.side for r in self.pads}
+        for rule in self.crops:
+            if rule.output in values:
+                values[rule.output] = bk.crop_output(
+                    values[rule.output],
+                    rule,
+                    arrays[rule.input].shape[rule.input_axis],
+                    bucket.shapes[rule.input][rule.input_axis],
+                    sides.get((rule.input, rule.input_axis), "end"),
+                )
+        self.last = bk.Padding(bucket.name, {k: v for k, v in applied.items() if v})
+        return values, self.last
+
+    def run(
+        self, feeds: Mapping[str, Any], output_names: list[str] | None = None
+    ) -> dict[str, np.ndarray]:
+        return self.run_detailed(feeds, output_names)[0]
+
+    def _run(self, index: int, names: list[str], feeds: dict[str, np.ndarray]) -> list[Any]:
+        """Run one bucket; on an HTP subsystem restart (ENGINE_ERROR) reopen all and retry once."""
+        from onnxruntime.capi.onnxruntime_pybind11_state import EngineError
+
+        try:
+            return self.sessions[index].run(names, feeds)
+        except EngineError as first:
+            warnings.warn(
+                f"QNN reported ENGINE_ERROR ({first}); reopening every bucket's session once, "
+                "as after an HTP subsystem restart.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self.restarts += 1
+            self.sessions = []
+            try:
+                self.sessions = self._open()
+                return self.sessions[index].run(names, feeds)
+            except PipelineError:
+                raise
+            except Exception as second:
+                raise ReleaseError(
+                    f"QNN failed again after ENGINE_ERROR and reopening the buckets: {second}",
+                    tip="The NPU is not recovering; restart the device.",
+                ) from second
