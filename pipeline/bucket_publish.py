@@ -170,7 +170,17 @@ def _variant(
             for p in plan["pads"]
         ],
         crops=[
-            BucketCrop(c["output"], c["axis"], c["input"], c["input_axis"]) for c in plan["crops"]
+            BucketCrop(
+                c["output"],
+                c["axis"],
+                c["input"],
+                c["input_axis"],
+                c["num"],
+                c["den"],
+                c["add"],
+                c["shift"],
+            )
+            for c in plan["crops"]
         ],
         entries=entries,
     )

@@ -467,6 +467,7 @@ def _build(
     plan = bk.plan_buckets(
         config.buckets, in_sigs, out_sigs, config.inputs.dims, config.inputs.shapes, config.path
     )
+    plan = fit_crops(config, source, plan)
     floats: dict[str, Path] = {}
     changes: dict[str, list[Any]] = {}
     specs: dict[str, list[Any]] = {}
@@ -499,7 +500,7 @@ def _build(
     for ref, sample in source_samples.iterate(source_samples.calib):
         bucket, _, _ = router.route(sample, source_samples.describe(ref), _index(ref))
         own[bucket.name].append(ref)
-    held_counts = _write_heldout(folder, plan, source_samples, router)
+    held_counts, borrowed = _write_heldout(folder, plan, source_samples, router, own)
     timings["route"] = time.perf_counter() - t0
     order = [b.name for b in plan.buckets]
     calib_refs: dict[str, list[Any]] = {}
@@ -632,6 +633,7 @@ def _build(
             "names": order,
             "shapes": {b.name: {k: list(v) for k, v in b.shapes.items()} for b in plan.buckets},
             "heldout": held_counts,
+            "heldout_from_calibration": borrowed,
             "pads": [dataclasses.asdict(p) for p in plan.pads],
             "crops": [dataclasses.asdict(c) for c in plan.crops],
             "weights": identity,
@@ -647,25 +649,160 @@ def _build(
     return report, plan, qdq_paths
 
 
+def fit_crops(config: ModelConfig, source: Any, plan: bk.BucketPlan) -> bk.BucketPlan:
+    """Measure how long each cropped output is for inputs of many sizes (the source model on the
+    CPU EP), and fit the length rule the runtime crops with; a ModelError when none fits."""
+    if not plan.crops:
+        return plan
+    import fractions
+
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(
+            source.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+    except Exception as exc:
+        raise ModelError(
+            f"{config.model.name}: the source model does not load on the CPU EP ({exc}), so the "
+            "lengths of the outputs in [buckets] outputs cannot be measured.",
+            tip="Remove [buckets] outputs: the runtime then returns the padded outputs as they are.",
+        ) from None
+    types = {i.name: _np(i.type) for i in session.get_inputs()}
+    constants = {
+        name: np.asarray(value, dtype=types.get(name, np.float32))
+        for name, value in config.inputs.constants.items()
+        if name in types
+    }
+    outputs = [o.name for o in session.get_outputs()]
+    smallest, largest = plan.buckets[0], plan.largest
+    rng = np.random.default_rng(config.calibration.seed)
+    fitted = []
+    for crop in plan.crops:
+        axes = [r for r in plan.pads if r.dim == crop.dim]
+        top = max(largest.shapes[r.input][r.axis] for r in axes)
+        sizes = {b.shapes[crop.input][crop.input_axis] for b in plan.buckets}
+        ratio = fractions.Fraction(1)
+        measured: dict[int, int] = {}
+
+        def length(size: int, crop: bk.CropRule = crop, axes: list = axes) -> int | None:
+            return _output_length(session, smallest, axes, crop, size, types, constants)
+
+        top_length = length(top)
+        if top_length is None or crop.output not in outputs:
+            raise ModelError(
+                f"{config.model.name}: the source model does not run at the largest bucket's "
+                f"size ({crop.dim} = {top}), so the length of {crop.output!r} cannot be measured.",
+                tip="Remove it from [buckets] outputs.",
+            )
+        ratio = fractions.Fraction(top_length, top)
+        probes = set(range(1, min(top, 2 * ratio.denominator + 2) + 1))
+        probes |= {n + d for n in sizes for d in (-1, 0, 1) if 1 <= n + d <= top}
+        probes |= {int(n) for n in rng.integers(1, top + 1, 8)}
+        for size in sorted(probes):
+            got = length(size)
+            if got is not None:
+                measured[size] = got
+        rule = bk.fit_length_rule(measured, ratio.numerator, ratio.denominator)
+        if rule is None:
+            shown = ", ".join(f"{n}->{m}" for n, m in list(measured.items())[:12])
+            raise ModelError(
+                f"{config.model.name}: the length of output {crop.output!r} axis {crop.axis} does "
+                f"not follow {crop.dim} by a stride rule (measured {crop.dim} -> length: {shown}).",
+                tip="Remove it from [buckets] outputs: the runtime then returns it uncropped.",
+            )
+        fitted.append(
+            dataclasses.replace(
+                crop, num=ratio.numerator, den=ratio.denominator, add=rule[0], shift=rule[1]
+            )
+        )
+    return dataclasses.replace(plan, crops=fitted)
+
+
+def _output_length(
+    session: Any,
+    smallest: bk.Bucket,
+    axes: list[bk.PadRule],
+    crop: bk.CropRule,
+    size: int,
+    types: dict[str, Any],
+    constants: Feeds,
+) -> int | None:
+    """Length of ``crop.output`` along its axis when the followed dim is ``size`` (zeros fed)."""
+    feeds = {}
+    for name, shape in smallest.shapes.items():
+        dims = list(shape)
+        for rule in axes:
+            if rule.input == name:
+                dims[rule.axis] = size
+        feeds[name] = np.zeros(dims, dtype=types.get(name, np.float32))
+    try:
+        values = session.run([crop.output], {**feeds, **constants})
+    except Exception:  # too small for the model, say: that size is then not probed
+        return None
+    return int(np.asarray(values[0]).shape[crop.axis])
+
+
+HELDOUT_FROM_CALIBRATION = 8  # samples that validate a bucket no held-out sample fits
+
+
 def _write_heldout(
-    folder: Path, plan: bk.BucketPlan, source: RawSource, router: BucketRouter
-) -> dict[str, int]:
-    """Held-out samples: padded per bucket (for the compile stage) and at their true size."""
-    counts = {b.name: 0 for b in plan.buckets}
+    folder: Path,
+    plan: bk.BucketPlan,
+    source: RawSource,
+    router: BucketRouter,
+    calib_by_bucket: dict[str, list[Any]],
+) -> tuple[dict[str, int], list[str]]:
+    """Held-out samples at their true size, and padded into every bucket that holds them.
+
+    A bucket's graph must be right for any input padded into it, so it is validated (compile
+    stage) on every held-out sample that fits, not only on those it is the smallest bucket for.
+    A bucket that no held-out sample fits is validated on calibration samples that fit, and the
+    report says so. Returns the count per bucket and those buckets.
+    """
+    order = [b.name for b in plan.buckets]
+    counts = {name: 0 for name in order}
+    borrowed: list[str] = []
     with atomic_dir(folder / TRUE_HELDOUT) as true_dir:
         index_rows = []
         staged: dict[str, Path] = {}
         try:
-            for b in plan.buckets:
-                staged[b.name] = Path(
-                    tempfile.mkdtemp(prefix=".heldout-", dir=bucket_folder(folder, b.name))
+            for name in order:
+                staged[name] = Path(
+                    tempfile.mkdtemp(prefix=".heldout-", dir=bucket_folder(folder, name))
                 )
+
+            def stage(own: Feeds, first: int, only: str | None = None) -> None:
+                for bucket in plan.buckets[first:]:
+                    if only is not None and bucket.name != only:
+                        continue
+                    feeds = {
+                        name: bk.pad_input(array, bucket.shapes[name], router.rules.get(name, []))[
+                            0
+                        ]
+                        for name, array in own.items()
+                    }
+                    feeds = _complete(feeds, bucket, router)
+                    target = staged[bucket.name] / f"sample_{counts[bucket.name]:04d}.npz"
+                    np.savez(target, **feeds)
+                    counts[bucket.name] += 1
+
             for number, (ref, sample) in enumerate(source.iterate(source.held)):
-                bucket, feeds, own = router.route(sample, source.describe(ref), _index(ref))
+                bucket, _, own = router.route(sample, source.describe(ref), _index(ref))
                 np.savez(true_dir / f"sample_{number:04d}.npz", **own)
-                np.savez(staged[bucket.name] / f"sample_{counts[bucket.name]:04d}.npz", **feeds)
-                counts[bucket.name] += 1
                 index_rows.append({"sample": number, "bucket": bucket.name})
+                stage(own, order.index(bucket.name))
+            for index, name in enumerate(order):
+                if counts[name]:
+                    continue
+                borrowed.append(name)
+                refs = [r for smaller in order[: index + 1] for r in calib_by_bucket[smaller]]
+                refs = refs[:HELDOUT_FROM_CALIBRATION]
+                for ref, sample in source.iterate(refs):
+                    _, _, own = router.route(sample, source.describe(ref), _index(ref))
+                    stage(own, index, only=name)
             (true_dir / "index.json").write_text(json.dumps(index_rows, indent=1), "utf-8")
             for name, staged_dir in staged.items():
                 target = bucket_folder(folder, name) / "heldout"
@@ -677,7 +814,15 @@ def _write_heldout(
 
             for staged_dir in staged.values():
                 shutil.rmtree(staged_dir, ignore_errors=True)
-    return counts
+    return counts, borrowed
+
+
+def _complete(feeds: Feeds, bucket: bk.Bucket, router: BucketRouter) -> Feeds:
+    """Inputs a sample does not give, filled at the bucket's shape (zeros)."""
+    for name, shape in bucket.shapes.items():
+        if name not in feeds:
+            feeds[name] = np.zeros(shape, dtype=router.dtypes[name])
+    return feeds
 
 
 def evaluate_end_to_end(
@@ -714,7 +859,7 @@ def evaluate_end_to_end(
     }
     names = [o.name for o in reference.get_outputs()]
     vs_qdq, vs_float = OutputComparison(), OutputComparison()
-    failures = 0
+    failures = mismatched = 0
     for path in sorted((folder / TRUE_HELDOUT).glob("sample_*.npz")):
         with np.load(path, allow_pickle=False) as data:
             own = {k: data[k] for k in data.files}
@@ -734,6 +879,7 @@ def evaluate_end_to_end(
         got_q = crop_outputs(plan, bucket, own, _run(qdq[bucket.name], names, feeds))
         got_f = crop_outputs(plan, bucket, own, _run(flt[bucket.name], names, feeds))
         same = {n for n in names if expected[n].shape == got_q[n].shape}
+        mismatched += len(names) - len(same)
         vs_qdq.add({n: expected[n] for n in same}, {n: got_q[n] for n in same})
         vs_float.add({n: expected[n] for n in same}, {n: got_f[n] for n in same})
     result: dict[str, Any] = {
@@ -743,6 +889,8 @@ def evaluate_end_to_end(
     }
     if failures:
         result["source_failures"] = failures
+    if mismatched:  # a cropped output whose length differs from the true-size run
+        result["shape_mismatches"] = mismatched
     return result
 
 
@@ -790,7 +938,8 @@ def write_bucket_report(folder: Path, report: dict[str, Any]) -> Path:
                 "; ".join(f"{k} {v}" for k, v in b["shapes"][bucket].items()),
                 report["calibration"]["per_bucket"][bucket],
                 "yes" if bucket in report["calibration"]["fallback_buckets"] else "no",
-                b["heldout"][bucket],
+                f"{b['heldout'][bucket]}"
+                + (" (calibration)" if bucket in b.get("heldout_from_calibration", []) else ""),
                 worst_snr(per) if per else None,
                 report["graph"]["qdq_bytes"][bucket],
             ]
@@ -814,7 +963,7 @@ def write_bucket_report(folder: Path, report: dict[str, Any]) -> Path:
         "",
         "One calibration over samples of varied size, each padded into the smallest bucket that "
         "holds it; the ranges of all buckets are merged, so every bucket is quantized with the "
-        "same parameters.",
+        "same parameters. Held-out: every held-out sample that fits a bucket, padded into it.",
         "",
         "## Buckets",
         "",

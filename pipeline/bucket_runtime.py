@@ -62,7 +62,10 @@ class BucketSessions:
         self.pads = [
             bk.PadRule(a.input, a.axis, a.dim, float(a.pad_value), a.pad_side) for a in spec.axes
         ]
-        self.crops = [bk.CropRule(c.output, c.axis, c.input, c.input_axis, "") for c in spec.crops]
+        self.crops = [
+            bk.CropRule(c.output, c.axis, c.input, c.input_axis, "", c.num, c.den, c.add, c.shift)
+            for c in spec.crops
+        ]
         self.dtypes = {t.name: np.dtype(t.dtype) for t in variant.inputs}
         self.outputs = [t.name for t in variant.outputs]
         self.restarts = 0

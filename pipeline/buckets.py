@@ -73,13 +73,26 @@ class PadRule:
 
 @dataclass(frozen=True)
 class CropRule:
-    """Output ``output`` along ``axis`` follows ``input`` along ``input_axis``: crop it back."""
+    """Output ``output`` along ``axis`` follows ``input`` along ``input_axis``: crop it back.
+
+    The output length for an input of size n is ``max(1, (n * num + add) // den + shift)``:
+    exact for chains of strided convolutions and pools (nested floor divisions compose into one)
+    and for upsampling by an integer factor. The quantize stage fits ``add`` and ``shift`` to the
+    lengths the source model really produces (``fit_length_rule``).
+    """
 
     output: str
     axis: int
     input: str
     input_axis: int
     dim: str
+    num: int = 1
+    den: int = 1
+    add: int = 0
+    shift: int = 0
+
+    def length(self, size: int) -> int:
+        return max(1, (size * self.num + self.add) // self.den + self.shift)
 
 
 @dataclass(frozen=True)
@@ -430,20 +443,25 @@ def pad_input(
     return padded.astype(array.dtype, copy=False), applied
 
 
-def crop_length(true_size: int, bucket_size: int, output_size: int) -> int:
-    """Output values that belong to a ``true_size`` input in a ``bucket_size`` bucket.
-
-    The output axis scales with the input axis (same length, or strided like a CNN's width);
-    a partially covered output step is kept.
-    """
-    return min(output_size, max(1, math.ceil(true_size * output_size / bucket_size)))
+def fit_length_rule(lengths: Mapping[int, int], num: int, den: int) -> tuple[int, int] | None:
+    """(add, shift) such that ``max(1, (n * num + add) // den + shift)`` gives every measured
+    ``lengths[n]``, the smallest such offsets; None when no rule of that form fits."""
+    reach = 4 * (num + den)
+    candidates = sorted(
+        ((add, shift) for add in range(-reach, reach + 1) for shift in range(-4, 5)),
+        key=lambda pair: (abs(pair[1]), abs(pair[0])),
+    )
+    for add, shift in candidates:
+        if all(max(1, (n * num + add) // den + shift) == m for n, m in lengths.items()):
+            return add, shift
+    return None
 
 
 def crop_output(
     value: np.ndarray, rule: CropRule, true_size: int, bucket_size: int, side: str
 ) -> np.ndarray:
     """The part of an output that follows the real (unpadded) input."""
-    keep = crop_length(true_size, bucket_size, value.shape[rule.axis])
+    keep = min(value.shape[rule.axis], rule.length(true_size))
     index: list[slice] = [slice(None)] * value.ndim
     size = value.shape[rule.axis]
     index[rule.axis] = slice(size - keep, size) if side == "start" else slice(0, keep)

@@ -78,12 +78,22 @@ class BucketAxis:
 
 @dataclass(frozen=True)
 class BucketCrop:
-    """An output axis that follows an input axis: the runtime crops it back to the true size."""
+    """An output axis that follows an input axis: the runtime crops it back to the true size.
+
+    For an input of true size n the output keeps ``max(1, (n * num + add) // den + shift)``
+    values, a rule measured on the source model when the release was built.
+    """
 
     output: str = field(metadata=_doc("Graph output name."))
     axis: int = field(metadata=_doc("Axis of that output.", minimum=0))
     input: str = field(metadata=_doc("The input it follows."))
     input_axis: int = field(metadata=_doc("The input axis it follows.", minimum=0))
+    num: int = field(
+        metadata=_doc("Length rule: max(1, (n * num + add) // den + shift).", minimum=1)
+    )
+    den: int = field(metadata=_doc("Length rule denominator.", minimum=1))
+    add: int = field(metadata=_doc("Length rule offset before the division."))
+    shift: int = field(metadata=_doc("Length rule offset after the division."))
 
 
 @dataclass(frozen=True)
