@@ -1,0 +1,231 @@
+"""Shape buckets end to end on the real QNN EP and its HTP simulator: quantize once, compile into
+one weight-shared context, publish, and run through the runtime at several input sizes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from pipeline import qnn, runtime
+from pipeline.__main__ import main
+from pipeline.bucket_runtime import SIMULATOR_REFUSES_SHARED
+from pipeline.errors import PipelineError, ReleaseError
+from pipeline.example import build_sequence_model, synthetic_latent
+from pipeline.manifest import MANIFEST_FILE, Manifest
+from pipeline.metrics import snr_db
+
+MODEL = "seq_buckets"
+SIZES = (16, 32, 64)
+CONFIG = f"""
+[model]
+name = "{MODEL}"
+version = "1.0.0"
+source = "seq.onnx"
+
+[calibration]
+kind = "tensors"
+path = "latents"
+samples = 24
+held_out = 0.25
+
+[quantization]
+min_snr_db = 20.0
+
+[compile]
+targets = ["snapdragon-x-elite"]
+embed = false
+min_snr_db = 20.0
+load_runs = 1
+
+[buckets]
+dims = {{ frames = [{", ".join(str(s) for s in SIZES)}] }}
+pad = {{ frames = {{ value = 0.0, side = "end" }} }}
+outputs = {{ denoised = {{ axis = 2, follows = "frames" }} }}
+packaging = ["shared", "standalone"]
+"""
+
+
+def stage(root: Path, *args: str) -> int:
+    return main([args[0], "--artifacts", str(root / "artifacts"), *args[1:]])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The seeded causal sequence model, latents of varied length, quantized/compiled/published."""
+    pytest.importorskip("onnxruntime_qnn")
+    root = tmp_path_factory.mktemp("buckets")
+    onnx.save(build_sequence_model(), str(root / "seq.onnx"))
+    rng = np.random.default_rng(7)
+    (root / "latents").mkdir()
+    for index in range(24):
+        frames = int(rng.integers(4, SIZES[-1] + 1))
+        np.save(root / "latents" / f"l{index:02d}.npy", synthetic_latent(rng, frames))
+    (root / "seq.toml").write_text(CONFIG, encoding="utf-8")
+    config = str(root / "seq.toml")
+    for name in ("quantize", "compile", "publish"):
+        assert stage(root, name, config) == 0, name
+    return root
+
+
+def build_dir(root: Path) -> Path:
+    return root / "artifacts" / "build" / MODEL
+
+
+def variant_dir(root: Path) -> Path:
+    pin = qnn.installed_qnn().package_version
+    return build_dir(root) / "ctx" / pin / "snapdragon-x-elite"
+
+
+def release(root: Path) -> Path:
+    return root / "artifacts" / "releases" / MODEL / "1.0.0"
+
+
+@pytest.mark.qnn
+def test_quantized_once_every_bucket_has_the_same_weights_and_parameters(built: Path) -> None:
+    report = json.loads((build_dir(built) / "report.json").read_text())
+    assert report["buckets"]["names"] == [f"frames{s}" for s in SIZES]
+    assert sum(report["calibration"]["per_bucket"].values()) == report["calibration"]["samples"]
+    models = {
+        s: onnx.load(str(build_dir(built) / "buckets" / f"frames{s}" / "qdq.onnx")) for s in SIZES
+    }
+    tensors = {
+        s: {t.name: numpy_helper.to_array(t).tobytes() for t in m.graph.initializer}
+        for s, m in models.items()
+    }
+    # Same initializers (quantized weights, scales, zero points) byte for byte in every bucket.
+    assert tensors[16] == tensors[32] == tensors[64]
+    quantized = [n for n in tensors[16] if n.endswith("_quantized")]
+    assert len(quantized) >= 3
+    assert report["buckets"]["weights"]["shared_initializers"] == len(tensors[16])
+    # Causal model: padding the end changes nothing, so the bucketed result is the float model's
+    # at the true size up to quantization.
+    e2e = report["accuracy"]["end_to_end"]
+    assert e2e["samples"] > 0 and "shape_mismatches" not in e2e
+    assert (
+        e2e["bucketed_float_vs_source_float"]["denoised"]["snr_db"] == float("inf")
+        or float(e2e["bucketed_float_vs_source_float"]["denoised"]["snr_db"]) > 100
+    )
+    assert e2e["bucketed_qdq_vs_source_float"]["denoised"]["snr_db"] > 30
+
+
+@pytest.mark.qnn
+def test_all_buckets_share_one_context_binary(built: Path) -> None:
+    folder = variant_dir(built)
+    bins = sorted(p.name for p in folder.glob("*.bin"))
+    assert len(bins) == 1
+    partitions = set()
+    ctxs = sorted(folder.glob("*_ctx.onnx"))
+    assert len(ctxs) == len(SIZES)
+    for ctx in ctxs:
+        nodes = qnn.read_model_summary(ctx).nodes_of("EPContext")
+        assert nodes and all(n.attributes["embed_mode"] == 0 for n in nodes)
+        assert {n.attributes["ep_cache_context"] for n in nodes} == {bins[0]}
+        partitions |= {n.attributes["partition_name"] for n in nodes}
+    assert len(partitions) == len(SIZES)  # one graph per bucket inside the shared binary
+    standalone = sorted(p.name for p in (folder / "standalone").glob("*.bin"))
+    assert len(standalone) == len(SIZES)
+    details = json.loads((folder / "buckets.json").read_text())
+    shared_bytes = details["shared"]["total_bytes"]
+    assert shared_bytes < details["standalone"]["total_bytes"]
+    assert details["validated_with"] in ("shared", "standalone")
+    if runtime.device_for(None).simulator:
+        assert details["validated_with"] == "standalone"
+        assert "do not load on this machine" in details["shared_load_probe"]
+    for name in (f"frames{s}" for s in SIZES):
+        bucket = details["buckets"][name]
+        assert bucket["coverage"]["passed"], bucket["coverage"]
+        assert bucket["validation"]["passed"] and bucket["validation"]["worst_snr_db"] > 30
+    record = json.loads((folder / "variant.json").read_text())
+    assert record["status"] == "ok" and record["inputs"][0]["shape"] == [1, 16, -1]
+
+
+@pytest.mark.qnn
+def test_release_lists_the_buckets_and_which_files_belong_together(built: Path) -> None:
+    manifest = Manifest.read(release(built) / MANIFEST_FILE)
+    ids = [v.id for v in manifest.variants]
+    assert ids == ["snapdragon-x-elite_qnn-2.51.0", "snapdragon-x-elite_qnn-2.51.0_standalone"]
+    shared, standalone = manifest.variants
+    assert shared.buckets is not None and standalone.buckets is not None
+    assert [e.name for e in shared.buckets.entries] == [f"frames{s}" for s in SIZES]
+    assert [e.inputs[0].shape for e in shared.buckets.entries] == [[1, 16, s] for s in SIZES]
+    assert shared.buckets.shared_binary in {f.path for f in shared.files}
+    assert len(shared.files) == len(SIZES) + 1  # k ctx models + 1 binary
+    assert standalone.buckets.shared_binary is None and len(standalone.files) == 2 * len(SIZES)
+    assert [(c.num, c.den, c.add, c.shift) for c in shared.buckets.crops] == [(1, 1, 0, 0)]
+    assert manifest.cpu_fallback is None
+
+
+@pytest.mark.qnn
+@pytest.mark.parametrize("frames", [1, 9, 16, 17, 40, 64])
+def test_runtime_matches_the_float_model_at_the_true_size(built: Path, frames: int) -> None:
+    import onnxruntime as ort
+
+    model = runtime.load(release(built), target="snapdragon-x-elite")
+    assert model.facts()["buckets"] == [f"frames{s}" for s in SIZES]
+    x = synthetic_latent(np.random.default_rng(100 + frames), frames)  # like the calibration data
+    got = model.run({"latent": x})["denoised"]
+    source = ort.InferenceSession(str(built / "seq.onnx"), providers=["CPUExecutionProvider"])
+    expected = source.run(None, {"latent": x})[0]
+    assert got.shape == expected.shape == (1, 16, frames)
+    assert snr_db(expected, got) > 30  # u16 activations, u8 weights, on the HTP
+    bucket = next(s for s in SIZES if s >= frames)
+    assert model.buckets.last.bucket == f"frames{bucket}"
+    padding = model.buckets.last.inputs.get("latent", [])
+    assert padding == ([(2, 0, bucket - frames)] if bucket > frames else [])
+    model.close()
+
+
+@pytest.mark.qnn
+def test_bad_inputs_get_clear_errors(built: Path) -> None:
+    model = runtime.load(release(built), target="snapdragon-x-elite")
+    with pytest.raises(PipelineError) as info:
+        model.run({"latent": np.zeros((1, 16, 65), np.float32)})
+    assert "larger than every bucket" in str(info.value) and "frames64" in str(info.value)
+    with pytest.raises(PipelineError, match="rank 2"):
+        model.run({"latent": np.zeros((16, 8), np.float32)})
+    with pytest.raises(PipelineError, match="dtype float64, expected float32"):
+        model.run({"latent": np.zeros((1, 16, 8), np.float64)})
+    with pytest.raises(PipelineError, match="input 'latent' is missing"):
+        model.run({"noise": np.zeros((1, 16, 8), np.float32)})
+    model.close()
+
+
+@pytest.mark.qnn
+def test_shared_set_is_preferred_on_a_device_and_refused_on_the_simulator(
+    built: Path, tmp_path: Path
+) -> None:
+    manifest = Manifest.read(release(built) / MANIFEST_FILE)
+    installed = qnn.installed_qnn()
+    device = runtime.Device("snapdragon-x-elite", 60, 73, simulator=False)
+    assert runtime.choose_variant(manifest, installed, device).id.endswith("2.51.0")
+    # A release with only the weight-shared set, opened on the x86 simulator: refused before
+    # any QNN call (QNN would crash the process), naming why.
+    only_shared = tmp_path / "release"
+    shutil.copytree(release(built), only_shared)
+    data = json.loads((only_shared / MANIFEST_FILE).read_text())
+    data["variants"] = data["variants"][:1]
+    (only_shared / MANIFEST_FILE).write_text(json.dumps(data))
+    simulator = runtime.Device("snapdragon-x-elite", 60, 73, simulator=True)
+    with pytest.raises(ReleaseError) as info:
+        runtime.choose_variant(Manifest.read(only_shared / MANIFEST_FILE), installed, simulator)
+    assert SIMULATOR_REFUSES_SHARED in str(info.value)
+
+
+@pytest.mark.qnn
+def test_rerun_with_nothing_changed_does_no_work(
+    built: Path, capsys: pytest.CaptureFixture
+) -> None:
+    config = str(built / "seq.toml")
+    capsys.readouterr()
+    assert stage(built, "quantize", config) == 0
+    assert "up to date, nothing to do" in capsys.readouterr().out
+    assert stage(built, "compile", config) == 0
+    assert "(unchanged, skipped)" in capsys.readouterr().out
+    assert stage(built, "publish", config) == 0
+    assert "already published with the same content" in capsys.readouterr().out

@@ -1,0 +1,383 @@
+"""Shape buckets without QNN: the [buckets] config rules, bucket planning, padding, choosing,
+cropping, and the manifest's bucket section."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline import buckets as bk
+from pipeline.config import BucketOutput, BucketPad, BucketsSection, load_config
+from pipeline.errors import ConfigError, PipelineError, ReleaseError
+from pipeline.manifest import (
+    BucketAxis,
+    BucketCrop,
+    BucketEntry,
+    Buckets,
+    FileEntry,
+    Manifest,
+    SchemaVersion,
+    TensorInfo,
+    Variant,
+)
+
+BASE = """
+[model]
+name = "m"
+source = "m.onnx"
+
+[calibration]
+kind = "random"
+
+[compile]
+embed = false
+"""
+
+
+def write_config(tmp_path: Path, extra: str, base: str = BASE) -> Path:
+    path = tmp_path / "m.toml"
+    path.write_text(base + extra, encoding="utf-8")
+    return path
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("[buckets]\npad = { w = { value = 0.0 } }\n", "needs buckets.dims"),
+        (
+            "[buckets]\ndims = { w = [1] }\nshapes = [{ x = [1, 2] }]\n",
+            "set buckets.dims or buckets.shapes, not both",
+        ),
+        ("[buckets]\ndims = { w = [] }\n", "buckets.dims.w is empty"),
+        ("[buckets]\ndims = { w = [0, 4] }\n", "needs positive sizes"),
+        ("[buckets]\ndims = { w = [4, 4] }\n", "repeats a size"),
+        (
+            "[buckets]\nshapes = [{ x = [1, 2] }, { y = [1, 2] }]\n",
+            "every bucket gives the same inputs",
+        ),
+        ("[buckets]\nshapes = [{ x = [1, 2] }, { x = [1, 2, 3] }]\n", "has another rank"),
+        ("[buckets]\nshapes = [{ x = [1, 2] }, { x = [1, 2] }]\n", "the same bucket twice"),
+        ("[buckets]\nshapes = [{ x = [1, 0] }]\n", "needs positive dims"),
+        (
+            "[buckets]\ndims = { width = [4] }\npad = { widht = { value = 1.0 } }\n",
+            "did you mean 'width'?",
+        ),
+        (
+            "[buckets]\nshapes = [{ x = [1, 2] }, { x = [1, 4] }]\npad = { w = {} }\n",
+            '"input:axis"',
+        ),
+        (
+            '[buckets]\ndims = { w = [4] }\noutputs = { y = { axis = -1, follows = "w" } }\n',
+            "must be >= 0",
+        ),
+        (
+            '[buckets]\ndims = { w = [4] }\noutputs = { y = { axis = 1, follows = "v" } }\n',
+            "'v' is not a key of buckets.dims",
+        ),
+        ("[buckets]\ndims = { w = [4] }\npackaging = []\n", "buckets.packaging is empty"),
+        (
+            '[buckets]\ndims = { w = [4] }\npackaging = ["shared", "shared"]\n',
+            "repeats a value",
+        ),
+        ('[buckets]\ndims = { w = [4] }\npackaging = ["both"]\n', "is not allowed"),
+        ("[buckets]\ndims = { w = [4] }\nsizes = [4]\n", "unknown key [buckets] 'sizes'"),
+    ],
+)
+def test_each_bucket_config_error_names_the_key(tmp_path: Path, extra: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write_config(tmp_path, extra), check_files=False)
+    assert message in str(info.value)
+
+
+def test_shared_packaging_needs_external_binaries(tmp_path: Path) -> None:
+    base = BASE.replace("embed = false", "embed = true")
+    with pytest.raises(ConfigError, match=r"compile\.embed = false"):
+        load_config(write_config(tmp_path, "[buckets]\ndims = { w = [4] }\n", base), False)
+    # One context per bucket may embed its binary.
+    extra = '[buckets]\ndims = { w = [4] }\npackaging = ["standalone"]\n'
+    assert load_config(write_config(tmp_path, extra, base), False).buckets.enabled
+
+
+@pytest.mark.parametrize("kind", ["images", "audio"])
+def test_fixed_size_calibration_kinds_are_refused(tmp_path: Path, kind: str) -> None:
+    base = BASE.replace('kind = "random"', f'kind = "{kind}"\npath = "."')
+    with pytest.raises(ConfigError, match="calibrates only one bucket"):
+        load_config(write_config(tmp_path, "[buckets]\ndims = { w = [4] }\n", base), False)
+
+
+def test_recurrent_calibration_is_refused(tmp_path: Path) -> None:
+    base = BASE.replace('kind = "random"', 'kind = "random"\nrecurrent = { h = "h_out" }')
+    with pytest.raises(ConfigError, match="recurrent"):
+        load_config(write_config(tmp_path, "[buckets]\ndims = { w = [4] }\n", base), False)
+
+
+def test_configs_without_buckets_keep_their_digest(tmp_path: Path) -> None:
+    """Build records and published releases hash the config: [buckets] must not change that."""
+    import dataclasses
+
+    config = load_config(write_config(tmp_path, ""), check_files=False)
+    data = dataclasses.asdict(config)
+    data.pop("path")
+    data.pop("buckets")
+    expected = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+    assert config.digest() == expected
+    bucketed = load_config(write_config(tmp_path, "[buckets]\ndims = { w = [4] }\n"), False)
+    assert bucketed.digest() != expected
+
+
+def test_bundled_bucket_configs_parse() -> None:
+    root = Path(__file__).resolve().parent.parent
+    for path in ("configs/example_buckets.toml", "configs/shared/ppocr_rec_buckets.toml"):
+        config = load_config(root / path, check_files=False)
+        assert config.buckets.enabled and "shared" in config.buckets.packaging
+
+
+# -- planning ----------------------------------------------------------------------------------------
+
+SIGS = {"latent": [1, 16, "frames"], "speaker": ["batch", 8]}
+OUTS = {"denoised": [1, 16, "frames"]}
+
+
+def section(**fields: object) -> BucketsSection:
+    return BucketsSection(**fields)  # type: ignore[arg-type]
+
+
+def test_product_of_dims_gives_the_buckets_smallest_first() -> None:
+    plan = bk.plan_buckets(
+        section(dims={"frames": [128, 64], "speaker:0": [2, 1]}),
+        SIGS,
+        OUTS,
+        file="c.toml",
+    )
+    assert [b.name for b in plan.buckets] == [
+        "frames64-speaker_0_1",
+        "frames64-speaker_0_2",
+        "frames128-speaker_0_1",
+        "frames128-speaker_0_2",
+    ]
+    assert plan.buckets[0].shapes == {"latent": (1, 16, 64), "speaker": (1, 8)}
+    assert plan.largest.shapes == {"latent": (1, 16, 128), "speaker": (2, 8)}
+    assert {(p.input, p.axis, p.value, p.side) for p in plan.pads} == {
+        ("latent", 2, 0.0, "end"),
+        ("speaker", 0, 0.0, "end"),
+    }
+
+
+def test_inputs_section_fixes_the_other_dims_and_pad_and_crop_rules_resolve() -> None:
+    plan = bk.plan_buckets(
+        section(
+            dims={"frames": [32, 16]},
+            pad={"frames": BucketPad(value=-1.0, side="start")},
+            outputs={"denoised": BucketOutput(axis=2, follows="frames")},
+        ),
+        SIGS,
+        OUTS,
+        fixed_dims={"batch": 1},
+    )
+    assert [b.shapes["speaker"] for b in plan.buckets] == [(1, 8), (1, 8)]
+    assert plan.pads == [bk.PadRule("latent", 2, "frames", -1.0, "start")]
+    assert plan.crops == [bk.CropRule("denoised", 2, "latent", 2, "frames")]
+
+
+def test_explicit_shapes_find_the_varying_axes() -> None:
+    plan = bk.plan_buckets(
+        section(shapes=[{"x": [1, 3, 32, 320]}, {"x": [1, 3, 32, 160]}]),
+        {"x": ["n", 3, 32, None]},
+        {"y": None},
+    )
+    assert [b.name for b in plan.buckets] == ["s160", "s320"]
+    assert plan.pads == [bk.PadRule("x", 3, "x:3")]
+
+
+@pytest.mark.parametrize(
+    ("dims", "message"),
+    [
+        ({"frame": [4]}, "did you mean 'frames'?"),
+        ({"latent:1": [4]}, "static size 16 on axis 1"),
+        ({"latnet:2": [4]}, "did you mean 'latent'?"),
+        ({"latent:7": [4]}, "axis 7 does not exist"),
+        ({"frames": [4], "latent:2": [8]}, "both name latent[2]"),
+    ],
+)
+def test_dim_keys_that_name_nothing_dynamic_are_errors(dims: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        bk.plan_buckets(section(dims=dims), SIGS, OUTS, fixed_dims={"batch": 1})
+    assert message in str(info.value)
+
+
+def test_a_dynamic_dim_nobody_sizes_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="input 'speaker' axis 0 is dynamic"):
+        bk.plan_buckets(section(dims={"frames": [4]}), SIGS, OUTS)
+
+
+def test_pad_and_outputs_must_name_bucket_dims_and_real_outputs() -> None:
+    with pytest.raises(ConfigError, match="did you mean 'denoised'"):
+        bk.plan_buckets(
+            section(dims={"frames": [4]}, outputs={"denoise": BucketOutput(2, "frames")}),
+            SIGS,
+            OUTS,
+            fixed_dims={"batch": 1},
+        )
+    with pytest.raises(ConfigError, match="has rank 3"):
+        bk.plan_buckets(
+            section(dims={"frames": [4]}, outputs={"denoised": BucketOutput(3, "frames")}),
+            SIGS,
+            OUTS,
+            fixed_dims={"batch": 1},
+        )
+
+
+# -- at run time -------------------------------------------------------------------------------------
+
+
+def plan3() -> bk.BucketPlan:
+    return bk.plan_buckets(
+        section(dims={"frames": [64, 128, 256]}), {"latent": [1, 16, "frames"]}, OUTS
+    )
+
+
+def test_the_smallest_bucket_that_holds_the_input_is_chosen() -> None:
+    plan = plan3()
+    pick = {
+        n: bk.choose_bucket(plan.buckets, plan.pads, {"latent": (1, 16, n)}).name
+        for n in (1, 64, 65, 256)
+    }
+    assert pick == {1: "frames64", 64: "frames64", 65: "frames128", 256: "frames256"}
+
+
+def test_too_large_wrong_rank_and_fixed_dims_are_clear_errors() -> None:
+    plan = plan3()
+    with pytest.raises(PipelineError) as info:
+        bk.choose_bucket(plan.buckets, plan.pads, {"latent": (1, 16, 300)})
+    assert "300 on axis 2 (frames)" in str(info.value)
+    assert "largest bucket is frames256 (latent [1, 16, 256])" in str(info.value)
+    with pytest.raises(PipelineError, match=r"rank 2 .*rank 3: \[1, 16, <=256\]"):
+        bk.choose_bucket(plan.buckets, plan.pads, {"latent": (16, 64)})
+    with pytest.raises(PipelineError, match="size 8 on axis 1; the model needs 16"):
+        bk.choose_bucket(plan.buckets, plan.pads, {"latent": (1, 8, 64)})
+
+
+def test_padding_goes_where_the_rule_says() -> None:
+    x = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
+    end, applied = bk.pad_input(x, (1, 2, 5), [bk.PadRule("x", 2, "t", 9.0, "end")])
+    assert applied == [(2, 0, 2)] and end.dtype == np.float32
+    assert end[0, 0].tolist() == [0, 1, 2, 9, 9]
+    start, applied = bk.pad_input(x, (1, 2, 5), [bk.PadRule("x", 2, "t", -1.0, "start")])
+    assert applied == [(2, 2, 0)] and start[0, 1].tolist() == [-1, -1, 3, 4, 5]
+    same, applied = bk.pad_input(x, (1, 2, 3), [bk.PadRule("x", 2, "t")])
+    assert same is x and applied == []
+
+
+def test_cropping_keeps_the_steps_of_the_real_input() -> None:
+    y = np.arange(10)[np.newaxis]
+    identity = bk.CropRule("y", 1, "x", 2, "t")
+    assert bk.crop_output(y, identity, 4, 10, "end").tolist() == [[0, 1, 2, 3]]
+    assert bk.crop_output(y, identity, 4, 10, "start").tolist() == [[6, 7, 8, 9]]
+    strided = bk.CropRule("y", 1, "x", 2, "t", num=1, den=4, add=1)
+    assert [strided.length(n) for n in (1, 2, 6, 7, 40, 41)] == [1, 1, 1, 2, 10, 10]
+
+
+def test_length_rules_are_fitted_exactly_or_not_at_all() -> None:
+    ppocr = {n: max(1, (n + 1) // 4) for n in range(1, 700)}  # measured on the real recogniser
+    assert bk.fit_length_rule(ppocr, 1, 4) == (1, 0)
+    assert bk.fit_length_rule({n: n for n in range(1, 50)}, 1, 1) == (0, 0)
+    assert bk.fit_length_rule({n: 256 * n for n in range(1, 20)}, 256, 1) == (0, 0)
+    assert bk.fit_length_rule({n: n * n for n in range(1, 20)}, 1, 1) is None
+
+
+# -- manifest ----------------------------------------------------------------------------------------
+
+SHA = "cd" * 32
+VID = "snapdragon-x-elite_qnn-2.51.0"
+
+
+def bucket_variant(shared: bool = True) -> Variant:
+    ctx = [f"{VID}/m_frames{n}_ctx.onnx" for n in (64, 128)]
+    binary = f"{VID}/m_frames64_ctx_qnn.bin"
+    return Variant(
+        id=VID,
+        target="snapdragon-x-elite",
+        soc_model=60,
+        htp_arch=73,
+        backend="htp",
+        qnn_sdk_version="2.51.0",
+        ep_sdk_version="v2.51.0.1",
+        onnxruntime_qnn="2.7.0",
+        onnxruntime="1.31.1",
+        ep_compatibility_info="v2:6:2.51.0:5.51.0:73:60:0:0",
+        embed_mode=0,
+        model=ctx[-1],
+        files=[FileEntry(p, SHA, 10) for p in [*ctx, binary]],
+        inputs=[TensorInfo("latent", [1, 16, -1], "float32")],
+        outputs=[TensorInfo("denoised", [1, 16, -1], "float32")],
+        coverage={},
+        accuracy={},
+        load={},
+        passed=True,
+        failed_gates=[],
+        buckets=Buckets(
+            shared_binary=binary if shared else None,
+            axes=[BucketAxis("latent", 2, "frames", 0.0, "end")],
+            crops=[BucketCrop("denoised", 2, "latent", 2, 1, 1, 0, 0)],
+            entries=[
+                BucketEntry(
+                    f"frames{n}",
+                    path,
+                    [TensorInfo("latent", [1, 16, n], "float32")],
+                    [TensorInfo("denoised", [1, 16, n], "float32")],
+                )
+                for n, path in zip((64, 128), ctx, strict=True)
+            ],
+        ),
+    )
+
+
+def manifest_dict(v: Variant) -> dict:
+    return Manifest(
+        schema_version=SchemaVersion.V1,
+        model="m",
+        version="1.0.0",
+        created="2026-11-21T16:00:00+00:00",
+        generator="test",
+        source_sha256=SHA,
+        config_digest="c",
+        quantization={},
+        variants=[v],
+        cpu_fallback=None,
+        excluded=[],
+    ).to_dict()
+
+
+def test_bucket_section_round_trips_and_is_absent_without_buckets() -> None:
+    data = manifest_dict(bucket_variant())
+    parsed = Manifest.from_dict(json.loads(json.dumps(data)))
+    assert parsed.variants[0].buckets == bucket_variant().buckets
+    plain = copy.deepcopy(data)
+    del plain["variants"][0]["buckets"]
+    again = Manifest.from_dict(plain)
+    assert again.variants[0].buckets is None
+    assert "buckets" not in again.to_dict()["variants"][0]  # old releases keep their manifest
+
+
+def test_bucket_section_must_name_the_variants_own_files_and_tensors() -> None:
+    data = manifest_dict(bucket_variant())
+    spec = data["variants"][0]["buckets"]
+    spec["shared_binary"] = f"{VID}/other_qnn.bin"
+    spec["entries"][0]["model"] = f"{VID}/missing_ctx.onnx"
+    spec["crops"][0]["output"] = "logits"
+    spec["axes"][0]["pad_side"] = "middle"
+    with pytest.raises(ReleaseError) as info:
+        Manifest.from_dict(data)
+    message = str(info.value)
+    assert "shared_binary" in message and "not one of the files" in message
+    assert "entries[0].model" in message
+    assert "crops[0] names logits[2], not an output axis" in message
+    assert "pad_side must be start or end" in message
