@@ -48,6 +48,7 @@ def prepare_model(
         t.fold_constants,
         t.fold_batchnorm,
         t.rewrite_for_htp,
+        t.rewrite_hypot,  # after Pow(x, 2) -> Mul(x, x)
         t.qnn_preprocess,
         t.fold_constants,  # fusions can leave constant subexpressions behind
         t.topological_sort,

@@ -382,19 +382,30 @@ def _quantize_once(
 ) -> dict[str, Any]:
     """Quantize with the calibrated ranges of ``cache`` (calibrating first if it is absent).
 
-    The raw MinMax ranges are tuned by ``pipeline.ranges`` (16-bit margin within op bounds,
-    int32-bias floor) into a second cache that the quantizer reads; returns what changed.
+    The raw MinMax ranges are tuned by ``pipeline.ranges`` (cut to the values that matter,
+    a margin where resolution allows, int32-bias floor) into a second cache that the quantizer
+    reads; returns what changed.
     """
+    import json
+
     import onnx
 
     from . import ranges
 
     q = config.quantization
     model = onnx.load(str(float_path))
+    stats = cache.with_name("rms_" + cache.name)
     if not cache.is_file():
         _run_quantizer(
             config, float_path, qdq_path, calib, cache, model, tensor_overrides, op_type_overrides
         )
+    if stats.is_file():
+        rms = json.loads(stats.read_text("utf-8"))
+    else:  # no samples (a cache from elsewhere): no statistics, so no margins
+        _, calibrated = ranges.read_cache(cache)
+        rms = ranges.activation_rms(model, calib, sorted(calibrated))
+        if rms:
+            stats.write_text(json.dumps(rms), "utf-8")
     tensor_types = dict(tensor_overrides)
     for node in model.graph.node:
         if node.op_type in op_type_overrides:
@@ -403,7 +414,14 @@ def _quantize_once(
     tuned = cache.with_name("tuned_" + cache.name)
     try:
         changes = ranges.tune(
-            model, cache, tuned, q.activation_type, q.weight_type, q.per_channel, tensor_types
+            model,
+            cache,
+            tuned,
+            q.activation_type,
+            q.weight_type,
+            q.per_channel,
+            tensor_types,
+            rms,
         )
     except Exception as exc:
         raise ModelError(

@@ -6,7 +6,7 @@ real models, and both are fixed here, on the ranges, before onnxruntime picks sc
 - **Unseen extremes.** With 16-bit activations the resolution is plentiful (a step of 1/65535
   of the range), so the error that dominates is clipping: a held-out input that drives a tensor
   past the largest calibrated value is cut off, and the cut propagates. Each 16-bit range is
-  widened by ``MARGIN_16BIT`` of its span on each side (costing ~6 dB of a ~96 dB budget),
+  widened by up to ``MAX_MARGIN`` of its span on each side (costing ~6 dB of a ~96 dB budget),
   never past the bounds the producing op guarantees (Relu >= 0, Clip's limits, Sigmoid in
   [0, 1], ...): onnxruntime removes Relu/Clip and lets the QuantizeLinear do the clamping, so
   their bounds must stay exact. A tensor seen only non-negative stays non-negative.
@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-MARGIN_16BIT = 0.5  # of the calibrated span, on each side, for 16-bit activations
+MAX_MARGIN = 0.5  # widen a range by at most this x its span, on each side
+MARGIN_FLOOR_DB = 60.0  # ... and only while its own quantization SNR stays above this
 MIN_REAL_RANGE = 1e-4  # onnxruntime's default for QNN (get_qnn_qdq_config)
 BIAS_HEADROOM = 1.05  # keep the largest bias a little inside the int32 range
 INT32_SPAN = float(2**32 - 2)  # onnxruntime: int32 max - (int32 min + 1)
@@ -61,11 +62,16 @@ BOUNDED_OPS: dict[str, dict[int, tuple[float | None, float | None]]] = {
 class RangeChanges:
     """What was changed, for the report."""
 
+    clamped: int = 0
     widened: int = 0
     bias_floor: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"widened": self.widened, "bias_floor": self.bias_floor}
+        return {
+            "clamped": self.clamped,
+            "widened": self.widened,
+            "bias_floor": self.bias_floor,
+        }
 
 
 def _bounds(model: Any) -> dict[str, tuple[float | None, float | None]]:
@@ -100,16 +106,169 @@ def _bounds(model: Any) -> dict[str, tuple[float | None, float | None]]:
     return bounds
 
 
-def widen(
-    ranges: dict[str, tuple[float, float]],
-    bounds: dict[str, tuple[float | None, float | None]],
-    margin: float,
-) -> dict[str, tuple[float, float]]:
-    """Each range grown by ``margin`` x its span per side, within bounds and sign."""
+INF = float("inf")
+Interval = tuple[float, float]
+AFFINE_OPS = ("Mul", "Div", "Add", "Sub")
+
+
+def _attr(node: Any, name: str, default: float) -> float:
+    return next((a.f for a in node.attribute if a.name == name), default)
+
+
+def _live_input_range(node: Any, bits: int, consts: dict[str, float]) -> Interval | None:
+    """The input values that ``node`` (one input, elementwise) does not map to a constant.
+
+    Beyond this range the op saturates: for Sigmoid/Tanh, to within half an output step at
+    ``bits`` bits. None when the op does not saturate (every input value matters).
+    """
+    levels = 2.0**bits - 1.0
+    if node.op_type == "Relu":
+        return (0.0, INF)
+    if node.op_type == "Clip":
+        low = consts.get(node.input[1], -INF) if len(node.input) > 1 and node.input[1] else -INF
+        high = consts.get(node.input[2], INF) if len(node.input) > 2 and node.input[2] else INF
+        return (_attr(node, "min", low), _attr(node, "max", high))
+    if node.op_type == "HardSigmoid":
+        alpha, beta = _attr(node, "alpha", 0.2), _attr(node, "beta", 0.5)
+        if alpha == 0:
+            return None
+        ends = sorted(((0.0 - beta) / alpha, (1.0 - beta) / alpha))
+        return (ends[0], ends[1])
+    if node.op_type == "HardSwish":
+        return (-3.0, INF)
+    if node.op_type == "Sigmoid":  # 1 - sigmoid(s) ~ exp(-s) <= 1 / (2 levels)
+        edge = float(np.log(2.0 * levels))
+        return (-edge, edge)
+    if node.op_type == "Tanh":  # 1 - tanh(t) ~ 2 exp(-2t) <= 1 / levels
+        edge = float(np.log(2.0 * levels) / 2.0)
+        return (-edge, edge)
+    return None
+
+
+def _preimage(node: Any, index: int, out: Interval, consts: dict[str, float]) -> Interval | None:
+    """Input ``index`` range that maps into ``out`` through x*c, x/c, x+c, x-c or c-x."""
+    other = node.input[1 - index]
+    if other not in consts:
+        return None
+    c = consts[other]
+    low, high = out
+    if node.op_type == "Add":
+        return (low - c, high - c)
+    if node.op_type == "Sub":
+        return (low + c, high + c) if index == 0 else (c - high, c - low)
+    if node.op_type == "Mul" and c != 0:
+        ends = (low / c, high / c)
+    elif node.op_type == "Div" and index == 0 and c != 0:
+        ends = (low * c, high * c)
+    else:
+        return None
+    return (min(ends), max(ends))
+
+
+def live_ranges(model: Any, bits: dict[str, int], default_bits: int) -> dict[str, Interval]:
+    """Tensor -> the only values that can still change the model's outputs.
+
+    A tensor read only by ops that saturate beyond some range (Clip, Relu, HardSigmoid,
+    Sigmoid, Tanh; also through x*c, x+c, ... on the way to one) needs no quantization range
+    past that point: a value beyond it gives the same output as the edge value. Example: the
+    cubic term inside tanh-GELU spans +-1e6 on real inputs while tanh only distinguishes
+    about +-6; quantized over +-1e6, a 16-bit step is ~30 and every non-saturated value is lost.
+    """
+    from onnx import numpy_helper
+
+    consts: dict[str, float] = {}
+    for init in model.graph.initializer:
+        if int(np.prod(init.dims)) == 1:
+            consts[init.name] = float(numpy_helper.to_array(init).reshape(-1)[0])
+    consumers: dict[str, list[tuple[Any, int]]] = {}
+    for node in model.graph.node:
+        for index, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node, index))
+    outputs = {o.name for o in model.graph.output}
+    live: dict[str, Interval | None] = {}
+    for node in reversed(model.graph.node):
+        for name in node.output:
+            if not name or name in live:
+                continue
+            if name in outputs or name not in consumers:
+                live[name] = None
+                continue
+            union: Interval | None = None
+            for consumer, index in consumers[name]:
+                need: Interval | None = None
+                if consumer.op_type in AFFINE_OPS and len(consumer.input) == 2:
+                    out_range = live.get(consumer.output[0])
+                    if out_range is not None:
+                        need = _preimage(consumer, index, out_range, consts)
+                elif index == 0:
+                    out_bits = bits.get(consumer.output[0], default_bits)
+                    need = _live_input_range(consumer, out_bits, consts)
+                if need is None:
+                    union = None
+                    break
+                union = need if union is None else (min(union[0], need[0]), max(union[1], need[1]))
+            live[name] = union
+    return {
+        name: interval
+        for name, interval in live.items()
+        if interval is not None and (interval[0] > -INF or interval[1] < INF)
+    }
+
+
+def clamp_to_live(
+    ranges: dict[str, Interval], live: dict[str, Interval]
+) -> tuple[dict[str, Interval], int]:
+    """Ranges cut to their live part; returns them and how many changed."""
+    result = dict(ranges)
+    changed = 0
+    for name, (low, high) in ranges.items():
+        if name not in live:
+            continue
+        floor, ceiling = live[name]
+        new_low, new_high = max(low, floor), min(high, ceiling)
+        if new_low > new_high:  # every value saturates to one side
+            new_low = new_high = floor if high < floor else ceiling
+        if (new_low, new_high) != (low, high):
+            result[name] = (new_low, new_high)
+            changed += 1
+    return result, changed
+
+
+def margins(
+    ranges: dict[str, Interval], rms: dict[str, float], levels: dict[str, int]
+) -> dict[str, float]:
+    """Tensor -> how much to widen its range per side, as a fraction of its span.
+
+    Widening by a factor k costs 20*log10(k) dB of the tensor's own quantization SNR, so a
+    tensor only gets the margin its SNR can pay for while staying above ``MARGIN_FLOOR_DB``:
+    a well-spread 16-bit tensor (~90 dB) gets the full ``MAX_MARGIN``; an outlier-dominated one
+    (the x**3 inside GELU, ~45 dB) or any 8-bit tensor (~45 dB) gets none, resolution being
+    what limits those.
+    """
     result = {}
     for name, (low, high) in ranges.items():
         span = high - low
-        new_low, new_high = low - margin * span, high + margin * span
+        if name not in rms or span <= 0.0 or rms[name] <= 0.0:
+            continue
+        step = span / levels[name]
+        snr = 20.0 * np.log10(rms[name] / step) + 10.0 * np.log10(12.0)
+        factor = min(10.0 ** ((snr - MARGIN_FLOOR_DB) / 20.0), 1.0 + 2.0 * MAX_MARGIN)
+        if factor > 1.0:
+            result[name] = (factor - 1.0) / 2.0
+    return result
+
+
+def widen(
+    ranges: dict[str, Interval],
+    bounds: dict[str, tuple[float | None, float | None]],
+    margin: dict[str, float],
+) -> dict[str, Interval]:
+    """Ranges grown by their margin x span per side, within bounds and sign."""
+    result = dict(ranges)
+    for name, fraction in margin.items():
+        low, high = ranges[name]
+        span = high - low
+        new_low, new_high = low - fraction * span, high + fraction * span
         if low >= 0.0:
             new_low = low
         if high <= 0.0:
@@ -121,6 +280,43 @@ def widen(
             new_high = min(new_high, max(ceiling, high))
         result[name] = (new_low, new_high)
     return result
+
+
+def activation_rms(
+    model: Any, samples: Any, names: list[str], max_samples: int = 8
+) -> dict[str, float]:
+    """Root mean square of each named float tensor over the first samples (float model)."""
+    import onnx
+    import onnxruntime as ort
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    produced = {o for n in probe.graph.node for o in n.output}
+    inputs = {i.name for i in probe.graph.input}
+    present = {o.name for o in probe.graph.output}
+    wanted = [n for n in names if n in produced or n in inputs]
+    for name in wanted:
+        if name in produced and name not in present:
+            probe.graph.output.append(onnx.ValueInfoProto(name=name))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(
+        probe.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    outputs = [o.name for o in session.get_outputs() if o.name in set(wanted)]
+    total = dict.fromkeys(wanted, 0.0)
+    count = dict.fromkeys(wanted, 0)
+    for index, feeds in enumerate(samples):
+        if index >= max_samples:
+            break
+        values = dict(zip(outputs, session.run(outputs, feeds), strict=True))
+        values.update({k: v for k, v in feeds.items() if k in total})
+        for name, value in values.items():
+            if np.issubdtype(np.asarray(value).dtype, np.floating):
+                v = np.asarray(value, dtype=np.float64)
+                total[name] += float(np.sum(v * v))
+                count[name] += v.size
+    return {n: float(np.sqrt(total[n] / count[n])) for n in wanted if count[n]}
 
 
 def _weight_scales(weight: np.ndarray, qtype: str, per_channel: bool, axis: int) -> np.ndarray:
@@ -241,23 +437,34 @@ def tune(
     weight_type: str,
     per_channel: bool,
     tensor_types: dict[str, str],
+    rms: dict[str, float],
 ) -> RangeChanges:
     """Write ``tuned_cache``: the calibrated ranges of ``raw_cache`` after the rules above.
 
     ``tensor_types`` are per-tensor type overrides (activations and weights) on top of the
-    defaults ``activation_type``/``weight_type``.
+    defaults ``activation_type``/``weight_type``; ``rms`` is each activation's root mean
+    square on calibration samples (``activation_rms``).
     """
     data, raw = read_cache(raw_cache)
     inits = {i.name for i in model.graph.initializer}
     activation_types = {name: tensor_types.get(name, activation_type) for name in raw}
     weight_types = {name: tensor_types.get(name, weight_type) for name in inits}
+    levels = {n: QRANGE.get(t, 255) for n, t in activation_types.items()}
     changes = RangeChanges()
-    sixteen = {n: r for n, r in raw.items() if QRANGE.get(activation_types[n], 0) > 255}
-    ranges = dict(raw)
-    if sixteen:
-        widened = widen(sixteen, _bounds(model), MARGIN_16BIT)
-        changes.widened = sum(1 for n in widened if widened[n] != raw[n])
-        ranges.update(widened)
+    bits = {n: 16 if q > 255 else 8 for n, q in levels.items()}
+    default_bits = 16 if QRANGE.get(activation_type, 0) > 255 else 8
+    live = live_ranges(model, bits, default_bits)
+    ranges, changes.clamped = clamp_to_live(raw, live)
+    bounds = _bounds(model)
+    for name, (floor, ceiling) in live.items():
+        low, high = bounds.get(name, (None, None))
+        bounds[name] = (
+            floor if low is None else max(low, floor),
+            ceiling if high is None else min(high, ceiling),
+        )
+    widened = widen(ranges, bounds, margins(ranges, rms, levels))
+    changes.widened = sum(1 for n in widened if widened[n] != ranges[n])
+    ranges = widened
     floors = bias_floor(model, ranges, activation_types, weight_types, per_channel)
     ranges = apply_bias_floor(ranges, floors)
     changes.bias_floor = [info for _, info in floors.values()]
