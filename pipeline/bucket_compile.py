@@ -15,10 +15,11 @@ EPContext node and partition names are unique across buckets.
 Measured here (QNN 2.47, 2.49 and 2.51 on x86_64): the x86_64 HTP simulator cannot create a
 context from a weight-shared binary holding several graphs (2.49: QNN_COMMON_ERROR_NOT_SUPPORTED
 from contextCreateFromBinary; 2.51: the process dies with SIGSEGV), while a shared binary with one
-graph, or an unshared binary with several graphs, loads. So each bucket is also compiled on its own
-(``standalone/``), from the same QDQ model with the same options; a probe in a separate process
-tries to load the shared set, and coverage and validation run on the shared set where it loads (a
-device) and on the standalone set where it does not (this machine), saying which.
+graph, or an unshared binary with several graphs, loads. So a probe in a separate process tries to
+load the shared set; where it does not load (this machine), or when ``[buckets] packaging`` asks
+for it, each bucket is also compiled on its own (``standalone/``) from the same QDQ model with the
+same options. Coverage and validation run on the shared set where it loads (a device) and on the
+standalone set otherwise, and the records say which.
 
 The parent side (``compile_bucketed``) runs in the compile stage and reuses its child-process
 isolation (``pipeline.compile.run_child`` / ``interpret``); ``python -m pipeline.bucket_compile
@@ -437,19 +438,22 @@ def run(job: BucketJob, result: cw.Result) -> None:
         result.data["compile_time_s"] = time.perf_counter() - started
         result.stage("verify")
         result.data["shared"] = verify_set(job, shared_ctxs, shared=True)
-    result.stage("compile_standalone")
-    begin = time.perf_counter()
-    standalone = compile_set(job, ep, out / STANDALONE_DIR, share=False)
-    result.data["standalone_compile_time_s"] = time.perf_counter() - begin
-    result.data.setdefault("compile_time_s", result.data["standalone_compile_time_s"])
-    result.stage("verify_standalone")
-    result.data["standalone"] = verify_set(job, standalone, shared=False)
-
     use_shared = False
-    if share:
+    if share:  # in a separate process: a machine that cannot load it may crash instead
         result.stage("probe")
         use_shared, note = probe_shared(job, shared_ctxs)
         result.data["shared_load_probe"] = note
+    # One context per bucket: when it is published, or to validate where the shared set does not
+    # load (the x86 simulator); it is also the "k separate ctx models" of the size comparison.
+    standalone: dict[str, Path] = {}
+    if "standalone" in job.packaging or not use_shared:
+        result.stage("compile_standalone")
+        begin = time.perf_counter()
+        standalone = compile_set(job, ep, out / STANDALONE_DIR, share=False)
+        result.data["standalone_compile_time_s"] = time.perf_counter() - begin
+        result.data.setdefault("compile_time_s", result.data["standalone_compile_time_s"])
+        result.stage("verify_standalone")
+        result.data["standalone"] = verify_set(job, standalone, shared=False)
     ctxs = shared_ctxs if use_shared else standalone
     result.data["validated_with"] = "shared" if use_shared else "standalone"
 
@@ -493,7 +497,7 @@ def run(job: BucketJob, result: cw.Result) -> None:
 
     result.stage("benchmark")
     benchmark(job, ep, ctxs, use_shared, result)
-    facts = (result.data.get("shared") or result.data["standalone"])["facts"]
+    facts = (result.data.get("shared") or result.data.get("standalone") or {})["facts"]
     first = facts[job.buckets[0]["name"]]
     result.data["ctx"] = {
         key: first[key]

@@ -232,6 +232,11 @@ def _no_fit_error(
         fixes.append(
             f"add target {device.target!r} (HTP v{device.htp_arch}) to compile.targets and rebuild"
         )
+    if device.simulator and any(v.buckets and v.buckets.shared_binary for v in passing):
+        fixes.append(
+            'run it on the device, or publish with [buckets] packaging = ["shared", '
+            '"standalone"] for a variant the simulator loads'
+        )
     tip = "; or ".join(fixes)
     return ReleaseError(message, tip=tip[:1].upper() + tip[1:] + ".")
 

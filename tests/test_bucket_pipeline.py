@@ -215,6 +215,7 @@ def test_shared_set_is_preferred_on_a_device_and_refused_on_the_simulator(
     with pytest.raises(ReleaseError) as info:
         runtime.choose_variant(Manifest.read(only_shared / MANIFEST_FILE), installed, simulator)
     assert SIMULATOR_REFUSES_SHARED in str(info.value)
+    assert 'packaging = ["shared", "standalone"]' in (info.value.tip or "")
 
 
 @pytest.mark.qnn
