@@ -193,16 +193,15 @@ def _db(signal: float, noise: float) -> float:
 
 
 def choose(
-    found: list[Candidate],
-    signal: dict[str, float],
-    qdq_noise: dict[str, float],
-    target_db: float,
-) -> tuple[list[Candidate], float]:
+    found: list[Candidate], signal: dict[str, float], target_db: float
+) -> tuple[list[Candidate], int]:
     """The shortest prefix, largest contribution first, predicted to reach ``target_db``.
 
     Returns the ranked candidates (measured ones with a contribution, biggest first) and how
-    many of them to raise. Predicted noise after raising a set = the QDQ model's noise minus
-    the contributions raised, never below what the 8-bit tensors do not explain.
+    many of them to raise. The prediction is additive: the noise left after raising a set is
+    the sum of the others' contributions. Interactions and the 16-bit tensors' own noise are
+    not modelled (a residual from subtracting one huge contribution from the QDQ model's noise
+    would be mostly measurement error); the held-out check after re-quantizing covers them.
     """
     goal = {o: signal[o] * 10.0 ** (-target_db / 10.0) for o in signal}
     ranked = sorted(
@@ -210,13 +209,11 @@ def choose(
         key=lambda c: max(c.noise.get(o, 0.0) / max(goal[o], 1e-30) for o in goal),
         reverse=True,
     )
-    explained = {o: sum(c.noise.get(o, 0.0) for c in ranked) for o in signal}
-    rest = {o: max(qdq_noise[o] - explained[o], 0.0) for o in signal}
-    remaining = dict(explained)
+    remaining = {o: sum(c.noise.get(o, 0.0) for c in ranked) for o in signal}
     for count, cand in enumerate(ranked, start=1):
         for o in signal:
             remaining[o] -= cand.noise.get(o, 0.0)
-        if all(rest[o] + max(remaining[o], 0.0) <= goal[o] for o in signal):
+        if all(max(remaining[o], 0.0) <= goal[o] for o in signal):
             return ranked, count
     return ranked, len(ranked)
 
@@ -244,8 +241,9 @@ def raise_precision(
     if before >= target:
         return summary
     found, signal, qdq_noise, stats = measure(float_path, qdq_path, calibration)
+    stats["qdq_snr_db"] = min((_db(signal[o], qdq_noise[o]) for o in signal), default=None)
     summary["analysis"] = stats
-    ranked, count = choose(found, signal, qdq_noise, target + SAFETY_DB)
+    ranked, count = choose(found, signal, target + SAFETY_DB)
     # Candidates the time budget left unmeasured come last, in graph order.
     ranked += [c for c in found if not c.noise]
     if not ranked:

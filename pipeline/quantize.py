@@ -430,7 +430,15 @@ def _quantize_once(
             tip="Report this model; see artifacts/build/<model>/float.onnx.",
         ) from exc
     _run_quantizer(
-        config, float_path, qdq_path, calib, tuned, model, tensor_overrides, op_type_overrides
+        config,
+        float_path,
+        qdq_path,
+        calib,
+        tuned,
+        model,
+        tensor_overrides,
+        op_type_overrides,
+        changes.weight_ranges,
     )
     return changes.to_dict()
 
@@ -444,13 +452,20 @@ def _run_quantizer(
     model: Any,
     tensor_overrides: dict[str, str],
     op_type_overrides: dict[str, str],
+    weight_ranges: dict[str, tuple[float, float]] | None = None,
 ) -> None:
-    """One onnxruntime ``quantize_static`` run; it calibrates only when ``cache`` is absent."""
+    """One onnxruntime ``quantize_static`` run; it calibrates only when ``cache`` is absent.
+
+    ``weight_ranges`` overrides the float range onnxruntime quantizes a weight over.
+    """
     from onnxruntime.quantization import CalibrationMethod, QuantType, quantize_static
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
     q = config.quantization
     init_overrides = _tensor_overrides(model, tensor_overrides, op_type_overrides)
+    for name, (low, high) in (weight_ranges or {}).items():
+        entry = init_overrides.setdefault(name, [{}])[0]
+        entry.update(rmin=np.array(low, np.float32), rmax=np.array(high, np.float32))
     progress = None if cache.is_file() else _progress(len(calib), f"calibrate {config.model.name}")
     reader = _StreamingReader(calib, CALIBRATION_CHUNK, progress)
     # onnxruntime's quantizer logs advice ("consider pre-processing", opset upgrades) on the

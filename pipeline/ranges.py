@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+INF = float("inf")
+Interval = tuple[float, float]
 MAX_MARGIN = 0.5  # widen a range by at most this x its span, on each side
 MARGIN_FLOOR_DB = 60.0  # ... and only while its own quantization SNR stays above this
 MIN_REAL_RANGE = 1e-4  # onnxruntime's default for QNN (get_qnn_qdq_config)
@@ -65,6 +67,8 @@ class RangeChanges:
     clamped: int = 0
     widened: int = 0
     bias_floor: list[dict[str, Any]] = field(default_factory=list)
+    # Weight -> (rmin, rmax) for onnxruntime's TensorQuantOverrides (not in the report).
+    weight_ranges: dict[str, Interval] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,8 +110,6 @@ def _bounds(model: Any) -> dict[str, tuple[float | None, float | None]]:
     return bounds
 
 
-INF = float("inf")
-Interval = tuple[float, float]
 AFFINE_OPS = ("Mul", "Div", "Add", "Sub")
 
 
@@ -145,37 +147,63 @@ def _live_input_range(node: Any, bits: int, consts: dict[str, float]) -> Interva
     return None
 
 
-def _preimage(node: Any, index: int, out: Interval, consts: dict[str, float]) -> Interval | None:
-    """Input ``index`` range that maps into ``out`` through x*c, x/c, x+c, x-c or c-x."""
+def _preimage(
+    node: Any,
+    index: int,
+    out: Interval,
+    consts: dict[str, float],
+    known: dict[str, Interval],
+) -> Interval | None:
+    """Input ``index`` range that maps into ``out`` through x*c, x/c, x+c, x-c, c-x, or
+    through x+y, x-y, y-x when ``known`` bounds the other operand y.
+
+    For x+y: a value of x below ``out.low - y.high`` gives a result below ``out.low`` whatever
+    y is (and likewise above), so it saturates the reader exactly as the edge value would.
+    """
     other = node.input[1 - index]
-    if other not in consts:
-        return None
-    c = consts[other]
     low, high = out
-    if node.op_type == "Add":
-        return (low - c, high - c)
-    if node.op_type == "Sub":
-        return (low + c, high + c) if index == 0 else (c - high, c - low)
-    if node.op_type == "Mul" and c != 0:
-        ends = (low / c, high / c)
-    elif node.op_type == "Div" and index == 0 and c != 0:
-        ends = (low * c, high * c)
-    else:
+    if other in consts:
+        c = consts[other]
+        if node.op_type == "Add":
+            return (low - c, high - c)
+        if node.op_type == "Sub":
+            return (low + c, high + c) if index == 0 else (c - high, c - low)
+        if node.op_type == "Mul" and c != 0:
+            ends = (low / c, high / c)
+        elif node.op_type == "Div" and index == 0 and c != 0:
+            ends = (low * c, high * c)
+        else:
+            return None
+        return (min(ends), max(ends))
+    if other not in known:
         return None
-    return (min(ends), max(ends))
+    y_low, y_high = known[other]
+    if node.op_type == "Add":
+        return (low - y_high, high - y_low)
+    if node.op_type == "Sub":
+        return (low + y_low, high + y_high) if index == 0 else (y_low - high, y_high - low)
+    return None
 
 
-def live_ranges(model: Any, bits: dict[str, int], default_bits: int) -> dict[str, Interval]:
+def live_ranges(
+    model: Any,
+    bits: dict[str, int],
+    default_bits: int,
+    known: dict[str, Interval] | None = None,
+) -> dict[str, Interval]:
     """Tensor -> the only values that can still change the model's outputs.
 
     A tensor read only by ops that saturate beyond some range (Clip, Relu, HardSigmoid,
     Sigmoid, Tanh; also through x*c, x+c, ... on the way to one) needs no quantization range
     past that point: a value beyond it gives the same output as the edge value. Example: the
-    cubic term inside tanh-GELU spans +-1e6 on real inputs while tanh only distinguishes
-    about +-6; quantized over +-1e6, a 16-bit step is ~30 and every non-saturated value is lost.
+    argument of tanh-GELU, x + 0.044715 x**3, spans +-1e6 on real inputs while tanh only
+    distinguishes about +-6; quantized over +-1e6, a 16-bit step is ~30 and every non-saturated
+    value is lost. ``known`` (the ranges tensors will be quantized to) lets the rule pass
+    through x+y and x-y as well: then the x**3 term itself only needs +-(range of x + 6).
     """
     from onnx import numpy_helper
 
+    known = known or {}
     consts: dict[str, float] = {}
     for init in model.graph.initializer:
         if int(np.prod(init.dims)) == 1:
@@ -185,29 +213,30 @@ def live_ranges(model: Any, bits: dict[str, int], default_bits: int) -> dict[str
         for index, name in enumerate(node.input):
             consumers.setdefault(name, []).append((node, index))
     outputs = {o.name for o in model.graph.output}
+    order = [name for node in reversed(model.graph.node) for name in node.output]
+    order += [i.name for i in model.graph.input]
     live: dict[str, Interval | None] = {}
-    for node in reversed(model.graph.node):
-        for name in node.output:
-            if not name or name in live:
-                continue
-            if name in outputs or name not in consumers:
-                live[name] = None
-                continue
-            union: Interval | None = None
-            for consumer, index in consumers[name]:
-                need: Interval | None = None
-                if consumer.op_type in AFFINE_OPS and len(consumer.input) == 2:
-                    out_range = live.get(consumer.output[0])
-                    if out_range is not None:
-                        need = _preimage(consumer, index, out_range, consts)
-                elif index == 0:
-                    out_bits = bits.get(consumer.output[0], default_bits)
-                    need = _live_input_range(consumer, out_bits, consts)
-                if need is None:
-                    union = None
-                    break
-                union = need if union is None else (min(union[0], need[0]), max(union[1], need[1]))
-            live[name] = union
+    for name in order:
+        if not name or name in live:
+            continue
+        if name in outputs or name not in consumers:
+            live[name] = None
+            continue
+        union: Interval | None = None
+        for consumer, index in consumers[name]:
+            need: Interval | None = None
+            if consumer.op_type in AFFINE_OPS and len(consumer.input) == 2:
+                out_range = live.get(consumer.output[0])
+                if out_range is not None and consumer.input[0] != consumer.input[1]:
+                    need = _preimage(consumer, index, out_range, consts, known)
+            elif index == 0:
+                out_bits = bits.get(consumer.output[0], default_bits)
+                need = _live_input_range(consumer, out_bits, consts)
+            if need is None:
+                union = None
+                break
+            union = need if union is None else (min(union[0], need[0]), max(union[1], need[1]))
+        live[name] = union
     return {
         name: interval
         for name, interval in live.items()
@@ -338,21 +367,26 @@ def _weight_scales(weight: np.ndarray, qtype: str, per_channel: bool, axis: int)
 
 def bias_floor(
     model: Any,
-    ranges: dict[str, tuple[float, float]],
+    ranges: dict[str, Interval],
     activation_types: dict[str, str],
     weight_types: dict[str, str],
     per_channel: bool,
-) -> dict[str, tuple[float, dict[str, Any]]]:
-    """Activation -> the smallest range span that keeps its consumers' int32 biases unsaturated.
+) -> tuple[dict[str, tuple[float, dict[str, Any]]], dict[str, tuple[Interval, dict[str, Any]]]]:
+    """What keeps every Conv/Gemm int32 bias unsaturated: (activation floors, weight ranges).
 
-    ``activation_types``/``weight_types`` give each tensor's quantization type. Only weights of
-    unsigned types are considered: onnxruntime itself raises the scale of symmetric signed
-    weights when a bias would overflow.
+    The bias scale is input_scale x weight_scale; it must reach 2*|b| / 2^32 for every output
+    channel. The factor that is missing goes to the side that loses nothing by it: a dead
+    input (its calibrated range collapsed to onnxruntime's minimum) gets a wider range
+    (``{activation: (span, info)}``); live input but dead weights (all ~0) get a wider weight
+    range (``{weight: ((rmin, rmax), info)}``, an onnxruntime range override); when both are
+    live, the input, whose 16 bits have room to spare. Weights of signed types are skipped:
+    onnxruntime raises the scale of symmetric signed weights itself.
     """
     from onnx import numpy_helper
 
     inits = {i.name: i for i in model.graph.initializer}
-    needed: dict[str, tuple[float, dict[str, Any]]] = {}
+    floors: dict[str, tuple[float, dict[str, Any]]] = {}
+    weights: dict[str, tuple[Interval, dict[str, Any]]] = {}
     for node in model.graph.node:
         if node.op_type not in ("Conv", "Gemm", "ConvTranspose") or len(node.input) < 3:
             continue
@@ -360,28 +394,44 @@ def bias_floor(
         if x not in ranges or w_name not in inits or b_name not in inits:
             continue
         wtype = weight_types.get(w_name, "")
-        if wtype not in QRANGE or wtype.startswith("int"):
-            continue
         atype = activation_types.get(x, "")
-        if atype not in QRANGE:
+        if wtype not in QRANGE or wtype.startswith("int") or atype not in QRANGE:
             continue
-        weight = numpy_helper.to_array(inits[w_name])
+        weight = numpy_helper.to_array(inits[w_name]).astype(np.float64)
         bias = np.abs(numpy_helper.to_array(inits[b_name]).astype(np.float64)).ravel()
+        channelwise = per_channel and node.op_type != "Gemm"
         axis = 1 if node.op_type == "ConvTranspose" else 0
-        w_scales = _weight_scales(weight, wtype, per_channel and node.op_type != "Gemm", axis)
+        w_scales = _weight_scales(weight, wtype, channelwise, axis)
         if w_scales.size not in (1, bias.size):
             continue
-        # Bias scale = x_scale * w_scale must reach 2*|b| / INT32_SPAN for every channel.
-        x_scale = float(np.max(BIAS_HEADROOM * 2.0 * bias / INT32_SPAN / w_scales))
-        span = x_scale * QRANGE[atype]
+        wanted = BIAS_HEADROOM * 2.0 * bias / INT32_SPAN  # smallest bias scale per channel
         low, high = ranges[x]
         have = max(high - low, MIN_REAL_RANGE)
-        if span > have and span > needed.get(x, (0.0, {}))[0]:
-            needed[x] = (
-                span,
-                {"tensor": x, "node": node.name, "span_from": have, "span_to": span},
+        x_scale = have / QRANGE[atype]
+        if np.all(x_scale * w_scales >= wanted):
+            continue
+        w_span = max(float(weight.max()), 0.0) - min(float(weight.min()), 0.0)
+        info = {"node": node.name, "tensor": x}
+        if have <= MIN_REAL_RANGE or w_span > MIN_REAL_RANGE:
+            span = float(np.max(wanted / w_scales)) * QRANGE[atype]
+            if span > floors.get(x, (0.0, {}))[0]:
+                floors[x] = (span, info | {"span_from": have, "span_to": span})
+            continue
+        # Dead weights: one scale (for every channel) large enough for the largest bias.
+        scale = float(np.max(wanted)) / x_scale
+        if channelwise or wtype.startswith("int"):
+            rng: Interval = (-scale * (QRANGE[wtype] - 1) / 2, scale * (QRANGE[wtype] - 1) / 2)
+        else:
+            rmin = min(float(weight.min()), 0.0)
+            rng = (rmin, rmin + scale * QRANGE[wtype])
+        if rng[1] - rng[0] > (
+            weights[w_name][0][1] - weights[w_name][0][0] if w_name in weights else 0
+        ):
+            weights[w_name] = (
+                rng,
+                info | {"tensor": w_name, "span_from": w_span, "span_to": rng[1] - rng[0]},
             )
-    return needed
+    return floors, weights
 
 
 def apply_bias_floor(
@@ -454,7 +504,7 @@ def tune(
     bits = {n: 16 if q > 255 else 8 for n, q in levels.items()}
     default_bits = 16 if QRANGE.get(activation_type, 0) > 255 else 8
     live = live_ranges(model, bits, default_bits)
-    ranges, changes.clamped = clamp_to_live(raw, live)
+    ranges, _ = clamp_to_live(raw, live)
     bounds = _bounds(model)
     for name, (floor, ceiling) in live.items():
         low, high = bounds.get(name, (None, None))
@@ -464,9 +514,16 @@ def tune(
         )
     widened = widen(ranges, bounds, margins(ranges, rms, levels))
     changes.widened = sum(1 for n in widened if widened[n] != ranges[n])
-    ranges = widened
-    floors = bias_floor(model, ranges, activation_types, weight_types, per_channel)
+    # Second pass: with every range now known, the rule also passes through x+y and x-y.
+    # Narrowing a tensor afterwards only makes the bounds it lent to others conservative.
+    ranges, _ = clamp_to_live(widened, live_ranges(model, bits, default_bits, widened))
+    changes.clamped = sum(
+        1 for n, (lo, hi) in raw.items() if ranges[n][0] > lo or ranges[n][1] < hi
+    )
+    floors, weight_ranges = bias_floor(model, ranges, activation_types, weight_types, per_channel)
     ranges = apply_bias_floor(ranges, floors)
     changes.bias_floor = [info for _, info in floors.values()]
+    changes.bias_floor += [info for _, info in weight_ranges.values()]
+    changes.weight_ranges = {name: interval for name, (interval, _) in weight_ranges.items()}
     write_cache(data, ranges, tuned_cache)
     return changes

@@ -1,0 +1,437 @@
+"""Accuracy rules on small seeded models that reproduce each real-model failure.
+
+Each test builds its own model and calibration tensors, runs the real quantize stage
+(onnxruntime's quantizer, CPU EP) and checks the QDQ output against the float model, with the
+rule and (where it says so) without it, so a test fails when its rule stops working.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from pipeline import ranges
+from pipeline.config import load_config
+from pipeline.metrics import snr_db
+from pipeline.quantize import quantize_model
+
+IR = 10
+
+
+def _model(nodes, inputs, outputs, inits) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = IR
+    onnx.checker.check_model(model)
+    return model
+
+
+def _tensor(name: str, shape: list[int]) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+def _init(name: str, array: np.ndarray) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(array, dtype=np.float32), name)
+
+
+def _build(
+    tmp: Path,
+    model: onnx.ModelProto,
+    samples: list[np.ndarray],
+    auto_mixed: bool = False,
+    target: float = 25.0,
+) -> dict:
+    """Quantize ``model`` (u16 activations, u8 weights) through the real stage; the report."""
+    onnx.save(model, str(tmp / "m.onnx"))
+    (tmp / "calib").mkdir()
+    for i, sample in enumerate(samples):
+        np.save(tmp / "calib" / f"s{i:03d}.npy", sample.astype(np.float32))
+    (tmp / "m.toml").write_text(
+        textwrap.dedent(
+            f"""
+            [model]
+            name = "m"
+            source = "m.onnx"
+            [calibration]
+            kind = "tensors"
+            path = "calib"
+            samples = {len(samples)}
+            held_out = 0.25
+            [quantization]
+            activation_type = "uint16"
+            weight_type = "uint8"
+            auto_mixed_precision = {str(auto_mixed).lower()}
+            target_snr_db = {target}
+            """
+        )
+    )
+    result = quantize_model(load_config(tmp / "m.toml"), tmp / "artifacts", force=True)
+    return result.report
+
+
+def _rebuild(tmp: Path) -> float:
+    """Quantize the same config again (after a test switched a rule off); worst SNR."""
+    return _snr(quantize_model(load_config(tmp / "m.toml"), tmp / "artifacts", force=True).report)
+
+
+def _qdq(tmp: Path) -> onnx.ModelProto:
+    return onnx.load(str(tmp / "artifacts" / "build" / "m" / "qdq.onnx"))
+
+
+def _snr(report: dict) -> float:
+    return report["accuracy"]["worst_snr_db"]
+
+
+# --- int32 bias overflow behind an always-zero branch ----------------------------------------
+
+
+def _dead_branch_model(branch_bias: float = -50.0) -> onnx.ModelProto:
+    """x -> Conv -> Relu -> Conv with dead weights (~1e-9) and a bias -> + live path -> y.
+
+    With ``branch_bias`` -50 the Relu is always 0: its range is [0, 0], onnxruntime gives it
+    its minimum real range (1e-4, a 16-bit scale of 1.5e-9), the dead weights get a floor
+    scale of 3.9e-7, the int32 bias scale becomes ~6e-16 and the bias +-0.9 saturates at
+    +-2^31 (ppocr_rec's first SE block). With a positive bias the branch is live but the
+    weights are still dead, which overflows the same way.
+    """
+    rng = np.random.default_rng(0)
+    return _model(
+        [
+            helper.make_node("Conv", ["x", "w1", "b1"], ["c1"]),
+            helper.make_node("Relu", ["c1"], ["branch"]),
+            helper.make_node("Conv", ["branch", "w2", "b2"], ["c2"]),
+            helper.make_node("Conv", ["x", "w3"], ["c3"]),
+            helper.make_node("Add", ["c2", "c3"], ["y"]),
+        ],
+        [_tensor("x", [1, 4, 6, 6])],
+        [_tensor("y", [1, 4, 6, 6])],
+        [
+            _init("w1", rng.normal(0, 0.1, (2, 4, 1, 1))),
+            _init("b1", np.full(2, branch_bias)),
+            _init("w2", rng.normal(0, 1e-9, (4, 2, 1, 1))),
+            _init("b2", np.array([0.9, -0.7, 0.5, -0.9])),
+            _init("w3", rng.normal(0, 0.3, (4, 4, 1, 1))),
+        ],
+    )
+
+
+@pytest.mark.parametrize(("branch_bias", "raised"), [(-50.0, "branch"), (1.0, "w2")])
+def test_conv_bias_fits_int32_behind_dead_branch_or_dead_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, branch_bias: float, raised: str
+) -> None:
+    rng = np.random.default_rng(1)
+    samples = [rng.normal(0, 1, (1, 4, 6, 6)) for _ in range(8)]
+    report = _build(tmp_path, _dead_branch_model(branch_bias), samples)
+    floors = report["quantization"]["range_rules"]["bias_floor"]
+    assert [f["tensor"] for f in floors] == [raised]
+    qdq = _qdq(tmp_path)
+    inits = {i.name: numpy_helper.to_array(i) for i in qdq.graph.initializer}
+    bias = next(v for k, v in inits.items() if k.startswith("b2") and v.dtype == np.int32)
+    assert np.abs(bias.astype(np.int64)).max() < 2**31 - 1  # no saturated value
+    assert _snr(report) > 40
+    monkeypatch.setattr(ranges, "bias_floor", lambda *args: ({}, {}))
+    assert _rebuild(tmp_path) < 10  # without the rule: the bias saturates
+
+
+def test_bias_floor_picks_the_side_that_loses_nothing() -> None:
+    model = _dead_branch_model()
+    types = dict.fromkeys(("x", "branch"), "uint16")
+    weights = {i.name: "uint8" for i in model.graph.initializer}
+    # Live input, dead weights: the weight range grows (one scale for the largest |bias|).
+    floors, wide = ranges.bias_floor(
+        model, {"x": (-3.0, 3.0), "branch": (0.0, 2.0)}, types, weights, per_channel=False
+    )
+    assert floors == {} and set(wide) == {"w2"}
+    (low, high), _ = wide["w2"]
+    scale = (high - low) / 255
+    assert (2.0 / 65535) * scale >= 2 * 0.9 / (2**32 - 2)
+    # Dead input: its range grows, the weights keep theirs.
+    collapsed = {"x": (-3.0, 3.0), "branch": (0.0, 0.0)}
+    floors, wide = ranges.bias_floor(model, collapsed, types, weights, per_channel=False)
+    assert set(floors) == {"branch"} and wide == {}
+    # Signed weights are left to onnxruntime, which raises their scale itself.
+    signed = dict.fromkeys(weights, "int8")
+    assert ranges.bias_floor(model, collapsed, types, signed, per_channel=False) == ({}, {})
+    # A healthy layer needs nothing.
+    healthy = ranges.bias_floor(
+        model, {"x": (-3.0, 3.0), "branch": (0.0, 2.0)}, types, weights | {"w2": "uint8"}, False
+    )
+    assert healthy[0] == {}
+
+
+# --- ranges cut to what a saturating reader can see --------------------------------------------
+
+
+def test_tanh_of_huge_cubic_keeps_its_live_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tanh-GELU's argument x + 0.044715 x^3 spans +-1e5 on a few outliers while tanh only
+    distinguishes about +-6 (magika): over the full range a 16-bit step is ~3."""
+    rng = np.random.default_rng(2)
+    model = _model(
+        [
+            helper.make_node("Mul", ["x", "x"], ["x2"]),
+            helper.make_node("Mul", ["x2", "x"], ["x3"]),
+            helper.make_node("Mul", ["x3", "k"], ["kx3"]),
+            helper.make_node("Add", ["x", "kx3"], ["inner"]),
+            helper.make_node("Mul", ["inner", "c"], ["arg"]),
+            helper.make_node("Tanh", ["arg"], ["y"]),
+        ],
+        [_tensor("x", [1, 256])],
+        [_tensor("y", [1, 256])],
+        [_init("k", np.array(0.044715)), _init("c", np.array(0.7978845608))],
+    )
+    samples = []
+    for _ in range(12):
+        x = rng.normal(0, 1, (1, 256))
+        x[0, 0] = 150.0  # the outlier that sets the calibrated range
+        samples.append(x)
+    report = _build(tmp_path, model, samples)
+    assert report["quantization"]["range_rules"]["clamped"] >= 2  # arg, and inner through *c
+    assert _snr(report) > 40
+    live = ranges.live_ranges(model, {}, 16)
+    edge = float(np.log(2 * 65535) / 2)
+    assert live["arg"] == pytest.approx((-edge, edge))
+    inner = edge / 0.7978845608
+    assert live["inner"] == pytest.approx((-inner, inner))
+    assert "kx3" not in live and "x" not in live  # x + kx3: needs x's range to pass through
+    # Knowing x's range, kx3 only matters within inner's live range minus x's.
+    known = ranges.live_ranges(model, {}, 16, {"x": (-4.0, 150.0)})
+    assert known["kx3"] == pytest.approx((-inner - 150.0, inner + 4.0))
+    assert known["x3"] == pytest.approx(((-inner - 150.0) / 0.044715, (inner + 4.0) / 0.044715))
+    assert "x2" not in known  # x2 * x: a product of two tensors is not inverted
+    monkeypatch.setattr(ranges, "live_ranges", lambda *args: {})
+    assert _rebuild(tmp_path) < 25
+
+
+def test_live_ranges_of_clip_relu_hardsigmoid_and_no_op() -> None:
+    model = _model(
+        [
+            helper.make_node("Add", ["x", "three"], ["shifted"]),
+            helper.make_node("Clip", ["shifted", "zero", "six"], ["clipped"]),
+            helper.make_node("HardSigmoid", ["x"], ["gate"], alpha=0.2, beta=0.5),
+            helper.make_node("Neg", ["x"], ["negx"]),
+            helper.make_node("Relu", ["negx"], ["r"]),
+            helper.make_node("Mul", ["negx", "gate"], ["both"]),
+            helper.make_node("Concat", ["clipped", "r", "both"], ["y"], axis=1),
+        ],
+        [_tensor("x", [1, 4])],
+        [_tensor("y", [1, 12])],
+        [_init("three", np.array(3.0)), _init("zero", np.array(0.0)), _init("six", np.array(6.0))],
+    )
+    live = ranges.live_ranges(model, {}, 16)
+    assert live["shifted"] == (0.0, 6.0)
+    assert "x" not in live  # also read by Neg and HardSigmoid's gate goes on to a Mul
+    assert "negx" not in live  # Relu only sees half, but the Mul needs all of it
+    assert ranges.clamp_to_live({"shifted": (-9.0, 9.0)}, live) == ({"shifted": (0.0, 6.0)}, 1)
+    assert ranges.clamp_to_live({"shifted": (1.0, 2.0)}, live) == ({"shifted": (1.0, 2.0)}, 0)
+    # HardSigmoid alone: its input only matters on [-2.5, 2.5].
+    alone = _model(
+        [helper.make_node("HardSigmoid", ["x"], ["y"], alpha=0.2, beta=0.5)],
+        [_tensor("x", [1, 4])],
+        [_tensor("y", [1, 4])],
+        [],
+    )
+    assert ranges.live_ranges(alone, {}, 16)["x"] == pytest.approx((-2.5, 2.5))
+
+
+# --- margin for values calibration never saw ----------------------------------------------------
+
+
+def test_margin_follows_the_tensors_own_snr() -> None:
+    spread = {"wide": (-4.0, 4.0), "outliers": (-1e5, 1e5), "eight_bit": (-4.0, 4.0)}
+    rms = {"wide": 1.0, "outliers": 1.0, "eight_bit": 1.0}
+    levels = {"wide": 65535, "outliers": 65535, "eight_bit": 255}
+    margin = ranges.margins(spread, rms, levels)
+    assert margin == {"wide": ranges.MAX_MARGIN}  # ~85 dB can pay for it; the others cannot
+    bounds = {"wide": (None, 6.0)}
+    assert ranges.widen(spread, bounds, {"wide": 0.5}) == {**spread, "wide": (-8.0, 6.0)}
+    # A tensor never seen below 0 (a Relu, a removed Clip) keeps its zero.
+    assert ranges.widen({"r": (0.0, 2.0)}, {}, {"r": 0.5}) == {"r": (0.0, 3.0)}
+
+
+def test_margin_keeps_unseen_extremes_of_a_chain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Held-out inputs 1.6x beyond anything calibrated: without a margin every layer clips."""
+    rng = np.random.default_rng(3)
+    w1, w2 = rng.normal(0, 0.5, (16, 16)), rng.normal(0, 0.5, (16, 16))
+    model = _model(
+        [
+            helper.make_node("MatMul", ["x", "w1"], ["h"]),
+            helper.make_node("MatMul", ["h", "w2"], ["y"]),
+        ],
+        [_tensor("x", [1, 16])],
+        [_tensor("y", [1, 16])],
+        [_init("w1", w1), _init("w2", w2)],
+    )
+    # Held-out samples are every 4th: make those the loud ones.
+    samples = [rng.normal(0, 1.6 if i % 4 == 0 else 1.0, (1, 16)) for i in range(16)]
+    report = _build(tmp_path, model, samples)
+    assert report["quantization"]["range_rules"]["widened"] >= 2
+    monkeypatch.setattr(ranges, "MAX_MARGIN", 0.0)
+    assert _snr(report) > _rebuild(tmp_path) + 3
+
+
+# --- sqrt(a^2 + b^2) without squared intermediates ----------------------------------------------
+
+
+def _magnitude_model() -> onnx.ModelProto:
+    return _model(
+        [
+            helper.make_node("Mul", ["re", "re"], ["re2"]),
+            helper.make_node("Mul", ["im", "im"], ["im2"]),
+            helper.make_node("Add", ["re2", "im2"], ["power"]),
+            helper.make_node("Sqrt", ["power"], ["mag"]),
+        ],
+        [_tensor("re", [1, 64]), _tensor("im", [1, 64])],
+        [_tensor("mag", [1, 64])],
+        [],
+    )
+
+
+def test_rewrite_hypot_is_exact_in_float() -> None:
+    import onnxruntime as ort
+
+    from pipeline.transforms import rewrite_hypot
+
+    model, change = rewrite_hypot(_magnitude_model())
+    assert len(change.details) == 1
+    ops = [n.op_type for n in model.graph.node]
+    assert "Add" in ops and ops.count("Mul") == 2 and "Div" in ops  # no re*re, im*im
+    rng = np.random.default_rng(4)
+    re = rng.normal(0, 1, (1, 64)).astype(np.float32) * np.logspace(-3, 1, 64, dtype=np.float32)
+    im = rng.normal(0, 1, (1, 64)).astype(np.float32)
+    re[0, :4] = 0.0
+    im[0, :2] = 0.0  # 0/0 guarded
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"re": re, "im": im})
+    assert np.all(np.isfinite(got))
+    assert snr_db(np.hypot(re, im), got) > 100
+
+
+def test_rewrite_hypot_no_op_when_a_square_is_read_elsewhere() -> None:
+    from pipeline.transforms import rewrite_hypot
+
+    model = _magnitude_model()
+    model.graph.output.append(_tensor("re2", [1, 64]))
+    same, change = rewrite_hypot(model)
+    assert not change.changed
+    assert [n.op_type for n in same.graph.node] == ["Mul", "Mul", "Add", "Sqrt"]
+
+
+def test_magnitude_spectrum_quantizes_well_after_rewrite(tmp_path: Path) -> None:
+    """A spectrum-like magnitude (bins from 1e-3 to 30) through the whole quantize stage."""
+    rng = np.random.default_rng(5)
+    model = _magnitude_model()
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    (tmp_path / "calib").mkdir()
+    envelope = np.logspace(-3, 1.5, 64).astype(np.float32)
+    for i in range(12):
+        sample = {
+            "re": (rng.normal(0, 1, (1, 64)) * envelope).astype(np.float32),
+            "im": (rng.normal(0, 1, (1, 64)) * envelope).astype(np.float32),
+        }
+        np.savez(tmp_path / "calib" / f"s{i:03d}.npz", **sample)
+    (tmp_path / "m.toml").write_text(
+        '[model]\nname = "m"\nsource = "m.onnx"\n'
+        '[calibration]\nkind = "tensors"\npath = "calib"\nsamples = 12\n'
+        '[quantization]\nactivation_type = "uint16"\nweight_type = "uint8"\n'
+        "auto_mixed_precision = false\n"
+    )
+    report = quantize_model(load_config(tmp_path / "m.toml"), tmp_path / "artifacts").report
+    assert any(c["step"] == "rewrite_hypot" and c["details"] for c in report["prepare"])
+    assert _snr(report) > 40  # through the squares it is ~25 dB
+
+
+# --- mixed precision chosen by output effect -----------------------------------------------------
+
+
+def _two_branch_model() -> tuple[onnx.ModelProto, np.ndarray]:
+    """y = x @ A + 0.001 * (x @ B).
+
+    A's range is set by one row of 50s that meets a near-zero feature, so every useful weight
+    of A rounds to 0 at 8 bits: A's own SNR is fine (~48 dB, the 50s dominate) but the output
+    is ruined. B is locally worse (~38 dB) but its branch is scaled away. Ranking by local
+    error raises B first; ranking by output effect must raise A.
+    """
+    rng = np.random.default_rng(6)
+    a = rng.normal(0, 0.05, (16, 8))
+    a[0, :] = 50.0
+    b = rng.normal(0, 1.0, (16, 8))
+    b[3, 3] = 100.0
+    model = _model(
+        [
+            helper.make_node("MatMul", ["x", "A"], ["ya"]),
+            helper.make_node("MatMul", ["x", "B"], ["yb"]),
+            helper.make_node("Mul", ["yb", "small"], ["yb_small"]),
+            helper.make_node("Add", ["ya", "yb_small"], ["y"]),
+        ],
+        [_tensor("x", [1, 16])],
+        [_tensor("y", [1, 8])],
+        [_init("A", a), _init("B", b), _init("small", np.array(0.001))],
+    )
+    scale = np.ones((1, 16))
+    scale[0, 0] = 1e-3
+    return model, scale
+
+
+def test_mixed_precision_raises_what_hurts_the_output(tmp_path: Path) -> None:
+    from pipeline.mixed_precision import candidates
+
+    model, scale = _two_branch_model()
+    rng = np.random.default_rng(7)
+    samples = [rng.normal(0, 1, (1, 16)) * scale for _ in range(16)]
+    report = _build(tmp_path, model, samples, auto_mixed=True, target=30.0)
+    mixed = report["quantization"]["mixed_precision"]
+    assert mixed["before_snr_db"] < 20
+    assert mixed["after_snr_db"] >= 30 and _snr(report) == pytest.approx(mixed["after_snr_db"])
+    assert [t["name"] for t in mixed["tensors"]] == ["A"]  # B is left at 8 bits
+    assert mixed["tensors"][0]["to"] == "int16"
+    assert mixed["analysis"]["measured"] == mixed["analysis"]["candidates"]
+    # The QDQ model on disk is the chosen one: A at int16, B still 8-bit.
+    found = {c.name: c for c in candidates(_qdq(tmp_path))}
+    assert "A" not in found and "B" in found
+    md = (tmp_path / "artifacts" / "build" / "m" / "report.md").read_text()
+    assert "Mixed precision: raised 1 tensor(s)" in md
+    record = json.loads((tmp_path / "artifacts" / "build" / "m" / "record.json").read_text())
+    assert record["quantize"]["summary"]["mixed_precision"]["tensors"][0]["name"] == "A"
+
+
+def test_mixed_precision_does_nothing_above_target(tmp_path: Path) -> None:
+    model, _ = _two_branch_model()
+    rng = np.random.default_rng(8)
+    samples = [rng.normal(0, 1, (1, 16)) for _ in range(16)]  # no near-zero feature
+    report = _build(tmp_path, model, samples, auto_mixed=True, target=5.0)
+    mixed = report["quantization"]["mixed_precision"]
+    assert mixed["tensors"] == [] and mixed["before_snr_db"] == mixed["after_snr_db"] >= 5.0
+    assert "analysis" not in mixed
+
+
+def test_choose_predicts_from_additive_noise() -> None:
+    from pipeline.mixed_precision import Candidate, choose
+
+    def cand(name: str, noise: float) -> Candidate:
+        return Candidate(name, "weight", np.array(1.0), np.array(0), 2, noise={"y": noise})
+
+    found = [cand("small", 1e-4), cand("big", 1e-2), cand("mid", 1e-3), cand("unmeasured", 0)]
+    signal = {"y": 1.0}
+    ranked, count = choose(found, signal, 25.0)  # goal: noise <= 10**-2.5 = 3.2e-3
+    assert [c.name for c in ranked] == ["big", "mid", "small"] and count == 1
+    assert choose(found, signal, 35.0)[1] == 2  # goal 3.2e-4: big and mid
+    assert choose(found, signal, 60.0)[1] == 3  # everything measured
+    # Several outputs: the prefix must satisfy each of them.
+    two = [
+        Candidate("a", "weight", np.array(1.0), np.array(0), 2, noise={"y": 1e-2, "z": 0.0}),
+        Candidate("b", "weight", np.array(1.0), np.array(0), 2, noise={"y": 0.0, "z": 1e-3}),
+    ]
+    ranked, count = choose(two, {"y": 1.0, "z": 1.0}, 25.0)
+    assert [c.name for c in ranked] == ["a", "b"] and count == 1
+    ranked, count = choose(two, {"y": 1.0, "z": 0.1}, 25.0)  # z's goal is 10x tighter
+    assert count == 2
