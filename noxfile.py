@@ -16,7 +16,7 @@ from pathlib import Path
 import nox
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline.config import load_config
+from pipeline.config import EXAMPLE_CONFIGS, load_config
 from pipeline.toolchains import load_pins
 
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -25,7 +25,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 PINS = load_pins()
 NEWEST = PINS.toolchains[PINS.default]
-DEFAULT_CONFIGS = ["configs/example.toml"]
+DEFAULT_CONFIGS = [str(p) for p in EXAMPLE_CONFIGS]
 # The quantize side uses plain onnxruntime at the newest pin's version: one version to bump.
 QUANTIZE_DEPS = [f"onnxruntime=={NEWEST.onnxruntime}", "-e", ".[build]"]
 # Compile/doctor need the pinned pair only (EPContext nodes are read with a small protobuf

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import qnn
-from .config import ModelConfig, load_config
+from .config import EXAMPLE_CONFIGS, ModelConfig, load_config
 from .errors import CompileError, GateError, ModelError, ToolchainError
 from .fileio import atomic_dir, sha256_file, write_json
 from .records import pipeline_code_digest, read_record, update_record
@@ -57,7 +57,6 @@ examples:
   nox -s "compile_ctx(qnn='2.5.0')"
 """
 
-DEFAULT_CONFIG = Path("configs/example.toml")
 WORKER = "pipeline.compile_worker"
 STAGE_MARKER = "[compile_worker] stage: "  # printed by the worker at each step
 # Our modules whose code decides what a variant is: editing one rebuilds.
@@ -67,7 +66,7 @@ VALIDATE_SAMPLES = 16  # held-out samples run on the HTP simulator (slow for big
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "configs", nargs="*", type=Path, help=f"model configs (default: {DEFAULT_CONFIG})"
+        "configs", nargs="*", type=Path, help="model configs (default: the bundled examples)"
     )
     parser.add_argument(
         "--toolchain",
@@ -863,7 +862,7 @@ def _update_build_record(
 
 def run(args: argparse.Namespace) -> int:
     pins = load_pins()
-    configs = [load_config(p, check_files=False) for p in (args.configs or [DEFAULT_CONFIG])]
+    configs = [load_config(p, check_files=False) for p in (args.configs or EXAMPLE_CONFIGS)]
     for config in configs:  # bad targets and unpinned toolchains fail before any work
         for name in config.compile.targets:
             get_target(name)

@@ -20,6 +20,10 @@ from typing import Any, Literal
 
 from .errors import ConfigError
 
+# What every stage builds when it is given no config: the bundled examples, generated from a
+# seed by ``python -m pipeline example`` (the quantize stage does that itself).
+EXAMPLE_CONFIGS = (Path("configs/example.toml"), Path("configs/example_buckets.toml"))
+
 QuantType = Literal["uint8", "uint16", "int8", "int16", "uint4", "int4"]
 CalibrationMethod = Literal["MinMax", "Entropy", "Percentile", "Distribution"]
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, qnn
-from .config import ModelConfig, load_config
+from .config import EXAMPLE_CONFIGS, ModelConfig, load_config
 from .errors import PipelineError, PublishError
 from .fileio import sha256_file
 from .manifest import (
@@ -61,7 +61,6 @@ examples:
   python -m pipeline publish configs/example.toml --allow-partial
 """
 
-DEFAULT_CONFIG = Path("configs/example.toml")
 CPU_FOLDER = "cpu"
 _TEMP_MARK = ".publish-"
 
@@ -82,7 +81,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for path in list(args.configs) or [DEFAULT_CONFIG]:
+    for path in list(args.configs) or EXAMPLE_CONFIGS:
         config = load_config(path, check_files=False)
         result = publish_model(
             config,

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import ModelConfig, load_config
+from .config import EXAMPLE_CONFIGS, ModelConfig, load_config
 from .errors import CalibrationError, GateError, ModelError, PipelineError
 from .fileio import atomic_dir, atomic_path, sha256_file
 from .metrics import OutputComparison, worst_snr
@@ -31,7 +31,7 @@ For each config: fix every shape, fold constants and `If`s on baked inputs, fold
 upcast float16, apply exact HTP-friendly rewrites, run onnxruntime's QNN preprocessing,
 calibrate on real data (streamed, bounded memory), write the QDQ model and a report comparing
 it with the float model on held-out samples. With no config, builds configs/example.toml
-(generating the bundled example first if needed).
+(the bundled examples, generated first if needed).
 
 examples:
   python -m pipeline quantize
@@ -39,7 +39,6 @@ examples:
   python -m pipeline quantize configs/example.toml --force
 """
 
-DEFAULT_CONFIG = Path("configs/example.toml")
 CALIBRATION_CHUNK = 16  # samples whose intermediate outputs are held at once
 ORT_QUANT_TYPES = {
     "uint8": "QUInt8",
@@ -71,10 +70,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     configs = list(args.configs)
     if not configs:
-        from .example import ensure_example
+        from .example import ensure_bucket_example, ensure_example
 
-        ensure_example(DEFAULT_CONFIG.parent.parent)
-        configs = [DEFAULT_CONFIG]
+        ensure_example(Path("."))
+        ensure_bucket_example(Path("."))
+        configs = list(EXAMPLE_CONFIGS)
     failures: list[str] = []
     for path in configs:
         config = load_config(path)
@@ -662,6 +662,15 @@ def _write_quantize_report(folder: Path, report: dict[str, Any]) -> None:
             ],
         ),
     ]
+    rules = report["quantization"].get("range_rules") or {}
+    if rules:
+        floors = ", ".join(f"`{f['tensor']}`" for f in rules.get("bias_floor", [])) or "none"
+        lines += [
+            "",
+            f"Calibrated ranges (pipeline/ranges.py): {rules.get('clamped', 0)} cut to what "
+            f"their saturating readers can tell apart, {rules.get('widened', 0)} widened for "
+            f"unseen values; widened so the int32 biases fit: {floors}.",
+        ]
     mixed = report["quantization"].get("mixed_precision") or {}
     if mixed.get("tensors"):
         lines += [
