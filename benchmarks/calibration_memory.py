@@ -56,12 +56,14 @@ def generated_model(folder: Path) -> Path:
 
 def run_child(argv: list[str]) -> tuple[float, float]:
     """Run a child process; return (peak RSS MiB, wall seconds) from its own rusage."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    elapsed = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"child failed: {' '.join(argv)}\n{proc.stderr.read().decode()[-2000:]}")
+    with tempfile.TemporaryFile() as log:  # a file, not a pipe: a chatty child never blocks
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        elapsed = time.perf_counter() - start
+        if os.waitstatus_to_exitcode(status) != 0:
+            log.seek(0)
+            sys.exit(f"child failed: {' '.join(argv)}\n{log.read().decode()[-2000:]}")
     return usage.ru_maxrss / 1024, elapsed
 
 
