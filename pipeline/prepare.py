@@ -49,6 +49,7 @@ def prepare_model(
         t.fold_batchnorm,
         t.rewrite_for_htp,
         t.rewrite_hypot,  # after Pow(x, 2) -> Mul(x, x)
+        t.rewrite_reciprocal,
         t.qnn_preprocess,
         t.fold_constants,  # fusions can leave constant subexpressions behind
         t.topological_sort,

@@ -435,3 +435,57 @@ def test_choose_predicts_from_additive_noise() -> None:
     assert [c.name for c in ranked] == ["a", "b"] and count == 1
     ranked, count = choose(two, {"y": 1.0, "z": 0.1}, 25.0)  # z's goal is 10x tighter
     assert count == 2
+
+
+# --- Reciprocal on the HTP ------------------------------------------------------------------------
+
+
+def _reciprocal_model() -> onnx.ModelProto:
+    return _model(
+        [helper.make_node("Reciprocal", ["x"], ["y"])],
+        [_tensor("x", [1, 256])],
+        [_tensor("y", [1, 256])],
+        [],
+    )
+
+
+def test_rewrite_reciprocal_is_exact_in_float_and_no_op_without_one() -> None:
+    import onnxruntime as ort
+
+    from pipeline.transforms import rewrite_reciprocal
+
+    model, change = rewrite_reciprocal(_reciprocal_model())
+    assert len(change.details) == 1 and [n.op_type for n in model.graph.node] == ["Div"]
+    x = np.linspace(0.001, 0.2, 256, dtype=np.float32)[None]
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], 1.0 / x)
+    same, change = rewrite_reciprocal(_dead_branch_model())
+    assert not change.changed and len(same.graph.initializer) == 5
+
+
+def _ctx_vs_float(tmp: Path) -> float:
+    from pipeline.__main__ import main
+
+    assert main(["compile", "--artifacts", str(tmp / "artifacts"), str(tmp / "m.toml")]) == 0
+    (variant,) = (tmp / "artifacts" / "build" / "m" / "ctx").glob("*/*/variant.json")
+    return json.loads(variant.read_text())["validation"]["worst_snr_vs_float_db"]
+
+
+def test_reciprocal_of_small_values_is_right_on_the_htp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1/x for x in [0.001, 0.2] (LayerNorm's 1/sqrt(var)): the HTP's own Reciprocal is off
+    by the factor 1/0.2; the Div it is rewritten to is right."""
+    pytest.importorskip("onnxruntime_qnn")
+    from pipeline import transforms
+
+    rng = np.random.default_rng(9)
+    samples = [np.exp(rng.uniform(np.log(0.001), np.log(0.2), (1, 256))) for _ in range(8)]
+    report = _build(tmp_path, _reciprocal_model(), samples)
+    assert any(c["step"] == "rewrite_reciprocal" and c["details"] for c in report["prepare"])
+    with (tmp_path / "m.toml").open("a") as config:
+        config.write("[compile]\nmin_snr_db = 0.0\n")
+    assert _ctx_vs_float(tmp_path) > 30
+    monkeypatch.setattr(transforms, "rewrite_reciprocal", lambda m: (m, transforms.Change("x")))
+    _rebuild(tmp_path)
+    assert _ctx_vs_float(tmp_path) < 10
