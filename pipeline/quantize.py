@@ -676,7 +676,23 @@ def _write_quantize_report(folder: Path, report: dict[str, Any]) -> None:
         lines += [
             "",
             f"Mixed precision: raised {len(mixed['tensors'])} tensor(s) to 16 bit; worst SNR "
-            f"{fmt(mixed.get('before_snr_db'))} dB -> {fmt(mixed.get('after_snr_db'))} dB.",
+            f"{fmt(mixed.get('before_snr_db'))} dB -> {fmt(mixed.get('after_snr_db'))} dB. "
+            "Chosen by each 8-bit tensor's measured effect on the output (pipeline/"
+            "mixed_precision.py); the last column is the output SNR with only that tensor at "
+            "8 bit.",
+            "",
+            table(
+                ["tensor", "kind", "to", "output SNR alone (dB)"],
+                [
+                    [t["name"], t["kind"], t.get("to", ""), t.get("alone_snr_db")]
+                    for t in mixed["tensors"][:12]
+                ]
+                + (
+                    [[f"… {len(mixed['tensors']) - 12} more", "", "", ""]]
+                    if len(mixed["tensors"]) > 12
+                    else []
+                ),
+            ),
         ]
     lines += [
         "",
