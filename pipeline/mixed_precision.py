@@ -78,7 +78,8 @@ def candidates(qdq: Any) -> list[Candidate]:
         elem = inits[node.input[2]].data_type
         axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
         if node.op_type == "QuantizeLinear" and node.input[0] not in inits:
-            name = node.input[0]
+            # onnxruntime renames a quantized graph output's producer to "<name>_QuantizeLinear_Input".
+            name = node.input[0].removesuffix("_QuantizeLinear_Input")
             found.setdefault(name, Candidate(name, "activation", scale, zero, elem))
         elif node.op_type == "DequantizeLinear" and node.input[0] in inits:
             name = node.input[0].removesuffix("_quantized")
@@ -160,7 +161,7 @@ def measure(
     import onnx
 
     started = time.perf_counter()
-    feeds = [dict(s) for s, _ in zip(samples, range(ANALYSIS_SAMPLES), strict=False)]
+    feeds = [dict(s) for _, s in zip(range(ANALYSIS_SAMPLES), samples, strict=False)]
     float_model = onnx.load(str(float_path))
     reference = _session(float_model)
     names = [o.name for o in reference.get_outputs()]
@@ -170,7 +171,11 @@ def measure(
         for name in names:
             signal[name] += float(np.sum(ref[name].astype(np.float64) ** 2))
     qdq_noise = _noise(_session(str(qdq_path)), feeds, refs)
-    found = candidates(onnx.load(str(qdq_path)))
+    known = {o for n in float_model.graph.node for o in n.output}
+    known |= {i.name for i in float_model.graph.input} | {
+        i.name for i in float_model.graph.initializer
+    }
+    found = [c for c in candidates(onnx.load(str(qdq_path))) if c.name in known]
     measured = 0
     for cand in found:
         if time.perf_counter() - started > ANALYSIS_BUDGET_S:

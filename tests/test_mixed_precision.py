@@ -46,6 +46,7 @@ def _build(
     samples: list[np.ndarray],
     auto_mixed: bool = False,
     target: float = 25.0,
+    activations: str = "uint16",
 ) -> dict:
     """Quantize ``model`` (u16 activations, u8 weights) through the real stage; the report."""
     onnx.save(model, str(tmp / "m.onnx"))
@@ -64,7 +65,7 @@ def _build(
             samples = {len(samples)}
             held_out = 0.25
             [quantization]
-            activation_type = "uint16"
+            activation_type = "{activations}"
             weight_type = "uint8"
             auto_mixed_precision = {str(auto_mixed).lower()}
             target_snr_db = {target}
@@ -402,6 +403,30 @@ def test_mixed_precision_raises_what_hurts_the_output(tmp_path: Path) -> None:
     assert "Mixed precision: raised 1 tensor(s)" in md
     record = json.loads((tmp_path / "artifacts" / "build" / "m" / "record.json").read_text())
     assert record["quantize"]["summary"]["mixed_precision"]["tensors"][0]["name"] == "A"
+
+
+def test_mixed_precision_raises_8_bit_activations_too(tmp_path: Path) -> None:
+    """With 8-bit activations, an activation is a candidate like a weight (to uint16)."""
+    from pipeline.mixed_precision import candidates
+
+    rng = np.random.default_rng(10)
+    model = _model(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["h"]),
+            helper.make_node("Mul", ["h", "h"], ["y"]),
+        ],
+        [_tensor("x", [1, 32])],
+        [_tensor("y", [1, 32])],
+        [_init("w", rng.normal(0, 0.3, (32, 32)))],
+    )
+    samples = [rng.normal(0, 1, (1, 32)) for _ in range(16)]
+    report = _build(tmp_path, model, samples, auto_mixed=True, target=40.0, activations="uint8")
+    mixed = report["quantization"]["mixed_precision"]
+    assert mixed["before_snr_db"] < 40 < mixed["after_snr_db"]
+    kinds = {t["kind"] for t in mixed["tensors"]}
+    assert "activation" in kinds
+    left = {c.name for c in candidates(_qdq(tmp_path))}
+    assert not left & {t["name"] for t in mixed["tensors"]}
 
 
 def test_mixed_precision_does_nothing_above_target(tmp_path: Path) -> None:
