@@ -514,3 +514,44 @@ def test_reciprocal_of_small_values_is_right_on_the_htp(
     monkeypatch.setattr(transforms, "rewrite_reciprocal", lambda m: (m, transforms.Change("x")))
     _rebuild(tmp_path)
     assert _ctx_vs_float(tmp_path) < 10
+
+
+def test_int16_weights_compile_whole_on_the_htp(tmp_path: Path) -> None:
+    """What mixed precision produces (int16 symmetric Conv/Gemm/MatMul weights next to
+    uint16 activations) compiles into one QNN partition and matches the float model."""
+    pytest.importorskip("onnxruntime_qnn")
+    rng = np.random.default_rng(11)
+    model = _model(
+        [
+            helper.make_node("Conv", ["x", "wc", "bc"], ["c"], pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["c"], ["r"]),
+            helper.make_node("Flatten", ["r"], ["f"]),
+            helper.make_node("Gemm", ["f", "wg", "bg"], ["g"], transB=1),
+            helper.make_node("MatMul", ["g", "wm"], ["y"]),
+        ],
+        [_tensor("x", [1, 3, 8, 8])],
+        [_tensor("y", [1, 10])],
+        [
+            _init("wc", rng.normal(0, 0.3, (4, 3, 3, 3))),
+            _init("bc", rng.normal(0, 0.1, 4)),
+            _init("wg", rng.normal(0, 0.1, (16, 256))),
+            _init("bg", rng.normal(0, 0.1, 16)),
+            _init("wm", rng.normal(0, 0.3, (16, 10))),
+        ],
+    )
+    samples = [rng.normal(0, 1, (1, 3, 8, 8)) for _ in range(8)]
+    _build(tmp_path, model, samples)
+    with (tmp_path / "m.toml").open("a") as config:
+        config.write(
+            '[quantization.overrides]\ntensors = { wc = "int16", wg = "int16", wm = "int16" }\n'
+        )
+    report = quantize_model(load_config(tmp_path / "m.toml"), tmp_path / "artifacts", force=True)
+    qdq = _qdq(tmp_path)
+    elem = {i.name: i.data_type for i in qdq.graph.initializer}
+    assert {elem[f"{w}_quantized"] for w in ("wc", "wg", "wm")} == {TensorProto.INT16}
+    assert _snr(report.report) > 40
+    ctx_snr = _ctx_vs_float(tmp_path)
+    (variant,) = (tmp_path / "artifacts" / "build" / "m" / "ctx").glob("*/*/variant.json")
+    coverage = json.loads(variant.read_text())["coverage"]
+    assert coverage["qnn_partitions"] == 1 and not coverage["cpu_compute_nodes"]
+    assert ctx_snr > 30
