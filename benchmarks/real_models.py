@@ -72,6 +72,9 @@ def main() -> int:
     for path in configs:
         config = load_config(path, check_files=False)
         name = config.model.name
+        if config.buckets.enabled:
+            notes.append(f"{name}: bucketed config, measured by benchmarks/buckets.py")
+            continue
         if not config.source_path.is_file():
             notes.append(f"{name}: skipped, {config.source_path} is absent")
             continue
