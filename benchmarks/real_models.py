@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import date
 from importlib.metadata import PackageNotFoundError, version
@@ -43,12 +45,21 @@ SHORT_STEPS = {
 }
 
 
-def run_stage(argv: list[str]) -> tuple[float, int, str]:
-    start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipeline", *argv], cwd=ROOT, capture_output=True, text=True
-    )
-    return time.perf_counter() - start, proc.returncode, (proc.stdout + proc.stderr)[-1500:]
+def run_stage(argv: list[str]) -> tuple[float, int, str, float]:
+    """Run one stage as a child; wall seconds, exit code, output tail, peak RSS (MiB).
+
+    The peak is the largest of the stage process and the worker processes it waited for.
+    """
+    with tempfile.TemporaryFile() as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", *argv], cwd=ROOT, stdout=log, stderr=log
+        )
+        _, status, usage = os.wait4(proc.pid, 0)
+        elapsed = time.perf_counter() - start
+        log.seek(0)
+        tail = log.read().decode(errors="replace")[-1500:]
+    return elapsed, os.waitstatus_to_exitcode(status), tail, usage.ru_maxrss / 1024
 
 
 def versions() -> str:
@@ -79,12 +90,16 @@ def main() -> int:
             notes.append(f"{name}: skipped, {config.source_path} is absent")
             continue
         art = str(args.artifacts)
-        q_time, q_rc, q_log = run_stage(["quantize", str(path), "--artifacts", art, "--force"])
+        q_time, q_rc, q_log, q_rss = run_stage(
+            ["quantize", str(path), "--artifacts", art, "--force"]
+        )
         build = args.artifacts / "build" / name
         if q_rc != 0 and not (build / "qdq.onnx").is_file():
             notes.append(f"{name}: quantize failed: {q_log.strip().splitlines()[-1]}")
             continue
-        c_time, c_rc, c_log = run_stage(["compile", str(path), "--artifacts", art, "--force"])
+        c_time, c_rc, c_log, c_rss = run_stage(
+            ["compile", str(path), "--artifacts", art, "--force"]
+        )
         report = json.loads((build / "report.json").read_text())
         variants = sorted((build / "ctx").glob("*/*/variant.json"))
         if not variants:
@@ -106,6 +121,7 @@ def main() -> int:
                 ", ".join(steps),
                 q_time,
                 c_time,
+                max(q_rss, c_rss),
                 cov.get("qnn_partitions"),
                 len(cpu_nodes),
                 report["accuracy"]["worst_snr_db"],
@@ -124,6 +140,7 @@ def main() -> int:
         "preparation",
         "quantize s",
         "compile s",
+        "peak RSS MiB",
         "QNN partitions",
         "CPU compute nodes",
         "SNR QDQ vs float dB",
