@@ -40,12 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="stage", metavar="STAGE")
     for name, module_name in STAGES.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("pipeline"):
-                continue  # stage not built yet
-            raise
+        module = importlib.import_module(module_name)
         stage = sub.add_parser(
             name,
             help=module.HELP.splitlines()[0],

@@ -54,7 +54,7 @@ configured target and toolchain, and writes <artifacts>/releases/<model>/<versio
 manifest.json, one folder per variant (named after target and QNN SDK), the QDQ model for
 explicit CPU fallback, and <model>-<version>.tar.gz with its .sha256. Publishing the same
 content again does nothing; different content under an existing version is refused: bump
-model.version. With no config, publishes configs/example.toml.
+model.version. With no config, publishes the bundled examples.
 
 examples:
   python -m pipeline publish
