@@ -30,7 +30,7 @@ Prepare float ONNX models for the NPU and quantize them to QDQ.
 For each config: fix every shape, fold constants and `If`s on baked inputs, fold BatchNorm,
 upcast float16, apply exact HTP-friendly rewrites, run onnxruntime's QNN preprocessing,
 calibrate on real data (streamed, bounded memory), write the QDQ model and a report comparing
-it with the float model on held-out samples. With no config, builds configs/example.toml
+it with the float model on held-out samples. With no config, builds the bundled examples
 (the bundled examples, generated first if needed).
 
 examples:
