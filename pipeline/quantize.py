@@ -31,7 +31,7 @@ For each config: fix every shape, fold constants and `If`s on baked inputs, fold
 upcast float16, apply exact HTP-friendly rewrites, run onnxruntime's QNN preprocessing,
 calibrate on real data (streamed, bounded memory), write the QDQ model and a report comparing
 it with the float model on held-out samples. With no config, builds the bundled examples
-(the bundled examples, generated first if needed).
+(generated from a seed first if needed).
 
 examples:
   python -m pipeline quantize
