@@ -669,20 +669,9 @@ def _fill(
     record: Any, result: dict[str, Any], status: str, error: dict[str, Any], out: Path
 ) -> dict[str, Any]:
     """The variant record (variant.json) and the bucket details (buckets.json) from the child."""
-    from .variant import TensorSpec
+    from .compile import fill_record, present_files
 
-    ctx = result.get("ctx", {})
-    record.status = status
-    record.error = error
-    record.compile_time_s = float(result.get("compile_time_s", 0.0))
-    record.qnn_sdk_version = ctx.get("qnn_sdk_version", "")
-    record.ep_sdk_version = ctx.get("ep_sdk_version", "")
-    record.ep_compatibility_info = ctx.get("ep_compatibility_info", "")
-    record.embed_mode = int(ctx.get("embed_mode", record.embed_mode))
-    record.inputs = [TensorSpec(**t) for t in result.get("inputs", [])]
-    record.outputs = [TensorSpec(**t) for t in result.get("outputs", [])]
-    record.coverage = result.get("coverage", {})
-    record.validation = result.get("validation", {})
+    fill_record(record, result, status, error)
     shared = result.get("shared") or {}
     standalone = result.get("standalone") or {}
     main = shared or standalone
@@ -690,12 +679,7 @@ def _fill(
     names = list(main.get("ctx_bytes", {}))
     files = [prefix + (main["facts"][n]["files"][0]) for n in names] if main.get("facts") else []
     files += [prefix + b for b in main.get("bins_on_disk", [])]
-    if not files:  # failed early: what the compiler left, ctx first
-        files = sorted(
-            (str(p.relative_to(out)) for p in out.rglob("*") if p.suffix in (".onnx", ".bin")),
-            key=lambda name: (not name.endswith("_ctx.onnx"), name),
-        )
-    record.files = [f for f in files if (out / f).is_file()]
+    record.files = present_files(out, files, recursive=True)
     sizes = {f: (out / f).stat().st_size for f in record.files}
     record.load = {**result.get("load", {}), "sizes": sizes}
     return {
@@ -738,7 +722,7 @@ def build_bucket_variant(
     from . import compile as compile_mod
     from .fileio import atomic_dir, write_json
     from .report import json_safe
-    from .variant import VARIANT_FILE, VariantRecord
+    from .variant import VARIANT_FILE
 
     config = inputs.config
     folder = ctx_root / toolchain.onnxruntime_qnn / target.name
@@ -751,17 +735,7 @@ def build_bucket_variant(
         and (folder / BUCKETS_FILE).is_file()
     ):
         return compile_mod.Built(existing, folder, skipped=True)
-    record = VariantRecord(
-        model=config.model.name,
-        model_version=config.model.version,
-        toolchain=toolchain.onnxruntime_qnn,
-        onnxruntime=installed.onnxruntime,
-        target=target.name,
-        soc_model=target.soc_model,
-        htp_arch=target.htp_arch,
-        embed_mode=0,
-        inputs_digest=digest,
-    )
+    record = compile_mod.new_record(config, toolchain, installed, target, digest, embed_mode=0)
     # Compile, verify, validate and time k buckets, twice (shared and standalone).
     timeout = config.compile.timeout_s * max(1, len(inputs.buckets))
     work = Path(tempfile.mkdtemp(prefix=".work-", dir=ctx_root))

@@ -432,6 +432,28 @@ def _existing(folder: Path) -> VariantRecord | None:
     return record
 
 
+def new_record(
+    config: ModelConfig,
+    toolchain: Toolchain,
+    installed: qnn.InstalledQnn,
+    target: Target,
+    digest: str,
+    embed_mode: int,
+) -> VariantRecord:
+    """The record of a variant about to be built; the worker's result fills in the rest."""
+    return VariantRecord(
+        model=config.model.name,
+        model_version=config.model.version,
+        toolchain=toolchain.onnxruntime_qnn,
+        onnxruntime=installed.onnxruntime,
+        target=target.name,
+        soc_model=target.soc_model,
+        htp_arch=target.htp_arch,
+        embed_mode=embed_mode,
+        inputs_digest=digest,
+    )
+
+
 def build_variant(
     inputs: ModelInputs,
     toolchain: Toolchain,
@@ -448,16 +470,8 @@ def build_variant(
     existing = _existing(folder)
     if not force and existing is not None and existing.inputs_digest == digest:
         return Built(existing, folder, skipped=True)
-    record = VariantRecord(
-        model=config.model.name,
-        model_version=config.model.version,
-        toolchain=toolchain.onnxruntime_qnn,
-        onnxruntime=installed.onnxruntime,
-        target=target.name,
-        soc_model=target.soc_model,
-        htp_arch=target.htp_arch,
-        embed_mode=1 if config.compile.embed else 0,
-        inputs_digest=digest,
+    record = new_record(
+        config, toolchain, installed, target, digest, 1 if config.compile.embed else 0
     )
     work = Path(tempfile.mkdtemp(prefix=".work-", dir=ctx_root))
     try:
@@ -480,9 +494,10 @@ def build_variant(
     return Built(record, folder, skipped=False, seconds=outcome.seconds)
 
 
-def _fill(
-    record: VariantRecord, result: dict[str, Any], status: str, error: dict[str, Any], out: Path
+def fill_record(
+    record: VariantRecord, result: dict[str, Any], status: str, error: dict[str, Any]
 ) -> None:
+    """The record fields every kind of variant takes from its worker's result file."""
     ctx = result.get("ctx", {})
     record.status = status
     record.error = error
@@ -495,16 +510,28 @@ def _fill(
     record.outputs = [TensorSpec(**t) for t in result.get("outputs", [])]
     record.coverage = result.get("coverage", {})
     record.validation = result.get("validation", {})
-    record.load = result.get("load", {})
-    files = ctx.get("files") or []
-    if not files:  # failed before the checks: list what the compiler left, ctx first
+
+
+def present_files(out: Path, files: list[str], recursive: bool = False) -> list[str]:
+    """``files`` that exist in ``out``; with none listed (the worker failed before its checks),
+    what the compiler left there (below it when ``recursive``), ctx first."""
+    if not files:
+        found = out.rglob("*") if recursive else out.iterdir()
         files = sorted(
-            (p.name for p in out.iterdir() if p.suffix in (".onnx", ".bin")),
+            (str(p.relative_to(out)) for p in found if p.suffix in (".onnx", ".bin")),
             key=lambda name: (not name.endswith("_ctx.onnx"), name),
         )
-    record.files = [f for f in files if (out / f).is_file()]
+    return [f for f in files if (out / f).is_file()]
+
+
+def _fill(
+    record: VariantRecord, result: dict[str, Any], status: str, error: dict[str, Any], out: Path
+) -> None:
+    ctx = result.get("ctx", {})
+    fill_record(record, result, status, error)
+    record.files = present_files(out, ctx.get("files") or [])
     sizes = {f: (out / f).stat().st_size for f in record.files}
-    record.load = {**record.load, "sizes": sizes, "qdq_size": ctx.get("qdq_size")}
+    record.load = {**result.get("load", {}), "sizes": sizes, "qdq_size": ctx.get("qdq_size")}
 
 
 # -- progress ----------------------------------------------------------------------------------------
