@@ -21,9 +21,10 @@ for it, each bucket is also compiled on its own (``standalone/``) from the same 
 same options. Coverage and validation run on the shared set where it loads (a device) and on the
 standalone set otherwise, and the records say which.
 
-The parent side (``compile_bucketed``) runs in the compile stage and reuses its child-process
-isolation (``pipeline.compile.run_child`` / ``interpret``); ``python -m pipeline.bucket_compile
-JOB.json`` is the child.
+The parent side (``bucket_inputs``, ``build_bucket_variant``, the record and the report) runs in
+the compile stage (``pipeline.compile.compile_model``) and reuses its child-process isolation
+(``pipeline.compile.run_child`` / ``interpret``); ``python -m pipeline.bucket_compile JOB.json``
+is the child.
 """
 
 from __future__ import annotations
@@ -552,6 +553,7 @@ class BucketInputs:
 
 def bucket_inputs(config: Any, artifacts: Path) -> BucketInputs:
     from .bucket_quantize import bucket_folder, plan_from_dict
+    from .compile import heldout_digest
     from .fileio import sha256_file
     from .records import read_record
 
@@ -576,10 +578,6 @@ def bucket_inputs(config: Any, artifacts: Path) -> BucketInputs:
                 tip=run_quantize,
             )
         heldout = sorted((where / "heldout").glob("sample_*.npz"))
-        digest = hashlib.sha256()
-        for path in heldout:
-            digest.update(path.name.encode())
-            digest.update(sha256_file(path).encode())
         buckets.append(
             {
                 "name": entry["name"],
@@ -589,7 +587,7 @@ def bucket_inputs(config: Any, artifacts: Path) -> BucketInputs:
                 "heldout": heldout,
                 "qdq_sha256": qdq_sha,
                 "float_sha256": entry.get("float_sha256", ""),
-                "heldout_digest": digest.hexdigest(),
+                "heldout_digest": heldout_digest(heldout),
             }
         )
     return BucketInputs(config, folder, plan_from_dict(record["plan"]), buckets)
@@ -759,51 +757,11 @@ def build_bucket_variant(
     return compile_mod.Built(record, folder, skipped=False, seconds=outcome.seconds)
 
 
-def compile_bucketed(
-    config: Any,
-    artifacts: Path,
-    pins: Any,
-    toolchain: Any,
-    installed: qnn.InstalledQnn,
-    force: bool = False,
-    log_severity: int = qnn.LOG_WARNING,
-    out: Any = print,
-) -> list[Any]:
-    """The compile stage for a config with [buckets]: one shared-context variant per target."""
-    from . import compile as compile_mod
-    from .targets import get_target
+def describe_bucketed(built: Any) -> str:
+    """The compile stage's line for a variant, plus what sharing the context saved."""
+    from .compile import describe
 
-    targets = list({t.name: t for t in (get_target(n) for n in config.compile.targets)}.values())
-    wanted = pins.selected(config.compile.toolchains)
-    if toolchain not in wanted:
-        out(
-            f"{config.model.name}: skipped for onnxruntime-qnn {toolchain.onnxruntime_qnn}; "
-            f"compile.toolchains asks for {', '.join(t.onnxruntime_qnn for t in wanted)}."
-        )
-        return []
-    inputs = bucket_inputs(config, artifacts)
-    ctx_root = inputs.folder / "ctx"
-    ctx_root.mkdir(parents=True, exist_ok=True)
-    compile_mod._remove_stale(ctx_root, wanted, toolchain, targets)
-    progress = compile_mod.Progress(
-        len(targets), f"{config.model.name} qnn {toolchain.onnxruntime_qnn}"
-    )
-    built = []
-    try:
-        for target in targets:
-            progress.start(target.name)
-            result = build_bucket_variant(
-                inputs, toolchain, installed, target, ctx_root, force, log_severity, progress
-            )
-            built.append(result)
-            progress.write(compile_mod.describe(result) + _describe_buckets(result.folder))
-            progress.advance()
-    finally:
-        progress.close()
-    _update_build_record(inputs, toolchain, installed, built)
-    report = write_bucket_report(config, ctx_root, wanted, targets)
-    out(f"{config.model.name}: compile report -> {report}")
-    return built
+    return describe(built) + _describe_buckets(built.folder)
 
 
 def _describe_buckets(folder: Path) -> str:
@@ -819,10 +777,10 @@ def _describe_buckets(folder: Path) -> str:
     )
 
 
-def _update_build_record(
+def update_build_record(
     inputs: BucketInputs, toolchain: Any, installed: qnn.InstalledQnn, built: list[Any]
 ) -> None:
-    from .compile import compile_settings
+    from .compile import compile_settings, variant_outcomes
     from .records import pipeline_code_digest, read_record, update_record
 
     section = dict(read_record(inputs.folder).get("compile", {}))
@@ -833,14 +791,7 @@ def _update_build_record(
         "settings": compile_settings(inputs.config),
         "packaging": list(inputs.config.buckets.packaging),
         "code": pipeline_code_digest(CODE),
-        "variants": {
-            b.record.target: {
-                "inputs_digest": b.record.inputs_digest,
-                "status": b.record.status,
-                "passed": b.record.passed,
-            }
-            for b in built
-        },
+        "variants": variant_outcomes(built),
     }
     update_record(inputs.folder, "compile", section)
 

@@ -177,10 +177,6 @@ def model_inputs(config: ModelConfig, artifacts: Path) -> ModelInputs:
         )
     float_model = folder / "float.onnx"
     heldout = sorted((folder / "heldout").glob("sample_*.npz"))
-    digest = hashlib.sha256()
-    for path in heldout:
-        digest.update(path.name.encode())
-        digest.update(sha256_file(path).encode())
     return ModelInputs(
         config=config,
         folder=folder,
@@ -189,8 +185,17 @@ def model_inputs(config: ModelConfig, artifacts: Path) -> ModelInputs:
         heldout=heldout,
         qdq_sha256=qdq_sha,
         float_sha256=sha256_file(float_model) if float_model.is_file() else "",
-        heldout_digest=digest.hexdigest(),
+        heldout_digest=heldout_digest(heldout),
     )
+
+
+def heldout_digest(paths: list[Path]) -> str:
+    """One digest over the held-out samples' names and contents: other samples, other variant."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.name.encode())
+        digest.update(sha256_file(path).encode())
+    return digest.hexdigest()
 
 
 def compile_settings(config: ModelConfig) -> dict[str, Any]:
@@ -825,12 +830,6 @@ def compile_model(
     out: Callable[[str], None] = print,
 ) -> list[Built]:
     """Build every target of one config with this toolchain; returns the variants (or [])."""
-    if config.buckets.enabled:  # all buckets of a target in one weight-shared context
-        from .bucket_compile import compile_bucketed
-
-        return compile_bucketed(
-            config, artifacts, pins, toolchain, installed, force, log_severity, out
-        )
     targets = list({t.name: t for t in (get_target(n) for n in config.compile.targets)}.values())
     wanted = pins.selected(config.compile.toolchains)
     if toolchain not in wanted:
@@ -839,7 +838,18 @@ def compile_model(
             f"compile.toolchains asks for {', '.join(t.onnxruntime_qnn for t in wanted)}."
         )
         return []
-    inputs = model_inputs(config, artifacts)
+    if config.buckets.enabled:  # all buckets of a target in one weight-shared context
+        from . import bucket_compile as bc
+
+        inputs: Any = bc.bucket_inputs(config, artifacts)
+        build: Callable[..., Built] = bc.build_bucket_variant
+        describe_one: Callable[[Built], str] = bc.describe_bucketed
+        record_builds: Callable[..., None] = bc.update_build_record
+        report_builds: Callable[..., Path] = bc.write_bucket_report
+    else:
+        inputs = model_inputs(config, artifacts)
+        build, describe_one = build_variant, describe
+        record_builds, report_builds = _update_build_record, write_model_report
     ctx_root = inputs.folder / "ctx"
     ctx_root.mkdir(parents=True, exist_ok=True)
     _remove_stale(ctx_root, wanted, toolchain, targets)
@@ -848,16 +858,16 @@ def compile_model(
     try:
         for target in targets:
             progress.start(target.name)
-            result = build_variant(
+            result = build(
                 inputs, toolchain, installed, target, ctx_root, force, log_severity, progress
             )
             built.append(result)
-            progress.write(describe(result))
+            progress.write(describe_one(result))
             progress.advance()
     finally:
         progress.close()
-    _update_build_record(inputs, toolchain, installed, built)
-    report = write_model_report(config, ctx_root, wanted, targets)
+    record_builds(inputs, toolchain, installed, built)
+    report = report_builds(config, ctx_root, wanted, targets)
     out(f"{config.model.name}: compile report -> {report}")
     return built
 
@@ -875,16 +885,21 @@ def _update_build_record(
         "heldout_digest": inputs.heldout_digest,
         "settings": compile_settings(inputs.config),
         "code": pipeline_code_digest(CODE),
-        "variants": {
-            b.record.target: {
-                "inputs_digest": b.record.inputs_digest,
-                "status": b.record.status,
-                "passed": b.record.passed,
-            }
-            for b in built
-        },
+        "variants": variant_outcomes(built),
     }
     update_record(inputs.folder, "compile", section)
+
+
+def variant_outcomes(built: list[Built]) -> dict[str, Any]:
+    """Per target, what the build record keeps of a variant: its inputs digest and its outcome."""
+    return {
+        b.record.target: {
+            "inputs_digest": b.record.inputs_digest,
+            "status": b.record.status,
+            "passed": b.record.passed,
+        }
+        for b in built
+    }
 
 
 def run(args: argparse.Namespace) -> int:
