@@ -111,11 +111,7 @@ class BucketJob:
 
     @classmethod
     def read(cls, path: Path) -> BucketJob:
-        data = json.loads(Path(path).read_text("utf-8"))
-        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"{path}: unknown job field(s) {unknown}")
-        return cls(**data)
+        return cw.read_job(cls, path)
 
     @property
     def options(self) -> qnn.QnnOptions:
@@ -411,24 +407,7 @@ def _aggregate(per_bucket: dict[str, dict[str, Any]], key: str) -> dict[str, Any
 
 
 def run(job: BucketJob, result: cw.Result) -> None:
-    result.stage("register")
-    try:
-        ep = qnn.find_qnn_ep()
-    except Exception as exc:
-        raise cw.StepFailed(
-            "toolchain", getattr(exc, "message", None) or cw._ort_error(exc)
-        ) from exc
-    result.data["installed"] = {
-        "onnxruntime_qnn": ep.installed.package_version,
-        "onnxruntime": ep.installed.onnxruntime,
-        "qnn_sdk": ep.installed.qnn_sdk,
-    }
-    if ep.installed.qnn_sdk and qnn.sdk_version(ep.installed.qnn_sdk) != job.qnn_sdk:
-        raise cw.StepFailed(
-            "toolchain",
-            f"{ep.installed.describe()} bundles QNN SDK {ep.installed.qnn_sdk}, but the pin "
-            f"says {job.qnn_sdk}.",
-        )
+    ep = cw.register(job.qnn_sdk, result)
     out = Path(job.out_dir)
     share = "shared" in job.packaging
     shared_ctxs: dict[str, Path] = {}
@@ -509,33 +488,7 @@ def run(job: BucketJob, result: cw.Result) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m pipeline.bucket_compile JOB.json", file=sys.stderr)
-        return 2
-    job = BucketJob.read(Path(args[0]))
-    result = cw.Result(Path(job.result))
-    try:
-        run(job, result)
-    except cw.StepFailed as exc:
-        result.data["status"] = "failed"
-        result.data["error"] = {
-            "stage": result.data["stage"],
-            "kind": exc.kind,
-            "message": exc.message,
-        }
-        result.save()
-        return 1
-    except Exception as exc:
-        result.data["status"] = "failed"
-        result.data["error"] = {
-            "stage": result.data["stage"],
-            "kind": "error",
-            "message": cw._ort_error(exc),
-        }
-        result.save()
-        return 1
-    return 0
+    return cw.child_main(argv, WORKER, BucketJob, run)
 
 
 # -- the parent (compile stage) -------------------------------------------------------------------

@@ -15,10 +15,10 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from . import coverage as coverage_mod
 from . import qnn
 from .metrics import OutputComparison, worst_snr
 
+JobT = TypeVar("JobT")
 # ORT's own record of which EP runs which node: the coverage report is built from it.
 RECORD_ASSIGNMENT = {"session.record_ep_graph_assignment_info": "1"}
 
@@ -55,16 +56,20 @@ class Job:
 
     @classmethod
     def read(cls, path: Path) -> Job:
-        data = json.loads(Path(path).read_text("utf-8"))
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown job field(s) {unknown}")
-        return cls(**data)
+        return read_job(cls, path)
 
     @property
     def options(self) -> qnn.QnnOptions:
         return qnn.QnnOptions(self.backend_type, self.soc_model, self.htp_arch)
+
+
+def read_job(cls: type[JobT], path: Path) -> JobT:
+    """A job dataclass from its JSON file; a field it does not know is a parent/child mismatch."""
+    data = json.loads(Path(path).read_text("utf-8"))
+    unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"{path}: unknown job field(s) {unknown}")
+    return cls(**data)
 
 
 class StepFailed(Exception):
@@ -356,7 +361,8 @@ def benchmark(job: Job, ep: qnn.QnnEp, ctx: Path, result: Result) -> None:
     result.save()
 
 
-def run(job: Job, result: Result) -> None:
+def register(qnn_sdk: str, result: Result) -> qnn.QnnEp:
+    """The QNN EP of this interpreter, which must bundle the pinned QNN SDK ``qnn_sdk``."""
     result.stage("register")
     try:
         ep = qnn.find_qnn_ep()
@@ -367,12 +373,17 @@ def run(job: Job, result: Result) -> None:
         "onnxruntime": ep.installed.onnxruntime,
         "qnn_sdk": ep.installed.qnn_sdk,
     }
-    if ep.installed.qnn_sdk and qnn.sdk_version(ep.installed.qnn_sdk) != job.qnn_sdk:
+    if ep.installed.qnn_sdk and qnn.sdk_version(ep.installed.qnn_sdk) != qnn_sdk:
         raise StepFailed(
             "toolchain",
             f"{ep.installed.describe()} bundles QNN SDK {ep.installed.qnn_sdk}, but the pin "
-            f"says {job.qnn_sdk}.",
+            f"says {qnn_sdk}.",
         )
+    return ep
+
+
+def run(job: Job, result: Result) -> None:
+    ep = register(job.qnn_sdk, result)
     result.stage("compile")
     ctx = compile_ctx(job, ep, result)
     result.stage("verify")
@@ -396,14 +407,21 @@ def run(job: Job, result: Result) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return child_main(argv, "pipeline.compile_worker", Job, run)
+
+
+def child_main(
+    argv: list[str] | None, module: str, job_type: Any, run_job: Callable[[Any, Result], None]
+) -> int:
+    """``python -m <module> JOB.json``: run the job; any failure is left in the result file."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m pipeline.compile_worker JOB.json", file=sys.stderr)
+        print(f"usage: python -m {module} JOB.json", file=sys.stderr)
         return 2
-    job = Job.read(Path(args[0]))
+    job = job_type.read(Path(args[0]))
     result = Result(Path(job.result))
     try:
-        run(job, result)
+        run_job(job, result)
     except StepFailed as exc:
         result.data["status"] = "failed"
         result.data["error"] = {
