@@ -15,11 +15,9 @@ releases carry no CPU fallback model.
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 from typing import Any
 
-from . import __version__
 from .bucket_compile import BUCKETS_FILE, read_buckets_file
 from .config import ModelConfig
 from .errors import PublishError
@@ -31,7 +29,6 @@ from .manifest import (
     Buckets,
     Excluded,
     Manifest,
-    SchemaVersion,
     TensorInfo,
     Variant,
 )
@@ -226,7 +223,14 @@ def build_bucket_manifest(
     config: ModelConfig, artifacts: Path, allow_partial: bool = False, cpu_fallback: bool = True
 ) -> tuple[Manifest, list[Any]]:
     """The manifest and files of a bucketed release (``cpu_fallback`` has no effect here)."""
-    from .publish import _failed_gates, _quantize_record, _read_variant, variant_id
+    from .publish import (
+        _failed_gates,
+        _quantize_record,
+        _read_variant,
+        release_manifest,
+        require_variants,
+        variant_id,
+    )
     from .toolchains import load_pins
 
     name = config.model.name
@@ -265,27 +269,5 @@ def build_bucket_manifest(
                     )
                 variants.append(variant)
                 sources.extend(files)
-    if not any(v.passed for v in variants) and not (allow_partial and variants):
-        reasons = "\n".join(f"  - {e.id}: {e.reason}" for e in excluded)
-        raise PublishError(
-            f"{name} {config.model.version}: no variant passed its gates, nothing to publish:\n"
-            f"{reasons}",
-            tip="Run `nox -s compile_ctx` and fix the failures (or use --allow-partial).",
-        )
-    from .publish import _finite
-
-    manifest = Manifest(
-        schema_version=SchemaVersion.V1,
-        model=name,
-        version=config.model.version,
-        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        generator=f"qnn-ctx-pipeline {__version__}",
-        source_sha256=source_sha256,
-        config_digest=config.digest(),
-        quantization=_finite(quantize.get("summary") or {}),
-        variants=variants,
-        cpu_fallback=None,
-        excluded=excluded,
-    )
-    Manifest.from_json(manifest.to_json(), f"manifest of {name} {config.model.version}")
-    return manifest, sources
+    require_variants(config, variants, excluded, allow_partial)
+    return release_manifest(config, quantize, source_sha256, variants, excluded, None), sources

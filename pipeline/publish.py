@@ -333,13 +333,7 @@ def build_manifest(
                 )
             variants.append(variant)
             sources.extend(files)
-    if not any(v.passed for v in variants) and not (allow_partial and variants):
-        reasons = "\n".join(f"  - {e.id}: {e.reason}" for e in excluded)
-        raise PublishError(
-            f"{name} {config.model.version}: no variant passed its gates, nothing to publish:\n"
-            f"{reasons}",
-            tip="Run `nox -s compile_ctx` and fix the failures (or use --allow-partial).",
-        )
+    require_variants(config, variants, excluded, allow_partial)
 
     cpu = None
     qdq = build / "qdq.onnx"
@@ -353,7 +347,33 @@ def build_manifest(
             )
         cpu = CpuModel(kind="qdq", model=src.entry.path, files=[src.entry])
         sources.append(src)
+    manifest = release_manifest(config, quantize, source_sha256, variants, excluded, cpu)
+    return manifest, sources
 
+
+def require_variants(
+    config: ModelConfig, variants: list[Variant], excluded: list[Excluded], allow_partial: bool
+) -> None:
+    """A release needs a variant that passed its gates (any variant, with --allow-partial)."""
+    if not any(v.passed for v in variants) and not (allow_partial and variants):
+        reasons = "\n".join(f"  - {e.id}: {e.reason}" for e in excluded)
+        raise PublishError(
+            f"{config.model.name} {config.model.version}: no variant passed its gates, nothing "
+            f"to publish:\n{reasons}",
+            tip="Run `nox -s compile_ctx` and fix the failures (or use --allow-partial).",
+        )
+
+
+def release_manifest(
+    config: ModelConfig,
+    quantize: dict[str, Any],
+    source_sha256: str,
+    variants: list[Variant],
+    excluded: list[Excluded],
+    cpu: CpuModel | None,
+) -> Manifest:
+    """The release's manifest, checked by the strict parser the runtime uses."""
+    name = config.model.name
     manifest = Manifest(
         schema_version=SchemaVersion.V1,
         model=name,
@@ -369,7 +389,7 @@ def build_manifest(
     )
     # Round-trip through the strict parser: publish never writes what runtime would refuse.
     Manifest.from_json(manifest.to_json(), f"manifest of {name} {config.model.version}")
-    return manifest, sources
+    return manifest
 
 
 def _quantize_record(build: Path) -> dict[str, Any]:
