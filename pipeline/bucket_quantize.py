@@ -371,7 +371,7 @@ def bucket_folder(folder: Path, name: str) -> Path:
 
 def quantize_bucketed(config: ModelConfig, artifacts: Path, force: bool = False) -> Any:
     """Build (or reuse) every bucket's QDQ model for one config; returns a QuantizeResult."""
-    from .quantize import QuantizeResult
+    from .quantize import QuantizeResult, _summary, apply_gate, record_head
 
     folder = Path(artifacts) / "build" / config.model.name
     inputs = build_inputs(config)
@@ -393,20 +393,13 @@ def quantize_bucketed(config: ModelConfig, artifacts: Path, force: bool = False)
     started = time.perf_counter()
     report, plan, qdq_paths = _build(config, folder, inputs)
     report["timings_s"]["total"] = time.perf_counter() - started
-    gate = config.quantization.min_snr_db
-    worst = report["accuracy"]["worst_snr_db"]
-    passed = gate <= 0 or worst >= gate
-    report["gate"] = {"min_snr_db": gate, "passed": passed}
+    passed = apply_gate(config, report)
     write_bucket_report(folder, report)
-    from .quantize import _summary
-
     update_record(
         folder,
         "quantize",
         {
-            "status": "ok" if passed else "failed",
-            "inputs": inputs,
-            "model": dataclasses.asdict(config.model),
+            **record_head(config, inputs, passed),
             "summary": {**_summary(report), "buckets": report["buckets"]["names"]},
             "buckets": [
                 {
@@ -421,6 +414,7 @@ def quantize_bucketed(config: ModelConfig, artifacts: Path, force: bool = False)
         },
     )
     if not passed:
+        worst, gate = report["accuracy"]["worst_snr_db"], config.quantization.min_snr_db
         raise GateError(
             f"{config.model.name}: worst bucket QDQ vs float SNR {fmt(worst)} dB is below "
             f"quantization.min_snr_db = {gate} ({folder / 'report.md'}).",

@@ -177,16 +177,12 @@ def quantize_model(config: ModelConfig, artifacts: Path, force: bool = False) ->
     report = _build(config, folder, inputs)
     report["timings_s"]["total"] = time.perf_counter() - started
     _write_quantize_report(folder, report)
-    gate = config.quantization.min_snr_db
-    passed = gate <= 0 or report["accuracy"]["worst_snr_db"] >= gate
-    report["gate"] = {"min_snr_db": gate, "passed": passed}
+    passed = apply_gate(config, report)
     update_record(
         folder,
         "quantize",
         {
-            "status": "ok" if passed else "failed",
-            "inputs": inputs,
-            "model": dataclasses.asdict(config.model),
+            **record_head(config, inputs, passed),
             "qdq_sha256": sha256_file(folder / "qdq.onnx"),
             "float_sha256": sha256_file(folder / "float.onnx"),
             "summary": _summary(report),
@@ -194,12 +190,30 @@ def quantize_model(config: ModelConfig, artifacts: Path, force: bool = False) ->
     )
     _write_quantize_report(folder, report)
     if not passed:
+        gate = config.quantization.min_snr_db
         raise GateError(
             f"{config.model.name}: worst QDQ vs float SNR {fmt(report['accuracy']['worst_snr_db'])} "
             f"dB is below quantization.min_snr_db = {gate} ({folder / 'report.md'}).",
             tip="Use 16-bit types or overrides for the worst tensors, or more calibration data.",
         )
     return QuantizeResult(config.model.name, folder, False, report)
+
+
+def apply_gate(config: ModelConfig, report: dict[str, Any]) -> bool:
+    """Whether the worst QDQ vs float SNR clears quantization.min_snr_db; the report says it."""
+    gate = config.quantization.min_snr_db
+    passed = gate <= 0 or report["accuracy"]["worst_snr_db"] >= gate
+    report["gate"] = {"min_snr_db": gate, "passed": passed}
+    return passed
+
+
+def record_head(config: ModelConfig, inputs: dict[str, Any], passed: bool) -> dict[str, Any]:
+    """What every quantize record starts with: the outcome, what it was built from, the model."""
+    return {
+        "status": "ok" if passed else "failed",
+        "inputs": inputs,
+        "model": dataclasses.asdict(config.model),
+    }
 
 
 def _summary(report: dict[str, Any]) -> dict[str, Any]:
