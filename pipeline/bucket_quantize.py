@@ -870,8 +870,12 @@ def evaluate_end_to_end(
         except Exception:
             failures += 1
             continue
-        got_q = crop_outputs(plan, bucket, own, _run(qdq[bucket.name], names, feeds))
-        got_f = crop_outputs(plan, bucket, own, _run(flt[bucket.name], names, feeds))
+        got_q = bk.crop_outputs(
+            plan.pads, plan.crops, bucket, own, _run(qdq[bucket.name], names, feeds)
+        )
+        got_f = bk.crop_outputs(
+            plan.pads, plan.crops, bucket, own, _run(flt[bucket.name], names, feeds)
+        )
         same = {n for n in names if expected[n].shape == got_q[n].shape}
         mismatched += len(names) - len(same)
         vs_qdq.add({n: expected[n] for n in same}, {n: got_q[n] for n in same})
@@ -899,23 +903,6 @@ def _run(session: Any, names: list[str], feeds: Feeds) -> Feeds:
     if all(n in by_name for n in names):
         return {n: by_name[n] for n in names}
     return dict(zip(names, values, strict=False))  # renamed outputs: pair by position
-
-
-def crop_outputs(plan: bk.BucketPlan, bucket: bk.Bucket, own: Feeds, outputs: Feeds) -> Feeds:
-    """Outputs cropped along the dims the config declares as following an input dim."""
-    sides = {(r.input, r.axis): r.side for r in plan.pads}
-    result = dict(outputs)
-    for rule in plan.crops:
-        if rule.output not in result or rule.input not in own:
-            continue
-        result[rule.output] = bk.crop_output(
-            result[rule.output],
-            rule,
-            own[rule.input].shape[rule.input_axis],
-            bucket.shapes[rule.input][rule.input_axis],
-            sides.get((rule.input, rule.input_axis), "end"),
-        )
-    return result
 
 
 def write_bucket_report(folder: Path, report: dict[str, Any]) -> Path:

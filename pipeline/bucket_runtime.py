@@ -144,16 +144,7 @@ class BucketSessions:
             padded[name], applied[name] = bk.pad_input(array, bucket.shapes[name], rules)
         names = output_names or self.outputs
         values = dict(zip(names, self._run(index, names, padded), strict=True))
-        sides = {(r.input, r.axis): r.side for r in self.pads}
-        for rule in self.crops:
-            if rule.output in values:
-                values[rule.output] = bk.crop_output(
-                    values[rule.output],
-                    rule,
-                    arrays[rule.input].shape[rule.input_axis],
-                    bucket.shapes[rule.input][rule.input_axis],
-                    sides.get((rule.input, rule.input_axis), "end"),
-                )
+        values = bk.crop_outputs(self.pads, self.crops, bucket, arrays, values)
         self.last = bk.Padding(bucket.name, {k: v for k, v in applied.items() if v})
         return values, self.last
 

@@ -7,8 +7,8 @@ and the runtime pads each input into the smallest bucket that holds it and crops
 
 This module is the arithmetic of that, as pure functions over plain data: which buckets a config
 asks for (``plan_buckets``), which bucket holds an input (``choose_bucket``), and how to pad an
-input (``pad_input``) and crop an output (``crop_output``). It imports only the standard library
-and numpy, because the device-side runtime uses it too.
+input (``pad_input``) and crop the outputs (``crop_output``, ``crop_outputs``). It imports only the
+standard library and numpy, because the device-side runtime uses it too.
 
 A bucket dim is named by a key of ``[buckets] dims``: a ``dim_param`` of the source model (every
 input axis with that name follows it) or ``"input:axis"`` for a dim without a usable name.
@@ -466,3 +466,27 @@ def crop_output(
     size = value.shape[rule.axis]
     index[rule.axis] = slice(size - keep, size) if side == "start" else slice(0, keep)
     return value[tuple(index)]
+
+
+def crop_outputs(
+    pads: Sequence[PadRule],
+    crops: Sequence[CropRule],
+    bucket: Bucket,
+    own: Mapping[str, np.ndarray],
+    outputs: Mapping[str, np.ndarray],
+) -> dict[str, np.ndarray]:
+    """``outputs`` of ``bucket`` run on ``own`` (the true-size inputs), each output that
+    ``crops`` declares cropped to what follows its input; the others as they are."""
+    sides = {(r.input, r.axis): r.side for r in pads}
+    result = dict(outputs)
+    for rule in crops:
+        if rule.output not in result or rule.input not in own:
+            continue
+        result[rule.output] = crop_output(
+            result[rule.output],
+            rule,
+            own[rule.input].shape[rule.input_axis],
+            bucket.shapes[rule.input][rule.input_axis],
+            sides.get((rule.input, rule.input_axis), "end"),
+        )
+    return result
