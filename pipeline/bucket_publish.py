@@ -43,6 +43,8 @@ def _rebuild_tip() -> str:
 
 def _check_sources(config: ModelConfig, build: Path, quantize: dict[str, Any]) -> str:
     """The source model and config must be what the build was made from; returns the sha256."""
+    from .publish import check_config_digest
+
     inputs = quantize.get("inputs") or {}
     recorded = str(inputs.get("source_sha256", ""))
     if config.source_path.is_file():
@@ -58,13 +60,7 @@ def _check_sources(config: ModelConfig, build: Path, quantize: dict[str, Any]) -
             f"No sha256 of the source model of {config.model.name} in {build / 'record.json'}.",
             tip="Run `nox -s quantize` for this config.",
         )
-    digest = inputs.get("config_digest")
-    if digest and digest != config.digest():
-        raise PublishError(
-            f"{config.path} changed since {config.model.name} was built (config digest differs "
-            f"from {build / 'record.json'}).",
-            tip="Run `nox -s quantize compile_ctx` again, then publish.",
-        )
+    check_config_digest(config, build, inputs)
     return recorded
 
 

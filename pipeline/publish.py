@@ -299,13 +299,7 @@ def build_manifest(
             f"{build / 'record.json'} does not record it.",
             tip="Run `nox -s quantize` for this config.",
         )
-    recorded_digest = inputs.get("config_digest")
-    if recorded_digest and recorded_digest != config.digest():
-        raise PublishError(
-            f"{config.path} changed since {name} was built (config digest differs from "
-            f"{build / 'record.json'}).",
-            tip="Run `nox -s quantize compile_ctx` again, then publish.",
-        )
+    check_config_digest(config, build, inputs)
 
     pins = load_pins()
     variants: list[Variant] = []
@@ -349,6 +343,17 @@ def build_manifest(
         sources.append(src)
     manifest = release_manifest(config, quantize, source_sha256, variants, excluded, cpu)
     return manifest, sources
+
+
+def check_config_digest(config: ModelConfig, build: Path, inputs: dict[str, Any]) -> None:
+    """The config must be the one the build was made from (its digest in the quantize record)."""
+    recorded = inputs.get("config_digest")
+    if recorded and recorded != config.digest():
+        raise PublishError(
+            f"{config.path} changed since {config.model.name} was built (config digest differs "
+            f"from {build / 'record.json'}).",
+            tip="Run `nox -s quantize compile_ctx` again, then publish.",
+        )
 
 
 def require_variants(
