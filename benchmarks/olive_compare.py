@@ -758,7 +758,9 @@ def main() -> int:
         f"the machine is shared). {_versions(python)}."
     )
     notes += [
-        "Olive: the FACTS §9 workflow with 4 random calibration samples (Olive checks nothing). "
+        "Olive: the FACTS §9 workflow with 4 random calibration samples (floats uniform in "
+        "[0, 1), integers in [0, 256), whatever the model's real input range; Olive checks "
+        "nothing). "
         "Afterwards, untimed, its ctx is loaded with the QNN EP here (partitions, CPU nodes) "
         "and run on the HTP simulator on the same held-out real inputs as ours, vs the float "
         "model on the CPU (its SNR column). Its wall time counts failed runs too.",
