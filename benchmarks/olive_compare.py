@@ -37,14 +37,17 @@ Two things are done to let Olive run here at all, neither changes what it comput
   its version into every model's metadata, so QNNPreprocess always fails after another pass. The
   Olive venv gets the one-line fix (``{p.key: p.value for p in ...}``) in that file.
 * ``olive run`` only registers plugin EPs on Windows; on Linux its local target then has no
-  QNNExecutionProvider and refuses the workflow. A four-line driver registers the onnxruntime-qnn
+  QNNExecutionProvider and refuses the workflow. A short driver registers the onnxruntime-qnn
   library and calls Olive's own CLI entry point (``olive run --config``) in the same process: the
   cheapest way to run it (a PythonEnvironment target would start and import Olive a second time
   for the context pass). Telemetry is off (``OLIVE_DISABLE_TELEMETRY=1``, ``CI=1``) so no run
   waits on the network.
 
-Prints a Markdown table (also written to <artifacts>/olive_compare.md): per model Olive's and our
-coverage, wall time, peak RSS and rerun time, our ctx-vs-float SNR, then medians and ratios.
+Olive's peak RSS is this install's (CPU torch, no pandas): FACTS §9's 1.1 GB came from another.
+
+Prints a Markdown table (also written to <artifacts>/olive_compare.md): per model both sides'
+coverage, wall time, peak RSS, rerun time and ctx-vs-float SNR, our calibration sample count and
+our time to a loaded ctx (where Olive stops), then medians and the Olive / ours ratios.
 """
 
 from __future__ import annotations
