@@ -53,7 +53,6 @@ our time to a loaded ctx (where Olive stops), then medians and the Olive / ours 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import json
 import os
@@ -63,7 +62,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import date
 from importlib.metadata import PackageNotFoundError, version
@@ -72,6 +70,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(ROOT / "tests"))
+from venvs import env_lock, envs_root, uv_command  # noqa: E402  (cached uv envs, shared with tests)
 
 from pipeline.config import ModelConfig, load_config  # noqa: E402
 from pipeline.report import fmt, table  # noqa: E402
@@ -154,30 +155,6 @@ ONNX_DTYPES = {
 # -- the Olive environment ---------------------------------------------------------------------
 
 
-def envs_root() -> Path:
-    default = Path.home() / ".cache" / "qnn-pipeline" / "envs"
-    return Path(os.environ.get("QNN_PIPELINE_ENVS", default))
-
-
-def _uv() -> list[str]:
-    found = shutil.which("uv") or shutil.which("uv", path=str(Path(sys.executable).parent))
-    return [found] if found else [sys.executable, "-m", "uv"]
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """One creator at a time: a test session may be building another env beside us."""
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _run(cmd: list[str]) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -234,14 +211,14 @@ def olive_python() -> Path:
         "onnxruntime-qnn": ONNXRUNTIME_QNN,
         "onnx": onnx_version,
     }
-    with _locked(env.with_name(env.name + ".lock")):
+    with env_lock(env.with_name(env.name + ".lock")):
         ready = env / READY_FILE
         if ready.is_file() and python.exists() and json.loads(ready.read_text()) == wanted:
             return python
         print(f"creating the Olive environment in {env} (once) ...", flush=True)
         if env.exists():
             shutil.rmtree(env)
-        uv = _uv()
+        uv = uv_command()
         _run([*uv, "venv", "--quiet", "--python", sys.executable, str(env)])
         install = [*uv, "pip", "install", "--quiet", "--compile-bytecode", "--python", str(python)]
         _run([*install, *_torch_cpu()])

@@ -34,14 +34,15 @@ def env_name(onnxruntime_qnn: str, onnxruntime: str) -> str:
     return f"ortqnn-{onnxruntime_qnn}_ort-{onnxruntime}_{py}"
 
 
-def _uv() -> list[str]:
+def uv_command() -> list[str]:
     """uv from PATH, else the one installed beside this interpreter, else ``python -m uv``."""
     found = shutil.which("uv") or shutil.which("uv", path=str(Path(sys.executable).parent))
     return [found] if found else [sys.executable, "-m", "uv"]
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def env_lock(path: Path) -> Iterator[None]:
+    """One creator of a cached env at a time (tests and benchmarks may build beside each other)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as handle:
         if sys.platform != "win32":
@@ -86,16 +87,16 @@ def toolchain_python(onnxruntime_qnn: str, onnxruntime: str) -> Path:
     env = envs_root() / env_name(onnxruntime_qnn, onnxruntime)
     python = _python_in(env)
     wanted = {"onnxruntime-qnn": onnxruntime_qnn, "onnxruntime": onnxruntime}
-    with _locked(env.with_name(env.name + ".lock")):
+    with env_lock(env.with_name(env.name + ".lock")):
         if (env / READY_FILE).is_file() and python.exists():
             return python
         have = _installed(python) if python.exists() else {}
         if not all(have.get(k) == v for k, v in wanted.items()) or "numpy" not in have:
             if not python.exists():
-                _run([*_uv(), "venv", "--quiet", "--python", sys.executable, str(env)], env)
+                _run([*uv_command(), "venv", "--quiet", "--python", sys.executable, str(env)], env)
             _run(
                 [
-                    *_uv(),
+                    *uv_command(),
                     "pip",
                     "install",
                     "--quiet",
