@@ -72,9 +72,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "tests"))
+from shared_configs import runnable_configs  # noqa: E402
 from venvs import env_lock, envs_root, uv_command  # noqa: E402  (cached uv envs, shared with tests)
 
-from pipeline.config import ModelConfig, load_config  # noqa: E402
+from pipeline.config import ModelConfig  # noqa: E402
 from pipeline.report import fmt, table  # noqa: E402
 
 OLIVE = "0.13.0"
@@ -706,20 +707,13 @@ def main() -> int:
     args = parser.parse_args()
     from pipeline.targets import get_target
 
-    configs = args.configs or sorted((ROOT / "configs" / "shared").glob("*.toml"))
+    configs, notes = runnable_configs(args.configs, "not compared")
     python = olive_python()
     artifacts = args.artifacts.resolve()
-    results, notes = [], []
+    results = []
     load = os.getloadavg()[0]
-    for path in configs:
-        config = load_config(path, check_files=False)
+    for path, config in configs:
         name = config.model.name
-        if config.buckets.enabled:
-            notes.append(f"{name}: bucketed config, not compared")
-            continue
-        if not config.source_path.is_file():
-            notes.append(f"{name}: skipped, {config.source_path} is absent")
-            continue
         target = get_target(config.compile.targets[0])
         print(f"{name}: Olive ...", flush=True)
         olive = run_olive(

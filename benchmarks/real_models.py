@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.config import load_config  # noqa: E402
+from shared_configs import runnable_configs  # noqa: E402
+
 from pipeline.report import fmt, table  # noqa: E402
 
 SHORT_STEPS = {
@@ -77,18 +78,11 @@ def main() -> int:
     parser.add_argument("configs", nargs="*", type=Path)
     parser.add_argument("--artifacts", type=Path, default=ROOT / "artifacts" / "bench")
     args = parser.parse_args()
-    configs = args.configs or sorted((ROOT / "configs" / "shared").glob("*.toml"))
-    rows, notes = [], []
+    configs, notes = runnable_configs(args.configs, "measured by benchmarks/buckets.py")
+    rows = []
     target = "-"
-    for path in configs:
-        config = load_config(path, check_files=False)
+    for path, config in configs:
         name = config.model.name
-        if config.buckets.enabled:
-            notes.append(f"{name}: bucketed config, measured by benchmarks/buckets.py")
-            continue
-        if not config.source_path.is_file():
-            notes.append(f"{name}: skipped, {config.source_path} is absent")
-            continue
         art = str(args.artifacts)
         q_time, q_rc, q_log, q_rss = run_stage(
             ["quantize", str(path), "--artifacts", art, "--force"]

@@ -1,0 +1,28 @@
+"""Which real-model configs a benchmark runs: the single-shape ones whose model file is here."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeline.config import ModelConfig, load_config  # noqa: E402
+
+
+def runnable_configs(
+    paths: list[Path], bucketed_note: str
+) -> tuple[list[tuple[Path, ModelConfig]], list[str]]:
+    """Configs to run (default: configs/shared/*.toml) and a note for each one left out."""
+    chosen, notes = [], []
+    for path in paths or sorted((ROOT / "configs" / "shared").glob("*.toml")):
+        config = load_config(path, check_files=False)
+        name = config.model.name
+        if config.buckets.enabled:
+            notes.append(f"{name}: bucketed config, {bucketed_note}")
+        elif not config.source_path.is_file():
+            notes.append(f"{name}: skipped, {config.source_path} is absent")
+        else:
+            chosen.append((path, config))
+    return chosen, notes
