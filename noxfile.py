@@ -1,11 +1,13 @@
 """Sessions pick an environment and call ``python -m pipeline <stage>``; nothing else lives here.
 
-nox -s quantize [-- configs/x.toml ...]     float -> QDQ (plain onnxruntime, no QNN)
-nox -s compile_ctx [-- configs/x.toml ...]  QDQ -> EP-context, one venv per pinned toolchain
-nox -s "compile_ctx(qnn='2.5.0')"           one toolchain only
-nox -s publish [-- configs/x.toml ...]      passing variants -> versioned release
-nox -s doctor                               environment check in the newest toolchain's venv
+nox -s quantize [-- configs/x.toml ... --force]   float -> QDQ (plain onnxruntime, no QNN)
+nox -s compile_ctx [-- configs/x.toml ...]         QDQ -> EP-context, one venv per pinned toolchain
+nox -s "compile_ctx(qnn='2.5.0')"                  one toolchain only
+nox -s publish [-- configs/x.toml ...]             passing variants -> versioned release
+nox -s doctor                                      environment check in the newest toolchain's venv
 nox -s tests / nox -s lint
+
+Arguments after ``--`` go to the stage: config paths and its flags (``--force``, ...).
 """
 
 from __future__ import annotations
@@ -15,56 +17,74 @@ from pathlib import Path
 
 import nox
 
+sys.path.insert(0, str(Path(__file__).parent / "runtime"))
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline.config import EXAMPLE_CONFIGS, load_config
-from pipeline.toolchains import load_pins
+from pipeline.core.config import EXAMPLE_CONFIGS, load_config
+from qnn_ctx_runtime.toolchains import load_toolchains
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["quantize", "tests", "lint"]
 nox.options.reuse_existing_virtualenvs = True
 
-PINS = load_pins()
-NEWEST = PINS.toolchains[PINS.default]
-DEFAULT_CONFIGS = [str(p) for p in EXAMPLE_CONFIGS]
+TOOLCHAINS = load_toolchains()
+NEWEST = TOOLCHAINS.pinned[TOOLCHAINS.default]
+# The device-side package: every environment that runs the builder needs it (the builder's
+# manifest type, chip and toolchain tables and QNN helpers live there).
+RUNTIME = ["-e", "./runtime"]
 # The quantize side uses plain onnxruntime at the newest pin's version: one version to bump.
-QUANTIZE_DEPS = [f"onnxruntime=={NEWEST.onnxruntime}", "-e", ".[build]"]
-# Compile/doctor need the pinned pair only (EPContext nodes are read with a small protobuf
-# reader in pipeline/qnn.py), plus tqdm for progress: nothing from the quantize environment.
-COMPILE_EXTRAS = ["numpy", "tqdm>=4.66"]
+QUANTIZE_DEPS = [f"onnxruntime=={NEWEST.onnxruntime}", *RUNTIME, "-e", ".[build]"]
+# Compile/doctor need the pinned pair, the runtime package and tqdm for progress: nothing from
+# the quantize environment (EPContext nodes are read with the runtime's small protobuf reader).
+COMPILE_EXTRAS = [*RUNTIME, "numpy", "tqdm>=4.66"]
 
 
 def _configs(session: nox.Session) -> list[str]:
-    return list(session.posargs) or DEFAULT_CONFIGS
+    """The config paths among the arguments after ``--`` (the rest are the stage's flags)."""
+    return [a for a in session.posargs if not a.startswith("-")] or [
+        str(p) for p in EXAMPLE_CONFIGS
+    ]
+
+
+def _flags(session: nox.Session) -> list[str]:
+    return [a for a in session.posargs if a.startswith("-")]
 
 
 @nox.session
 def quantize(session: nox.Session) -> None:
-    """Prepare and quantize float models (default: the bundled example)."""
+    """Prepare and quantize float models (default: the bundled examples)."""
     session.install(*QUANTIZE_DEPS)
     session.run("python", "-m", "pipeline", "quantize", *session.posargs)
 
 
 @nox.session
-@nox.parametrize("qnn", list(PINS.toolchains))
+@nox.parametrize("qnn", list(TOOLCHAINS.pinned))
 def compile_ctx(session: nox.Session, qnn: str) -> None:
     """Compile QDQ models to EP-context models with one pinned QNN toolchain."""
+    if "--toolchain" in session.posargs:
+        session.error(
+            "Choose the toolchain with the session, e.g. "
+            f"nox -s \"compile_ctx(qnn='{TOOLCHAINS.default}')\"; pinned: "
+            f"{', '.join(TOOLCHAINS.pinned)}."
+        )
     configs = _configs(session)
     wanted = {
         v
         for c in configs
-        for v in (load_config(c, check_files=False).compile.toolchains or [PINS.default])
+        for v in (load_config(c, check_files=False).compile.toolchains or [TOOLCHAINS.default])
     }
     if qnn not in wanted:
         session.skip(f"no config asks for toolchain {qnn} (compile.toolchains)")
-    session.install(*PINS.get(qnn).requirements, *COMPILE_EXTRAS)
-    session.run("python", "-m", "pipeline", "compile", "--toolchain", qnn, *configs)
+    session.install(*TOOLCHAINS.get(qnn).requirements, *COMPILE_EXTRAS)
+    session.run(
+        "python", "-m", "pipeline", "compile", "--toolchain", qnn, *_flags(session), *configs
+    )
 
 
 @nox.session
 def publish(session: nox.Session) -> None:
     """Assemble immutable, versioned releases from the variants that passed their gates."""
-    session.install(f"onnxruntime=={NEWEST.onnxruntime}", "numpy")
-    session.run("python", "-m", "pipeline", "publish", *_configs(session))
+    session.install(f"onnxruntime=={NEWEST.onnxruntime}", "numpy", *RUNTIME)
+    session.run("python", "-m", "pipeline", "publish", *_flags(session), *_configs(session))
 
 
 @nox.session

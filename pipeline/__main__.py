@@ -7,10 +7,10 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from .errors import PipelineError
+from .core.errors import PipelineError
 
 # stage name -> module; each module has HELP, configure(parser) and run(args) -> int, and keeps
-# heavy imports inside functions so that building this parser stays cheap.
+# heavy imports inside run() so that building this parser stays cheap.
 STAGES = {
     "example": "pipeline.example",
     "quantize": "pipeline.quantize",

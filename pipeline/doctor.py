@@ -24,9 +24,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import qnn
-from .errors import PipelineError
-from .manifest import MANIFEST_FILE, Manifest
+from qnn_ctx_runtime import qnn
+from qnn_ctx_runtime.device import device_for, native_machine_detail, process_machine
+from qnn_ctx_runtime.manifest import MANIFEST_FILE, Manifest
+from qnn_ctx_runtime.select import choose_variant, parse_version
+from qnn_ctx_runtime.toolchains import Toolchains, load_toolchains
+
+from .core.errors import PipelineError
 
 HELP = """\
 Check this machine for the known barriers to running QNN EP-context models.
@@ -82,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([row.__dict__ for row in rows], indent=2))
     else:
-        from .report import table
+        from .core.report import table
 
         print(
             table(["check", "status", "detail", "fix"], [list(r.__dict__.values()) for r in rows])
@@ -95,20 +99,22 @@ def run(args: argparse.Namespace) -> int:
 def diagnose(
     artifacts: Path, releases: list[Path], target: str | None, probe: bool = True
 ) -> list[Row]:
-    from . import runtime
-
     distributions = installed_distributions()
+    native, how = native_machine_detail()
     rows = [
         Row(
             "python",
             OK,
-            f"Python {platform.python_version()} {runtime.process_machine()} on "
-            f"{platform.system()} ({runtime.native_machine()} hardware)",
+            f"Python {platform.python_version()} {process_machine()} on "
+            f"{platform.system()} ({native} hardware, from {how})",
         ),
-        check_emulation(runtime.native_machine(), runtime.process_machine(), sys.platform),
+        check_emulation(native, process_machine(), sys.platform),
         check_packages(distributions),
-        check_pinned_pair(distributions, runtime.known_toolchains(), _pins_source()),
     ]
+    try:
+        rows.append(check_pinned_pair(distributions, load_toolchains()))
+    except PipelineError as exc:  # a damaged table is named, never replaced silently
+        rows.append(Row("pinned pair", FAIL, exc.message, exc.tip or ""))
     installed = qnn.installed_qnn()
     ep = installed if installed.present else None
     if ep is None:
@@ -187,23 +193,22 @@ def check_packages(distributions: dict[str, str]) -> Row:
     return Row("packages", OK, listing)
 
 
-def check_pinned_pair(
-    distributions: dict[str, str], pins: dict[str, tuple[str, str]], source: str
-) -> Row:
+def check_pinned_pair(distributions: dict[str, str], table: Toolchains) -> Row:
     """A wrong pair does not fail: ORT prints a warning and runs on CPU (FACTS §2)."""
     qnn, ort = distributions.get("onnxruntime-qnn"), distributions.get("onnxruntime")
+    source = table.source
     if qnn is None or qnn.startswith("1."):
         return Row("pinned pair", SKIP, "no onnxruntime-qnn 2.x installed")
-    if qnn not in pins:
-        newest = max(pins, key=lambda v: tuple(int(p) for p in v.split(".") if p.isdigit()))
+    if qnn not in table.known:
+        newest = table.newest_pin
         return Row(
             "pinned pair",
             WARN,
             f"onnxruntime-qnn {qnn} is not pinned in {source}",
-            f"install a pinned pair, e.g. onnxruntime-qnn=={newest} "
-            f"onnxruntime=={pins[newest][1]}, or verify {qnn} and add a pin",
+            f"install a pinned pair, e.g. onnxruntime-qnn=={newest.onnxruntime_qnn} "
+            f"onnxruntime=={newest.onnxruntime}, or verify {qnn} and add a pin",
         )
-    pinned_ort = pins[qnn][1]
+    pinned_ort = table.known[qnn].onnxruntime
     if not pinned_ort:
         return Row(
             "pinned pair",
@@ -222,12 +227,6 @@ def check_pinned_pair(
     return Row(
         "pinned pair", OK, f"onnxruntime-qnn {qnn} + onnxruntime {ort}, as pinned in {source}"
     )
-
-
-def _pins_source() -> str:
-    from .toolchains import PINS_FILE
-
-    return str(PINS_FILE) if PINS_FILE.is_file() else "the built-in table"
 
 
 # -- platform -----------------------------------------------------------------------------------
@@ -283,7 +282,7 @@ PROBE_SCRIPT = """
 import json, os, tempfile
 import numpy as np
 import onnxruntime as ort
-from pipeline import qnn
+from qnn_ctx_runtime import qnn
 from pipeline.doctor import PROBE_INPUT, PROBE_MODEL
 out = {}
 with tempfile.TemporaryDirectory() as tmp:
@@ -309,8 +308,8 @@ print("PROBE " + json.dumps(out))
 def check_probe(python: str | None = None, timeout: float = 180) -> Row:
     """Run the probe model on the QNN EP in a child process; CPU fallback or a crash fails."""
     env = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    roots = [str(Path(__file__).resolve().parent.parent), str(Path(qnn.__file__).parents[1])]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*roots, env.get("PYTHONPATH")) if p)
     try:
         done = subprocess.run(
             [python or sys.executable, "-c", PROBE_SCRIPT],
@@ -392,8 +391,6 @@ def _read_manifest(path: Path) -> Manifest:
 
 
 def check_releases(paths: list[Path], ep: qnn.InstalledQnn | None, target: str | None) -> list[Row]:
-    from . import runtime
-
     if not paths:
         return [Row("releases", SKIP, "no release found", "pass --artifacts or --release")]
     rows = []
@@ -414,14 +411,12 @@ def check_releases(paths: list[Path], ep: qnn.InstalledQnn | None, target: str |
                 )
             )
             continue
-        sdks = ", ".join(
-            sorted({v.qnn_sdk_version for v in manifest.variants}, key=runtime.parse_version)
-        )
+        sdks = ", ".join(sorted({v.qnn_sdk_version for v in manifest.variants}, key=parse_version))
         if ep is None:
             rows.append(Row(label, SKIP, f"needs QNN SDK {sdks}; no QNN EP installed"))
             continue
         try:
-            chosen = runtime.choose_variant(manifest, ep, runtime.device_for(target))
+            chosen = choose_variant(manifest, ep, device_for(target))
         except PipelineError as exc:
             reasons = [line.strip(" -") for line in exc.message.splitlines()[1:]]
             detail = "; ".join(reasons) or exc.message.splitlines()[0]

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .fileio import atomic_dir, atomic_path
+from .core.fileio import atomic_dir, atomic_path
 
 HELP = """\
 Generate the bundled example model and its calibration data (deterministic, seeded).

@@ -1,0 +1,1 @@
+"""Calibration samples (streamed, routed into buckets) and the rules applied to their ranges."""

@@ -1,0 +1,537 @@
+"""Rules applied to calibrated activation ranges before quantizing (``tune``).
+
+MinMax calibration records the extremes of a few samples. Three things go wrong with that on
+real models; each is fixed here, on the ranges, before onnxruntime picks scales:
+
+- **Ranges wider than anything a reader can tell apart** (``live_ranges``). A tensor read only
+  by ops that saturate (Clip, Relu, HardSigmoid, Sigmoid, Tanh, also through x*c, x+c, x+y
+  on the way to one) needs no range past the saturation point. tanh-GELU's argument
+  x + 0.044715 x**3 spans +-1e6 on magika's inputs while tanh distinguishes about +-6: over
+  +-1e6 a 16-bit step is ~30 and every non-saturated value was lost.
+- **Unseen extremes** (``margins``). With 16-bit activations resolution is plentiful, so the
+  error that dominates is clipping: a held-out input that drives a tensor past the largest
+  calibrated value is cut off, and the cut propagates (ppocr_rec with int16 weights: 20 dB
+  without, 48 dB with). A range is widened by up to ``MAX_MARGIN`` of its span per side, as
+  far as its own quantization SNR (from the tensor's RMS on calibration samples) can pay while
+  staying above ``MARGIN_FLOOR_DB``; never past the bounds the producing op guarantees
+  (onnxruntime removes Relu/Clip and lets QuantizeLinear clamp, so those must stay exact).
+- **Bias overflow** (``bias_floor``). A Conv/Gemm bias is stored as int32 with scale
+  input_scale x weight_scale. When the input is constant (a ReLU branch that is always 0, in
+  ppocr_rec's first SE block) its range collapses to onnxruntime's minimum (1e-4), the bias
+  scale becomes ~1e-12 and every bias value saturates at +-2^31. The dead side is widened:
+  the input's range, or a dead weight's range (onnxruntime does that itself, but only for
+  symmetric signed weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+INF = float("inf")
+Interval = tuple[float, float]
+MAX_MARGIN = 0.5  # widen a range by at most this x its span, on each side
+MARGIN_FLOOR_DB = 60.0  # ... and only while its own quantization SNR stays above this
+MIN_REAL_RANGE = 1e-4  # onnxruntime's default for QNN (get_qnn_qdq_config)
+BIAS_HEADROOM = 1.05  # keep the largest bias a little inside the int32 range
+INT32_SPAN = float(2**32 - 2)  # onnxruntime: int32 max - (int32 min + 1)
+QRANGE = {
+    "uint8": 255,
+    "int8": 255,
+    "uint16": 65535,
+    "int16": 65535,
+    "uint4": 15,
+    "int4": 15,
+}
+# Output bounds ops guarantee (output index -> (low, high)); None = unbounded on that side.
+_UNIT = (0.0, 1.0)
+_TANH = (-1.0, 1.0)
+BOUNDED_OPS: dict[str, dict[int, tuple[float | None, float | None]]] = {
+    "Relu": {0: (0.0, None)},
+    "Sigmoid": {0: _UNIT},
+    "HardSigmoid": {0: _UNIT},
+    "Softmax": {0: _UNIT},
+    "Tanh": {0: _TANH},
+    "HardSwish": {0: (-0.375, None)},
+    "Abs": {0: (0.0, None)},
+    "Sqrt": {0: (0.0, None)},
+    "Exp": {0: (0.0, None)},
+    # Default activations (sigmoid gates, tanh cell): hidden outputs lie in [-1, 1].
+    "LSTM": {0: _TANH, 1: _TANH},
+    "GRU": {0: _TANH, 1: _TANH},
+    "RNN": {0: _TANH, 1: _TANH},
+}
+
+
+@dataclass(frozen=True)
+class BiasFloor:
+    """A range widened so that a Conv/Gemm's int32 bias fits (``tensor`` is the input or weight)."""
+
+    node: str
+    tensor: str
+    span_from: float
+    span_to: float
+
+
+@dataclass
+class RangeChanges:
+    """What was changed, for the report."""
+
+    clamped: int = 0
+    widened: int = 0
+    bias_floor: list[BiasFloor] = field(default_factory=list)
+    # Weight -> (rmin, rmax) for onnxruntime's TensorQuantOverrides (not in the report).
+    weight_ranges: dict[str, Interval] = field(default_factory=dict)
+
+
+def _bounds(model: Any) -> dict[str, tuple[float | None, float | None]]:
+    """Tensor -> the output bounds its producer guarantees."""
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    bounds: dict[str, tuple[float | None, float | None]] = {}
+    for node in model.graph.node:
+        if node.op_type == "Clip":
+            limits: list[float | None] = [None, None]
+            for slot, index in ((0, 1), (1, 2)):
+                if len(node.input) > index and node.input[index] in inits:
+                    limits[slot] = float(numpy_helper.to_array(inits[node.input[index]]))
+            for attr in node.attribute:  # opset < 11
+                if attr.name == "min":
+                    limits[0] = attr.f
+                elif attr.name == "max":
+                    limits[1] = attr.f
+            bounds[node.output[0]] = (limits[0], limits[1])
+            continue
+        table = BOUNDED_OPS.get(node.op_type)
+        if not table:
+            continue
+        if node.op_type in ("LSTM", "GRU", "RNN") and any(
+            a.name == "activations" for a in node.attribute
+        ):
+            continue
+        for index, bound in table.items():
+            if index < len(node.output) and node.output[index]:
+                bounds[node.output[index]] = bound
+    return bounds
+
+
+AFFINE_OPS = ("Mul", "Div", "Add", "Sub")
+
+
+def _attr(node: Any, name: str, default: float) -> float:
+    return next((a.f for a in node.attribute if a.name == name), default)
+
+
+def _live_input_range(node: Any, bits: int, consts: dict[str, float]) -> Interval | None:
+    """The input values that ``node`` (one input, elementwise) does not map to a constant.
+
+    Beyond this range the op saturates: for Sigmoid/Tanh, to within half an output step at
+    ``bits`` bits. None when the op does not saturate (every input value matters).
+    """
+    levels = 2.0**bits - 1.0
+    if node.op_type == "Relu":
+        return (0.0, INF)
+    if node.op_type == "Clip":
+        low = consts.get(node.input[1], -INF) if len(node.input) > 1 and node.input[1] else -INF
+        high = consts.get(node.input[2], INF) if len(node.input) > 2 and node.input[2] else INF
+        return (_attr(node, "min", low), _attr(node, "max", high))
+    if node.op_type == "HardSigmoid":
+        alpha, beta = _attr(node, "alpha", 0.2), _attr(node, "beta", 0.5)
+        if alpha == 0:
+            return None
+        ends = sorted(((0.0 - beta) / alpha, (1.0 - beta) / alpha))
+        return (ends[0], ends[1])
+    if node.op_type == "HardSwish":
+        return (-3.0, INF)
+    if node.op_type == "Sigmoid":  # 1 - sigmoid(s) ~ exp(-s) <= 1 / (2 levels)
+        edge = float(np.log(2.0 * levels))
+        return (-edge, edge)
+    if node.op_type == "Tanh":  # 1 - tanh(t) ~ 2 exp(-2t) <= 1 / levels
+        edge = float(np.log(2.0 * levels) / 2.0)
+        return (-edge, edge)
+    return None
+
+
+def _preimage(
+    node: Any,
+    index: int,
+    out: Interval,
+    consts: dict[str, float],
+    known: dict[str, Interval],
+) -> Interval | None:
+    """Input ``index`` range that maps into ``out`` through x*c, x/c, x+c, x-c, c-x, or
+    through x+y, x-y, y-x when ``known`` bounds the other operand y.
+
+    For x+y: a value of x below ``out.low - y.high`` gives a result below ``out.low`` whatever
+    y is (and likewise above), so it saturates the reader exactly as the edge value would.
+    """
+    other = node.input[1 - index]
+    low, high = out
+    if other in consts:
+        c = consts[other]
+        if node.op_type == "Add":
+            return (low - c, high - c)
+        if node.op_type == "Sub":
+            return (low + c, high + c) if index == 0 else (c - high, c - low)
+        if node.op_type == "Mul" and c != 0:
+            ends = (low / c, high / c)
+        elif node.op_type == "Div" and index == 0 and c != 0:
+            ends = (low * c, high * c)
+        else:
+            return None
+        return (min(ends), max(ends))
+    if other not in known:
+        return None
+    y_low, y_high = known[other]
+    if node.op_type == "Add":
+        return (low - y_high, high - y_low)
+    if node.op_type == "Sub":
+        return (low + y_low, high + y_high) if index == 0 else (y_low - high, y_high - low)
+    return None
+
+
+def live_ranges(
+    model: Any,
+    bits: dict[str, int],
+    default_bits: int,
+    known: dict[str, Interval] | None = None,
+) -> dict[str, Interval]:
+    """Tensor -> the only values that can still change the model's outputs.
+
+    A tensor read only by ops that saturate beyond some range (Clip, Relu, HardSigmoid,
+    Sigmoid, Tanh; also through x*c, x+c, ... on the way to one) needs no quantization range
+    past that point: a value beyond it gives the same output as the edge value. Example: the
+    argument of tanh-GELU, x + 0.044715 x**3, spans +-1e6 on real inputs while tanh only
+    distinguishes about +-6; quantized over +-1e6, a 16-bit step is ~30 and every non-saturated
+    value is lost. ``known`` (the ranges tensors will be quantized to) lets the rule pass
+    through x+y and x-y as well: then the x**3 term itself only needs +-(range of x + 6).
+    """
+    from onnx import numpy_helper
+
+    known = known or {}
+    consts: dict[str, float] = {}
+    for init in model.graph.initializer:
+        if int(np.prod(init.dims)) == 1:
+            consts[init.name] = float(numpy_helper.to_array(init).reshape(-1)[0])
+    consumers: dict[str, list[tuple[Any, int]]] = {}
+    for node in model.graph.node:
+        for index, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node, index))
+    outputs = {o.name for o in model.graph.output}
+    order = [name for node in reversed(model.graph.node) for name in node.output]
+    order += [i.name for i in model.graph.input]
+    live: dict[str, Interval | None] = {}
+    for name in order:
+        if not name or name in live:
+            continue
+        if name in outputs or name not in consumers:
+            live[name] = None
+            continue
+        union: Interval | None = None
+        for consumer, index in consumers[name]:
+            need: Interval | None = None
+            if consumer.op_type in AFFINE_OPS and len(consumer.input) == 2:
+                out_range = live.get(consumer.output[0])
+                if out_range is not None and consumer.input[0] != consumer.input[1]:
+                    need = _preimage(consumer, index, out_range, consts, known)
+            elif index == 0:
+                out_bits = bits.get(consumer.output[0], default_bits)
+                need = _live_input_range(consumer, out_bits, consts)
+            if need is None:
+                union = None
+                break
+            union = need if union is None else (min(union[0], need[0]), max(union[1], need[1]))
+        live[name] = union
+    return {
+        name: interval
+        for name, interval in live.items()
+        if interval is not None and (interval[0] > -INF or interval[1] < INF)
+    }
+
+
+def clamp_to_live(
+    ranges: dict[str, Interval], live: dict[str, Interval]
+) -> tuple[dict[str, Interval], int]:
+    """Ranges cut to their live part; returns them and how many changed."""
+    result = dict(ranges)
+    changed = 0
+    for name, (low, high) in ranges.items():
+        if name not in live:
+            continue
+        floor, ceiling = live[name]
+        new_low, new_high = max(low, floor), min(high, ceiling)
+        if new_low > new_high:  # every value saturates to one side
+            new_low = new_high = floor if high < floor else ceiling
+        if (new_low, new_high) != (low, high):
+            result[name] = (new_low, new_high)
+            changed += 1
+    return result, changed
+
+
+def margins(
+    ranges: dict[str, Interval], rms: dict[str, float], levels: dict[str, int]
+) -> dict[str, float]:
+    """Tensor -> how much to widen its range per side, as a fraction of its span.
+
+    Widening by a factor k costs 20*log10(k) dB of the tensor's own quantization SNR, so a
+    tensor only gets the margin its SNR can pay for while staying above ``MARGIN_FLOOR_DB``:
+    a well-spread 16-bit tensor (~90 dB) gets the full ``MAX_MARGIN``; an outlier-dominated one
+    (the x**3 inside GELU, ~45 dB) or any 8-bit tensor (~45 dB) gets none, resolution being
+    what limits those.
+    """
+    result = {}
+    for name, (low, high) in ranges.items():
+        span = high - low
+        if name not in rms or span <= 0.0 or rms[name] <= 0.0:
+            continue
+        step = span / levels[name]
+        snr = 20.0 * np.log10(rms[name] / step) + 10.0 * np.log10(12.0)
+        factor = min(10.0 ** ((snr - MARGIN_FLOOR_DB) / 20.0), 1.0 + 2.0 * MAX_MARGIN)
+        if factor > 1.0:
+            result[name] = (factor - 1.0) / 2.0
+    return result
+
+
+def widen(
+    ranges: dict[str, Interval],
+    bounds: dict[str, tuple[float | None, float | None]],
+    margin: dict[str, float],
+) -> dict[str, Interval]:
+    """Ranges grown by their margin x span per side, within bounds and sign."""
+    result = dict(ranges)
+    for name, fraction in margin.items():
+        low, high = ranges[name]
+        span = high - low
+        new_low, new_high = low - fraction * span, high + fraction * span
+        if low >= 0.0:
+            new_low = low
+        if high <= 0.0:
+            new_high = high
+        floor, ceiling = bounds.get(name, (None, None))
+        if floor is not None:
+            new_low = max(new_low, min(floor, low))
+        if ceiling is not None:
+            new_high = min(new_high, max(ceiling, high))
+        result[name] = (new_low, new_high)
+    return result
+
+
+def activation_rms(
+    model: Any, samples: Any, names: list[str], max_samples: int = 8
+) -> dict[str, float]:
+    """Root mean square of each named float tensor over the first samples (float model)."""
+    import onnx
+    import onnxruntime as ort
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    produced = {o for n in probe.graph.node for o in n.output}
+    inputs = {i.name for i in probe.graph.input}
+    present = {o.name for o in probe.graph.output}
+    wanted = [n for n in names if n in produced or n in inputs]
+    for name in wanted:
+        if name in produced and name not in present:
+            probe.graph.output.append(onnx.ValueInfoProto(name=name))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(
+        probe.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    outputs = [o.name for o in session.get_outputs() if o.name in set(wanted)]
+    total = dict.fromkeys(wanted, 0.0)
+    count = dict.fromkeys(wanted, 0)
+    for index, feeds in enumerate(samples):
+        if index >= max_samples:
+            break
+        values = dict(zip(outputs, session.run(outputs, feeds), strict=True))
+        values.update({k: v for k, v in feeds.items() if k in total})
+        for name, value in values.items():
+            if np.issubdtype(np.asarray(value).dtype, np.floating):
+                v = np.asarray(value, dtype=np.float64)
+                total[name] += float(np.sum(v * v))
+                count[name] += v.size
+    return {n: float(np.sqrt(total[n] / count[n])) for n in wanted if count[n]}
+
+
+def _weight_scales(weight: np.ndarray, qtype: str, per_channel: bool, axis: int) -> np.ndarray:
+    """The scale(s) onnxruntime will give this weight (to within a few percent)."""
+    symmetric = per_channel or qtype.startswith("int")
+    w = weight.astype(np.float64)
+    if per_channel and w.ndim > 1:
+        w = np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)
+    else:
+        w = w.reshape(1, -1)
+    low = np.minimum(w.min(axis=1), 0.0)
+    high = np.maximum(w.max(axis=1), 0.0)
+    high = np.maximum(high, low + MIN_REAL_RANGE)
+    if symmetric:
+        absmax = np.maximum(np.abs(low), np.abs(high))
+        return 2.0 * absmax / (QRANGE[qtype] - 1)
+    return (high - low) / QRANGE[qtype]
+
+
+def bias_floor(
+    model: Any,
+    ranges: dict[str, Interval],
+    activation_types: dict[str, str],
+    weight_types: dict[str, str],
+    per_channel: bool,
+) -> tuple[dict[str, tuple[float, dict[str, Any]]], dict[str, tuple[Interval, dict[str, Any]]]]:
+    """What keeps every Conv/Gemm int32 bias unsaturated: (activation floors, weight ranges).
+
+    The bias scale is input_scale x weight_scale; it must reach 2*|b| / 2^32 for every output
+    channel. The factor that is missing goes to the side that loses nothing by it: a dead
+    input (its calibrated range collapsed to onnxruntime's minimum) gets a wider range
+    (``{activation: (span, info)}``); live input but dead weights (all ~0) get a wider weight
+    range (``{weight: ((rmin, rmax), info)}``, an onnxruntime range override); when both are
+    live, the input, whose 16 bits have room to spare. Weights of signed types are skipped:
+    onnxruntime raises the scale of symmetric signed weights itself.
+    """
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    floors: dict[str, tuple[float, dict[str, Any]]] = {}
+    weights: dict[str, tuple[Interval, dict[str, Any]]] = {}
+    for node in model.graph.node:
+        if node.op_type not in ("Conv", "Gemm", "ConvTranspose") or len(node.input) < 3:
+            continue
+        x, w_name, b_name = node.input[0], node.input[1], node.input[2]
+        if x not in ranges or w_name not in inits or b_name not in inits:
+            continue
+        wtype = weight_types.get(w_name, "")
+        atype = activation_types.get(x, "")
+        if wtype not in QRANGE or wtype.startswith("int") or atype not in QRANGE:
+            continue
+        weight = numpy_helper.to_array(inits[w_name]).astype(np.float64)
+        bias = np.abs(numpy_helper.to_array(inits[b_name]).astype(np.float64)).ravel()
+        channelwise = per_channel and node.op_type != "Gemm"
+        axis = 1 if node.op_type == "ConvTranspose" else 0
+        w_scales = _weight_scales(weight, wtype, channelwise, axis)
+        if w_scales.size not in (1, bias.size):
+            continue
+        wanted = BIAS_HEADROOM * 2.0 * bias / INT32_SPAN  # smallest bias scale per channel
+        low, high = ranges[x]
+        have = max(high - low, MIN_REAL_RANGE)
+        x_scale = have / QRANGE[atype]
+        if np.all(x_scale * w_scales >= wanted):
+            continue
+        w_span = max(float(weight.max()), 0.0) - min(float(weight.min()), 0.0)
+        info = {"node": node.name, "tensor": x}
+        if have <= MIN_REAL_RANGE or w_span > MIN_REAL_RANGE:
+            span = float(np.max(wanted / w_scales)) * QRANGE[atype]
+            if span > floors.get(x, (0.0, {}))[0]:
+                floors[x] = (span, info | {"span_from": have, "span_to": span})
+            continue
+        # Dead weights: one scale (for every channel) large enough for the largest bias.
+        scale = float(np.max(wanted)) / x_scale
+        if channelwise or wtype.startswith("int"):
+            rng: Interval = (-scale * (QRANGE[wtype] - 1) / 2, scale * (QRANGE[wtype] - 1) / 2)
+        else:
+            rmin = min(float(weight.min()), 0.0)
+            rng = (rmin, rmin + scale * QRANGE[wtype])
+        if rng[1] - rng[0] > (
+            weights[w_name][0][1] - weights[w_name][0][0] if w_name in weights else 0
+        ):
+            weights[w_name] = (
+                rng,
+                info | {"tensor": w_name, "span_from": w_span, "span_to": rng[1] - rng[0]},
+            )
+    return floors, weights
+
+
+def apply_bias_floor(
+    ranges: dict[str, tuple[float, float]], floors: dict[str, tuple[float, dict[str, Any]]]
+) -> dict[str, tuple[float, float]]:
+    """Stretch each range to its floor span, on the side(s) the data already uses."""
+    result = dict(ranges)
+    for name, (span, _) in floors.items():
+        low, high = ranges[name]
+        grow = span - (high - low)
+        if high > 0.0 and low >= 0.0:
+            result[name] = (low, high + grow)
+        elif high <= 0.0 and low < 0.0:
+            result[name] = (low - grow, high)
+        elif low == high == 0.0:
+            result[name] = (0.0, span)
+        else:
+            result[name] = (low - grow / 2, high + grow / 2)
+    return result
+
+
+def read_cache(path: Any) -> tuple[Any, dict[str, tuple[float, float]]]:
+    """onnxruntime's calibration cache -> (its TensorsData, {tensor: (low, high)})."""
+    from onnxruntime.quantization.calibrate import load_tensors_data
+
+    data = load_tensors_data(path)
+    ranges = {}
+    for name, entry in data.data.items():
+        low = np.asarray(entry.range_value[0], dtype=np.float64).ravel()
+        high = np.asarray(entry.range_value[1], dtype=np.float64).ravel()
+        if low.size == 1 and high.size == 1:
+            ranges[name] = (float(low[0]), float(high[0]))
+    return data, ranges
+
+
+def write_cache(data: Any, ranges: dict[str, tuple[float, float]], path: Any) -> None:
+    """Write ``data`` with its MinMax ranges replaced by ``ranges``."""
+    from onnxruntime.quantization.calibrate import TensorData, TensorsData, save_tensors_data
+
+    entries = dict(data.data)
+    for name, (low, high) in ranges.items():
+        entries[name] = TensorData(
+            lowest=np.array(low, dtype=np.float32), highest=np.array(high, dtype=np.float32)
+        )
+    save_tensors_data(TensorsData(data.calibration_method, entries), path)
+
+
+def tune(
+    model: Any,
+    raw_cache: Any,
+    tuned_cache: Any,
+    activation_type: str,
+    weight_type: str,
+    per_channel: bool,
+    tensor_types: dict[str, str],
+    rms: dict[str, float],
+) -> RangeChanges:
+    """Write ``tuned_cache``: the calibrated ranges of ``raw_cache`` after the rules above.
+
+    ``tensor_types`` are per-tensor type overrides (activations and weights) on top of the
+    defaults ``activation_type``/``weight_type``; ``rms`` is each activation's root mean
+    square on calibration samples (``activation_rms``).
+    """
+    data, raw = read_cache(raw_cache)
+    inits = {i.name for i in model.graph.initializer}
+    activation_types = {name: tensor_types.get(name, activation_type) for name in raw}
+    weight_types = {name: tensor_types.get(name, weight_type) for name in inits}
+    levels = {n: QRANGE.get(t, 255) for n, t in activation_types.items()}
+    changes = RangeChanges()
+    bits = {n: 16 if q > 255 else 8 for n, q in levels.items()}
+    default_bits = 16 if QRANGE.get(activation_type, 0) > 255 else 8
+    live = live_ranges(model, bits, default_bits)
+    ranges, _ = clamp_to_live(raw, live)
+    bounds = _bounds(model)
+    for name, (floor, ceiling) in live.items():
+        low, high = bounds.get(name, (None, None))
+        bounds[name] = (
+            floor if low is None else max(low, floor),
+            ceiling if high is None else min(high, ceiling),
+        )
+    widened = widen(ranges, bounds, margins(ranges, rms, levels))
+    changes.widened = sum(1 for n in widened if widened[n] != ranges[n])
+    # Second pass: with every range now known, the rule also passes through x+y and x-y.
+    # Narrowing a tensor afterwards only makes the bounds it lent to others conservative.
+    ranges, _ = clamp_to_live(widened, live_ranges(model, bits, default_bits, widened))
+    changes.clamped = sum(
+        1 for n, (lo, hi) in raw.items() if ranges[n][0] > lo or ranges[n][1] < hi
+    )
+    floors, weight_ranges = bias_floor(model, ranges, activation_types, weight_types, per_channel)
+    ranges = apply_bias_floor(ranges, floors)
+    changes.bias_floor = [BiasFloor(**info) for _, info in floors.values()]
+    changes.bias_floor += [BiasFloor(**info) for _, info in weight_ranges.values()]
+    changes.weight_ranges = {name: interval for name, (interval, _) in weight_ranges.items()}
+    write_cache(data, ranges, tuned_cache)
+    return changes

@@ -1,0 +1,580 @@
+"""Calibration samples: tensors, images, audio windows or a user reader, streamed one at a time.
+
+A ``SampleSource`` lists *where* samples come from (cheap: file names and offsets), split once,
+deterministically, into calibration and held-out samples, and loads each sample only when it is
+iterated, at its natural size. A ``Router`` checks a sample against the model's inputs, puts it
+into the smallest bucket that holds it and pads it there; ``BucketSamples`` are the routed samples
+of one bucket, so memory does not grow with the number of samples. A model with one static shape
+is one bucket with nothing to pad: every sample must then have exactly its shape.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import wave
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qnn_ctx_runtime import buckets as bk
+from qnn_ctx_runtime.errors import FeedError
+
+from ..core.config import ModelConfig
+from ..core.errors import CalibrationError
+from ..graph.buckets import BucketPlan
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif"}
+TENSOR_SUFFIXES = {".npy", ".npz"}
+AUDIO_SUFFIXES = {".wav"}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A graph input as calibration sees it: static shape and numpy dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def describe(self) -> str:
+        return f"{self.name} {list(self.shape)} {self.dtype}"
+
+
+def input_specs(model: Any) -> list[InputSpec]:
+    """The real (non-initializer) inputs of a static ``onnx.ModelProto``."""
+    from onnx import helper
+
+    initializers = {i.name for i in model.graph.initializer}
+    specs = []
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        tensor_type = value.type.tensor_type
+        dims = tuple(d.dim_value for d in tensor_type.shape.dim)
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
+        specs.append(InputSpec(value.name, dims, dtype))
+    return specs
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """Where one sample comes from: a file, and for audio the window offset in it."""
+
+    path: Path | None
+    offset: int = 0
+    index: int = 0  # position in a user reader's stream
+
+
+# --- loaders -------------------------------------------------------------------------------------
+
+
+def _list_files(folder: Path, suffixes: set[str], kind: str) -> list[Path]:
+    if folder.is_file():
+        files = [folder]
+    else:
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in suffixes)
+    if not files:
+        raise CalibrationError(
+            f"Calibration folder {folder} holds no {kind} files ({', '.join(sorted(suffixes))}).",
+            tip="Put calibration files there, or fix calibration.path / calibration.kind.",
+        )
+    return files
+
+
+def _load_tensor_file(ref: SampleRef, default_input: str) -> dict[str, np.ndarray]:
+    path = ref.path
+    if path is None:  # pragma: no cover - tensors always have a path
+        raise CalibrationError("Tensor sample without a file.")
+    try:
+        if path.suffix.lower() == ".npz":
+            with np.load(path, allow_pickle=False) as data:
+                return {k: data[k] for k in data.files}
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise CalibrationError(f"Cannot read calibration tensor {path}: {exc}") from None
+    if not default_input:
+        raise CalibrationError(
+            f"{path} is a .npy file but the model has several inputs.",
+            tip="Set calibration.input to the input it feeds, or save .npz files keyed by input.",
+        )
+    return {default_input: array}
+
+
+def load_image(path: Path, spec: InputSpec, config: ModelConfig) -> np.ndarray:
+    """Read one image and preprocess it into the layout and dtype of ``spec``."""
+    from PIL import Image
+
+    options = config.calibration.image
+    nhwc = options.layout == "NHWC"
+    if options.size:
+        height, width = options.size
+    elif len(spec.shape) == 4:
+        height, width = spec.shape[1:3] if nhwc else spec.shape[2:4]
+    else:
+        raise CalibrationError(
+            f"Input {spec.describe()} is not an image tensor; set calibration.image.size."
+        )
+    try:
+        with Image.open(path) as raw:
+            image = raw.convert("L" if options.channel_order == "GRAY" else "RGB")
+    except OSError as exc:
+        raise CalibrationError(f"Cannot read calibration image {path}: {exc}") from None
+
+    pad_box: tuple[int, int] | None = None
+    if options.resize == "stretch":
+        image = image.resize((width, height), Image.BILINEAR)
+    elif options.resize == "shorter-crop":
+        ratio = max(width / image.width, height / image.height)
+        resized = (max(width, round(image.width * ratio)), max(height, round(image.height * ratio)))
+        image = image.resize(resized, Image.BILINEAR)
+        left, top = (image.width - width) // 2, (image.height - height) // 2
+        image = image.crop((left, top, left + width, top + height))
+    else:  # pad: fit inside keeping the aspect ratio, pad right/bottom after normalisation
+        ratio = min(width / image.width, height / image.height)
+        fitted = (max(1, round(image.width * ratio)), max(1, round(image.height * ratio)))
+        image = image.resize(fitted, Image.BILINEAR)
+        pad_box = (fitted[1], fitted[0])
+
+    array = np.asarray(image, dtype=np.float32)
+    if array.ndim == 2:
+        array = array[:, :, np.newaxis]
+    if options.channel_order == "BGR":
+        array = array[:, :, ::-1]
+    if options.dtype != "uint8":
+        mean = np.asarray(options.mean, np.float32)
+        std = np.asarray(options.std, np.float32)
+        array = (array * options.scale - mean) / std
+    if pad_box is not None:
+        canvas = np.zeros((height, width, array.shape[2]), np.float32)
+        canvas[: pad_box[0], : pad_box[1]] = array
+        array = canvas
+    if not nhwc:
+        array = array.transpose(2, 0, 1)
+    return array[np.newaxis].astype(options.dtype)
+
+
+def _wav_windows(path: Path, config: ModelConfig) -> tuple[int, list[int]]:
+    audio = config.calibration.audio
+    try:
+        with wave.open(str(path), "rb") as handle:
+            if handle.getsampwidth() != 2:
+                raise CalibrationError(
+                    f"{path} is {8 * handle.getsampwidth()}-bit audio; only 16-bit PCM is read.",
+                    tip="Convert it, e.g. `sox in.wav -b 16 out.wav`.",
+                )
+            if handle.getframerate() != audio.sample_rate:
+                raise CalibrationError(
+                    f"{path} is sampled at {handle.getframerate()} Hz, "
+                    f"calibration.audio.sample_rate is {audio.sample_rate}.",
+                    tip="Resample the file or change calibration.audio.sample_rate.",
+                )
+            frames = handle.getnframes()
+    except (wave.Error, EOFError) as exc:
+        raise CalibrationError(f"Cannot read wav file {path}: {exc}") from None
+    hop = audio.hop or audio.window
+    return frames, list(range(0, max(0, frames - audio.window) + 1, hop))
+
+
+def _load_wav_window(ref: SampleRef, spec: InputSpec, config: ModelConfig) -> dict[str, np.ndarray]:
+    audio = config.calibration.audio
+    if ref.path is None:  # pragma: no cover
+        raise CalibrationError("Audio sample without a file.")
+    with wave.open(str(ref.path), "rb") as handle:
+        channels = handle.getnchannels()
+        handle.setpos(ref.offset)
+        raw = handle.readframes(audio.window)
+    pcm = np.frombuffer(raw, dtype="<i2").reshape(-1, channels)[:, 0].astype(np.float32)
+    window = pcm * audio.scale
+    size = int(np.prod(spec.shape))
+    if window.size != size:
+        raise CalibrationError(
+            f"calibration.audio.window = {audio.window} samples does not fill input "
+            f"{spec.describe()} ({size} values).",
+            tip="Set calibration.audio.window to the input's length.",
+        )
+    return {spec.name: window.reshape(spec.shape).astype(spec.dtype)}
+
+
+def _import_reader(spec: str, base_dir: Path) -> Callable[..., Iterable[dict[str, np.ndarray]]]:
+    """Import ``module:function`` or ``path/to/file.py:function`` (relative to the config)."""
+    target, _, function = spec.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            path = (base_dir / target).resolve()
+            module_spec = importlib.util.spec_from_file_location(f"_calib_{path.stem}", path)
+            if module_spec is None or module_spec.loader is None or not path.is_file():
+                raise CalibrationError(f"calibration.reader: {path} does not exist.")
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_spec.name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+        return getattr(module, function)
+    except (ImportError, AttributeError) as exc:
+        raise CalibrationError(
+            f"calibration.reader = {spec!r} cannot be imported: {exc}",
+            tip="Use 'package.module:function' or 'file.py:function' next to the config.",
+        ) from None
+
+
+# --- selection -----------------------------------------------------------------------------------
+
+
+def _pick(count: int, wanted: int) -> list[int]:
+    """``wanted`` indices spread evenly over ``count``, keeping order (deterministic)."""
+    if wanted >= count:
+        return list(range(count))
+    return sorted({round(i * (count - 1) / max(1, wanted - 1)) for i in range(wanted)})
+
+
+def _pick_runs(refs: list[SampleRef], wanted: int) -> list[SampleRef]:
+    """``wanted`` windows as one contiguous run from the start of each file (fair share each)."""
+    by_file: dict[Path | None, list[SampleRef]] = {}
+    for ref in refs:
+        by_file.setdefault(ref.path, []).append(ref)
+    chosen: list[SampleRef] = []
+    files = list(by_file.values())
+    for position, windows in enumerate(files):
+        share = -(-(wanted - len(chosen)) // (len(files) - position))  # ceil of what is left
+        chosen += windows[:share]
+    return chosen
+
+
+def _split(refs: list[SampleRef], held_out: float) -> tuple[list[SampleRef], list[SampleRef]]:
+    """Every k-th sample goes to held-out, so both halves span all files and classes."""
+    if held_out <= 0 or len(refs) < 2:
+        return refs, []
+    n_held = max(1, round(len(refs) * held_out))
+    held_idx = set(_pick(len(refs), n_held))
+    if len(held_idx) == len(refs):
+        held_idx.pop()
+    calib = [r for i, r in enumerate(refs) if i not in held_idx]
+    held = [r for i, r in enumerate(refs) if i in held_idx]
+    return calib, held
+
+
+def _split_by_file(
+    refs: list[SampleRef], held_out: float
+) -> tuple[list[SampleRef], list[SampleRef]]:
+    """Audio: the tail of each file is held out, so recurrent state stays continuous."""
+    by_file: dict[Path | None, list[SampleRef]] = {}
+    for ref in refs:
+        by_file.setdefault(ref.path, []).append(ref)
+    calib: list[SampleRef] = []
+    held: list[SampleRef] = []
+    for windows in by_file.values():
+        n_held = round(len(windows) * held_out) if len(windows) > 1 else 0
+        cut = len(windows) - n_held
+        calib += windows[:cut]
+        held += windows[cut:]
+    if not calib:
+        raise CalibrationError("Too few audio windows to calibrate; lower calibration.held_out.")
+    return calib, held
+
+
+# --- the source ----------------------------------------------------------------------------------
+
+Feeds = dict[str, np.ndarray]
+
+
+@dataclass
+class SampleSource:
+    """The calibration and held-out samples, as refs, and how to load one at its natural size."""
+
+    calib: list[SampleRef]
+    held: list[SampleRef]
+    load: Callable[[SampleRef], Feeds]
+    stream: Callable[[list[SampleRef]], Iterator[tuple[SampleRef, Feeds]]] | None = None
+
+    def iterate(self, refs: list[SampleRef]) -> Iterator[tuple[SampleRef, Feeds]]:
+        """(ref, raw sample) for each of ``refs``, in order, one loaded at a time."""
+        if self.stream is not None:
+            yield from self.stream(refs)
+            return
+        for ref in refs:
+            yield ref, self.load(ref)
+
+
+def describe(ref: SampleRef) -> str:
+    """A sample's name in messages: its file (and window), or its place in a reader's stream."""
+    if ref.path is None:
+        return f"sample #{ref.index}"
+    return f"{ref.path}" + (f" at sample {ref.offset}" if ref.offset else "")
+
+
+def sample_source(config: ModelConfig, specs: list[InputSpec]) -> SampleSource:
+    """Where the samples of ``config`` come from; ``specs`` are the inputs of the largest bucket
+    (images and audio windows are made at that shape, everything else comes as it is)."""
+    cal = config.calibration
+    folder = config.resolve(cal.path) if cal.path else None
+    spec_by_name = {s.name: s for s in specs}
+    default_input = cal.input or (specs[0].name if len(specs) == 1 else "")
+    if default_input and default_input not in spec_by_name:
+        raise CalibrationError(
+            f"{config.path}: calibration.input = {default_input!r} is not a model input.",
+            tip=f"Model inputs: {', '.join(s.describe() for s in specs)}.",
+        )
+    if cal.kind in ("images", "audio") and not default_input:
+        raise CalibrationError(
+            f"{config.path}: the model has several inputs; set calibration.input to the one "
+            f"the {cal.kind} feed ({', '.join(spec_by_name)})."
+        )
+    if folder is not None and not folder.exists():
+        raise CalibrationError(f"{config.path}: calibration.path {folder} does not exist.")
+
+    loader: Callable[[SampleRef], Feeds]
+    by_file = False
+    if cal.kind == "tensors":
+        if folder is None:  # config validation requires calibration.path
+            raise CalibrationError(f"{config.path}: calibration.kind = 'tensors' needs a path.")
+        refs = [SampleRef(p) for p in _list_files(folder, TENSOR_SUFFIXES, "tensor")]
+
+        def loader(ref: SampleRef) -> Feeds:
+            return _load_tensor_file(ref, default_input)
+    elif cal.kind == "images":
+        if folder is None:
+            raise CalibrationError(f"{config.path}: calibration.kind = 'images' needs a path.")
+        spec = spec_by_name[default_input]
+        refs = [SampleRef(p) for p in _list_files(folder, IMAGE_SUFFIXES, "image")]
+
+        def loader(ref: SampleRef) -> Feeds:
+            assert ref.path is not None
+            return {spec.name: load_image(ref.path, spec, config)}
+    elif cal.kind == "audio":
+        if folder is None:
+            raise CalibrationError(f"{config.path}: calibration.kind = 'audio' needs a path.")
+        spec = spec_by_name[default_input]
+        refs = []
+        for path in _list_files(folder, AUDIO_SUFFIXES, "wav"):
+            _, offsets = _wav_windows(path, config)
+            refs += [SampleRef(path, offset) for offset in offsets]
+        if not refs:
+            raise CalibrationError(f"The wav files in {folder} are shorter than one window.")
+        by_file = True
+
+        def loader(ref: SampleRef) -> Feeds:
+            return _load_wav_window(ref, spec, config)
+    elif cal.kind == "python":
+        return _python_source(config, specs, folder)
+    else:  # random: seeded noise made by the router at each sample's size (smoke tests only)
+        refs = [SampleRef(None, index=i) for i in range(cal.samples)]
+
+        def loader(ref: SampleRef) -> Feeds:
+            return {}
+
+    if cal.recurrent and by_file:
+        chosen = _pick_runs(refs, cal.samples)  # state is only meaningful across neighbours
+    else:
+        chosen = [refs[i] for i in _pick(len(refs), cal.samples)]
+    if not by_file and cal.kind != "random":
+        rng = np.random.default_rng(cal.seed)
+        chosen = [chosen[i] for i in rng.permutation(len(chosen))]
+    calib, held = (_split_by_file if by_file else _split)(chosen, cal.held_out)
+    return SampleSource(calib, held, loader)
+
+
+def _python_source(
+    config: ModelConfig, specs: list[InputSpec], folder: Path | None
+) -> SampleSource:
+    """A user reader ``fn(path, specs) -> iterable of feeds``, streamed (once per pass)."""
+    reader = _import_reader(config.calibration.reader, config.base_dir)
+    cal = config.calibration
+
+    def produce() -> Iterator[Feeds]:
+        try:
+            yield from reader(folder, specs)
+        except Exception as exc:
+            raise CalibrationError(
+                f"calibration.reader {cal.reader!r} failed: {type(exc).__name__}: {exc}",
+                tip="Fix the reader; it gets (calibration.path, input specs) and yields "
+                "{input name: array}.",
+            ) from exc
+
+    # Count what the reader really offers (up to ``samples``) so the split is exact.
+    total = sum(1 for _, _ in zip(range(cal.samples), produce(), strict=False))
+    if total == 0:
+        raise CalibrationError(f"calibration.reader {cal.reader!r} produced no samples.")
+    refs = [SampleRef(folder, index=i) for i in range(total)]
+    calib, held = _split(refs, cal.held_out)
+
+    def stream(wanted: list[SampleRef]) -> Iterator[tuple[SampleRef, Feeds]]:
+        keep = {r.index: r for r in wanted}
+        for index, sample in zip(range(total), produce(), strict=False):
+            if index in keep:
+                if not isinstance(sample, dict):
+                    raise CalibrationError(
+                        f"calibration.reader {cal.reader!r} yielded a {type(sample).__name__}, "
+                        "not a dict of {input name: array}."
+                    )
+                yield keep[index], dict(sample)
+
+    return SampleSource(calib, held, lambda ref: next(v for _, v in stream([ref])), stream)
+
+
+# --- routing samples into buckets ----------------------------------------------------------------
+
+
+class Router:
+    """Checks a raw sample, picks its bucket and pads it there (missing inputs are filled)."""
+
+    def __init__(self, config: ModelConfig, plan: BucketPlan, dtypes: dict[str, np.dtype]) -> None:
+        self.config = config
+        self.plan = plan
+        self.dtypes = dtypes
+        self.rules: dict[str, list[bk.PadRule]] = {}
+        for rule in plan.pads:
+            self.rules.setdefault(rule.input, []).append(rule)
+
+    def _random(self, index: int) -> Feeds:
+        """Seeded random inputs; bucket dims are drawn across the whole bucket range."""
+        rng = np.random.default_rng(self.config.calibration.seed + int(index))
+        largest = self.plan.largest.shapes
+        sizes = {rule.dim: 0 for rule in self.plan.pads}
+        for dim in sizes:
+            top = max(largest[r.input][r.axis] for r in self.plan.pads if r.dim == dim)
+            sizes[dim] = int(rng.integers(1, top + 1))
+        feeds = {}
+        for name, shape in largest.items():
+            dims = list(shape)
+            for rule in self.rules.get(name, []):
+                dims[rule.axis] = sizes[rule.dim]
+            dtype = np.dtype(self.dtypes[name])
+            value = rng.standard_normal(dims) if dtype.kind == "f" else rng.integers(0, 256, dims)
+            feeds[name] = value.astype(dtype)
+        return feeds
+
+    def own(self, sample: Feeds, ref: SampleRef) -> Feeds:
+        """The sample's own arrays, checked against the inputs (names, dtype, batch axis)."""
+        where = describe(ref)
+        if self.config.calibration.kind == "random":
+            sample = self._random(ref.index)
+        unknown = sorted(set(sample) - set(self.dtypes))
+        if unknown:
+            raise CalibrationError(
+                f"Calibration sample {where} has tensor(s) {unknown} that are not model inputs.",
+                tip=f"Name the tensors after the model inputs: {', '.join(sorted(self.dtypes))}.",
+            )
+        largest = self.plan.largest.shapes
+        own: Feeds = {}
+        for name, raw in sample.items():
+            array = np.asarray(raw)
+            if array.ndim == len(largest[name]) - 1 and largest[name][0] == 1:
+                array = array[np.newaxis]  # one sample without its batch axis
+            dtype = np.dtype(self.dtypes[name])
+            if array.dtype != dtype:
+                raise CalibrationError(
+                    f"Calibration sample {where}: tensor {name!r} has dtype {array.dtype}, the "
+                    f"model input needs {dtype}.",
+                    tip=f"Save it with .astype(np.{dtype.name}).",
+                )
+            own[name] = array
+        return own
+
+    def bucket_of(self, own: Feeds, ref: SampleRef) -> bk.Bucket:
+        try:
+            return bk.choose_bucket(
+                self.plan.buckets, self.plan.pads, {n: a.shape for n, a in own.items()}
+            )
+        except FeedError as exc:
+            tip = exc.tip
+            if not self.plan.pads:
+                tip = "Save samples at the model's fixed input shape (see [inputs] in the config)."
+            raise CalibrationError(
+                f"Calibration sample {describe(ref)}: {exc.message}", tip=tip
+            ) from None
+
+    def pad(self, own: Feeds, bucket: bk.Bucket, ref: SampleRef) -> Feeds:
+        """``own`` padded into ``bucket``; inputs the sample does not give are filled."""
+        feeds: Feeds = {}
+        rng = np.random.default_rng(self.config.calibration.seed + int(ref.index))
+        for name, shape in bucket.shapes.items():
+            if name in own:
+                feeds[name], _ = bk.pad_input(own[name], shape, self.rules.get(name, []))
+            elif (
+                self.config.calibration.fill_others == "random"
+                and np.dtype(self.dtypes[name]).kind == "f"
+            ):
+                feeds[name] = rng.standard_normal(shape).astype(self.dtypes[name])
+            else:
+                feeds[name] = np.zeros(shape, dtype=self.dtypes[name])
+        return feeds
+
+    def route(self, sample: Feeds, ref: SampleRef) -> tuple[bk.Bucket, Feeds, Feeds]:
+        """(smallest bucket that holds it, padded feeds, the sample's own arrays)."""
+        own = self.own(sample, ref)
+        bucket = self.bucket_of(own, ref)
+        return bucket, self.pad(own, bucket, ref), own
+
+
+class BucketSamples:
+    """The calibration samples of one bucket, padded, loaded one at a time (len() is known).
+
+    With ``calibration.recurrent`` (one bucket only), the state outputs of the float model are fed
+    back as the state inputs of the next window of the same file; a new file starts from zeros.
+    """
+
+    def __init__(
+        self,
+        source: SampleSource,
+        router: Router,
+        bucket: bk.Bucket,
+        refs: list[SampleRef],
+        float_model: Path | None = None,
+    ) -> None:
+        self.source = source
+        self.router = router
+        self.bucket = bucket
+        self.refs = refs
+        self.float_model = float_model
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __iter__(self) -> Iterator[Feeds]:
+        for _, feeds in self.items():
+            yield feeds
+
+    def items(self) -> Iterator[tuple[SampleRef, Feeds]]:
+        """(ref, padded feeds) for each sample, in order."""
+        recurrent = self.router.config.calibration.recurrent
+        if recurrent:
+            yield from self._recurrent(recurrent)
+            return
+        for ref, sample in self.source.iterate(self.refs):
+            yield ref, self._feeds(sample, ref)
+
+    def _feeds(self, sample: Feeds, ref: SampleRef) -> Feeds:
+        own = self.router.own(sample, ref)
+        if not self.router.plan.pads:  # one static shape: the sample must be exactly it
+            self.router.bucket_of(own, ref)
+        return self.router.pad(own, self.bucket, ref)
+
+    def _recurrent(self, recurrent: dict[str, str]) -> Iterator[tuple[SampleRef, Feeds]]:
+        import onnxruntime as ort
+
+        if self.float_model is None:  # pragma: no cover - wired by quantize
+            raise CalibrationError("Recurrent calibration needs the float model to carry state.")
+        session = ort.InferenceSession(str(self.float_model), providers=["CPUExecutionProvider"])
+        outputs = [o.name for o in session.get_outputs()]
+        missing = [o for o in recurrent.values() if o not in outputs]
+        if missing:
+            raise CalibrationError(
+                f"calibration.recurrent names output(s) {missing} that the model does not have.",
+                tip=f"Model outputs: {', '.join(outputs)}.",
+            )
+        state: Feeds = {}
+        previous: Path | None = None
+        for ref, sample in self.source.iterate(self.refs):
+            feeds = self._feeds(sample, ref)
+            if ref.path != previous:
+                state = {}  # a new file starts from the initial (zero) state
+                previous = ref.path
+            feeds.update(state)
+            yield ref, feeds
+            values = dict(zip(outputs, session.run(None, feeds), strict=True))
+            state = {inp: values[out] for inp, out in recurrent.items()}

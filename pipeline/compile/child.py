@@ -1,0 +1,208 @@
+"""Running one variant's worker in its own process, and reading what it left behind.
+
+The QNN EP can abort the whole process from native code or hang (FACTS §4). ``run_child`` starts
+the worker in its own process group with a timeout (a timeout or Ctrl-C kills the whole group),
+and ``interpret`` turns its result file, exit status and log into a status and a ``Failure``:
+which step, what kind (abort, crash, timeout, compose, toolchain, killed, ...), the nodes, op types
+and QNN error codes the EP printed. A worker killed by an outside signal is ``killed``: an
+infrastructure failure, never cached as the model's own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..core.records import Failure
+from .eplog import LogFacts, parse_ep_log
+from .job import STAGE_MARKER, CompileJob, WorkerResult, read_message, write_message
+
+WORKER = "pipeline.compile.worker"
+# Signals that come from outside the worker (an operator, the OOM killer, a shutdown).
+OUTSIDE_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+
+
+@dataclass
+class ChildOutcome:
+    result: WorkerResult
+    returncode: int | None
+    timed_out: bool
+    seconds: float
+    log: str
+
+
+def run_child(
+    job: CompileJob,
+    work: Path,
+    log_path: Path,
+    timeout_s: float,
+    on_tick: Callable[[str, float], None] | None = None,
+) -> ChildOutcome:
+    """Run the worker on ``job``; kill its whole process group on timeout or interruption."""
+    job_path = work / "job.json"
+    write_message(job_path, job)
+    result_path = Path(job.result)
+    env = dict(os.environ)
+    roots = [str(Path(__file__).resolve().parents[2])]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*roots, env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    started = time.monotonic()
+    timed_out = False
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", WORKER, str(job_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its own process group, so a kill takes its children too
+        )
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    elapsed = time.monotonic() - started
+                    if on_tick:
+                        on_tick(_read_result(result_path).stage, elapsed)
+                    if elapsed > timeout_s:
+                        timed_out = True
+                        _kill_group(proc)
+                        break
+        except BaseException:  # Ctrl-C: leave no orphan compiling in the background
+            _kill_group(proc)
+            raise
+    log_text = log_path.read_text("utf-8", errors="replace") if log_path.is_file() else ""
+    return ChildOutcome(
+        result=_read_result(result_path),
+        returncode=proc.returncode,
+        timed_out=timed_out,
+        seconds=time.monotonic() - started,
+        log=log_text,
+    )
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+
+
+def _read_result(path: Path) -> WorkerResult:
+    """The worker's last saved result; a missing or half-written file is 'nothing yet'."""
+    try:
+        return read_message(WorkerResult, path)
+    except (OSError, ValueError):
+        return WorkerResult(stage="start")
+
+
+def _signal_name(returncode: int | None) -> str:
+    if returncode is None or returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        return f"signal {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def stage_log(log: str, stage: str) -> str:
+    """The part of the worker's log written during ``stage`` (its last run)."""
+    marker = f"{STAGE_MARKER}{stage}"
+    lines = log.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip() == marker]
+    if not starts:
+        return log
+    segment = []
+    for line in lines[starts[-1] + 1 :]:
+        if line.startswith(STAGE_MARKER):
+            break
+        segment.append(line)
+    return "\n".join(segment)
+
+
+def _describe_death(outcome: ChildOutcome, facts: LogFacts) -> str:
+    how = _signal_name(outcome.returncode)
+    if facts.abort:
+        return f"native abort ({how}): terminate called, what(): {facts.abort}"
+    last = [line for line in outcome.log.splitlines() if line.strip()][-3:]
+    return f"{how}; last output: {' / '.join(last)[:400]}"
+
+
+def _killed_from_outside(outcome: ChildOutcome, facts: LogFacts) -> bool:
+    code = outcome.returncode
+    if outcome.timed_out or code is None or code >= 0 or facts.abort:
+        return False
+    try:
+        return signal.Signals(-code) in OUTSIDE_SIGNALS
+    except ValueError:
+        return False
+
+
+def interpret(outcome: ChildOutcome, timeout_s: float) -> tuple[str, Failure | None]:
+    """(status, failure) from what the child left: its result file, exit status and log."""
+    result = outcome.result
+    stage = result.stage
+    # Facts from the failing step's own output; the whole log only adds context.
+    facts = parse_ep_log(stage_log(outcome.log, stage))
+    died = outcome.timed_out or result.status not in ("ok", "failed")
+    if died and result.timing_online_compile and result.load is not None:
+        # The ctx compiled, loaded and validated; only the QDQ model's online compile (the load
+        # benchmark's reference) died. The artifact is fine; the load ratio is unknown.
+        why = "timed out" if outcome.timed_out else _describe_death(outcome, facts)
+        result.load = replace(
+            result.load, qdq_error=f"creating the QDQ session with QNN (online compile) {why}"
+        )
+        result.timing_online_compile = False
+        return "ok", None
+    if result.status == "ok" and not outcome.timed_out:
+        return "ok", None
+    if outcome.timed_out:
+        failure = Failure(
+            stage,
+            "timeout",
+            f"no result after {timeout_s:g} s in step '{stage}' (hang, or a model too big for "
+            "compile.timeout_s)",
+        )
+    elif result.status == "failed" and result.error is not None:
+        failure = result.error
+        if "Failed to compose Qnn graph" in failure.message + outcome.log:
+            failure = replace(failure, kind="compose")
+    elif _killed_from_outside(outcome, facts):
+        failure = Failure(
+            stage,
+            "killed",
+            f"the worker was killed from outside ({_signal_name(outcome.returncode)}) in step "
+            f"'{stage}'; this is not the model's failure, run compile again",
+        )
+    else:
+        abort = facts.abort or "terminate called" in outcome.log
+        failure = Failure(
+            stage,
+            "abort" if abort else "crash",
+            f"the worker died in step '{stage}': {_describe_death(outcome, facts)}",
+        )
+    failure = replace(
+        failure,
+        nodes=failure.nodes or facts.nodes,
+        op_types=failure.op_types or facts.op_types,
+        qnn_error_codes=failure.qnn_error_codes or facts.error_codes,
+        log_errors=failure.log_errors or facts.error_lines,
+        abort=failure.abort or facts.abort,
+    )
+    rejected = parse_ep_log(outcome.log).rejected
+    if rejected:
+        shown = ", ".join(f"{r['node']} ({r['op_type']}, code {r['code']})" for r in rejected[:8])
+        more = f" and {len(rejected) - 8} more" if len(rejected) > 8 else ""
+        failure = replace(
+            failure, rejected_earlier=f"QNN declined {shown}{more}, leaving them to the CPU"
+        )
+    return "failed", failure

@@ -1,0 +1,325 @@
+"""The compile stage's report: a line per variant on the console, and ``ctx/report.md|json``.
+
+One row per variant (toolchain x target) with its coverage, accuracy and load times; a row per
+bucket and the sizes of the context sets when a model has several buckets; then every problem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qnn_ctx_runtime.targets import Target
+from qnn_ctx_runtime.toolchains import Toolchain
+
+from ..core.config import ModelConfig
+from ..core.layout import ModelPaths, VariantPaths
+from ..core.records import QuantizeRecord, VariantRecord, read_record
+from ..core.report import fmt, table, write_report
+
+
+def describe(r: VariantRecord, skipped: bool = False) -> str:
+    """The console line of one variant: verdict, coverage, accuracy and load, or the failure."""
+    head = f"{r.model} {r.target} onnxruntime-qnn {r.toolchain}"
+    if skipped:
+        head += " (unchanged, skipped)"
+    if r.status != "ok":
+        e = r.error
+        if e is None:
+            return f"FAILED {head}"
+        text = f"FAILED {head}: {e.kind} in {e.stage}: {e.message[:600]}"
+        extra = [
+            f"{key}: {', '.join(str(v) for v in values[:8])}"
+            for key, values in (
+                ("nodes", e.nodes),
+                ("op_types", e.op_types),
+                ("qnn_error_codes", e.qnn_error_codes),
+            )
+            if values
+        ]
+        if e.rejected_earlier:
+            extra.append(e.rejected_earlier)
+        return text + (" [" + "; ".join(extra) + "]" if extra else "")
+    c, v, load = r.coverage, r.validation, r.load
+    verdict = "ok" if r.passed else "FAILED gate"
+    text = (
+        f"{verdict} {head}: {c.qnn_partitions if c else '-'} QNN partition(s), "
+        f"{len(c.cpu_compute_nodes) if c else '-'} CPU node(s), "
+        f"ctx vs QDQ {fmt(v.worst_snr_db if v else None, 1)} dB, "
+        f"load {fmt(load.ratio if load else None, 1)}x faster than QDQ"
+    )
+    primary = r.sets[0] if r.sets else None
+    if primary is not None and primary.kind == "shared":
+        standalone = r.set_of("standalone")
+        text += (
+            f"; {len(primary.ctx_files)} buckets in one shared context "
+            f"{primary.total_bytes / 1e6:.3f} MB"
+            + (f" (standalone {standalone.total_bytes / 1e6:.3f} MB)" if standalone else "")
+            + f", validated with the {r.validated_with} set"
+        )
+    problems = list(c.problems) if c else []
+    if v and not v.passed:
+        problems.append(f"validation: {v.gate} (worst {fmt(v.worst_snr_db, 1)} dB)")
+    return text + (" -- " + "; ".join(problems) if problems else "")
+
+
+def _num(value: Any, pattern: str) -> str:
+    """A table cell: fixed format, ``inf`` for exact matches, ``-`` when unknown."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return "inf" if value == float("inf") else pattern.format(value)
+    return fmt(value)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return seconds * 1000.0 if seconds is not None else None
+
+
+def _mb(value: int | None) -> str:
+    return f"{value / 1e6:.3f}" if value else "-"
+
+
+def _worst(section: dict[str, Any], pick: Callable[..., float], key: str) -> float | None:
+    values = [getattr(a, key) for a in section.values()]
+    return pick(values) if values else None
+
+
+@dataclass(frozen=True)
+class _Row:
+    toolchain: Toolchain
+    target: Target
+    record: VariantRecord
+
+    @property
+    def where(self) -> str:
+        return f"{self.target.name} / onnxruntime-qnn {self.toolchain.onnxruntime_qnn}"
+
+
+def _variant_rows(rows: list[_Row]) -> list[list[Any]]:
+    lines = []
+    for row in rows:
+        r = row.record
+        c, v, load = r.coverage, r.validation, r.load
+        ops = ", ".join(f"{op} x{n}" for op, n in (c.cpu_ops if c else {}).items()) or "0"
+        result = "pass" if r.passed else ("FAIL gate" if r.status == "ok" else "FAILED")
+        vs_qdq = v.ctx_vs_qdq if v else {}
+        primary = r.sets[0] if r.sets else None
+        lines.append(
+            [
+                r.toolchain,
+                r.qnn_sdk,
+                r.target,
+                result,
+                c.qnn_partitions if c else None,
+                ops,
+                _num(v.worst_snr_db if v else None, "{:.1f}"),
+                _num(v.worst_snr_vs_float_db if v else None, "{:.1f}"),
+                _num(_worst(vs_qdq, max, "max_abs"), "{:.3g}"),
+                _num(_worst(vs_qdq, min, "cosine"), "{:.5f}"),
+                _mb(primary.total_bytes if primary else None),
+                _num(r.compile_time_s if r.status == "ok" else None, "{:.2f}"),
+                _num(_ms(load.qdq_s if load else None), "{:.1f}"),
+                _num(_ms(load.ctx_s if load else None), "{:.1f}"),
+                _num(load.ratio if load else None, "{:.1f}"),
+            ]
+        )
+    return lines
+
+
+def _bucket_rows(rows: list[_Row]) -> list[list[Any]]:
+    lines = []
+    for row in rows:
+        r = row.record
+        loads = r.load.buckets if r.load else {}
+        for name, outcome in r.buckets.items():
+            cov, val = outcome.coverage, outcome.validation
+            lines.append(
+                [
+                    r.toolchain,
+                    r.target,
+                    name,
+                    "pass" if cov.passed and val and val.passed else "FAIL",
+                    cov.qnn_partitions,
+                    len(cov.cpu_compute_nodes),
+                    fmt(val.worst_snr_db if val else None, 1),
+                    fmt(val.worst_snr_vs_float_db if val else None, 1),
+                    fmt(loads[name] * 1000, 1) if name in loads else "-",
+                ]
+            )
+    return lines
+
+
+def _size_rows(rows: list[_Row]) -> list[list[Any]]:
+    lines = []
+    for row in rows:
+        r = row.record
+        shared, standalone = r.set_of("shared"), r.set_of("standalone")
+        largest = max(standalone.bucket_bytes.values(), default=0) if standalone else 0
+        lines.append(
+            [
+                r.toolchain,
+                r.target,
+                r.status,
+                _mb(shared.total_bytes if shared else None),
+                _mb(standalone.total_bytes if standalone else None),
+                _mb(largest),
+                fmt(shared.total_bytes / largest, 2) if shared and largest else "-",
+                fmt(r.load.all_s * 1000, 1) if r.load and r.load.all_s else "-",
+            ]
+        )
+    return lines
+
+
+def _notes(rows: list[_Row]) -> list[str]:
+    notes = []
+    for row in rows:
+        r, where = row.record, row.where
+        e = r.error
+        if e is not None:
+            detail = "; ".join(
+                f"{key}: {', '.join(str(x) for x in values[:10])}"
+                for key, values in (
+                    ("nodes", e.nodes),
+                    ("op_types", e.op_types),
+                    ("qnn_error_codes", e.qnn_error_codes),
+                )
+                if values
+            )
+            if e.rejected_earlier:
+                detail += ("; " if detail else "") + e.rejected_earlier
+            notes.append(
+                f"- **{where}** {e.kind} in step `{e.stage}`: {e.message[:800]}"
+                + (f" ({detail})" if detail else "")
+            )
+        for problem in r.coverage.problems if r.coverage else []:
+            notes.append(f"- **{where}** coverage: {problem}")
+        if r.validation is not None and not r.validation.passed:
+            notes.append(f"- **{where}** validation below the gate (compile.min_snr_db)")
+        if r.load is not None and r.load.qdq_error:
+            notes.append(f"- **{where}** load benchmark: {r.load.qdq_error}")
+        if r.shared_load_probe:
+            notes.append(
+                f"- **{where}**: {r.shared_load_probe}; validated with the {r.validated_with} "
+                "contexts."
+            )
+    return notes
+
+
+VARIANT_HEADERS = [
+    "toolchain",
+    "QNN SDK",
+    "target",
+    "result",
+    "partitions",
+    "CPU nodes",
+    "SNR vs QDQ dB",
+    "SNR vs float dB",
+    "max abs vs QDQ",
+    "cosine vs QDQ",
+    "ctx MB",
+    "compile s",
+    "load QDQ ms",
+    "load ctx ms",
+    "load ratio",
+]
+BUCKET_HEADERS = [
+    "toolchain",
+    "target",
+    "bucket",
+    "result",
+    "partitions",
+    "CPU nodes",
+    "SNR vs QDQ dB",
+    "SNR vs float dB",
+    "load ctx ms",
+]
+SIZE_HEADERS = [
+    "toolchain",
+    "target",
+    "status",
+    "shared total MB",
+    "standalone total MB",
+    "largest bucket alone MB",
+    "shared / largest",
+    "load all ms",
+]
+
+
+def write_model_report(
+    config: ModelConfig,
+    paths: ModelPaths,
+    quantize: QuantizeRecord,
+    toolchains: list[Toolchain],
+    targets: list[Target],
+) -> Path:
+    """report.md / report.json over every variant on disk that the config asks for."""
+    rows = []
+    for toolchain in toolchains:
+        for target in targets:
+            folder: VariantPaths = paths.variant(toolchain.onnxruntime_qnn, target.name)
+            record, _ = read_record(VariantRecord, folder.record)
+            if record is not None:
+                rows.append(_Row(toolchain, target, record))
+    settings = config.compile
+    multi = len(quantize.buckets) > 1
+    gates = (
+        f"Gates: all compute nodes on QNN in <= {settings.max_partitions} partition(s)"
+        + (
+            f", allowed on CPU: {', '.join(settings.allowed_cpu_ops)}"
+            if settings.allowed_cpu_ops
+            else ""
+        )
+        + (
+            f"; worst ctx vs QDQ SNR >= {settings.min_snr_db} dB"
+            if settings.min_snr_db > 0
+            else "; no SNR gate"
+        )
+        + ". Graph-I/O Q/DQ left on CPU by offload_graph_io_quantization are not counted."
+    )
+    lines = [f"# Compile report: {config.model.name} {config.model.version}", ""]
+    if quantize.status != "ok":
+        lines += [
+            "Note: this QDQ model did not pass the quantize stage's own gate "
+            "(quantization.min_snr_db, see ../report.md).",
+            "",
+        ]
+    lines += [
+        gates,
+        "Validation: the ctx model on the QNN HTP backend (the x86_64 HTP simulator here) vs "
+        "the QDQ and the float model on the CPU EP, over held-out samples. Load: min of "
+        f"{settings.load_runs} session creations, QDQ with QNN compiling online vs ctx.",
+        "",
+        table(VARIANT_HEADERS, _variant_rows(rows)) if rows else "No variant has been built yet.",
+    ]
+    if multi and rows:
+        lines += [
+            "",
+            "## Buckets",
+            "",
+            "Every target's buckets are compiled in one process into one weight-shared QNN "
+            "context (one _qnn.bin that every bucket's _ctx.onnx references) where packaging "
+            "asks for it, and each bucket also on its own (standalone). Coverage and validation "
+            "per bucket, over held-out samples padded into it.",
+            "",
+            table(BUCKET_HEADERS, _bucket_rows(rows)),
+            "",
+            "## Sizes",
+            "",
+            table(SIZE_HEADERS, _size_rows(rows)),
+        ]
+    notes = _notes(rows)
+    if notes:
+        lines += ["", "## Problems", "", *notes]
+    data = {
+        "model": config.model.name,
+        "version": config.model.version,
+        "quantize_status": quantize.status,
+        "gates": {
+            "max_partitions": settings.max_partitions,
+            "allowed_cpu_ops": settings.allowed_cpu_ops,
+            "min_snr_db": settings.min_snr_db,
+        },
+        "variants": [row.record for row in rows],
+    }
+    return write_report(paths.ctx, "\n".join(lines), data)

@@ -1,0 +1,650 @@
+"""The child side of ``compile``: build, check, load, validate and time ONE variant.
+
+``python -m pipeline.compile.worker JOB.json``. The parent runs this in a separate process
+because the QNN EP can abort the whole process from native code (``terminate called ...``,
+FACTS §4) or hang; here such a failure costs one variant, not the build. After every step the
+worker rewrites its result file, so when it dies the parent still knows the last step reached.
+
+A variant is every bucket (static shape) of a model. One bucket is compiled into one ctx
+(embedded or with a ``.bin``, as configured). Several buckets are compiled in one process with
+``ep.share_ep_contexts=1`` (the last with ``ep.stop_share_ep_contexts=1``) and embed mode 0: the
+QNN EP then keeps one context, adds every bucket's graph to it with HTP weight sharing, and writes
+one ``_qnn.bin`` that every bucket's ``_ctx.onnx`` references (FACTS §7). The x86_64 HTP simulator
+cannot load such a shared context with several graphs (QNN 2.49 NOT_SUPPORTED, 2.51 SIGSEGV), so
+a probe in a separate process tries; where it fails (or ``packaging`` asks for it) each bucket is
+also compiled on its own (``standalone/``) from the same QDQ model with the same options, and
+coverage and validation run on that set. The record says which set was validated.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qnn_ctx_runtime import qnn
+
+from ..core.layout import STANDALONE_DIR
+from ..core.metrics import OutputComparison, worst_snr
+from ..core.records import (
+    BucketOutcome,
+    Coverage,
+    CtxFacts,
+    CtxSet,
+    Failure,
+    LoadTimes,
+    Memory,
+    TensorSpec,
+    Validation,
+)
+from . import coverage as coverage_mod
+from .job import BucketJob, CompileJob, WorkerResult, read_message, stage_line, write_message
+
+# ORT's own record of which EP runs which node: the coverage report is built from it.
+RECORD_ASSIGNMENT = {"session.record_ep_graph_assignment_info": "1"}
+SHARE = {"ep.share_ep_contexts": "1"}
+PROBE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import onnxruntime as ort
+from qnn_ctx_runtime import qnn
+spec = json.loads(sys.argv[2])
+ep = qnn.find_qnn_ep()
+sessions = []
+for i, path in enumerate(spec["models"]):
+    config = {"ep.share_ep_contexts": "1", "session.disable_model_compile": "1"}
+    if i == len(spec["models"]) - 1:
+        config["ep.stop_share_ep_contexts"] = "1"
+    options = ep.session_options(qnn.QnnOptions(spec["backend"]), config, log_severity=3)
+    sessions.append(ort.InferenceSession(path, options))
+    if qnn.EP_NAME not in sessions[-1].get_providers():
+        raise SystemExit("the QNN EP did not attach")
+print("PROBE_OK", flush=True)
+"""
+_NP_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(int16)": np.int16,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+    "tensor(uint16)": np.uint16,
+    "tensor(bool)": np.bool_,
+}
+
+
+class StepFailed(Exception):
+    """A step could not produce what the next one needs; ``kind`` classifies it."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class Progress:
+    """The result file and the log's step markers."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.result = WorkerResult()
+        self.save()
+
+    def stage(self, name: str) -> None:
+        self.result.stage = name
+        self.save()
+        print(stage_line(name), flush=True)
+
+    def save(self) -> None:
+        write_message(self.path, self.result)
+
+
+def ort_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+def classify(message: str, installed: qnn.InstalledQnn) -> tuple[str, str]:
+    """(kind, message) for an onnxruntime exception text."""
+    if qnn.looks_like_wrong_pair(message):
+        return "toolchain", (
+            f"the QNN EP could not be created: {installed.describe()} is not a working pair "
+            f"(onnxruntime would otherwise fall back to CPU). {message}"
+        )
+    if "Failed to compose Qnn graph" in message:
+        return "compose", message
+    return "error", message
+
+
+def _options(job: CompileJob) -> qnn.QnnOptions:
+    extra = tuple(sorted(job.qnn_options.items()))
+    return qnn.QnnOptions(job.backend_type, job.soc_model, job.htp_arch, extra)
+
+
+# -- compiling and checking -------------------------------------------------------------------------
+
+
+def compile_set(job: CompileJob, ep: qnn.QnnEp, out_dir: Path, share: bool) -> dict[str, Path]:
+    """Compile every bucket in this process; with ``share`` into one weight-shared context."""
+    import onnxruntime as ort
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Stale outputs must not pass for new ones: the EP names its .bin after the ctx file.
+    for stale in [*out_dir.glob("*_ctx.onnx"), *out_dir.glob("*.bin")]:
+        stale.unlink()
+    ctxs = {}
+    for index, bucket in enumerate(job.buckets):
+        config: dict[str, str] = {}
+        if share:
+            config = {**SHARE, "ep.context_node_name_prefix": f"{bucket.name}_"}
+            if index == len(job.buckets) - 1:
+                config["ep.stop_share_ep_contexts"] = "1"
+        options = ep.session_options(_options(job), config, job.log_severity)
+        ctx = out_dir / bucket.ctx_name
+        what = f"bucket {bucket.name}: " if job.multi else ""
+        try:
+            ort.ModelCompiler(
+                options,
+                bucket.qdq,
+                embed_compiled_data_into_model=not share and job.embed,
+                flags=ort.OrtCompileApiFlags.ERROR_IF_NO_NODES_COMPILED,
+            ).compile_to_file(str(ctx))
+        except Exception as exc:  # onnxruntime's error types are not importable by name
+            kind, message = classify(ort_error(exc), ep.installed)
+            raise StepFailed(kind, what + message) from exc
+        if not ctx.is_file():
+            raise StepFailed("error", f"{what}ModelCompiler returned but wrote no {ctx.name}")
+        ctxs[bucket.name] = ctx
+    return ctxs
+
+
+def verify_ctx(job: CompileJob, ctx: Path, embed: bool) -> CtxFacts:
+    """Prove the QNN toolchain compiled it, for the requested chip (each check explains itself)."""
+    summary = qnn.read_model_summary(ctx)
+    nodes = summary.nodes_of(coverage_mod.EP_CONTEXT)
+    if not nodes:
+        raise StepFailed(
+            "verify", f"{ctx.name} holds no EPContext node: QNN compiled nothing (CPU fallback)."
+        )
+    problems = []
+    raw_sdks = sorted({str(n.attributes.get("ep_sdk_version", "")) for n in nodes})
+    sdks = sorted({qnn.sdk_version(s) for s in raw_sdks})
+    if sdks != [job.qnn_sdk]:
+        problems.append(
+            f"EPContext ep_sdk_version {raw_sdks} is not the pinned QNN SDK {job.qnn_sdk}"
+        )
+    sources = sorted({str(n.attributes.get("source", "")) for n in nodes})
+    if sources != [qnn.EP_NAME]:
+        problems.append(f"EPContext source is {sources}, not {qnn.EP_NAME}")
+    raw_compat = summary.metadata.get(qnn.COMPATIBILITY_KEY, "")
+    archs: list[int] = []
+    socs: list[int] = []
+    if not raw_compat:
+        problems.append(f"model metadata has no {qnn.COMPATIBILITY_KEY}")
+    else:
+        try:
+            info = qnn.parse_compatibility_info(raw_compat)
+        except ValueError as exc:
+            problems.append(str(exc))
+        else:
+            archs, socs = list(info.htp_archs), list(info.soc_models)
+            problems += qnn.compatibility_problems(info, job.soc_model, job.htp_arch)
+            if info.sdk and qnn.sdk_version(info.sdk) != job.qnn_sdk:
+                problems.append(f"{qnn.COMPATIBILITY_KEY} names SDK {info.sdk}, not {job.qnn_sdk}")
+    modes = sorted({int(n.attributes.get("embed_mode", 1)) for n in nodes})
+    if modes != [1 if embed else 0]:
+        problems.append(f"embed_mode {modes} but {'1' if embed else '0'} was asked for")
+    files = [ctx.name]
+    for node in nodes:
+        if int(node.attributes.get("embed_mode", 1)) == 0:
+            name = str(node.attributes.get("ep_cache_context", ""))
+            if not (ctx.parent / name).is_file():
+                problems.append(f"EPContext {node.name} points at {name!r}, which was not written")
+            elif name not in files:
+                files.append(name)
+    if problems:
+        raise StepFailed("verify", f"{ctx.name}: " + "; ".join(problems) + ".")
+    return CtxFacts(
+        ep_context_nodes=len(nodes),
+        ep_sdk_version=raw_sdks[0],
+        qnn_sdk_version=sdks[0],
+        ep_compatibility_info=raw_compat,
+        htp_archs=archs,
+        soc_models=socs,
+        embed_mode=modes[0],
+        files=files,
+        sizes={f: (ctx.parent / f).stat().st_size for f in files},
+    )
+
+
+def verify_set(job: CompileJob, ctxs: dict[str, Path], kind: str, out: Path) -> CtxSet:
+    """Per-bucket checks; a shared set must also have one binary every bucket references, and
+    EPContext node and partition names must be unique across the buckets."""
+    embed = job.embed if kind != "shared" else False
+    facts = {}
+    for name, ctx in ctxs.items():
+        try:
+            facts[name] = verify_ctx(job, ctx, embed)
+        except StepFailed as exc:
+            where = f"bucket {name}: " if job.multi else ""
+            raise StepFailed(exc.kind, where + exc.message) from exc
+    folder = next(iter(ctxs.values())).parent
+    problems = []
+    seen: dict[str, str] = {}
+    referenced: dict[str, set[str]] = {}
+    for name, ctx in ctxs.items():
+        for node in qnn.read_model_summary(ctx).nodes_of("EPContext"):
+            for key in (node.name, str(node.attributes.get("partition_name", ""))):
+                if key and key in seen and seen[key] != name:
+                    problems.append(f"EPContext name {key!r} is in buckets {seen[key]} and {name}")
+                seen.setdefault(key, name)
+            if int(node.attributes.get("embed_mode", 1)) == 0:
+                referenced.setdefault(name, set()).add(str(node.attributes["ep_cache_context"]))
+    bins = sorted(set().union(*referenced.values())) if referenced else []
+    on_disk = sorted(p.name for p in folder.glob("*.bin"))
+    if kind == "shared":
+        if len(bins) != 1:
+            problems.append(
+                f"the buckets reference {len(bins)} context binaries ({bins}); weight sharing "
+                "writes exactly one that every bucket's EPContext node points at"
+            )
+        missing = [n for n in ctxs if n not in referenced]
+        if missing:
+            problems.append(f"bucket(s) {missing} reference no external context binary")
+    if on_disk != bins:
+        problems.append(f"binaries on disk {on_disk} are not the referenced ones {bins}")
+    if problems:
+        raise StepFailed("verify", f"{kind} context set: " + "; ".join(problems) + ".")
+    prefix = "" if folder == out else f"{folder.relative_to(out).as_posix()}/"
+    ctx_bytes = sum(p.stat().st_size for p in ctxs.values())
+    return CtxSet(
+        kind=kind,
+        ctx_files={n: prefix + p.name for n, p in ctxs.items()},
+        bins=[prefix + b for b in bins],
+        facts=facts,
+        total_bytes=ctx_bytes + sum((folder / b).stat().st_size for b in bins),
+        bucket_bytes={n: sum(f.sizes.values()) for n, f in facts.items()},
+    )
+
+
+def probe_shared(job: CompileJob, ctxs: dict[str, Path]) -> tuple[bool, str]:
+    """Can this machine load the weight-shared set? Tried in a separate process: it may crash."""
+    spec = {"models": [str(ctxs[b.name]) for b in job.buckets], "backend": job.backend_type}
+    root = str(Path(qnn.__file__).resolve().parent.parent)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", PROBE, root, json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=job.probe_timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return False, f"loading the shared contexts did not finish in {job.probe_timeout_s:g} s"
+    if done.returncode == 0 and "PROBE_OK" in done.stdout:
+        return True, "the weight-shared contexts load here"
+    if done.returncode < 0:
+        try:
+            how = f"the loading process died with {signal.Signals(-done.returncode).name}"
+        except ValueError:
+            how = f"the loading process died with signal {-done.returncode}"
+    else:
+        errors = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+        how = errors[-1][-400:] if errors else f"exit code {done.returncode}"
+    return False, f"the weight-shared contexts do not load on this machine: {how}"
+
+
+# -- loading, validating, timing ------------------------------------------------------------------
+
+
+def _specs(args: list[Any]) -> list[TensorSpec]:
+    return [
+        TensorSpec(
+            a.name,
+            [d if isinstance(d, int) else -1 for d in a.shape],
+            np.dtype(_NP_TYPES.get(a.type, np.float32)).name,
+        )
+        for a in args
+    ]
+
+
+def merge_specs(per_bucket: list[list[TensorSpec]]) -> list[TensorSpec]:
+    """One spec list for the variant: the largest bucket's, with -1 where the buckets differ."""
+    merged = []
+    for spec in per_bucket[-1]:
+        shape = list(spec.shape)
+        for other in per_bucket[:-1]:
+            match = next((o for o in other if o.name == spec.name), None)
+            if match is None:
+                continue
+            for axis, size in enumerate(match.shape):
+                if axis < len(shape) and size != shape[axis]:
+                    shape[axis] = -1
+        merged.append(TensorSpec(spec.name, shape, spec.dtype))
+    return merged
+
+
+def _rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc; peak RSS elsewhere)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _session_config(job: CompileJob, index: int, shared: bool) -> dict[str, str]:
+    config: dict[str, str] = dict(SHARE) if shared else {}
+    if shared and index == len(job.buckets) - 1:
+        config["ep.stop_share_ep_contexts"] = "1"
+    return config
+
+
+def load_bucket(
+    job: CompileJob, ep: qnn.QnnEp, bucket: BucketJob, index: int, ctx: Path, shared: bool
+) -> tuple[Any, Coverage]:
+    """A session on one bucket's ctx (over the shared context when ``shared``) and its coverage."""
+    import onnxruntime as ort
+
+    config = {**RECORD_ASSIGNMENT, **_session_config(job, index, shared)}
+    options = ep.session_options(qnn.QnnOptions(job.backend_type), config, job.log_severity)
+    what = f"bucket {bucket.name}: " if job.multi else ""
+    try:
+        session = ort.InferenceSession(str(ctx), options)
+    except Exception as exc:  # onnxruntime's error types are not importable by name
+        kind, message = classify(ort_error(exc), ep.installed)
+        raise StepFailed(kind, what + message) from exc
+    if qnn.EP_NAME not in session.get_providers():
+        raise StepFailed(
+            "toolchain",
+            f"{what}the ctx session runs on {session.get_providers()} only: the QNN EP did not "
+            f"start ({ep.installed.describe()}).",
+        )
+    coverage = coverage_mod.summarize(
+        coverage_mod.assignment_from_session(session),
+        qnn.read_model_summary(ctx),
+        job.max_partitions,
+        job.allowed_cpu_ops,
+    )
+    return session, coverage
+
+
+def _feeds(job: CompileJob, bucket: BucketJob, session: Any) -> Iterator[dict[str, np.ndarray]]:
+    """Held-out samples from quantize, else seeded random feeds shaped like the inputs."""
+    for path in bucket.heldout[: job.validate_samples or None]:
+        with np.load(path, allow_pickle=False) as data:
+            yield {k: data[k] for k in data.files}
+    if bucket.heldout:
+        return
+    rng = np.random.default_rng(job.seed)
+    for _ in range(max(1, min(job.validate_samples or 4, 4))):
+        feeds = {}
+        for spec in session.get_inputs():
+            shape = [d if isinstance(d, int) and d > 0 else 1 for d in spec.shape]
+            dtype = _NP_TYPES.get(spec.type, np.float32)
+            if np.issubdtype(dtype, np.floating):
+                feeds[spec.name] = rng.standard_normal(shape).astype(dtype)
+            else:
+                feeds[spec.name] = np.zeros(shape, dtype)
+        yield feeds
+
+
+def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation:
+    """ctx on QNN (the HTP simulator on x86_64) vs QDQ and float on the CPU EP."""
+    import onnxruntime as ort
+
+    cpu_options = ort.SessionOptions()
+    cpu_options.log_severity_level = 3
+    cpu = ["CPUExecutionProvider"]
+    qdq = ort.InferenceSession(bucket.qdq, cpu_options, providers=cpu)
+    flt = (
+        ort.InferenceSession(bucket.float_model, cpu_options, providers=cpu)
+        if bucket.float_model and Path(bucket.float_model).is_file()
+        else None
+    )
+    names = [o.name for o in ctx_session.get_outputs()]
+    float_names = [o.name for o in flt.get_outputs()] if flt else []
+    # The quantizer keeps output names; if a float model names them otherwise, pair by position.
+    float_map = dict(
+        zip(names, float_names if set(names) - set(float_names) else names, strict=False)
+    )
+    vs_qdq, vs_float, qdq_vs_float = OutputComparison(), OutputComparison(), OutputComparison()
+    for feeds in _feeds(job, bucket, ctx_session):
+        got = dict(zip(names, ctx_session.run(names, feeds), strict=True))
+        ref_qdq = dict(zip(names, qdq.run(names, feeds), strict=True))
+        vs_qdq.add(ref_qdq, got)
+        if flt is not None:
+            ref_flt = dict(zip(names, flt.run([float_map[n] for n in names], feeds), strict=True))
+            vs_float.add(ref_flt, got)
+            qdq_vs_float.add(ref_flt, ref_qdq)
+    summary = vs_qdq.summary()
+    worst = worst_snr(summary)
+    return Validation(
+        ctx_vs_qdq=summary,
+        ctx_vs_float=vs_float.summary(),
+        qdq_vs_float=qdq_vs_float.summary(),
+        worst_snr_db=worst,
+        worst_snr_vs_float_db=worst_snr(vs_float.summary()) if flt is not None else None,
+        samples=vs_qdq.samples,
+        samples_source="heldout" if bucket.heldout else "random",
+        passed=job.min_snr_db <= 0 or worst >= job.min_snr_db,
+        gate=f"worst ctx vs QDQ SNR >= {job.min_snr_db} dB"
+        if job.min_snr_db > 0
+        else "no SNR gate",
+    )
+
+
+def combine_validation(per_bucket: dict[str, Validation]) -> Validation:
+    """One verdict over the buckets: the worst SNRs, the largest bucket's per-output figures."""
+    sections = list(per_bucket.values())
+    largest = sections[-1]
+    vs_float = [s.worst_snr_vs_float_db for s in sections if s.worst_snr_vs_float_db is not None]
+    return Validation(
+        ctx_vs_qdq=largest.ctx_vs_qdq,
+        ctx_vs_float=largest.ctx_vs_float,
+        qdq_vs_float=largest.qdq_vs_float,
+        worst_snr_db=min(s.worst_snr_db for s in sections),
+        worst_snr_vs_float_db=min(vs_float) if vs_float else None,
+        samples=sum(s.samples for s in sections),
+        samples_source=largest.samples_source,
+        passed=all(s.passed for s in sections),
+        gate=largest.gate,
+    )
+
+
+def benchmark(
+    job: CompileJob, ep: qnn.QnnEp, ctxs: dict[str, Path], shared: bool, progress: Progress
+) -> None:
+    """Session creation, min of N: every bucket, all buckets in turn, and the largest bucket's
+    QDQ model with QNN compiling online (what loading costs without a context binary)."""
+    import onnxruntime as ort
+
+    runs = max(1, job.load_runs)
+    per_bucket: dict[str, float] = {}
+    totals = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        sessions = []
+        for index, bucket in enumerate(job.buckets):
+            options = ep.session_options(
+                qnn.QnnOptions(job.backend_type),
+                _session_config(job, index, shared),
+                job.log_severity,
+            )
+            begin = time.perf_counter()
+            session = ort.InferenceSession(str(ctxs[bucket.name]), options)
+            took = time.perf_counter() - begin
+            if qnn.EP_NAME not in session.get_providers():
+                raise StepFailed("toolchain", f"{ctxs[bucket.name].name} loaded without the QNN EP")
+            sessions.append(session)
+            per_bucket[bucket.name] = min(per_bucket.get(bucket.name, float("inf")), took)
+        totals.append(time.perf_counter() - started)
+        del sessions
+    ctx_s = per_bucket[job.largest.name]
+    progress.result.load = LoadTimes(runs, ctx_s, min(totals), per_bucket)
+    progress.result.timing_online_compile = True  # an abort from here on is the QDQ's, not ours
+    progress.save()
+    qdq_s: float | None = None
+    error: str | None = None
+    try:
+        times = []
+        for _ in range(runs):
+            options = ep.session_options(_options(job), log_severity=job.log_severity)
+            started = time.perf_counter()
+            session = ort.InferenceSession(job.largest.qdq, options)
+            times.append(time.perf_counter() - started)
+            del session
+        qdq_s = min(times)
+    except Exception as exc:  # onnxruntime's error types are not importable by name
+        error = ort_error(exc)
+    ratio = qdq_s / ctx_s if qdq_s is not None and ctx_s > 0 else None
+    progress.result.load = LoadTimes(runs, ctx_s, min(totals), per_bucket, qdq_s, ratio, error)
+    progress.result.timing_online_compile = False
+    progress.save()
+
+
+def register(qnn_sdk: str, progress: Progress) -> qnn.QnnEp:
+    """The QNN EP of this interpreter, which must bundle the pinned QNN SDK ``qnn_sdk``."""
+    progress.stage("register")
+    try:
+        ep = qnn.find_qnn_ep()
+    except Exception as exc:  # ToolchainError or an onnxruntime error
+        raise StepFailed("toolchain", getattr(exc, "message", None) or ort_error(exc)) from exc
+    progress.result.installed = {
+        "onnxruntime_qnn": ep.installed.package_version,
+        "onnxruntime": ep.installed.onnxruntime,
+        "qnn_sdk": ep.installed.qnn_sdk,
+    }
+    if ep.installed.qnn_sdk and qnn.sdk_version(ep.installed.qnn_sdk) != qnn_sdk:
+        raise StepFailed(
+            "toolchain",
+            f"{ep.installed.describe()} bundles QNN SDK {ep.installed.qnn_sdk}, but the pin "
+            f"says {qnn_sdk}.",
+        )
+    return ep
+
+
+# -- the variant ------------------------------------------------------------------------------------
+
+
+def run(job: CompileJob, progress: Progress) -> None:
+    ep = register(job.qnn_sdk, progress)
+    out = Path(job.out_dir)
+    result = progress.result
+    kind = "shared" if job.multi and "shared" in job.packaging else "single"
+    if job.multi and kind == "single":
+        kind = "standalone"
+    progress.stage("compile")
+    started = time.perf_counter()
+    target_dir = out / STANDALONE_DIR if kind == "standalone" else out
+    primary = compile_set(job, ep, target_dir, share=kind == "shared")
+    result.compile_time_s = time.perf_counter() - started
+    progress.stage("verify")
+    result.sets.append(verify_set(job, primary, kind, out))
+    # The set that is loaded, measured and validated here: the primary one, unless this machine
+    # cannot load a shared set (then the standalone set, same QDQ graphs and options).
+    ctxs, shared, validated = primary, kind == "shared", kind
+    if kind == "shared":  # in a separate process: a machine that cannot load it may crash
+        progress.stage("probe")
+        loads, result.shared_load_probe = probe_shared(job, primary)
+        if "standalone" in job.packaging or not loads:
+            progress.stage("compile_standalone")
+            standalone = compile_set(job, ep, out / STANDALONE_DIR, share=False)
+            progress.stage("verify_standalone")
+            result.sets.append(verify_set(job, standalone, "standalone", out))
+            if not loads:
+                ctxs, shared, validated = standalone, False, "standalone"
+    result.validated_with = validated
+
+    progress.stage("load")
+    sessions = {}
+    rss_before = _rss_bytes()
+    rss_first = rss_before
+    for index, bucket in enumerate(job.buckets):
+        session, coverage = load_bucket(job, ep, bucket, index, ctxs[bucket.name], shared)
+        sessions[bucket.name] = session
+        result.buckets[bucket.name] = BucketOutcome(
+            coverage, _specs(session.get_inputs()), _specs(session.get_outputs())
+        )
+        if index == 0:
+            rss_first = _rss_bytes()
+    result.memory = Memory(result.validated_with, rss_before, rss_first, _rss_bytes())
+    progress.save()
+
+    progress.stage("validate")
+    for bucket in job.buckets:
+        try:
+            validation = validate(job, bucket, sessions[bucket.name])
+        except Exception as exc:  # onnxruntime's error types are not importable by name
+            kind_, message = classify(ort_error(exc), ep.installed)
+            what = f"bucket {bucket.name}: " if job.multi else ""
+            raise StepFailed(kind_, f"{what}validation run failed: {message}") from exc
+        outcome = result.buckets[bucket.name]
+        result.buckets[bucket.name] = BucketOutcome(
+            outcome.coverage, outcome.inputs, outcome.outputs, validation
+        )
+    sessions.clear()
+    progress.save()
+
+    progress.stage("benchmark")
+    benchmark(job, ep, ctxs, shared, progress)
+    result.status = "ok"
+    progress.stage("done")
+
+
+# -- the process -----------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the compile stage that started it dies (kill -9
+    included), so no orphan keeps compiling; the process group kill covers the rest."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipeline.compile.worker JOB.json``: any failure is left in the result file."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m pipeline.compile.worker JOB.json", file=sys.stderr)
+        return 2
+    _die_with_parent()
+    job = read_message(CompileJob, Path(args[0]))
+    progress = Progress(Path(job.result))
+    try:
+        run(job, progress)
+    except StepFailed as exc:
+        progress.result.status = "failed"
+        progress.result.error = Failure(progress.result.stage, exc.kind, exc.message)
+        progress.save()
+        return 1
+    except Exception as exc:  # anything unforeseen still gets reported with its step
+        progress.result.status = "failed"
+        progress.result.error = Failure(progress.result.stage, "error", ort_error(exc))
+        progress.save()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Shared pieces every stage stands on: config, errors, records, artifact layout, files, reports."""

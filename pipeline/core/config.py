@@ -1,0 +1,570 @@
+"""Model configs: one TOML file per model, parsed into frozen dataclasses.
+
+Every key is checked: an unknown key gets a "did you mean" hint, a wrong type names the file,
+the key and the expected type, and a missing file names the path it looked for. Paths in a config
+are relative to the config file's folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from qnn_ctx_runtime.targets import TARGETS
+from qnn_ctx_runtime.toolchains import load_toolchains
+
+from .errors import ConfigError
+
+# What every stage builds when it is given no config: the bundled examples, generated from a
+# seed by ``python -m pipeline example`` (the quantize stage does that itself).
+EXAMPLE_CONFIGS = (Path("configs/example.toml"), Path("configs/example_buckets.toml"))
+
+QuantType = Literal["uint8", "uint16", "int8", "int16", "uint4", "int4"]
+CalibrationMethod = Literal["MinMax", "Entropy", "Percentile", "Distribution"]
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Which float model to build, and under what name and version it is released."""
+
+    name: str
+    source: str
+    version: str = "0.1.0"
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class InputsSection:
+    """How to make the model static: dim values, whole input shapes and baked constants."""
+
+    # dim_param name -> value, e.g. {batch = 1}
+    dims: dict[str, int] = field(default_factory=dict)
+    # input name -> full shape, e.g. {x = [1, 3, 48, 192]}
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    # input name -> constant value baked into the graph, e.g. {sr = 16000}
+    constants: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ImageOptions:
+    """The usual image preprocessing of a vision model's input."""
+
+    size: list[int] = field(default_factory=list)  # [height, width]; empty = the input's
+    resize: Literal["stretch", "shorter-crop", "pad"] = "stretch"
+    channel_order: Literal["RGB", "BGR", "GRAY"] = "RGB"
+    layout: Literal["NCHW", "NHWC"] = "NCHW"
+    scale: float = 1.0 / 255.0
+    mean: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    std: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    dtype: Literal["float32", "float16", "uint8"] = "float32"
+
+
+@dataclass(frozen=True)
+class AudioOptions:
+    """16-bit PCM wav files cut into fixed windows."""
+
+    window: int = 512
+    hop: int = 0  # 0 = same as window
+    sample_rate: int = 16000
+    scale: float = 1.0 / 32768.0
+
+
+@dataclass(frozen=True)
+class CalibrationSection:
+    """Where calibration samples come from and how many to use."""
+
+    kind: Literal["tensors", "images", "audio", "python", "random"] = "tensors"
+    path: str = ""
+    # tensors: .npy files are fed to ``input``; .npz files map input names to arrays.
+    # images/audio: ``input`` names the graph input the sample feeds.
+    input: str = ""
+    reader: str = ""  # python: "module:function" or "path/to/file.py:function"
+    samples: int = 64
+    held_out: float = 0.25
+    seed: int = 0
+    # Inputs not produced by the reader: "zeros" or "random" filling.
+    fill_others: Literal["zeros", "random"] = "zeros"
+    # Recurrent models: graph input -> graph output fed back across consecutive samples.
+    recurrent: dict[str, str] = field(default_factory=dict)
+    image: ImageOptions = field(default_factory=ImageOptions)
+    audio: AudioOptions = field(default_factory=AudioOptions)
+
+
+@dataclass(frozen=True)
+class OverridesSection:
+    """Mixed precision: per-tensor or per-op-type quantization types."""
+
+    tensors: dict[str, QuantType] = field(default_factory=dict)
+    op_types: dict[str, QuantType] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class QuantizationSection:
+    """onnxruntime static QDQ quantization settings, in QNN-friendly defaults."""
+
+    activation_type: QuantType = "uint16"
+    weight_type: QuantType = "uint8"
+    per_channel: bool = False
+    method: CalibrationMethod = "MinMax"
+    min_snr_db: float = 0.0  # gate on fp32 vs QDQ per output; 0 disables
+    auto_mixed_precision: bool = True  # raise the worst tensors to 16 bit when SNR is low
+    target_snr_db: float = 25.0
+    overrides: OverridesSection = field(default_factory=OverridesSection)
+
+
+@dataclass(frozen=True)
+class CompileSection:
+    """Which targets and toolchains to compile for, and the gates a variant must pass."""
+
+    targets: list[str] = field(default_factory=lambda: ["snapdragon-x-elite"])
+    toolchains: list[str] = field(default_factory=list)  # empty = newest pinned toolchain
+    embed: bool = True
+    max_partitions: int = 1
+    allowed_cpu_ops: list[str] = field(default_factory=list)
+    min_snr_db: float = 0.0  # gate on ctx vs QDQ; 0 disables
+    timeout_s: float = 900.0
+    load_runs: int = 3
+
+
+@dataclass(frozen=True)
+class BucketPad:
+    """How an input is padded along one bucket dim: the value, and on which side."""
+
+    value: float = 0.0
+    side: Literal["end", "start"] = "end"  # end = right/bottom, start = left/top
+
+
+@dataclass(frozen=True)
+class BucketOutput:
+    """An output axis whose length follows a bucket dim, so the runtime crops it back."""
+
+    axis: int
+    follows: str  # a key of [buckets] dims (or "input:axis" with explicit shapes)
+
+
+@dataclass(frozen=True)
+class BucketsSection:
+    """Dynamic dims served by several static shapes ("buckets") sharing one set of weights.
+
+    A dim key is a dim_param of the source model (e.g. ``frames``) or ``"input:axis"``
+    (e.g. ``"x:3"``) for a dim without a usable name. See pipeline/buckets.py.
+    """
+
+    # dim -> sizes; the buckets are the product of the lists, e.g. { width = [160, 320, 640] }
+    dims: dict[str, list[int]] = field(default_factory=dict)
+    # or explicit buckets, each a table of whole input shapes, e.g. [{ x = [1, 3, 32, 160] }]
+    shapes: list[dict[str, list[int]]] = field(default_factory=list)
+    pad: dict[str, BucketPad] = field(default_factory=dict)  # dim -> pad value and side
+    outputs: dict[str, BucketOutput] = field(default_factory=dict)  # output -> followed dim
+    # shared: one weight-shared context binary for all buckets (the device release);
+    # standalone: one context binary per bucket (what the x86_64 HTP simulator can load).
+    packaging: list[Literal["shared", "standalone"]] = field(default_factory=lambda: ["shared"])
+    qnn_options: dict[str, str] = field(default_factory=dict)  # extra QNN EP options
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.dims or self.shapes)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: ModelSection
+    inputs: InputsSection = field(default_factory=InputsSection)
+    calibration: CalibrationSection = field(default_factory=CalibrationSection)
+    quantization: QuantizationSection = field(default_factory=QuantizationSection)
+    compile: CompileSection = field(default_factory=CompileSection)
+    buckets: BucketsSection = field(default_factory=BucketsSection)
+    # Where the file came from; not a TOML key.
+    path: Path = field(default=Path("."), compare=False, metadata={"toml": False})
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent
+
+    def resolve(self, relative: str) -> Path:
+        """A path from the config, relative to the config file's folder."""
+        candidate = Path(relative).expanduser()
+        return candidate if candidate.is_absolute() else (self.base_dir / candidate).resolve()
+
+    @property
+    def source_path(self) -> Path:
+        return self.resolve(self.model.source)
+
+    def digest(self) -> str:
+        """A stable hash of every setting (not the file's bytes): the release's config digest."""
+        data = dataclasses.asdict(self)
+        data.pop("path", None)
+        return _hash(data)
+
+    def quantize_digest(self) -> str:
+        """A hash of the settings the quantize stage reads: not the release's name, version or
+        description, not [compile], not the buckets' packaging or compile options."""
+        data = dataclasses.asdict(self)
+        for key in ("path", "compile"):
+            data.pop(key, None)
+        data["model"] = {"source": self.model.source}
+        for key in ("packaging", "qnn_options"):
+            data["buckets"].pop(key, None)
+        return _hash(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["path"] = str(self.path)
+        return data
+
+
+def _hash(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+# -- parsing: every problem of a file is collected, then reported at once ------------------------
+
+
+def _is_key(f: dataclasses.Field) -> bool:
+    return f.metadata.get("toml", True)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (list, dict):
+        return str(tp).replace("typing.", "")
+    return getattr(tp, "__name__", str(tp))
+
+
+class _Problems:
+    """Problems found in one config file, each naming the key; raised together at the end."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+        self.items: list[tuple[str, str | None]] = []
+
+    def add(self, message: str, tip: str | None = None) -> None:
+        self.items.append((f"{self.file}: {message}", tip))
+
+    def raise_if_any(self) -> None:
+        if not self.items:
+            return
+        if len(self.items) == 1:
+            message, tip = self.items[0]
+            raise ConfigError(message, tip=tip)
+        lines = [m + (f" ({t})" if t else "") for m, t in self.items]
+        raise ConfigError(
+            f"{self.file} has {len(lines)} problems:\n  - " + "\n  - ".join(lines),
+            tip="Fix each key named above; paths are relative to the config file's folder.",
+        )
+
+
+_MISSING = object()
+
+
+def _convert(value: Any, tp: Any, where: str, problems: _Problems) -> Any:
+    """``value`` checked against the annotation ``tp`` (nested dataclasses recursively);
+    returns _MISSING, after recording why, when it does not fit."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            problems.add(f"[{where}] must be a table, got {type(value).__name__}.")
+            return _MISSING
+        return _build(tp, value, where, problems)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            hint = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            tip = f"did you mean {hint[0]!r}?" if hint else f"use one of {list(allowed)}."
+            problems.add(f"{where} = {value!r} is not allowed; {tip}")
+            return _MISSING
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            problems.add(f"{where} must be a list, got {value!r}.")
+            return _MISSING
+        items = [_convert(v, item_tp, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+        return _MISSING if any(i is _MISSING for i in items) else items
+    if origin is dict:
+        _, val_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            problems.add(f"{where} must be a table, got {value!r}.")
+            return _MISSING
+        table = {str(k): _convert(v, val_tp, f"{where}.{k}", problems) for k, v in value.items()}
+        return _MISSING if any(v is _MISSING for v in table.values()) else table
+    if origin in (typing.Union, types.UnionType) or tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool):
+        problems.add(f"{where} must be true or false, got {value!r}.")
+        return _MISSING
+    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
+        problems.add(f"{where} must be an integer, got {value!r}.")
+        return _MISSING
+    if not isinstance(value, tp):
+        problems.add(f"{where} must be {_type_name(tp)}, got {value!r}.")
+        return _MISSING
+    return value
+
+
+def _build(cls: type, table: dict[str, Any], where: str, problems: _Problems) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if _is_key(f)]
+    prefix = f"[{where}] " if where else ""
+    for key in table:
+        if key in names:
+            continue
+        hint = difflib.get_close_matches(key, names, n=1)
+        problems.add(
+            f"unknown key {prefix}{key!r}"
+            + (f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(names)}.")
+        )
+    kwargs = {}
+    ok = True
+    for f in dataclasses.fields(cls):
+        if not _is_key(f):
+            continue
+        key_where = f"{where}.{f.name}" if where else f.name
+        if f.name in table:
+            value = _convert(table[f.name], hints[f.name], key_where, problems)
+            if value is _MISSING:
+                ok = False
+            else:
+                kwargs[f.name] = value
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            problems.add(f"missing required key {key_where!r}.")
+            ok = False
+    return cls(**kwargs) if ok else _MISSING
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    """Read a TOML file, turning I/O and syntax errors into ConfigError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Config file {path} does not exist.", tip="Check the path you passed.")
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"Config file {path} cannot be read: {exc.strerror or exc}.") from None
+
+
+def load_config(path: str | Path, check_files: bool = True) -> ModelConfig:
+    """Parse and validate a model config; with ``check_files`` every referenced path must exist.
+
+    Every problem of the file is reported in one ConfigError (types, unknown keys, values)."""
+    path = Path(path).resolve()
+    table = load_toml(path)
+    problems = _Problems(path)
+    config = _build(ModelConfig, table, "", problems)
+    if config is _MISSING:
+        problems.raise_if_any()
+    config = dataclasses.replace(config, path=path)
+    _validate(config, check_files, problems)
+    problems.raise_if_any()
+    return config
+
+
+# A model name, version or bucket name becomes a folder: one safe path component.
+SAFE_COMPONENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+SAFE_COMPONENT_RULE = (
+    "1-128 characters of letters, digits, '.', '_', '+' or '-', starting with a letter or digit"
+)
+
+
+def unsafe_component(value: str) -> bool:
+    """True when ``value`` cannot be used as one folder name inside the artifacts folder."""
+    return not SAFE_COMPONENT.fullmatch(value) or value in (".", "..")
+
+
+def _validate(config: ModelConfig, check_files: bool, problems: _Problems) -> None:
+    """Cross-field rules and value ranges, each with a message that names the key and the fix."""
+    add = problems.add
+    for key, value in (("model.name", config.model.name), ("model.version", config.model.version)):
+        if unsafe_component(value):
+            add(
+                f"{key} = {value!r} must be a safe folder name: {SAFE_COMPONENT_RULE}.",
+                tip="It names folders under --artifacts; nothing may be written outside it.",
+            )
+    cal = config.calibration
+    if not 0.0 <= cal.held_out < 1.0:
+        add(f"calibration.held_out = {cal.held_out} must be in [0, 1).")
+    if cal.samples < 1:
+        add(f"calibration.samples = {cal.samples} must be at least 1.")
+    if cal.seed < 0:
+        add(f"calibration.seed = {cal.seed} must be >= 0.")
+    for dim, value in config.inputs.dims.items():
+        if value < 1:
+            add(f"inputs.dims.{dim} = {value} must be > 0.")
+    for name, shape in config.inputs.shapes.items():
+        if not shape or any(d < 1 for d in shape):
+            add(f"inputs.shapes.{name} = {shape} needs positive dims.")
+    if cal.kind in ("images", "audio", "tensors") and not cal.path:
+        add(
+            f"calibration.kind = {cal.kind!r} needs calibration.path.",
+            tip="Point calibration.path at a folder of calibration files.",
+        )
+    if cal.kind == "python" and ":" not in cal.reader:
+        add("calibration.kind = 'python' needs calibration.reader = 'module:function'.")
+    image = cal.image
+    if image.size and (len(image.size) != 2 or any(d < 1 for d in image.size)):
+        add(f"calibration.image.size = {image.size} must be [height, width], both > 0.")
+    if not image.scale > 0:
+        add(f"calibration.image.scale = {image.scale} must be > 0.")
+    channels = 1 if image.channel_order == "GRAY" else 3
+    for key in ("mean", "std"):
+        if len(getattr(image, key)) not in (1, channels):
+            add(
+                f"calibration.image.{key} needs 1 or {channels} values "
+                f"for channel_order = {image.channel_order!r}."
+            )
+    if any(not s > 0 for s in image.std):
+        add(f"calibration.image.std = {image.std} must be > 0 (it divides).")
+    audio = cal.audio
+    for key in ("window", "sample_rate"):
+        if getattr(audio, key) < 1:
+            add(f"calibration.audio.{key} = {getattr(audio, key)} must be >= 1.")
+    if audio.hop < 0:
+        add(f"calibration.audio.hop = {audio.hop} must be >= 0 (0 = the window).")
+    if not audio.scale > 0:
+        add(f"calibration.audio.scale = {audio.scale} must be > 0.")
+    compile_ = config.compile
+    if compile_.max_partitions < 1:
+        add("compile.max_partitions must be >= 1.")
+    if not compile_.targets:
+        add("compile.targets is empty; name at least one target chip.")
+    for name in compile_.targets:
+        if name not in TARGETS:
+            hint = difflib.get_close_matches(name, list(TARGETS), n=1)
+            add(
+                f"compile.targets names {name!r}, not a known chip"
+                + (f"; did you mean {hint[0]!r}?" if hint else "."),
+                tip=f"Known targets: {', '.join(TARGETS)}.",
+            )
+    if compile_.toolchains:
+        table = load_toolchains()
+        for version in compile_.toolchains:
+            if version not in table.pinned:
+                add(
+                    f"compile.toolchains names {version!r}, which is not pinned "
+                    f"({table.source}); pinned: {', '.join(table.pinned)}.",
+                    tip="Use a pinned onnxruntime-qnn version, or verify and pin it.",
+                )
+    if not compile_.timeout_s > 0:
+        add(f"compile.timeout_s = {compile_.timeout_s} must be > 0.")
+    if compile_.load_runs < 1:
+        add(f"compile.load_runs = {compile_.load_runs} must be >= 1.")
+    if config.buckets.enabled or config.buckets != BucketsSection():
+        _validate_buckets(config, problems)
+    if check_files:
+        if not config.source_path.is_file():
+            add(
+                f"model.source {config.source_path} does not exist.",
+                tip="Fix model.source (relative to the config file's folder).",
+            )
+        if cal.path and not config.resolve(cal.path).exists():
+            add(
+                f"calibration.path {config.resolve(cal.path)} does not exist.",
+                tip="Fix calibration.path (relative to the config file's folder).",
+            )
+
+
+def _validate_buckets(config: ModelConfig, problems: _Problems) -> None:
+    """Rules of [buckets] that need no model; the model-dependent ones are in pipeline.graph.buckets."""
+    add = problems.add
+    b = config.buckets
+    if not b.enabled:
+        add(
+            "[buckets] needs buckets.dims (sizes per dynamic dim) or buckets.shapes "
+            "(explicit input shapes).",
+            tip="e.g. [buckets] dims = { width = [160, 320, 640] }",
+        )
+        return
+    if b.dims and b.shapes:
+        add(
+            "set buckets.dims or buckets.shapes, not both.",
+            tip="dims gives the buckets as a product of sizes; shapes lists them one by one.",
+        )
+    for dim, sizes in b.dims.items():
+        if not sizes:
+            add(f"buckets.dims.{dim} is empty; list at least one size.")
+        if any(s < 1 for s in sizes):
+            add(f"buckets.dims.{dim} = {sizes} needs positive sizes.")
+        if len(set(sizes)) != len(sizes):
+            add(f"buckets.dims.{dim} = {sizes} repeats a size.")
+    if b.shapes:
+        names = set(b.shapes[0])
+        for index, bucket in enumerate(b.shapes):
+            if not bucket:
+                add(f"buckets.shapes[{index}] is empty; give input shapes.")
+            if set(bucket) != names:
+                add(
+                    f"buckets.shapes[{index}] names inputs {sorted(bucket)}, but "
+                    f"buckets.shapes[0] names {sorted(names)}; every bucket gives the same inputs."
+                )
+            for name, shape in bucket.items():
+                if not shape or any(d < 1 for d in shape):
+                    add(f"buckets.shapes[{index}].{name} = {shape} needs positive dims.")
+                elif name in b.shapes[0] and len(shape) != len(b.shapes[0][name]):
+                    add(
+                        f"buckets.shapes[{index}].{name} = {shape} has another rank "
+                        f"than buckets.shapes[0].{name} = {b.shapes[0][name]}."
+                    )
+        if len({tuple(tuple(s[n]) for n in sorted(s)) for s in b.shapes}) != len(b.shapes):
+            add("buckets.shapes lists the same bucket twice.")
+    keys = set(b.dims)
+    shapes_mode = bool(b.shapes)
+
+    def check_key(where: str, key: str) -> None:
+        if shapes_mode:
+            if not is_axis_key(key):
+                add(
+                    f'{where} = {key!r}: with buckets.shapes, name a dim as "input:axis" (e.g. "x:3").'
+                )
+        elif key not in keys:
+            hint = difflib.get_close_matches(key, sorted(keys), n=1)
+            tip = f"did you mean {hint[0]!r}?" if hint else f"known: {', '.join(sorted(keys))}."
+            add(f"{where} = {key!r} is not a key of buckets.dims; {tip}")
+
+    for key in b.pad:
+        check_key("buckets.pad key", key)
+    for name, follow in b.outputs.items():
+        check_key(f"buckets.outputs.{name}.follows", follow.follows)
+        if follow.axis < 0:
+            add(f"buckets.outputs.{name}.axis = {follow.axis} must be >= 0.")
+    if not b.packaging:
+        add('buckets.packaging is empty; use ["shared"], ["standalone"] or both.')
+    if len(set(b.packaging)) != len(b.packaging):
+        add(f"buckets.packaging = {b.packaging} repeats a value.")
+    if "shared" in b.packaging and config.compile.embed:
+        add(
+            'buckets.packaging includes "shared", which needs compile.embed = false: '
+            "every bucket's _ctx.onnx points at one external _qnn.bin.",
+            tip="Set compile.embed = false in the config.",
+        )
+    kind = config.calibration.kind
+    if kind in ("images", "audio"):
+        add(
+            f"calibration.kind = {kind!r} makes every sample the same size, which "
+            "calibrates only one bucket.",
+            tip='Use kind = "tensors" (arrays at their natural size) or a python reader that '
+            "yields inputs at their natural size; each sample is padded into its bucket.",
+        )
+    if config.calibration.recurrent:
+        add("calibration.recurrent is not supported with [buckets].")
+
+
+def is_axis_key(key: str) -> bool:
+    """``"input:axis"``: an input name, a colon, and a non-negative axis number."""
+    name, sep, axis = key.rpartition(":")
+    return bool(sep and name and axis.isdigit())

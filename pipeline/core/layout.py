@@ -1,0 +1,146 @@
+"""Where every artifact lives, named once: each stage asks this module for its paths.
+
+    <artifacts>/build/<model>/
+        record.json                       the quantize record (written last: no record, no build)
+        report.md | report.json           preparation, quantization, accuracy
+        ranges.json                       calibrated ranges, merged over the buckets
+        heldout/sample_NNNN.npz           held-out samples at their true size (+ index.json)
+        buckets/<bucket>/float.onnx       prepared static float model of one shape
+        buckets/<bucket>/qdq.onnx         its QDQ model
+        buckets/<bucket>/heldout/         the held-out samples that fit it, padded into it
+        ctx/report.md | report.json       one row per compiled variant
+        ctx/<onnxruntime-qnn>/<target>/   one variant: variant.json, compile.log, ctx files
+                                          (standalone/ holds one context per bucket)
+    <artifacts>/releases/<model>/<version>/   a published release
+
+A model with one static shape has one bucket, named ``static``. Every name that becomes a folder
+(model, version, bucket, toolchain, target) is one safe path component (``config.SAFE_COMPONENT``),
+so nothing is ever written outside ``<artifacts>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import SAFE_COMPONENT_RULE, unsafe_component
+from .errors import ConfigError
+
+BUILD_DIR = "build"
+RELEASES_DIR = "releases"
+RECORD_FILE = "record.json"
+VARIANT_FILE = "variant.json"
+REPORT_MD = "report.md"
+REPORT_JSON = "report.json"
+SAMPLE_GLOB = "sample_*.npz"
+STANDALONE_DIR = "standalone"
+
+
+def component(value: str, what: str) -> str:
+    """``value`` if it is one safe folder name, else a ConfigError naming it."""
+    if unsafe_component(value):
+        raise ConfigError(
+            f"{what} {value!r} cannot be used as a folder name: {SAFE_COMPONENT_RULE}.",
+            tip="Nothing is written outside --artifacts; rename it in the config.",
+        )
+    return value
+
+
+def sample_name(index: int) -> str:
+    return f"sample_{index:04d}.npz"
+
+
+def samples_in(folder: Path) -> list[Path]:
+    """The sample files of a held-out folder, in order."""
+    return sorted(Path(folder).glob(SAMPLE_GLOB))
+
+
+@dataclass(frozen=True)
+class BucketPaths:
+    root: Path
+
+    @property
+    def float_model(self) -> Path:
+        return self.root / "float.onnx"
+
+    @property
+    def qdq(self) -> Path:
+        return self.root / "qdq.onnx"
+
+    @property
+    def heldout(self) -> Path:
+        return self.root / "heldout"
+
+
+@dataclass(frozen=True)
+class VariantPaths:
+    root: Path
+
+    @property
+    def record(self) -> Path:
+        return self.root / VARIANT_FILE
+
+    @property
+    def log(self) -> Path:
+        return self.root / "compile.log"
+
+    @property
+    def standalone(self) -> Path:
+        return self.root / STANDALONE_DIR
+
+
+@dataclass(frozen=True)
+class ModelPaths:
+    """The build folder of one model."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, artifacts: Path, model: str) -> ModelPaths:
+        return cls(Path(artifacts) / BUILD_DIR / component(model, "model.name"))
+
+    @property
+    def record(self) -> Path:
+        return self.root / RECORD_FILE
+
+    @property
+    def report(self) -> Path:
+        return self.root / REPORT_MD
+
+    @property
+    def ranges(self) -> Path:
+        return self.root / "ranges.json"
+
+    @property
+    def heldout(self) -> Path:
+        return self.root / "heldout"
+
+    @property
+    def buckets(self) -> Path:
+        return self.root / "buckets"
+
+    def bucket(self, name: str) -> BucketPaths:
+        return BucketPaths(self.buckets / component(name, "bucket name"))
+
+    @property
+    def ctx(self) -> Path:
+        return self.root / "ctx"
+
+    @property
+    def ctx_report(self) -> Path:
+        return self.ctx / REPORT_MD
+
+    def variant(self, toolchain: str, target: str) -> VariantPaths:
+        return VariantPaths(
+            self.ctx / component(toolchain, "toolchain") / component(target, "target")
+        )
+
+
+def release_dir(artifacts: Path, model: str, version: str) -> Path:
+    """``<artifacts>/releases/<model>/<version>``."""
+    return (
+        Path(artifacts)
+        / RELEASES_DIR
+        / component(model, "model.name")
+        / component(version, "model.version")
+    )

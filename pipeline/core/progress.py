@@ -1,0 +1,64 @@
+"""Progress on long work: a tqdm bar on a terminal, plain lines in logs (no carriage returns).
+
+tqdm is a build dependency (well kept, handles terminals of every kind); logs that are not a
+terminal (nox, CI, a worker's log file) get one line per status change instead of redrawn bars.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+
+class Progress:
+    """Counts ``total`` units of work and shows a status; ``with`` closes it."""
+
+    def __init__(self, total: int, desc: str, unit: str = "item", stream: TextIO | None = None):
+        self.stream = stream or sys.stderr
+        self.desc = desc
+        self.total = total
+        self.done = 0
+        self.started = time.monotonic()
+        self.last_status = ""
+        self.bar: Any = None
+        if self.stream.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:  # pragma: no cover - tqdm is a build dependency
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=total, desc=desc, unit=unit, file=self.stream, leave=False)
+
+    def update(self, count: int = 1) -> None:
+        self.done += count
+        if self.bar is not None:
+            self.bar.update(count)
+
+    def status(self, text: str, seconds: float | None = None) -> None:
+        """What is being done now (and for how long); in a log, printed once per change."""
+        if self.bar is not None:
+            shown = text if seconds is None else f"{text} {seconds:.0f} s"
+            self.bar.set_postfix_str(shown, refresh=True)
+        elif text != self.last_status:
+            elapsed = time.monotonic() - self.started
+            print(f"  {self.desc}: {text} ({elapsed:.0f} s)", file=self.stream, flush=True)
+        self.last_status = text
+
+    def write(self, text: str) -> None:
+        """A finished line of output (stdout), printed above the bar."""
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

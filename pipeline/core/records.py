@@ -1,0 +1,371 @@
+"""Build records: what each stage made, from what, and how it went, as typed dataclasses.
+
+One dataclass per message, shared by whoever writes and reads it: the quantize stage writes a
+``QuantizeRecord`` that compile and publish read; the compile worker fills the ``Coverage``,
+``Validation``, ``LoadTimes`` and ``Failure`` that end up in the ``VariantRecord`` the compile stage
+writes and publish turns into the manifest. Files are read with the strict parser of
+``qnn_ctx_runtime.typed``: a record that does not parse is no record (the stage rebuilds), and
+publish says which fields are wrong.
+
+Every record carries the digests of what it was built from (source -> prepared float -> QDQ ->
+ctx), so a later stage can prove its inputs are the ones the record names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from qnn_ctx_runtime.buckets import CropRule, PadRule
+from qnn_ctx_runtime.typed import parse, to_json_value
+
+from .fileio import sha256_file, write_json
+from .metrics import Accuracy
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+RecordT = TypeVar("RecordT")
+
+
+# -- reading and writing ----------------------------------------------------------------------
+
+
+def write_record(path: Path, record: Any) -> None:
+    """Write a record atomically (inf/nan kept, as Python's json reads them back)."""
+    write_json(path, to_json_value(record))
+
+
+def read_record(cls: type[RecordT], path: Path) -> tuple[RecordT | None, list[str]]:
+    """(record, []) or (None, why it cannot be used): absent, not JSON, or not this type."""
+    path = Path(path)
+    if not path.is_file():
+        return None, [f"{path} does not exist"]
+    try:
+        data = json.loads(path.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, [f"{path} is not readable JSON: {exc}"]
+    issues: list[str] = []
+    record = parse(cls, data, "", issues)
+    if issues or record is None:
+        return None, [f"{path}: {issue}" for issue in issues[:10]] or [f"{path} is malformed"]
+    return record, []
+
+
+# -- what a build depends on ------------------------------------------------------------------
+
+
+def tool_versions(*distributions: str) -> dict[str, str]:
+    """Exact installed versions (``"absent"`` when not installed) and Python's."""
+    versions = {"python": platform.python_version()}
+    for name in distributions:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "absent"
+    return versions
+
+
+def code_digest(*parts: str) -> str:
+    """A hash of the builder's code a stage runs (subpackages or modules of ``pipeline``, and
+    the runtime it shares), so that editing a transform rebuilds what it made."""
+    import qnn_ctx_runtime
+
+    digest = hashlib.sha256()
+    roots = [PACKAGE_DIR / p for p in parts] + [Path(qnn_ctx_runtime.__file__).parent]
+    for root in roots:
+        files = [root.with_suffix(".py")] if not root.is_dir() else sorted(root.rglob("*.py"))
+        for path in files:
+            if path.is_file():
+                digest.update(path.name.encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def folder_digest(folder: Path, pattern: str = "*") -> str:
+    """Hash of every file below ``folder`` matching ``pattern`` (names and bytes), or of a file."""
+    digest = hashlib.sha256()
+    if folder.is_file():
+        digest.update(sha256_file(folder).encode())
+        return digest.hexdigest()
+    for path in sorted(p for p in folder.rglob(pattern) if p.is_file()):
+        digest.update(path.relative_to(folder).as_posix().encode())
+        digest.update(sha256_file(path).encode())
+    return digest.hexdigest()
+
+
+def settings_digest(settings: Any) -> str:
+    """A stable hash of a dataclass or JSON-like value."""
+    data = dataclasses.asdict(settings) if dataclasses.is_dataclass(settings) else settings
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# -- quantize ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuildInputs:
+    """Everything that determines a quantize build; equal inputs mean the outputs are reusable."""
+
+    source: str
+    source_sha256: str
+    config_digest: str  # the settings quantize reads (not model.version, not [compile])
+    calibration_digest: str
+    reader_digest: str
+    code: str
+    tools: dict[str, str]
+
+
+@dataclass(frozen=True)
+class BucketArtifacts:
+    """One static shape's prepared float and QDQ models and its held-out samples."""
+
+    name: str
+    shapes: dict[str, list[int]]
+    float_sha256: str
+    qdq_sha256: str
+    heldout_digest: str
+    heldout_samples: int
+
+
+@dataclass(frozen=True)
+class QuantizeSummary:
+    """The short quantization summary that the release manifest carries."""
+
+    activation_type: str
+    weight_type: str
+    method: str
+    calibration_samples: int
+    heldout_samples: int
+    worst_snr_db: float
+    outputs: dict[str, Accuracy]
+    prepare_steps: list[str]
+    mixed_precision: list[str]  # tensors raised to 16 bit
+
+
+@dataclass(frozen=True)
+class QuantizeRecord:
+    """What the quantize stage made (``record.json``), written last: no record, no build."""
+
+    status: str  # "ok" | "failed" (below quantization.min_snr_db)
+    model: str
+    inputs: BuildInputs
+    buckets: list[BucketArtifacts]  # smallest first; one for a model with one static shape
+    pads: list[PadRule]
+    crops: list[CropRule]
+    summary: QuantizeSummary
+
+    def bucket(self, name: str) -> BucketArtifacts:
+        return next(b for b in self.buckets if b.name == name)
+
+
+# -- compile: what the worker measures ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: list[int]  # -1 where the buckets differ
+    dtype: str  # numpy dtype name, e.g. "float32"
+
+
+@dataclass(frozen=True)
+class NodeRef:
+    name: str
+    op_type: str
+    bucket: str = ""
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Which nodes QNN runs and which stay on the CPU, and the gate on that."""
+
+    qnn_partitions: int
+    qnn_nodes: int
+    cpu_compute_nodes: list[NodeRef]
+    cpu_ops: dict[str, int]
+    cpu_allowed_nodes: list[NodeRef]
+    cpu_io_qdq_nodes: int
+    passed: bool
+    gate: str
+    problems: list[str]
+
+
+@dataclass(frozen=True)
+class Validation:
+    """The ctx on the HTP (simulator here) vs the QDQ and float models on the CPU EP."""
+
+    ctx_vs_qdq: dict[str, Accuracy]
+    ctx_vs_float: dict[str, Accuracy]
+    qdq_vs_float: dict[str, Accuracy]
+    worst_snr_db: float  # ctx vs QDQ, the gate's figure
+    worst_snr_vs_float_db: float | None
+    samples: int
+    samples_source: str  # "heldout" | "random"
+    passed: bool
+    gate: str
+
+
+@dataclass(frozen=True)
+class CtxFacts:
+    """What a compiled ctx model says about itself (EPContext nodes, model metadata)."""
+
+    ep_context_nodes: int
+    ep_sdk_version: str  # raw attribute, e.g. "v2.51.0.260929181845"
+    qnn_sdk_version: str  # e.g. "2.51.0"
+    ep_compatibility_info: str
+    htp_archs: list[int]
+    soc_models: list[int]
+    embed_mode: int
+    files: list[str]  # the ctx first, then the binaries it references (names in its folder)
+    sizes: dict[str, int]
+
+
+@dataclass(frozen=True)
+class CtxSet:
+    """One set of ctx files of a variant: one ctx per bucket, and the binaries they use.
+
+    ``kind``: "single" (one bucket), "shared" (every bucket over one weight-shared binary) or
+    "standalone" (one context per bucket). Paths are relative to the variant folder.
+    """
+
+    kind: str
+    ctx_files: dict[str, str]  # bucket -> ctx .onnx
+    bins: list[str]
+    facts: dict[str, CtxFacts]
+    total_bytes: int
+    bucket_bytes: dict[str, int]  # what each bucket needs on its own
+
+    @property
+    def files(self) -> list[str]:
+        return [*self.ctx_files.values(), *self.bins]
+
+
+@dataclass(frozen=True)
+class LoadTimes:
+    """Session creation: from the ctx (min of runs) vs from the QDQ model with QNN compiling."""
+
+    runs: int
+    ctx_s: float | None = None  # the largest bucket's
+    all_s: float | None = None  # every bucket's session, one after another
+    buckets: dict[str, float] = field(default_factory=dict)
+    qdq_s: float | None = None
+    ratio: float | None = None
+    qdq_error: str | None = None
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Resident memory of the worker around opening the buckets' sessions."""
+
+    set: str
+    rss_before_bytes: int
+    rss_one_bucket_bytes: int
+    rss_all_buckets_bytes: int
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a variant failed: the step, a kind, the message, and what the EP log said."""
+
+    stage: str
+    kind: str  # abort | crash | timeout | compose | toolchain | verify | error | killed
+    message: str
+    nodes: list[str] = field(default_factory=list)
+    op_types: list[str] = field(default_factory=list)
+    qnn_error_codes: list[str] = field(default_factory=list)
+    log_errors: list[str] = field(default_factory=list)
+    abort: str = ""
+    rejected_earlier: str = ""
+
+    @property
+    def infrastructure(self) -> bool:
+        """Killed from outside (not by the model): never cached as the model's failure."""
+        return self.kind == "killed"
+
+
+@dataclass(frozen=True)
+class BucketOutcome:
+    """A bucket's coverage and validation, and its session's inputs and outputs."""
+
+    coverage: Coverage
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    validation: Validation | None = None
+
+
+@dataclass(frozen=True)
+class BuiltFrom:
+    """The digests a variant was compiled from: publish checks them against the build."""
+
+    source_sha256: str
+    config_digest: str
+    qdq_sha256: dict[str, str]  # bucket -> QDQ model
+    float_sha256: dict[str, str]
+    heldout_digest: dict[str, str]
+
+
+@dataclass(frozen=True)
+class VariantRecord:
+    """Everything known about one compiled variant (``variant.json``); a variant is one
+    (model, toolchain, target) triple with all its buckets."""
+
+    model: str  # the release's version is not here: a new model.version only re-publishes
+    toolchain: str  # onnxruntime-qnn version
+    onnxruntime: str
+    qnn_sdk: str  # the pinned SDK the toolchain bundles
+    target: str
+    soc_model: int
+    htp_arch: int
+    backend: str
+    status: str  # "ok" | "failed"
+    inputs_digest: str  # cache key: equal means the variant can be reused
+    built_from: BuiltFrom
+    sets: list[CtxSet]  # the primary set first
+    validated_with: str  # the set kind coverage and validation ran on
+    shared_load_probe: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    coverage: Coverage | None
+    validation: Validation | None
+    buckets: dict[str, BucketOutcome]
+    load: LoadTimes | None
+    memory: Memory | None
+    compile_time_s: float
+    error: Failure | None
+
+    @property
+    def passed(self) -> bool:
+        return (
+            self.status == "ok"
+            and self.coverage is not None
+            and self.coverage.passed
+            and self.validation is not None
+            and self.validation.passed
+        )
+
+    def set_of(self, kind: str) -> CtxSet | None:
+        return next((s for s in self.sets if s.kind == kind), None)
+
+    @property
+    def files(self) -> list[str]:
+        """Every file of every set, relative to the variant folder."""
+        return [f for s in self.sets for f in s.files]
+
+    def failed_gates(self) -> list[str]:
+        """Why this variant may not be published (empty when it passed)."""
+        reasons = []
+        if self.status != "ok":
+            error = self.error
+            reasons.append(f"{error.stage}: {error.message}" if error else f"status {self.status}")
+        for name, section in (("coverage", self.coverage), ("validation", self.validation)):
+            if section is None:
+                if self.status == "ok":
+                    reasons.append(f"{name}: not measured")
+            elif not section.passed:
+                reasons.append(f"{name}: {section.gate or 'gate not passed'}")
+        return reasons

@@ -1,0 +1,1 @@
+"""Graph work on ``onnx.ModelProto``: the transforms, their order, and shape-bucket planning."""

@@ -1,0 +1,113 @@
+"""Make a float ONNX model ready for calibration and the QNN HTP backend.
+
+``prepare_model`` chains the transforms of ``pipeline.transforms`` in an order where each one
+sees what it needs (initializers before folding, float32 before the opset upgrade, static
+shapes before batch-norm folding) and fails loudly, naming tensor and op, if any tensor is
+still dynamic at the end: the QNN EP refuses dynamic shapes and says little about why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..core.errors import ModelError
+
+if TYPE_CHECKING:
+    import onnx
+
+    from ..core.config import InputsSection
+    from .transforms import Change
+
+
+def dynamic_tensors(model: onnx.ModelProto) -> list[str]:
+    """Tensors whose static shape ONNX schema inference alone cannot give; [] = fully static.
+
+    Stored value_info is ignored (shapes that only data propagation justifies do not count).
+    """
+    from .transforms import dynamic_outputs
+
+    return [name for name, _ in dynamic_outputs(model)]
+
+
+def prepare_model(
+    model: onnx.ModelProto, inputs: InputsSection
+) -> tuple[onnx.ModelProto, list[Change]]:
+    """Return a float32, fully static, NPU-friendly model and what each step changed."""
+    from . import transforms as t
+
+    steps: list[Callable[[onnx.ModelProto], tuple[onnx.ModelProto, Change]]] = [
+        t.set_ir_version,  # IR >= 4 first: initializers may then leave the input list
+        t.drop_initializer_inputs,
+        lambda m: t.bake_constant_inputs(m, inputs.constants),
+        lambda m: t.fix_input_shapes(m, inputs.dims, inputs.shapes),
+        t.float16_to_float32,  # the version converter fails on fp16 graphs
+        t.replace_legacy_ops,  # ... and on ops without an adapter
+        t.upgrade_opset,
+        t.constants_to_initializers,  # the converter may add Constant nodes
+        t.fold_constants,
+        t.fold_batchnorm,
+        t.rewrite_for_htp,
+        t.rewrite_hypot,  # after Pow(x, 2) -> Mul(x, x)
+        t.rewrite_reciprocal,
+        t.qnn_preprocess,
+        t.fold_constants,  # fusions can leave constant subexpressions behind
+        t.topological_sort,
+        t.store_inferred_shapes,
+        t.set_ir_version,
+    ]
+    changes: list[Change] = []
+    for step in steps:
+        model, change = step(model)
+        changes.append(change)
+    dynamic = t.dynamic_outputs(model)
+    if dynamic:
+        shown = [
+            f"{name!r} (graph input)" if node is None else f"{name!r} from {t.node_label(node)}"
+            for name, node in dynamic[:10]
+        ]
+        more = f" and {len(dynamic) - 10} more" if len(dynamic) > 10 else ""
+        raise ModelError(
+            "After preparation these tensors still have no static shape: "
+            + ", ".join(shown)
+            + more
+            + ".",
+            tip="The QNN HTP backend needs every shape static. Fix more dims in [inputs] "
+            "(dims/shapes/constants), or re-export the model without data-dependent shapes.",
+        )
+    return model, changes
+
+
+# A float32 activation range this wide only comes from overflow (inf/NaN) during calibration.
+_ABSURD_SCALE = 1e30
+
+
+def quantization_issues(model: onnx.ModelProto) -> list[str]:
+    """Q/DQ scales that QNN cannot take: non-finite, <= 0, or from an overflowed range.
+
+    Why: when calibration overflows (e.g. a reader that fed random data into weights listed as
+    graph inputs), scales become inf and the HTP backend rejects the ops with bare error codes
+    ("graphAddNode() failed ... Conv2d ... 6007", "ElementWiseMultiply ... 3110",
+    "Failed to compose Qnn graph"). This names the tensors before compiling.
+    """
+    import numpy as np
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    issues = []
+    seen: set[str] = set()
+    for node in model.graph.node:
+        if node.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(node.input) < 2:
+            continue
+        scale_name = node.input[1]
+        if scale_name in seen or scale_name not in inits:
+            continue
+        seen.add(scale_name)
+        scale = numpy_helper.to_array(inits[scale_name]).astype(np.float64)
+        bad = ~np.isfinite(scale) | (scale <= 0) | (scale >= _ABSURD_SCALE)
+        if bad.any():
+            tensor = node.input[0] if node.op_type == "QuantizeLinear" else node.output[0]
+            issues.append(
+                f"{tensor!r} ({node.op_type} {node.name!r}): scale {scale[bad].flat[0]:g}"
+            )
+    return issues

@@ -1,0 +1,1626 @@
+"""Graph transforms that turn a float ONNX model into a static, float32, NPU-friendly one.
+
+Each transform maps a model to a new model: it copies its input, does no file I/O of its own
+(``qnn_preprocess`` has to hand ONNX Runtime a temporary file), runs ``onnx.checker`` on its
+output and returns a ``Change`` that lists every edit, one line each. An empty ``Change`` means
+the transform had nothing to do.
+
+Why these exist: the QNN HTP backend only takes static shapes, float32 calibration, folded
+batch norms and ops it has kernels for; a model that misses one of those falls back to the CPU
+in pieces or fails to compile. ``pipeline.prepare`` chains the transforms in a working order.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..core.errors import ModelError
+
+# onnxruntime 1.24+ loads IR <= 11 at least and the quantizer needs opset 21 (IR 10) for 16-bit
+# Q/DQ; onnx 1.23 would write IR 14, which onnxruntime 1.31 refuses.
+DEFAULT_IR_VERSION = 10
+# Highest IR version the onnxruntime we pin (1.31) loads.
+ORT_MAX_IR_VERSION = 13
+# The opset the quantizer converts to for 16-bit activations; converting ourselves first avoids
+# its silent version-converter failures on legacy ops and fp16 graphs.
+TARGET_OPSET = 21
+# Constant folding keeps a node whose result would be bigger than this and than its inputs, so
+# that e.g. an Expand of a scalar does not turn into a multi-megabyte weight.
+FOLD_MAX_BYTES = 1 << 20
+
+_FLOAT = onnx.TensorProto.FLOAT
+_FLOAT16 = onnx.TensorProto.FLOAT16
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+_NONDETERMINISTIC = {
+    "RandomNormal",
+    "RandomNormalLike",
+    "RandomUniform",
+    "RandomUniformLike",
+    "Multinomial",
+    "Bernoulli",
+}
+# Experimental ops of opset 1-9 that the onnx version converter cannot upgrade.
+_LEGACY_OPS = {"ImageScaler", "Scale", "Affine", "ScaledTanh", "ParametricSoftplus"}
+# Quantization nodes of a pre-quantized model carry its quantization; folding them would lose it.
+_NEVER_FOLD = _NONDETERMINISTIC | {
+    "QuantizeLinear",
+    "DequantizeLinear",
+    "DynamicQuantizeLinear",
+    "If",
+    "Loop",
+    "Scan",
+}
+
+
+@dataclass(frozen=True)
+class Change:
+    """What one transform did: one human-readable line per edit; no lines means a no-op."""
+
+    step: str
+    details: tuple[str, ...] = ()
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.details)
+
+    def summary(self, limit: int = 3) -> str:
+        """One line for logs: the step, the number of edits and the first few of them."""
+        if not self.details:
+            return f"{self.step}: no change"
+        shown = "; ".join(self.details[:limit])
+        more = f"; … {len(self.details) - limit} more" if len(self.details) > limit else ""
+        return f"{self.step}: {len(self.details)} edit(s): {shown}{more}"
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    return result
+
+
+def _done(
+    model: onnx.ModelProto, step: str, details: Iterable[str]
+) -> tuple[onnx.ModelProto, Change]:
+    """Check the output of a transform; a failure here is a bug in the transform, not the model."""
+    try:
+        onnx.checker.check_model(model)
+    except (onnx.checker.ValidationError, ValueError) as exc:
+        raise ModelError(
+            f"Graph preparation step {step!r} produced an invalid ONNX model: {exc}",
+            tip="This is a bug in pipeline/transforms.py; please report it with the model.",
+        ) from exc
+    return model, Change(step, tuple(details))
+
+
+def node_label(node: onnx.NodeProto) -> str:
+    name = node.name or (node.output[0] if node.output else "?")
+    return f"{node.op_type} {name!r}"
+
+
+def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def _all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    yield graph
+    for node in graph.node:
+        for sub in _subgraphs(node):
+            yield from _all_graphs(sub)
+
+
+def _defined_names(graph: onnx.GraphProto) -> set[str]:
+    """Names a graph defines at its own level (not inside its subgraphs)."""
+    names = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    names |= {s.values.name for s in graph.sparse_initializer}
+    names |= {o for n in graph.node for o in n.output if o}
+    return names
+
+
+def _outer_refs(graph: onnx.GraphProto) -> set[str]:
+    """Names a (sub)graph uses without defining them: its implicit inputs from outer scopes."""
+    defined = _defined_names(graph)
+    used: set[str] = {o.name for o in graph.output}
+    for node in graph.node:
+        used.update(i for i in node.input if i)
+        for sub in _subgraphs(node):
+            used |= _outer_refs(sub)
+    return used - defined
+
+
+def _node_inputs(node: onnx.NodeProto) -> set[str]:
+    """Explicit inputs plus the outer-scope names its subgraphs read."""
+    names = {i for i in node.input if i}
+    for sub in _subgraphs(node):
+        names |= _outer_refs(sub)
+    return names
+
+
+def _used_names(graph: onnx.GraphProto) -> Counter[str]:
+    """How many times each name is read in ``graph`` (graph outputs count as a use)."""
+    used: Counter[str] = Counter(o.name for o in graph.output)
+    for node in graph.node:
+        used.update(_node_inputs(node))
+    return used
+
+
+def _all_names(model: onnx.ModelProto) -> set[str]:
+    names: set[str] = set()
+    for graph in _all_graphs(model.graph):
+        names |= _defined_names(graph)
+        names |= {o.name for o in graph.output}
+        names |= {v.name for v in graph.value_info}
+        for node in graph.node:
+            names.update(i for i in node.input if i)
+    return names
+
+
+class _Namer:
+    """Fresh tensor names that collide with nothing already in the model."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.taken = _all_names(model)
+
+    def __call__(self, base: str) -> str:
+        name, i = base, 0
+        while name in self.taken:
+            i += 1
+            name = f"{base}_{i}"
+        self.taken.add(name)
+        return name
+
+
+def _opset(model: onnx.ModelProto, domain: str = "") -> int:
+    for op in model.opset_import:
+        if op.domain in ((domain, "ai.onnx") if domain == "" else (domain,)):
+            return op.version
+    return 0
+
+
+def _initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Initializers that are true constants (an initializer listed as an input can be fed)."""
+    inputs = {i.name for i in graph.input}
+    return {t.name: t for t in graph.initializer if t.name not in inputs}
+
+
+def _shape_of(value: onnx.ValueInfoProto) -> tuple[int, ...] | None:
+    """The static shape of a tensor value, or None if the rank or any dim is unknown."""
+    if not value.type.HasField("tensor_type"):
+        return None
+    tensor_type = value.type.tensor_type
+    if not tensor_type.HasField("shape"):
+        return None
+    dims = []
+    for dim in tensor_type.shape.dim:
+        if not dim.HasField("dim_value") or dim.dim_value < 0:
+            return None
+        dims.append(dim.dim_value)
+    return tuple(dims)
+
+
+def _strip_shape_info(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy without stored value_info and output shapes, so inference must derive every shape."""
+    bare = _copy(model)
+    for graph in _all_graphs(bare.graph):
+        del graph.value_info[:]
+        for out in graph.output:
+            if out.type.HasField("tensor_type"):
+                out.type.tensor_type.ClearField("shape")
+    return bare
+
+
+def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Schema-only shape inference on a copy without stored shapes (the strict criterion)."""
+    bare = _strip_shape_info(model)
+    try:
+        return onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=False)
+    except onnx.shape_inference.InferenceError as exc:
+        raise ModelError(f"ONNX shape inference failed on the model: {exc}") from exc
+
+
+def _inferred_values(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    inferred = _infer(model)
+    graph = inferred.graph
+    values = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output)}
+    for init in graph.initializer:
+        values[init.name] = onnx.helper.make_tensor_value_info(
+            init.name, init.data_type, list(init.dims)
+        )
+    return values
+
+
+def dynamic_outputs(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto | None]]:
+    """Tensors whose shape schema inference alone cannot pin down, with the node producing them.
+
+    Graph inputs (node None) and every node output in every (sub)graph are checked, after
+    dropping stored value_info: shapes that only data propagation could justify do not count,
+    because the QNN EP sees the model without them.
+    """
+    inferred = _infer(model)
+    result: list[tuple[str, onnx.NodeProto | None]] = []
+    for graph in _all_graphs(inferred.graph):
+        values = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output)}
+        inits = {t.name for t in graph.initializer}
+        if graph is inferred.graph:
+            for inp in graph.input:
+                if inp.name not in inits and _shape_of(inp) is None:
+                    result.append((inp.name, None))
+        for node in graph.node:
+            for out in node.output:
+                if out and (out not in values or _shape_of(values[out]) is None):
+                    result.append((out, node))
+    return result
+
+
+def _remove_dead(graph: onnx.GraphProto) -> int:
+    """Drop nodes nothing reads and initializers nothing uses; returns how many nodes went."""
+    removed = 0
+    while True:
+        used = _used_names(graph)
+        dead = {i for i, n in enumerate(graph.node) if not any(o in used for o in n.output if o)}
+        if not dead:
+            break
+        removed += len(dead)
+        _drop_nodes(graph, dead)
+    used = _used_names(graph) | Counter(i.name for i in graph.input)
+    _delete_where(graph.initializer, lambda t: t.name not in used)
+    defined = _defined_names(graph)
+    _delete_where(graph.value_info, lambda v: v.name not in defined)
+    return removed
+
+
+def _delete_where(items: Any, condition: Any) -> None:
+    """Delete from a repeated protobuf field in place (no copies of big tensors)."""
+    for index in reversed([i for i, item in enumerate(items) if condition(item)]):
+        del items[index]
+
+
+def _rename(graph: onnx.GraphProto, mapping: Mapping[str, str]) -> None:
+    """Rename tensors everywhere in ``graph`` and in the subgraphs that read them."""
+    if not mapping:
+        return
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in mapping:
+                node.input[i] = mapping[name]
+        for i, name in enumerate(node.output):
+            if name in mapping:
+                node.output[i] = mapping[name]
+        for sub in _subgraphs(node):
+            _rename(sub, mapping)
+    for seq in (graph.input, graph.output, graph.value_info):
+        for value in seq:
+            if value.name in mapping:
+                value.name = mapping[value.name]
+    for init in graph.initializer:
+        if init.name in mapping:
+            init.name = mapping[init.name]
+
+
+def _set_nodes(graph: onnx.GraphProto, nodes: Sequence[onnx.NodeProto]) -> None:
+    """Replace the node list; copies first, since ``nodes`` may be views into it."""
+    copies = []
+    for node in nodes:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copies.append(copy)
+    del graph.node[:]
+    graph.node.extend(copies)
+
+
+def _drop_nodes(graph: onnx.GraphProto, indices: set[int]) -> None:
+    # Indices, not id(): protobuf hands out fresh Python wrappers for the same node.
+    _set_nodes(graph, [n for i, n in enumerate(graph.node) if i not in indices])
+
+
+def _sorted_order(graph: onnx.GraphProto) -> list[int]:
+    """Kahn's algorithm, keeping the original order wherever the data flow allows it."""
+    import heapq
+
+    available = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    available |= {s.values.name for s in graph.sparse_initializer}
+    available |= _outer_refs(graph)  # subgraphs may read names of the enclosing scope
+    producer: dict[str, int] = {}
+    for index, node in enumerate(graph.node):
+        for out in node.output:
+            if out:
+                producer[out] = index
+    waiting: list[set[str]] = []
+    readers: dict[str, list[int]] = {}
+    for index, node in enumerate(graph.node):
+        missing = {i for i in _node_inputs(node) if i not in available}
+        undefined = [i for i in missing if i not in producer]
+        if undefined:
+            raise ModelError(
+                f"Node {node_label(node)} reads {undefined[0]!r}, which no node, input or "
+                "initializer defines.",
+                tip="The model is malformed; re-export it.",
+            )
+        waiting.append(missing)
+        for name in missing:
+            readers.setdefault(name, []).append(index)
+    ready = [i for i, missing in enumerate(waiting) if not missing]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        index = heapq.heappop(ready)
+        order.append(index)
+        for out in graph.node[index].output:
+            for reader in readers.get(out, ()):
+                waiting[reader].discard(out)
+                if not waiting[reader]:
+                    heapq.heappush(ready, reader)
+    if len(order) != len(graph.node):
+        stuck = next(graph.node[i] for i, missing in enumerate(waiting) if missing)
+        raise ModelError(
+            f"The graph has a cycle through node {node_label(stuck)}.",
+            tip="ONNX graphs must be acyclic; re-export the model.",
+        )
+    return order
+
+
+def _sort_graph(graph: onnx.GraphProto) -> int:
+    """Sort ``graph``'s nodes in place; returns how many changed position."""
+    order = _sorted_order(graph)
+    moved = sum(1 for position, index in enumerate(order) if position != index)
+    if moved:
+        _set_nodes(graph, [graph.node[i] for i in order])
+    return moved
+
+
+def _np_dtype(elem_type: int) -> np.dtype:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+
+
+def _min_ir_for(model: onnx.ModelProto) -> int:
+    return onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+
+
+# --------------------------------------------------------------------------------------------
+# 0. IR version and initializers listed as inputs
+
+
+def set_ir_version(
+    model: onnx.ModelProto, version: int = DEFAULT_IR_VERSION
+) -> tuple[onnx.ModelProto, Change]:
+    """Set an IR version onnxruntime loads: onnx 1.23 writes 14, onnxruntime 1.31 reads <= 13.
+
+    Raised to what the model's opsets need if that is higher than ``version``.
+    """
+    model = _copy(model)
+    target = max(version, _min_ir_for(model))
+    if target > ORT_MAX_IR_VERSION:
+        raise ModelError(
+            f"The model's opsets need IR version {target}, above {ORT_MAX_IR_VERSION}, the highest "
+            "the pinned onnxruntime loads.",
+            tip="Export the model with an older opset.",
+        )
+    details = []
+    if model.ir_version != target:
+        details.append(f"IR version {model.ir_version} -> {target}")
+        model.ir_version = target
+    return _done(model, "set_ir_version", details)
+
+
+def drop_initializer_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Remove graph inputs that only shadow initializers (IR < 4 style).
+
+    Left in, the quantizer and the QNN EP treat those weights as runtime inputs: they are not
+    quantized as weights and cannot be folded. Needs IR >= 4 (run ``set_ir_version`` first).
+    """
+    model = _copy(model)
+    inits = {t.name for t in model.graph.initializer}
+    keep = [i for i in model.graph.input if i.name not in inits]
+    dropped = [i.name for i in model.graph.input if i.name in inits]
+    if dropped:
+        if model.ir_version < 4:
+            model.ir_version = 4
+        del model.graph.input[:]
+        model.graph.input.extend(keep)
+    details = (
+        [f"input {len(dropped)} initializer(s) no longer listed as graph inputs"] if dropped else []
+    )
+    return _done(model, "drop_initializer_inputs", details)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. fixed inputs
+
+
+def _hint(name: str, known: Iterable[str]) -> str:
+    known = sorted(known)
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known) or 'none'}."
+
+
+def _toml_key(name: str) -> str:
+    """``name`` as a TOML key: bare if it can be, quoted otherwise (``"p2o.Dim.0"``)."""
+    import re
+
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
+
+
+def _shape_hint(dims: Sequence[object]) -> str:
+    return "[" + ", ".join(str(d) if isinstance(d, int) else "?" for d in dims) + "]"
+
+
+def bake_constant_inputs(
+    model: onnx.ModelProto, constants: Mapping[str, Any]
+) -> tuple[onnx.ModelProto, Change]:
+    """Turn graph inputs with a known value (e.g. ``sr = 16000``) into initializers.
+
+    Their consumers (and whole ``If`` branches on them) can then be folded away.
+    """
+    model = _copy(model)
+    graph = model.graph
+    inputs = {i.name: i for i in graph.input}
+    details = []
+    for name, value in constants.items():
+        if name not in inputs:
+            raise ModelError(
+                f"[inputs] constants names {name!r}, which is not an input of the model; "
+                + _hint(name, inputs),
+                tip="Fix the input name in [inputs] constants of the model config.",
+            )
+        value_info = inputs[name]
+        tensor_type = value_info.type.tensor_type
+        try:
+            array = np.asarray(value, dtype=_np_dtype(tensor_type.elem_type))
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ModelError(
+                f"[inputs] constants.{name} = {value!r} does not convert to the input's type "
+                f"{onnx.TensorProto.DataType.Name(tensor_type.elem_type)}: {exc}"
+            ) from None
+        if tensor_type.HasField("shape"):
+            dims = tensor_type.shape.dim
+            static = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+            if None not in static and array.size == math.prod(static):
+                array = array.reshape(static)
+            if array.ndim != len(static) or any(
+                s is not None and s != a for s, a in zip(static, array.shape, strict=True)
+            ):
+                raise ModelError(
+                    f"[inputs] constants.{name} has shape {list(array.shape)}, but input {name!r} "
+                    f"has shape {[s if s is not None else '?' for s in static]}.",
+                    tip="Give a value of the input's shape.",
+                )
+        graph.initializer.append(numpy_helper.from_array(array, name))
+        graph.input.remove(value_info)
+        shown = array.tolist() if array.size <= 8 else f"array {list(array.shape)}"
+        details.append(f"input {name!r} baked in as constant {shown}")
+    return _done(model, "bake_constant_inputs", details)
+
+
+def fix_input_shapes(
+    model: onnx.ModelProto,
+    dims: Mapping[str, int],
+    shapes: Mapping[str, Sequence[int]],
+) -> tuple[onnx.ModelProto, Change]:
+    """Give every graph input a fully static shape from ``dims`` (by dim_param) and ``shapes``.
+
+    Raises ModelError listing every input dim the config leaves dynamic, with the key to set.
+    Output shapes and stored value_info that mention fixed dims are cleared: inference redoes
+    them (``store_inferred_shapes``).
+    """
+    model = _copy(model)
+    graph = model.graph
+    inits = {t.name for t in graph.initializer}
+    inputs = [i for i in graph.input if i.name not in inits]
+    names = {i.name for i in inputs}
+    params = {
+        d.dim_param
+        for i in inputs
+        if i.type.HasField("tensor_type")
+        for d in i.type.tensor_type.shape.dim
+        if d.HasField("dim_param")
+    }
+    issues = []
+    for name in shapes:
+        if name not in names:
+            issues.append(f"[inputs] shapes names {name!r}, not an input; " + _hint(name, names))
+    for param in dims:
+        if param not in params:
+            issues.append(
+                f"[inputs] dims names {param!r}, not a dim_param of any input; "
+                + _hint(param, params)
+            )
+    details = []
+    for value in inputs:
+        if not value.type.HasField("tensor_type"):
+            issues.append(f"input {value.name!r} is not a tensor; only tensor inputs are supported")
+            continue
+        tensor_type = value.type.tensor_type
+        old = [
+            d.dim_param
+            if d.HasField("dim_param")
+            else (d.dim_value if d.HasField("dim_value") else "?")
+            for d in tensor_type.shape.dim
+        ]
+        if value.name in shapes:
+            new = list(shapes[value.name])
+            if tensor_type.HasField("shape") and len(old) != len(new):
+                issues.append(
+                    f"[inputs] shapes.{value.name} = {new} has rank {len(new)}, but the model's "
+                    f"input has rank {len(old)} ({old})"
+                )
+                continue
+            clash = [
+                (i, o)
+                for i, (o, n) in enumerate(zip(old, new, strict=True))
+                if isinstance(o, int) and o != n
+            ]
+            if clash:
+                i, o = clash[0]
+                issues.append(
+                    f"[inputs] shapes.{value.name} = {new} sets dim {i} to {new[i]}, but the model "
+                    f"fixes it to {o}"
+                )
+                continue
+        elif not tensor_type.HasField("shape"):
+            issues.append(
+                f"input {value.name!r} has unknown rank; set [inputs] shapes = "
+                f"{{{_toml_key(value.name)} = [...]}}"
+            )
+            continue
+        else:
+            new = []
+            for i, dim in enumerate(tensor_type.shape.dim):
+                if dim.HasField("dim_value") and dim.dim_value > 0:
+                    new.append(dim.dim_value)
+                elif dim.HasField("dim_param") and dim.dim_param in dims:
+                    new.append(dims[dim.dim_param])
+                else:
+                    shape_key = (
+                        f"[inputs] shapes = {{{_toml_key(value.name)} = {_shape_hint(old)}}}"
+                    )
+                    if dim.dim_param:
+                        where = f"dim {i} ({dim.dim_param})"
+                        key = f"[inputs] dims = {{{_toml_key(dim.dim_param)} = N}} or {shape_key}"
+                    else:
+                        where, key = f"dim {i} (unnamed)", shape_key
+                    issues.append(f"input {value.name!r} {where} is dynamic; set {key}")
+                    new.append(None)
+            if None in new:
+                continue
+        if old != new:
+            tensor_type.ClearField("shape")
+            for size in new:
+                tensor_type.shape.dim.add().dim_value = int(size)
+            details.append(f"input {value.name!r}: {old} -> {new}")
+    if issues:
+        raise ModelError(
+            "The model's inputs cannot be made static:\n  " + "\n  ".join(issues),
+            tip="The QNN HTP backend needs static shapes: fix the [inputs] section of the config.",
+        )
+    if details:
+        # Anything derived from the old dynamic shapes is stale now.
+        for graph_ in _all_graphs(graph):
+            del graph_.value_info[:]
+        for out in graph.output:
+            for dim in out.type.tensor_type.shape.dim:
+                if not dim.HasField("dim_value"):
+                    dim.Clear()  # unknown, keeping the rank
+    return _done(model, "fix_input_shapes", details)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Constant nodes, folding, If inlining
+
+
+def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
+    for attr in node.attribute:
+        if attr.ref_attr_name:
+            return None
+        if attr.name == "value":
+            return numpy_helper.to_array(attr.t)
+        if attr.name == "value_float":
+            return np.array(attr.f, dtype=np.float32)
+        if attr.name == "value_floats":
+            return np.array(list(attr.floats), dtype=np.float32)
+        if attr.name == "value_int":
+            return np.array(attr.i, dtype=np.int64)
+        if attr.name == "value_ints":
+            return np.array(list(attr.ints), dtype=np.int64)
+        if attr.name == "value_string":
+            return np.array(attr.s.decode("utf-8"), dtype=object)
+        if attr.name == "value_strings":
+            return np.array([s.decode("utf-8") for s in attr.strings], dtype=object)
+    return None  # sparse_value: leave it to onnxruntime
+
+
+def constants_to_initializers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Replace ``Constant`` nodes by initializers.
+
+    The quantizer and ONNX Runtime's fusions (Conv+BatchNorm, ...) only treat initializers as
+    weights; a Constant-node weight is quantized as an activation and blocks folding.
+    """
+    model = _copy(model)
+    details = []
+    for graph in _all_graphs(model.graph):
+        outputs = {o.name for o in graph.output}
+        keep = []
+        for node in graph.node:
+            value = None
+            is_constant = node.op_type == "Constant" and node.domain in _DEFAULT_DOMAINS
+            if is_constant and node.output[0] not in outputs:
+                value = _constant_value(node)
+            if value is None:
+                keep.append(node)
+                continue
+            graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
+            details.append(
+                f"Constant {node.output[0]!r} -> initializer {list(value.shape)} {value.dtype}"
+            )
+        if len(keep) != len(graph.node):
+            _set_nodes(graph, keep)
+    return _done(model, "constants_to_initializers", details)
+
+
+def _foldable(node: onnx.NodeProto) -> bool:
+    if node.domain not in (*_DEFAULT_DOMAINS, "ai.onnx.ml") or node.op_type in _NEVER_FOLD:
+        return False
+    if any(True for _ in _subgraphs(node)):
+        return False
+    return bool(node.input) or node.op_type == "Constant"
+
+
+def _run_nodes(
+    nodes: Sequence[onnx.NodeProto],
+    values: Mapping[str, np.ndarray],
+    model: onnx.ModelProto,
+) -> dict[str, np.ndarray]:
+    """Evaluate a constant subgraph with onnxruntime's CPU kernels (the ones that run it later)."""
+    import onnxruntime as ort
+
+    needed = {i for n in nodes for i in n.input if i} - {o for n in nodes for o in n.output}
+    outputs = [o for n in nodes for o in n.output if o]
+    graph = onnx.helper.make_graph(
+        list(nodes),
+        "fold",
+        [],
+        [onnx.ValueInfoProto(name=o) for o in outputs],
+        initializer=[numpy_helper.from_array(values[name], name) for name in sorted(needed)],
+    )
+    sub = onnx.helper.make_model(graph, opset_imports=list(model.opset_import))
+    sub.ir_version = max(DEFAULT_IR_VERSION, _min_ir_for(sub))
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 4
+    session = ort.InferenceSession(
+        sub.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return dict(zip(outputs, session.run(outputs, {}), strict=True))
+
+
+def _evaluate_constants(model: onnx.ModelProto, details: list[str], max_bytes: int) -> bool:
+    """Replace every node whose inputs are all constants by initializers of its results."""
+    graph = model.graph
+    inits = _initializers(graph)
+    constant = set(inits)
+    outputs = {o.name for o in graph.output}
+    candidates = []
+    indices = []
+    for index, node in enumerate(graph.node):
+        if _foldable(node) and all(i in constant for i in node.input if i):
+            candidates.append(node)
+            indices.append(index)
+            constant.update(o for o in node.output if o)
+    if not candidates:
+        return False
+    values: dict[str, np.ndarray] = {}
+    needed = {i for n in candidates for i in n.input if i} & set(inits)
+    for name in needed:
+        values[name] = numpy_helper.to_array(inits[name])
+    try:
+        values.update(_run_nodes(candidates, values, model))
+    except Exception:  # one odd node must not stop the others; retry one by one
+        for node in candidates:
+            if all(i in values for i in node.input if i):
+                try:
+                    values.update(_run_nodes([node], values, model))
+                except Exception:  # onnxruntime cannot run it: keep the node
+                    continue
+    used = _used_names(graph)
+    folded: set[int] = set()
+    new_inits = []
+    for index, node in zip(indices, candidates, strict=True):
+        outs = [o for o in node.output if o]
+        if any(o not in values for o in outs) or any(o in outputs for o in outs):
+            continue
+        in_bytes = sum(values[i].nbytes for i in node.input if i in values)
+        out_bytes = sum(values[o].nbytes for o in outs)
+        if out_bytes > max(max_bytes, in_bytes):
+            continue
+        folded.add(index)
+        for out in outs:
+            if out in used:
+                new_inits.append(numpy_helper.from_array(values[out], out))
+        shapes = ", ".join(str(list(values[o].shape)) for o in outs)
+        details.append(f"folded {node_label(node)} -> constant {shapes}")
+    if not folded:
+        return False
+    _drop_nodes(graph, folded)
+    graph.initializer.extend(new_inits)
+    return True
+
+
+def _fold_shape_nodes(model: onnx.ModelProto, details: list[str]) -> bool:
+    """Shape/Size of a tensor whose static shape the schema gives -> constant."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    targets = [
+        (i, n)
+        for i, n in enumerate(graph.node)
+        if n.op_type in ("Shape", "Size")
+        and n.domain in _DEFAULT_DOMAINS
+        and n.output[0] not in outputs
+    ]
+    if not targets:
+        return False
+    values = _inferred_values(model)
+    folded: set[int] = set()
+    for index, node in targets:
+        shape = _shape_of(values[node.input[0]]) if node.input[0] in values else None
+        if shape is None:
+            continue
+        if node.op_type == "Size":
+            result = np.array(math.prod(shape), dtype=np.int64)
+        else:
+            attrs = {a.name: a.i for a in node.attribute}
+            rank = len(shape)
+            start, end = attrs.get("start", 0), attrs.get("end", rank)
+            start = min(max(start + rank if start < 0 else start, 0), rank)
+            end = min(max(end + rank if end < 0 else end, 0), rank)
+            result = np.array(shape[start:end], dtype=np.int64)
+        graph.initializer.append(numpy_helper.from_array(result, node.output[0]))
+        folded.add(index)
+        details.append(f"folded {node_label(node)} of a static tensor -> {result.tolist()}")
+    if not folded:
+        return False
+    _drop_nodes(graph, folded)
+    return True
+
+
+def _inline_branch(
+    model: onnx.ModelProto, index: int, branch: onnx.GraphProto, namer: _Namer
+) -> list[onnx.NodeProto]:
+    """The nodes of ``branch`` rewritten to live in the outer graph in place of ``node``."""
+    node = model.graph.node[index]
+    body = onnx.GraphProto()
+    body.CopyFrom(branch)
+    # Names the branch defines must not clash with names elsewhere in the model.
+    outer = _defined_names(model.graph) - set(node.output)
+    for position, other in enumerate(model.graph.node):
+        if position != index:
+            for sub in _subgraphs(other):
+                for g in _all_graphs(sub):
+                    outer |= _defined_names(g)
+    local = _defined_names(body)
+    _rename(body, {name: namer(name) for name in local if name in outer})
+    # Branch results take the If's output names, directly where a branch node produces them.
+    produced = Counter(o for n in body.node for o in n.output if o)
+    out_names = [o.name for o in body.output]
+    mapping = {}
+    extra = []
+    for branch_out, if_out in zip(out_names, node.output, strict=True):
+        if not if_out:
+            continue
+        if produced[branch_out] == 1 and out_names.count(branch_out) == 1:
+            mapping[branch_out] = if_out
+        else:
+            extra.append(onnx.helper.make_node("Identity", [branch_out], [if_out]))
+    _rename(body, mapping)
+    model.graph.initializer.extend(body.initializer)
+    model.graph.sparse_initializer.extend(body.sparse_initializer)
+    return [*body.node, *extra]
+
+
+def _inline_constant_ifs(model: onnx.ModelProto, details: list[str]) -> bool:
+    graph = model.graph
+    inits = _initializers(graph)
+    namer: _Namer | None = None
+    new_nodes: list[onnx.NodeProto] = []
+    changed = False
+    for index, node in enumerate(graph.node):
+        cond = inits.get(node.input[0]) if node.op_type == "If" and node.input else None
+        if cond is None or node.domain not in _DEFAULT_DOMAINS:
+            new_nodes.append(node)
+            continue
+        value = numpy_helper.to_array(cond)
+        if value.size != 1:
+            new_nodes.append(node)
+            continue
+        taken = bool(value.reshape(()).item())
+        branch_name = "then_branch" if taken else "else_branch"
+        branch = next(a.g for a in node.attribute if a.name == branch_name)
+        namer = namer or _Namer(model)
+        new_nodes.extend(_inline_branch(model, index, branch, namer))
+        details.append(
+            f"inlined {branch_name} of {node_label(node)}: its condition is constant {taken}"
+        )
+        changed = True
+    if changed:
+        _set_nodes(graph, new_nodes)
+    return changed
+
+
+def fold_constants(
+    model: onnx.ModelProto, max_bytes: int = FOLD_MAX_BYTES
+) -> tuple[onnx.ModelProto, Change]:
+    """Fold everything that is constant once the inputs are static, until nothing changes.
+
+    Per round: inline ``If`` nodes on a constant condition, turn Shape/Size of tensors with a
+    schema-inferred static shape into constants, evaluate nodes whose inputs are all constant
+    with onnxruntime, drop dead nodes. This collapses Shape->Gather->Concat->Reshape chains, so
+    that schema inference alone (what the QNN EP relies on) gives every shape.
+    Q/DQ nodes, random ops and loops are never folded; results over ``max_bytes`` that are also
+    bigger than their inputs are kept as nodes.
+    """
+    model = _copy(model)
+    graph = model.graph
+    _sort_graph(graph)
+    details: list[str] = []
+    removed = 0
+    for _ in range(100):
+        changed = _inline_constant_ifs(model, details)
+        changed |= _evaluate_constants(model, details, max_bytes)
+        removed += _remove_dead(graph)
+        changed |= _fold_shape_nodes(model, details)
+        if not changed:
+            break
+        _sort_graph(graph)
+    removed += _remove_dead(graph)
+    if removed:
+        details.append(f"removed {removed} node(s) whose results nothing reads")
+    return _done(model, "fold_constants", details)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. batch norm folding
+
+
+def _bn_params(
+    node: onnx.NodeProto, inits: Mapping[str, onnx.TensorProto], used: Counter[str]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(scale, shift) of an inference-mode BatchNormalization whose parameters are constants."""
+    if len(node.input) < 5 or any(n not in inits for n in node.input[1:5]):
+        return None
+    attrs = {a.name: a for a in node.attribute}
+    if "training_mode" in attrs and attrs["training_mode"].i:
+        return None
+    if "spatial" in attrs and attrs["spatial"].i == 0:
+        return None
+    if any(o and used[o] for o in node.output[1:]):
+        return None
+    eps = attrs["epsilon"].f if "epsilon" in attrs else 1e-5
+    gamma, beta, mean, var = (
+        numpy_helper.to_array(inits[n]).astype(np.float64) for n in node.input[1:5]
+    )
+    if not gamma.ndim == beta.ndim == mean.ndim == var.ndim == 1:
+        return None
+    scale = gamma / np.sqrt(var + eps)
+    return scale, beta - mean * scale
+
+
+class _BnFolder:
+    """Shared state of one ``fold_batchnorm`` pass: constants, readers, producers, new names."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.model = model
+        self.graph = model.graph
+        self.namer = _Namer(model)
+        self.inits = _initializers(self.graph)
+        self.outputs = {o.name for o in self.graph.output}
+        self.used = _used_names(self.graph)
+        self.producer = {o: n for n in self.graph.node for o in n.output if o}
+        self._shapes: dict[str, onnx.ValueInfoProto] | None = None
+
+    def const(self, name: str) -> np.ndarray | None:
+        return numpy_helper.to_array(self.inits[name]) if name in self.inits else None
+
+    def new_init(self, array: np.ndarray, base: str) -> str:
+        name = self.namer(base)
+        self.graph.initializer.append(numpy_helper.from_array(array, name))
+        self.inits[name] = self.graph.initializer[-1]
+        return name
+
+    def only_reader(self, name: str) -> bool:
+        return self.used[name] == 1 and name not in self.outputs
+
+    def rank(self, name: str) -> int | None:
+        if self._shapes is None:
+            self._shapes = _inferred_values(self.model)
+        value = self._shapes.get(name)
+        if value is None or not value.type.tensor_type.HasField("shape"):
+            return None
+        return len(value.type.tensor_type.shape.dim)
+
+    def set_weights(
+        self, node: onnx.NodeProto, weight: np.ndarray, bias: np.ndarray, dtype: Any
+    ) -> None:
+        """Point ``node`` at new (weight, bias) initializers; the old ones may be shared."""
+        w_name = self.new_init(weight.astype(dtype), f"{node.input[1]}_bnfold")
+        b_name = self.new_init(bias.astype(dtype), f"{node.output[0]}_bnfold_bias")
+        while len(node.input) < 3:
+            node.input.append("")
+        node.input[1], node.input[2] = w_name, b_name
+
+    def fold_conv(self, conv: onnx.NodeProto, scale: np.ndarray, shift: np.ndarray) -> bool:
+        """Conv: W[o] *= s[o]; ConvTranspose (W is [C_in, M/group, k...]) per output channel."""
+        weight = self.const(conv.input[1])
+        has_bias = len(conv.input) > 2 and bool(conv.input[2])
+        bias = self.const(conv.input[2]) if has_bias else np.zeros(scale.shape)
+        if weight is None or bias is None or bias.shape != scale.shape:
+            return False
+        channels = scale.shape[0]
+        group = next((a.i for a in conv.attribute if a.name == "group"), 1)
+        w64 = weight.astype(np.float64)
+        if conv.op_type == "Conv":
+            if weight.shape[0] != channels:
+                return False
+            w64 = w64 * scale.reshape((-1,) + (1,) * (weight.ndim - 1))
+        else:
+            if weight.shape[1] * group != channels or weight.shape[0] % group:
+                return False
+            grouped = w64.reshape((group, weight.shape[0] // group, *weight.shape[1:]))
+            factor = scale.reshape((group, 1, channels // group) + (1,) * (weight.ndim - 2))
+            w64 = (grouped * factor).reshape(weight.shape)
+        self.set_weights(conv, w64, bias.astype(np.float64) * scale + shift, weight.dtype)
+        return True
+
+    def fold_gemm(self, gemm: onnx.NodeProto, scale: np.ndarray, shift: np.ndarray) -> bool:
+        """Gemm: BN's channel is the output column; alpha stays, beta is folded into C."""
+        attrs = {a.name: a for a in gemm.attribute}
+        trans_b = attrs["transB"].i if "transB" in attrs else 0
+        beta = attrs["beta"].f if "beta" in attrs else 1.0
+        weight = self.const(gemm.input[1])
+        has_bias = len(gemm.input) > 2 and bool(gemm.input[2])
+        bias = self.const(gemm.input[2]) if has_bias else np.zeros(scale.shape)
+        if weight is None or bias is None or weight.ndim != 2:
+            return False
+        if weight.shape[0 if trans_b else 1] != scale.shape[0]:
+            return False
+        try:
+            new_bias = beta * bias.astype(np.float64) * scale + shift
+        except ValueError:
+            return False
+        factor = scale[:, None] if trans_b else scale[None, :]
+        self.set_weights(gemm, weight.astype(np.float64) * factor, new_bias, weight.dtype)
+        for attr in [a for a in gemm.attribute if a.name == "beta"]:
+            gemm.attribute.remove(attr)
+        return True
+
+    def fold_matmul(
+        self, bn: onnx.NodeProto, prev: onnx.NodeProto, scale: np.ndarray, shift: np.ndarray
+    ) -> bool:
+        """MatMul(x, W) [+ Add(b)] with a 2-D output, where BN's dim 1 is W's column."""
+        add = prev if prev.op_type == "Add" else None
+        if add is not None:
+            pair = [(i, self.producer.get(name)) for i, name in enumerate(add.input)]
+            found = [(i, n) for i, n in pair if n is not None and n.op_type == "MatMul"]
+            if len(found) != 1 or add.input[1 - found[0][0]] not in self.inits:
+                return False
+            matmul = found[0][1]
+            bias_slot = 1 - found[0][0]
+            if not self.only_reader(matmul.output[0]):
+                return False
+            bias = self.const(add.input[bias_slot])
+        else:
+            matmul, bias = prev, np.zeros(scale.shape)
+        weight = self.const(matmul.input[1])
+        if weight is None or weight.ndim != 2 or weight.shape[1] != scale.shape[0]:
+            return False
+        if bias is None or bias.size not in (1, scale.shape[0]) or bias.ndim > 2:
+            return False
+        if self.rank(matmul.output[0]) != 2:
+            return False  # BN normalises dim 1, the MatMul's last dim only in 2-D
+        dtype = weight.dtype
+        w_name = self.new_init(
+            (weight.astype(np.float64) * scale[None, :]).astype(dtype), f"{matmul.input[1]}_bnfold"
+        )
+        matmul.input[1] = w_name
+        b_name = self.new_init(
+            (bias.astype(np.float64).reshape(-1) * scale + shift).astype(dtype),
+            f"{bn.output[0]}_bnfold_bias",
+        )
+        if add is not None:
+            add.input[bias_slot] = b_name
+            return True
+        # No Add yet: the BN node becomes one, which keeps the node order topological.
+        mid = self.namer(f"{matmul.output[0]}_scaled")
+        matmul.output[0] = mid
+        bn.CopyFrom(
+            onnx.helper.make_node(
+                "Add", [mid, b_name], [bn.output[0]], name=self.namer(f"{bn.name or 'bn'}_shift")
+            )
+        )
+        return True
+
+
+def fold_batchnorm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Fold inference-mode BatchNormalization into the Conv, ConvTranspose, Gemm or MatMul(+Add)
+    before it, when that op's weights are constants and only the BN reads its output.
+
+    Unfused BNs are quantized on their own and often fall back to the CPU, splitting the QNN
+    graph. The fold is exact up to float rounding (computed in float64).
+    """
+    model = _copy(model)
+    folder = _BnFolder(model)
+    removed: set[int] = set()
+    details = []
+    for index, bn in enumerate(model.graph.node):
+        if bn.op_type != "BatchNormalization" or bn.domain not in _DEFAULT_DOMAINS:
+            continue
+        params = _bn_params(bn, folder.inits, folder.used)
+        prev = folder.producer.get(bn.input[0])
+        if params is None or prev is None or prev.domain not in _DEFAULT_DOMAINS:
+            continue
+        if not folder.only_reader(bn.input[0]):
+            continue
+        label, prev_label = bn.name or bn.output[0], node_label(prev)
+        if prev.op_type in ("Conv", "ConvTranspose"):
+            done = folder.fold_conv(prev, *params)
+        elif prev.op_type == "Gemm":
+            done = folder.fold_gemm(prev, *params)
+        elif prev.op_type in ("MatMul", "Add"):
+            done = folder.fold_matmul(bn, prev, *params)
+            if done and bn.op_type == "Add":  # became the bias Add; nothing to remove
+                folder.producer[bn.output[0]] = bn
+                folder.used = _used_names(model.graph)
+                details.append(f"folded BatchNormalization {label!r} into {prev_label} (+Add)")
+                continue
+        else:
+            done = False
+        if not done:
+            continue
+        prev.output[0] = bn.output[0]
+        folder.producer[bn.output[0]] = prev
+        folder.used = _used_names(model.graph)
+        removed.add(index)
+        details.append(f"folded BatchNormalization {label!r} into {prev_label}")
+    if removed:
+        _drop_nodes(model.graph, removed)
+    _remove_dead(model.graph)
+    return _done(model, "fold_batchnorm", details)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. float16 -> float32
+
+
+def _to_float32(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    return numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float32), tensor.name)
+
+
+def _retype(type_proto: onnx.TypeProto) -> bool:
+    """float16 -> float32 in a (possibly nested) type; True if anything changed."""
+    which = type_proto.WhichOneof("value")
+    if which == "tensor_type":
+        if type_proto.tensor_type.elem_type == _FLOAT16:
+            type_proto.tensor_type.elem_type = _FLOAT
+            return True
+    elif which == "sparse_tensor_type":
+        if type_proto.sparse_tensor_type.elem_type == _FLOAT16:
+            type_proto.sparse_tensor_type.elem_type = _FLOAT
+            return True
+    elif which == "sequence_type":
+        return _retype(type_proto.sequence_type.elem_type)
+    elif which == "optional_type":
+        return _retype(type_proto.optional_type.elem_type)
+    elif which == "map_type":
+        return _retype(type_proto.map_type.value_type)
+    return False
+
+
+def float16_to_float32(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Make a float16 model float32 everywhere, graph inputs and outputs included.
+
+    Calibration and the quantizer work on float32 (fp16 models fail with "Invalid input name"),
+    and the QNN HTP quantized path does not need fp16 anywhere.
+    """
+    model = _copy(model)
+    details = []
+    top = model.graph
+    for graph in _all_graphs(model.graph):
+        count = 0
+        for i, init in enumerate(graph.initializer):
+            if init.data_type == _FLOAT16:
+                graph.initializer[i].CopyFrom(_to_float32(init))
+                count += 1
+        if count:
+            details.append(f"{count} float16 initializer(s) -> float32")
+        for kind, seq in (("input", graph.input), ("output", graph.output)):
+            for value in seq:
+                if _retype(value.type) and graph is top:
+                    details.append(f"graph {kind} {value.name!r} float16 -> float32")
+        for value in graph.value_info:
+            _retype(value.type)
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.INT and attr.name in ("to", "dtype"):
+                    if attr.i == _FLOAT16:
+                        attr.i = _FLOAT
+                        details.append(f"{node_label(node)}: {attr.name} float16 -> float32")
+                elif attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == _FLOAT16:
+                    attr.t.CopyFrom(_to_float32(attr.t))
+                    details.append(f"{node_label(node)}: {attr.name} tensor float16 -> float32")
+                elif attr.type == onnx.AttributeProto.TENSORS:
+                    for t in attr.tensors:
+                        if t.data_type == _FLOAT16:
+                            t.CopyFrom(_to_float32(t))
+    return _done(model, "float16_to_float32", details)
+
+
+# --------------------------------------------------------------------------------------------
+# 5. opset
+
+
+def _legacy_replacement(
+    node: onnx.NodeProto, new_init: Any, namer: _Namer
+) -> list[onnx.NodeProto] | None:
+    """Standard ops for experimental ops that the version converter has no adapter for."""
+    if node.op_type not in _LEGACY_OPS:
+        return None
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    x, y = node.input[0], node.output[0]
+    base = node.name or y
+
+    def mul_add(scale: Any, bias: Any, src: str, dst: str) -> list[onnx.NodeProto]:
+        mid = namer(f"{base}_scaled")
+        return [
+            onnx.helper.make_node(
+                "Mul", [src, new_init(scale, f"{base}_scale")], [mid], name=namer(f"{base}_mul")
+            ),
+            onnx.helper.make_node(
+                "Add", [mid, new_init(bias, f"{base}_bias")], [dst], name=namer(f"{base}_add")
+            ),
+        ]
+
+    if node.op_type == "ImageScaler":
+        bias = np.asarray(attrs.get("bias", [0.0]), dtype=np.float32)
+        return mul_add(
+            np.array(attrs.get("scale", 1.0), dtype=np.float32), bias.reshape(1, -1, 1, 1), x, y
+        )
+    if node.op_type == "Scale":
+        scale = np.array(attrs.get("scale", 1.0), dtype=np.float32)
+        return [onnx.helper.make_node("Mul", [x, new_init(scale, f"{base}_scale")], [y], name=base)]
+    if node.op_type == "Affine":
+        alpha = np.array(attrs.get("alpha", 1.0), dtype=np.float32)
+        return mul_add(alpha, np.array(attrs.get("beta", 0.0), dtype=np.float32), x, y)
+    if node.op_type in ("ScaledTanh", "ParametricSoftplus"):
+        inner, mid = namer(f"{base}_in"), namer(f"{base}_act")
+        beta = np.array(attrs.get("beta", 1.0), dtype=np.float32)
+        alpha = np.array(attrs.get("alpha", 1.0), dtype=np.float32)
+        act = "Tanh" if node.op_type == "ScaledTanh" else "Softplus"
+        return [
+            onnx.helper.make_node(
+                "Mul", [x, new_init(beta, f"{base}_beta")], [inner], name=namer(f"{base}_mul_in")
+            ),
+            onnx.helper.make_node(act, [inner], [mid], name=namer(f"{base}_{act.lower()}")),
+            onnx.helper.make_node(
+                "Mul", [mid, new_init(alpha, f"{base}_alpha")], [y], name=namer(f"{base}_mul_out")
+            ),
+        ]
+    return None
+
+
+def replace_legacy_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Rewrite experimental ops (ImageScaler, Scale, Affine, ScaledTanh, ParametricSoftplus)
+    into Mul/Add/Tanh/Softplus, because the onnx version converter has no adapter for them and
+    fails when the quantizer upgrades the opset. Assumes float32 (run after float16_to_float32).
+    """
+    model = _copy(model)
+    namer = _Namer(model)
+    details = []
+    for graph in _all_graphs(model.graph):
+        new_nodes: list[onnx.NodeProto] = []
+
+        def new_init(array: Any, base: str, graph: onnx.GraphProto = graph) -> str:
+            name = namer(base)
+            graph.initializer.append(numpy_helper.from_array(np.asarray(array, np.float32), name))
+            return name
+
+        replaced = False
+        for node in graph.node:
+            replacement = (
+                _legacy_replacement(node, new_init, namer)
+                if node.domain in _DEFAULT_DOMAINS
+                else None
+            )
+            if replacement is None:
+                new_nodes.append(node)
+                continue
+            replaced = True
+            new_nodes.extend(replacement)
+            ops = "+".join(n.op_type for n in replacement)
+            details.append(f"{node_label(node)} -> {ops}")
+        if replaced:
+            _set_nodes(graph, new_nodes)
+    return _done(model, "replace_legacy_ops", details)
+
+
+def upgrade_opset(
+    model: onnx.ModelProto, target: int = TARGET_OPSET
+) -> tuple[onnx.ModelProto, Change]:
+    """Convert the default ONNX domain to opset ``target`` (no-op if already there or above).
+
+    The quantizer converts to 21 itself for 16-bit Q/DQ and only warns when that fails; doing
+    it here makes a failure loud, names the op, and lets later steps see the final ops.
+    """
+    from onnx import version_converter
+
+    model = _copy(model)
+    current = _opset(model)
+    if current >= target:
+        return _done(model, "upgrade_opset", [])
+    legacy = sorted(
+        {n.op_type for g in _all_graphs(model.graph) for n in g.node} & (_LEGACY_OPS | {"Crop"})
+    )
+    if legacy:
+        raise ModelError(
+            f"Ops {legacy} have no opset-{target} equivalent in the onnx version converter.",
+            tip="Run replace_legacy_ops first (pipeline.prepare does).",
+        )
+    try:
+        converted = version_converter.convert_version(model, target)
+    except Exception as exc:  # the converter raises bare RuntimeErrors
+        raise ModelError(
+            f"The onnx version converter could not bring the model from opset {current} to "
+            f"{target}: {exc}",
+            tip="Re-export the model with a newer opset (>= 13).",
+        ) from exc
+    converted.ir_version = max(model.ir_version, _min_ir_for(converted))
+    return _done(converted, "upgrade_opset", [f"opset {current} -> {target}"])
+
+
+# --------------------------------------------------------------------------------------------
+# 6. HTP-friendly rewrites
+
+
+def _scalar_const(inits: Mapping[str, onnx.TensorProto], name: str) -> float | None:
+    """The value of a constant whose elements are all equal, else None."""
+    if name not in inits:
+        return None
+    array = numpy_helper.to_array(inits[name])
+    if array.size == 0 or array.dtype.kind != "f" or not (array == array.flat[0]).all():
+        return None
+    return float(array.flat[0])
+
+
+def _htp_rewrite(
+    node: onnx.NodeProto, inits: Mapping[str, onnx.TensorProto], shape: Any
+) -> tuple[str, list[str], str] | None:
+    """(new op, new inputs, why) for one node, or None. ``shape(name)`` gives static shapes;
+    each rewrite keeps the output shape (checked against the input it keeps)."""
+    same_shape = shape(node.output[0]) is not None
+    if node.op_type == "Pow" and len(node.input) == 2:
+        power = _scalar_const(inits, node.input[1])
+        x = node.input[0]
+        if power is None or not same_shape or shape(x) != shape(node.output[0]):
+            return None
+        ops = {2.0: ("Mul", [x, x]), 1.0: ("Identity", [x]), 0.5: ("Sqrt", [x])}
+        if power in ops:
+            return (*ops[power], f"exponent {power:g}")
+    elif node.op_type in ("Max", "Min"):
+        # -inf / lowest float in a Max (+inf / max float in a Min) changes nothing, but as a
+        # quantized constant it stretches the range until every real value rounds to one step.
+        limit = float(np.finfo(np.float32).max)
+        neutral = (lambda v: v <= -limit) if node.op_type == "Max" else (lambda v: v >= limit)
+        keep = []
+        for name in node.input:
+            value = _scalar_const(inits, name)
+            if value is None or not neutral(value):
+                keep.append(name)
+        if keep and len(keep) < len(node.input):
+            if len(keep) == 1 and shape(keep[0]) == shape(node.output[0]) and same_shape:
+                return "Identity", keep, "drops a no-op ±inf operand"
+            if len(keep) > 1:
+                return node.op_type, keep, "drops a no-op ±inf operand"
+        if node.op_type == "Max" and len(node.input) == 2:
+            zero = [i for i, n in enumerate(node.input) if _scalar_const(inits, n) == 0.0]
+            if len(zero) == 1:
+                x = node.input[1 - zero[0]]
+                if same_shape and shape(x) == shape(node.output[0]):
+                    return "Relu", [x], "Max with 0"
+    elif node.op_type in ("Expand", "Reshape") and same_shape:
+        unchanged = shape(node.input[0]) == shape(node.output[0])
+        return (
+            ("Identity", [node.input[0]], "output shape equals input shape") if unchanged else None
+        )
+    return None
+
+
+def _bypass_identities(graph: onnx.GraphProto) -> int:
+    """Remove Identity nodes by reading their input directly (graph outputs keep their names)."""
+    outputs = {o.name for o in graph.output}
+    producers = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
+    used = _used_names(graph)
+    mapping: dict[str, str] = {}
+    gone: set[int] = set()
+    for index, node in enumerate(graph.node):
+        if node.op_type != "Identity" or node.domain not in _DEFAULT_DOMAINS:
+            continue
+        source, target = node.input[0], node.output[0]
+        source = mapping.get(source, source)
+        if target not in outputs:
+            mapping[target] = source
+            gone.add(index)
+        elif source in producers and source not in outputs and used[source] == 1:
+            graph.node[producers[source]].output[:] = [
+                target if o == source else o for o in graph.node[producers[source]].output
+            ]
+            gone.add(index)
+    if not gone:
+        return 0
+    _drop_nodes(graph, gone)
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in mapping:
+                node.input[i] = mapping[name]
+        for sub in _subgraphs(node):
+            _rename(sub, mapping)
+    return len(gone)
+
+
+def rewrite_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Exact rewrites of patterns the HTP backend or its quantization handles badly.
+
+    - Pow(x, 2) -> Mul(x, x), Pow(x, 1) -> x, Pow(x, 0.5) -> Sqrt(x): a quantized
+      ElementWisePower is rejected by HTP (error 3110) and costs a partition.
+    - Max(x, -inf) / Min(x, +inf) -> x: the ±inf constant (a "no mask" sentinel in softmax
+      decompositions) makes the quantized range infinite and the whole output garbage.
+    - Max(x, 0) -> Relu(x): no quantized zero constant, a native HTP op.
+    - Expand/Reshape to the shape they already have, and Identity nodes, are removed.
+    """
+    model = _copy(model)
+    graph = model.graph
+    inits = _initializers(graph)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+
+    def shape(name: str) -> tuple[int, ...] | None:
+        nonlocal values
+        if name in inits:
+            return tuple(inits[name].dims)
+        values = values if values is not None else _inferred_values(model)
+        return _shape_of(values[name]) if name in values else None
+
+    details = []
+    for node in graph.node:
+        if node.domain not in _DEFAULT_DOMAINS:
+            continue
+        rewrite = _htp_rewrite(node, inits, shape)
+        if rewrite is None:
+            continue
+        op, inputs, why = rewrite
+        details.append(f"{node_label(node)} -> {op} ({why})")
+        del node.input[:]
+        node.input.extend(inputs)
+        node.op_type = op
+        if op not in ("Max", "Min"):
+            del node.attribute[:]
+    removed = _bypass_identities(graph)
+    if removed:
+        details.append(f"removed {removed} Identity node(s)")
+    _remove_dead(graph)
+    return _done(model, "rewrite_for_htp", details)
+
+
+HYPOT_EPS = 1e-12  # keeps max(|a|, |b|) = 0 from dividing 0 by 0 in the float model
+
+
+def rewrite_hypot(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Sqrt(a*a + b*b) -> m * Sqrt(1 + (n / (m + eps))**2), m = Max(|a|,|b|), n = Min(|a|,|b|).
+
+    Why: a magnitude (|STFT| in audio front ends) quantized through its squares loses every
+    small value. The squares span the square of the data's dynamic range: silero's spectrum
+    reaches 755 as a square, so a 16-bit step is 0.012 and Sqrt turns that into errors up to
+    0.08 on bins worth ~0.01 (29 dB at the Sqrt, 16 dB at the model output). In this form
+    every intermediate keeps the data's own range (|a|, |b|, m) or lies in [0, 2]. Equal in
+    float up to ``HYPOT_EPS``; only fires when the squares and the sum have no other reader.
+    """
+    model = _copy(model)
+    graph = model.graph
+    used = _used_names(graph)
+    # Indices, not the node wrappers: protobuf hands out fresh ones for the same node.
+    nodes_in = list(graph.node)
+    producer = {o: i for i, n in enumerate(nodes_in) for o in n.output}
+    fresh = _Namer(model)
+    details = []
+    replace: dict[int, list[onnx.NodeProto]] = {}
+    drop: set[int] = set()
+    constants: list[onnx.TensorProto] = []
+    for position, node in enumerate(nodes_in):
+        if node.op_type != "Sqrt" or node.domain not in _DEFAULT_DOMAINS:
+            continue
+        at_add = producer.get(node.input[0])
+        add = nodes_in[at_add] if at_add is not None else None
+        if add is None or add.op_type != "Add" or used[add.output[0]] != 1:
+            continue
+        at_squares = [producer.get(name) for name in add.input]
+        if any(i is None for i in at_squares):
+            continue
+        squares = [nodes_in[i] for i in at_squares if i is not None]
+        if not all(
+            sq.op_type == "Mul" and sq.input[0] == sq.input[1] and used[sq.output[0]] == 1
+            for sq in squares
+        ):
+            continue
+        a, b = squares[0].input[0], squares[1].input[0]
+        base = node.name or node.output[0]
+        t = {k: fresh(f"{base}_hypot_{k}") for k in ("abs_a", "abs_b", "m", "n", "den", "r")}
+        t |= {k: fresh(f"{base}_hypot_{k}") for k in ("r2", "sum", "root", "eps", "one")}
+        constants += [
+            numpy_helper.from_array(np.array(HYPOT_EPS, np.float32), t["eps"]),
+            numpy_helper.from_array(np.array(1.0, np.float32), t["one"]),
+        ]
+        make = onnx.helper.make_node
+        replace[position] = [
+            make("Abs", [a], [t["abs_a"]], name=fresh(f"{base}_hypot_abs_a")),
+            make("Abs", [b], [t["abs_b"]], name=fresh(f"{base}_hypot_abs_b")),
+            make("Max", [t["abs_a"], t["abs_b"]], [t["m"]], name=fresh(f"{base}_hypot_max")),
+            make("Min", [t["abs_a"], t["abs_b"]], [t["n"]], name=fresh(f"{base}_hypot_min")),
+            make("Add", [t["m"], t["eps"]], [t["den"]], name=fresh(f"{base}_hypot_den")),
+            make("Div", [t["n"], t["den"]], [t["r"]], name=fresh(f"{base}_hypot_ratio")),
+            make("Mul", [t["r"], t["r"]], [t["r2"]], name=fresh(f"{base}_hypot_r2")),
+            make("Add", [t["r2"], t["one"]], [t["sum"]], name=fresh(f"{base}_hypot_sum")),
+            make("Sqrt", [t["sum"]], [t["root"]], name=fresh(f"{base}_hypot_root")),
+            make("Mul", [t["m"], t["root"]], [node.output[0]], name=node.name),
+        ]
+        drop |= {at_add, *(i for i in at_squares if i is not None)}
+        details.append(f"{node_label(node)}: sqrt({a}^2 + {b}^2) -> hypot form")
+    if details:
+        nodes: list[onnx.NodeProto] = []
+        for i, node in enumerate(nodes_in):
+            if i not in drop:
+                nodes.extend(replace.get(i, [node]))
+        _set_nodes(graph, nodes)
+        graph.initializer.extend(constants)
+        _sort_graph(graph)
+    return _done(model, "rewrite_hypot", details)
+
+
+def rewrite_reciprocal(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Reciprocal(x) -> Div(1, x), for float32 x.
+
+    Why: QNN HTP's quantized 16-bit Reciprocal is wrong when the input range lies below 1
+    (measured, QNN 2.51 HTP simulator: x in [0.0011, 0.2] gives 1/x divided by 5 exactly, 2 dB
+    against the CPU QDQ model; ranges reaching 1 or more are right). magika's LayerNorm
+    computes 1/sqrt(var) that way, and its ctx model fell to 6 dB. Div(1, x) is exact there
+    (73 dB). Same value in float.
+    """
+    model = _copy(model)
+    graph = model.graph
+    targets = [
+        i
+        for i, node in enumerate(graph.node)
+        if node.op_type == "Reciprocal" and node.domain in _DEFAULT_DOMAINS
+    ]
+    if not targets:
+        return _done(model, "rewrite_reciprocal", [])
+    values = _inferred_values(model)
+    fresh = _Namer(model)
+    one = fresh("reciprocal_one")
+    details = []
+    for i in targets:
+        node = graph.node[i]
+        value = values.get(node.input[0])
+        if value is None or value.type.tensor_type.elem_type != _FLOAT:
+            continue
+        x = node.input[0]
+        node.op_type = "Div"
+        del node.input[:]
+        node.input.extend([one, x])
+        details.append(f"{node_label(node)}: Reciprocal({x}) -> Div(1, {x})")
+    if details:
+        graph.initializer.append(numpy_helper.from_array(np.array(1.0, np.float32), one))
+    return _done(model, "rewrite_reciprocal", details)
+
+
+# --------------------------------------------------------------------------------------------
+# 7. onnxruntime's QNN preprocessing
+
+
+def qnn_preprocess(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """onnxruntime's ``qnn_preprocess_model``: fuses Gelu, LpNormalization, SpaceToDepth and
+    (opset >= 17) LayerNormalization sequences into single ops QNN has kernels for.
+
+    It crashes on models with ``metadata_props`` (onnxruntime 1.24-1.31, "cannot convert
+    dictionary update sequence element #0"), so they are stripped around the call and restored.
+    It only takes a file path for its output, hence the temporary folder.
+    """
+    import logging
+    import tempfile
+    from pathlib import Path
+
+    from onnxruntime.quantization.execution_providers.qnn import qnn_preprocess_model
+
+    work = _copy(model)
+    metadata = [(p.key, p.value) for p in work.metadata_props]
+    del work.metadata_props[:]
+    before = Counter(n.op_type for n in work.graph.node)
+    unnamed = sum(1 for n in work.graph.node if not n.name and n.op_type != "Constant")
+    logger = logging.getLogger()
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # it warns once per unnamed node
+    try:
+        with tempfile.TemporaryDirectory(prefix="pipeline-qnnprep-") as tmp:
+            out = Path(tmp) / "preprocessed.onnx"
+            try:
+                # It saves its input with external data, which rewrites the proto in place.
+                modified = qnn_preprocess_model(_copy(work), out, fuse_layernorm=_opset(work) >= 17)
+            except Exception as exc:  # onnxruntime's errors are untyped
+                raise ModelError(f"onnxruntime qnn_preprocess_model failed: {exc}") from exc
+            result = onnx.load(out) if modified else work
+    finally:
+        logger.setLevel(level)
+    del result.metadata_props[:]
+    onnx.helper.set_model_props(result, dict(metadata))
+    result.ir_version = model.ir_version
+    # onnxruntime writes an import for every domain it knows; keep the original ones plus any
+    # domain a node really uses.
+    used = {n.domain for g in _all_graphs(result.graph) for n in g.node}
+    known = {o.domain for o in model.opset_import}
+    imports = [o for o in result.opset_import if o.domain in known or o.domain in used]
+    if len(imports) != len(result.opset_import):
+        kept = [onnx.OperatorSetIdProto(domain=o.domain, version=o.version) for o in imports]
+        del result.opset_import[:]
+        result.opset_import.extend(kept)
+    details = []
+    if modified:
+        after = Counter(n.op_type for n in result.graph.node)
+        for op in sorted(set(before) | set(after)):
+            if before[op] != after[op]:
+                details.append(f"{op}: {before[op]} -> {after[op]} node(s)")
+        if unnamed:
+            details.append(f"named {unnamed} unnamed node(s)")
+    return _done(result, "qnn_preprocess", details)
+
+
+# --------------------------------------------------------------------------------------------
+# 8. order and shapes
+
+
+def topological_sort(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Order nodes so each comes after its producers (ONNX requires it; Olive fails on silero
+    without it). Subgraphs are sorted too; the original order is kept where possible."""
+    model = _copy(model)
+    details = []
+    for graph in _all_graphs(model.graph):
+        moved = _sort_graph(graph)
+        if moved:
+            details.append(f"graph {graph.name!r}: {moved} node(s) reordered")
+    return _done(model, "topological_sort", details)
+
+
+def store_inferred_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Replace stored value_info and output shapes with what schema inference derives.
+
+    Stale dynamic dims in graph outputs would make the QNN EP treat them as dynamic, and stored
+    shapes that inference cannot justify hide real problems.
+    """
+    old = {o.name: _shape_of(o) for o in model.graph.output}
+    inferred = _infer(model)
+    details = []
+    for out in inferred.graph.output:
+        new = _shape_of(out)
+        if new != old.get(out.name):
+            shown = list(new) if new is not None else "unknown"
+            details.append(f"output {out.name!r} shape -> {shown}")
+    return _done(inferred, "store_inferred_shapes", details)

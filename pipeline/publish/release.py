@@ -1,0 +1,187 @@
+"""Writing a release: immutable, atomic, reproducible, and refused if it would change.
+
+``<artifacts>/releases/<model>/<version>/`` holds ``manifest.json``, one folder per variant named
+``<target>_qnn-<QNN SDK>`` with its ctx ``.onnx`` files (and ``.bin``), ``cpu/`` with the QDQ model
+for an explicit CPU fallback, and ``<model>-<version>.tar.gz`` with its ``.sha256``.
+
+A release is never changed once visible: it is assembled in a hidden temporary folder beside its
+final place and renamed into place in one step, so a kill at any moment leaves the previous state
+or the complete release. Publishing the same content again is a no-op; different content under
+an existing version is refused, naming what differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import os
+import shutil
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from qnn_ctx_runtime.manifest import MANIFEST_FILE, Manifest
+from qnn_ctx_runtime.release import verify_folder
+
+from ..core.config import ModelConfig
+from ..core.errors import PipelineError, PublishError
+from ..core.fileio import sha256_file
+from ..core.layout import release_dir
+from .collect import Source, build_manifest
+
+_TEMP_MARK = ".publish-"
+
+
+@dataclass
+class PublishResult:
+    folder: Path
+    manifest: Manifest
+    unchanged: bool
+
+    def summary_line(self) -> str:
+        m = self.manifest
+        if self.unchanged:
+            return f"{m.model} {m.version}: already published with the same content ({self.folder})"
+        passed = sum(v.passed for v in m.variants)
+        text = f"{m.model} {m.version}: published {passed} variant(s)"
+        if len(m.variants) > passed:
+            text += f" and {len(m.variants) - passed} marked failed"
+        if m.excluded:
+            text += f", left out {len(m.excluded)} ({'; '.join(e.id for e in m.excluded)})"
+        return f"{text} -> {self.folder}"
+
+
+def archive_name(manifest: Manifest) -> str:
+    return f"{manifest.model}-{manifest.version}.tar.gz"
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_archive(folder: Path, manifest: Manifest) -> Path:
+    """A reproducible tar.gz of the release (sorted, fixed times and owners), with its .sha256."""
+    target = folder / archive_name(manifest)
+    names = [MANIFEST_FILE, *sorted(e.path for e in manifest.files())]
+    with (
+        open(target, "xb") as raw,
+        gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz,
+        tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
+    ):
+        for name in names:
+            info = tar.gettarinfo(str(folder / name), arcname=name)
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            info.mode = 0o644
+            with open(folder / name, "rb") as handle:
+                tar.addfile(info, handle)
+    (folder / f"{target.name}.sha256").write_text(
+        f"{sha256_file(target)}  {target.name}\n", encoding="utf-8"
+    )
+    return target
+
+
+def _assemble(folder: Path, manifest: Manifest, sources: list[Source]) -> None:
+    """Copy and re-hash every file into ``folder``, then write the manifest and the archive."""
+    for item in sources:
+        target = folder / item.entry.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(item.source, target)
+        if sha256_file(target) != item.entry.sha256:
+            raise PublishError(
+                f"{item.source} changed while it was being published.",
+                tip="Do not rebuild while publishing; run publish again.",
+            )
+        _fsync_file(target)
+    (folder / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
+    _fsync_file(folder / MANIFEST_FILE)
+    archive = _write_archive(folder, manifest)
+    _fsync_file(archive)
+    for sub in {folder / Path(e.path).parent for e in manifest.files()} | {folder}:
+        _fsync_dir(sub)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _remove_stale_temps(parent: Path) -> None:
+    """Hidden folders of publish runs that were killed (their process is gone)."""
+    if not parent.is_dir() or os.name != "posix":
+        return
+    for path in parent.iterdir():
+        if not (path.name.startswith(".") and _TEMP_MARK in path.name):
+            continue
+        pid_text = path.name.split(_TEMP_MARK, 1)[1].split("-", 1)[0]
+        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _same_or_refuse(final: Path, manifest: Manifest) -> Manifest:
+    """An existing release: the same content is fine (it is verified), different is refused."""
+    try:
+        existing = verify_folder(final)
+    except PipelineError as exc:
+        raise PublishError(
+            f"Release {final} already exists but is damaged:\n{exc.message}",
+            tip="Releases are immutable: remove that folder by hand only if nobody uses it, "
+            "or bump model.version.",
+        ) from None
+    if manifest.identity() != existing.identity():
+        differences = manifest.differences(existing)
+        raise PublishError(
+            f"Release {manifest.model} {manifest.version} already exists in {final} with "
+            f"different content:\n  - " + "\n  - ".join(differences),
+            tip="Releases are immutable: bump model.version in the config to publish this build.",
+        )
+    return existing
+
+
+def publish_model(
+    config: ModelConfig, artifacts: Path, allow_partial: bool = False, cpu_fallback: bool = True
+) -> PublishResult:
+    """Publish one model's release, atomically; the same content again is a no-op."""
+    manifest, sources = build_manifest(config, artifacts, allow_partial, cpu_fallback)
+    final = release_dir(artifacts, manifest.model, manifest.version)
+    parent = final.parent
+    if final.exists():
+        return PublishResult(final, _same_or_refuse(final, manifest), unchanged=True)
+    parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(parent)
+    temp = Path(
+        tempfile.mkdtemp(prefix=f".{manifest.version}{_TEMP_MARK}{os.getpid()}-", dir=parent)
+    )
+    try:
+        _assemble(temp, manifest, sources)
+        os.chmod(temp, 0o755)  # mkdtemp makes it 0700
+        try:
+            os.rename(temp, final)  # atomic; fails if another publish got there first
+        except OSError:
+            if not final.exists():
+                raise
+            return PublishResult(final, _same_or_refuse(final, manifest), unchanged=True)
+        _fsync_dir(parent)
+    finally:
+        with contextlib.suppress(OSError):
+            if temp.exists():
+                shutil.rmtree(temp)
+    return PublishResult(final, manifest, unchanged=False)

@@ -1,0 +1,526 @@
+"""Stage 1: float ONNX -> one prepared static float model per bucket -> calibrated QDQ models.
+
+A build is a set of one or more static shapes ("buckets"); a config without ``[buckets]`` is one
+bucket. The steps, each a function below:
+
+1. ``prepare``: every bucket's static float model (pipeline.graph.prepare), the plan of buckets;
+2. ``route``: each calibration sample at its natural size goes to the smallest bucket that holds
+   it; held-out samples are saved at their true size and padded into every bucket they fit;
+3. ``calibrate``: each bucket's float model on its samples, ranges merged over the buckets, so
+   every bucket gets the same quantization parameters (QNN shares weights by name and bytes);
+4. ``quantize``: every bucket from the merged ranges, then automatic mixed precision (chosen on
+   one bucket, applied to all); the buckets' initializers are checked to be byte-identical;
+5. ``evaluate``: QDQ vs float per bucket, and end to end (pad, run, crop) vs the source model.
+
+Outputs: see pipeline.core.layout. The record is written last: no record, no valid build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qnn_ctx_runtime import buckets as bk
+
+from ..calibration.samples import BucketSamples, Router, SampleRef, SampleSource, sample_source
+from ..core.config import ModelConfig
+from ..core.errors import CalibrationError, GateError, ModelError
+from ..core.fileio import atomic_dir, link_or_copy, sha256_file
+from ..core.layout import ModelPaths, sample_name, samples_in
+from ..core.metrics import worst_snr
+from ..core.records import (
+    BucketArtifacts,
+    BuildInputs,
+    QuantizeRecord,
+    QuantizeSummary,
+    code_digest,
+    folder_digest,
+    read_record,
+    tool_versions,
+    write_record,
+)
+from ..core.report import fmt
+from ..graph.buckets import BucketPlan
+from . import quantizer
+from . import report as report_mod
+from .evaluate import end_to_end, evaluate
+from .mixed_precision import MixedPrecision, raise_precision
+from .shapes import PreparedBucket, prepare_buckets
+
+TOOLS = ("onnx", "onnxruntime", "numpy", "pillow")
+# The builder's code that shapes the QDQ models: editing it rebuilds.
+CODE = ("core", "graph", "calibration", "quantize")
+HELDOUT_FROM_CALIBRATION = 8  # samples that validate a bucket no held-out sample fits
+Feeds = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass
+class QuantizeResult:
+    name: str
+    folder: Path
+    skipped: bool
+    record: QuantizeRecord
+
+    def summary_line(self) -> str:
+        report = self.folder / "report.md"
+        if self.skipped:
+            return f"{self.name}: up to date, nothing to do ({report})"
+        snr = self.record.summary.worst_snr_db
+        return f"{self.name}: QDQ written, worst SNR {fmt(snr)} dB -> {report}"
+
+
+def build_inputs(config: ModelConfig) -> BuildInputs:
+    """Everything that determines the build; equal inputs mean the outputs can be reused."""
+    source = config.source_path
+    calibration = config.resolve(config.calibration.path) if config.calibration.path else None
+    reader_file = config.calibration.reader.rpartition(":")[0]
+    reader_digest = ""
+    if reader_file.endswith(".py") and config.resolve(reader_file).is_file():
+        reader_digest = sha256_file(config.resolve(reader_file))
+    return BuildInputs(
+        source=str(source),
+        source_sha256=sha256_file(source),
+        config_digest=config.quantize_digest(),
+        calibration_digest=folder_digest(calibration) if calibration else "",
+        reader_digest=reader_digest,
+        code=code_digest(*CODE),
+        tools=tool_versions(*TOOLS),
+    )
+
+
+def load_source_model(path: Path) -> Any:
+    """Load and sanity-check the float model; a truncated file gets a clear error."""
+    import onnx
+
+    if not path.is_file():
+        raise ModelError(
+            f"Model file {path} does not exist.", tip="Fix model.source in the config."
+        )
+    try:
+        model = onnx.load(str(path))
+    except Exception as exc:  # protobuf DecodeError, OSError, external-data errors
+        raise ModelError(
+            f"Model file {path} cannot be read as ONNX ({type(exc).__name__}: {exc}). "
+            "It may be truncated or not an ONNX file.",
+            tip="Re-download or re-export the model and check its sha256.",
+        ) from None
+    if not model.graph.node:
+        raise ModelError(f"Model file {path} has an empty graph; it may be truncated.")
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"Model file {path} is not a valid ONNX model: {first}") from None
+    return model
+
+
+def _reusable(paths: ModelPaths, record: QuantizeRecord | None, inputs: BuildInputs) -> bool:
+    return (
+        record is not None
+        and record.status == "ok"
+        and record.inputs == inputs
+        and paths.report.is_file()
+        and all(
+            paths.bucket(b.name).qdq.is_file() and paths.bucket(b.name).float_model.is_file()
+            for b in record.buckets
+        )
+    )
+
+
+def quantize_model(config: ModelConfig, artifacts: Path, force: bool = False) -> QuantizeResult:
+    """Build (or reuse) the QDQ models of every bucket of one config."""
+    paths = ModelPaths.of(artifacts, config.model.name)
+    inputs = build_inputs(config)
+    record, _ = read_record(QuantizeRecord, paths.record)
+    if not force and _reusable(paths, record, inputs):
+        assert record is not None
+        return QuantizeResult(config.model.name, paths.root, True, record)
+    # Invalidate first: a build killed from here on leaves no record that claims success.
+    paths.record.unlink(missing_ok=True)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    report, record = _build(config, paths, inputs)
+    report.timings_s["total"] = time.perf_counter() - started
+    report_mod.write(paths.root, report)
+    write_record(paths.record, record)
+    if not report.passed:
+        raise GateError(
+            f"{config.model.name}: worst QDQ vs float SNR {fmt(report.worst_snr_db)} dB is below "
+            f"quantization.min_snr_db = {config.quantization.min_snr_db} ({paths.report}).",
+            tip="Use 16-bit types or overrides for the worst tensors, or more calibration data.",
+        )
+    return QuantizeResult(config.model.name, paths.root, False, record)
+
+
+# -- the steps --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Routed:
+    """Which calibration samples each bucket calibrates on, and how it got them."""
+
+    own: dict[str, list[SampleRef]]  # the samples whose smallest bucket it is
+    refs: dict[str, list[SampleRef]]  # what it calibrates on (own, or every sample that fits)
+    fallback: list[str]  # buckets without samples of their own
+
+
+def _route(config: ModelConfig, plan: BucketPlan, source: SampleSource, router: Router) -> _Routed:
+    names = plan.names
+    if len(names) == 1:  # one static shape: every sample is its own (checked as it is read)
+        return _Routed({names[0]: source.calib}, {names[0]: source.calib}, [])
+    own: dict[str, list[SampleRef]] = {n: [] for n in names}
+    for ref, sample in source.iterate(source.calib):
+        bucket, _, _ = router.route(sample, ref)
+        own[bucket.name].append(ref)
+    refs, fallback = {}, []
+    for index, name in enumerate(names):
+        chosen = own[name]
+        if not chosen:  # no sample of its own: every sample that fits, padded into it
+            fallback.append(name)
+            chosen = [r for smaller in names[: index + 1] for r in own[smaller]]
+        if not chosen:
+            sizes = ", ".join(f"{b}: {len(own[b])}" for b in names)
+            raise CalibrationError(
+                f"{config.model.name}: no calibration sample fits bucket "
+                f"{plan.bucket(name).describe()} (samples per bucket: {sizes}).",
+                tip="Add calibration samples as small as that bucket, or drop the bucket size.",
+            )
+        refs[name] = chosen
+    return _Routed(own, refs, fallback)
+
+
+def _held_samples(
+    source: SampleSource, router: Router, plan: BucketPlan, float_model: Path
+) -> Iterator[tuple[SampleRef, Feeds]]:
+    """Held-out samples at their true size (recurrent models: with the state carried in)."""
+    if router.config.calibration.recurrent:  # one bucket only (config validation)
+        samples = BucketSamples(source, router, plan.buckets[0], source.held, float_model)
+        yield from samples.items()
+        return
+    for ref, sample in source.iterate(source.held):
+        yield ref, router.own(sample, ref)
+
+
+def _write_heldout(
+    paths: ModelPaths,
+    plan: BucketPlan,
+    source: SampleSource,
+    router: Router,
+    routed: _Routed,
+    float_model: Path,
+) -> tuple[dict[str, int], list[str]]:
+    """Held-out samples at their true size, and padded into every bucket that holds them.
+
+    A bucket's graph must be right for any input padded into it, so it is validated (compile
+    stage) on every held-out sample that fits, not only on those it is the smallest bucket for.
+    A bucket that no held-out sample fits is validated on calibration samples that fit, and the
+    report says so. A sample that needs no padding is linked, not written twice. Returns the
+    count per bucket and the buckets that borrowed calibration samples.
+    """
+    order = plan.names
+    counts = dict.fromkeys(order, 0)
+    borrowed: list[str] = []
+    staged: dict[str, Path] = {}
+    with atomic_dir(paths.heldout) as true_dir:
+        try:
+            for name in order:
+                folder = paths.bucket(name).root
+                folder.mkdir(parents=True, exist_ok=True)
+                staged[name] = Path(tempfile.mkdtemp(prefix=".heldout-", dir=folder))
+
+            def stage(
+                own: Feeds, ref: SampleRef, original: Path | None, into: list[bk.Bucket]
+            ) -> None:
+                for bucket in into:
+                    feeds = router.pad(own, bucket, ref)
+                    target = staged[bucket.name] / sample_name(counts[bucket.name])
+                    unchanged = original is not None and feeds.keys() == own.keys()
+                    if unchanged and all(feeds[k] is own[k] for k in own):
+                        link_or_copy(original, target)
+                    else:
+                        np.savez(target, **feeds)
+                    counts[bucket.name] += 1
+
+            index_rows = []
+            for number, (ref, own) in enumerate(_held_samples(source, router, plan, float_model)):
+                bucket = router.bucket_of(own, ref)
+                true_path = true_dir / sample_name(number)
+                np.savez(true_path, **own)
+                index_rows.append({"sample": number, "bucket": bucket.name})
+                stage(own, ref, true_path, plan.buckets[order.index(bucket.name) :])
+            for index, name in enumerate(order):
+                if counts[name]:
+                    continue
+                borrowed.append(name)
+                refs = [r for smaller in order[: index + 1] for r in routed.own[smaller]]
+                for ref, sample in source.iterate(refs[:HELDOUT_FROM_CALIBRATION]):
+                    own = router.own(sample, ref)
+                    stage(own, ref, None, [plan.buckets[index]])
+            (true_dir / "index.json").write_text(json.dumps(index_rows, indent=1), "utf-8")
+            for name, staged_dir in staged.items():
+                with atomic_dir(paths.bucket(name).heldout) as tmp_dir:
+                    for path in samples_in(staged_dir):
+                        path.rename(tmp_dir / path.name)
+        finally:
+            for staged_dir in staged.values():
+                shutil.rmtree(staged_dir, ignore_errors=True)
+    return counts, borrowed
+
+
+def _weight_sharing(qdq_paths: dict[str, Path]) -> report_mod.WeightSharing:
+    """Initializers of the buckets' QDQ models: same name must mean the same bytes.
+
+    QNN shares a static tensor between the graphs of one context by name; two different values
+    under one name would be a wrong model, so that is a ModelError naming the tensors.
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    digests: dict[str, dict[str, tuple[str, int]]] = {}
+    for bucket, path in qdq_paths.items():
+        model = onnx.load(str(path))
+        digests[bucket] = {
+            t.name: (
+                hashlib.sha256(t.SerializeToString()).hexdigest(),
+                int(numpy_helper.to_array(t).nbytes),
+            )
+            for t in model.graph.initializer
+        }
+    names = set().union(*(d.keys() for d in digests.values()))
+    shared, specific, clash = [], [], []
+    for name in sorted(names):
+        values = {d[name] for d in digests.values() if name in d}
+        present = sum(name in d for d in digests.values())
+        if len(values) > 1:
+            clash.append(name)
+        elif present == len(digests):
+            shared.append(name)
+        else:
+            specific.append(name)
+    if clash:
+        raise ModelError(
+            f"Initializer(s) {clash[:8]} have the same name but different values in different "
+            "buckets; QNN would share one of them between the buckets' graphs.",
+            tip="The preparation folded something shape-dependent into a weight; report the model.",
+        )
+    first = next(iter(digests.values()))
+    return report_mod.WeightSharing(
+        shared_initializers=len(shared),
+        shared_bytes=sum(first[n][1] for n in shared),
+        bucket_specific=specific,
+        bucket_specific_bytes=sum(d[n][1] for d in digests.values() for n in specific if n in d),
+    )
+
+
+def _quantize_all(
+    config: ModelConfig,
+    paths: ModelPaths,
+    plan: BucketPlan,
+    prepared: dict[str, PreparedBucket],
+    samples: dict[str, BucketSamples],
+    held_counts: dict[str, int],
+    timings: dict[str, float],
+) -> tuple[int, quantizer.range_rules.RangeChanges, MixedPrecision | None]:
+    """Calibrate every bucket, merge the ranges, quantize every bucket, raise precision."""
+    q = config.quantization
+    order = plan.names
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=".calibrate-", dir=paths.root) as tmp_text:
+        tmp = Path(tmp_text)
+        parts = [
+            quantizer.calibrate(
+                config,
+                prepared[name].float_path,
+                samples[name],
+                tmp / f"ranges_{name}.json",
+                tmp / f"calibrated_{name}.onnx",
+                f"{config.model.name} {name}" if len(order) > 1 else config.model.name,
+            )
+            for name in order
+        ]
+        merged, rms = quantizer.merge_ranges(parts, paths.ranges)
+    timings["calibrate"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    overrides = dict(q.overrides.tensors)
+
+    def quantize(name: str, extra: dict[str, str]) -> quantizer.range_rules.RangeChanges:
+        bucket = paths.bucket(name)
+        return quantizer.quantize(
+            config, prepared[name].float_path, bucket.qdq, paths.ranges, rms, extra
+        )
+
+    changes = {name: quantize(name, overrides) for name in order}
+    mixed: MixedPrecision | None = None
+    probe = max(order, key=lambda n: (held_counts[n], order.index(n)))
+    if q.auto_mixed_precision and held_counts[probe]:
+        mixed = raise_precision(
+            config,
+            prepared[probe].float_path,
+            paths.bucket(probe).qdq,
+            paths.bucket(probe).heldout,
+            samples[probe],
+            overrides,
+            lambda extra: quantize(probe, extra),
+        )
+        mixed = dataclasses.replace(mixed, bucket=probe)
+        if mixed.tensors:  # the same choices in every bucket, so the weights stay identical
+            for name in order:
+                if name != probe:
+                    quantize(name, {**overrides, **mixed.overrides})
+    timings["quantize"] = time.perf_counter() - t0
+    return merged, changes[plan.largest.name], mixed
+
+
+def _build(
+    config: ModelConfig, paths: ModelPaths, inputs: BuildInputs
+) -> tuple[report_mod.QuantizeReport, QuantizeRecord]:
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    source = load_source_model(config.source_path)
+    steps = prepare_buckets(config, source, lambda name: paths.bucket(name).float_model)
+    plan = next(steps)
+    assert isinstance(plan, BucketPlan)
+    prepared: dict[str, PreparedBucket] = {}
+    for item in steps:
+        assert isinstance(item, PreparedBucket)
+        prepared[item.bucket.name] = item
+    _remove_stale_buckets(paths, plan)
+    timings["prepare"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    largest = prepared[plan.largest.name]
+    router = Router(config, plan, {s.name: s.dtype for s in largest.specs})
+    source_samples = sample_source(config, largest.specs)
+    if not source_samples.calib:
+        raise CalibrationError(f"{config.model.name}: no calibration samples were selected.")
+    routed = _route(config, plan, source_samples, router)
+    held_counts, borrowed = _write_heldout(
+        paths, plan, source_samples, router, routed, largest.float_path
+    )
+    timings["route"] = time.perf_counter() - t0
+    samples = {
+        name: BucketSamples(
+            source_samples, router, plan.bucket(name), routed.refs[name], prepared[name].float_path
+        )
+        for name in plan.names
+    }
+    merged, changes, mixed = _quantize_all(
+        config, paths, plan, prepared, samples, held_counts, timings
+    )
+
+    qdqs = {n: paths.bucket(n).qdq for n in plan.names}
+    floats = {n: prepared[n].float_path for n in plan.names}
+    weights = _weight_sharing(qdqs)
+    t0 = time.perf_counter()
+    per_bucket = {
+        n: evaluate(floats[n], qdqs[n], paths.bucket(n).heldout) if held_counts[n] else {}
+        for n in plan.names
+    }
+    e2e = end_to_end(config, source, plan, floats, qdqs, paths.heldout)
+    timings["evaluate"] = time.perf_counter() - t0
+
+    worst_each = [worst_snr(v) for v in per_bucket.values() if v]
+    worst = min(worst_each) if worst_each else float("nan")
+    q = config.quantization
+    passed = q.min_snr_db <= 0 or worst >= q.min_snr_db
+    buckets = []
+    artifacts = []
+    for name in plan.names:
+        bucket = plan.bucket(name)
+        shapes = {k: list(v) for k, v in bucket.shapes.items()}
+        heldout = paths.bucket(name).heldout
+        buckets.append(
+            report_mod.BucketReport(
+                name=name,
+                shapes=shapes,
+                calibration_samples=len(routed.refs[name]),
+                calibrated_with_smaller=name in routed.fallback,
+                heldout_samples=held_counts[name],
+                heldout_from_calibration=name in borrowed,
+                float_nodes=prepared[name].nodes,
+                float_bytes=floats[name].stat().st_size,
+                qdq_bytes=qdqs[name].stat().st_size,
+                qdq_vs_float=per_bucket[name],
+            )
+        )
+        artifacts.append(
+            BucketArtifacts(
+                name=name,
+                shapes=shapes,
+                float_sha256=sha256_file(floats[name]),
+                qdq_sha256=sha256_file(qdqs[name]),
+                heldout_digest=folder_digest(heldout, "sample_*.npz"),
+                heldout_samples=held_counts[name],
+            )
+        )
+    report = report_mod.QuantizeReport(
+        model=config.model.name,
+        version=config.model.version,
+        config=str(config.path),
+        inputs=inputs,
+        graph_inputs=[s.describe() for s in largest.specs],
+        prepare=[report_mod.PrepareStep(c.step, list(c.details)) for c in largest.changes],
+        calibration_kind=config.calibration.kind,
+        calibration_samples=len(source_samples.calib),
+        heldout_samples=len(source_samples.held),
+        calibration_chunk=quantizer.CALIBRATION_CHUNK,
+        merged_tensors=merged,
+        activation_type=q.activation_type,
+        weight_type=q.weight_type,
+        per_channel=q.per_channel,
+        method=q.method,
+        tensor_overrides=dict(q.overrides.tensors),
+        op_type_overrides=dict(q.overrides.op_types),
+        range_rules=report_mod.RangeRules(changes.clamped, changes.widened, changes.bias_floor),
+        mixed_precision=mixed,
+        buckets=buckets,
+        pads=list(plan.pads),
+        crops=list(plan.crops),
+        weights=weights,
+        end_to_end=e2e,
+        worst_snr_db=worst,
+        min_snr_db=q.min_snr_db,
+        passed=passed,
+        source_bytes=config.source_path.stat().st_size,
+        timings_s=timings,
+    )
+    record = QuantizeRecord(
+        status="ok" if passed else "failed",
+        model=config.model.name,
+        inputs=inputs,
+        buckets=artifacts,
+        pads=list(plan.pads),
+        crops=list(plan.crops),
+        summary=QuantizeSummary(
+            activation_type=q.activation_type,
+            weight_type=q.weight_type,
+            method=q.method,
+            calibration_samples=len(source_samples.calib),
+            heldout_samples=len(source_samples.held),
+            worst_snr_db=worst,
+            outputs=per_bucket[plan.largest.name],
+            prepare_steps=[c.step for c in largest.changes if c.details],
+            mixed_precision=[t.name for t in mixed.tensors] if mixed else [],
+        ),
+    )
+    return report, record
+
+
+def _remove_stale_buckets(paths: ModelPaths, plan: BucketPlan) -> None:
+    """Bucket folders of an earlier plan must not linger beside the current ones."""
+    if not paths.buckets.is_dir():
+        return
+    wanted = set(plan.names)
+    for folder in paths.buckets.iterdir():
+        if folder.is_dir() and not folder.name.startswith(".") and folder.name not in wanted:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,293 @@
+"""onnxruntime's static QDQ quantizer, driven the way QNN HTP wants it.
+
+Three steps, each one call: ``calibrate`` one bucket's float model on its samples (onnxruntime's
+calibrator, streamed in chunks, ranges cached to a file), ``merge_ranges`` over the buckets (one
+range per tensor in every bucket, so their weights and scales stay byte-identical), and
+``quantize`` a bucket from the merged ranges after the range rules of
+``pipeline.calibration.ranges`` (cut to the values that matter, margins, int32-bias floor).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..calibration import ranges as range_rules
+from ..core.config import ModelConfig
+from ..core.errors import CalibrationError, ModelError, PipelineError
+from ..core.fileio import atomic_path
+from ..core.progress import Progress
+
+CALIBRATION_CHUNK = 16  # samples whose intermediate outputs are held at once
+ORT_QUANT_TYPES = {
+    "uint8": "QUInt8",
+    "int8": "QInt8",
+    "uint16": "QUInt16",
+    "int16": "QInt16",
+    "uint4": "QUInt4",
+    "int4": "QInt4",
+}
+RMS_SAMPLES = 8  # calibration samples each activation's RMS (for range margins) is measured on
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """What calibrating one bucket produced: the raw ranges file and activation RMS values."""
+
+    cache: Path
+    rms: dict[str, float]
+    rms_samples: int
+
+
+class StreamingReader:
+    """An onnxruntime CalibrationDataReader over samples that never holds more than a chunk.
+
+    onnxruntime's ``CalibStridedMinMax`` calls ``set_range`` and ``collect_data`` once per
+    chunk and merges the ranges, so only one chunk of intermediate outputs is alive at a time.
+    (Its ``CalibMaxIntermediateOutputs`` option drops collected data instead; not used.)
+    """
+
+    def __init__(self, samples: Any, chunk: int, progress: Progress | None = None) -> None:
+        self._samples = samples
+        self._chunk = chunk
+        self._iter: Iterator[dict[str, np.ndarray]] = iter(samples)
+        self._left = 0
+        self._progress = progress
+
+    def __len__(self) -> int:  # rounded up to whole chunks; the last chunk is shorter
+        return -(-len(self._samples) // self._chunk) * self._chunk
+
+    def set_range(self, start_index: int, end_index: int) -> None:
+        self._left = end_index - start_index
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self._left <= 0:
+            return None
+        self._left -= 1
+        sample = next(self._iter, None)
+        if sample is not None and self._progress is not None:
+            self._progress.update(1)
+        return sample
+
+    def rewind(self) -> None:
+        self._iter = iter(self._samples)
+
+
+def calibrate(
+    config: ModelConfig, float_path: Path, samples: Any, cache: Path, scratch: Path, label: str
+) -> Calibrated:
+    """Calibrate ``float_path`` on ``samples`` (ranges to ``cache``) and measure the RMS of every
+    calibrated activation on the first samples (the range margins need it)."""
+    import onnx
+
+    with Progress(len(samples), f"calibrate {label}", unit="sample") as progress:
+        _run_quantizer(config, float_path, scratch, samples, cache, {}, progress=progress)
+    _, calibrated = range_rules.read_cache(cache)
+    model = onnx.load(str(float_path))
+    rms = range_rules.activation_rms(model, samples, sorted(calibrated), RMS_SAMPLES)
+    return Calibrated(cache, rms, min(len(samples), RMS_SAMPLES))
+
+
+def merge_ranges(parts: list[Calibrated], target: Path) -> tuple[int, dict[str, float]]:
+    """Union of every tensor's calibrated range over the buckets, written to ``target``; and the
+    RMS of each activation pooled over the buckets' samples. Returns (tensors, rms)."""
+    from onnxruntime.quantization.calibrate import (
+        TensorData,
+        TensorsData,
+        load_tensors_data,
+        save_tensors_data,
+    )
+
+    merged: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    method = None
+    for part in parts:
+        data = load_tensors_data(part.cache)
+        if method is not None and data.calibration_method != method:
+            raise CalibrationError(f"Calibration caches disagree on the method ({part.cache}).")
+        method = data.calibration_method
+        for name, value in data.items():
+            low, high = value.range_value
+            if name in merged:
+                old_low, old_high = merged[name]
+                low, high = np.minimum(old_low, low), np.maximum(old_high, high)
+            merged[name] = (np.asarray(low), np.asarray(high))
+    tensors = {
+        name: TensorData(lowest=low.astype(np.float32), highest=high.astype(np.float32))
+        for name, (low, high) in merged.items()
+    }
+    with atomic_path(target) as tmp:
+        tmp.unlink()
+        save_tensors_data(TensorsData(method, tensors), tmp)
+    power: dict[str, float] = {}
+    weight: dict[str, int] = {}
+    for part in parts:
+        for name, value in part.rms.items():
+            power[name] = power.get(name, 0.0) + part.rms_samples * value * value
+            weight[name] = weight.get(name, 0) + part.rms_samples
+    rms = {n: float(np.sqrt(power[n] / weight[n])) for n in power if weight[n]}
+    return len(tensors), rms
+
+
+def quantize(
+    config: ModelConfig,
+    float_path: Path,
+    qdq_path: Path,
+    ranges_file: Path,
+    rms: dict[str, float],
+    tensor_overrides: dict[str, str],
+) -> range_rules.RangeChanges:
+    """Write ``qdq_path`` from the calibrated ranges after the range rules; what they changed."""
+    import onnx
+
+    q = config.quantization
+    model = onnx.load(str(float_path))
+    op_types = q.overrides.op_types
+    tensor_types = dict(tensor_overrides)
+    for node in model.graph.node:
+        if node.op_type in op_types:
+            for output in node.output:
+                tensor_types.setdefault(output, op_types[node.op_type])
+    tuned = qdq_path.with_name(f".{qdq_path.name}.tuned-ranges.json")
+    try:
+        try:
+            changes = range_rules.tune(
+                model,
+                ranges_file,
+                tuned,
+                q.activation_type,
+                q.weight_type,
+                q.per_channel,
+                tensor_types,
+                rms,
+            )
+        except PipelineError:
+            raise
+        except (ValueError, KeyError, FloatingPointError, OSError) as exc:
+            raise ModelError(
+                f"{config.model.name}: tuning the calibrated ranges failed: "
+                f"{type(exc).__name__}: {exc}",
+                tip=f"Report this model; see the prepared model {float_path}.",
+            ) from exc
+        _run_quantizer(
+            config, float_path, qdq_path, [], tuned, tensor_overrides, changes.weight_ranges
+        )
+    finally:
+        tuned.unlink(missing_ok=True)
+    return changes
+
+
+def _run_quantizer(
+    config: ModelConfig,
+    float_path: Path,
+    qdq_path: Path,
+    samples: Iterable[dict[str, np.ndarray]],
+    cache: Path,
+    tensor_overrides: dict[str, str],
+    weight_ranges: dict[str, tuple[float, float]] | None = None,
+    progress: Progress | None = None,
+) -> None:
+    """One onnxruntime ``quantize_static`` run; it calibrates only when ``cache`` is absent.
+
+    ``weight_ranges`` overrides the float range onnxruntime quantizes a weight over.
+    """
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod, QuantType, quantize_static
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    q = config.quantization
+    model = onnx.load(str(float_path), load_external_data=False)
+    init_overrides = _tensor_overrides(model, tensor_overrides, q.overrides.op_types)
+    for name, (low, high) in (weight_ranges or {}).items():
+        entry = init_overrides.setdefault(name, [{}])[0]
+        entry.update(rmin=np.array(low, np.float32), rmax=np.array(high, np.float32))
+    reader = StreamingReader(samples, CALIBRATION_CHUNK, progress)
+    # onnxruntime's quantizer logs advice ("consider pre-processing", opset upgrades) on the
+    # root logger; our own preparation already did that work, so keep the console readable.
+    root_logger = logging.getLogger()
+    previous_level = root_logger.level
+    root_logger.setLevel(logging.ERROR)
+    try:
+        qconfig = get_qnn_qdq_config(
+            str(float_path),
+            reader,
+            calibrate_method=getattr(CalibrationMethod, q.method),
+            activation_type=getattr(QuantType, ORT_QUANT_TYPES[q.activation_type]),
+            weight_type=getattr(QuantType, ORT_QUANT_TYPES[q.weight_type]),
+            per_channel=q.per_channel,
+            init_overrides=init_overrides or None,
+        )
+        extra = dict(qconfig.extra_options)
+        extra["CalibStridedMinMax"] = CALIBRATION_CHUNK
+        with atomic_path(qdq_path) as tmp:
+            quantize_static(
+                str(float_path),
+                str(tmp),
+                calibration_data_reader=reader,
+                quant_format=qconfig.quant_format,
+                op_types_to_quantize=qconfig.op_types_to_quantize,
+                per_channel=qconfig.per_channel,
+                activation_type=qconfig.activation_type,
+                weight_type=qconfig.weight_type,
+                nodes_to_exclude=qconfig.nodes_to_exclude,
+                calibrate_method=qconfig.calibrate_method,
+                calibration_providers=["CPUExecutionProvider"],
+                extra_options=extra,
+                calibration_cache_path=str(cache),
+            )
+            _fix_ir_version(tmp)
+    except PipelineError:
+        raise
+    except Exception as exc:  # onnxruntime raises plain Exceptions of many kinds here
+        raise ModelError(
+            f"{config.model.name}: onnxruntime quantization failed: {type(exc).__name__}: {exc}",
+            tip=f"See the prepared model {float_path}; report this model.",
+        ) from exc
+    finally:
+        root_logger.setLevel(previous_level)
+
+
+def _tensor_overrides(
+    model: Any, tensors: dict[str, str], op_types: dict[str, str]
+) -> dict[str, list[dict[str, Any]]]:
+    """Config overrides -> onnxruntime ``TensorQuantOverrides`` (activation outputs of nodes)."""
+    from onnxruntime.quantization import QuantType
+
+    weights = {i.name for i in model.graph.initializer}
+    known = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
+    known |= weights
+    unknown = sorted(set(tensors) - known)
+    if unknown:
+        raise ModelError(
+            f"quantization.overrides.tensors names tensor(s) {unknown[:5]} that the prepared "
+            "model does not have.",
+            tip="Use tensor names from the prepared model artifacts/build/<model>/buckets/*/float.onnx.",
+        )
+    result: dict[str, list[dict[str, Any]]] = {}
+    for name, qtype in tensors.items():
+        entry: dict[str, Any] = {"quant_type": getattr(QuantType, ORT_QUANT_TYPES[qtype])}
+        if name in weights and qtype.startswith("int"):
+            entry["symmetric"] = True  # QNN HTP wants signed weights symmetric
+        result[name] = [entry]
+    for node in model.graph.node:
+        if node.op_type in op_types:
+            for output in node.output:
+                result.setdefault(
+                    output,
+                    [{"quant_type": getattr(QuantType, ORT_QUANT_TYPES[op_types[node.op_type]])}],
+                )
+    return result
+
+
+def _fix_ir_version(path: Path) -> None:
+    """onnx writes the newest IR version; keep one that the installed onnxruntime accepts."""
+    import onnx
+
+    model = onnx.load(str(path))
+    if model.ir_version > 10:
+        model.ir_version = 10
+        onnx.save(model, str(path))

@@ -1,0 +1,295 @@
+"""The quantize stage's report: one typed record (``report.json``), one render per section (``.md``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from qnn_ctx_runtime.buckets import CropRule, PadRule
+
+from ..calibration.ranges import BiasFloor
+from ..core.metrics import Accuracy, worst_snr
+from ..core.records import BuildInputs
+from ..core.report import fmt, table, write_report
+from .evaluate import EndToEnd
+from .mixed_precision import MixedPrecision
+
+
+@dataclass(frozen=True)
+class PrepareStep:
+    step: str
+    details: list[str]
+
+
+@dataclass(frozen=True)
+class RangeRules:
+    """What pipeline.calibration.ranges changed in the calibrated ranges."""
+
+    clamped: int
+    widened: int
+    bias_floor: list[BiasFloor]
+
+
+@dataclass(frozen=True)
+class BucketReport:
+    """One static shape: its samples, sizes and QDQ-vs-float accuracy."""
+
+    name: str
+    shapes: dict[str, list[int]]
+    calibration_samples: int
+    calibrated_with_smaller: bool  # no sample of its own: every sample that fits, padded
+    heldout_samples: int
+    heldout_from_calibration: bool  # no held-out sample fits: validated on calibration samples
+    float_nodes: int
+    float_bytes: int
+    qdq_bytes: int
+    qdq_vs_float: dict[str, Accuracy]
+
+
+@dataclass(frozen=True)
+class WeightSharing:
+    """Initializers of the buckets' QDQ models: same name must mean the same bytes."""
+
+    shared_initializers: int
+    shared_bytes: int
+    bucket_specific: list[str]
+    bucket_specific_bytes: int
+
+
+@dataclass(frozen=True)
+class QuantizeReport:
+    model: str
+    version: str
+    config: str
+    inputs: BuildInputs
+    graph_inputs: list[str]
+    prepare: list[PrepareStep]  # of the largest bucket (the others differ only in shapes)
+    calibration_kind: str
+    calibration_samples: int
+    heldout_samples: int
+    calibration_chunk: int
+    merged_tensors: int
+    activation_type: str
+    weight_type: str
+    per_channel: bool
+    method: str
+    tensor_overrides: dict[str, str]
+    op_type_overrides: dict[str, str]
+    range_rules: RangeRules
+    mixed_precision: MixedPrecision | None
+    buckets: list[BucketReport]
+    pads: list[PadRule]
+    crops: list[CropRule]
+    weights: WeightSharing
+    end_to_end: EndToEnd
+    worst_snr_db: float  # QDQ vs float, worst output of the worst bucket
+    min_snr_db: float  # the gate, quantization.min_snr_db (0 = off)
+    passed: bool
+    source_bytes: int
+    timings_s: dict[str, float]
+
+    @property
+    def multi(self) -> bool:
+        return len(self.buckets) > 1
+
+
+# -- sections ---------------------------------------------------------------------------------
+
+
+def _header(r: QuantizeReport) -> list[str]:
+    shapes = f" ({len(r.buckets)} buckets)" if r.multi else ""
+    return [
+        f"# Quantization report: {r.model} {r.version}{shapes}",
+        "",
+        f"Source: `{r.inputs.source}` (sha256 `{r.inputs.source_sha256[:16]}…`)",
+        f"Config: `{r.config}`",
+        f"Inputs: {'; '.join(r.graph_inputs)}",
+    ]
+
+
+def _prepare_section(r: QuantizeReport) -> list[str]:
+    rows = [
+        [s.step, len(s.details), "; ".join(s.details[:3]) + (" …" if len(s.details) > 3 else "")]
+        for s in r.prepare
+    ]
+    return ["", "## Graph preparation", "", table(["step", "changes", "what"], rows)]
+
+
+def _quantization_section(r: QuantizeReport) -> list[str]:
+    row = [
+        r.activation_type,
+        r.weight_type,
+        r.per_channel,
+        r.method,
+        f"{r.calibration_samples} {r.calibration_kind}",
+        r.heldout_samples,
+    ]
+    lines = [
+        "",
+        "## Quantization",
+        "",
+        table(
+            ["activations", "weights", "per-channel", "method", "calibration", "held-out"], [row]
+        ),
+    ]
+    rules = r.range_rules
+    floors = ", ".join(f"`{f.tensor}`" for f in rules.bias_floor) or "none"
+    lines += [
+        "",
+        f"Calibrated ranges (pipeline/calibration/ranges.py): {rules.clamped} cut to what their "
+        f"saturating readers can tell apart, {rules.widened} widened for unseen values; widened "
+        f"so the int32 biases fit: {floors}.",
+    ]
+    if r.multi:
+        lines += [
+            "",
+            "One calibration over samples of varied size, each padded into the smallest bucket "
+            "that holds it; the ranges of all buckets are merged, so every bucket is quantized "
+            "with the same parameters.",
+        ]
+    return lines
+
+
+def _mixed_section(r: QuantizeReport) -> list[str]:
+    mixed = r.mixed_precision
+    if mixed is None or not mixed.tensors:
+        return []
+    where = f" (chosen on bucket {mixed.bucket}, applied to all)" if r.multi else ""
+    rows = [[t.name, t.kind, t.to, t.alone_snr_db] for t in mixed.tensors[:12]]
+    if len(mixed.tensors) > 12:
+        rows.append([f"… {len(mixed.tensors) - 12} more", "", "", ""])
+    return [
+        "",
+        f"Mixed precision{where}: raised {len(mixed.tensors)} tensor(s) to 16 bit; worst SNR "
+        f"{fmt(mixed.before_snr_db)} dB -> {fmt(mixed.after_snr_db)} dB. Chosen by each 8-bit "
+        "tensor's measured effect on the output (pipeline/quantize/mixed_precision.py); the "
+        "last column is the output SNR with only that tensor at 8 bit.",
+        "",
+        table(["tensor", "kind", "to", "output SNR alone (dB)"], rows),
+    ]
+
+
+def _buckets_section(r: QuantizeReport) -> list[str]:
+    if not r.multi:
+        return []
+    rows = [
+        [
+            b.name,
+            "; ".join(f"{k} {v}" for k, v in b.shapes.items()),
+            b.calibration_samples,
+            "yes" if b.calibrated_with_smaller else "no",
+            f"{b.heldout_samples}" + (" (calibration)" if b.heldout_from_calibration else ""),
+            worst_snr(b.qdq_vs_float) if b.qdq_vs_float else None,
+            b.qdq_bytes,
+        ]
+        for b in r.buckets
+    ]
+    pads = [[p.dim, f"{p.input}[{p.axis}]", p.value, p.side] for p in r.pads]
+    crops = [[c.output, c.axis, f"{c.input}[{c.input_axis}] ({c.dim})"] for c in r.crops]
+    w = r.weights
+    return [
+        "",
+        "## Buckets",
+        "",
+        table(
+            [
+                "bucket",
+                "shapes",
+                "calibration samples",
+                "fallback",
+                "held-out",
+                "SNR QDQ vs float dB",
+                "QDQ bytes",
+            ],
+            rows,
+        ),
+        "",
+        "Padding (into the bucket):",
+        "",
+        table(["dim", "axis", "value", "side"], pads) if pads else "none",
+        "",
+        "Outputs cropped back to the true size:",
+        "",
+        table(["output", "axis", "follows"], crops) if crops else "none",
+        "",
+        f"Weights: {w.shared_initializers} initializers ({w.shared_bytes:,} bytes) "
+        f"byte-identical in every bucket; {len(w.bucket_specific)} bucket-specific "
+        f"({w.bucket_specific_bytes:,} bytes).",
+    ]
+
+
+def _accuracy_section(r: QuantizeReport) -> list[str]:
+    e2e = r.end_to_end
+    largest = r.buckets[-1].qdq_vs_float
+    outputs = list(largest) or list(e2e.qdq_vs_source)
+    rows = [
+        [
+            out,
+            largest[out].snr_db if out in largest else None,
+            fmt(largest[out].max_abs, 5) if out in largest else None,
+            fmt(largest[out].cosine, 5) if out in largest else None,
+            e2e.qdq_vs_source[out].snr_db if out in e2e.qdq_vs_source else None,
+            e2e.float_vs_source[out].snr_db if out in e2e.float_vs_source else None,
+        ]
+        for out in outputs
+    ]
+    headers = [
+        "output",
+        "SNR QDQ vs float (dB)",
+        "max abs",
+        "cosine",
+        "QDQ vs source (dB)",
+        "prepared vs source (dB)",
+    ]
+    lines = [
+        "",
+        f"## Accuracy on held-out samples (CPU EP, {e2e.samples} at their true size)",
+        "",
+        table(headers, rows),
+        "",
+        "QDQ vs float: the QDQ model against the prepared float model"
+        + (" of the largest bucket" if r.multi else "")
+        + ". vs source: "
+        + ("padded into the bucket, run and cropped back, " if r.multi else "")
+        + "against the source model as the user exported it.",
+    ]
+    notes = []
+    if e2e.error:
+        notes.append(f"The source-model comparison could not run: {e2e.error}")
+    if e2e.source_failures:
+        notes.append(f"{e2e.source_failures} held-out sample(s) did not run on the source model.")
+    if e2e.shape_mismatches:
+        notes.append(f"{e2e.shape_mismatches} cropped output(s) differ in shape from the source.")
+    lines += [f"- {n}" for n in notes]
+    verdict = "passed" if r.passed else "FAILED"
+    if r.min_snr_db > 0:
+        lines += ["", f"Gate: min SNR {r.min_snr_db} dB (QDQ vs float) — {verdict}."]
+    return lines
+
+
+def _footer(r: QuantizeReport) -> list[str]:
+    qdq = sum(b.qdq_bytes for b in r.buckets)
+    flt = sum(b.float_bytes for b in r.buckets)
+    return [
+        "",
+        f"Sizes: source {r.source_bytes:,} B, prepared float {flt:,} B, QDQ {qdq:,} B"
+        + (" (all buckets)." if r.multi else "."),
+        "Timings: " + ", ".join(f"{k} {v:.2f} s" for k, v in r.timings_s.items()),
+    ]
+
+
+SECTIONS = (
+    _header,
+    _prepare_section,
+    _quantization_section,
+    _mixed_section,
+    _buckets_section,
+    _accuracy_section,
+    _footer,
+)
+
+
+def write(folder: Path, report: QuantizeReport) -> Path:
+    """report.md (each section rendered in turn) and report.json (the record itself)."""
+    lines = [line for section in SECTIONS for line in section(report)]
+    return write_report(folder, "\n".join(lines), report)

@@ -1,0 +1,213 @@
+"""The static shapes a build makes: one bucket per shape, each prepared from the source model.
+
+A config without ``[buckets]`` is one bucket whose shape is what ``[inputs]`` fixes (the
+preparation names every dim left dynamic). With ``[buckets]``, the plan comes from the source
+model's declared dims (``pipeline.graph.buckets``), and the length of every output the runtime
+crops back is measured on the source model and fitted to an exact rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qnn_ctx_runtime.buckets import Bucket, CropRule, PadRule
+
+from ..calibration.samples import InputSpec, input_specs
+from ..core.config import InputsSection, ModelConfig
+from ..core.errors import ModelError, PipelineError
+from ..core.fileio import atomic_path
+from ..graph import buckets as plans
+from ..graph.prepare import prepare_model
+from ..graph.transforms import Change
+from .evaluate import cpu_session, np_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedBucket:
+    """A bucket's prepared float model on disk, its inputs, and what preparation changed."""
+
+    bucket: Bucket
+    float_path: Path
+    specs: list[InputSpec]
+    changes: list[Change]
+    nodes: int
+
+
+def signatures(model: Any, constants: dict[str, Any]) -> tuple[plans.Signature, dict[str, Any]]:
+    """Declared dims of the real inputs (baked constants excluded) and of the outputs."""
+    initializers = {i.name for i in model.graph.initializer}
+
+    def dims(value: Any) -> list[int | str | None] | None:
+        tensor = value.type.tensor_type
+        if not tensor.HasField("shape"):
+            return None
+        out: list[int | str | None] = []
+        for d in tensor.shape.dim:
+            if d.HasField("dim_value") and d.dim_value > 0:
+                out.append(int(d.dim_value))
+            elif d.HasField("dim_param") and d.dim_param:
+                out.append(d.dim_param)
+            else:
+                out.append(None)
+        return out
+
+    inputs = {}
+    for value in model.graph.input:
+        if value.name in initializers or value.name in constants:
+            continue
+        declared = dims(value)
+        if declared is None:
+            raise ModelError(
+                f"Input {value.name!r} has unknown rank; [buckets] needs the rank of every input."
+            )
+        inputs[value.name] = declared
+    outputs = {o.name: dims(o) for o in model.graph.output}
+    return inputs, outputs
+
+
+def _prepare(source: Any, inputs: InputsSection, what: str) -> tuple[Any, list[Change]]:
+    try:
+        return prepare_model(source, inputs)
+    except PipelineError as exc:
+        raise type(exc)(f"{what}: {exc.message}", exc.tip) from None
+    except Exception as exc:  # a transform hit a graph it does not know; name the model
+        raise ModelError(
+            f"{what}: preparing the model failed: {type(exc).__name__}: {exc}",
+            tip="Report this model with the traceback of `python -X dev -m pipeline quantize`.",
+        ) from exc
+
+
+def prepare_buckets(
+    config: ModelConfig, source: Any, float_path_of: Any
+) -> Iterator[plans.BucketPlan | PreparedBucket]:
+    """The plan first, then each bucket prepared and saved to ``float_path_of(bucket name)``.
+
+    A generator, so only one prepared model is in memory at a time.
+    """
+    name = config.model.name
+    if not config.buckets.enabled:
+        prepared, changes = _prepare(source, config.inputs, name)
+        specs = input_specs(prepared)
+        plan = plans.single_bucket({s.name: s.shape for s in specs})
+        yield plan
+        yield _save(plan.buckets[0], prepared, changes, specs, float_path_of)
+        return
+    in_sigs, out_sigs = signatures(source, config.inputs.constants)
+    plan = plans.plan_buckets(
+        config.buckets, in_sigs, out_sigs, config.inputs.dims, config.inputs.shapes, config.path
+    )
+    plan = fit_crops(config, source, plan)
+    yield plan
+    for bucket in plan.buckets:
+        section = InputsSection(
+            dims=dict(config.inputs.dims),
+            shapes={k: list(v) for k, v in bucket.shapes.items()},
+            constants=dict(config.inputs.constants),
+        )
+        prepared, changes = _prepare(source, section, f"{name} bucket {bucket.describe()}")
+        yield _save(bucket, prepared, changes, input_specs(prepared), float_path_of)
+        del prepared
+
+
+def _save(
+    bucket: Bucket, prepared: Any, changes: list[Change], specs: list[InputSpec], path_of: Any
+) -> PreparedBucket:
+    import onnx
+
+    path = Path(path_of(bucket.name))
+    with atomic_path(path) as tmp:
+        onnx.save(prepared, str(tmp))
+    return PreparedBucket(bucket, path, specs, changes, len(prepared.graph.node))
+
+
+def fit_crops(config: ModelConfig, source: Any, plan: plans.BucketPlan) -> plans.BucketPlan:
+    """Measure how long each cropped output is for inputs of many sizes (the source model on the
+    CPU EP), and fit the length rule the runtime crops with; a ModelError when none fits."""
+    if not plan.crops:
+        return plan
+    try:
+        session = cpu_session(source)
+    except Exception as exc:  # onnxruntime's own error types
+        raise ModelError(
+            f"{config.model.name}: the source model does not load on the CPU EP ({exc}), so the "
+            "lengths of the outputs in [buckets] outputs cannot be measured.",
+            tip="Remove [buckets] outputs: the runtime then returns the padded outputs as they are.",
+        ) from None
+    types = {i.name: np_dtype(i.type) for i in session.get_inputs()}
+    constants = {
+        name: np.asarray(value, dtype=types.get(name, np.float32))
+        for name, value in config.inputs.constants.items()
+        if name in types
+    }
+    outputs = [o.name for o in session.get_outputs()]
+    smallest, largest = plan.buckets[0], plan.largest
+    rng = np.random.default_rng(config.calibration.seed)
+    fitted = []
+    for crop in plan.crops:
+        axes = [r for r in plan.pads if r.dim == crop.dim]
+        top = max(largest.shapes[r.input][r.axis] for r in axes)
+        sizes = {b.shapes[crop.input][crop.input_axis] for b in plan.buckets}
+
+        def length(size: int, crop: CropRule = crop, axes: list[PadRule] = axes) -> int | None:
+            return _output_length(session, smallest, axes, crop, size, types, constants)
+
+        top_length = length(top)
+        if top_length is None or crop.output not in outputs:
+            raise ModelError(
+                f"{config.model.name}: the source model does not run at the largest bucket's "
+                f"size ({crop.dim} = {top}), so the length of {crop.output!r} cannot be measured.",
+                tip="Remove it from [buckets] outputs.",
+            )
+        ratio = fractions.Fraction(top_length, top)
+        probes = set(range(1, min(top, 2 * ratio.denominator + 2) + 1))
+        probes |= {n + d for n in sizes for d in (-1, 0, 1) if 1 <= n + d <= top}
+        probes |= {int(n) for n in rng.integers(1, top + 1, 8)}
+        measured = {}
+        for size in sorted(probes):
+            got = length(size)
+            if got is not None:
+                measured[size] = got
+        rule = plans.fit_length_rule(measured, ratio.numerator, ratio.denominator)
+        if rule is None:
+            shown = ", ".join(f"{n}->{m}" for n, m in list(measured.items())[:12])
+            raise ModelError(
+                f"{config.model.name}: the length of output {crop.output!r} axis {crop.axis} does "
+                f"not follow {crop.dim} by a stride rule (measured {crop.dim} -> length: {shown}).",
+                tip="Remove it from [buckets] outputs: the runtime then returns it uncropped.",
+            )
+        fitted.append(
+            dataclasses.replace(
+                crop, num=ratio.numerator, den=ratio.denominator, add=rule[0], shift=rule[1]
+            )
+        )
+    return dataclasses.replace(plan, crops=fitted)
+
+
+def _output_length(
+    session: Any,
+    smallest: Bucket,
+    axes: list[PadRule],
+    crop: CropRule,
+    size: int,
+    types: dict[str, Any],
+    constants: dict[str, np.ndarray],
+) -> int | None:
+    """Length of ``crop.output`` along its axis when the followed dim is ``size`` (zeros fed)."""
+    feeds = {}
+    for name, shape in smallest.shapes.items():
+        dims = list(shape)
+        for rule in axes:
+            if rule.input == name:
+                dims[rule.axis] = size
+        feeds[name] = np.zeros(dims, dtype=types.get(name, np.float32))
+    try:
+        values = session.run([crop.output], {**feeds, **constants})
+    except Exception:  # too small for the model, say: that size is then not probed
+        return None
+    return int(np.asarray(values[0]).shape[crop.axis])
