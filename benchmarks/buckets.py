@@ -47,7 +47,7 @@ def rss():
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 import onnxruntime as ort
-from pipeline import qnn
+from qnn_ctx_runtime import qnn
 ep = qnn.find_qnn_ep()
 before = rss()
 after = []
@@ -83,7 +83,7 @@ def memory(models: list[Path], shared: bool) -> str:
     """RSS growth from opening every session in a fresh process, or why it could not."""
     spec = json.dumps({"models": [str(m) for m in models], "shared": shared})
     done = subprocess.run(
-        [sys.executable, "-c", MEMORY, str(ROOT), spec],
+        [sys.executable, "-c", MEMORY, str(ROOT / "runtime"), spec],
         capture_output=True,
         text=True,
         timeout=600,
@@ -121,45 +121,51 @@ def mb(value: float) -> str:
 
 
 def report(config_path: str, artifacts: Path, limit: float | None) -> bool:
-    from pipeline.bucket_compile import read_buckets_file
-    from pipeline.config import load_config
+    from pipeline.core.config import load_config
+    from pipeline.core.layout import ModelPaths
+    from pipeline.core.records import VariantRecord, read_record
 
     config = load_config(ROOT / config_path)
     stage("quantize", config_path, artifacts)
     stage("compile", config_path, artifacts)
-    quantize = json.loads(
-        (artifacts / "build" / config.model.name / "report.json").read_text("utf-8")
-    )
-    e2e = quantize["accuracy"].get("end_to_end", {})
+    paths = ModelPaths.of(artifacts, config.model.name)
+    quantize = json.loads(paths.report.with_suffix(".json").read_text("utf-8"))
+    e2e = quantize["end_to_end"]
     ok = True
     print(f"\n## {config.model.name} ({config_path})")
-    weights = quantize["buckets"]["weights"]
+    weights = quantize["weights"]
     print(
-        f"buckets: {', '.join(quantize['buckets']['names'])}; "
+        f"buckets: {', '.join(b['name'] for b in quantize['buckets'])}; "
         f"{weights['shared_initializers']} initializers ({weights['shared_bytes']:,} bytes) "
         "byte-identical in every bucket"
     )
-    for out, figures in (e2e.get("bucketed_qdq_vs_source_float") or {}).items():
-        pad_only = (e2e.get("bucketed_float_vs_source_float") or {}).get(out, {})
+    for out, figures in e2e["qdq_vs_source"].items():
+        pad_only = e2e["float_vs_source"].get(out, {})
         print(
             f"end to end (pad, run QDQ, crop) vs float at the true size, {out}: "
             f"SNR {db(figures['snr_db'])} (padding alone: {db(pad_only.get('snr_db'))})"
         )
-    ctx_root = artifacts / "build" / config.model.name / "ctx"
-    for details_file in sorted(ctx_root.glob("*/*/buckets.json")):
-        folder = details_file.parent
-        details = read_buckets_file(folder)
-        shared, standalone = details.get("shared") or {}, details.get("standalone") or {}
-        names = list(standalone.get("bucket_bytes", {}))
-        alone = standalone.get("bucket_bytes", {})
+    for record_file in sorted(paths.ctx.glob("*/*/variant.json")):
+        folder = record_file.parent
+        record, why = read_record(VariantRecord, record_file)
+        if record is None:
+            print(f"\n{folder}: unreadable record: {'; '.join(why)}")
+            ok = False
+            continue
+        shared, standalone = record.set_of("shared"), record.set_of("standalone")
+        if standalone is None:
+            print(f"\n{folder}: no standalone set to compare with (packaging)")
+            continue
+        names = list(standalone.bucket_bytes)
+        alone = standalone.bucket_bytes
         largest = max(alone.values())
         print(f"\n{folder.parent.name} / {folder.name}:")
-        print(f"  k={len(names)} buckets weight-shared : {mb(shared.get('total_bytes', 0))}")
-        print(f"  k={len(names)} separate ctx models  : {mb(standalone['total_bytes'])}")
+        print(f"  k={len(names)} buckets weight-shared : {mb(shared.total_bytes if shared else 0)}")
+        print(f"  k={len(names)} separate ctx models  : {mb(standalone.total_bytes)}")
         for name in names:
             print(f"  one bucket alone, {name:<12}: {mb(alone[name])}")
-        if shared.get("total_bytes"):
-            ratio = shared["total_bytes"] / largest
+        if shared is not None:
+            ratio = shared.total_bytes / largest
             verdict = ""
             if limit is not None:
                 passed = ratio <= limit
@@ -167,19 +173,17 @@ def report(config_path: str, artifacts: Path, limit: float | None) -> bool:
                 verdict = f"  (limit {limit}: {'PASS' if passed else 'FAIL'})"
             print(f"  shared / largest bucket alone: {ratio:.2f}x{verdict}")
             print(
-                f"  separate / shared            : {standalone['total_bytes'] / shared['total_bytes']:.2f}x"
+                f"  separate / shared            : {standalone.total_bytes / shared.total_bytes:.2f}x"
             )
-        ctx = details.get("ctx_files", {})
-        alone_files = details.get("standalone_files", {})
-        standalone_models = [folder / alone_files[n][0] for n in names]
+        standalone_models = [folder / standalone.ctx_files[n] for n in names]
         print(
             f"  memory, all {len(names)} standalone buckets open: {memory(standalone_models, False)}"
         )
         print(
             f"  memory, largest bucket alone open       : {memory(standalone_models[-1:], False)}"
         )
-        if ctx and shared:
-            shared_models = [folder / ctx[n] for n in names]
+        if shared is not None:
+            shared_models = [folder / shared.ctx_files[n] for n in names]
             print(f"  memory, all buckets over the shared context: {memory(shared_models, True)}")
     return ok
 
@@ -195,7 +199,7 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "pipeline", "example"], cwd=ROOT, check=True)
         ok = True
         for config in configs:
-            from pipeline.config import load_config
+            from pipeline.core.config import load_config
 
             try:
                 load_config(ROOT / config)

@@ -1,6 +1,6 @@
 """Peak RSS of the quantize stage for 16 vs 256 calibration samples, side by side in one run.
 
-Calibration is streamed in chunks (pipeline.quantize.CALIBRATION_CHUNK), so peak memory must
+Calibration is streamed in chunks (pipeline.quantize.quantizer.CALIBRATION_CHUNK), so peak memory must
 not grow with the number of samples. For contrast the same model is calibrated with
 onnxruntime's stock ``quantize_static`` reading every sample before computing ranges.
 

@@ -75,8 +75,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from shared_configs import runnable_configs  # noqa: E402
 from venvs import env_lock, envs_root, uv_command  # noqa: E402  (cached uv envs, shared with tests)
 
-from pipeline.config import ModelConfig  # noqa: E402
-from pipeline.report import fmt, table  # noqa: E402
+from pipeline.core.config import ModelConfig  # noqa: E402
+from pipeline.core.records import VariantRecord, read_record  # noqa: E402
+from pipeline.core.report import fmt, table  # noqa: E402
 
 OLIVE = "0.13.0"
 ONNXRUNTIME = "1.31.1"
@@ -100,7 +101,7 @@ MAX_ERROR = 400
 VALIDATE_SAMPLES = 16  # held-out samples per model, as our compile's validation uses
 # Our compile prints "  <target>: validate" when the ctx is compiled, verified and loaded (its
 # coverage measured) and validation on the simulator begins; polled twice a second, so late.
-VALIDATE_MARK = ": validate\n"
+VALIDATE_MARK = ": validate ("
 CALIBRATION_SAMPLES = 4
 # onnxruntime/quantization/execution_providers/qnn/preprocess.py, 1.24-1.31 (FACTS §9).
 PREPROCESS_FILE = "onnxruntime/quantization/execution_providers/qnn/preprocess.py"
@@ -316,7 +317,7 @@ def last_error(log: Path) -> str:
 
 def olive_inputs(config: ModelConfig) -> dict[str, list[Any]]:
     """name -> [fixed shape, dtype, constant or None] for every real graph input."""
-    from pipeline.qnn import read_model_summary
+    from qnn_ctx_runtime.qnn import read_model_summary
 
     summary = read_model_summary(config.source_path)
     inputs = {}
@@ -488,7 +489,7 @@ def run_olive(config: ModelConfig, python: Path, work: Path, soc_model: int, htp
     side.seconds, side.peak_mib = first.seconds, first.peak_mib
     side.rerun_s, side.rerun_peak_mib = again.seconds, again.peak_mib
     ctx = work / "out" / "model.onnx"
-    from pipeline.qnn import read_model_summary
+    from qnn_ctx_runtime.qnn import read_model_summary
 
     if not ctx.is_file() or not read_model_summary(ctx).nodes_of("EPContext"):
         side.whole = "no output"
@@ -563,12 +564,15 @@ def run_ours(path: Path, config: ModelConfig, artifacts: Path) -> Side:
         return side
     report = artifacts / "build" / name / "report.json"
     if report.is_file():
-        side.calibration = json.loads(report.read_text())["calibration"].get("samples")
-    variant = json.loads(variants[0].read_text())
-    cov = variant["coverage"]
-    cpu = cov.get("cpu_compute_nodes", [])
-    coverage_verdict(side, cov.get("qnn_partitions"), len(cpu), cov.get("cpu_ops", {}))
-    side.snr_db = variant.get("validation", {}).get("worst_snr_vs_float_db")
+        side.calibration = json.loads(report.read_text())["calibration_samples"]
+    variant, why = read_record(VariantRecord, variants[0])
+    if variant is None or variant.coverage is None:
+        side.whole = "no output"
+        side.notes.append("; ".join(why) or "the variant has no coverage (it failed)")
+        return side
+    cov = variant.coverage
+    coverage_verdict(side, cov.qnn_partitions, len(cov.cpu_compute_nodes), cov.cpu_ops)
+    side.snr_db = variant.validation.worst_snr_vs_float_db if variant.validation else None
     for (label, stage), run in runs.items():
         if run.returncode != 0:
             side.notes.append(f"{stage} ({label}) exit {run.returncode}: {last_error(run.log)}")
@@ -705,7 +709,7 @@ def main() -> int:
     parser.add_argument("configs", nargs="*", type=Path)
     parser.add_argument("--artifacts", type=Path, default=ROOT / "artifacts" / "olive_compare")
     args = parser.parse_args()
-    from pipeline.targets import get_target
+    from qnn_ctx_runtime.targets import get_target
 
     configs, notes = runnable_configs(args.configs, "not compared")
     python = olive_python()

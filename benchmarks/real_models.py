@@ -7,8 +7,10 @@ process, timed with --force so nothing is reused), then the figures are read fro
 preparation steps applied, quantize and compile time, QNN partitions, CPU compute nodes, SNR of
 QDQ vs float and of ctx (HTP simulator) vs float on held-out real inputs, ctx / QDQ / float file
 sizes, and session creation with online compile (QDQ) vs from the ctx model, with their ratio.
-Prints a Markdown table (and writes it to <artifacts>/real_models.md). Models whose file is
-absent (../shared/models not here) are listed as skipped.
+Prints a Markdown table (and writes it to <artifacts>/real_models.md). Bucketed configs are rows
+like any other (sizes: the primary context set, all buckets' QDQ and float models); their sharing
+sizes and memory are in benchmarks/buckets.py. Models whose file is absent (../shared/models not
+here) are listed as skipped.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from shared_configs import runnable_configs  # noqa: E402
 
-from pipeline.report import fmt, table  # noqa: E402
+from pipeline.core.records import VariantRecord, read_record  # noqa: E402
+from pipeline.core.report import fmt, table  # noqa: E402
 
 SHORT_STEPS = {
     "drop_initializer_inputs": "drop-init-inputs",
@@ -78,7 +81,7 @@ def main() -> int:
     parser.add_argument("configs", nargs="*", type=Path)
     parser.add_argument("--artifacts", type=Path, default=ROOT / "artifacts" / "bench")
     args = parser.parse_args()
-    configs, notes = runnable_configs(args.configs, "measured by benchmarks/buckets.py")
+    configs, notes = runnable_configs(args.configs)
     rows = []
     target = "-"
     for path, config in configs:
@@ -88,7 +91,7 @@ def main() -> int:
             ["quantize", str(path), "--artifacts", art, "--force"]
         )
         build = args.artifacts / "build" / name
-        if q_rc != 0 and not (build / "qdq.onnx").is_file():
+        if q_rc != 0 and not (build / "record.json").is_file():
             notes.append(f"{name}: quantize failed: {q_log.strip().splitlines()[-1]}")
             continue
         c_time, c_rc, c_log, c_rss = run_stage(
@@ -99,34 +102,38 @@ def main() -> int:
         if not variants:
             notes.append(f"{name}: compile produced no variant: {c_log.strip().splitlines()[-1]}")
             continue
-        variant = json.loads(variants[0].read_text())
-        target = variant["target"]
+        variant, why = read_record(VariantRecord, variants[0])
+        if variant is None:
+            notes.append(f"{name}: unreadable variant record: {'; '.join(why)}")
+            continue
+        target = variant.target
         steps = sorted(
             {SHORT_STEPS.get(c["step"], c["step"]) for c in report["prepare"] if c["details"]}
             - {"set_ir_version", "topological_sort", "store_inferred_shapes"}
         )
-        ctx_bytes = sum((variants[0].parent / f).stat().st_size for f in variant["files"])
-        cov, val, load = variant["coverage"], variant["validation"], variant["load"]
-        cpu_nodes = cov.get("cpu_compute_nodes", [])
-        mixed = report["quantization"].get("mixed_precision") or {}
+        primary = variant.sets[0] if variant.sets else None
+        cov, val, load = variant.coverage, variant.validation, variant.load
+        mixed = report.get("mixed_precision") or {}
+        buckets = report["buckets"]
         rows.append(
             [
-                name,
+                name + (f" ({len(buckets)} buckets)" if len(buckets) > 1 else ""),
                 ", ".join(steps),
                 q_time,
                 c_time,
                 max(q_rss, c_rss),
-                cov.get("qnn_partitions"),
-                len(cpu_nodes),
-                report["accuracy"]["worst_snr_db"],
-                val.get("worst_snr_vs_float_db"),
+                cov.qnn_partitions if cov else None,
+                len(cov.cpu_compute_nodes) if cov else None,
+                report["worst_snr_db"],
+                val.worst_snr_vs_float_db if val else None,
                 f"{len(mixed.get('tensors', []))} raised" if mixed.get("tensors") else "-",
-                f"{ctx_bytes / 1e6:.2f} / {report['graph']['qdq_bytes'] / 1e6:.2f} / "
-                f"{report['graph']['float_bytes'] / 1e6:.2f}",
-                load.get("qdq_s"),
-                load.get("ctx_s"),
-                f"{load['ratio']:.0f}x" if load.get("ratio") else "-",
-                "ok" if variant["status"] == "ok" and q_rc == 0 and c_rc == 0 else "FAILED",
+                f"{(primary.total_bytes if primary else 0) / 1e6:.2f} / "
+                f"{sum(b['qdq_bytes'] for b in buckets) / 1e6:.2f} / "
+                f"{sum(b['float_bytes'] for b in buckets) / 1e6:.2f}",
+                load.qdq_s if load else None,
+                load.ctx_s if load else None,
+                f"{load.ratio:.0f}x" if load and load.ratio else "-",
+                "ok" if variant.passed and q_rc == 0 and c_rc == 0 else "FAILED",
             ]
         )
     headers = [

@@ -1,4 +1,4 @@
-"""Which real-model configs a benchmark runs: the single-shape ones whose model file is here."""
+"""Which real-model configs a benchmark runs: those whose model file is here."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.config import ModelConfig, load_config  # noqa: E402
+from pipeline.core.config import ModelConfig, load_config  # noqa: E402
 
 
 def runnable_configs(
-    paths: list[Path], bucketed_note: str
+    paths: list[Path], bucketed_note: str | None = None
 ) -> tuple[list[tuple[Path, ModelConfig]], list[str]]:
     """Configs to run (default: configs/shared/*.toml) and a note for each one left out."""
     chosen, notes = [], []
     for path in paths or sorted((ROOT / "configs" / "shared").glob("*.toml")):
         config = load_config(path, check_files=False)
         name = config.model.name
-        if config.buckets.enabled:
+        if config.buckets.enabled and bucketed_note is not None:
             notes.append(f"{name}: bucketed config, {bucketed_note}")
         elif not config.source_path.is_file():
             notes.append(f"{name}: skipped, {config.source_path} is absent")

@@ -7,6 +7,7 @@ models) and calibration images (smooth synthetic scenes) are rebuilt identically
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,23 +125,51 @@ def synthetic_image(rng: np.random.Generator) -> np.ndarray:
     return image[np.newaxis].astype(np.float32)
 
 
-def ensure_example(root: Path, force: bool = False) -> Path:
-    """Write the example model and calibration tensors under ``root/artifacts/example``."""
+def _ensure(
+    root: Path,
+    model_file: str,
+    build: Callable[[], Any],
+    calibration: str,
+    samples: Callable[[np.random.Generator], Iterator[np.ndarray]],
+    count: int,
+    seed: int,
+    force: bool,
+) -> Path:
+    """Write a seeded model and ``count`` calibration arrays under ``root/artifacts/example``,
+    unless they are already there."""
     import onnx
 
     folder = Path(root) / "artifacts" / "example"
-    model_path = folder / "example_cnn.onnx"
-    calib = folder / "calibration"
-    if not force and model_path.is_file() and len(list(calib.glob("*.npy"))) == CALIBRATION_SAMPLES:
+    model_path = folder / model_file
+    calib = folder / calibration
+    if not force and model_path.is_file() and len(list(calib.glob("*.npy"))) == count:
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     with atomic_path(model_path) as tmp:
-        onnx.save(build_example_model(), str(tmp))
-    rng = np.random.default_rng(SEED + 1)
+        onnx.save(build(), str(tmp))
     with atomic_dir(calib) as tmp_dir:
-        for index in range(CALIBRATION_SAMPLES):
-            np.save(tmp_dir / f"sample_{index:03d}.npy", synthetic_image(rng))
+        for index, array in enumerate(samples(np.random.default_rng(seed))):
+            np.save(tmp_dir / f"sample_{index:03d}.npy", array)
     return folder
+
+
+def ensure_example(root: Path, force: bool = False) -> Path:
+    """Write the example model and calibration tensors under ``root/artifacts/example``."""
+
+    def images(rng: np.random.Generator) -> Iterator[np.ndarray]:
+        for _ in range(CALIBRATION_SAMPLES):
+            yield synthetic_image(rng)
+
+    return _ensure(
+        root,
+        "example_cnn.onnx",
+        build_example_model,
+        "calibration",
+        images,
+        CALIBRATION_SAMPLES,
+        SEED + 1,
+        force,
+    )
 
 
 # -- the bucketed example: a sequence model with a dynamic length --------------------------------
@@ -235,19 +264,18 @@ def synthetic_latent(rng: np.random.Generator, frames: int) -> np.ndarray:
 
 def ensure_bucket_example(root: Path, force: bool = False) -> Path:
     """Write the sequence model and calibration latents of varied length (configs/example_buckets.toml)."""
-    import onnx
 
-    folder = Path(root) / "artifacts" / "example"
-    model_path = folder / "example_seq.onnx"
-    calib = folder / "seq_calibration"
-    if not force and model_path.is_file() and len(list(calib.glob("*.npy"))) == SEQ_SAMPLES:
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    with atomic_path(model_path) as tmp:
-        onnx.save(build_sequence_model(), str(tmp))
-    rng = np.random.default_rng(SEED + 3)
-    with atomic_dir(calib) as tmp_dir:
-        for index in range(SEQ_SAMPLES):
-            frames = int(rng.integers(16, SEQ_MAX_FRAMES + 1))
-            np.save(tmp_dir / f"latent_{index:03d}.npy", synthetic_latent(rng, frames))
-    return folder
+    def latents(rng: np.random.Generator) -> Iterator[np.ndarray]:
+        for _ in range(SEQ_SAMPLES):
+            yield synthetic_latent(rng, int(rng.integers(16, SEQ_MAX_FRAMES + 1)))
+
+    return _ensure(
+        root,
+        "example_seq.onnx",
+        build_sequence_model,
+        "seq_calibration",
+        latents,
+        SEQ_SAMPLES,
+        SEED + 3,
+        force,
+    )

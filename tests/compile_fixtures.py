@@ -1,14 +1,24 @@
 """Small real inputs for the compile stage, laid out exactly as the quantize stage leaves them.
 
 Each graph is built with onnx.helper from a seed, quantized with onnxruntime's own QNN QDQ
-recipe (get_qnn_qdq_config + quantize, u16 activations / u8 weights) and written with
-``float.onnx``, ``qdq.onnx``, ``heldout/sample_NNNN.npz`` and ``record.json`` under
-``<artifacts>/build/<name>/``, plus a model config under ``<root>/configs/``.
+recipe (get_qnn_qdq_config + quantize, u16 activations / u8 weights) and written as the one
+bucket ("static") of a model without ``[buckets]`` (pipeline.core.layout):
+
+    <root>/configs/<name>.toml and <name>.onnx     the model config and its source model
+    <root>/artifacts/build/<name>/
+        heldout/sample_NNNN.npz (+ index.json)     held-out samples at their true size
+        buckets/static/{float,qdq}.onnx            the float model and its QDQ model
+        buckets/static/heldout/sample_NNNN.npz     the held-out samples that fit the bucket
+        record.json                                a QuantizeRecord, written last
+
+The record is a real ``pipeline.core.records.QuantizeRecord`` (the compile stage reads it
+strictly and checks every bucket's QDQ model against its sha256): its BuildInputs come from the
+quantize stage's own ``build_inputs`` on the config, its summary from the QDQ vs float
+comparison of ``pipeline.quantize.evaluate`` on the held-out samples.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,10 +26,23 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.fileio import sha256_file
+from pipeline.core.config import load_config
+from pipeline.core.fileio import link_or_copy, sha256_file, write_json
+from pipeline.core.layout import ModelPaths, sample_name
+from pipeline.core.metrics import worst_snr
+from pipeline.core.records import (
+    BucketArtifacts,
+    QuantizeRecord,
+    QuantizeSummary,
+    folder_digest,
+    write_record,
+)
 
 IR_VERSION = 9  # onnxruntime 1.26 (the 2.3.0 pin) reads up to IR 10; 1.31 up to 13
+BUCKET = "static"  # the one bucket of a model with one static shape
+CALIBRATION_SAMPLES = 8
 Graph = Callable[[np.random.Generator], onnx.GraphProto]
+Feeds = dict[str, np.ndarray]
 
 
 def _weight(rng: np.random.Generator, name: str, shape: list[int]) -> onnx.TensorProto:
@@ -120,16 +143,108 @@ def shape_tail(rng: np.random.Generator) -> onnx.GraphProto:
     )
 
 
-def write_config(root: Path, name: str, compile_section: str) -> Path:
+# -- the layout the quantize stage leaves ----------------------------------------------------------
+
+
+def write_config(root: Path, name: str, compile_section: str, source: str | None = None) -> Path:
+    """``<root>/configs/<name>.toml``; ``source`` defaults to ``<name>.onnx`` beside it."""
     configs = root / "configs"
     configs.mkdir(parents=True, exist_ok=True)
     path = configs / f"{name}.toml"
     path.write_text(
-        f'[model]\nname = "{name}"\nversion = "1.0.0"\nsource = "{name}.onnx"\n'
+        f'[model]\nname = "{name}"\nversion = "1.0.0"\nsource = "{source or name + ".onnx"}"\n'
         f'[calibration]\nkind = "random"\n[compile]\n{compile_section}\n',
         encoding="utf-8",
     )
     return path
+
+
+def model_paths(root: Path, name: str) -> ModelPaths:
+    return ModelPaths.of(root / "artifacts", name)
+
+
+def _quantize_qnn(float_path: Path, qdq_path: Path, calibration: list[Feeds]) -> None:
+    """onnxruntime's QNN QDQ recipe: u16 activations, u8 weights, MinMax."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.samples = iter(calibration)
+
+        def get_next(self) -> Feeds | None:
+            return next(self.samples, None)
+
+    recipe = get_qnn_qdq_config(
+        str(float_path),
+        Reader(),
+        activation_type=QuantType.QUInt16,
+        weight_type=QuantType.QUInt8,
+    )
+    quantize(str(float_path), str(qdq_path), recipe)
+
+
+def _write_heldout(paths: ModelPaths, samples: list[Feeds]) -> None:
+    """True-size samples under heldout/, and the same files in the one bucket (no padding)."""
+    bucket = paths.bucket(BUCKET)
+    paths.heldout.mkdir(parents=True, exist_ok=True)
+    bucket.heldout.mkdir(parents=True, exist_ok=True)
+    for index, sample in enumerate(samples):
+        true_path = paths.heldout / sample_name(index)
+        np.savez(true_path, **sample)
+        link_or_copy(true_path, bucket.heldout / sample_name(index))
+    write_json(
+        paths.heldout / "index.json",
+        [{"sample": i, "bucket": BUCKET} for i in range(len(samples))],
+    )
+
+
+def write_quantize_record(config_path: Path, calibration_samples: int) -> QuantizeRecord:
+    """The record the quantize stage writes last, for the one bucket already on disk."""
+    from pipeline.quantize.build import build_inputs as quantize_inputs
+    from pipeline.quantize.evaluate import evaluate
+
+    config = load_config(config_path)
+    paths = model_paths(config_path.parent.parent, config.model.name)
+    bucket = paths.bucket(BUCKET)
+    float_model = onnx.load(str(bucket.float_model), load_external_data=False)
+    shapes = {
+        i.name: [d.dim_value for d in i.type.tensor_type.shape.dim]
+        for i in float_model.graph.input
+    }
+    heldout = len(list(bucket.heldout.glob("sample_*.npz")))
+    outputs = evaluate(bucket.float_model, bucket.qdq, bucket.heldout)
+    q = config.quantization
+    record = QuantizeRecord(
+        status="ok",
+        model=config.model.name,
+        inputs=quantize_inputs(config),
+        buckets=[
+            BucketArtifacts(
+                name=BUCKET,
+                shapes=shapes,
+                float_sha256=sha256_file(bucket.float_model),
+                qdq_sha256=sha256_file(bucket.qdq),
+                heldout_digest=folder_digest(bucket.heldout, "sample_*.npz"),
+                heldout_samples=heldout,
+            )
+        ],
+        pads=[],
+        crops=[],
+        summary=QuantizeSummary(
+            activation_type=q.activation_type,
+            weight_type=q.weight_type,
+            method=q.method,
+            calibration_samples=calibration_samples,
+            heldout_samples=heldout,
+            worst_snr_db=worst_snr(outputs),
+            outputs=outputs,
+            prepare_steps=[],
+            mixed_precision=[],
+        ),
+    )
+    write_record(paths.record, record)
+    return record
 
 
 def build_inputs(
@@ -141,49 +256,33 @@ def build_inputs(
     seed: int = 0,
     opset: int = 17,
 ) -> Path:
-    """Float + QDQ + held-out feeds + record for ``graph``; returns the config path.
+    """Source + float + QDQ + held-out feeds + record for ``graph``; returns the config path.
 
     Calibration uses 8 seeded samples, the held-out set ``samples`` more.
     """
-    from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize
-    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
-
     rng = np.random.default_rng(seed)
     model = helper.make_model(graph(rng), opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = IR_VERSION
     onnx.checker.check_model(model, full_check=True)
-    folder = root / "artifacts" / "build" / name
-    (folder / "heldout").mkdir(parents=True, exist_ok=True)
-    float_path = folder / "float.onnx"
-    onnx.save(model, str(float_path))
+    config = write_config(root, name, compile_section)
+    onnx.save(model, str(config.parent / f"{name}.onnx"))  # the source; nothing to prepare
+    paths = model_paths(root, name)
+    bucket = paths.bucket(BUCKET)
+    bucket.root.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(bucket.float_model))
     shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
     input_name = model.graph.input[0].name
 
-    def feeds(count: int) -> list[dict[str, np.ndarray]]:
+    def feeds(count: int) -> list[Feeds]:
         return [{input_name: rng.standard_normal(shape).astype(np.float32)} for _ in range(count)]
 
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.samples = iter(feeds(8))
-
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            return next(self.samples, None)
-
-    config = get_qnn_qdq_config(
-        str(float_path),
-        Reader(),
-        activation_type=QuantType.QUInt16,
-        weight_type=QuantType.QUInt8,
-    )
-    quantize(str(float_path), str(folder / "qdq.onnx"), config)
-    qdq = onnx.load(str(folder / "qdq.onnx"))
+    _quantize_qnn(bucket.float_model, bucket.qdq, feeds(CALIBRATION_SAMPLES))
+    qdq = onnx.load(str(bucket.qdq))
     qdq.ir_version = IR_VERSION
-    onnx.save(qdq, str(folder / "qdq.onnx"))
-    for index, sample in enumerate(feeds(samples)):
-        np.savez(folder / "heldout" / f"sample_{index:04d}.npz", **sample)
-    record = {"quantize": {"status": "ok", "qdq_sha256": sha256_file(folder / "qdq.onnx")}}
-    (folder / "record.json").write_text(json.dumps(record), encoding="utf-8")
-    return write_config(root, name, compile_section)
+    onnx.save(qdq, str(bucket.qdq))
+    _write_heldout(paths, feeds(samples))
+    write_quantize_record(config, CALIBRATION_SAMPLES)
+    return config
 
 
 def stock_chain(root: Path, name: str, source: Path) -> Path:
@@ -194,8 +293,6 @@ def stock_chain(root: Path, name: str, source: Path) -> Path:
     that old exporters also list as inputs (ultraface does). Calibrating with those overridden
     gives the wild activation ranges behind ultraface's "Failed to compose Qnn graph".
     """
-    from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize
-    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
     from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_input_shape_fixed
 
     model = onnx.load(str(source))
@@ -208,32 +305,20 @@ def stock_chain(root: Path, name: str, source: Path) -> Path:
         feeds_shape[graph_input.name] = (dims, dtype)
     fix_output_shapes(model)
     model = onnx.shape_inference.infer_shapes(model)
-    folder = root / "artifacts" / "build" / name
-    (folder / "heldout").mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(folder / "float.onnx"))
+    config = write_config(root, name, "", source=Path(source).resolve().as_posix())
+    paths = model_paths(root, name)
+    bucket = paths.bucket(BUCKET)
+    bucket.root.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(bucket.float_model))
     rng = np.random.default_rng(0)
 
-    def feeds() -> dict[str, np.ndarray]:
+    def feeds() -> Feeds:
         return {
             k: rng.random(shape).astype(dtype) if dtype.kind == "f" else np.ones(shape, dtype)
             for k, (shape, dtype) in feeds_shape.items()
         }
 
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.samples = iter([feeds() for _ in range(4)])
-
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            return next(self.samples, None)
-
-    recipe = get_qnn_qdq_config(
-        str(folder / "float.onnx"),
-        Reader(),
-        activation_type=QuantType.QUInt16,
-        weight_type=QuantType.QUInt8,
-    )
-    quantize(str(folder / "float.onnx"), str(folder / "qdq.onnx"), recipe)
-    np.savez(folder / "heldout" / "sample_0000.npz", **feeds())
-    record = {"quantize": {"status": "ok", "qdq_sha256": sha256_file(folder / "qdq.onnx")}}
-    (folder / "record.json").write_text(json.dumps(record), encoding="utf-8")
-    return write_config(root, name, "")
+    _quantize_qnn(bucket.float_model, bucket.qdq, [feeds() for _ in range(4)])
+    _write_heldout(paths, [feeds()])
+    write_quantize_record(config, 4)
+    return config

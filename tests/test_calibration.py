@@ -8,14 +8,36 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.calibration import InputSpec, build_samples
-from pipeline.config import load_config
-from pipeline.errors import CalibrationError
+from pipeline.calibration.samples import (
+    BucketSamples,
+    InputSpec,
+    Router,
+    SampleRef,
+    sample_source,
+)
+from pipeline.core.config import ModelConfig, load_config
+from pipeline.core.errors import CalibrationError
+from pipeline.graph.buckets import single_bucket
 
 SPEC = [InputSpec("x", (1, 3, 8, 8), np.dtype("float32"))]
 
 
-def make_config(tmp_path: Path, calibration: str) -> object:
+def build_samples(
+    config: ModelConfig, specs: list[InputSpec]
+) -> tuple[BucketSamples, BucketSamples]:
+    """The calibration and held-out samples of a model with one static shape (one bucket), the
+    way the quantize stage makes them: a sample source, routed into the plan's only bucket."""
+    plan = single_bucket({s.name: s.shape for s in specs})
+    router = Router(config, plan, {s.name: s.dtype for s in specs})
+    source = sample_source(config, specs)
+    (bucket,) = plan.buckets
+    return (
+        BucketSamples(source, router, bucket, source.calib),
+        BucketSamples(source, router, bucket, source.held),
+    )
+
+
+def make_config(tmp_path: Path, calibration: str) -> ModelConfig:
     (tmp_path / "m.onnx").write_bytes(b"x")
     path = tmp_path / "cfg.toml"
     path.write_text(f'[model]\nname = "m"\nsource = "m.onnx"\n[calibration]\n{calibration}\n')
@@ -64,7 +86,7 @@ def test_missing_batch_axis_is_added(tmp_path: Path) -> None:
     [
         (
             {"shape": (1, 3, 9, 9)},
-            r"has shape \[1, 3, 9, 9\], the model input needs \[1, 3, 8, 8\]",
+            r"Input 'x' has size 9 on axis 2; the model needs 8 there \(\[1, 3, 8, 8\]\)",
         ),
         ({"dtype": np.float64}, "has dtype float64, the model input needs float32"),
     ],
@@ -76,6 +98,50 @@ def test_wrong_shape_or_dtype(tmp_path: Path, kwargs: dict, message: str) -> Non
     with pytest.raises(CalibrationError, match=message) as info:
         list(calib)
     assert "s0" in str(info.value)  # names the file
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ((1, 3, 9, 9), "has size 9 on axis 2; the model needs 8 there ([1, 3, 8, 8])"),
+        ((1, 3, 4, 8), "has size 4 on axis 2; the model needs 8 there ([1, 3, 8, 8])"),
+        ((3, 8, 9), "has size 9 on axis 3; the model needs 8 there ([1, 3, 8, 8])"),
+        ((2, 1, 3, 8, 8), "has rank 5 (shape [2, 1, 3, 8, 8]); the model takes rank 4"),
+    ],
+)
+def test_single_bucket_refuses_a_sample_of_another_shape(
+    tmp_path: Path, shape: tuple[int, ...], message: str
+) -> None:
+    """One static shape is a bucket with nothing to pad: a sample must have exactly its shape,
+    smaller ones too. The error names the file and the shape the model needs, for calibration
+    and held-out samples alike."""
+    folder = tensor_folder(tmp_path, 4, shape=shape)
+    config = make_config(tmp_path, 'kind = "tensors"\npath = "data"\nheld_out = 0.5')
+    calib, held = build_samples(config, SPEC)
+    for part in (calib, held):
+        with pytest.raises(CalibrationError) as info:
+            list(part)
+        text = str(info.value)
+        assert message in text
+        assert str(folder / part.refs[0].path.name) in text  # the first file of that part
+        assert "[inputs]" in (info.value.tip or "")  # the fix of a single shape, not [buckets]
+    # The router says the same for one sample, as the quantize stage calls it.
+    router = calib.router
+    ref = SampleRef(folder / "s00.npy")
+    own = router.own({"x": np.zeros(shape, np.float32)}, ref)
+    with pytest.raises(CalibrationError, match=r"s00\.npy: Input 'x'") as info:
+        router.bucket_of(own, ref)
+    assert message in str(info.value)
+
+
+def test_single_bucket_takes_a_sample_of_its_shape_as_it_is(tmp_path: Path) -> None:
+    tensor_folder(tmp_path, 2)
+    config = make_config(tmp_path, 'kind = "tensors"\npath = "data"\nheld_out = 0.0')
+    calib, _ = build_samples(config, SPEC)
+    ref, sample = next(calib.source.iterate(calib.refs))
+    (feeds,) = [f for r, f in calib.items() if r == ref]
+    assert np.array_equal(feeds["x"], sample["x"])  # nothing padded, nothing changed
+    assert calib.router.bucket_of(feeds, ref).name == "static"
 
 
 def test_wrong_tensor_name_in_npz(tmp_path: Path) -> None:

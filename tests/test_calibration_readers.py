@@ -15,9 +15,10 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from pipeline.calibration import InputSpec, build_samples
-from pipeline.config import load_config
-from pipeline.errors import CalibrationError
+from pipeline.calibration.samples import BucketSamples, InputSpec, Router, sample_source
+from pipeline.core.config import ModelConfig, load_config
+from pipeline.core.errors import CalibrationError
+from pipeline.graph.buckets import single_bucket
 
 REPO = Path(__file__).resolve().parent.parent
 PAD = 256
@@ -37,6 +38,20 @@ magika = _load("magika_features")
 ppocr = _load("ppocr_text")
 
 BYTES_SPEC = [InputSpec("bytes", (1, 2048), np.dtype("int32"))]
+
+
+def build_samples(
+    config: ModelConfig, specs: list[InputSpec]
+) -> tuple[BucketSamples, BucketSamples]:
+    """Calibration and held-out samples of a one-shape model, as the quantize stage routes them."""
+    plan = single_bucket({s.name: s.shape for s in specs})
+    router = Router(config, plan, {s.name: s.dtype for s in specs})
+    source = sample_source(config, specs)
+    (bucket,) = plan.buckets
+    return (
+        BucketSamples(source, router, bucket, source.calib),
+        BucketSamples(source, router, bucket, source.held),
+    )
 
 
 def ints(data: bytes) -> list[int]:

@@ -3,18 +3,43 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import onnx
 import pytest
-from compile_fixtures import build_inputs, cnn_with_op, shape_tail, small_cnn, stock_chain
+from compile_fixtures import (
+    BUCKET,
+    build_inputs,
+    cnn_with_op,
+    model_paths,
+    shape_tail,
+    small_cnn,
+    stock_chain,
+    write_config,
+)
+from qnn_ctx_runtime import qnn
+from qnn_ctx_runtime.toolchains import load_toolchains
+from qnn_ctx_runtime.typed import parse
 
-from pipeline import coverage, qnn
 from pipeline.__main__ import main
-from pipeline.compile import ChildOutcome, interpret, resolve_toolchain
-from pipeline.errors import ToolchainError
-from pipeline.toolchains import load_pins
-from pipeline.variant import VariantRecord
+from pipeline.compile import coverage
+from pipeline.compile.build import resolve_toolchain
+from pipeline.compile.child import ChildOutcome, interpret
+from pipeline.compile.eplog import parse_ep_log
+from pipeline.compile.job import WorkerResult
+from pipeline.core.errors import ToolchainError
+from pipeline.core.records import (
+    BucketOutcome,
+    Coverage,
+    LoadTimes,
+    NodeRef,
+    QuantizeRecord,
+    Validation,
+    VariantRecord,
+    read_record,
+)
 
 TWO_TARGETS = 'targets = ["snapdragon-x-elite", "snapdragon-8-gen-3"]\nmin_snr_db = 20.0'
 
@@ -28,61 +53,71 @@ def installed_pin() -> str:
 
 
 def variant(root: Path, model: str, target: str, toolchain: str | None = None) -> VariantRecord:
-    folder = root / "artifacts" / "build" / model / "ctx" / (toolchain or installed_pin()) / target
-    return VariantRecord.read(folder)
+    """The variant.json of one variant, parsed strictly (a malformed record fails the test)."""
+    path = model_paths(root, model).variant(toolchain or installed_pin(), target).record
+    record, why = read_record(VariantRecord, path)
+    assert record is not None, why
+    return record
+
+
+def report_variants(root: Path, model: str) -> list[VariantRecord]:
+    """The variants of ctx/report.json, parsed as the VariantRecords they are."""
+    data = json.loads((model_paths(root, model).ctx / "report.json").read_text())
+    issues: list[str] = []
+    records = [parse(VariantRecord, v, f"variants[{i}]", issues) for i, v in enumerate(data["variants"])]
+    assert not issues, issues
+    return records
 
 
 # -- bad input that needs no QNN -------------------------------------------------------------------
 
 
 def test_missing_qdq_says_to_run_quantize(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from compile_fixtures import write_config
-
     config = write_config(tmp_path, "never_quantized", "")
     assert compile_cli(tmp_path, str(config)) == 1
     err = capsys.readouterr().err
-    assert "no QDQ model" in err and "nox -s quantize" in err
+    assert "no usable quantize record" in err and "nox -s quantize" in err
 
 
 def test_unknown_target_lists_the_known_ones(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from compile_fixtures import write_config
-
     config = write_config(tmp_path, "m", 'targets = ["snapdragon-x-elit"]')
     assert compile_cli(tmp_path, str(config)) == 1
     err = capsys.readouterr().err
-    assert "Unknown target 'snapdragon-x-elit'" in err
-    assert "Did you mean 'snapdragon-x-elite'" in err and "snapdragon-8-gen-3" in err
+    assert "compile.targets names 'snapdragon-x-elit', not a known chip" in err
+    assert "did you mean 'snapdragon-x-elite'" in err and "snapdragon-8-gen-3" in err
 
 
 def test_unpinned_toolchain(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from compile_fixtures import write_config
-
     config = write_config(tmp_path, "m", "")
     assert compile_cli(tmp_path, "--toolchain", "2.4.0", str(config)) == 1
     err = capsys.readouterr().err
-    assert "onnxruntime-qnn '2.4.0' is not pinned" in err and "2.7.0" in err
+    assert "onnxruntime-qnn 2.4.0 (QNN SDK 2.48.40) is known but not pinned" in err
+    assert "2.7.0" in err
     config = write_config(tmp_path, "m", 'toolchains = ["9.9.9"]')
     assert compile_cli(tmp_path, str(config)) == 1
-    assert "'9.9.9' is not pinned" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "compile.toolchains names '9.9.9', which is not pinned" in err and "2.7.0" in err
 
 
 def test_wrong_onnxruntime_beside_onnxruntime_qnn_is_refused() -> None:
     """The versions of FACTS §2's silent CPU fallback: refused before anything is compiled."""
-    pins = load_pins()
+    table = load_toolchains()
     bad = qnn.InstalledQnn("2.3.0", "2.47.0", "1.31.1", "plugin")
     with pytest.raises(ToolchainError) as info:
-        resolve_toolchain(pins, "2.3.0", bad)
-    assert "onnxruntime-qnn 2.3.0 is not known to work with onnxruntime 1.31.1; pin 1.26.0" in str(
-        info.value
+        resolve_toolchain(table, "2.3.0", bad)
+    assert (
+        "onnxruntime-qnn 2.3.0 is not known to work with onnxruntime 1.31.1; the pin is 1.26.0"
+        in str(info.value)
     )
+    assert "falls back to CPU" in str(info.value)
     with pytest.raises(ToolchainError, match=r"needs onnxruntime-qnn 2\.5\.0"):
-        resolve_toolchain(pins, "2.5.0", qnn.InstalledQnn("2.7.0", "2.51.0", "1.31.1", "plugin"))
+        resolve_toolchain(table, "2.5.0", qnn.InstalledQnn("2.7.0", "2.51.0", "1.31.1", "plugin"))
     with pytest.raises(ToolchainError, match="not pinned"):
-        resolve_toolchain(pins, None, qnn.InstalledQnn("2.6.0", "2.50.40", "1.31.1", "plugin"))
+        resolve_toolchain(table, None, qnn.InstalledQnn("2.6.0", "2.50.40", "1.31.1", "plugin"))
     with pytest.raises(ToolchainError, match="onnxruntime-qnn is not installed"):
-        resolve_toolchain(pins, "2.7.0", qnn.InstalledQnn("", "", "1.31.1", "none"))
+        resolve_toolchain(table, "2.7.0", qnn.InstalledQnn("", "", "1.31.1", "none"))
     good = qnn.InstalledQnn("2.7.0", "2.51.0", "1.31.1", "plugin")
-    assert resolve_toolchain(pins, None, good).qnn_sdk == "2.51.0"
+    assert resolve_toolchain(table, None, good).qnn_sdk == "2.51.0"
 
 
 # -- facts the EP leaves behind --------------------------------------------------------------------
@@ -121,7 +156,7 @@ def test_ep_log_facts_from_real_lines() -> None:
         "terminate called after throwing an instance of 'Ort::Exception'\n"
         "  what():  Tensor name not found.\n"
     )
-    facts = qnn.parse_ep_log(log)
+    facts = parse_ep_log(log)
     assert facts.nodes == ["_token_282"]
     assert facts.op_types == ["Conv2d"]
     assert facts.error_codes == ["6007"]
@@ -129,29 +164,56 @@ def test_ep_log_facts_from_real_lines() -> None:
     assert facts.rejected == [{"node": "shape", "op_type": "Shape", "code": "3110"}]
     assert facts.abort == "Tensor name not found."
     assert any("Failed to compose Qnn graph" in line for line in facts.error_lines)
-    assert qnn.parse_ep_log("all fine\n").to_dict()["nodes"] == []
+    assert parse_ep_log("all fine\n").to_dict()["nodes"] == []
+
+
+def _passed_bucket() -> BucketOutcome:
+    cov = Coverage(1, 10, [], {}, [], 2, True, "gate", [])
+    val = Validation({}, {}, {}, 40.0, 30.0, 4, "heldout", True, "gate")
+    return BucketOutcome(cov, [], [], val)
 
 
 def test_death_in_qdq_benchmark_keeps_the_variant() -> None:
     """If only the QDQ reference session (online compile) dies, the ctx artifact still counts."""
-    result = {
-        "stage": "benchmark",
-        "status": "running",
-        "validation": {"passed": True},
-        "load": {"runs": 3, "ctx_s": 0.01, "step": "qdq"},
-    }
+    result = WorkerResult(
+        stage="benchmark",
+        status="running",
+        buckets={BUCKET: _passed_bucket()},
+        load=LoadTimes(runs=3, ctx_s=0.01, all_s=0.01, buckets={BUCKET: 0.01}),
+        timing_online_compile=True,
+    )
     log = "[compile_worker] stage: benchmark\nterminate called after throwing\n  what():  boom\n"
-    status, error = interpret(ChildOutcome(result, -6, False, 1.0, log), 60)
-    assert status == "ok" and error == {}
-    assert "native abort" in result["load"]["qdq_error"] and "boom" in result["load"]["qdq_error"]
-    result = {"stage": "load", "status": "running"}
-    status, error = interpret(ChildOutcome(result, -6, False, 1.0, log), 60)
-    assert status == "failed" and error["kind"] == "abort" and error["stage"] == "load"
+    status, failure = interpret(ChildOutcome(result, -6, False, 1.0, log), 60)
+    assert status == "ok" and failure is None
+    assert result.load is not None and result.load.qdq_error is not None
+    assert "native abort" in result.load.qdq_error and "boom" in result.load.qdq_error
+    assert not result.timing_online_compile
+    result = WorkerResult(stage="load", status="running")
+    status, failure = interpret(ChildOutcome(result, -6, False, 1.0, log), 60)
+    assert status == "failed" and failure is not None
+    assert failure.kind == "abort" and failure.stage == "load" and failure.abort == "boom"
+    assert not failure.infrastructure
+
+
+def test_outside_kill_is_not_the_models_failure() -> None:
+    """SIGKILL/SIGTERM with no abort in the log is an outside kill, never cached as the model's."""
+    for sig in (signal.SIGKILL, signal.SIGTERM):
+        result = WorkerResult(stage="validate", status="running")
+        status, failure = interpret(ChildOutcome(result, -sig, False, 1.0, "plain output\n"), 60)
+        assert status == "failed" and failure is not None
+        assert failure.kind == "killed" and failure.stage == "validate" and failure.infrastructure
+        assert sig.name in failure.message
+    # A SIGKILL by the timeout is the timeout; a segfault is the model's crash.
+    result = WorkerResult(stage="compile", status="running")
+    status, failure = interpret(ChildOutcome(result, -9, True, 5.0, ""), 5)
+    assert failure is not None and failure.kind == "timeout" and not failure.infrastructure
+    status, failure = interpret(ChildOutcome(result, -11, False, 1.0, ""), 5)
+    assert failure is not None and failure.kind == "crash" and not failure.infrastructure
 
 
 def test_model_summary_matches_onnx(tmp_path: Path) -> None:
     build_inputs(tmp_path, "m", small_cnn)
-    path = tmp_path / "artifacts" / "build" / "m" / "qdq.onnx"
+    path = model_paths(tmp_path, "m").bucket(BUCKET).qdq
     model = onnx.load(str(path))
     summary = qnn.read_model_summary(path)
     assert [(n.name, n.op_type, n.inputs, n.outputs) for n in summary.nodes] == [
@@ -167,7 +229,7 @@ def test_model_summary_matches_onnx(tmp_path: Path) -> None:
 
 def test_coverage_counts_cpu_nodes_but_not_graph_io_qdq(tmp_path: Path) -> None:
     build_inputs(tmp_path, "m", cnn_with_op("Erf"))
-    graph = qnn.read_model_summary(tmp_path / "artifacts" / "build" / "m" / "qdq.onnx")
+    graph = qnn.read_model_summary(model_paths(tmp_path, "m").bucket(BUCKET).qdq)
     q_in = next(n for n in graph.nodes if n.op_type == "QuantizeLinear" and n.inputs[0] == "x")
     dq_out = next(n for n in graph.nodes if n.op_type == "DequantizeLinear" and n.outputs[0] == "y")
     erf = next(n for n in graph.nodes if n.op_type == "Erf")
@@ -179,22 +241,22 @@ def test_coverage_counts_cpu_nodes_but_not_graph_io_qdq(tmp_path: Path) -> None:
     assignment += [("CPUExecutionProvider", [node]) for node in cpu]
 
     strict = coverage.summarize(assignment, graph)
-    assert strict["qnn_partitions"] == 2 and strict["cpu_io_qdq_nodes"] == 2
-    assert {n["op_type"] for n in strict["cpu_compute_nodes"]} == {
+    assert strict.qnn_partitions == 2 and strict.cpu_io_qdq_nodes == 2
+    assert {n.op_type for n in strict.cpu_compute_nodes} == {
         "Erf",
         "QuantizeLinear",
         "DequantizeLinear",
     }
-    assert not strict["passed"] and "Erf x1" in strict["problems"][1]
+    assert not strict.passed and "Erf x1" in strict.problems[1]
 
     relaxed = coverage.summarize(assignment, graph, max_partitions=2, allowed_cpu_ops=["Erf"])
-    assert relaxed["passed"], relaxed["problems"]
-    assert len(relaxed["cpu_allowed_nodes"]) == 3 and relaxed["cpu_compute_nodes"] == []
+    assert relaxed.passed, relaxed.problems
+    assert len(relaxed.cpu_allowed_nodes) == 3 and relaxed.cpu_compute_nodes == []
 
     only_io = [("QNNExecutionProvider", qnn_nodes)] + [
         ("CPUExecutionProvider", [n]) for n in cpu[:2]
     ]
-    assert coverage.summarize(only_io, graph)["passed"]
+    assert coverage.summarize(only_io, graph).passed
 
 
 # -- the real thing ------------------------------------------------------------------------------
@@ -213,41 +275,58 @@ def test_two_targets_compile_with_full_coverage(
     two_targets: Path, capsys: pytest.CaptureFixture
 ) -> None:
     config = two_targets / "configs" / "tiny.toml"
+    paths = model_paths(two_targets, "tiny")
+    quantized, why = read_record(QuantizeRecord, paths.record)
+    assert quantized is not None, why
     assert compile_cli(two_targets, str(config), "--force") == 0
-    pin = load_pins().get(installed_pin())
-    build = two_targets / "artifacts" / "build" / "tiny"
+    pin = load_toolchains().get(installed_pin())
     for name, soc, arch in (("snapdragon-x-elite", 60, 73), ("snapdragon-8-gen-3", 57, 75)):
         record = variant(two_targets, "tiny", name)
-        folder = build / "ctx" / pin.onnxruntime_qnn / name
+        folder = paths.variant(pin.onnxruntime_qnn, name).root
         assert record.passed and record.status == "ok", record.error
+        assert (record.model, record.toolchain, record.target) == ("tiny", pin.onnxruntime_qnn, name)
+        assert (record.qnn_sdk, record.onnxruntime) == (pin.qnn_sdk, pin.onnxruntime)
+        assert (record.soc_model, record.htp_arch) == (soc, arch)
+        assert record.inputs_digest and record.error is None
+        # Compiled from exactly the QDQ model the quantize record names.
+        assert record.built_from.qdq_sha256 == {BUCKET: quantized.bucket(BUCKET).qdq_sha256}
+        assert [s.kind for s in record.sets] == ["single"]
         assert record.files == [f"tiny_{name}_qnn{pin.qnn_sdk}_ctx.onnx"]
-        assert record.qnn_sdk_version == pin.qnn_sdk
-        info = qnn.parse_compatibility_info(record.ep_compatibility_info)
+        facts = record.sets[0].facts[BUCKET]
+        assert facts.qnn_sdk_version == pin.qnn_sdk and facts.embed_mode == 1
+        info = qnn.parse_compatibility_info(facts.ep_compatibility_info)
         assert (info.soc_models, info.htp_archs) == ((soc,), (arch,))
         ctx = qnn.read_model_summary(folder / record.files[0])
         assert [n.op_type for n in ctx.nodes].count("EPContext") == 1
-        assert record.coverage["qnn_partitions"] == 1
-        assert record.coverage["cpu_compute_nodes"] == []
-        assert record.coverage["cpu_io_qdq_nodes"] == 2  # graph-input Q and graph-output DQ
-        assert (
-            record.validation["samples"] == 4 and record.validation["samples_source"] == "heldout"
-        )
-        assert record.validation["worst_snr_db"] > 30  # ctx on the HTP simulator vs QDQ on CPU
-        assert record.validation["ctx_vs_float"]["y"]["cosine"] > 0.99
-        assert record.load["qdq_s"] > 0 and record.load["ctx_s"] > 0 and record.load["ratio"] > 0
+        assert record.coverage is not None and record.validation is not None
+        assert record.coverage.qnn_partitions == 1
+        assert record.coverage.cpu_compute_nodes == []
+        assert record.coverage.cpu_io_qdq_nodes == 2  # graph-input Q and graph-output DQ
+        assert record.validation.samples == 4 and record.validation.samples_source == "heldout"
+        assert record.validation.worst_snr_db > 30  # ctx on the HTP simulator vs QDQ on CPU
+        assert record.validation.ctx_vs_float["y"].cosine > 0.99
+        load = record.load
+        assert load is not None and load.qdq_s and load.ctx_s and load.ratio
+        assert load.qdq_s > 0 and load.ctx_s > 0 and load.ratio > 0
         assert (folder / "compile.log").is_file()
-    report = json.loads((build / "ctx" / "report.json").read_text())
-    assert [(r["target"], r["passed"]) for r in report["variants"]] == [
+    rows = report_variants(two_targets, "tiny")
+    assert [(r.target, r.passed) for r in rows] == [
         ("snapdragon-x-elite", True),
         ("snapdragon-8-gen-3", True),
     ]
-    assert "| pass |" in (build / "ctx" / "report.md").read_text()
-    section = json.loads((build / "record.json").read_text())["compile"][pin.onnxruntime_qnn]
-    assert section["qnn_sdk"] == pin.qnn_sdk and set(section["variants"]) == {
-        "snapdragon-x-elite",
-        "snapdragon-8-gen-3",
+    assert "| pass |" in (paths.ctx / "report.md").read_text()
+    # The variants of this toolchain are its variant.json files; the quantize record is the
+    # quantize stage's alone and the compile stage leaves it as it was.
+    toolchain_dir = paths.ctx / pin.onnxruntime_qnn
+    assert sorted(p.name for p in toolchain_dir.iterdir()) == sorted(
+        ["snapdragon-x-elite", "snapdragon-8-gen-3"]
+    )
+    assert {variant(two_targets, "tiny", t).qnn_sdk for t in ("snapdragon-x-elite",)} == {
+        pin.qnn_sdk
     }
-    assert json.loads((build / "record.json").read_text())["quantize"]["status"] == "ok"
+    after, why = read_record(QuantizeRecord, paths.record)
+    assert after == quantized and after is not None and after.status == "ok", why
+    assert "compile" not in json.loads(paths.record.read_text())
 
 
 @pytest.mark.qnn
@@ -263,8 +342,9 @@ def test_rerun_is_skipped_and_embed_change_rebuilds_without_stale_files(
     assert compile_cli(two_targets, str(config)) == 0
     assert "skipped" not in capsys.readouterr().out
     record = variant(two_targets, "tiny", "snapdragon-x-elite")
-    folder = two_targets / "artifacts/build/tiny/ctx" / installed_pin() / "snapdragon-x-elite"
-    assert record.embed_mode == 0 and len(record.files) == 2 and record.files[1].endswith(".bin")
+    folder = model_paths(two_targets, "tiny").variant(installed_pin(), "snapdragon-x-elite").root
+    assert record.sets[0].facts[BUCKET].embed_mode == 0
+    assert len(record.files) == 2 and record.files[1].endswith(".bin")
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         [*record.files, "variant.json", "compile.log"]
     )
@@ -290,9 +370,10 @@ def test_op_qnn_rejects_fails_the_gate_listing_it(
     assert "2 QNN partitions (max_partitions = 1)" in err
     assert "1 node(s) on CPU: Softsign x1; nodes: odd_op (Softsign)" in err
     record = variant(tmp_path, "softsign", "snapdragon-x-elite")
-    assert record.status == "ok" and not record.coverage["passed"] and not record.passed
-    assert record.coverage["cpu_compute_nodes"] == [{"name": "odd_op", "op_type": "Softsign"}]
-    report = (tmp_path / "artifacts/build/softsign/ctx/report.md").read_text()
+    assert record.coverage is not None
+    assert record.status == "ok" and not record.coverage.passed and not record.passed
+    assert record.coverage.cpu_compute_nodes == [NodeRef("odd_op", "Softsign")]
+    report = (model_paths(tmp_path, "softsign").ctx / "report.md").read_text()
     assert "FAIL gate" in report and "Softsign x1" in report
     # The config can relax the gate for an op known to stay on the CPU.
     config.write_text(config.read_text() + 'max_partitions = 2\nallowed_cpu_ops = ["Softsign"]\n')
@@ -313,28 +394,120 @@ def test_native_abort_is_reported_and_the_build_goes_on(
     assert "2 variant(s) failed" in err
     for target in ("snapdragon-x-elite", "snapdragon-8-gen-3"):
         record = variant(tmp_path, "shape_tail", target)
-        assert record.status == "failed" and record.error["kind"] == "abort", record.error
-        assert record.error["stage"] == "load"
-        assert record.error["abort"] == "Tensor name not found."
-        assert "terminate called" in record.error["message"]
-        assert "Shape" in record.error["rejected_earlier"]
+        error = record.error
+        assert record.status == "failed" and error is not None and error.kind == "abort", error
+        assert error.stage == "load"
+        assert error.abort == "Tensor name not found."
+        assert "terminate called" in error.message
+        assert "Shape" in error.rejected_earlier
+        # The model's own failure: the record is reused until its inputs change.
+        assert not error.infrastructure and record.inputs_digest
         assert f"FAILED shape_tail {target}" in err
     assert variant(tmp_path, "tiny", "snapdragon-x-elite").passed  # built after the crash
-    report = (tmp_path / "artifacts/build/shape_tail/ctx/report.md").read_text()
+    report = (model_paths(tmp_path, "shape_tail").ctx / "report.md").read_text()
     assert "abort in step `load`" in report and "Tensor name not found." in report
 
 
+# A real hang or kill inside the worker: Python imports ``sitecustomize`` at the start of every
+# process whose sys.path has it, and the compile stage starts its worker with this process's
+# environment (its own PYTHONPATH entries first). This process started before the variable was
+# set, so only the worker runs the hook. The hook marks where it took over (the pid in a file).
+WORKER_HOOK = """\
+import os
+import signal
+import threading
+
+import onnxruntime
+
+
+def _take_over(self, *args, **kwargs):
+    with open({marker!r}, "w") as handle:
+        handle.write(str(os.getpid()))
+    print("[test hook] ModelCompiler.compile_to_file taken over: {action}", flush=True)
+    if {action!r} == "hang":
+        threading.Event().wait()  # never set: a compile that never returns
+    os.kill(os.getpid(), signal.SIGKILL)  # an outside kill (the OOM killer, an operator)
+
+
+onnxruntime.ModelCompiler.compile_to_file = _take_over
+"""
+
+
+def hook_worker(monkeypatch: pytest.MonkeyPatch, where: Path, action: str) -> Path:
+    """Make ``ModelCompiler.compile_to_file`` in the worker ``hang`` or ``kill`` it; returns the
+    file the hook writes the worker's pid to when it takes over."""
+    folder = where / "hook"
+    folder.mkdir()
+    marker = where / "hooked.pid"
+    (folder / "sitecustomize.py").write_text(WORKER_HOOK.format(marker=str(marker), action=action))
+    parts = [str(folder), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in parts if p))
+    return marker
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @pytest.mark.qnn
-def test_hang_is_cut_by_the_timeout(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_hang_is_cut_by_the_timeout(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compile_to_file never returns: compile.timeout_s kills the worker, whatever the speed."""
     pytest.importorskip("onnxruntime_qnn")
-    config = build_inputs(tmp_path, "slow", small_cnn, "timeout_s = 0.5")
+    config = build_inputs(tmp_path, "slow", small_cnn, "timeout_s = 20")
+    marker = hook_worker(monkeypatch, tmp_path, "hang")
     assert compile_cli(tmp_path, str(config)) == 1
+    assert marker.is_file(), "the worker never reached ModelCompiler.compile_to_file"
+    assert not is_alive(int(marker.read_text())), "the hung worker was left running"
     record = variant(tmp_path, "slow", "snapdragon-x-elite")
-    assert record.status == "failed" and record.error["kind"] == "timeout"
-    assert "no result after 0.5 s" in record.error["message"]
-    assert "timeout" in capsys.readouterr().err
-    work = [p for p in (tmp_path / "artifacts/build/slow/ctx").iterdir() if p.name.startswith(".")]
+    error = record.error
+    assert record.status == "failed" and error is not None and error.kind == "timeout", error
+    assert error.stage == "compile"
+    assert "no result after 20 s in step 'compile'" in error.message
+    assert record.sets == [] and record.files == []
+    err = capsys.readouterr().err
+    assert "timeout in compile" in err
+    log = model_paths(tmp_path, "slow").variant(installed_pin(), "snapdragon-x-elite").log
+    assert "compile_to_file taken over: hang" in log.read_text()
+    ctx = model_paths(tmp_path, "slow").ctx
+    work = [p for p in ctx.rglob(".*")]
     assert work == [], "the worker's scratch folder was left behind"
+
+
+@pytest.mark.qnn
+def test_outside_kill_is_recorded_and_rebuilt_next_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker SIGKILLed from outside is 'killed', not the model's failure: never reused."""
+    pytest.importorskip("onnxruntime_qnn")
+    config = build_inputs(tmp_path, "victim", small_cnn)
+    marker = hook_worker(monkeypatch, tmp_path, "kill")
+    assert compile_cli(tmp_path, str(config)) == 1
+    assert marker.is_file(), "the worker never reached ModelCompiler.compile_to_file"
+    record = variant(tmp_path, "victim", "snapdragon-x-elite")
+    error = record.error
+    assert record.status == "failed" and error is not None and error.kind == "killed", error
+    assert error.stage == "compile" and "SIGKILL" in error.message and error.infrastructure
+    assert record.inputs_digest == ""
+    err = capsys.readouterr().err
+    assert "killed in compile" in err
+
+    monkeypatch.undo()  # the next run has no hook
+    marker.unlink()
+    assert compile_cli(tmp_path, str(config)) == 0
+    out = capsys.readouterr().out
+    assert "skipped" not in out and not marker.exists()
+    record = variant(tmp_path, "victim", "snapdragon-x-elite")
+    assert record.status == "ok" and record.passed and record.error is None
+    assert record.inputs_digest
+    # Now the variant is the model's own result, and reused.
+    assert compile_cli(tmp_path, str(config)) == 0
+    assert "(unchanged, skipped)" in capsys.readouterr().out
 
 
 @pytest.mark.qnn
@@ -348,7 +521,8 @@ def test_compose_failure_names_node_op_and_qnn_code(tmp_path: Path) -> None:
     config = stock_chain(tmp_path, "ultraface", source)
     assert compile_cli(tmp_path, str(config)) == 1
     error = variant(tmp_path, "ultraface", "snapdragon-x-elite").error
-    assert error["kind"] == "compose" and error["stage"] == "compile"
-    assert "Failed to compose Qnn graph" in error["message"]
-    assert error["op_types"] == ["Conv2d"] and error["qnn_error_codes"] == ["6007"]
-    assert len(error["nodes"]) == 1
+    assert error is not None
+    assert error.kind == "compose" and error.stage == "compile"
+    assert "Failed to compose Qnn graph" in error.message
+    assert error.op_types == ["Conv2d"] and error.qnn_error_codes == ["6007"]
+    assert len(error.nodes) == 1

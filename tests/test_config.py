@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_config
-from pipeline.errors import ConfigError, ToolchainError
-from pipeline.targets import get_target
-from pipeline.toolchains import load_pins
+from pipeline.core.config import load_config
+from pipeline.core.errors import ConfigError, ToolchainError
+from qnn_ctx_runtime.errors import UsageError
+from qnn_ctx_runtime.targets import get_target
+from qnn_ctx_runtime.toolchains import load_toolchains
 
 MINIMAL = """
 [model]
@@ -86,18 +87,155 @@ def test_invalid_toml(tmp_path: Path) -> None:
 
 
 def test_unknown_target_lists_known_ones() -> None:
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UsageError) as info:
         get_target("snapdragon-x-elit")
     assert "did you mean 'snapdragon-x-elite'" in str(info.value).lower()
     assert "snapdragon-8-gen-3" in str(info.value)
 
 
 def test_pins_are_consistent() -> None:
-    pins = load_pins()
-    assert pins.default in pins.toolchains
+    pins = load_toolchains()
+    assert pins.default in pins.pinned
     assert pins.get("2.7.0").qnn_sdk == "2.51.0"
     # FACTS §2: 2.3.0 falls back to CPU with onnxruntime >= 1.28; the pin must avoid that.
     ort_230 = tuple(int(x) for x in pins.get("2.3.0").onnxruntime.split(".")[:2])
     assert ort_230 < (1, 28)
     with pytest.raises(ToolchainError, match="not pinned"):
         pins.get("9.9.9")
+    # Known releases without a verified onnxruntime are not pins either.
+    assert "2.6.0" in pins.known and "2.6.0" not in pins.pinned
+    with pytest.raises(ToolchainError, match="not pinned"):
+        pins.get("2.6.0")
+
+
+# -- every problem of a file in one error ---------------------------------------------------------
+
+SEVERAL = """
+[model]
+name = "m"
+source = "m.onnx"
+[calibration]
+kind = "random"
+held_out = 1.5
+seed = -1
+[calibration.image]
+size = [0, 0]
+[calibration.audio]
+window = 0
+[quantization]
+activaton_type = "uint8"
+"""
+
+SEVERAL_MESSAGES = [
+    "unknown key [quantization] 'activaton_type'; did you mean 'activation_type'?",
+    "calibration.held_out = 1.5 must be in [0, 1)",
+    "calibration.seed = -1 must be >= 0",
+    "calibration.image.size = [0, 0] must be [height, width], both > 0",
+    "calibration.audio.window = 0 must be >= 1",
+]
+
+
+def test_every_problem_of_a_file_is_in_one_error(tmp_path: Path) -> None:
+    path = write(tmp_path, SEVERAL)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert f"{path} has {len(SEVERAL_MESSAGES)} problems" in message
+    for expected in SEVERAL_MESSAGES:
+        assert expected in message
+
+
+def test_a_wrong_type_does_not_hide_the_other_problems(tmp_path: Path) -> None:
+    """A wrongly typed key is one more problem; the value rules of the other keys still run."""
+    path = write(tmp_path, SEVERAL + "per_channel = 'yes'\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "quantization.per_channel must be true or false, got 'yes'" in message
+    for expected in SEVERAL_MESSAGES:
+        assert expected in message
+
+
+def test_several_wrong_types_are_all_reported(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        MINIMAL + "samples = 'many'\n[quantization]\nper_channel = 'yes'\n"
+        "[compile]\nmax_partitions = 1.5\n",
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert f"{path} has 3 problems" in message
+    assert "calibration.samples must be an integer, got 'many'" in message
+    assert "quantization.per_channel must be true or false" in message
+    assert "compile.max_partitions must be an integer" in message
+
+
+# -- rules the restructure added ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["../x", "/abs/dir", "a/b", "..", ".hidden", ""])
+def test_model_name_must_be_a_safe_folder_name(tmp_path: Path, name: str) -> None:
+    path = write(tmp_path, MINIMAL.replace('name = "m"', f"name = {name!r}"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert f"model.name = {name!r} must be a safe folder name" in message
+    assert str(path) in message
+    assert "--artifacts" in (info.value.tip or "")
+
+
+def test_model_version_must_be_a_safe_folder_name(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL.replace('name = "m"', 'name = "m"\nversion = "../1.0"'))
+    with pytest.raises(ConfigError, match=r"model\.version = '\.\./1\.0' must be a safe folder"):
+        load_config(path)
+
+
+def test_safe_names_are_accepted(tmp_path: Path) -> None:
+    text = MINIMAL.replace('name = "m"', 'name = "ppocr_rec-v2.1+x"\nversion = "1.0.0-rc1"')
+    assert load_config(write(tmp_path, text)).model.name == "ppocr_rec-v2.1+x"
+
+
+def test_unknown_compile_target_is_a_config_error(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + '[compile]\ntargets = ["snapdragon-x-elit"]\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "compile.targets names 'snapdragon-x-elit', not a known chip" in message
+    assert "did you mean 'snapdragon-x-elite'?" in message
+    assert str(path) in message
+    assert "snapdragon-8-gen-3" in (info.value.tip or "")
+
+
+@pytest.mark.parametrize("version", ["2.6.0", "9.9.9"])
+def test_unpinned_compile_toolchain_is_a_config_error(tmp_path: Path, version: str) -> None:
+    path = write(tmp_path, MINIMAL + f'[compile]\ntoolchains = ["2.7.0", "{version}"]\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert f"compile.toolchains names {version!r}, which is not pinned" in message
+    assert "2.7.0" in message.split("pinned:")[-1]
+    assert str(path) in message
+    assert "'2.7.0'" not in message  # the pinned one is fine
+
+
+def test_pinned_toolchains_and_known_targets_load(tmp_path: Path) -> None:
+    pins = load_toolchains()
+    text = MINIMAL + (
+        '[compile]\ntargets = ["snapdragon-x-elite", "snapdragon-8-gen-3"]\n'
+        f"toolchains = {list(pins.pinned)!r}\n"
+    )
+    config = load_config(write(tmp_path, text))
+    assert config.compile.toolchains == list(pins.pinned)
+
+
+def test_quantize_digest_follows_only_what_quantize_reads(tmp_path: Path) -> None:
+    base = load_config(write(tmp_path, MINIMAL))
+    renamed = load_config(
+        write(tmp_path, MINIMAL.replace('name = "m"', 'name = "m"\nversion = "2.0.0"'))
+    )
+    compiled = load_config(write(tmp_path, MINIMAL + "[compile]\nmax_partitions = 2\n"))
+    recalibrated = load_config(write(tmp_path, MINIMAL + "samples = 3\n"))
+    assert renamed.quantize_digest() == compiled.quantize_digest() == base.quantize_digest()
+    assert renamed.digest() != base.digest() and compiled.digest() != base.digest()
+    assert recalibrated.quantize_digest() != base.quantize_digest()

@@ -16,10 +16,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline import ranges
-from pipeline.config import load_config
-from pipeline.metrics import snr_db
-from pipeline.quantize import quantize_model
+from pipeline.calibration import ranges
+from pipeline.core.config import load_config
+from pipeline.core.layout import ModelPaths
+from pipeline.core.metrics import snr_db
+from pipeline.core.records import QuantizeRecord, read_record
+from pipeline.quantize.build import quantize_model
+from qnn_ctx_runtime.manifest import SINGLE_BUCKET
 
 IR = 10
 
@@ -72,21 +75,32 @@ def _build(
             """
         )
     )
-    result = quantize_model(load_config(tmp / "m.toml"), tmp / "artifacts", force=True)
-    return result.report
+    quantize_model(load_config(tmp / "m.toml"), tmp / "artifacts", force=True)
+    return _report(tmp)
+
+
+def _paths(tmp: Path) -> ModelPaths:
+    return ModelPaths.of(tmp / "artifacts", "m")
+
+
+def _report(tmp: Path) -> dict:
+    """The quantize stage's report.json (a QuantizeReport) of the last build."""
+    return json.loads((_paths(tmp).root / "report.json").read_text())
 
 
 def _rebuild(tmp: Path) -> float:
     """Quantize the same config again (after a test switched a rule off); worst SNR."""
-    return _snr(quantize_model(load_config(tmp / "m.toml"), tmp / "artifacts", force=True).report)
+    quantize_model(load_config(tmp / "m.toml"), tmp / "artifacts", force=True)
+    return _snr(_report(tmp))
 
 
 def _qdq(tmp: Path) -> onnx.ModelProto:
-    return onnx.load(str(tmp / "artifacts" / "build" / "m" / "qdq.onnx"))
+    """The QDQ model; these models have one static shape, so one bucket named "static"."""
+    return onnx.load(str(_paths(tmp).bucket(SINGLE_BUCKET).qdq))
 
 
 def _snr(report: dict) -> float:
-    return report["accuracy"]["worst_snr_db"]
+    return float(report["worst_snr_db"])  # "inf" is written as a string
 
 
 # --- int32 bias overflow behind an always-zero branch ----------------------------------------
@@ -129,7 +143,7 @@ def test_conv_bias_fits_int32_behind_dead_branch_or_dead_weights(
     rng = np.random.default_rng(1)
     samples = [rng.normal(0, 1, (1, 4, 6, 6)) for _ in range(8)]
     report = _build(tmp_path, _dead_branch_model(branch_bias), samples)
-    floors = report["quantization"]["range_rules"]["bias_floor"]
+    floors = report["range_rules"]["bias_floor"]
     assert [f["tensor"] for f in floors] == [raised]
     qdq = _qdq(tmp_path)
     inits = {i.name: numpy_helper.to_array(i) for i in qdq.graph.initializer}
@@ -194,7 +208,7 @@ def test_tanh_of_huge_cubic_keeps_its_live_range(
         x[0, 0] = 150.0  # the outlier that sets the calibrated range
         samples.append(x)
     report = _build(tmp_path, model, samples)
-    assert report["quantization"]["range_rules"]["clamped"] >= 2  # arg, and inner through *c
+    assert report["range_rules"]["clamped"] >= 2  # arg, and inner through *c
     assert _snr(report) > 40
     live = ranges.live_ranges(model, {}, 16)
     edge = float(np.log(2 * 65535) / 2)
@@ -275,7 +289,7 @@ def test_margin_keeps_unseen_extremes_of_a_chain(
     # Held-out samples are every 4th: make those the loud ones.
     samples = [rng.normal(0, 1.6 if i % 4 == 0 else 1.0, (1, 16)) for i in range(16)]
     report = _build(tmp_path, model, samples)
-    assert report["quantization"]["range_rules"]["widened"] >= 2
+    assert report["range_rules"]["widened"] >= 2
     monkeypatch.setattr(ranges, "MAX_MARGIN", 0.0)
     assert _snr(report) > _rebuild(tmp_path) + 3
 
@@ -300,7 +314,7 @@ def _magnitude_model() -> onnx.ModelProto:
 def test_rewrite_hypot_is_exact_in_float() -> None:
     import onnxruntime as ort
 
-    from pipeline.transforms import rewrite_hypot
+    from pipeline.graph.transforms import rewrite_hypot
 
     model, change = rewrite_hypot(_magnitude_model())
     assert len(change.details) == 1
@@ -318,7 +332,7 @@ def test_rewrite_hypot_is_exact_in_float() -> None:
 
 
 def test_rewrite_hypot_no_op_when_a_square_is_read_elsewhere() -> None:
-    from pipeline.transforms import rewrite_hypot
+    from pipeline.graph.transforms import rewrite_hypot
 
     model = _magnitude_model()
     model.graph.output.append(_tensor("re2", [1, 64]))
@@ -346,7 +360,8 @@ def test_magnitude_spectrum_quantizes_well_after_rewrite(tmp_path: Path) -> None
         '[quantization]\nactivation_type = "uint16"\nweight_type = "uint8"\n'
         "auto_mixed_precision = false\n"
     )
-    report = quantize_model(load_config(tmp_path / "m.toml"), tmp_path / "artifacts").report
+    quantize_model(load_config(tmp_path / "m.toml"), tmp_path / "artifacts")
+    report = _report(tmp_path)
     assert any(c["step"] == "rewrite_hypot" and c["details"] for c in report["prepare"])
     assert _snr(report) > 40  # through the squares it is ~25 dB
 
@@ -384,30 +399,31 @@ def _two_branch_model() -> tuple[onnx.ModelProto, np.ndarray]:
 
 
 def test_mixed_precision_raises_what_hurts_the_output(tmp_path: Path) -> None:
-    from pipeline.mixed_precision import candidates
+    from pipeline.quantize.mixed_precision import candidates
 
     model, scale = _two_branch_model()
     rng = np.random.default_rng(7)
     samples = [rng.normal(0, 1, (1, 16)) * scale for _ in range(16)]
     report = _build(tmp_path, model, samples, auto_mixed=True, target=30.0)
-    mixed = report["quantization"]["mixed_precision"]
+    mixed = report["mixed_precision"]
     assert mixed["before_snr_db"] < 20
     assert mixed["after_snr_db"] >= 30 and _snr(report) == pytest.approx(mixed["after_snr_db"])
     assert [t["name"] for t in mixed["tensors"]] == ["A"]  # B is left at 8 bits
     assert mixed["tensors"][0]["to"] == "int16"
-    assert mixed["analysis"]["measured"] == mixed["analysis"]["candidates"]
+    assert mixed["measured"] == mixed["candidates"] > 0 and mixed["analysis_samples"] > 0
     # The QDQ model on disk is the chosen one: A at int16, B still 8-bit.
     found = {c.name: c for c in candidates(_qdq(tmp_path))}
     assert "A" not in found and "B" in found
     md = (tmp_path / "artifacts" / "build" / "m" / "report.md").read_text()
     assert "Mixed precision: raised 1 tensor(s)" in md
-    record = json.loads((tmp_path / "artifacts" / "build" / "m" / "record.json").read_text())
-    assert record["quantize"]["summary"]["mixed_precision"]["tensors"][0]["name"] == "A"
+    record, problems = read_record(QuantizeRecord, _paths(tmp_path).record)
+    assert record is not None, problems
+    assert record.summary.mixed_precision == ["A"]
 
 
 def test_mixed_precision_raises_8_bit_activations_too(tmp_path: Path) -> None:
     """With 8-bit activations, an activation is a candidate like a weight (to uint16)."""
-    from pipeline.mixed_precision import candidates
+    from pipeline.quantize.mixed_precision import candidates
 
     rng = np.random.default_rng(10)
     model = _model(
@@ -421,7 +437,7 @@ def test_mixed_precision_raises_8_bit_activations_too(tmp_path: Path) -> None:
     )
     samples = [rng.normal(0, 1, (1, 32)) for _ in range(16)]
     report = _build(tmp_path, model, samples, auto_mixed=True, target=40.0, activations="uint8")
-    mixed = report["quantization"]["mixed_precision"]
+    mixed = report["mixed_precision"]
     assert mixed["before_snr_db"] < 40 < mixed["after_snr_db"]
     kinds = {t["kind"] for t in mixed["tensors"]}
     assert "activation" in kinds
@@ -434,13 +450,15 @@ def test_mixed_precision_does_nothing_above_target(tmp_path: Path) -> None:
     rng = np.random.default_rng(8)
     samples = [rng.normal(0, 1, (1, 16)) for _ in range(16)]  # no near-zero feature
     report = _build(tmp_path, model, samples, auto_mixed=True, target=5.0)
-    mixed = report["quantization"]["mixed_precision"]
+    mixed = report["mixed_precision"]
     assert mixed["tensors"] == [] and mixed["before_snr_db"] == mixed["after_snr_db"] >= 5.0
-    assert "analysis" not in mixed
+    # Nothing was analysed or re-quantized.
+    assert mixed["candidates"] == mixed["measured"] == mixed["analysis_samples"] == 0
+    assert mixed["rounds"] == []
 
 
 def test_choose_predicts_from_additive_noise() -> None:
-    from pipeline.mixed_precision import Candidate, choose
+    from pipeline.quantize.mixed_precision import Candidate, choose
 
     def cand(name: str, noise: float) -> Candidate:
         return Candidate(name, "weight", np.array(1.0), np.array(0), 2, noise={"y": noise})
@@ -477,7 +495,7 @@ def _reciprocal_model() -> onnx.ModelProto:
 def test_rewrite_reciprocal_is_exact_in_float_and_no_op_without_one() -> None:
     import onnxruntime as ort
 
-    from pipeline.transforms import rewrite_reciprocal
+    from pipeline.graph.transforms import rewrite_reciprocal
 
     model, change = rewrite_reciprocal(_reciprocal_model())
     assert len(change.details) == 1 and [n.op_type for n in model.graph.node] == ["Div"]
@@ -502,7 +520,7 @@ def test_reciprocal_of_small_values_is_right_on_the_htp(
     """1/x for x in [0.001, 0.2] (LayerNorm's 1/sqrt(var)): the HTP's own Reciprocal is off
     by the factor 1/0.2; the Div it is rewritten to is right."""
     pytest.importorskip("onnxruntime_qnn")
-    from pipeline import transforms
+    from pipeline.graph import transforms
 
     rng = np.random.default_rng(9)
     samples = [np.exp(rng.uniform(np.log(0.001), np.log(0.2), (1, 256))) for _ in range(8)]
@@ -545,11 +563,11 @@ def test_int16_weights_compile_whole_on_the_htp(tmp_path: Path) -> None:
         config.write(
             '[quantization.overrides]\ntensors = { wc = "int16", wg = "int16", wm = "int16" }\n'
         )
-    report = quantize_model(load_config(tmp_path / "m.toml"), tmp_path / "artifacts", force=True)
+    quantize_model(load_config(tmp_path / "m.toml"), tmp_path / "artifacts", force=True)
     qdq = _qdq(tmp_path)
     elem = {i.name: i.data_type for i in qdq.graph.initializer}
     assert {elem[f"{w}_quantized"] for w in ("wc", "wg", "wm")} == {TensorProto.INT16}
-    assert _snr(report.report) > 40
+    assert _snr(_report(tmp_path)) > 40
     ctx_snr = _ctx_vs_float(tmp_path)
     (variant,) = (tmp_path / "artifacts" / "build" / "m" / "ctx").glob("*/*/variant.json")
     coverage = json.loads(variant.read_text())["coverage"]

@@ -13,9 +13,9 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from pipeline.config import InputsSection, load_config
-from pipeline.errors import ModelError
-from pipeline.prepare import dynamic_tensors, prepare_model, quantization_issues
+from pipeline.core.config import InputsSection, load_config
+from pipeline.core.errors import ModelError
+from pipeline.graph.prepare import dynamic_tensors, prepare_model, quantization_issues
 
 ROOT = Path(__file__).resolve().parent.parent
 RNG = np.random.default_rng(1)
@@ -184,7 +184,7 @@ def test_prepared_cnn_compiles_whole_on_htp(tmp_path: Path) -> None:
 
 # --- the real models ------------------------------------------------------------------------
 
-# Bucketed configs keep their dynamic dims on purpose (pipeline.buckets fixes them per bucket).
+# Bucketed configs keep their dynamic dims on purpose (pipeline.graph.buckets plans them per bucket).
 REAL = sorted(
     p.stem
     for p in (ROOT / "configs" / "shared").glob("*.toml")

@@ -11,7 +11,11 @@ import onnx
 import pytest
 
 from pipeline.__main__ import main
+from pipeline.core.fileio import sha256_file
+from pipeline.core.layout import ModelPaths, samples_in
+from pipeline.core.records import QuantizeRecord, read_record
 from pipeline.example import ensure_example
+from qnn_ctx_runtime.manifest import SINGLE_BUCKET
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,25 +37,45 @@ def run(root: Path, *args: str) -> int:
 def test_example_builds_static_qdq_with_report(
     example: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from pipeline.prepare import dynamic_tensors
+    from pipeline.graph.prepare import dynamic_tensors
 
     assert run(example, str(example / "configs" / "example.toml"), "--force") == 0
     out = example / "artifacts" / "build" / "example_cnn"
-    qdq = onnx.load(str(out / "qdq.onnx"))
+    paths = ModelPaths.of(example / "artifacts", "example_cnn")
+    assert paths.root == out
+    # A model without [buckets] is one bucket named "static"; nothing in the old flat layout.
+    static = paths.bucket(SINGLE_BUCKET)
+    assert static.root == out / "buckets" / "static"
+    assert not (out / "qdq.onnx").exists()
+    assert sorted(p.name for p in paths.buckets.iterdir()) == ["static"]
+    qdq = onnx.load(str(static.qdq))
     assert any(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
     assert dynamic_tensors(qdq) == []
+    assert dynamic_tensors(onnx.load(str(static.float_model))) == []
     report = json.loads((out / "report.json").read_text())
-    snr = report["accuracy"]["qdq_vs_float"]["probabilities"]["snr_db"]
+    (bucket,) = report["buckets"]
+    assert bucket["name"] == "static" and bucket["shapes"] == {"input": [1, 3, 32, 32]}
+    snr = bucket["qdq_vs_float"]["probabilities"]["snr_db"]
     assert 20 < float(snr) < 200
-    assert report["calibration"]["samples"] == 36 and report["calibration"]["heldout"] == 12
-    assert len(list((out / "heldout").glob("*.npz"))) == 12
-    record = json.loads((out / "record.json").read_text())["quantize"]
-    assert record["status"] == "ok" and len(record["inputs"]["source_sha256"]) == 64
-    assert "onnxruntime" in record["inputs"]["tools"]
+    assert report["calibration_samples"] == 36 and report["heldout_samples"] == 12
+    assert bucket["calibration_samples"] == 36 and bucket["heldout_samples"] == 12
+    assert len(samples_in(paths.heldout)) == 12
+    assert len(samples_in(static.heldout)) == 12
+    record, problems = read_record(QuantizeRecord, paths.record)
+    assert record is not None, problems
+    assert record.status == "ok" and len(record.inputs.source_sha256) == 64
+    assert "onnxruntime" in record.inputs.tools
+    assert [b.name for b in record.buckets] == ["static"]
+    assert record.bucket("static").qdq_sha256 == sha256_file(static.qdq)
+    assert record.pads == [] and record.crops == []
     assert "QDQ written" in capsys.readouterr().out
-    # BatchNorm folded and the dynamic batch fixed: visible in the report.
-    steps = {c["step"] for c in report["prepare"] if c["details"]}
-    assert steps, "preparation reported no change on a model with BatchNorm and a dynamic dim"
+    # BatchNorm folded and the dynamic batch fixed: visible in the report and the record.
+    changed = {c["step"]: c["details"] for c in report["prepare"] if c["details"]}
+    assert {"fold_batchnorm", "fix_input_shapes"} <= changed.keys(), changed
+    assert len(changed["fold_batchnorm"]) == 3  # one BatchNormalization after each conv
+    assert any("'batch'" in d and "[1, 3, 32, 32]" in d for d in changed["fix_input_shapes"])
+    assert not any(n.op_type == "BatchNormalization" for n in qdq.graph.node)
+    assert set(record.summary.prepare_steps) == set(changed)
 
 
 def test_rerun_is_skipped_and_change_rebuilds(example: Path, capsys: pytest.CaptureFixture) -> None:
@@ -82,7 +106,8 @@ def test_truncated_model(example: Path, capsys: pytest.CaptureFixture) -> None:
     assert run(example, str(write_config(example, "trunc.onnx"))) == 1
     err = capsys.readouterr().err
     assert "trunc.onnx" in err and "truncated" in err
-    assert not (example / "artifacts" / "build" / "bad" / "qdq.onnx").exists()
+    bad = ModelPaths.of(example / "artifacts", "bad")
+    assert not bad.bucket(SINGLE_BUCKET).qdq.exists() and not bad.record.exists()
 
 
 def test_missing_model(example: Path, capsys: pytest.CaptureFixture) -> None:
@@ -109,8 +134,10 @@ def test_bad_calibration_leaves_nothing_half_written(
     assert run(example, str(config)) == 1
     assert "dtype float64" in capsys.readouterr().err
     out = example / "artifacts" / "build" / "bad"
-    assert not (out / "qdq.onnx").exists() and not (out / "record.json").exists()
-    leftovers = [p.name for p in out.rglob("*") if ".tmp" in p.name]
+    static = ModelPaths.of(example / "artifacts", "bad").bucket(SINGLE_BUCKET)
+    assert not static.qdq.exists() and not (out / "record.json").exists()
+    # Temporary files and folders (atomic writes, staged held-out samples) are hidden.
+    leftovers = [p.name for p in out.rglob("*") if ".tmp" in p.name or p.name.startswith(".")]
     assert leftovers == []
 
 

@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from pipeline import transforms as t
-from pipeline.errors import ModelError
+from pipeline.graph import transforms as t
+from pipeline.core.errors import ModelError
 
 RNG = np.random.default_rng(0)
 

@@ -128,7 +128,7 @@ def run_in(
 ) -> subprocess.CompletedProcess:
     """Run ``script`` with that python, this repository importable, and output captured."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO_ROOT)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "runtime")])
     env.pop("PYTHONHOME", None)
     return subprocess.run(
         [str(python), "-c", script, *args],

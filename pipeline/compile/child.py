@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import qnn_ctx_runtime
+
 from ..core.records import Failure
 from .eplog import LogFacts, parse_ep_log
 from .job import STAGE_MARKER, CompileJob, WorkerResult, read_message, write_message
@@ -49,7 +51,11 @@ def run_child(
     write_message(job_path, job)
     result_path = Path(job.result)
     env = dict(os.environ)
-    roots = [str(Path(__file__).resolve().parents[2])]
+    # The worker imports this checkout's pipeline and the qnn_ctx_runtime this process uses.
+    roots = [
+        str(Path(__file__).resolve().parents[2]),
+        str(Path(qnn_ctx_runtime.__file__).parents[1]),
+    ]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (*roots, env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     started = time.monotonic()

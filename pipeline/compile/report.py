@@ -16,8 +16,24 @@ from qnn_ctx_runtime.toolchains import Toolchain
 
 from ..core.config import ModelConfig
 from ..core.layout import ModelPaths, VariantPaths
-from ..core.records import QuantizeRecord, VariantRecord, read_record
+from ..core.records import Failure, QuantizeRecord, VariantRecord, read_record
 from ..core.report import fmt, table, write_report
+
+
+def failure_details(e: Failure, limit: int) -> str:
+    """The nodes, op types and QNN error codes a failure names, and what QNN declined before."""
+    parts = [
+        f"{key}: {', '.join(str(v) for v in values[:limit])}"
+        for key, values in (
+            ("nodes", e.nodes),
+            ("op_types", e.op_types),
+            ("qnn_error_codes", e.qnn_error_codes),
+        )
+        if values
+    ]
+    if e.rejected_earlier:
+        parts.append(e.rejected_earlier)
+    return "; ".join(parts)
 
 
 def describe(r: VariantRecord, skipped: bool = False) -> str:
@@ -30,18 +46,8 @@ def describe(r: VariantRecord, skipped: bool = False) -> str:
         if e is None:
             return f"FAILED {head}"
         text = f"FAILED {head}: {e.kind} in {e.stage}: {e.message[:600]}"
-        extra = [
-            f"{key}: {', '.join(str(v) for v in values[:8])}"
-            for key, values in (
-                ("nodes", e.nodes),
-                ("op_types", e.op_types),
-                ("qnn_error_codes", e.qnn_error_codes),
-            )
-            if values
-        ]
-        if e.rejected_earlier:
-            extra.append(e.rejected_earlier)
-        return text + (" [" + "; ".join(extra) + "]" if extra else "")
+        extra = failure_details(e, 8)
+        return text + (f" [{extra}]" if extra else "")
     c, v, load = r.coverage, r.validation, r.load
     verdict = "ok" if r.passed else "FAILED gate"
     text = (
@@ -177,17 +183,7 @@ def _notes(rows: list[_Row]) -> list[str]:
         r, where = row.record, row.where
         e = r.error
         if e is not None:
-            detail = "; ".join(
-                f"{key}: {', '.join(str(x) for x in values[:10])}"
-                for key, values in (
-                    ("nodes", e.nodes),
-                    ("op_types", e.op_types),
-                    ("qnn_error_codes", e.qnn_error_codes),
-                )
-                if values
-            )
-            if e.rejected_earlier:
-                detail += ("; " if detail else "") + e.rejected_earlier
+            detail = failure_details(e, 10)
             notes.append(
                 f"- **{where}** {e.kind} in step `{e.stage}`: {e.message[:800]}"
                 + (f" ({detail})" if detail else "")

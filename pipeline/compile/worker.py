@@ -33,6 +33,7 @@ import numpy as np
 
 from qnn_ctx_runtime import qnn
 
+from ..core.dtypes import np_dtype
 from ..core.layout import STANDALONE_DIR
 from ..core.metrics import OutputComparison, worst_snr
 from ..core.records import (
@@ -70,18 +71,6 @@ for i, path in enumerate(spec["models"]):
         raise SystemExit("the QNN EP did not attach")
 print("PROBE_OK", flush=True)
 """
-_NP_TYPES = {
-    "tensor(float)": np.float32,
-    "tensor(float16)": np.float16,
-    "tensor(double)": np.float64,
-    "tensor(int64)": np.int64,
-    "tensor(int32)": np.int32,
-    "tensor(int16)": np.int16,
-    "tensor(int8)": np.int8,
-    "tensor(uint8)": np.uint8,
-    "tensor(uint16)": np.uint16,
-    "tensor(bool)": np.bool_,
-}
 
 
 class StepFailed(Exception):
@@ -312,7 +301,7 @@ def _specs(args: list[Any]) -> list[TensorSpec]:
         TensorSpec(
             a.name,
             [d if isinstance(d, int) else -1 for d in a.shape],
-            np.dtype(_NP_TYPES.get(a.type, np.float32)).name,
+            np.dtype(np_dtype(a.type)).name,
         )
         for a in args
     ]
@@ -393,7 +382,7 @@ def _feeds(job: CompileJob, bucket: BucketJob, session: Any) -> Iterator[dict[st
         feeds = {}
         for spec in session.get_inputs():
             shape = [d if isinstance(d, int) and d > 0 else 1 for d in spec.shape]
-            dtype = _NP_TYPES.get(spec.type, np.float32)
+            dtype = np_dtype(spec.type)
             if np.issubdtype(dtype, np.floating):
                 feeds[spec.name] = rng.standard_normal(shape).astype(dtype)
             else:

@@ -396,19 +396,38 @@ def _validate(config: ModelConfig, check_files: bool, problems: _Problems) -> No
                 f"{key} = {value!r} must be a safe folder name: {SAFE_COMPONENT_RULE}.",
                 tip="It names folders under --artifacts; nothing may be written outside it.",
             )
-    cal = config.calibration
-    if not 0.0 <= cal.held_out < 1.0:
-        add(f"calibration.held_out = {cal.held_out} must be in [0, 1).")
-    if cal.samples < 1:
-        add(f"calibration.samples = {cal.samples} must be at least 1.")
-    if cal.seed < 0:
-        add(f"calibration.seed = {cal.seed} must be >= 0.")
     for dim, value in config.inputs.dims.items():
         if value < 1:
             add(f"inputs.dims.{dim} = {value} must be > 0.")
     for name, shape in config.inputs.shapes.items():
         if not shape or any(d < 1 for d in shape):
             add(f"inputs.shapes.{name} = {shape} needs positive dims.")
+    _validate_calibration(config.calibration, problems)
+    _validate_compile(config.compile, problems)
+    if config.buckets.enabled or config.buckets != BucketsSection():
+        _validate_buckets(config, problems)
+    if check_files:
+        if not config.source_path.is_file():
+            add(
+                f"model.source {config.source_path} does not exist.",
+                tip="Fix model.source (relative to the config file's folder).",
+            )
+        path = config.calibration.path
+        if path and not config.resolve(path).exists():
+            add(
+                f"calibration.path {config.resolve(path)} does not exist.",
+                tip="Fix calibration.path (relative to the config file's folder).",
+            )
+
+
+def _validate_calibration(cal: CalibrationSection, problems: _Problems) -> None:
+    add = problems.add
+    if not 0.0 <= cal.held_out < 1.0:
+        add(f"calibration.held_out = {cal.held_out} must be in [0, 1).")
+    if cal.samples < 1:
+        add(f"calibration.samples = {cal.samples} must be at least 1.")
+    if cal.seed < 0:
+        add(f"calibration.seed = {cal.seed} must be >= 0.")
     if cal.kind in ("images", "audio", "tensors") and not cal.path:
         add(
             f"calibration.kind = {cal.kind!r} needs calibration.path.",
@@ -438,12 +457,15 @@ def _validate(config: ModelConfig, check_files: bool, problems: _Problems) -> No
         add(f"calibration.audio.hop = {audio.hop} must be >= 0 (0 = the window).")
     if not audio.scale > 0:
         add(f"calibration.audio.scale = {audio.scale} must be > 0.")
-    compile_ = config.compile
-    if compile_.max_partitions < 1:
+
+
+def _validate_compile(section: CompileSection, problems: _Problems) -> None:
+    add = problems.add
+    if section.max_partitions < 1:
         add("compile.max_partitions must be >= 1.")
-    if not compile_.targets:
+    if not section.targets:
         add("compile.targets is empty; name at least one target chip.")
-    for name in compile_.targets:
+    for name in section.targets:
         if name not in TARGETS:
             hint = difflib.get_close_matches(name, list(TARGETS), n=1)
             add(
@@ -451,36 +473,24 @@ def _validate(config: ModelConfig, check_files: bool, problems: _Problems) -> No
                 + (f"; did you mean {hint[0]!r}?" if hint else "."),
                 tip=f"Known targets: {', '.join(TARGETS)}.",
             )
-    if compile_.toolchains:
+    if section.toolchains:
         table = load_toolchains()
-        for version in compile_.toolchains:
+        for version in section.toolchains:
             if version not in table.pinned:
                 add(
                     f"compile.toolchains names {version!r}, which is not pinned "
                     f"({table.source}); pinned: {', '.join(table.pinned)}.",
                     tip="Use a pinned onnxruntime-qnn version, or verify and pin it.",
                 )
-    if not compile_.timeout_s > 0:
-        add(f"compile.timeout_s = {compile_.timeout_s} must be > 0.")
-    if compile_.load_runs < 1:
-        add(f"compile.load_runs = {compile_.load_runs} must be >= 1.")
-    if config.buckets.enabled or config.buckets != BucketsSection():
-        _validate_buckets(config, problems)
-    if check_files:
-        if not config.source_path.is_file():
-            add(
-                f"model.source {config.source_path} does not exist.",
-                tip="Fix model.source (relative to the config file's folder).",
-            )
-        if cal.path and not config.resolve(cal.path).exists():
-            add(
-                f"calibration.path {config.resolve(cal.path)} does not exist.",
-                tip="Fix calibration.path (relative to the config file's folder).",
-            )
+    if not section.timeout_s > 0:
+        add(f"compile.timeout_s = {section.timeout_s} must be > 0.")
+    if section.load_runs < 1:
+        add(f"compile.load_runs = {section.load_runs} must be >= 1.")
 
 
 def _validate_buckets(config: ModelConfig, problems: _Problems) -> None:
-    """Rules of [buckets] that need no model; the model-dependent ones are in pipeline.graph.buckets."""
+    """Rules of [buckets] that need no model; the model-dependent ones are in
+    pipeline.graph.buckets."""
     add = problems.add
     b = config.buckets
     if not b.enabled:
@@ -502,46 +512,8 @@ def _validate_buckets(config: ModelConfig, problems: _Problems) -> None:
             add(f"buckets.dims.{dim} = {sizes} needs positive sizes.")
         if len(set(sizes)) != len(sizes):
             add(f"buckets.dims.{dim} = {sizes} repeats a size.")
-    if b.shapes:
-        names = set(b.shapes[0])
-        for index, bucket in enumerate(b.shapes):
-            if not bucket:
-                add(f"buckets.shapes[{index}] is empty; give input shapes.")
-            if set(bucket) != names:
-                add(
-                    f"buckets.shapes[{index}] names inputs {sorted(bucket)}, but "
-                    f"buckets.shapes[0] names {sorted(names)}; every bucket gives the same inputs."
-                )
-            for name, shape in bucket.items():
-                if not shape or any(d < 1 for d in shape):
-                    add(f"buckets.shapes[{index}].{name} = {shape} needs positive dims.")
-                elif name in b.shapes[0] and len(shape) != len(b.shapes[0][name]):
-                    add(
-                        f"buckets.shapes[{index}].{name} = {shape} has another rank "
-                        f"than buckets.shapes[0].{name} = {b.shapes[0][name]}."
-                    )
-        if len({tuple(tuple(s[n]) for n in sorted(s)) for s in b.shapes}) != len(b.shapes):
-            add("buckets.shapes lists the same bucket twice.")
-    keys = set(b.dims)
-    shapes_mode = bool(b.shapes)
-
-    def check_key(where: str, key: str) -> None:
-        if shapes_mode:
-            if not is_axis_key(key):
-                add(
-                    f'{where} = {key!r}: with buckets.shapes, name a dim as "input:axis" (e.g. "x:3").'
-                )
-        elif key not in keys:
-            hint = difflib.get_close_matches(key, sorted(keys), n=1)
-            tip = f"did you mean {hint[0]!r}?" if hint else f"known: {', '.join(sorted(keys))}."
-            add(f"{where} = {key!r} is not a key of buckets.dims; {tip}")
-
-    for key in b.pad:
-        check_key("buckets.pad key", key)
-    for name, follow in b.outputs.items():
-        check_key(f"buckets.outputs.{name}.follows", follow.follows)
-        if follow.axis < 0:
-            add(f"buckets.outputs.{name}.axis = {follow.axis} must be >= 0.")
+    _validate_bucket_shapes(b, problems)
+    _validate_bucket_keys(b, problems)
     if not b.packaging:
         add('buckets.packaging is empty; use ["shared"], ["standalone"] or both.')
     if len(set(b.packaging)) != len(b.packaging):
@@ -562,6 +534,56 @@ def _validate_buckets(config: ModelConfig, problems: _Problems) -> None:
         )
     if config.calibration.recurrent:
         add("calibration.recurrent is not supported with [buckets].")
+
+
+def _validate_bucket_shapes(b: BucketsSection, problems: _Problems) -> None:
+    """Explicit bucket shapes: the same inputs in every bucket, positive dims, one rank each."""
+    if not b.shapes:
+        return
+    add = problems.add
+    names = set(b.shapes[0])
+    for index, bucket in enumerate(b.shapes):
+        if not bucket:
+            add(f"buckets.shapes[{index}] is empty; give input shapes.")
+        if set(bucket) != names:
+            add(
+                f"buckets.shapes[{index}] names inputs {sorted(bucket)}, but "
+                f"buckets.shapes[0] names {sorted(names)}; every bucket gives the same inputs."
+            )
+        for name, shape in bucket.items():
+            if not shape or any(d < 1 for d in shape):
+                add(f"buckets.shapes[{index}].{name} = {shape} needs positive dims.")
+            elif name in b.shapes[0] and len(shape) != len(b.shapes[0][name]):
+                add(
+                    f"buckets.shapes[{index}].{name} = {shape} has another rank "
+                    f"than buckets.shapes[0].{name} = {b.shapes[0][name]}."
+                )
+    if len({tuple(tuple(s[n]) for n in sorted(s)) for s in b.shapes}) != len(b.shapes):
+        add("buckets.shapes lists the same bucket twice.")
+
+
+def _validate_bucket_keys(b: BucketsSection, problems: _Problems) -> None:
+    """Dims named by buckets.pad and buckets.outputs must be dims the buckets vary."""
+    add = problems.add
+    keys = set(b.dims)
+
+    def check_key(where: str, key: str) -> None:
+        if b.shapes:
+            if not is_axis_key(key):
+                add(
+                    f'{where} = {key!r}: with buckets.shapes, name a dim as "input:axis" (e.g. "x:3").'
+                )
+        elif key not in keys:
+            hint = difflib.get_close_matches(key, sorted(keys), n=1)
+            tip = f"did you mean {hint[0]!r}?" if hint else f"known: {', '.join(sorted(keys))}."
+            add(f"{where} = {key!r} is not a key of buckets.dims; {tip}")
+
+    for key in b.pad:
+        check_key("buckets.pad key", key)
+    for name, follow in b.outputs.items():
+        check_key(f"buckets.outputs.{name}.follows", follow.follows)
+        if follow.axis < 0:
+            add(f"buckets.outputs.{name}.axis = {follow.axis} must be >= 0.")
 
 
 def is_axis_key(key: str) -> bool:

@@ -508,6 +508,61 @@ def bake_constant_inputs(
     return _done(model, "bake_constant_inputs", details)
 
 
+def _static_shape(
+    value: onnx.ValueInfoProto,
+    old: list[Any],
+    dims: Mapping[str, int],
+    shapes: Mapping[str, Sequence[int]],
+    issues: list[str],
+) -> list[int] | None:
+    """The static shape the config gives one input, or None after saying why it cannot."""
+    tensor_type = value.type.tensor_type
+    if value.name in shapes:
+        new = list(shapes[value.name])
+        if tensor_type.HasField("shape") and len(old) != len(new):
+            issues.append(
+                f"[inputs] shapes.{value.name} = {new} has rank {len(new)}, but the model's "
+                f"input has rank {len(old)} ({old})"
+            )
+            return None
+        clash = [
+            (i, o)
+            for i, (o, n) in enumerate(zip(old, new, strict=True))
+            if isinstance(o, int) and o != n
+        ]
+        if clash:
+            i, o = clash[0]
+            issues.append(
+                f"[inputs] shapes.{value.name} = {new} sets dim {i} to {new[i]}, but the model "
+                f"fixes it to {o}"
+            )
+            return None
+        return new
+    if not tensor_type.HasField("shape"):
+        issues.append(
+            f"input {value.name!r} has unknown rank; set [inputs] shapes = "
+            f"{{{_toml_key(value.name)} = [...]}}"
+        )
+        return None
+    new: list[int] = []
+    missing = False
+    for i, dim in enumerate(tensor_type.shape.dim):
+        if dim.HasField("dim_value") and dim.dim_value > 0:
+            new.append(dim.dim_value)
+        elif dim.HasField("dim_param") and dim.dim_param in dims:
+            new.append(dims[dim.dim_param])
+        else:
+            shape_key = f"[inputs] shapes = {{{_toml_key(value.name)} = {_shape_hint(old)}}}"
+            if dim.dim_param:
+                where = f"dim {i} ({dim.dim_param})"
+                key = f"[inputs] dims = {{{_toml_key(dim.dim_param)} = N}} or {shape_key}"
+            else:
+                where, key = f"dim {i} (unnamed)", shape_key
+            issues.append(f"input {value.name!r} {where} is dynamic; set {key}")
+            missing = True
+    return None if missing else new
+
+
 def fix_input_shapes(
     model: onnx.ModelProto,
     dims: Mapping[str, int],
@@ -553,53 +608,8 @@ def fix_input_shapes(
             else (d.dim_value if d.HasField("dim_value") else "?")
             for d in tensor_type.shape.dim
         ]
-        if value.name in shapes:
-            new = list(shapes[value.name])
-            if tensor_type.HasField("shape") and len(old) != len(new):
-                issues.append(
-                    f"[inputs] shapes.{value.name} = {new} has rank {len(new)}, but the model's "
-                    f"input has rank {len(old)} ({old})"
-                )
-                continue
-            clash = [
-                (i, o)
-                for i, (o, n) in enumerate(zip(old, new, strict=True))
-                if isinstance(o, int) and o != n
-            ]
-            if clash:
-                i, o = clash[0]
-                issues.append(
-                    f"[inputs] shapes.{value.name} = {new} sets dim {i} to {new[i]}, but the model "
-                    f"fixes it to {o}"
-                )
-                continue
-        elif not tensor_type.HasField("shape"):
-            issues.append(
-                f"input {value.name!r} has unknown rank; set [inputs] shapes = "
-                f"{{{_toml_key(value.name)} = [...]}}"
-            )
-            continue
-        else:
-            new = []
-            for i, dim in enumerate(tensor_type.shape.dim):
-                if dim.HasField("dim_value") and dim.dim_value > 0:
-                    new.append(dim.dim_value)
-                elif dim.HasField("dim_param") and dim.dim_param in dims:
-                    new.append(dims[dim.dim_param])
-                else:
-                    shape_key = (
-                        f"[inputs] shapes = {{{_toml_key(value.name)} = {_shape_hint(old)}}}"
-                    )
-                    if dim.dim_param:
-                        where = f"dim {i} ({dim.dim_param})"
-                        key = f"[inputs] dims = {{{_toml_key(dim.dim_param)} = N}} or {shape_key}"
-                    else:
-                        where, key = f"dim {i} (unnamed)", shape_key
-                    issues.append(f"input {value.name!r} {where} is dynamic; set {key}")
-                    new.append(None)
-            if None in new:
-                continue
-        if old != new:
+        new = _static_shape(value, old, dims, shapes, issues)
+        if new is not None and old != new:
             tensor_type.ClearField("shape")
             for size in new:
                 tensor_type.shape.dim.add().dim_value = int(size)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -80,7 +81,7 @@ def variant_id(target: str, qnn_sdk_version: str) -> str:
 
 
 @dataclass(frozen=True)
-class CtxFacts:
+class CtxFileFacts:
     """ModelProto metadata and EPContext attributes, read from the ctx file (not the config)."""
 
     ep_sdk_versions: list[str]
@@ -94,12 +95,12 @@ class CtxFacts:
         return qnn.sdk_version(self.ep_sdk_versions[0]) if self.ep_sdk_versions else ""
 
 
-def read_ctx_facts(path: Path) -> CtxFacts:
+def read_ctx_facts(path: Path) -> CtxFileFacts:
     """EPContext facts of an .onnx file, via the protobuf reader of qnn_ctx_runtime.qnn."""
     summary = qnn.read_model_summary(path)
     nodes = summary.nodes_of("EPContext")
     modes = [int(n.attributes.get("embed_mode", 1)) for n in nodes]
-    return CtxFacts(
+    return CtxFileFacts(
         ep_sdk_versions=[str(n.attributes.get("ep_sdk_version", "")) for n in nodes],
         embed_modes=modes,
         bin_files=[
@@ -182,27 +183,10 @@ def _tensor_infos(specs: list[TensorSpec]) -> list[TensorInfo]:
     return [TensorInfo(t.name, list(t.shape), t.dtype) for t in specs]
 
 
-def _set_variant(
-    folder: Path,
-    record: VariantRecord,
-    ctx_set: CtxSet,
-    quantize: QuantizeRecord,
-    multi: bool,
-    failed: list[str],
-) -> tuple[Variant, list[Source]]:
-    """One variant of the release from one set of a compiled variant folder."""
-    name = f"{record.target} / onnxruntime-qnn {record.toolchain} ({ctx_set.kind})"
-    order = [b.name for b in quantize.buckets]
-    if sorted(ctx_set.ctx_files) != sorted(order):
-        raise PublishError(
-            f"Variant {name}: its buckets ({sorted(ctx_set.ctx_files)}) are not the built ones "
-            f"({order}).",
-            tip=RECOMPILE,
-        )
-    local = [ctx_set.ctx_files[n] for n in order] + list(ctx_set.bins)
-    missing = [f for f in local if not (folder / f).is_file()]
-    if missing:
-        raise PublishError(f"Variant {name}: {missing} missing from {folder}.", tip=RECOMPILE)
+def _checked_facts(
+    name: str, folder: Path, record: VariantRecord, ctx_set: CtxSet, order: list[str]
+) -> dict[str, CtxFileFacts]:
+    """What each bucket's ctx file says about itself, checked against the variant's record."""
     problems = []
     facts_by_bucket = {}
     for bucket in order:
@@ -239,15 +223,17 @@ def _set_variant(
             f"Variant {name} in {folder} is inconsistent: " + "; ".join(problems) + ".",
             tip="The ctx files changed after compiling; " + RECOMPILE,
         )
-    first = facts_by_bucket[order[0]]
-    vid = variant_id(record.target, first.qnn_sdk_version)
-    if ctx_set.kind == "standalone" and multi:
-        vid += STANDALONE_SUFFIX
+    return facts_by_bucket
 
-    def release_path(local_path: str) -> str:
-        return f"{vid}/{PurePosixPath(local_path).name}"
 
-    sources = [_source(folder / f, release_path(f)) for f in local]
+def _release_buckets(
+    record: VariantRecord,
+    ctx_set: CtxSet,
+    quantize: QuantizeRecord,
+    order: list[str],
+    release_path: Callable[[str], str],
+) -> Buckets:
+    """The manifest's buckets of one set: ctx file, static shapes, QDQ digest, pad and crop."""
     entries = [
         BucketEntry(
             name=bucket,
@@ -258,7 +244,7 @@ def _set_variant(
         )
         for bucket in order
     ]
-    buckets = Buckets(
+    return Buckets(
         shared_binary=release_path(ctx_set.bins[0]) if ctx_set.kind == "shared" else None,
         axes=[BucketAxis(p.input, p.axis, p.dim, float(p.value), p.side) for p in quantize.pads],
         crops=[
@@ -267,6 +253,40 @@ def _set_variant(
         ],
         entries=entries,
     )
+
+
+def _set_variant(
+    folder: Path,
+    record: VariantRecord,
+    ctx_set: CtxSet,
+    quantize: QuantizeRecord,
+    multi: bool,
+    failed: list[str],
+) -> tuple[Variant, list[Source]]:
+    """One variant of the release from one set of a compiled variant folder."""
+    name = f"{record.target} / onnxruntime-qnn {record.toolchain} ({ctx_set.kind})"
+    order = [b.name for b in quantize.buckets]
+    if sorted(ctx_set.ctx_files) != sorted(order):
+        raise PublishError(
+            f"Variant {name}: its buckets ({sorted(ctx_set.ctx_files)}) are not the built ones "
+            f"({order}).",
+            tip=RECOMPILE,
+        )
+    local = [ctx_set.ctx_files[n] for n in order] + list(ctx_set.bins)
+    missing = [f for f in local if not (folder / f).is_file()]
+    if missing:
+        raise PublishError(f"Variant {name}: {missing} missing from {folder}.", tip=RECOMPILE)
+    facts_by_bucket = _checked_facts(name, folder, record, ctx_set, order)
+    first = facts_by_bucket[order[0]]
+    vid = variant_id(record.target, first.qnn_sdk_version)
+    if ctx_set.kind == "standalone" and multi:
+        vid += STANDALONE_SUFFIX
+
+    def release_path(local_path: str) -> str:
+        return f"{vid}/{PurePosixPath(local_path).name}"
+
+    sources = [_source(folder / f, release_path(f)) for f in local]
+    buckets = _release_buckets(record, ctx_set, quantize, order, release_path)
     accuracy = finite(record.validation) or {}
     if multi:
         accuracy.update(validated_with=record.validated_with)
@@ -291,7 +311,7 @@ def _set_variant(
         onnxruntime=record.onnxruntime,
         ep_compatibility_info=first.ep_compatibility_info,
         embed_mode=first.embed_modes[0],
-        model=entries[-1].model,
+        model=buckets.entries[-1].model,
         files=[s.entry for s in sources],
         inputs=_tensor_infos(record.inputs),
         outputs=_tensor_infos(record.outputs),

@@ -381,11 +381,27 @@ def _quantize_all(
     return merged, changes[plan.largest.name], mixed
 
 
-def _build(
-    config: ModelConfig, paths: ModelPaths, inputs: BuildInputs
-) -> tuple[report_mod.QuantizeReport, QuantizeRecord]:
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
+@dataclasses.dataclass
+class _State:
+    """What the steps of one build have made so far."""
+
+    source: Any
+    plan: BucketPlan
+    prepared: dict[str, PreparedBucket]
+    timings: dict[str, float]
+    samples: SampleSource | None = None
+    routed: _Routed | None = None
+    held_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    borrowed: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def largest(self) -> PreparedBucket:
+        return self.prepared[self.plan.largest.name]
+
+
+def _prepare_all(config: ModelConfig, paths: ModelPaths) -> _State:
+    """Load the source, plan the buckets and prepare each one's static float model."""
+    started = time.perf_counter()
     source = load_source_model(config.source_path)
     steps = prepare_buckets(config, source, lambda name: paths.bucket(name).float_model)
     plan = next(steps)
@@ -395,84 +411,67 @@ def _build(
         assert isinstance(item, PreparedBucket)
         prepared[item.bucket.name] = item
     _remove_stale_buckets(paths, plan)
-    timings["prepare"] = time.perf_counter() - t0
+    return _State(source, plan, prepared, {"prepare": time.perf_counter() - started})
 
-    t0 = time.perf_counter()
-    largest = prepared[plan.largest.name]
+
+def _sample_all(config: ModelConfig, paths: ModelPaths, state: _State) -> dict[str, BucketSamples]:
+    """Route the calibration samples into buckets, write the held-out samples; each bucket's
+    calibration samples."""
+    started = time.perf_counter()
+    plan, largest = state.plan, state.largest
     router = Router(config, plan, {s.name: s.dtype for s in largest.specs})
-    source_samples = sample_source(config, largest.specs)
-    if not source_samples.calib:
+    state.samples = sample_source(config, largest.specs)
+    if not state.samples.calib:
         raise CalibrationError(f"{config.model.name}: no calibration samples were selected.")
-    routed = _route(config, plan, source_samples, router)
-    held_counts, borrowed = _write_heldout(
-        paths, plan, source_samples, router, routed, largest.float_path
+    state.routed = _route(config, plan, state.samples, router)
+    state.held_counts, state.borrowed = _write_heldout(
+        paths, plan, state.samples, router, state.routed, largest.float_path
     )
-    timings["route"] = time.perf_counter() - t0
-    samples = {
+    state.timings["route"] = time.perf_counter() - started
+    return {
         name: BucketSamples(
-            source_samples, router, plan.bucket(name), routed.refs[name], prepared[name].float_path
+            state.samples,
+            router,
+            plan.bucket(name),
+            state.routed.refs[name],
+            state.prepared[name].float_path,
         )
         for name in plan.names
     }
-    merged, changes, mixed = _quantize_all(
-        config, paths, plan, prepared, samples, held_counts, timings
-    )
 
+
+def _build(
+    config: ModelConfig, paths: ModelPaths, inputs: BuildInputs
+) -> tuple[report_mod.QuantizeReport, QuantizeRecord]:
+    state = _prepare_all(config, paths)
+    samples = _sample_all(config, paths, state)
+    plan = state.plan
+    merged, changes, mixed = _quantize_all(
+        config, paths, plan, state.prepared, samples, state.held_counts, state.timings
+    )
     qdqs = {n: paths.bucket(n).qdq for n in plan.names}
-    floats = {n: prepared[n].float_path for n in plan.names}
+    floats = {n: state.prepared[n].float_path for n in plan.names}
     weights = _weight_sharing(qdqs)
-    t0 = time.perf_counter()
+    started = time.perf_counter()
     per_bucket = {
-        n: evaluate(floats[n], qdqs[n], paths.bucket(n).heldout) if held_counts[n] else {}
+        n: evaluate(floats[n], qdqs[n], paths.bucket(n).heldout) if state.held_counts[n] else {}
         for n in plan.names
     }
-    e2e = end_to_end(config, source, plan, floats, qdqs, paths.heldout)
-    timings["evaluate"] = time.perf_counter() - t0
-
+    e2e = end_to_end(config, state.source, plan, floats, qdqs, paths.heldout)
+    state.timings["evaluate"] = time.perf_counter() - started
     worst_each = [worst_snr(v) for v in per_bucket.values() if v]
     worst = min(worst_each) if worst_each else float("nan")
     q = config.quantization
-    passed = q.min_snr_db <= 0 or worst >= q.min_snr_db
-    buckets = []
-    artifacts = []
-    for name in plan.names:
-        bucket = plan.bucket(name)
-        shapes = {k: list(v) for k, v in bucket.shapes.items()}
-        heldout = paths.bucket(name).heldout
-        buckets.append(
-            report_mod.BucketReport(
-                name=name,
-                shapes=shapes,
-                calibration_samples=len(routed.refs[name]),
-                calibrated_with_smaller=name in routed.fallback,
-                heldout_samples=held_counts[name],
-                heldout_from_calibration=name in borrowed,
-                float_nodes=prepared[name].nodes,
-                float_bytes=floats[name].stat().st_size,
-                qdq_bytes=qdqs[name].stat().st_size,
-                qdq_vs_float=per_bucket[name],
-            )
-        )
-        artifacts.append(
-            BucketArtifacts(
-                name=name,
-                shapes=shapes,
-                float_sha256=sha256_file(floats[name]),
-                qdq_sha256=sha256_file(qdqs[name]),
-                heldout_digest=folder_digest(heldout, "sample_*.npz"),
-                heldout_samples=held_counts[name],
-            )
-        )
     report = report_mod.QuantizeReport(
         model=config.model.name,
         version=config.model.version,
         config=str(config.path),
         inputs=inputs,
-        graph_inputs=[s.describe() for s in largest.specs],
-        prepare=[report_mod.PrepareStep(c.step, list(c.details)) for c in largest.changes],
+        graph_inputs=[s.describe() for s in state.largest.specs],
+        prepare=[report_mod.PrepareStep(c.step, list(c.details)) for c in state.largest.changes],
         calibration_kind=config.calibration.kind,
-        calibration_samples=len(source_samples.calib),
-        heldout_samples=len(source_samples.held),
+        calibration_samples=len(state.samples.calib) if state.samples else 0,
+        heldout_samples=len(state.samples.held) if state.samples else 0,
         calibration_chunk=quantizer.CALIBRATION_CHUNK,
         merged_tensors=merged,
         activation_type=q.activation_type,
@@ -483,37 +482,79 @@ def _build(
         op_type_overrides=dict(q.overrides.op_types),
         range_rules=report_mod.RangeRules(changes.clamped, changes.widened, changes.bias_floor),
         mixed_precision=mixed,
-        buckets=buckets,
+        buckets=[_bucket_report(state, paths, n, per_bucket[n]) for n in plan.names],
         pads=list(plan.pads),
         crops=list(plan.crops),
         weights=weights,
         end_to_end=e2e,
         worst_snr_db=worst,
         min_snr_db=q.min_snr_db,
-        passed=passed,
+        passed=q.min_snr_db <= 0 or worst >= q.min_snr_db,
         source_bytes=config.source_path.stat().st_size,
-        timings_s=timings,
+        timings_s=state.timings,
     )
-    record = QuantizeRecord(
-        status="ok" if passed else "failed",
+    return report, _record(config, inputs, state, paths, report)
+
+
+def _bucket_report(
+    state: _State, paths: ModelPaths, name: str, accuracy: dict[str, Any]
+) -> report_mod.BucketReport:
+    assert state.routed is not None
+    where = paths.bucket(name)
+    return report_mod.BucketReport(
+        name=name,
+        shapes={k: list(v) for k, v in state.plan.bucket(name).shapes.items()},
+        calibration_samples=len(state.routed.refs[name]),
+        calibrated_with_smaller=name in state.routed.fallback,
+        heldout_samples=state.held_counts[name],
+        heldout_from_calibration=name in state.borrowed,
+        float_nodes=state.prepared[name].nodes,
+        float_bytes=where.float_model.stat().st_size,
+        qdq_bytes=where.qdq.stat().st_size,
+        qdq_vs_float=accuracy,
+    )
+
+
+def _record(
+    config: ModelConfig,
+    inputs: BuildInputs,
+    state: _State,
+    paths: ModelPaths,
+    report: report_mod.QuantizeReport,
+) -> QuantizeRecord:
+    """The record the later stages trust: every bucket's digests, the plan, the summary."""
+    q = config.quantization
+    artifacts = [
+        BucketArtifacts(
+            name=b.name,
+            shapes=b.shapes,
+            float_sha256=sha256_file(paths.bucket(b.name).float_model),
+            qdq_sha256=sha256_file(paths.bucket(b.name).qdq),
+            heldout_digest=folder_digest(paths.bucket(b.name).heldout, "sample_*.npz"),
+            heldout_samples=b.heldout_samples,
+        )
+        for b in report.buckets
+    ]
+    mixed = report.mixed_precision
+    return QuantizeRecord(
+        status="ok" if report.passed else "failed",
         model=config.model.name,
         inputs=inputs,
         buckets=artifacts,
-        pads=list(plan.pads),
-        crops=list(plan.crops),
+        pads=list(state.plan.pads),
+        crops=list(state.plan.crops),
         summary=QuantizeSummary(
             activation_type=q.activation_type,
             weight_type=q.weight_type,
             method=q.method,
-            calibration_samples=len(source_samples.calib),
-            heldout_samples=len(source_samples.held),
-            worst_snr_db=worst,
-            outputs=per_bucket[plan.largest.name],
-            prepare_steps=[c.step for c in largest.changes if c.details],
+            calibration_samples=report.calibration_samples,
+            heldout_samples=report.heldout_samples,
+            worst_snr_db=report.worst_snr_db,
+            outputs=report.buckets[-1].qdq_vs_float,
+            prepare_steps=[c.step for c in state.largest.changes if c.details],
             mixed_precision=[t.name for t in mixed.tensors] if mixed else [],
         ),
     )
-    return report, record
 
 
 def _remove_stale_buckets(paths: ModelPaths, plan: BucketPlan) -> None:

@@ -19,28 +19,12 @@ import numpy as np
 from qnn_ctx_runtime import buckets as bk
 
 from ..core.config import ModelConfig
+from ..core.dtypes import np_dtype
 from ..core.layout import samples_in
 from ..core.metrics import Accuracy, OutputComparison
 from ..graph.buckets import BucketPlan
 
 Feeds = dict[str, np.ndarray]
-_NP_TYPES = {
-    "tensor(float)": np.float32,
-    "tensor(float16)": np.float16,
-    "tensor(double)": np.float64,
-    "tensor(int64)": np.int64,
-    "tensor(int32)": np.int32,
-    "tensor(int16)": np.int16,
-    "tensor(int8)": np.int8,
-    "tensor(uint8)": np.uint8,
-    "tensor(uint16)": np.uint16,
-    "tensor(bool)": np.bool_,
-}
-
-
-def np_dtype(onnx_type: str) -> Any:
-    """numpy dtype of an onnxruntime type string such as ``tensor(float)``."""
-    return _NP_TYPES.get(onnx_type, np.float32)
 
 
 def iter_samples(folder: Path) -> Iterator[Feeds]:

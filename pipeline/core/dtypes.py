@@ -1,0 +1,25 @@
+"""numpy dtypes of onnxruntime's type strings (``NodeArg.type``, e.g. ``tensor(float)``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+NP_TYPES: dict[str, Any] = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(int16)": np.int16,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+    "tensor(uint16)": np.uint16,
+    "tensor(bool)": np.bool_,
+}
+
+
+def np_dtype(onnx_type: str) -> Any:
+    """numpy dtype of an onnxruntime type string; float32 for anything else."""
+    return NP_TYPES.get(onnx_type, np.float32)
