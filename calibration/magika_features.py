@@ -17,7 +17,7 @@ Magika never runs the model on files shorter than ``min_file_size_for_dl`` bytes
 whose stripped start block is shorter than that (it answers txt/unknown from the bytes instead),
 so such files are skipped here as well: they are not inputs the model gets in production.
 
-Reader contract (see ``pipeline/calibration.py``): ``read_samples(calibration_path, specs)``
+Reader contract (see ``pipeline/calibration/samples.py``): ``read_samples(calibration_path, specs)``
 yields ``{input name: array}`` at the model's static shape and dtype.
 """
 
@@ -106,7 +106,7 @@ def _feature_input(specs: list[Any], config: FeatureConfig) -> Any:
     for spec in specs:
         if np.dtype(spec.dtype).kind in "iu" and spec.shape and spec.shape[-1] == config.size:
             return spec
-    from pipeline.errors import CalibrationError
+    from pipeline.core.errors import CalibrationError
 
     described = ", ".join(f"{s.name} {list(s.shape)} {np.dtype(s.dtype)}" for s in specs)
     raise CalibrationError(
@@ -122,7 +122,7 @@ def read_samples(
     config: FeatureConfig = STANDARD_V3_3,
 ) -> Iterator[dict[str, np.ndarray]]:
     """Calibration reader: one sample per ``batch`` files that Magika would run the model on."""
-    from pipeline.errors import CalibrationError
+    from pipeline.core.errors import CalibrationError
 
     if calibration_path is None or not Path(calibration_path).exists():
         raise CalibrationError(

@@ -19,7 +19,7 @@ batch to its widest line instead of squeezing it); at a fixed width the faithful
 to cut a long line, resized to the model's height, into consecutive width-wide tiles, which is
 what ``read_rec`` does (the last tile is zero-padded like any short line).
 
-Reader contract (see ``pipeline/calibration.py``): ``fn(calibration_path, specs)`` yields
+Reader contract (see ``pipeline/calibration/samples.py``): ``fn(calibration_path, specs)`` yields
 ``{input name: array}`` at the model's static shape and dtype.
 """
 
@@ -71,7 +71,7 @@ def _image_input(specs: list[Any]) -> Any:
     for spec in specs:
         if np.dtype(spec.dtype).kind == "f" and len(spec.shape) == 4 and spec.shape[1] == 3:
             return spec
-    from pipeline.errors import CalibrationError
+    from pipeline.core.errors import CalibrationError
 
     described = ", ".join(f"{s.name} {list(s.shape)} {np.dtype(s.dtype)}" for s in specs)
     raise CalibrationError(
@@ -81,7 +81,7 @@ def _image_input(specs: list[Any]) -> Any:
 
 
 def _images(calibration_path: Path | None) -> list[Path]:
-    from pipeline.errors import CalibrationError
+    from pipeline.core.errors import CalibrationError
 
     root = Path(calibration_path) if calibration_path is not None else None
     if root is None or not root.exists():

@@ -7,7 +7,7 @@ stage pads it into the smallest width bucket that holds it. A line wider than th
 is cut into consecutive tiles of that width (the last one keeps its own width), the pixels the
 dynamic model would see.
 
-Reader contract for ``[buckets]`` configs (see ``pipeline/bucket_quantize.py``):
+Reader contract for ``[buckets]`` configs (see ``pipeline/calibration/samples.py``):
 ``fn(calibration_path, specs)`` yields ``{input name: array}``; ``specs`` give the largest
 bucket's shapes, and the bucket dims may be any size up to those.
 """
@@ -44,7 +44,7 @@ def read_rec_natural(
     """Each text image (sorted by name) at its natural width; long lines as several tiles."""
     from PIL import Image
 
-    from pipeline.errors import CalibrationError
+    from pipeline.core.errors import CalibrationError
 
     spec = next(
         (

@@ -12,13 +12,17 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from pipeline import qnn, runtime
+import qnn_ctx_runtime
 from pipeline.__main__ import main
-from pipeline.bucket_runtime import SIMULATOR_REFUSES_SHARED
-from pipeline.errors import PipelineError, ReleaseError
+from pipeline.core.layout import ModelPaths, VariantPaths, release_dir
+from pipeline.core.metrics import snr_db
+from pipeline.core.records import VariantRecord, read_record
 from pipeline.example import build_sequence_model, synthetic_latent
-from pipeline.manifest import MANIFEST_FILE, Manifest
-from pipeline.metrics import snr_db
+from qnn_ctx_runtime import qnn
+from qnn_ctx_runtime.device import Device, device_for
+from qnn_ctx_runtime.errors import FeedError, ReleaseError
+from qnn_ctx_runtime.manifest import MANIFEST_FILE, Manifest
+from qnn_ctx_runtime.select import SIMULATOR_REFUSES_SHARED, choose_variant
 
 MODEL = "seq_buckets"
 SIZES = (16, 32, 64)
@@ -73,27 +77,35 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def paths(root: Path) -> ModelPaths:
+    return ModelPaths.of(root / "artifacts", MODEL)
+
+
 def build_dir(root: Path) -> Path:
-    return root / "artifacts" / "build" / MODEL
+    return paths(root).root
 
 
-def variant_dir(root: Path) -> Path:
+def variant_paths(root: Path) -> VariantPaths:
     pin = qnn.installed_qnn().package_version
-    return build_dir(root) / "ctx" / pin / "snapdragon-x-elite"
+    return paths(root).variant(pin, "snapdragon-x-elite")
 
 
 def release(root: Path) -> Path:
-    return root / "artifacts" / "releases" / MODEL / "1.0.0"
+    return release_dir(root / "artifacts", MODEL, "1.0.0")
 
 
 @pytest.mark.qnn
 def test_quantized_once_every_bucket_has_the_same_weights_and_parameters(built: Path) -> None:
     report = json.loads((build_dir(built) / "report.json").read_text())
-    assert report["buckets"]["names"] == [f"frames{s}" for s in SIZES]
-    assert sum(report["calibration"]["per_bucket"].values()) == report["calibration"]["samples"]
-    models = {
-        s: onnx.load(str(build_dir(built) / "buckets" / f"frames{s}" / "qdq.onnx")) for s in SIZES
-    }
+    buckets = report["buckets"]
+    assert [b["name"] for b in buckets] == [f"frames{s}" for s in SIZES]
+    assert [b["shapes"] for b in buckets] == [{"latent": [1, 16, s]} for s in SIZES]
+    # Every calibration sample went to exactly one bucket (its smallest that holds it), and each
+    # bucket had samples of its own.
+    assert not any(b["calibrated_with_smaller"] for b in buckets)
+    assert sum(b["calibration_samples"] for b in buckets) == report["calibration_samples"]
+    assert build_dir(built) / "buckets" / "frames16" == paths(built).bucket("frames16").root
+    models = {s: onnx.load(str(paths(built).bucket(f"frames{s}").qdq)) for s in SIZES}
     tensors = {
         s: {t.name: numpy_helper.to_array(t).tobytes() for t in m.graph.initializer}
         for s, m in models.items()
@@ -102,21 +114,20 @@ def test_quantized_once_every_bucket_has_the_same_weights_and_parameters(built: 
     assert tensors[16] == tensors[32] == tensors[64]
     quantized = [n for n in tensors[16] if n.endswith("_quantized")]
     assert len(quantized) >= 3
-    assert report["buckets"]["weights"]["shared_initializers"] == len(tensors[16])
+    assert report["weights"]["shared_initializers"] == len(tensors[16])
+    assert report["weights"]["bucket_specific"] == []
     # Causal model: padding the end changes nothing, so the bucketed result is the float model's
     # at the true size up to quantization.
-    e2e = report["accuracy"]["end_to_end"]
-    assert e2e["samples"] > 0 and "shape_mismatches" not in e2e
-    assert (
-        e2e["bucketed_float_vs_source_float"]["denoised"]["snr_db"] == float("inf")
-        or float(e2e["bucketed_float_vs_source_float"]["denoised"]["snr_db"]) > 100
-    )
-    assert e2e["bucketed_qdq_vs_source_float"]["denoised"]["snr_db"] > 30
+    e2e = report["end_to_end"]
+    assert e2e["samples"] > 0 and e2e["shape_mismatches"] == 0
+    assert e2e["source_failures"] == 0 and e2e["error"] == ""
+    assert float(e2e["float_vs_source"]["denoised"]["snr_db"]) > 100  # "inf" when exact
+    assert float(e2e["qdq_vs_source"]["denoised"]["snr_db"]) > 30
 
 
 @pytest.mark.qnn
 def test_all_buckets_share_one_context_binary(built: Path) -> None:
-    folder = variant_dir(built)
+    folder = variant_paths(built).root
     bins = sorted(p.name for p in folder.glob("*.bin"))
     assert len(bins) == 1
     partitions = set()
@@ -128,21 +139,29 @@ def test_all_buckets_share_one_context_binary(built: Path) -> None:
         assert {n.attributes["ep_cache_context"] for n in nodes} == {bins[0]}
         partitions |= {n.attributes["partition_name"] for n in nodes}
     assert len(partitions) == len(SIZES)  # one graph per bucket inside the shared binary
-    standalone = sorted(p.name for p in (folder / "standalone").glob("*.bin"))
+    standalone = sorted(p.name for p in variant_paths(built).standalone.glob("*.bin"))
     assert len(standalone) == len(SIZES)
-    details = json.loads((folder / "buckets.json").read_text())
-    shared_bytes = details["shared"]["total_bytes"]
-    assert shared_bytes < details["standalone"]["total_bytes"]
-    assert details["validated_with"] in ("shared", "standalone")
-    if runtime.device_for(None).simulator:
-        assert details["validated_with"] == "standalone"
-        assert "do not load on this machine" in details["shared_load_probe"]
+    record, problems = read_record(VariantRecord, variant_paths(built).record)
+    assert record is not None, problems
+    shared_set, standalone_set = record.set_of("shared"), record.set_of("standalone")
+    assert shared_set is not None and standalone_set is not None
+    assert [s.kind for s in record.sets] == ["shared", "standalone"]  # the primary set first
+    assert shared_set.bins == [bins[0]] and len(standalone_set.bins) == len(SIZES)
+    assert list(shared_set.ctx_files) == [f"frames{s}" for s in SIZES]
+    assert shared_set.total_bytes < standalone_set.total_bytes
+    assert record.validated_with in ("shared", "standalone")
+    if device_for(None).simulator:
+        assert record.validated_with == "standalone"
+        assert "do not load on this machine" in record.shared_load_probe
+    assert list(record.buckets) == [f"frames{s}" for s in SIZES]
     for name in (f"frames{s}" for s in SIZES):
-        bucket = details["buckets"][name]
-        assert bucket["coverage"]["passed"], bucket["coverage"]
-        assert bucket["validation"]["passed"] and bucket["validation"]["worst_snr_db"] > 30
-    record = json.loads((folder / "variant.json").read_text())
-    assert record["status"] == "ok" and record["inputs"][0]["shape"] == [1, 16, -1]
+        bucket = record.buckets[name]
+        assert bucket.coverage.passed, bucket.coverage
+        assert bucket.validation is not None
+        assert bucket.validation.passed and bucket.validation.worst_snr_db > 30
+    assert record.status == "ok" and record.passed and record.inputs[0].shape == [1, 16, -1]
+    # The variant names the QDQ models it was compiled from (publish checks them).
+    assert set(record.built_from.qdq_sha256) == set(record.buckets)
 
 
 @pytest.mark.qnn
@@ -151,8 +170,8 @@ def test_release_lists_the_buckets_and_which_files_belong_together(built: Path) 
     ids = [v.id for v in manifest.variants]
     assert ids == ["snapdragon-x-elite_qnn-2.51.0", "snapdragon-x-elite_qnn-2.51.0_standalone"]
     shared, standalone = manifest.variants
-    assert shared.buckets is not None and standalone.buckets is not None
     assert [e.name for e in shared.buckets.entries] == [f"frames{s}" for s in SIZES]
+    assert [e.name for e in standalone.buckets.entries] == [f"frames{s}" for s in SIZES]
     assert [e.inputs[0].shape for e in shared.buckets.entries] == [[1, 16, s] for s in SIZES]
     assert shared.buckets.shared_binary in {f.path for f in shared.files}
     assert len(shared.files) == len(SIZES) + 1  # k ctx models + 1 binary
@@ -166,7 +185,7 @@ def test_release_lists_the_buckets_and_which_files_belong_together(built: Path) 
 def test_runtime_matches_the_float_model_at_the_true_size(built: Path, frames: int) -> None:
     import onnxruntime as ort
 
-    model = runtime.load(release(built), target="snapdragon-x-elite")
+    model = qnn_ctx_runtime.load(release(built), target="snapdragon-x-elite")
     assert model.facts()["buckets"] == [f"frames{s}" for s in SIZES]
     x = synthetic_latent(np.random.default_rng(100 + frames), frames)  # like the calibration data
     got = model.run({"latent": x})["denoised"]
@@ -175,6 +194,7 @@ def test_runtime_matches_the_float_model_at_the_true_size(built: Path, frames: i
     assert got.shape == expected.shape == (1, 16, frames)
     assert snr_db(expected, got) > 30  # u16 activations, u8 weights, on the HTP
     bucket = next(s for s in SIZES if s >= frames)
+    assert model.buckets is not None and model.buckets.last is not None
     assert model.buckets.last.bucket == f"frames{bucket}"
     padding = model.buckets.last.inputs.get("latent", [])
     assert padding == ([(2, 0, bucket - frames)] if bucket > frames else [])
@@ -183,15 +203,15 @@ def test_runtime_matches_the_float_model_at_the_true_size(built: Path, frames: i
 
 @pytest.mark.qnn
 def test_bad_inputs_get_clear_errors(built: Path) -> None:
-    model = runtime.load(release(built), target="snapdragon-x-elite")
-    with pytest.raises(PipelineError) as info:
+    model = qnn_ctx_runtime.load(release(built), target="snapdragon-x-elite")
+    with pytest.raises(FeedError) as info:
         model.run({"latent": np.zeros((1, 16, 65), np.float32)})
     assert "larger than every bucket" in str(info.value) and "frames64" in str(info.value)
-    with pytest.raises(PipelineError, match="rank 2"):
+    with pytest.raises(FeedError, match="rank 2"):
         model.run({"latent": np.zeros((16, 8), np.float32)})
-    with pytest.raises(PipelineError, match="dtype float64, expected float32"):
+    with pytest.raises(FeedError, match="dtype float64, expected float32"):
         model.run({"latent": np.zeros((1, 16, 8), np.float64)})
-    with pytest.raises(PipelineError, match="input 'latent' is missing"):
+    with pytest.raises(FeedError, match="input 'latent' is missing"):
         model.run({"noise": np.zeros((1, 16, 8), np.float32)})
     model.close()
 
@@ -202,8 +222,8 @@ def test_shared_set_is_preferred_on_a_device_and_refused_on_the_simulator(
 ) -> None:
     manifest = Manifest.read(release(built) / MANIFEST_FILE)
     installed = qnn.installed_qnn()
-    device = runtime.Device("snapdragon-x-elite", 60, 73, simulator=False)
-    assert runtime.choose_variant(manifest, installed, device).id.endswith("2.51.0")
+    device = Device("snapdragon-x-elite", 60, 73, simulator=False)
+    assert choose_variant(manifest, installed, device).id.endswith("2.51.0")
     # A release with only the weight-shared set, opened on the x86 simulator: refused before
     # any QNN call (QNN would crash the process), naming why.
     only_shared = tmp_path / "release"
@@ -211,9 +231,10 @@ def test_shared_set_is_preferred_on_a_device_and_refused_on_the_simulator(
     data = json.loads((only_shared / MANIFEST_FILE).read_text())
     data["variants"] = data["variants"][:1]
     (only_shared / MANIFEST_FILE).write_text(json.dumps(data))
-    simulator = runtime.Device("snapdragon-x-elite", 60, 73, simulator=True)
+    simulator = Device("snapdragon-x-elite", 60, 73, simulator=True)
+    assert choose_variant(manifest, installed, simulator).id.endswith("_standalone")
     with pytest.raises(ReleaseError) as info:
-        runtime.choose_variant(Manifest.read(only_shared / MANIFEST_FILE), installed, simulator)
+        choose_variant(Manifest.read(only_shared / MANIFEST_FILE), installed, simulator)
     assert SIMULATOR_REFUSES_SHARED in str(info.value)
     assert 'packaging = ["shared", "standalone"]' in (info.value.tip or "")
 

@@ -1,5 +1,5 @@
-"""Shape buckets without QNN: the [buckets] config rules, bucket planning, padding, choosing,
-cropping, and the manifest's bucket section."""
+"""Shape buckets without QNN: the [buckets] config rules, bucket planning (pipeline.graph.buckets),
+padding, choosing and cropping (qnn_ctx_runtime.buckets), and the manifest's bucket section."""
 
 from __future__ import annotations
 
@@ -11,10 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import buckets as bk
-from pipeline.config import BucketOutput, BucketPad, BucketsSection, load_config
-from pipeline.errors import ConfigError, PipelineError, ReleaseError
-from pipeline.manifest import (
+from pipeline.core.config import BucketOutput, BucketPad, BucketsSection, load_config
+from pipeline.core.errors import ConfigError, PipelineError
+from pipeline.graph import buckets as bk
+from qnn_ctx_runtime import buckets as rt
+from qnn_ctx_runtime.errors import FeedError, ReleaseError
+from qnn_ctx_runtime.manifest import (
+    CURRENT_SCHEMA,
+    SINGLE_BUCKET,
     BucketAxis,
     BucketCrop,
     BucketEntry,
@@ -119,18 +123,28 @@ def test_recurrent_calibration_is_refused(tmp_path: Path) -> None:
         load_config(write_config(tmp_path, "[buckets]\ndims = { w = [4] }\n", base), False)
 
 
-def test_configs_without_buckets_keep_their_digest(tmp_path: Path) -> None:
-    """Build records and published releases hash the config: [buckets] must not change that."""
+def test_config_digests_and_buckets(tmp_path: Path) -> None:
+    """Build records and published releases hash the config. A config without [buckets] is one
+    bucket ("static"), so its digest is that of every setting, [buckets] (empty) included, and
+    stays stable; [buckets] changes what quantize builds, packaging only what compile does."""
     import dataclasses
 
     config = load_config(write_config(tmp_path, ""), check_files=False)
+    assert config.buckets == BucketsSection() and not config.buckets.enabled
     data = dataclasses.asdict(config)
     data.pop("path")
-    data.pop("buckets")
     expected = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
     assert config.digest() == expected
+    assert load_config(write_config(tmp_path, ""), check_files=False).digest() == expected
     bucketed = load_config(write_config(tmp_path, "[buckets]\ndims = { w = [4] }\n"), False)
     assert bucketed.digest() != expected
+    assert bucketed.quantize_digest() != config.quantize_digest()
+    standalone = load_config(
+        write_config(tmp_path, '[buckets]\ndims = { w = [4] }\npackaging = ["standalone"]\n'),
+        False,
+    )
+    assert standalone.digest() != bucketed.digest()
+    assert standalone.quantize_digest() == bucketed.quantize_digest()
 
 
 def test_bundled_bucket_configs_parse() -> None:
@@ -235,6 +249,19 @@ def test_pad_and_outputs_must_name_bucket_dims_and_real_outputs() -> None:
         )
 
 
+def test_a_model_without_buckets_is_one_static_bucket() -> None:
+    plan = bk.single_bucket({"x": [1, 3, 8, 8], "state": (2, 4)})
+    assert plan.names == [SINGLE_BUCKET] == ["static"]
+    assert plan.largest.shapes == {"x": (1, 3, 8, 8), "state": (2, 4)}
+    assert plan.pads == [] and plan.crops == []
+    # Nothing may vary: only the exact shape is taken, smaller inputs too are refused.
+    assert rt.choose_bucket(plan.buckets, plan.pads, {"x": (1, 3, 8, 8)}).name == "static"
+    with pytest.raises(
+        FeedError, match=r"has shape \[1, 3, 4, 8\]; the model takes exactly \[1, 3, 8, 8\]"
+    ):
+        rt.choose_bucket(plan.buckets, plan.pads, {"x": (1, 3, 4, 8)})
+
+
 # -- at run time -------------------------------------------------------------------------------------
 
 
@@ -247,7 +274,7 @@ def plan3() -> bk.BucketPlan:
 def test_the_smallest_bucket_that_holds_the_input_is_chosen() -> None:
     plan = plan3()
     pick = {
-        n: bk.choose_bucket(plan.buckets, plan.pads, {"latent": (1, 16, n)}).name
+        n: rt.choose_bucket(plan.buckets, plan.pads, {"latent": (1, 16, n)}).name
         for n in (1, 64, 65, 256)
     }
     assert pick == {1: "frames64", 64: "frames64", 65: "frames128", 256: "frames256"}
@@ -255,33 +282,34 @@ def test_the_smallest_bucket_that_holds_the_input_is_chosen() -> None:
 
 def test_too_large_wrong_rank_and_fixed_dims_are_clear_errors() -> None:
     plan = plan3()
-    with pytest.raises(PipelineError) as info:
-        bk.choose_bucket(plan.buckets, plan.pads, {"latent": (1, 16, 300)})
+    with pytest.raises(FeedError) as info:
+        rt.choose_bucket(plan.buckets, plan.pads, {"latent": (1, 16, 300)})
     assert "300 on axis 2 (frames)" in str(info.value)
     assert "largest bucket is frames256 (latent [1, 16, 256])" in str(info.value)
-    with pytest.raises(PipelineError, match=r"rank 2 .*rank 3: \[1, 16, <=256\]"):
-        bk.choose_bucket(plan.buckets, plan.pads, {"latent": (16, 64)})
-    with pytest.raises(PipelineError, match="size 8 on axis 1; the model needs 16"):
-        bk.choose_bucket(plan.buckets, plan.pads, {"latent": (1, 8, 64)})
+    assert isinstance(info.value, PipelineError)  # the builder catches it like its own errors
+    with pytest.raises(FeedError, match=r"rank 2 .*rank 3: \[1, 16, <=256\]"):
+        rt.choose_bucket(plan.buckets, plan.pads, {"latent": (16, 64)})
+    with pytest.raises(FeedError, match="size 8 on axis 1; the model needs 16"):
+        rt.choose_bucket(plan.buckets, plan.pads, {"latent": (1, 8, 64)})
 
 
 def test_padding_goes_where_the_rule_says() -> None:
     x = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
-    end, applied = bk.pad_input(x, (1, 2, 5), [bk.PadRule("x", 2, "t", 9.0, "end")])
+    end, applied = rt.pad_input(x, (1, 2, 5), [rt.PadRule("x", 2, "t", 9.0, "end")])
     assert applied == [(2, 0, 2)] and end.dtype == np.float32
     assert end[0, 0].tolist() == [0, 1, 2, 9, 9]
-    start, applied = bk.pad_input(x, (1, 2, 5), [bk.PadRule("x", 2, "t", -1.0, "start")])
+    start, applied = rt.pad_input(x, (1, 2, 5), [rt.PadRule("x", 2, "t", -1.0, "start")])
     assert applied == [(2, 2, 0)] and start[0, 1].tolist() == [-1, -1, 3, 4, 5]
-    same, applied = bk.pad_input(x, (1, 2, 3), [bk.PadRule("x", 2, "t")])
+    same, applied = rt.pad_input(x, (1, 2, 3), [rt.PadRule("x", 2, "t")])
     assert same is x and applied == []
 
 
 def test_cropping_keeps_the_steps_of_the_real_input() -> None:
     y = np.arange(10)[np.newaxis]
-    identity = bk.CropRule("y", 1, "x", 2, "t")
-    assert bk.crop_output(y, identity, 4, 10, "end").tolist() == [[0, 1, 2, 3]]
-    assert bk.crop_output(y, identity, 4, 10, "start").tolist() == [[6, 7, 8, 9]]
-    strided = bk.CropRule("y", 1, "x", 2, "t", num=1, den=4, add=1)
+    identity = rt.CropRule("y", 1, "x", 2, "t")
+    assert rt.crop_output(y, identity, 4, 10, "end").tolist() == [[0, 1, 2, 3]]
+    assert rt.crop_output(y, identity, 4, 10, "start").tolist() == [[6, 7, 8, 9]]
+    strided = rt.CropRule("y", 1, "x", 2, "t", num=1, den=4, add=1)
     assert [strided.length(n) for n in (1, 2, 6, 7, 40, 41)] == [1, 1, 1, 2, 10, 10]
 
 
@@ -342,7 +370,7 @@ def bucket_variant(shared: bool = True) -> Variant:
 
 def manifest_dict(v: Variant) -> dict:
     return Manifest(
-        schema_version=SchemaVersion.V1,
+        schema_version=CURRENT_SCHEMA,
         model="m",
         version="1.0.0",
         created="2026-11-21T16:00:00+00:00",
@@ -356,15 +384,32 @@ def manifest_dict(v: Variant) -> dict:
     ).to_dict()
 
 
-def test_bucket_section_round_trips_and_is_absent_without_buckets() -> None:
+def test_bucket_section_round_trips_and_old_releases_get_one_bucket() -> None:
     data = manifest_dict(bucket_variant())
+    assert data["schema_version"] == SchemaVersion.V2.value
     parsed = Manifest.from_dict(json.loads(json.dumps(data)))
     assert parsed.variants[0].buckets == bucket_variant().buckets
-    plain = copy.deepcopy(data)
+    assert parsed.to_dict() == data
+    # Format 1 wrote buckets only for several shapes: such a release reads as it was written.
+    old = copy.deepcopy(data)
+    old["schema_version"] = SchemaVersion.V1.value
+    assert Manifest.from_dict(old).variants[0].buckets == bucket_variant().buckets
+    # A format-1 variant without buckets is one ctx model: it is read as one "static" bucket.
+    plain = copy.deepcopy(old)
     del plain["variants"][0]["buckets"]
-    again = Manifest.from_dict(plain)
-    assert again.variants[0].buckets is None
-    assert "buckets" not in again.to_dict()["variants"][0]  # old releases keep their manifest
+    variant = Manifest.from_dict(plain).variants[0]
+    assert variant.buckets == Buckets(
+        shared_binary=None,
+        axes=[],
+        crops=[],
+        entries=[BucketEntry(SINGLE_BUCKET, variant.model, variant.inputs, variant.outputs)],
+    )
+    assert "buckets" not in plain["variants"][0]  # the upgrade works on a copy
+    # In format 2 every variant has its buckets.
+    current = copy.deepcopy(data)
+    del current["variants"][0]["buckets"]
+    with pytest.raises(ReleaseError, match=r"variants\[0\]\.buckets: missing field"):
+        Manifest.from_dict(current)
 
 
 def test_bucket_section_must_name_the_variants_own_files_and_tensors() -> None:

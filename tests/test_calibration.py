@@ -86,7 +86,7 @@ def test_missing_batch_axis_is_added(tmp_path: Path) -> None:
     [
         (
             {"shape": (1, 3, 9, 9)},
-            r"Input 'x' has size 9 on axis 2; the model needs 8 there \(\[1, 3, 8, 8\]\)",
+            r"Input 'x' has shape \[1, 3, 9, 9\]; the model takes exactly \[1, 3, 8, 8\]",
         ),
         ({"dtype": np.float64}, "has dtype float64, the model input needs float32"),
     ],
@@ -103,9 +103,9 @@ def test_wrong_shape_or_dtype(tmp_path: Path, kwargs: dict, message: str) -> Non
 @pytest.mark.parametrize(
     ("shape", "message"),
     [
-        ((1, 3, 9, 9), "has size 9 on axis 2; the model needs 8 there ([1, 3, 8, 8])"),
-        ((1, 3, 4, 8), "has size 4 on axis 2; the model needs 8 there ([1, 3, 8, 8])"),
-        ((3, 8, 9), "has size 9 on axis 3; the model needs 8 there ([1, 3, 8, 8])"),
+        ((1, 3, 9, 9), "has shape [1, 3, 9, 9]; the model takes exactly [1, 3, 8, 8]"),
+        ((1, 3, 4, 8), "has shape [1, 3, 4, 8]; the model takes exactly [1, 3, 8, 8]"),
+        ((3, 8, 9), "has shape [1, 3, 8, 9]; the model takes exactly [1, 3, 8, 8]"),
         ((2, 1, 3, 8, 8), "has rank 5 (shape [2, 1, 3, 8, 8]); the model takes rank 4"),
     ],
 )

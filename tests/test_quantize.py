@@ -141,6 +141,28 @@ def test_bad_calibration_leaves_nothing_half_written(
     assert leftovers == []
 
 
+@pytest.mark.parametrize("shape", [(1, 3, 32, 31), (1, 3, 16, 16), (3, 32, 40)])
+def test_calibration_tensor_of_another_shape_is_refused(
+    example: Path, capsys: pytest.CaptureFixture, shape: tuple[int, ...]
+) -> None:
+    """Without [buckets] the model has one static shape: every sample must have exactly it (a
+    missing batch axis is added), and the error names the file and the shape the model needs."""
+    shutil.copy(example / "artifacts" / "example" / "example_cnn.onnx", example / "m.onnx")
+    data = example / "wrongshape"
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir()
+    for i in range(4):
+        np.save(data / f"s{i}.npy", np.zeros(shape, np.float32))
+    config = write_config(example, "m.onnx", 'kind = "tensors"\npath = "wrongshape"')
+    assert run(example, str(config)) == 1
+    err = capsys.readouterr().err
+    assert "Calibration sample" in err and str(data / "s") in err and ".npy" in err
+    assert "the model takes exactly [1, 3, 32, 32]" in err
+    assert "[inputs]" in err  # the tip: a single shape is fixed in [inputs]
+    paths = ModelPaths.of(example / "artifacts", "bad")
+    assert not paths.bucket(SINGLE_BUCKET).qdq.exists() and not paths.record.exists()
+
+
 def test_empty_calibration_folder(example: Path, capsys: pytest.CaptureFixture) -> None:
     shutil.copy(example / "artifacts" / "example" / "example_cnn.onnx", example / "m.onnx")
     (example / "empty").mkdir(exist_ok=True)

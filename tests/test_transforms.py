@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from pipeline.graph import transforms as t
 from pipeline.core.errors import ModelError
+from pipeline.graph import transforms as t
 
 RNG = np.random.default_rng(0)
 

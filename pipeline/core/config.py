@@ -248,8 +248,12 @@ class _Problems:
     def __init__(self, file: Path) -> None:
         self.file = file
         self.items: list[tuple[str, str | None]] = []
+        self.bad_keys: set[str] = set()  # keys whose value was refused (their default stands in)
 
     def add(self, message: str, tip: str | None = None) -> None:
+        # A key already refused for its type is not reported again through its stand-in default.
+        if any(message.startswith(f"{key} ") for key in self.bad_keys):
+            return
         self.items.append((f"{self.file}: {message}", tip))
 
     def raise_if_any(self) -> None:
@@ -335,10 +339,13 @@ def _build(cls: type, table: dict[str, Any], where: str, problems: _Problems) ->
         key_where = f"{where}.{f.name}" if where else f.name
         if f.name in table:
             value = _convert(table[f.name], hints[f.name], key_where, problems)
-            if value is _MISSING:
-                ok = False
-            else:
+            if value is not _MISSING:
                 kwargs[f.name] = value
+                continue
+            # Refused (and reported): the default stands in, so the other keys are still checked.
+            problems.bad_keys.add(key_where)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                ok = False
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             problems.add(f"missing required key {key_where!r}.")
             ok = False

@@ -110,6 +110,13 @@ def choose_bucket(
                     raise FeedError(f"Input {name!r} is empty along axis {axis}.")
                 continue
             if size != want[axis]:
+                if not pads:  # one static shape: nothing may vary
+                    raise FeedError(
+                        f"Input {name!r} has shape {list(shape)}; the model takes exactly "
+                        f"{list(want)}.",
+                        tip="The model's inputs are static: feed exactly the shapes listed in "
+                        "model.inputs.",
+                    )
                 raise FeedError(
                     f"Input {name!r} has size {size} on axis {axis}; the model needs {want[axis]} "
                     f"there ({_pattern(want, bucket_axes)}): only the bucket dims may vary.",
