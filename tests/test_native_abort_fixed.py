@@ -18,7 +18,8 @@ from compile_fixtures import IR_VERSION, shape_tail
 from onnx import helper
 
 from pipeline.__main__ import main
-from pipeline.variant import VariantRecord
+from pipeline.core.layout import ModelPaths
+from pipeline.core.records import QuantizeRecord, VariantRecord, read_record
 
 
 @pytest.mark.qnn
@@ -37,13 +38,18 @@ def test_pipeline_prepares_away_the_pattern_that_aborts_qnn(tmp_path: Path) -> N
     )
     artifacts = str(tmp_path / "artifacts")
     assert main(["quantize", str(config), "--artifacts", artifacts]) == 0
-    build = tmp_path / "artifacts" / "build" / "shape_tail"
-    prepared_ops = {n.op_type for n in onnx.load(str(build / "float.onnx")).graph.node}
+    paths = ModelPaths.of(tmp_path / "artifacts", "shape_tail")
+    quantized, why = read_record(QuantizeRecord, paths.record)
+    assert quantized is not None and [b.name for b in quantized.buckets] == ["static"], why
+    float_model = paths.bucket("static").float_model
+    prepared_ops = {n.op_type for n in onnx.load(str(float_model)).graph.node}
     assert not prepared_ops & {"Shape", "Concat", "Slice", "Cast"}, prepared_ops
 
     assert main(["compile", str(config), "--artifacts", artifacts]) == 0
-    (variant_dir,) = (build / "ctx").glob("*/snapdragon-x-elite")
-    record = VariantRecord.read(variant_dir)
+    (variant_dir,) = paths.ctx.glob("*/snapdragon-x-elite")
+    record, why = read_record(VariantRecord, variant_dir / "variant.json")
+    assert record is not None, why
     assert record.status == "ok" and record.passed, record.error
-    assert record.coverage["qnn_partitions"] == 1
-    assert record.validation["worst_snr_db"] > 30
+    assert record.coverage is not None and record.validation is not None
+    assert record.coverage.qnn_partitions == 1
+    assert record.validation.worst_snr_db > 30
