@@ -1,15 +1,20 @@
 """Real build trees for publish/runtime tests: a seeded CNN, quantized and compiled for QNN.
 
-The tests make their inputs the way the compile stage does, without its gates, child processes
-and benchmarks (faster, and independent of compile's own behaviour): a float model from
-onnx.helper, QDQ from onnxruntime.quantization, ctx from ort.ModelCompiler (HTP, on the simulator
-here), and a ``variant.json`` whose SDK facts are read from the compiled file with onnx.
-Everything is built once per test session and cached under pytest's base temp folder.
+The float model comes from onnx.helper and goes through the real quantize stage
+(``pipeline.quantize.build.quantize_model``), which writes ``build/<model>/record.json`` and the
+one bucket ``buckets/static/{float,qdq}.onnx`` with its held-out samples. The ctx variants are
+made the way the compile stage makes them, without its child processes and load benchmarks
+(faster, and independent of compile's own behaviour): ctx from ort.ModelCompiler (HTP, on the
+simulator here), coverage and validation measured on the simulator with the compile stage's own
+functions, and a ``variant.json`` (``VariantRecord``) whose SDK facts are read from the compiled
+file with onnx and whose ``built_from`` is what the compile stage records for the current QDQ
+model (``pipeline.compile.build.model_inputs``). Everything is built once per test session and
+cached under pytest's base temp folder.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -22,8 +27,11 @@ MODEL = "tiny"
 VERSION = "1.0.0"
 TOOLCHAIN = "2.7.0"
 ONNXRUNTIME = "1.31.1"
+BUCKET = "static"  # the one bucket of a model with a single static shape
 # (target, embedded): one embedded ctx and one with its context binary in a .bin
 TARGETS = (("snapdragon-x-elite", True), ("snapdragon-8-gen-3", False))
+INPUT_SHAPE = [1, 3, 16, 16]
+OUTPUT_SHAPE = [1, 4, 16, 16]
 
 
 def float_model(path: Path, seed: int = 0, channels: int = 8, size: int = 16) -> Path:
@@ -58,25 +66,6 @@ def float_model(path: Path, seed: int = 0, channels: int = 8, size: int = 16) ->
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
     return path
-
-
-def quantize(float_path: Path, qdq_path: Path, seed: int = 0) -> Path:
-    from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize
-    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
-
-    rng = np.random.default_rng(seed + 1000)
-    samples = [{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(4)]
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.it = iter(samples)
-
-        def get_next(self):  # type: ignore[override]
-            return next(self.it, None)
-
-    config = get_qnn_qdq_config(str(float_path), Reader(), activation_type=QuantType.QUInt16)
-    quantize(str(float_path), str(qdq_path), config)
-    return qdq_path
 
 
 def qnn_devices() -> list:
@@ -128,65 +117,6 @@ def ctx_facts_onnx(ctx: Path) -> dict:
     }
 
 
-def validate(ctx: Path, qdq: Path, seed: int = 7) -> dict:
-    """ctx on the HTP simulator vs QDQ on CPU: the figures compile's validation would record."""
-    import onnxruntime as ort
-
-    x = np.random.default_rng(seed).standard_normal((1, 3, 16, 16)).astype(np.float32)
-    ref = ort.InferenceSession(str(qdq), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.add_provider_for_devices(qnn_devices(), {"backend_type": "htp"})
-    got = ort.InferenceSession(str(ctx), sess_options=options).run(None, {"x": x})[0]
-    noise = float(np.sum((got - ref) ** 2)) or 1e-30
-    snr = 10 * np.log10(float(np.sum(ref**2)) / noise)
-    return {
-        "ctx_vs_qdq": {"y": {"snr_db": snr, "max_abs": float(np.abs(got - ref).max())}},
-        "samples": 1,
-        "passed": True,
-        "gate": "snr >= 20 dB",
-    }
-
-
-def write_variant(
-    folder: Path,
-    files: list[str],
-    target: str,
-    toolchain: str = TOOLCHAIN,
-    onnxruntime: str = ONNXRUNTIME,
-    validation: dict | None = None,
-    model: str = MODEL,
-    version: str = VERSION,
-) -> None:
-    """variant.json as the compile stage writes it, SDK facts read from the compiled file."""
-    from pipeline.targets import get_target
-    from pipeline.variant import TensorSpec, VariantRecord
-
-    chip = get_target(target)
-    facts = ctx_facts_onnx(folder / files[0])
-    record = VariantRecord(
-        model=model,
-        model_version=version,
-        toolchain=toolchain,
-        onnxruntime=onnxruntime,
-        target=target,
-        soc_model=chip.soc_model,
-        htp_arch=chip.htp_arch,
-        status="ok",
-        qnn_sdk_version=facts["qnn_sdk_version"],
-        ep_sdk_version=facts["ep_sdk_version"],
-        ep_compatibility_info=facts["ep_compatibility_info"],
-        embed_mode=facts["embed_mode"],
-        files=files,
-        inputs=[TensorSpec("x", [1, 3, 16, 16], "float32")],
-        outputs=[TensorSpec("y", [1, 4, 16, 16], "float32")],
-        coverage={"qnn_partitions": 1, "cpu_compute_nodes": [], "passed": True, "gate": "1"},
-        validation=validation or {"passed": True, "gate": "snr"},
-        load={"qdq_s": 0.1, "ctx_s": 0.01, "ratio": 10.0, "runs": 3},
-    )
-    (folder / "variant.json").write_text(json.dumps(record.to_dict(), indent=2), "utf-8")
-
-
 @dataclass
 class Build:
     """A project-like tree: ``config`` (TOML) and ``artifacts`` with build/<model>/..."""
@@ -196,11 +126,22 @@ class Build:
     artifacts: Path
 
     @property
+    def paths(self):  # pipeline.core.layout.ModelPaths
+        from pipeline.core.layout import ModelPaths
+
+        return ModelPaths.of(self.artifacts, MODEL)
+
+    @property
     def build(self) -> Path:
-        return self.artifacts / "build" / MODEL
+        return self.paths.root
+
+    @property
+    def qdq(self) -> Path:
+        """The QDQ model of the one bucket, as the quantize stage writes it."""
+        return self.paths.bucket(BUCKET).qdq
 
     def variant_folder(self, target: str, toolchain: str = TOOLCHAIN) -> Path:
-        return self.build / "ctx" / toolchain / target
+        return self.paths.variant(toolchain, target).root
 
     def release(self, version: str = VERSION) -> Path:
         return self.artifacts / "releases" / MODEL / version
@@ -210,7 +151,176 @@ class Build:
         return Build(dest, dest / self.config.relative_to(self.root), dest / "artifacts")
 
 
-def write_config(root: Path, targets: list[str], toolchains: list[str], version: str) -> Path:
+def measure(ctx: Path, build: Build):
+    """(Coverage, Validation) of a ctx on the HTP simulator, the way compile's worker measures:
+    onnxruntime's node assignment, and the ctx vs the QDQ and float models on the CPU EP over
+    the held-out samples that quantize wrote for the bucket."""
+    import onnxruntime as ort
+
+    from pipeline.compile import coverage as coverage_mod
+    from pipeline.core.layout import samples_in
+    from pipeline.core.metrics import OutputComparison, worst_snr
+    from pipeline.core.records import Validation
+    from qnn_ctx_runtime import qnn
+
+    bucket = build.paths.bucket(BUCKET)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    options.add_provider_for_devices(qnn_devices(), {"backend_type": "htp"})
+    session = ort.InferenceSession(str(ctx), sess_options=options)
+    assert "QNNExecutionProvider" in session.get_providers()
+    coverage = coverage_mod.summarize(
+        coverage_mod.assignment_from_session(session), qnn.read_model_summary(ctx)
+    )
+    cpu = ["CPUExecutionProvider"]
+    qdq = ort.InferenceSession(str(bucket.qdq), providers=cpu)
+    flt = ort.InferenceSession(str(bucket.float_model), providers=cpu)
+    vs_qdq, vs_float, qdq_vs_float = OutputComparison(), OutputComparison(), OutputComparison()
+    samples = samples_in(bucket.heldout)
+    assert samples, f"quantize wrote no held-out sample into {bucket.heldout}"
+    for path in samples:
+        with np.load(path) as data:
+            feeds = {k: data[k] for k in data.files}
+        got = {"y": session.run(["y"], feeds)[0]}
+        ref_qdq = {"y": qdq.run(["y"], feeds)[0]}
+        ref_float = {"y": flt.run(["y"], feeds)[0]}
+        vs_qdq.add(ref_qdq, got)
+        vs_float.add(ref_float, got)
+        qdq_vs_float.add(ref_float, ref_qdq)
+    validation = Validation(
+        ctx_vs_qdq=vs_qdq.summary(),
+        ctx_vs_float=vs_float.summary(),
+        qdq_vs_float=qdq_vs_float.summary(),
+        worst_snr_db=worst_snr(vs_qdq.summary()),
+        worst_snr_vs_float_db=worst_snr(vs_float.summary()),
+        samples=vs_qdq.samples,
+        samples_source="heldout",
+        passed=True,
+        gate="no SNR gate",
+    )
+    return coverage, validation
+
+
+def unmeasured():
+    """(Coverage, Validation) for a variant not run here (another toolchain's binary)."""
+    from pipeline.core.records import Coverage, Validation
+
+    coverage = Coverage(1, 1, [], {}, [], 0, True, "measured in its own environment", [])
+    validation = Validation({}, {}, {}, float("inf"), None, 0, "heldout", True, "not run here")
+    return coverage, validation
+
+
+def write_variant(
+    build: Build,
+    target: str,
+    files: list[str],
+    toolchain: str = TOOLCHAIN,
+    onnxruntime: str = ONNXRUNTIME,
+    measured: bool = True,
+) -> None:
+    """variant.json as the compile stage writes it: SDK facts read from the compiled file,
+    ``built_from`` from the current quantize record and QDQ model."""
+    from pipeline.compile.build import model_inputs, variant_digest
+    from pipeline.core.config import load_config
+    from pipeline.core.layout import VariantPaths
+    from pipeline.core.records import (
+        BucketOutcome,
+        CtxFacts,
+        CtxSet,
+        LoadTimes,
+        TensorSpec,
+        VariantRecord,
+        write_record,
+    )
+    from qnn_ctx_runtime.targets import get_target
+    from qnn_ctx_runtime.toolchains import load_toolchains
+
+    chip = get_target(target)
+    pin = load_toolchains().get(toolchain)
+    inputs = model_inputs(load_config(build.config), build.artifacts)
+    folder = VariantPaths(build.variant_folder(target, toolchain))
+    ctx = folder.root / files[0]
+    facts = ctx_facts_onnx(ctx)
+    sizes = {f: (folder.root / f).stat().st_size for f in files}
+    ctx_set = CtxSet(
+        kind="single",
+        ctx_files={BUCKET: files[0]},
+        bins=list(files[1:]),
+        facts={
+            BUCKET: CtxFacts(
+                ep_context_nodes=1,
+                ep_sdk_version=facts["ep_sdk_version"],
+                qnn_sdk_version=facts["qnn_sdk_version"],
+                ep_compatibility_info=facts["ep_compatibility_info"],
+                htp_archs=[chip.htp_arch],
+                soc_models=[chip.soc_model],
+                embed_mode=facts["embed_mode"],
+                files=list(files),
+                sizes=sizes,
+            )
+        },
+        total_bytes=sum(sizes.values()),
+        bucket_bytes={BUCKET: sum(sizes.values())},
+    )
+    coverage, validation = measure(ctx, build) if measured else unmeasured()
+    tensors_in = [TensorSpec("x", list(INPUT_SHAPE), "float32")]
+    tensors_out = [TensorSpec("y", list(OUTPUT_SHAPE), "float32")]
+    record = VariantRecord(
+        model=MODEL,
+        toolchain=toolchain,
+        onnxruntime=onnxruntime,
+        qnn_sdk=pin.qnn_sdk,
+        target=target,
+        soc_model=chip.soc_model,
+        htp_arch=chip.htp_arch,
+        backend="htp",
+        status="ok",
+        inputs_digest=variant_digest(inputs, pin, onnxruntime, chip),
+        built_from=inputs.built_from,
+        sets=[ctx_set],
+        validated_with="single",
+        shared_load_probe="",
+        inputs=tensors_in,
+        outputs=tensors_out,
+        coverage=coverage,
+        validation=validation,
+        buckets={BUCKET: BucketOutcome(coverage, tensors_in, tensors_out, validation)},
+        load=LoadTimes(
+            runs=3, ctx_s=0.01, all_s=0.01, buckets={BUCKET: 0.01}, qdq_s=0.1, ratio=10.0
+        ),
+        memory=None,
+        compile_time_s=0.5,
+        error=None,
+    )
+    write_record(folder.record, record)
+
+
+def compile_variant(
+    build: Build, target: str, embed: bool, toolchain: str = TOOLCHAIN
+) -> list[str]:
+    """Compile the current QDQ model for ``target`` into its (fresh) variant folder and record
+    it; returns the files, the ctx first."""
+    from pipeline.compile.build import ctx_file_name
+    from qnn_ctx_runtime.targets import get_target
+    from qnn_ctx_runtime.toolchains import load_toolchains
+
+    chip = get_target(target)
+    folder = build.variant_folder(target, toolchain)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    name = ctx_file_name(MODEL, None, chip, load_toolchains().get(toolchain))
+    files = compile_ctx(build.qdq, folder / name, chip.soc_model, chip.htp_arch, embed)
+    write_variant(build, target, files, toolchain)
+    return files
+
+
+def write_config(
+    root: Path, targets: list[str], toolchains: list[str], version: str, extra: str = ""
+) -> Path:
+    """The model config; ``extra`` is more TOML (e.g. a [quantization] table)."""
+    import json
+
     config = root / "configs" / f"{MODEL}.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(
@@ -226,56 +336,30 @@ samples = 4
 [compile]
 targets = {json.dumps(targets)}
 toolchains = {json.dumps(toolchains)}
-""",
+{extra}""",
         "utf-8",
     )
     return config
 
 
-def write_quantize_record(build: Build) -> None:
-    from pipeline.config import load_config
-    from pipeline.fileio import sha256_file
+def quantize(build: Build):
+    """The real quantize stage on the build's config; returns its QuantizeResult."""
+    from pipeline.core.config import load_config
+    from pipeline.quantize.build import quantize_model
 
-    config = load_config(build.config)
-    record = {
-        "quantize": {
-            "status": "ok",
-            "inputs": {
-                "source_sha256": sha256_file(config.source_path),
-                "config_digest": config.digest(),
-            },
-            "qdq_sha256": sha256_file(build.build / "qdq.onnx"),
-            "summary": {
-                "activation_type": "uint16",
-                "weight_type": "uint8",
-                "worst_snr_db": 31.5,
-                "outputs": {"y": {"snr_db": 31.5, "max_abs": 0.01, "cosine": 0.9996}},
-            },
-        }
-    }
-    (build.build / "record.json").write_text(json.dumps(record, indent=2), "utf-8")
+    return quantize_model(load_config(build.config), build.artifacts)
 
 
 def make_build(root: Path, seed: int = 0, version: str = VERSION) -> Build:
-    """Float -> QDQ -> two ctx variants (embedded x-elite, .bin 8-gen-3), as compile leaves them."""
+    """Float -> quantize stage -> two ctx variants (embedded x-elite, .bin 8-gen-3)."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "models").mkdir(exist_ok=True)
-    float_path = float_model(root / "models" / f"{MODEL}.onnx", seed)
+    float_model(root / "models" / f"{MODEL}.onnx", seed)
     config = write_config(root, [t for t, _ in TARGETS], [TOOLCHAIN], version)
     build = Build(root, config, root / "artifacts")
-    build.build.mkdir(parents=True, exist_ok=True)
-    qdq = quantize(float_path, build.build / "qdq.onnx", seed)
-    from pipeline.targets import get_target
-
+    quantize(build)
     for target, embed in TARGETS:
-        folder = build.variant_folder(target)
-        folder.mkdir(parents=True, exist_ok=True)
-        chip = get_target(target)
-        files = compile_ctx(
-            qdq, folder / f"{MODEL}_{target}_ctx.onnx", chip.soc_model, chip.htp_arch, embed
-        )
-        write_variant(folder, files, target, validation=validate(folder / files[0], qdq))
-    write_quantize_record(build)
+        compile_variant(build, target, embed)
     return build
 
 
@@ -292,18 +376,21 @@ def cached_build(
             shutil.rmtree(root)
         make_build(root, seed)
         done.write_text("ok")
-    build = Build(root, root / "configs" / f"{MODEL}.toml", root / "artifacts")
-    return build
+    return Build(root, root / "configs" / f"{MODEL}.toml", root / "artifacts")
+
+
+def python_path() -> str:
+    """PYTHONPATH for a child interpreter: this checkout's pipeline and qnn_ctx_runtime."""
+    from venvs import REPO_ROOT
+
+    return os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "runtime")])
 
 
 def run_python(code: str, *args: str, timeout: float = 300):
     """Run ``code`` in a fresh interpreter of this environment, with the repo importable."""
-    import os
     import subprocess
 
-    from venvs import REPO_ROOT
-
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env = dict(os.environ, PYTHONPATH=python_path())
     return subprocess.run(
         [sys.executable, "-c", code, *args],
         capture_output=True,

@@ -12,10 +12,20 @@ from venvs import run_in, toolchain_python
 
 from pipeline import doctor
 from pipeline.__main__ import main
-from pipeline.config import load_config
-from pipeline.publish import publish_model
+from pipeline.core.config import load_config
+from pipeline.publish.release import publish_model
+from qnn_ctx_runtime.toolchains import Toolchain, Toolchains, load_toolchains
 
-PINS = {"2.7.0": ("2.51.0", "1.31.1"), "2.3.0": ("2.47.0", "1.26.0"), "2.6.0": ("2.50.40", "")}
+# A table like runtime/qnn_ctx_runtime/toolchains.toml: two pins and one known, unpinned release.
+PINS = Toolchains(
+    default="2.7.0",
+    known={
+        "2.7.0": Toolchain("2.7.0", "2.51.0", "1.31.1"),
+        "2.3.0": Toolchain("2.3.0", "2.47.0", "1.26.0"),
+        "2.6.0": Toolchain("2.6.0", "2.50.40"),
+    },
+    source="pins.toml",
+)
 
 
 def test_probe_model_is_what_onnx_helper_builds():
@@ -60,19 +70,50 @@ def test_packages(installed, status, words):
 
 
 @pytest.mark.parametrize(
-    ("installed", "status", "fix"),
+    ("installed", "status", "detail", "fix"),
     [
-        ({"onnxruntime-qnn": "2.7.0", "onnxruntime": "1.31.1"}, "OK", ""),
-        ({"onnxruntime-qnn": "2.3.0", "onnxruntime": "1.31.1"}, "FAIL", "onnxruntime==1.26.0"),
-        ({"onnxruntime-qnn": "2.4.0", "onnxruntime": "1.31.1"}, "WARN", "onnxruntime-qnn==2.7.0"),
-        ({"onnxruntime-qnn": "2.6.0", "onnxruntime": "1.31.1"}, "WARN", "verify the pair"),
-        ({"onnxruntime-qnn": "1.23.2"}, "SKIP", ""),
+        (
+            {"onnxruntime-qnn": "2.7.0", "onnxruntime": "1.31.1"},
+            "OK",
+            "onnxruntime-qnn 2.7.0 + onnxruntime 1.31.1, as pinned in pins.toml",
+            "",  # nothing to fix
+        ),
+        (
+            {"onnxruntime-qnn": "2.3.0", "onnxruntime": "1.31.1"},
+            "FAIL",
+            "onnxruntime-qnn 2.3.0 with onnxruntime 1.31.1; pins.toml pins 1.26.0",
+            "pip install onnxruntime==1.26.0",
+        ),
+        (
+            {"onnxruntime-qnn": "2.4.0", "onnxruntime": "1.31.1"},
+            "WARN",
+            "onnxruntime-qnn 2.4.0 is not pinned in pins.toml",
+            "install a pinned pair, e.g. onnxruntime-qnn==2.7.0 onnxruntime==1.31.1, or verify "
+            "2.4.0 and add a pin",
+        ),
+        (
+            {"onnxruntime-qnn": "2.6.0", "onnxruntime": "1.31.1"},
+            "WARN",
+            "no verified onnxruntime for onnxruntime-qnn 2.6.0 in pins.toml",
+            "verify the pair (see the QNN probe row) and pin it",
+        ),
+        ({"onnxruntime-qnn": "1.23.2"}, "SKIP", "no onnxruntime-qnn 2.x installed", ""),
     ],
 )
-def test_pinned_pair(installed, status, fix):
-    row = doctor.check_pinned_pair(installed, PINS, "pins.toml")
+def test_pinned_pair(installed, status, detail, fix):
+    row = doctor.check_pinned_pair(installed, PINS)
     assert row.status == status, row
-    assert fix in row.fix
+    assert row.detail.startswith(detail), row
+    assert row.fix == fix, row
+
+
+def test_pinned_pair_reads_the_packaged_table():
+    """The real table: 2.5.0 is pinned with 1.31.1; 2.4.0 is known but has no verified pair."""
+    table = load_toolchains()
+    row = doctor.check_pinned_pair({"onnxruntime-qnn": "2.5.0", "onnxruntime": "1.31.1"}, table)
+    assert (row.status, row.fix) == ("OK", "") and table.source in row.detail
+    row = doctor.check_pinned_pair({"onnxruntime-qnn": "2.4.0", "onnxruntime": "1.31.1"}, table)
+    assert (row.status, row.fix) == ("WARN", "verify the pair (see the QNN probe row) and pin it")
 
 
 def test_emulated_x86_on_arm64_windows_fails():
@@ -97,6 +138,8 @@ def test_unreadable_release_is_a_failed_row(tmp_path: Path):
     (release / "manifest.json").write_text('{"schema_version": "7"}', "utf-8")
     (row,) = doctor.check_releases([release], None, None)
     assert row.status == "FAIL" and "unreadable manifest" in row.detail
+    assert "schema_version '7' is not a format this qnn-ctx-runtime reads" in row.detail
+    assert row.fix == "publish the release again"
 
 
 @pytest.fixture(scope="module")

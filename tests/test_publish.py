@@ -13,17 +13,29 @@ import tarfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
-from release_fixtures import MODEL, VERSION, Build, cached_build, ctx_facts_onnx
-from venvs import REPO_ROOT
+from release_fixtures import (
+    MODEL,
+    VERSION,
+    Build,
+    cached_build,
+    compile_variant,
+    ctx_facts_onnx,
+    python_path,
+    quantize,
+    write_config,
+)
 
-from pipeline import runtime
+import qnn_ctx_runtime
 from pipeline.__main__ import main
-from pipeline.config import load_config
-from pipeline.errors import PublishError
-from pipeline.fileio import sha256_file
-from pipeline.manifest import MANIFEST_FILE, Manifest
-from pipeline.publish import publish_model, read_ctx_facts
+from pipeline.core.config import load_config
+from pipeline.core.errors import PublishError
+from pipeline.core.fileio import sha256_file
+from pipeline.core.records import QuantizeRecord, read_record
+from pipeline.publish.collect import read_ctx_facts
+from pipeline.publish.release import publish_model
+from qnn_ctx_runtime.manifest import MANIFEST_FILE, SINGLE_BUCKET, Manifest, SchemaVersion
 
 pytestmark = pytest.mark.qnn
 X_ELITE, GEN3 = "snapdragon-x-elite", "snapdragon-8-gen-3"
@@ -43,24 +55,56 @@ def publish(build: Build, **kwargs):
     return publish_model(load_config(build.config), build.artifacts, **kwargs)
 
 
+def _merge(data: dict, changes: dict) -> None:
+    """Nested dicts are merged into the record's sections; anything else replaces."""
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            _merge(data[key], value)
+        else:
+            data[key] = value
+
+
 def edit_variant(build: Build, target: str, **changes) -> None:
+    """Edit variant.json (a VariantRecord) the way a stale or tampered build would differ."""
     path = build.variant_folder(target) / "variant.json"
     data = json.loads(path.read_text("utf-8"))
-    data.update(changes)
+    _merge(data, changes)
     path.write_text(json.dumps(data), "utf-8")
+
+
+def edit_set(build: Build, target: str, **changes) -> None:
+    """Edit the variant's one ctx set (kind "single") in its variant.json."""
+    path = build.variant_folder(target) / "variant.json"
+    data = json.loads(path.read_text("utf-8"))
+    (ctx_set,) = data["sets"]
+    ctx_set.update(changes)
+    path.write_text(json.dumps(data), "utf-8")
+
+
+def ctx_name(target: str) -> str:
+    return f"{MODEL}_{target}_qnn2.51.0_ctx.onnx"
+
+
+def bin_name(target: str) -> str:
+    return f"{MODEL}_{target}_qnn2.51.0_ctx_qnn.bin"
+
+
+def quantize_record(build: Build) -> QuantizeRecord:
+    record, why = read_record(QuantizeRecord, build.paths.record)
+    assert record is not None, why
+    return record
 
 
 def test_ctx_facts_without_onnx_match_onnx(base_build: Build):
     for target in (X_ELITE, GEN3):
-        ctx = next(base_build.variant_folder(target).glob("*_ctx.onnx"))
+        ctx = base_build.variant_folder(target) / ctx_name(target)
         facts, reference = read_ctx_facts(ctx), ctx_facts_onnx(ctx)
         assert facts.ep_sdk_versions == [reference["ep_sdk_version"]]
         assert facts.qnn_sdk_version == reference["qnn_sdk_version"] == "2.51.0"
         assert facts.embed_modes == [reference["embed_mode"]]
         assert facts.ep_compatibility_info == reference["ep_compatibility_info"]
-    assert read_ctx_facts(next(base_build.variant_folder(GEN3).glob("*_ctx.onnx"))).bin_files == [
-        f"{MODEL}_{GEN3}_ctx_qnn.bin"
-    ]
+    gen3 = base_build.variant_folder(GEN3) / ctx_name(GEN3)
+    assert read_ctx_facts(gen3).bin_files == [bin_name(GEN3)]
 
 
 def test_release_layout_and_manifest(build: Build):
@@ -68,6 +112,8 @@ def test_release_layout_and_manifest(build: Build):
     release = build.release()
     assert result.folder == release and not result.unchanged
     manifest = Manifest.read(release / MANIFEST_FILE)
+    assert manifest.schema_version is SchemaVersion.V2
+    assert json.loads((release / MANIFEST_FILE).read_text("utf-8"))["schema_version"] == "2"
     assert (manifest.model, manifest.version) == (MODEL, VERSION)
     by_target = {v.target: v for v in manifest.variants}
     assert set(by_target) == {X_ELITE, GEN3}
@@ -77,17 +123,34 @@ def test_release_layout_and_manifest(build: Build):
     assert (elite.soc_model, elite.htp_arch, elite.embed_mode) == (60, 73, 1)
     assert (gen3.soc_model, gen3.htp_arch, gen3.embed_mode) == (57, 75, 0)
     assert elite.ep_compatibility_info == "v2:6:2.51.0:5.51.0:73:60:0:0"
+    assert [f.path for f in elite.files] == [f"{elite.id}/{ctx_name(X_ELITE)}"]
     assert [f.path for f in gen3.files] == [
-        f"{gen3.id}/{MODEL}_{GEN3}_ctx.onnx",
-        f"{gen3.id}/{MODEL}_{GEN3}_ctx_qnn.bin",
+        f"{gen3.id}/{ctx_name(GEN3)}",
+        f"{gen3.id}/{bin_name(GEN3)}",
     ]
     assert (elite.onnxruntime_qnn, elite.onnxruntime) == ("2.7.0", "1.31.1")
     assert elite.inputs[0].shape == [1, 3, 16, 16] and elite.outputs[0].name == "y"
     assert elite.accuracy["ctx_vs_qdq"]["y"]["snr_db"] > 20
+    # A single static shape is one bucket, compiled from the QDQ model quantize recorded.
+    record = quantize_record(build)
+    qdq_sha256 = sha256_file(build.qdq)
+    assert [b.qdq_sha256 for b in record.buckets] == [qdq_sha256]
+    for variant in (elite, gen3):
+        buckets = variant.buckets
+        assert (buckets.shared_binary, buckets.axes, buckets.crops) == (None, [], [])
+        (entry,) = buckets.entries
+        assert (entry.name, entry.model, entry.qdq_sha256) == (
+            SINGLE_BUCKET,
+            variant.model,
+            qdq_sha256,
+        )
+        assert (entry.inputs, entry.outputs) == (variant.inputs, variant.outputs)
     assert manifest.source_sha256 == sha256_file(build.root / "models" / f"{MODEL}.onnx")
     assert manifest.config_digest == load_config(build.config).digest()
-    assert manifest.quantization["worst_snr_db"] == 31.5
+    assert manifest.quantization["worst_snr_db"] == record.summary.worst_snr_db > 20
+    assert manifest.quantization["activation_type"] == "uint16"
     assert manifest.cpu_fallback is not None and manifest.excluded == []
+    assert sha256_file(release / manifest.cpu_fallback.model) == qdq_sha256
     for entry in manifest.files():
         assert sha256_file(release / entry.path) == entry.sha256
     # One archive with its checksum, holding exactly the manifest and the listed files.
@@ -100,7 +163,7 @@ def test_release_layout_and_manifest(build: Build):
         assert sorted(tar.getnames()) == sorted(
             [MANIFEST_FILE, *(e.path for e in manifest.files())]
         )
-    assert runtime.verify(archive) == manifest
+    assert qnn_ctx_runtime.verify(archive) == manifest
     assert not [p for p in release.parent.iterdir() if p.name != VERSION]
 
 
@@ -117,14 +180,12 @@ def test_same_content_again_is_a_no_op(build: Build):
 def test_changed_content_is_refused_naming_what_differs(build: Build):
     publish(build)
     manifest_before = (build.release() / MANIFEST_FILE).read_bytes()
-    # A different ctx binary under the same version: swap in the .bin-less variant's sibling.
-    folder = build.variant_folder(X_ELITE)
-    ctx = next(folder.glob("*_ctx.onnx"))
-    other = next(build.variant_folder(GEN3).glob("*_ctx.onnx"))
+    # A different ctx binary under the same version.
+    ctx = build.variant_folder(X_ELITE) / ctx_name(X_ELITE)
     data = bytearray(ctx.read_bytes())
     # Change the partition name's last byte: still a valid model, different content.
     marker = data.rfind(b"QNNExecutionProvider_QNNExecutionProvider_")
-    assert marker > 0 and other.exists()
+    assert marker > 0
     data[marker + 42] = ord("9") if data[marker + 42] != ord("9") else ord("8")
     ctx.write_bytes(bytes(data))
     edit_variant(build, X_ELITE, load={"ctx_s": 0.5, "qdq_s": 1.0, "ratio": 2.0, "runs": 3})
@@ -154,7 +215,7 @@ def test_failed_gate_left_out_unless_allow_partial(build: Build):
     assert gen3.passed is False
     assert gen3.failed_gates == ["validation: ctx vs QDQ SNR 12.0 < 20 dB"]
     # The loader never picks a failed variant: on an 8 Gen 3 it takes the v73 one instead.
-    with runtime.load(partial.release(), target=GEN3) as model:
+    with qnn_ctx_runtime.load(partial.release(), target=GEN3) as model:
         assert model.variant.target == X_ELITE
 
 
@@ -175,20 +236,23 @@ def test_missing_variant_is_listed_as_excluded(build: Build):
 
 
 def test_variant_json_that_disagrees_with_the_ctx_is_refused(build: Build):
-    edit_variant(build, X_ELITE, qnn_sdk_version="2.49.40")
-    with pytest.raises(PublishError, match=r"the EPContext node says 2\.51\.0"):
+    edit_variant(build, X_ELITE, qnn_sdk="2.49.40")
+    with pytest.raises(PublishError, match=r"EPContext node says 2\.51\.0") as info:
         publish(build)
+    assert "variant.json says QNN SDK 2.49.40" in str(info.value)
+    assert not build.release().exists()
 
 
 def test_missing_bin_is_refused(build: Build):
     folder = build.variant_folder(GEN3)
-    edit_variant(build, GEN3, files=[f"{MODEL}_{GEN3}_ctx.onnx"])
-    with pytest.raises(PublishError, match=r"needs tiny_snapdragon-8-gen-3_ctx_qnn\.bin"):
+    edit_set(build, GEN3, bins=[])
+    with pytest.raises(PublishError, match=rf"needs {bin_name(GEN3)}, which the record does not"):
         publish(build)
-    (folder / f"{MODEL}_{GEN3}_ctx_qnn.bin").unlink()
-    edit_variant(build, GEN3, files=[f"{MODEL}_{GEN3}_ctx.onnx", f"{MODEL}_{GEN3}_ctx_qnn.bin"])
-    with pytest.raises(PublishError, match="are missing"):
+    (folder / bin_name(GEN3)).unlink()
+    edit_set(build, GEN3, bins=[bin_name(GEN3)])
+    with pytest.raises(PublishError, match=rf"\['{bin_name(GEN3)}'\] missing from"):
         publish(build)
+    assert not build.release().exists()
 
 
 def test_source_changed_since_build_is_refused(build: Build):
@@ -199,9 +263,58 @@ def test_source_changed_since_build_is_refused(build: Build):
 
 
 def test_no_quantize_record_is_refused(build: Build):
-    (build.build / "record.json").unlink()
+    build.paths.record.unlink()
     with pytest.raises(PublishError, match="No successful quantize build"):
         publish(build)
+
+
+def test_variant_compiled_from_another_qdq_is_refused(build: Build):
+    """Re-quantizing after compiling makes every variant stale: publishing them would ship ctx
+    binaries of the old QDQ model under the new record (a silently wrong release before)."""
+    old_qdq = sha256_file(build.qdq)
+    targets = [X_ELITE, GEN3]
+    write_config(
+        build.root,
+        targets,
+        ["2.7.0"],
+        VERSION,
+        extra='\n[quantization]\nactivation_type = "uint8"\n',
+    )
+    # Changed settings without quantizing again: the record does not match the config.
+    with pytest.raises(PublishError, match="changed since tiny was quantized"):
+        publish(build)
+    result = quantize(build)  # the real quantize stage, with the new setting
+    assert not result.skipped and result.record.summary.activation_type == "uint8"
+    new_qdq = sha256_file(build.qdq)
+    assert new_qdq != old_qdq and [b.qdq_sha256 for b in result.record.buckets] == [new_qdq]
+    with pytest.raises(PublishError) as info:
+        publish(build)
+    message = str(info.value)
+    assert (
+        f"Variant {X_ELITE} / onnxruntime-qnn 2.7.0 in {build.variant_folder(X_ELITE)}" in message
+    )
+    assert "was compiled from another build than the current one" in message
+    assert (
+        f"bucket static: compiled from QDQ {old_qdq[:16]}…, the current one is {new_qdq[:16]}…"
+        in message
+    )
+    assert "compile_ctx" in message  # the fix
+    assert not build.release().exists()
+    # Recompiling one target is not enough: the other one is still named as stale.
+    compile_variant(build, X_ELITE, embed=True)
+    with pytest.raises(PublishError) as info:
+        publish(build)
+    message = str(info.value)
+    assert f"Variant {GEN3} / onnxruntime-qnn 2.7.0" in message and X_ELITE not in message
+    assert not build.release().exists()
+    # Both compiled from the current QDQ model: published, and the manifest says from which.
+    compile_variant(build, GEN3, embed=False)
+    manifest = publish(build).manifest
+    assert {e.qdq_sha256 for v in manifest.variants for e in v.buckets.entries} == {new_qdq}
+    assert manifest.quantization["activation_type"] == "uint8"
+    with qnn_ctx_runtime.load(build.release(), target=GEN3) as model:
+        assert model.variant.target == GEN3
+        assert model.run({"x": np.zeros((1, 3, 16, 16), np.float32)})["y"].shape == (1, 4, 16, 16)
 
 
 def test_cli(build: Build, capsys):
@@ -217,8 +330,8 @@ def test_cli(build: Build, capsys):
 KILL_SCRIPT = """
 import sys, time
 from pathlib import Path
-from pipeline.config import load_config
-from pipeline.publish import publish_model
+from pipeline.core.config import load_config
+from pipeline.publish.release import publish_model
 config = load_config(sys.argv[1], check_files=False)
 print("ready", flush=True)
 sys.stdin.readline()
@@ -234,7 +347,7 @@ def _start_publisher(build: Build) -> subprocess.Popen:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+        env=dict(os.environ, PYTHONPATH=python_path()),
     )
     assert process.stdout.readline().strip() == "ready"
     return process
@@ -248,9 +361,11 @@ def _visible_state(build: Build) -> str:
         return "absent"
     assert visible == [VERSION], f"unexpected entries {visible}"
     release = parent / VERSION
-    manifest = runtime.verify(release)  # every listed file present with its exact bytes
+    manifest = qnn_ctx_runtime.verify(release)  # every listed file present with its exact bytes
     archive = release / f"{MODEL}-{VERSION}.tar.gz"
-    assert runtime.verify(archive) == manifest  # the archive is complete and matches its .sha256
+    assert (
+        qnn_ctx_runtime.verify(archive) == manifest
+    )  # the archive is complete and matches its .sha256
     extra = {p.relative_to(release).as_posix() for p in release.rglob("*") if p.is_file()}
     expected = {MANIFEST_FILE, archive.name, f"{archive.name}.sha256"}
     assert extra == expected | {e.path for e in manifest.files()}

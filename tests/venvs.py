@@ -126,7 +126,8 @@ def _run(cmd: list[str], env: Path) -> None:
 def run_in(
     python: Path, script: str, *args: str, timeout: float = 300
 ) -> subprocess.CompletedProcess:
-    """Run ``script`` with that python, this repository importable, and output captured."""
+    """Run ``script`` with that python, this checkout's ``pipeline`` and ``qnn_ctx_runtime``
+    importable (as after installing both), and output captured."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "runtime")])
     env.pop("PYTHONHOME", None)

@@ -83,45 +83,68 @@ def _pattern(shape: Sequence[int], axes: set[int]) -> str:
     return "[" + ", ".join(f"<={d}" if i in axes else str(d) for i, d in enumerate(shape)) + "]"
 
 
+def shape_problems(
+    buckets: Sequence[Bucket], pads: Sequence[PadRule], shapes: Mapping[str, Sequence[int]]
+) -> list[tuple[str, str]]:
+    """(message, tip) for every input whose rank or fixed dims no bucket can take."""
+    axes: dict[str, set[int]] = {}
+    for rule in pads:
+        axes.setdefault(rule.input, set()).add(rule.axis)
+    largest = buckets[-1]
+    problems = []
+    for name, shape in shapes.items():
+        want = largest.shapes[name]
+        bucket_axes = axes.get(name, set())
+        if len(shape) != len(want):
+            problems.append(
+                (
+                    f"Input {name!r} has rank {len(shape)} (shape {list(shape)}); the model takes "
+                    f"rank {len(want)}: {_pattern(want, bucket_axes)}.",
+                    "Add or remove the batch/channel axes so the input has the model's rank.",
+                )
+            )
+            continue
+        empty = [axis for axis in bucket_axes if shape[axis] < 1]
+        if empty:
+            problems.append((f"Input {name!r} is empty along axis {empty[0]}.", ""))
+        fixed = [a for a, size in enumerate(shape) if a not in bucket_axes and size != want[a]]
+        if not fixed:
+            continue
+        if not pads:  # one static shape: nothing may vary
+            problems.append(
+                (
+                    f"Input {name!r} has shape {list(shape)}; the model takes exactly "
+                    f"{list(want)}.",
+                    "The model's inputs are static: feed exactly the shapes listed in "
+                    "model.inputs.",
+                )
+            )
+        else:
+            axis = fixed[0]
+            problems.append(
+                (
+                    f"Input {name!r} has size {shape[axis]} on axis {axis}; the model needs "
+                    f"{want[axis]} there ({_pattern(want, bucket_axes)}): only the bucket dims "
+                    "may vary.",
+                    "Only the dims listed in [buckets] are dynamic; fix the others.",
+                )
+            )
+    return problems
+
+
 def choose_bucket(
     buckets: Sequence[Bucket], pads: Sequence[PadRule], shapes: Mapping[str, Sequence[int]]
 ) -> Bucket:
     """The smallest bucket (``buckets`` are smallest first) that holds inputs of ``shapes``.
 
-    Every axis the buckets do not vary must match exactly; a PipelineError names the input, the
-    axis and, when the input is too large, the largest bucket.
+    Every axis the buckets do not vary must match exactly; a FeedError names every input that
+    does not fit, the axis and, when the input is too large, the largest bucket.
     """
-    axes: dict[str, set[int]] = {}
-    for rule in pads:
-        axes.setdefault(rule.input, set()).add(rule.axis)
     largest = buckets[-1]
-    for name, shape in shapes.items():
-        want = largest.shapes[name]
-        bucket_axes = axes.get(name, set())
-        if len(shape) != len(want):
-            raise FeedError(
-                f"Input {name!r} has rank {len(shape)} (shape {list(shape)}); the model takes rank "
-                f"{len(want)}: {_pattern(want, bucket_axes)}.",
-                tip="Add or remove the batch/channel axes so the input has the model's rank.",
-            )
-        for axis, size in enumerate(shape):
-            if axis in bucket_axes:
-                if size < 1:
-                    raise FeedError(f"Input {name!r} is empty along axis {axis}.")
-                continue
-            if size != want[axis]:
-                if not pads:  # one static shape: nothing may vary
-                    raise FeedError(
-                        f"Input {name!r} has shape {list(shape)}; the model takes exactly "
-                        f"{list(want)}.",
-                        tip="The model's inputs are static: feed exactly the shapes listed in "
-                        "model.inputs.",
-                    )
-                raise FeedError(
-                    f"Input {name!r} has size {size} on axis {axis}; the model needs {want[axis]} "
-                    f"there ({_pattern(want, bucket_axes)}): only the bucket dims may vary.",
-                    tip="Only the dims listed in [buckets] are dynamic; fix the others.",
-                )
+    problems = shape_problems(buckets, pads, shapes)
+    if problems:
+        tip = next((t for _, t in problems if t), None)
+        raise FeedError(" ".join(m for m, _ in problems), tip=tip)
     for bucket in buckets:
         if all(
             all(size <= bucket.shapes[name][axis] for axis, size in enumerate(shape))
@@ -129,7 +152,7 @@ def choose_bucket(
         ):
             return bucket
     too_big = [
-        f"{name!r} has {size} on axis {rule.axis} ({rule.dim})"
+        f"{name!r} has {shape[rule.axis]} on axis {rule.axis} ({rule.dim})"
         for rule in pads
         for name, shape in shapes.items()
         if name == rule.input and shape[rule.axis] > largest.shapes[name][rule.axis]

@@ -460,6 +460,11 @@ def json_schema() -> dict[str, Any]:
     """The JSON Schema (2020-12) of a manifest, generated from the dataclasses above."""
     defs: dict[str, Any] = {}
     root = object_schema(Manifest, defs)
+    root["description"] = (
+        f"{root.get('description', '')} This schema describes format "
+        f"{CURRENT_SCHEMA.value}, which publish writes; format-1 manifests (variants without "
+        "buckets) are still read by qnn_ctx_runtime, which upgrades them first."
+    ).strip()
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": SCHEMA_ID,

@@ -104,7 +104,9 @@ class VariantSessions:
     def close(self) -> None:
         self.sessions = []
 
-    def _arrays(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def choose(self, feeds: Mapping[str, Any]) -> tuple[int, dict[str, np.ndarray]]:
+        """(bucket index, checked arrays) for ``feeds``; one FeedError names every problem
+        (unknown and missing names, dtypes, ranks and sizes)."""
         issues = []
         for name in feeds:
             if name not in self.dtypes:
@@ -121,20 +123,18 @@ class VariantSessions:
                     f"(convert with .astype(np.{dtype.name}))"
                 )
             arrays[name] = array
+        shapes = {k: v.shape for k, v in arrays.items()}
+        issues += [m.rstrip(".") for m, _ in bk.shape_problems(self.buckets, self.pads, shapes)]
         if issues:
             vary = (
                 " Dims shown as -1 may take any size up to the largest bucket." if self.pads else ""
             )
             raise FeedError(
                 f"Bad feeds for {self.spec.label}: " + "; ".join(issues) + ".",
-                tip="Feed numpy arrays with the names and dtypes listed in model.inputs." + vary,
+                tip="Feed numpy arrays with the names, dtypes and shapes listed in model.inputs."
+                + vary,
             )
-        return arrays
-
-    def choose(self, feeds: Mapping[str, Any]) -> tuple[int, dict[str, np.ndarray]]:
-        """(bucket index, checked arrays) for ``feeds``; a FeedError says what is wrong."""
-        arrays = self._arrays(feeds)
-        bucket = bk.choose_bucket(self.buckets, self.pads, {k: v.shape for k, v in arrays.items()})
+        bucket = bk.choose_bucket(self.buckets, self.pads, shapes)
         return self.buckets.index(bucket), arrays
 
     def run_detailed(
