@@ -188,16 +188,31 @@ def _load_wav_window(ref: SampleRef, spec: InputSpec, config: ModelConfig) -> di
         channels = handle.getnchannels()
         handle.setpos(ref.offset)
         raw = handle.readframes(audio.window)
-    pcm = np.frombuffer(raw, dtype="<i2").reshape(-1, channels)[:, 0].astype(np.float32)
-    window = pcm * audio.scale
+    pcm = np.frombuffer(raw, dtype="<i2").reshape(-1, channels)[:, 0].astype(np.float64)
+    values = audio_features(pcm * audio.scale, audio.features, audio.window_fn)
     size = int(np.prod(spec.shape))
-    if window.size != size:
+    if values.size != size:
+        what = "samples" if audio.features == "waveform" else f"{audio.features} values"
         raise CalibrationError(
-            f"calibration.audio.window = {audio.window} samples does not fill input "
-            f"{spec.describe()} ({size} values).",
-            tip="Set calibration.audio.window to the input's length.",
+            f"calibration.audio.window = {audio.window} gives {values.size} {what}, which do not "
+            f"fill input {spec.describe()} ({size} values).",
+            tip="Set calibration.audio.window (and .features) to what the input takes: the "
+            "input's length for a waveform, 2 * (bins - 1) for an STFT frame.",
         )
-    return {spec.name: window.reshape(spec.shape).astype(spec.dtype)}
+    return {spec.name: values.reshape(spec.shape).astype(spec.dtype)}
+
+
+def audio_features(window: np.ndarray, features: str, window_fn: str) -> np.ndarray:
+    """One window of audio as the model takes it: samples, or an STFT frame (see AudioOptions)."""
+    if window_fn != "none":
+        taper = np.hanning(window.size + 1)[:-1]  # periodic Hann, as torch.hann_window
+        window = window * (np.sqrt(taper) if window_fn == "sqrt_hann" else taper)
+    if features == "waveform":
+        return window
+    spectrum = np.fft.rfft(window)
+    if features == "stft_magnitude":
+        return np.abs(spectrum)
+    return np.stack([spectrum.real, spectrum.imag], axis=-1)
 
 
 def _import_reader(spec: str, base_dir: Path) -> Callable[..., Iterable[dict[str, np.ndarray]]]:

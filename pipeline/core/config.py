@@ -70,12 +70,20 @@ class ImageOptions:
 
 @dataclass(frozen=True)
 class AudioOptions:
-    """16-bit PCM wav files cut into fixed windows."""
+    """16-bit PCM wav files cut into fixed windows, fed as samples or as one STFT frame.
 
-    window: int = 512
+    ``features``: ``waveform`` feeds the window's samples; ``stft_magnitude`` feeds
+    ``|rfft(window * window_fn)|`` (window // 2 + 1 bins); ``stft_complex`` feeds its real and
+    imaginary parts as the last axis ([bins, 2]). Streaming speech models (denoisers, VADs on
+    spectra) take one such frame per call, with their state carried across frames.
+    """
+
+    window: int = 512  # samples per window (the FFT size for STFT features)
     hop: int = 0  # 0 = same as window
     sample_rate: int = 16000
     scale: float = 1.0 / 32768.0
+    features: Literal["waveform", "stft_magnitude", "stft_complex"] = "waveform"
+    window_fn: Literal["none", "hann", "sqrt_hann"] = "none"  # applied before the FFT
 
 
 @dataclass(frozen=True)
