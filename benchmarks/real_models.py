@@ -123,7 +123,13 @@ def main() -> int:
                 c_time,
                 max(q_rss, c_rss),
                 cov.qnn_partitions if cov else None,
-                len(cov.cpu_compute_nodes) if cov else None,
+                (
+                    f"{len(cov.cpu_compute_nodes)}"
+                    + (f" (+{len(cov.cpu_tail_nodes)} tail)" if cov.cpu_tail_nodes else "")
+                    if cov
+                    else None
+                ),
+                (report.get("preparation_check") or {}).get("snr_db"),
                 report["worst_snr_db"],
                 val.worst_snr_vs_float_db if val else None,
                 f"{len(mixed.get('tensors', []))} raised" if mixed.get("tensors") else "-",
@@ -144,6 +150,7 @@ def main() -> int:
         "peak RSS MiB",
         "QNN partitions",
         "CPU compute nodes",
+        "prepared vs source dB",
         "SNR QDQ vs float dB",
         "SNR ctx vs float dB",
         "mixed precision",

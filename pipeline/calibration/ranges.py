@@ -82,6 +82,7 @@ class RangeChanges:
     clamped: int = 0
     widened: int = 0
     bias_floor: list[BiasFloor] = field(default_factory=list)
+    mask_fills: list[str] = field(default_factory=list)  # tensors cut to their unmasked range
     # Weight -> (rmin, rmax) for onnxruntime's TensorQuantOverrides (not in the report).
     weight_ranges: dict[str, Interval] = field(default_factory=dict)
 
@@ -461,6 +462,111 @@ def apply_bias_floor(
     return result
 
 
+# A constant or bias at or below this is an attention-mask sentinel (BERT's is -1e4).
+MASK_SENTINEL = -1e3
+# Masked scores are kept this far below the lowest unmasked score: exp(-24) = 4e-11, far below
+# a 16-bit Softmax output step (1.5e-5) even summed over thousands of masked positions.
+SOFTMAX_MARGIN = 24.0
+
+
+def _mask_fill(
+    node: Any, consts: dict[str, float], ranges: dict[str, Interval]
+) -> tuple[Interval, str | None, str | None] | None:
+    """(unmasked range, fill constant, mask bias) when ``node`` masks scores with a sentinel.
+
+    Where(c, fill, x) / Where(c, x, fill) with a constant fill, or Add(x, bias) with a bias
+    whose calibrated range is [sentinel, 0] (``(1 - mask) * -10000``); in both, every masked
+    value lies more than ``SOFTMAX_MARGIN`` below every unmasked one.
+    """
+    if node.op_type == "Where" and len(node.input) == 3:
+        fills = [i for i in (1, 2) if node.input[i] in consts]
+        if len(fills) != 1 or node.input[3 - fills[0]] not in ranges:
+            return None
+        fill = node.input[fills[0]]
+        low, high = ranges[node.input[3 - fills[0]]]
+        if consts[fill] <= MASK_SENTINEL and consts[fill] < low - SOFTMAX_MARGIN:
+            return (low, high), fill, None
+        return None
+    if node.op_type == "Add" and len(node.input) == 2:
+        for i in (0, 1):
+            bias, x = node.input[i], node.input[1 - i]
+            if bias not in ranges or x not in ranges:
+                continue
+            (b_low, b_high), (low, high) = ranges[bias], ranges[x]
+            if (
+                b_low <= MASK_SENTINEL < low
+                and b_high == 0.0
+                and high + b_low < low - SOFTMAX_MARGIN
+            ):
+                return (low, high), None, bias
+    return None
+
+
+def mask_fill_ranges(
+    model: Any, ranges: dict[str, Interval]
+) -> tuple[dict[str, Interval], dict[str, Interval], list[str]]:
+    """Attention scores masked with a sentinel, on their way to Softmax, keep the range of the
+    unmasked scores plus ``SOFTMAX_MARGIN`` below (ranges, weight ranges, tensors changed).
+
+    MinMax calibration records the sentinel (-1e4, -1e9) as the minimum: over [-1e4, 10] a
+    16-bit step is 0.15, every real score rounds to it and the attention weights are noise.
+    Cut to [lowest unmasked - margin, highest], a masked position quantizes to the low end,
+    still at least the margin below every unmasked score of its row: Softmax gives it
+    exp(-margin) ~ 0, as in float. Applies to every tensor from the masking op to the Softmax
+    through shape-only ops (pipeline.graph.attention.softmax_chains), and to the fill constant
+    itself (a weight range), so the HTP's Where sees one scale on both sides. An additive
+    mask bias read only by such Adds is cut to [-(span of the scores) - margin, 0]: enough
+    to push a masked score below every unmasked one by the margin, and a sane scale even
+    when the sentinel is float32's lowest (a bias of (1 - mask) * -3.4e38).
+    """
+    from onnx import numpy_helper
+
+    from ..graph.attention import softmax_chains
+
+    consts: dict[str, float] = {}
+    for init in model.graph.initializer:
+        if int(np.prod(init.dims)) == 1:
+            value = numpy_helper.to_array(init).reshape(-1)
+            if value.dtype.kind == "f":
+                consts[init.name] = float(value[0])
+    result = dict(ranges)
+    weights: dict[str, Interval] = {}
+    changed: list[str] = []
+    bias_low: dict[str, float] = {}  # mask bias -> the lowest value any of its Adds needs
+    bias_readers: dict[str, int] = {}
+    for node in model.graph.node:
+        found = _mask_fill(node, consts, ranges)
+        if found is None:
+            continue
+        (low, high), fill, bias = found
+        chains = softmax_chains(model, node.output[0])
+        if not chains:
+            continue
+        cut = (low - SOFTMAX_MARGIN, high)
+        for name in dict.fromkeys(n for chain in chains for n in chain):
+            if name in result and result[name] != cut:
+                result[name] = cut
+                changed.append(name)
+        if fill is not None:
+            weights[fill] = cut
+        if bias is not None:
+            need = -(high - low) - SOFTMAX_MARGIN
+            bias_low[bias] = min(bias_low.get(bias, 0.0), need)
+            bias_readers[bias] = bias_readers.get(bias, 0) + 1
+    readers: dict[str, int] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    outputs = {o.name for o in model.graph.output}
+    for bias, need in bias_low.items():
+        if readers.get(bias) == bias_readers[bias] and bias not in outputs:
+            cut = (max(need, ranges[bias][0]), 0.0)
+            if result[bias] != cut:
+                result[bias] = cut
+                changed.append(bias)
+    return result, weights, changed
+
+
 def read_cache(path: Any) -> tuple[Any, dict[str, tuple[float, float]]]:
     """onnxruntime's calibration cache -> (its TensorsData, {tensor: (low, high)})."""
     from onnxruntime.quantization.calibrate import load_tensors_data
@@ -528,10 +634,12 @@ def tune(
     changes.clamped = sum(
         1 for n, (lo, hi) in raw.items() if ranges[n][0] > lo or ranges[n][1] < hi
     )
+    ranges, fill_ranges, changes.mask_fills = mask_fill_ranges(model, ranges)
     floors, weight_ranges = bias_floor(model, ranges, activation_types, weight_types, per_channel)
     ranges = apply_bias_floor(ranges, floors)
     changes.bias_floor = [BiasFloor(**info) for _, info in floors.values()]
     changes.bias_floor += [BiasFloor(**info) for _, info in weight_ranges.values()]
     changes.weight_ranges = {name: interval for name, (interval, _) in weight_ranges.items()}
+    changes.weight_ranges.update(fill_ranges)
     write_cache(data, ranges, tuned_cache)
     return changes

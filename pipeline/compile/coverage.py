@@ -16,6 +16,7 @@ from typing import Any
 from qnn_ctx_runtime.qnn import EP_NAME, ModelSummary
 
 from ..core.records import Coverage, NodeRef
+from ..graph.tails import summary_tail
 
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 EP_CONTEXT = "EPContext"
@@ -92,7 +93,11 @@ def summarize(
     cpu_allowed = [
         n for n in cpu if n[0] not in io_qdq and (n[0] in allowed_names or n[0] in attached)
     ]
-    cpu_compute = [n for n in cpu if n[0] not in io_qdq and n not in cpu_allowed]
+    tail_names = _tail_names(graph)
+    cpu_tail = [n for n in cpu if n[0] in tail_names and n not in cpu_allowed]
+    cpu_compute = [
+        n for n in cpu if n[0] not in io_qdq and n not in cpu_allowed and n not in cpu_tail
+    ]
     cpu_ep_context = [n for n in cpu if n[1] == EP_CONTEXT]
 
     problems = []
@@ -114,6 +119,8 @@ def summarize(
     gate = f"all compute nodes on QNN in <= {max_partitions} partition(s)"
     if allowed_ops:
         gate += f"; allowed on CPU: {', '.join(sorted(allowed_ops))}"
+    if cpu_tail:
+        gate += "; declared CPU tail: ai.onnx.ml post-processing and non-tensor outputs"
     return Coverage(
         qnn_partitions=partitions,
         qnn_nodes=qnn_nodes,
@@ -124,7 +131,15 @@ def summarize(
         passed=not problems,
         gate=gate,
         problems=problems,
+        cpu_tail_nodes=[NodeRef(n, op) for n, op in cpu_tail] if cpu_tail else None,
     )
+
+
+def _tail_names(graph: ModelSummary) -> set[str]:
+    """Nodes of the declared CPU tail (pipeline.graph.tails) and the Q/DQ nodes that serve it."""
+    tail = summary_tail(graph.nodes, {v.name: v.dtype for v in graph.outputs})
+    names = {graph.nodes[i].name for i in tail.nodes}
+    return names | _attached_to(graph, names) if names else set()
 
 
 def combine(per_bucket: dict[str, Coverage]) -> Coverage:
@@ -145,6 +160,7 @@ def combine(per_bucket: dict[str, Coverage]) -> Coverage:
         cpu_ops=dict(ops),
         cpu_allowed_nodes=[n for b, c in sections for n in tagged(c.cpu_allowed_nodes, b)],
         cpu_io_qdq_nodes=sum(c.cpu_io_qdq_nodes for _, c in sections),
+        cpu_tail_nodes=[n for b, c in sections for n in tagged(c.cpu_tail_nodes or [], b)] or None,
         passed=bool(sections) and all(c.passed for _, c in sections),
         gate=sections[0][1].gate if sections else "",
         problems=[f"{b}: {p}" if many else p for b, c in sections for p in c.problems],

@@ -16,6 +16,7 @@ from qnn_ctx_runtime.toolchains import Toolchain
 
 from ..core.config import ModelConfig
 from ..core.layout import ModelPaths, VariantPaths
+from ..core.metrics import LABELS, comparison_note
 from ..core.records import Failure, QuantizeRecord, VariantRecord, read_record
 from ..core.report import fmt, table, write_report
 
@@ -87,7 +88,7 @@ def _mb(value: int | None) -> str:
 
 
 def _worst(section: dict[str, Any], pick: Callable[..., float], key: str) -> float | None:
-    values = [getattr(a, key) for a in section.values()]
+    values = [getattr(a, key) for a in section.values() if a.compared_as != LABELS]
     return pick(values) if values else None
 
 
@@ -190,6 +191,25 @@ def _notes(rows: list[_Row]) -> list[str]:
             )
         for problem in r.coverage.problems if r.coverage else []:
             notes.append(f"- **{where}** coverage: {problem}")
+        tail = r.coverage.cpu_tail_nodes if r.coverage else None
+        if tail:
+            names = ", ".join(f"{n.name} ({n.op_type})" for n in tail[:10])
+            notes.append(
+                f"- **{where}** declared CPU tail, not counted by the gate (ai.onnx.ml "
+                f"post-processing, non-tensor outputs): {names}"
+            )
+        if r.validation is not None:
+            how = comparison_note([r.validation.ctx_vs_qdq])
+            labels = {
+                name: a.agreement
+                for name, a in r.validation.ctx_vs_float.items()
+                if a.compared_as == LABELS
+            }
+            if labels:
+                shown = ", ".join(f"{n} {100.0 * (v or 0.0):.1f}%" for n, v in labels.items())
+                how += f" Labels agreeing with the float model: {shown}."
+            if how:
+                notes.append(f"- **{where}** {how.strip()}")
         if r.validation is not None and not r.validation.passed:
             notes.append(f"- **{where}** validation below the gate (compile.min_snr_db)")
         if r.load is not None and r.load.qdq_error:

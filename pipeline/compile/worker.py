@@ -33,7 +33,7 @@ import numpy as np
 
 from qnn_ctx_runtime import qnn
 
-from ..core.dtypes import np_dtype
+from ..core.dtypes import np_dtype, value_type_name
 from ..core.layout import STANDALONE_DIR
 from ..core.metrics import OutputComparison, worst_snr
 from ..core.records import (
@@ -300,8 +300,8 @@ def _specs(args: list[Any]) -> list[TensorSpec]:
     return [
         TensorSpec(
             a.name,
-            [d if isinstance(d, int) else -1 for d in a.shape],
-            np.dtype(np_dtype(a.type)).name,
+            [d if isinstance(d, int) else -1 for d in a.shape or []],
+            value_type_name(a.type),
         )
         for a in args
     ]

@@ -29,6 +29,20 @@ from .errors import ConfigError
 EXAMPLE_CONFIGS = (Path("configs/example.toml"), Path("configs/example_buckets.toml"))
 
 QuantType = Literal["uint8", "uint16", "int8", "int16", "uint4", "int4"]
+# What one tensor may be given by hand or by mixed precision: a quantization type, a weight type
+# per output channel (symmetric; the HTP's best-agreeing weight format), or float16 (left
+# unquantized: the HTP computes that op in fp16).
+Precision = Literal[
+    "uint8",
+    "uint16",
+    "int8",
+    "int16",
+    "uint4",
+    "int4",
+    "int8_per_channel",
+    "int16_per_channel",
+    "float16",
+]
 CalibrationMethod = Literal["MinMax", "Entropy", "Percentile", "Distribution"]
 
 
@@ -111,8 +125,8 @@ class CalibrationSection:
 class OverridesSection:
     """Mixed precision: per-tensor or per-op-type quantization types."""
 
-    tensors: dict[str, QuantType] = field(default_factory=dict)
-    op_types: dict[str, QuantType] = field(default_factory=dict)
+    tensors: dict[str, Precision] = field(default_factory=dict)
+    op_types: dict[str, Precision] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -127,6 +141,13 @@ class QuantizationSection:
     auto_mixed_precision: bool = True  # raise the worst tensors to 16 bit when SNR is low
     target_snr_db: float = 25.0
     overrides: OverridesSection = field(default_factory=OverridesSection)
+    # A pre-quantized model (its own Q/DQ or QLinear ops) keeps its quantization; true removes
+    # it and calibrates and quantizes the float model behind it with the settings above.
+    requantize: bool = False
+    # Who judges precision and range choices: "htp" compiles candidates for the first target and
+    # runs them on the QNN HTP (the simulator on a build machine) when onnxruntime-qnn is
+    # installed, else falls back to "cpu" and says so; "cpu" judges the QDQ model on the CPU EP.
+    judge: Literal["htp", "cpu"] = "htp"
 
 
 @dataclass(frozen=True)

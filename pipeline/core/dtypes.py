@@ -23,3 +23,14 @@ NP_TYPES: dict[str, Any] = {
 def np_dtype(onnx_type: str) -> Any:
     """numpy dtype of an onnxruntime type string; float32 for anything else."""
     return NP_TYPES.get(onnx_type, np.float32)
+
+
+def value_type_name(onnx_type: str) -> str:
+    """How a graph input/output's type is recorded: the numpy dtype name of a numeric tensor,
+    ``str`` for a string tensor, onnxruntime's own name for anything else (a non-tensor output
+    of a CPU tail, e.g. ``seq(map(string,tensor(float)))``)."""
+    if onnx_type in NP_TYPES:
+        return np.dtype(NP_TYPES[onnx_type]).name
+    if onnx_type == "tensor(string)":
+        return "str"
+    return onnx_type

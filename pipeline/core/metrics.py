@@ -4,19 +4,67 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 _TINY = 1e-20
 
 
+# How an output is compared (``Accuracy.compared_as``): numeric tensors by SNR (None), sequences
+# of maps (ZipMap's class -> score) by SNR of their values in key order, labels (string,
+# integer and bool tensors) by the share of elements that agree.
+MAP_VALUES = "map values"
+LABELS = "labels"
+
+
 @dataclass(frozen=True)
 class Accuracy:
     """How close one output is to its reference, pooled over samples."""
 
-    snr_db: float  # inf when identical
+    snr_db: float  # inf when identical; nan for labels (see agreement)
     max_abs: float
     cosine: float
+    compared_as: str | None = None  # None: tensor values; MAP_VALUES; LABELS
+    agreement: float | None = None  # labels: fraction of elements equal to the reference
+
+
+def figure(accuracy: Accuracy | None) -> float | str | None:
+    """A report cell: the SNR of a numeric output, the agreement of a label output."""
+    if accuracy is None:
+        return None
+    if accuracy.compared_as == LABELS:
+        return f"{100.0 * (accuracy.agreement or 0.0):.1f}% agree"
+    return accuracy.snr_db
+
+
+def comparison_note(summaries: list[Mapping[str, Accuracy]]) -> str:
+    """One sentence for reports with non-tensor outputs: how those were compared."""
+    kinds = {a.compared_as for s in summaries for a in s.values()} - {None}
+    parts = []
+    if MAP_VALUES in kinds:
+        parts.append("sequences of maps are compared by the SNR of their values in key order")
+    if LABELS in kinds:
+        parts.append("labels (string/integer outputs) by the share of elements that agree")
+    return ("Non-tensor outputs: " + "; ".join(parts) + ".") if parts else ""
+
+
+def comparable(value: Any) -> tuple[str | None, np.ndarray]:
+    """(how it is compared, the array compared) for one output value as onnxruntime returns it.
+
+    A sequence of maps becomes a [n, keys] float array of the values in key order; string,
+    integer and bool tensors are labels; float tensors are compared as they are.
+    """
+    if isinstance(value, Mapping):
+        value = [value]
+    if isinstance(value, list | tuple) and value and all(isinstance(v, Mapping) for v in value):
+        keys = sorted(value[0])
+        rows = [[float(m.get(k, np.nan)) for k in keys] for m in value]
+        return MAP_VALUES, np.asarray(rows, np.float64)
+    array = np.asarray(value)
+    if array.dtype.kind in "fc" or (array.dtype.kind == "O" and array.size == 0):
+        return None, array
+    return LABELS, array
 
 
 def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
@@ -58,12 +106,24 @@ class OutputComparison:
         self._dot: dict[str, float] = {}
         self._norm_ref: dict[str, float] = {}
         self._norm_test: dict[str, float] = {}
+        self._kind: dict[str, str | None] = {}
+        self._agree: dict[str, int] = {}
+        self._count: dict[str, int] = {}
         self.samples = 0
 
-    def add(self, reference: Mapping[str, np.ndarray], test: Mapping[str, np.ndarray]) -> None:
+    def add(self, reference: Mapping[str, Any], test: Mapping[str, Any]) -> None:
         for name, ref in reference.items():
-            r = np.asarray(ref, np.float64).ravel()
-            t = np.asarray(test[name], np.float64).ravel()
+            kind, ref_array = comparable(ref)
+            _, test_array = comparable(test[name])
+            self._kind[name] = kind
+            if kind == LABELS:
+                same = ref_array.shape == test_array.shape
+                agree = int(np.sum(ref_array == test_array)) if same else 0
+                self._agree[name] = self._agree.get(name, 0) + agree
+                self._count[name] = self._count.get(name, 0) + max(ref_array.size, 1)
+                continue
+            r = np.asarray(ref_array, np.float64).ravel()
+            t = np.asarray(test_array, np.float64).ravel()
             e = r - t
             self._signal[name] = self._signal.get(name, 0.0) + float(r @ r)
             self._noise[name] = self._noise.get(name, 0.0) + float(e @ e)
@@ -77,6 +137,9 @@ class OutputComparison:
     def summary(self) -> dict[str, Accuracy]:
         """Per output: SNR, max abs error and cosine, pooled over the samples added."""
         result = {}
+        for name, count in self._count.items():
+            share = self._agree[name] / count
+            result[name] = Accuracy(float("nan"), float("nan"), float("nan"), LABELS, share)
         for name in self._signal:
             noise = self._noise[name]
             snr = (
@@ -86,10 +149,15 @@ class OutputComparison:
             )
             denom = float(np.sqrt(self._norm_ref[name] * self._norm_test[name]))
             cos = self._dot[name] / denom if denom > _TINY else 1.0
-            result[name] = Accuracy(snr, self._max_abs[name], cos)
-        return result
+            result[name] = Accuracy(snr, self._max_abs[name], cos, self._kind.get(name))
+        return {name: result[name] for name in self._kind if name in result}
 
 
 def worst_snr(summary: Mapping[str, Accuracy]) -> float:
-    """The lowest SNR over the outputs; inf when there are none (nothing differs)."""
-    return min((v.snr_db for v in summary.values()), default=float("inf"))
+    """The lowest SNR over the outputs; inf when there are none (nothing differs).
+
+    Label outputs have no SNR: the scores they are derived from carry the figure.
+    """
+    return min(
+        (v.snr_db for v in summary.values() if v.compared_as != LABELS), default=float("inf")
+    )

@@ -193,6 +193,9 @@ class Coverage:
     passed: bool
     gate: str
     problems: list[str]
+    # The declared CPU tail (ai.onnx.ml post-processing, non-tensor outputs; see
+    # pipeline.graph.tails): reported, not counted against the gate.
+    cpu_tail_nodes: list[NodeRef] | None = None
 
 
 @dataclass(frozen=True)

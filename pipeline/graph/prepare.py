@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..core.errors import ModelError
+from .tails import model_tail
 
 if TYPE_CHECKING:
     import onnx
@@ -30,37 +31,68 @@ def dynamic_tensors(model: onnx.ModelProto) -> list[str]:
     return [name for name, _ in dynamic_outputs(model)]
 
 
-def prepare_model(
-    model: onnx.ModelProto, inputs: InputsSection
-) -> tuple[onnx.ModelProto, list[Change]]:
-    """Return a float32, fully static, NPU-friendly model and what each step changed."""
+Step = Callable[["onnx.ModelProto"], tuple["onnx.ModelProto", "Change"]]
+
+
+def preparation_steps(inputs: InputsSection) -> list[Step]:
+    """The ordered steps of ``prepare_model`` (also run one by one to find the step that
+    changed what a model computes, pipeline.quantize.lossless)."""
+    from . import attention, legacy, numerics, prequantized, recurrent, resize, tails
     from . import transforms as t
 
-    steps: list[Callable[[onnx.ModelProto], tuple[onnx.ModelProto, Change]]] = [
+    return [
         t.set_ir_version,  # IR >= 4 first: initializers may then leave the input list
         t.drop_initializer_inputs,
         lambda m: t.bake_constant_inputs(m, inputs.constants),
         lambda m: t.fix_input_shapes(m, inputs.dims, inputs.shapes),
         t.float16_to_float32,  # the version converter fails on fp16 graphs
         t.replace_legacy_ops,  # ... and on ops without an adapter
-        t.upgrade_opset,
+        legacy.pin_legacy_semantics,  # Upsample/Resize-10/Crop: the converter loses their meaning
+        prequantized.qoperator_to_qdq,  # QLinear* ops -> DQ, float op, Q (what QNN groups)
+        prequantized.upgrade_opset,  # t.upgrade_opset; a pre-quantized model keeps its opset
+        legacy.restore_pinned_ops,
         t.constants_to_initializers,  # the converter may add Constant nodes
         t.fold_constants,
+        prequantized.fold_quantized_constants,  # Q(float weight) -> its integers (own Q/DQ kept)
+        prequantized.drop_noop_casts,  # Q -> Cast(same type) -> DQ: QNN cannot group it
+        legacy.fold_pad_into_pool,  # Pad(-FLT_MAX) -> MaxPool: the pad value blows the range
+        attention.finite_mask_fills,  # Where(mask, -inf, x) -> Softmax: an infinite scale
         t.fold_batchnorm,
+        legacy.batchnorm_to_affine,  # a BatchNormalization with no Conv before it
+        recurrent.normalize_recurrent_ops,  # QNN refuses even default activations spelled out
+        recurrent.unroll_recurrent_ops,  # LSTM/GRU/RNN forms QNN refuses -> elementary ops
+        recurrent.lower_high_rank,  # rank > 5 (an unfold as Gather) -> rank <= 5
+        recurrent.dilate_conv_transpose,  # QNN's TransposeConv2d takes dilation 1 only
         t.rewrite_for_htp,
+        resize.resize_for_htp,  # the HTP resizes by out/in, not by the scale given
         t.rewrite_hypot,  # after Pow(x, 2) -> Mul(x, x)
         t.rewrite_reciprocal,
+        numerics.rewrite_sqrt_of_sigmoids,  # sqrt(p * q) of probabilities: 1e-10 survives neither
         t.qnn_preprocess,
+        attention.standard_gelu,  # qnn_preprocess fuses TF/Keras GELU into com.microsoft Gelu
         t.fold_constants,  # fusions can leave constant subexpressions behind
         t.topological_sort,
         t.store_inferred_shapes,
+        tails.static_tail_outputs,  # a label lookup's output: shape inference leaves it open
         t.set_ir_version,
     ]
+
+
+def prepare_model(
+    model: onnx.ModelProto, inputs: InputsSection
+) -> tuple[onnx.ModelProto, list[Change]]:
+    """Return a float32, fully static, NPU-friendly model and what each step changed."""
+    from . import transforms as t
+
     changes: list[Change] = []
-    for step in steps:
+    for step in preparation_steps(inputs):
         model, change = step(model)
         changes.append(change)
     dynamic = t.dynamic_outputs(model)
+    if dynamic:  # a declared CPU tail (labels, score maps) needs no static shape
+        tail = model_tail(model)
+        in_tail = {o for i in tail.nodes for o in model.graph.node[i].output}
+        dynamic = [(name, node) for name, node in dynamic if name not in in_tail]
     if dynamic:
         shown = [
             f"{name!r} (graph input)" if node is None else f"{name!r} from {t.node_label(node)}"

@@ -1284,9 +1284,18 @@ def upgrade_opset(
         {n.op_type for g in _all_graphs(model.graph) for n in g.node} & (_LEGACY_OPS | {"Crop"})
     )
     if legacy:
+        nodes = [
+            t.name or t.output[0]
+            for g in _all_graphs(model.graph)
+            for t in g.node
+            if t.op_type in legacy
+        ]
         raise ModelError(
-            f"Ops {legacy} have no opset-{target} equivalent in the onnx version converter.",
-            tip="Run replace_legacy_ops first (pipeline.prepare does).",
+            f"Ops {legacy} (nodes {nodes[:5]}) have no opset-{target} equivalent in the onnx "
+            "version converter, and the exact rewrites that run before it (replace_legacy_ops, "
+            "pipeline/graph/legacy.py) do not cover these nodes' attributes.",
+            tip="Re-export the model with opset >= 11, or add an exact rewrite for this form of "
+            "the op to pipeline/graph/legacy.py.",
         )
     try:
         converted = version_converter.convert_version(model, target)
@@ -1433,6 +1442,18 @@ def rewrite_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
 
 
 HYPOT_EPS = 1e-12  # keeps max(|a|, |b|) = 0 from dividing 0 by 0 in the float model
+# sqrt(a*a + b*b + c) with 0 <= c <= this is taken as hypot(a, b): off by at most sqrt(c) = 1e-4
+# absolute (GTCRN adds 1e-12 to keep the gradient of its |STFT| finite).
+HYPOT_MAX_FLOOR = 1e-8
+
+
+def _hypot_floor(add: onnx.NodeProto, inits: Mapping[str, onnx.TensorProto]) -> str | None:
+    """The other operand of ``add`` when one operand is a tiny constant c (0 <= c <= 1e-8)."""
+    for index in (0, 1):
+        value = _scalar_const(inits, add.input[index])
+        if value is not None and 0.0 <= value <= HYPOT_MAX_FLOOR:
+            return add.input[1 - index]
+    return None
 
 
 def rewrite_hypot(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -1444,10 +1465,12 @@ def rewrite_hypot(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     0.08 on bins worth ~0.01 (29 dB at the Sqrt, 16 dB at the model output). In this form
     every intermediate keeps the data's own range (|a|, |b|, m) or lies in [0, 2]. Equal in
     float up to ``HYPOT_EPS``; only fires when the squares and the sum have no other reader.
+    A tiny constant under the root (sqrt(a*a + b*b + 1e-12), <= ``HYPOT_MAX_FLOOR``) is dropped.
     """
     model = _copy(model)
     graph = model.graph
     used = _used_names(graph)
+    inits = _initializers(graph)
     # Indices, not the node wrappers: protobuf hands out fresh ones for the same node.
     nodes_in = list(graph.node)
     producer = {o: i for i, n in enumerate(nodes_in) for o in n.output}
@@ -1463,6 +1486,14 @@ def rewrite_hypot(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         add = nodes_in[at_add] if at_add is not None else None
         if add is None or add.op_type != "Add" or used[add.output[0]] != 1:
             continue
+        floor_add = _hypot_floor(add, inits)  # sqrt(a*a + b*b + tiny): the tiny term goes
+        if floor_add is not None:
+            at_floor, at_add = at_add, producer.get(floor_add)
+            add = nodes_in[at_add] if at_add is not None else None
+            if add is None or add.op_type != "Add" or used[add.output[0]] != 1:
+                continue
+        else:
+            at_floor = None
         at_squares = [producer.get(name) for name in add.input]
         if any(i is None for i in at_squares):
             continue
@@ -1494,6 +1525,8 @@ def rewrite_hypot(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             make("Mul", [t["m"], t["root"]], [node.output[0]], name=node.name),
         ]
         drop |= {at_add, *(i for i in at_squares if i is not None)}
+        if at_floor is not None:
+            drop.add(at_floor)
         details.append(f"{node_label(node)}: sqrt({a}^2 + {b}^2) -> hypot form")
     if details:
         nodes: list[onnx.NodeProto] = []
@@ -1627,6 +1660,13 @@ def store_inferred_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
     """
     old = {o.name: _shape_of(o) for o in model.graph.output}
     inferred = _infer(model)
+    # Outputs inference cannot give a shape (a label lookup, an op it has no schema for) keep
+    # their stored type: a graph output needs one, and the static-shape check names them.
+    stored = {o.name: o.type for o in model.graph.output}
+    for out in inferred.graph.output:
+        untyped = out.type.HasField("tensor_type") and not out.type.tensor_type.HasField("shape")
+        if (untyped or not out.type.WhichOneof("value")) and out.name in stored:
+            out.type.CopyFrom(stored[out.name])
     details = []
     for out in inferred.graph.output:
         new = _shape_of(out)

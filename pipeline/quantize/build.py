@@ -33,8 +33,8 @@ from qnn_ctx_runtime import buckets as bk
 
 from ..calibration.samples import BucketSamples, Router, SampleRef, SampleSource, sample_source
 from ..core.config import ModelConfig
-from ..core.errors import CalibrationError, GateError, ModelError
-from ..core.fileio import atomic_dir, link_or_copy, sha256_file
+from ..core.errors import CalibrationError, ConfigError, GateError, ModelError
+from ..core.fileio import atomic_dir, atomic_path, link_or_copy, sha256_file
 from ..core.layout import ModelPaths, sample_name, samples_in
 from ..core.metrics import worst_snr
 from ..core.records import (
@@ -49,10 +49,14 @@ from ..core.records import (
     write_record,
 )
 from ..core.report import fmt
+from ..graph import prequantized
 from ..graph.buckets import BucketPlan
+from ..graph.source import sort_nodes
 from . import quantizer
 from . import report as report_mod
-from .evaluate import end_to_end, evaluate
+from .evaluate import end_to_end, evaluate, input_jitter
+from .judge import Builder, HtpJudgement, judge_on_htp
+from .lossless import bucket_inputs, check_preparation
 from .mixed_precision import MixedPrecision, raise_precision
 from .shapes import PreparedBucket, prepare_buckets
 
@@ -115,6 +119,9 @@ def load_source_model(path: Path) -> Any:
         ) from None
     if not model.graph.node:
         raise ModelError(f"Model file {path} has an empty graph; it may be truncated.")
+    # ONNX wants nodes in topological order; some exporters (PyTorch 1.1) do not keep it and
+    # onnxruntime runs such models anyway, so order them before the checker judges the rest.
+    model = sort_nodes(model)
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:
@@ -152,6 +159,14 @@ def quantize_model(config: ModelConfig, artifacts: Path, force: bool = False) ->
     report.timings_s["total"] = time.perf_counter() - started
     report_mod.write(paths.root, report)
     write_record(paths.record, record)
+    check = report.preparation_check
+    if check is not None and not check.passed:
+        raise GateError(
+            check.message(config.model.name) + f" ({paths.report})",
+            tip="The report lists each preparation step's figure; the step named changed the "
+            "model's function: report the model with that step, or re-export it with a "
+            "current opset.",
+        )
     if not report.passed:
         raise GateError(
             f"{config.model.name}: worst QDQ vs float SNR {fmt(report.worst_snr_db)} dB is below "
@@ -329,8 +344,9 @@ def _quantize_all(
     samples: dict[str, BucketSamples],
     held_counts: dict[str, int],
     timings: dict[str, float],
-) -> tuple[int, quantizer.range_rules.RangeChanges, MixedPrecision | None]:
-    """Calibrate every bucket, merge the ranges, quantize every bucket, raise precision."""
+) -> tuple[int, quantizer.range_rules.RangeChanges, MixedPrecision | None, HtpJudgement]:
+    """Calibrate every bucket, merge the ranges, quantize every bucket, raise precision where
+    the CPU says it is short, then let the HTP judge (pipeline.quantize.judge)."""
     q = config.quantization
     order = plan.names
     t0 = time.perf_counter()
@@ -373,12 +389,82 @@ def _quantize_all(
             lambda extra: quantize(probe, extra),
         )
         mixed = dataclasses.replace(mixed, bucket=probe)
-        if mixed.tensors:  # the same choices in every bucket, so the weights stay identical
-            for name in order:
-                if name != probe:
-                    quantize(name, {**overrides, **mixed.overrides})
+    chosen = {**overrides, **(mixed.overrides if mixed else {})}
     timings["quantize"] = time.perf_counter() - t0
-    return merged, changes[plan.largest.name], mixed
+
+    t0 = time.perf_counter()
+
+    def use_float(name: str) -> None:  # the whole model in fp16 on the HTP: no quantization
+        with atomic_path(paths.bucket(name).qdq) as tmp:
+            shutil.copyfile(prepared[name].float_path, tmp)
+
+    judgement, candidate = judge_on_htp(
+        config,
+        prepared[probe].float_path,
+        paths.bucket(probe).qdq,
+        samples_in(paths.bucket(probe).heldout),
+        samples[probe],
+        chosen,
+        Builder(lambda extra: quantize(probe, extra), lambda: use_float(probe)),
+        paths.root,
+    )
+    timings["judge"] = time.perf_counter() - t0
+    # The same choices in every bucket, so the weights stay identical.
+    for name in order:
+        if name == probe or (not candidate.whole_float16 and candidate.overrides == overrides):
+            continue
+        if candidate.whole_float16:
+            use_float(name)
+        else:
+            quantize(name, candidate.overrides)
+    return merged, changes[plan.largest.name], mixed, judgement
+
+
+def _keep_own_quantization(
+    config: ModelConfig, paths: ModelPaths, state: _State
+) -> report_mod.OwnQuantization | None:
+    """A pre-quantized model keeps its own quantization (pipeline.graph.prequantized): each
+    bucket's QDQ model is its prepared model with the exact rewrites the QNN HTP needs. None for
+    a model that the pipeline quantizes (a float model, or requantize = true)."""
+    import onnx
+
+    plan = state.plan
+    names = plan.names
+    first = onnx.load(str(state.prepared[names[0]].float_path))
+    if not prequantized.is_prequantized(first):
+        return None
+    q = config.quantization
+    if q.overrides.tensors or q.overrides.op_types:
+        raise ConfigError(
+            f"{config.path}: [quantization.overrides] apply to the pipeline's own quantization, "
+            f"but {config.model.name} is pre-quantized and keeps the quantization it brought.",
+            tip="Remove the overrides, or set requantize = true to recalibrate the float model.",
+        )
+    started = time.perf_counter()
+    changes: list[Any] = []
+    for name in names:
+        model = first if name == names[0] else onnx.load(str(state.prepared[name].float_path))
+        model, changes = prequantized.for_htp(model)
+        with atomic_path(paths.bucket(name).qdq) as tmp:
+            onnx.save(model, str(tmp))
+    largest = paths.bucket(plan.largest.name)
+    jitter = {}
+    if state.held_counts.get(plan.largest.name):
+        jitter = input_jitter(
+            state.prepared[plan.largest.name].float_path,
+            largest.heldout,
+            prequantized.input_steps(first),
+            config.calibration.seed,
+        )
+    state.timings["quantize"] = time.perf_counter() - started
+    return report_mod.OwnQuantization(
+        kept=True,
+        summary=prequantized.summarize(first).describe(),
+        conversions=[report_mod.PrepareStep(c.step, list(c.details)) for c in changes],
+        float_edges=prequantized.float_edges(onnx.load(str(largest.qdq))),
+        removed=[],
+        input_jitter=jitter,
+    )
 
 
 @dataclasses.dataclass
@@ -393,6 +479,7 @@ class _State:
     routed: _Routed | None = None
     held_counts: dict[str, int] = dataclasses.field(default_factory=dict)
     borrowed: list[str] = dataclasses.field(default_factory=list)
+    own: report_mod.OwnQuantization | None = None  # the source brought its own quantization
 
     @property
     def largest(self) -> PreparedBucket:
@@ -403,6 +490,12 @@ def _prepare_all(config: ModelConfig, paths: ModelPaths) -> _State:
     """Load the source, plan the buckets and prepare each one's static float model."""
     started = time.perf_counter()
     source = load_source_model(config.source_path)
+    own = None
+    if config.quantization.requantize and prequantized.is_prequantized(source):
+        # The float model behind the quantized one becomes the source every figure refers to.
+        summary = prequantized.summarize(source).describe()
+        source, removed = prequantized.dequantize(source)
+        own = report_mod.OwnQuantization(False, summary, [], [], list(removed.details), {})
     steps = prepare_buckets(config, source, lambda name: paths.bucket(name).float_model)
     plan = next(steps)
     assert isinstance(plan, BucketPlan)
@@ -411,7 +504,8 @@ def _prepare_all(config: ModelConfig, paths: ModelPaths) -> _State:
         assert isinstance(item, PreparedBucket)
         prepared[item.bucket.name] = item
     _remove_stale_buckets(paths, plan)
-    return _State(source, plan, prepared, {"prepare": time.perf_counter() - started})
+    timings = {"prepare": time.perf_counter() - started}
+    return _State(source, plan, prepared, timings, own=own)
 
 
 def _sample_all(config: ModelConfig, paths: ModelPaths, state: _State) -> dict[str, BucketSamples]:
@@ -446,9 +540,14 @@ def _build(
     state = _prepare_all(config, paths)
     samples = _sample_all(config, paths, state)
     plan = state.plan
-    merged, changes, mixed = _quantize_all(
-        config, paths, plan, state.prepared, samples, state.held_counts, state.timings
-    )
+    state.own = _keep_own_quantization(config, paths, state) or state.own
+    if state.own is not None and state.own.kept:  # no calibration, no second quantization
+        merged, changes, mixed = 0, quantizer.range_rules.RangeChanges(), None
+        judgement = HtpJudgement("cpu", "the model's own quantization is kept: nothing to decide")
+    else:
+        merged, changes, mixed, judgement = _quantize_all(
+            config, paths, plan, state.prepared, samples, state.held_counts, state.timings
+        )
     qdqs = {n: paths.bucket(n).qdq for n in plan.names}
     floats = {n: state.prepared[n].float_path for n in plan.names}
     weights = _weight_sharing(qdqs)
@@ -459,9 +558,21 @@ def _build(
     }
     e2e = end_to_end(config, state.source, plan, floats, qdqs, paths.heldout)
     state.timings["evaluate"] = time.perf_counter() - started
+    started = time.perf_counter()
+    largest = plan.largest
+    preparation = check_preparation(
+        config.model.name,
+        state.source,
+        bucket_inputs(config.inputs, largest.shapes if config.buckets.enabled else None),
+        floats[largest.name],
+        paths.bucket(largest.name).heldout,
+    )
+    state.timings["check_preparation"] = time.perf_counter() - started
     worst_each = [worst_snr(v) for v in per_bucket.values() if v]
     worst = min(worst_each) if worst_each else float("nan")
     q = config.quantization
+    kept = state.own is not None and state.own.kept
+    own_types = prequantized.summarize(state.source) if kept else None
     report = report_mod.QuantizeReport(
         model=config.model.name,
         version=config.model.version,
@@ -474,14 +585,17 @@ def _build(
         heldout_samples=len(state.samples.held) if state.samples else 0,
         calibration_chunk=quantizer.CALIBRATION_CHUNK,
         merged_tensors=merged,
-        activation_type=q.activation_type,
-        weight_type=q.weight_type,
-        per_channel=q.per_channel,
-        method=q.method,
+        activation_type="/".join(own_types.activation_types) if own_types else q.activation_type,
+        weight_type="/".join(own_types.weight_types) if own_types else q.weight_type,
+        per_channel=bool(own_types.per_channel_weights) if own_types else q.per_channel,
+        method="own (pre-quantized)" if kept else q.method,
         tensor_overrides=dict(q.overrides.tensors),
         op_type_overrides=dict(q.overrides.op_types),
-        range_rules=report_mod.RangeRules(changes.clamped, changes.widened, changes.bias_floor),
+        range_rules=report_mod.RangeRules(
+            changes.clamped, changes.widened, changes.bias_floor, changes.mask_fills or None
+        ),
         mixed_precision=mixed,
+        htp=judgement,
         buckets=[_bucket_report(state, paths, n, per_bucket[n]) for n in plan.names],
         pads=list(plan.pads),
         crops=list(plan.crops),
@@ -489,7 +603,9 @@ def _build(
         end_to_end=e2e,
         worst_snr_db=worst,
         min_snr_db=q.min_snr_db,
-        passed=q.min_snr_db <= 0 or worst >= q.min_snr_db,
+        passed=(q.min_snr_db <= 0 or worst >= q.min_snr_db) and preparation.passed,
+        preparation_check=preparation,
+        prequantized=state.own,
         source_bytes=config.source_path.stat().st_size,
         timings_s=state.timings,
     )
@@ -523,7 +639,6 @@ def _record(
     report: report_mod.QuantizeReport,
 ) -> QuantizeRecord:
     """The record the later stages trust: every bucket's digests, the plan, the summary."""
-    q = config.quantization
     artifacts = [
         BucketArtifacts(
             name=b.name,
@@ -544,9 +659,9 @@ def _record(
         pads=list(state.plan.pads),
         crops=list(state.plan.crops),
         summary=QuantizeSummary(
-            activation_type=q.activation_type,
-            weight_type=q.weight_type,
-            method=q.method,
+            activation_type=report.activation_type,
+            weight_type=report.weight_type,
+            method=report.method,
             calibration_samples=report.calibration_samples,
             heldout_samples=report.heldout_samples,
             worst_snr_db=report.worst_snr_db,

@@ -146,3 +146,27 @@ def end_to_end(
         shape_mismatches=mismatched,
         error="" if vs_qdq.samples else (first_failure or "no held-out samples"),
     )
+
+
+def input_jitter(
+    model: Path, heldout: Path, steps: dict[str, float], seed: int = 0
+) -> dict[str, Accuracy]:
+    """``model`` against itself with each input in ``steps`` moved by up to half its step.
+
+    For a pre-quantized model ``steps`` are its own input quantization steps: the jitter only
+    moves values across its own rounding boundaries, so the figure is how reproducible the
+    model's integer arithmetic is, the floor for any implementation that rounds differently.
+    """
+    session = cpu_session(model)
+    names = [o.name for o in session.get_outputs()]
+    rng = np.random.default_rng(seed)
+    comparison = OutputComparison()
+    for feeds in iter_samples(heldout):
+        moved = dict(feeds)
+        for name, step in steps.items():
+            if name in moved and np.issubdtype(moved[name].dtype, np.floating):
+                noise = rng.uniform(-0.5 * step, 0.5 * step, moved[name].shape)
+                moved[name] = (moved[name] + noise).astype(moved[name].dtype)
+        expected = dict(zip(names, session.run(names, feeds), strict=True))
+        comparison.add(expected, dict(zip(names, session.run(names, moved), strict=True)))
+    return comparison.summary()

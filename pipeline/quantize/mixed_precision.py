@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..core.config import ModelConfig
-from ..core.metrics import worst_snr
+from ..core.metrics import LABELS, comparable, worst_snr
 from .evaluate import evaluate
 
 ANALYSIS_SAMPLES = 8  # calibration samples the per-tensor noise is measured on
@@ -36,7 +36,18 @@ ANALYSIS_BUDGET_S = 60.0  # stop measuring candidates after this; the rest rank 
 MAX_ROUNDS = 4  # re-quantizations after the first choice
 SAFETY_DB = 3.0  # aim above the target: the noise model is approximate and the HTP adds its own
 EIGHT_BIT = {2: "uint8", 3: "int8"}  # onnx TensorProto elem types
-RAISED = {"weight": "int16", "activation": "uint16"}
+SIXTEEN_BIT = {4: "uint16", 5: "int16"}
+
+
+def raised_types(config: ModelConfig) -> dict[str, str]:
+    """What a tensor is raised to: activations to uint16; weights to int8 with one symmetric scale
+    per output channel when they are per-tensor 8-bit (the HTP agrees with the CPU on those to
+    55-80 dB), else to int16 per channel (which the HTP computes less exactly, FACTS §10: the
+    HTP judge in pipeline.quantize.judge checks what it costs there)."""
+    q = config.quantization
+    eight_bit = q.weight_type in ("uint8", "int8")
+    weight = "int8_per_channel" if eight_bit and not q.per_channel else "int16_per_channel"
+    return {"weight": weight, "activation": "uint16"}
 
 
 @dataclass(frozen=True)
@@ -99,7 +110,7 @@ class Candidate:
         return ((q - zero) * self.scale.astype(np.float64).reshape(shape)).astype(np.float32)
 
 
-def candidates(qdq: Any) -> list[Candidate]:
+def candidates(qdq: Any, elems: dict[int, str] = EIGHT_BIT) -> list[Candidate]:
     """Every 8-bit weight and activation of a QDQ model, with its scale and zero point."""
     from onnx import numpy_helper
 
@@ -113,7 +124,7 @@ def candidates(qdq: Any) -> list[Candidate]:
         if node.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(node.input) < 3:
             continue
         scale, zero = value(node.input[1]), value(node.input[2])
-        if scale is None or zero is None or inits[node.input[2]].data_type not in EIGHT_BIT:
+        if scale is None or zero is None or inits[node.input[2]].data_type not in elems:
             continue
         elem = inits[node.input[2]].data_type
         axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
@@ -184,20 +195,29 @@ def _session(model: Any) -> Any:
     return ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
 
 
+def _values(value: Any) -> np.ndarray:
+    """An output as float64 values (a sequence of score maps: its values in key order)."""
+    return np.asarray(comparable(value)[1], np.float64)
+
+
 def _noise(session: Any, feeds: list[dict[str, np.ndarray]], refs: list[dict[str, np.ndarray]]):
     names = list(refs[0])
     noise = dict.fromkeys(names, 0.0)
     for sample, ref in zip(feeds, refs, strict=True):
         for name, got in zip(names, session.run(names, sample), strict=True):
-            err = ref[name].astype(np.float64) - got.astype(np.float64)
+            err = ref[name] - _values(got)
             noise[name] += float(np.sum(err * err))
     return noise
 
 
 def measure(
-    float_path: Path, qdq_path: Path, samples: Iterable[dict[str, np.ndarray]]
+    float_path: Path,
+    qdq_path: Path,
+    samples: Iterable[dict[str, np.ndarray]],
+    elems: dict[int, str] = EIGHT_BIT,
 ) -> tuple[list[Candidate], dict[str, float], dict[str, float], dict[str, Any]]:
-    """Per 8-bit tensor, the output noise it adds alone; plus signal and the QDQ model's noise."""
+    """Per quantized tensor of the ``elems`` types (8-bit by default), the output noise it adds
+    alone; plus the outputs' signal and the QDQ model's noise."""
     import onnx
 
     started = time.perf_counter()
@@ -205,17 +225,22 @@ def measure(
     float_model = onnx.load(str(float_path))
     reference = _session(float_model)
     names = [o.name for o in reference.get_outputs()]
-    refs = [dict(zip(names, reference.run(names, f), strict=True)) for f in feeds]
+    first = dict(zip(names, reference.run(names, feeds[0]), strict=True)) if feeds else {}
+    # Labels (strings, class ids) have no noise power; the scores they come from do.
+    names = [n for n in names if comparable(first[n])[0] != LABELS] if first else names
+    refs = [
+        {n: _values(v) for n, v in zip(names, reference.run(names, f), strict=True)} for f in feeds
+    ]
     signal = dict.fromkeys(names, 0.0)
     for ref in refs:
         for name in names:
-            signal[name] += float(np.sum(ref[name].astype(np.float64) ** 2))
+            signal[name] += float(np.sum(ref[name] ** 2))
     qdq_noise = _noise(_session(str(qdq_path)), feeds, refs)
     known = {o for n in float_model.graph.node for o in n.output}
     known |= {i.name for i in float_model.graph.input} | {
         i.name for i in float_model.graph.initializer
     }
-    found = [c for c in candidates(onnx.load(str(qdq_path))) if c.name in known]
+    found = [c for c in candidates(onnx.load(str(qdq_path)), elems) if c.name in known]
     measured = 0
     for cand in found:
         if time.perf_counter() - started > ANALYSIS_BUDGET_S:
@@ -272,8 +297,9 @@ def raise_precision(
     base_overrides: dict[str, str],
     requantize: Callable[[dict[str, str]], Any],
 ) -> MixedPrecision:
-    """Re-quantize with the costliest 8-bit tensors at 16 bit while the worst SNR is short."""
+    """Re-quantize with the costliest 8-bit tensors raised while the worst SNR is short."""
     target = config.quantization.target_snr_db
+    raised = raised_types(config)
     before = worst_snr(evaluate(float_path, qdq_path, heldout))
     summary = MixedPrecision(target, before, before)
     if before >= target:
@@ -295,7 +321,7 @@ def raise_precision(
     def overrides_for(group: list[Candidate]) -> dict[str, str]:
         extra = dict(base_overrides)
         for cand in group:
-            extra.setdefault(cand.name, RAISED[cand.kind])
+            extra.setdefault(cand.name, raised[cand.kind])
         return extra
 
     best: tuple[float, int] = (before, 0)
@@ -320,7 +346,7 @@ def raise_precision(
             RaisedTensor(
                 c.name,
                 c.kind,
-                RAISED[c.kind],
+                raised[c.kind],
                 min((_db(total[o], c.noise[o]) for o in c.noise), default=float("nan")),
             )
             for c in ranked[: best[1]]

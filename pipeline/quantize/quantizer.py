@@ -152,6 +152,12 @@ def quantize(
         if node.op_type in op_types:
             for output in node.output:
                 tensor_types.setdefault(output, op_types[node.op_type])
+    # The range rules need the integer type; a float16 tensor is not quantized at all.
+    tensor_types = {
+        name: precision.partition("_per_")[0]
+        for name, precision in tensor_types.items()
+        if precision != "float16"
+    }
     tuned = qdq_path.with_name(f".{qdq_path.name}.tuned-ranges.json")
     try:
         try:
@@ -201,7 +207,8 @@ def _run_quantizer(
 
     q = config.quantization
     model = onnx.load(str(float_path), load_external_data=False)
-    init_overrides = _tensor_overrides(model, tensor_overrides, q.overrides.op_types)
+    overrides = _tensor_overrides(model, tensor_overrides, q.overrides.op_types)
+    init_overrides = overrides.tensors
     for name, (low, high) in (weight_ranges or {}).items():
         entry = init_overrides.setdefault(name, [{}])[0]
         entry.update(rmin=np.array(low, np.float32), rmax=np.array(high, np.float32))
@@ -220,6 +227,7 @@ def _run_quantizer(
             weight_type=getattr(QuantType, ORT_QUANT_TYPES[q.weight_type]),
             per_channel=q.per_channel,
             init_overrides=init_overrides or None,
+            nodes_to_exclude=overrides.float_nodes or None,
         )
         extra = dict(qconfig.extra_options)
         extra["CalibStridedMinMax"] = CALIBRATION_CHUNK
@@ -251,15 +259,42 @@ def _run_quantizer(
         root_logger.setLevel(previous_level)
 
 
-def _tensor_overrides(
-    model: Any, tensors: dict[str, str], op_types: dict[str, str]
-) -> dict[str, list[dict[str, Any]]]:
-    """Config overrides -> onnxruntime ``TensorQuantOverrides`` (activation outputs of nodes)."""
+@dataclass(frozen=True)
+class Overrides:
+    """Per-tensor choices as onnxruntime takes them: TensorQuantOverrides, nodes left in float."""
+
+    tensors: dict[str, list[dict[str, Any]]]
+    float_nodes: list[str]
+
+
+def _channel_axis(node: Any, weight: str) -> int:
+    """The output-channel axis of a weight for its consumer (what per-channel scales follow)."""
+    if node.op_type == "ConvTranspose":
+        return 1
+    if node.op_type == "Gemm":
+        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+        return 0 if trans_b else 1
+    if node.op_type == "MatMul":
+        return 1  # [K, N]: one scale per output column
+    return 0
+
+
+def _tensor_overrides(model: Any, tensors: dict[str, str], op_types: dict[str, str]) -> Overrides:
+    """Config and mixed-precision choices -> onnxruntime overrides and float (fp16) nodes.
+
+    ``*_per_channel`` gives a weight one symmetric scale per output channel (the HTP computes
+    those exactly like the CPU; 16-bit weights it does not, FACTS §10). ``float16`` leaves the
+    tensor unquantized: its producer and consumers stay float, and the HTP runs them in fp16.
+    """
     from onnxruntime.quantization import QuantType
 
     weights = {i.name for i in model.graph.initializer}
-    known = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
-    known |= weights
+    producer = {o: n for n in model.graph.node for o in n.output}
+    consumers: dict[str, list[Any]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    known = set(producer) | {i.name for i in model.graph.input} | weights
     unknown = sorted(set(tensors) - known)
     if unknown:
         raise ModelError(
@@ -268,19 +303,41 @@ def _tensor_overrides(
             tip="Use tensor names from the prepared model artifacts/build/<model>/buckets/*/float.onnx.",
         )
     result: dict[str, list[dict[str, Any]]] = {}
-    for name, qtype in tensors.items():
+    float_nodes: list[str] = []
+
+    def keep_float(nodes: list[Any]) -> None:
+        float_nodes.extend(n.name for n in nodes if n.name and n.name not in float_nodes)
+
+    for name, precision in tensors.items():
+        if precision == "float16":
+            keep_float([producer[name]] if name in producer else [])
+            keep_float(consumers.get(name, []))
+            continue
+        qtype, _, layout = precision.partition("_per_")
         entry: dict[str, Any] = {"quant_type": getattr(QuantType, ORT_QUANT_TYPES[qtype])}
-        if name in weights and qtype.startswith("int"):
+        if layout:
+            users = consumers.get(name, [])
+            if name not in weights or not users:
+                raise ModelError(
+                    f"Tensor {name!r} is given {precision}, but only weights can be quantized "
+                    "per channel.",
+                    tip=f"Use {qtype} for it in quantization.overrides.tensors.",
+                )
+            entry.update(symmetric=True, axis=_channel_axis(users[0], name))
+        elif name in weights and qtype.startswith("int"):
             entry["symmetric"] = True  # QNN HTP wants signed weights symmetric
         result[name] = [entry]
     for node in model.graph.node:
-        if node.op_type in op_types:
-            for output in node.output:
-                result.setdefault(
-                    output,
-                    [{"quant_type": getattr(QuantType, ORT_QUANT_TYPES[op_types[node.op_type]])}],
-                )
-    return result
+        precision = op_types.get(node.op_type)
+        if precision is None:
+            continue
+        if precision == "float16":
+            keep_float([node])
+            continue
+        qtype = precision.partition("_per_")[0]
+        for output in node.output:
+            result.setdefault(output, [{"quant_type": getattr(QuantType, ORT_QUANT_TYPES[qtype])}])
+    return Overrides(result, float_nodes)
 
 
 def _fix_ir_version(path: Path) -> None:

@@ -8,10 +8,12 @@ from pathlib import Path
 from qnn_ctx_runtime.buckets import CropRule, PadRule
 
 from ..calibration.ranges import BiasFloor
-from ..core.metrics import Accuracy, worst_snr
+from ..core.metrics import Accuracy, comparison_note, figure, worst_snr
 from ..core.records import BuildInputs
 from ..core.report import fmt, table, write_report
 from .evaluate import EndToEnd
+from .judge import HtpJudgement
+from .lossless import PreparationCheck
 from .mixed_precision import MixedPrecision
 
 
@@ -28,6 +30,7 @@ class RangeRules:
     clamped: int
     widened: int
     bias_floor: list[BiasFloor]
+    mask_fills: list[str] | None = None  # attention scores cut to their unmasked range
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,21 @@ class WeightSharing:
     shared_bytes: int
     bucket_specific: list[str]
     bucket_specific_bytes: int
+
+
+@dataclass(frozen=True)
+class OwnQuantization:
+    """A pre-quantized model (pipeline.graph.prequantized): the quantization it brought, and
+    either what was converted for the HTP (kept) or what requantize removed."""
+
+    kept: bool  # False: requantize = true removed it and the pipeline quantized the float model
+    summary: str  # its Q/DQ and QLinear nodes, activation and weight types
+    conversions: list[PrepareStep]  # the exact rewrites for the HTP (kept)
+    float_edges: list[str]  # tensors left without Q/DQ between two ops: float ops on the HTP
+    removed: list[str]  # requantize: what dequantizing did
+    # The model against itself with its float inputs moved by up to half its own input step:
+    # how far any implementation that rounds differently can be expected to land.
+    input_jitter: dict[str, Accuracy]
 
 
 @dataclass(frozen=True)
@@ -87,6 +105,9 @@ class QuantizeReport:
     passed: bool
     source_bytes: int
     timings_s: dict[str, float]
+    preparation_check: PreparationCheck | None = None  # prepared float vs source (>= 60 dB)
+    prequantized: OwnQuantization | None = None  # the model brought its own quantization
+    htp: HtpJudgement | None = None  # how precision was decided on the HTP (or why not)
 
     @property
     def multi(self) -> bool:
@@ -112,10 +133,82 @@ def _prepare_section(r: QuantizeReport) -> list[str]:
         [s.step, len(s.details), "; ".join(s.details[:3]) + (" …" if len(s.details) > 3 else "")]
         for s in r.prepare
     ]
-    return ["", "## Graph preparation", "", table(["step", "changes", "what"], rows)]
+    lines = ["", "## Graph preparation", "", table(["step", "changes", "what"], rows)]
+    return lines + _preparation_check(r.preparation_check)
+
+
+def _preparation_check(check: PreparationCheck | None) -> list[str]:
+    """The lossless-preparation gate: prepared float vs source, and per step when it failed."""
+    if check is None:
+        return []
+    if check.snr_db is None:
+        return ["", f"Prepared vs source: not measured ({check.error})."]
+    verdict = "passed" if check.passed else "FAILED"
+    text = (
+        f"Prepared float vs {check.reference}: {fmt(check.snr_db)} dB on {check.samples} "
+        f"held-out sample(s) (floor {check.min_snr_db:g} dB) — {verdict}."
+    )
+    if check.float16_snr_db is not None:
+        text += f" Against the float16 source run: {fmt(check.float16_snr_db)} dB."
+    lines = ["", text]
+    if check.steps:
+        rows = [[s.step, s.snr_db if s.snr_db is not None else "-", s.note] for s in check.steps]
+        lines += [
+            "",
+            f"Each step's prefix vs the source (the first below the floor changed the "
+            f"function: **{check.culprit or 'not found'}**):",
+            "",
+            table(["after step", "SNR vs source (dB)", "note"], rows),
+        ]
+    return lines
+
+
+def _own_quantization_section(own: OwnQuantization) -> list[str]:
+    """A pre-quantized model: its own quantization kept (or removed by requantize)."""
+    if not own.kept:
+        return [
+            "",
+            "## Own quantization removed (requantize = true)",
+            "",
+            f"The source is pre-quantized ({own.summary}). Its Q/DQ were removed and the float "
+            "model behind it is the reference below, calibrated and quantized like any float "
+            "model: " + "; ".join(own.removed),
+        ]
+    rows = [
+        [c.step, len(c.details), "; ".join(c.details[:3]) + (" …" if len(c.details) > 3 else "")]
+        for c in own.conversions
+    ]
+    lines = [
+        "",
+        "## Quantization: the model's own, kept",
+        "",
+        f"The model is pre-quantized ({own.summary}). Its own scales, zero points and types are "
+        "kept: no calibration, no second quantization (set requantize = true in "
+        "[quantization] to recalibrate instead). Its float reference is the model itself, run "
+        "by onnxruntime on the CPU, so QDQ vs float below measures only these exact rewrites "
+        "for the QNN HTP (pipeline/graph/prequantized.py):",
+        "",
+        table(["rewrite", "changes", "what"], rows) if rows else "No rewrite was needed.",
+    ]
+    if own.float_edges:
+        shown = ", ".join(own.float_edges[:6])
+        more = f" and {len(own.float_edges) - 6} more" if len(own.float_edges) > 6 else ""
+        lines += ["", f"Left without Q/DQ (float ops on the HTP): {shown}{more}."]
+    if own.input_jitter:
+        shown = ", ".join(f"{k} {fmt(figure(v))} dB" for k, v in own.input_jitter.items())
+        lines += [
+            "",
+            "Own rounding floor: the model against itself with its inputs moved by up to half "
+            f"of its own input step: {shown}. An implementation that rounds differently "
+            "(the HTP) lands about that far from the model on the CPU.",
+        ]
+    return lines
 
 
 def _quantization_section(r: QuantizeReport) -> list[str]:
+    if r.prequantized is not None and r.prequantized.kept:
+        return _own_quantization_section(r.prequantized)
+    removed = _own_quantization_section(r.prequantized) if r.prequantized else []
     row = [
         r.activation_type,
         r.weight_type,
@@ -131,6 +224,7 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
         table(
             ["activations", "weights", "per-channel", "method", "calibration", "held-out"], [row]
         ),
+        *removed,
     ]
     rules = r.range_rules
     floors = ", ".join(f"`{f.tensor}`" for f in rules.bias_floor) or "none"
@@ -140,6 +234,13 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
         f"saturating readers can tell apart, {rules.widened} widened for unseen values; widened "
         f"so the int32 biases fit: {floors}.",
     ]
+    if rules.mask_fills:
+        shown = ", ".join(f"`{n}`" for n in rules.mask_fills[:6])
+        more = f" and {len(rules.mask_fills) - 6} more" if len(rules.mask_fills) > 6 else ""
+        lines.append(
+            f"Attention-mask fills: {len(rules.mask_fills)} tensor(s) on the way to Softmax keep "
+            f"the unmasked scores' range plus a saturating margin ({shown}{more})."
+        )
     if r.multi:
         lines += [
             "",
@@ -225,11 +326,11 @@ def _accuracy_section(r: QuantizeReport) -> list[str]:
     rows = [
         [
             out,
-            largest[out].snr_db if out in largest else None,
+            figure(largest.get(out)),
             fmt(largest[out].max_abs, 5) if out in largest else None,
             fmt(largest[out].cosine, 5) if out in largest else None,
-            e2e.qdq_vs_source[out].snr_db if out in e2e.qdq_vs_source else None,
-            e2e.float_vs_source[out].snr_db if out in e2e.float_vs_source else None,
+            figure(e2e.qdq_vs_source.get(out)),
+            figure(e2e.float_vs_source.get(out)),
         ]
         for out in outputs
     ]
@@ -254,6 +355,9 @@ def _accuracy_section(r: QuantizeReport) -> list[str]:
         + "against the source model as the user exported it.",
     ]
     notes = []
+    how = comparison_note([largest, e2e.qdq_vs_source])
+    if how:
+        notes.append(how)
     if e2e.error:
         notes.append(f"The source-model comparison could not run: {e2e.error}")
     if e2e.source_failures:
@@ -278,11 +382,59 @@ def _footer(r: QuantizeReport) -> list[str]:
     ]
 
 
+def _htp_section(r: QuantizeReport) -> list[str]:
+    """Precision judged on what the NPU computes: each candidate compiled and run on the HTP."""
+    j = r.htp
+    if j is None:
+        return []
+    lines = ["", "## Judged on the HTP", "", j.reason + "."]
+    if not j.rounds:
+        return lines
+    rows = [
+        [
+            x.label,
+            x.qdq_vs_float_db,
+            x.ctx_vs_float_db,
+            x.ctx_vs_qdq_db,
+            x.partitions,
+            x.cpu_nodes,
+            f"{x.seconds:.1f}",
+            x.error or ("kept" if x.label == j.chosen else ""),
+        ]
+        for x in j.rounds
+    ]
+    headers = [
+        "candidate",
+        "QDQ vs float (CPU) dB",
+        "ctx vs float (HTP) dB",
+        "ctx vs QDQ dB",
+        "partitions",
+        "CPU nodes",
+        "s",
+        "",
+    ]
+    lines += ["", table(headers, rows)]
+    if j.divergence is not None:
+        d = j.divergence
+        lines += [
+            "",
+            f"First divergence between the HTP and the CPU QDQ model: `{d.tensor}` from "
+            f"{d.op_type} `{d.node}`, {fmt(d.snr_db)} dB.",
+        ]
+    lines += [f"- {remedy}" for remedy in j.remedies]
+    if j.whole_float16:
+        lines += ["", "Kept: the whole model runs in fp16 on the HTP (it is not quantized)."]
+    elif j.float16:
+        lines += ["", f"Kept: {len(j.float16)} tensor(s) in float16 (fp16 on the HTP)."]
+    return lines
+
+
 SECTIONS = (
     _header,
     _prepare_section,
     _quantization_section,
     _mixed_section,
+    _htp_section,
     _buckets_section,
     _accuracy_section,
     _footer,

@@ -66,9 +66,17 @@ class FileEntry:
 class TensorInfo:
     name: str = field(metadata=_doc("Graph input or output name."))
     shape: list[int] = field(
-        metadata=_doc("Static shape; -1 marks a dim that shape buckets serve (see buckets).")
+        metadata=_doc(
+            "Static shape; -1 marks a dim that shape buckets serve (see buckets), or one that "
+            "only the run sets in an output of a CPU tail (ai.onnx.ml labels)."
+        )
     )
-    dtype: str = field(metadata=_doc("numpy dtype name, e.g. float32."))
+    dtype: str = field(
+        metadata=_doc(
+            "numpy dtype name, e.g. float32; str for a string tensor; onnxruntime's type name "
+            "for a non-tensor output of a CPU tail, e.g. seq(map(string,tensor(float)))."
+        )
+    )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,146 @@
+"""Transformer encoders: contrib ops shape inference cannot type, infinite attention-mask fills.
+
+- ``standard_gelu``: onnxruntime's ``qnn_preprocess_model`` fuses the Erf-GELU patterns of
+  TensorFlow and Keras exports into a *com.microsoft* ``Gelu`` (only PyTorch's pattern becomes
+  the opset-20 ai.onnx ``Gelu`` via onnxruntime's own optimizer); ONNX shape inference has no
+  schema for it, every tensor after it loses its type, and ``store_inferred_shapes`` ends in
+  "Field 'shape' of 'type' is required but missing". At opset >= 20 the same functions are
+  standard ops: Gelu, FastGelu (= Gelu tanh approximation) and BiasGelu (= Add + Gelu).
+- ``finite_mask_fills``: ``Where(mask, -inf, scores) -> Softmax`` (PyTorch ``masked_fill``)
+  gives every masked score -inf. In float that is exp(-inf) = 0; quantized, the tensor's range
+  is infinite, the scale inf, and QNN refuses the graph ("Failed to compose Qnn graph"). A
+  finite fill far below any score (``MASK_FILL``) gives the same Softmax in float32 (exp
+  underflows to exactly 0 below -104); the range rule ``mask_fill_ranges`` of
+  ``pipeline.calibration.ranges`` then keeps the masked positions from stretching the range.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from . import transforms as t
+from .transforms import Change
+
+# Far below any attention score, far above float32's lowest: exp(MASK_FILL - score) is exactly
+# 0 in float32 for any score above -1e9 + 104, and adding a bias to it cannot overflow.
+MASK_FILL = -1e9
+# Ops between a masked score tensor and its Softmax that move values without changing them.
+SHAPE_OPS = frozenset({"Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity"})
+_DEFAULT = ("", "ai.onnx")
+_MS = "com.microsoft"
+
+
+def softmax_chains(model: onnx.ModelProto, start: str) -> list[list[str]]:
+    """The tensors from ``start`` to each Softmax it reaches through ``SHAPE_OPS`` only
+    (``start`` first, the Softmax input last); [] when a reader is anything else."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in model.graph.output}
+    chains: list[list[str]] = []
+
+    def walk(path: list[str]) -> bool:
+        name = path[-1]
+        found = readers.get(name, [])
+        if not found or name in outputs:
+            return False
+        for node in found:
+            if node.domain not in _DEFAULT:
+                return False
+            if node.op_type == "Softmax" and node.input[0] == name:
+                chains.append(path)
+            elif node.op_type in SHAPE_OPS and node.input[0] == name:
+                if not walk([*path, node.output[0]]):
+                    return False
+            else:
+                return False
+        return True
+
+    return chains if walk([start]) else []
+
+
+def finite_mask_fills(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Where(c, -inf, x) / Where(c, x, -inf) feeding only Softmax -> the fill ``MASK_FILL``.
+
+    Same function in float32 (exp of the fill underflows to exactly 0, as exp(-inf) does),
+    except on a row where *every* position is masked: -inf gives NaN there, the finite fill a
+    uniform distribution. The fill gets its own initializer, so a constant shared with
+    something else keeps its value there.
+    """
+    model = t._copy(model)
+    graph = model.graph
+    inits = t._initializers(graph)
+    namer = t._Namer(model)
+    details = []
+    for node in graph.node:
+        if node.op_type != "Where" or node.domain not in _DEFAULT or len(node.input) != 3:
+            continue
+        for slot in (1, 2):
+            name = node.input[slot]
+            if name not in inits:
+                continue
+            value = numpy_helper.to_array(inits[name])
+            if value.size != 1 or value.dtype.kind != "f" or not np.isneginf(value).all():
+                continue
+            if not softmax_chains(model, node.output[0]):
+                continue
+            fill = namer(f"{name}_finite_mask_fill")
+            graph.initializer.append(
+                numpy_helper.from_array(np.full(value.shape, MASK_FILL, value.dtype), fill)
+            )
+            node.input[slot] = fill
+            details.append(f"{t.node_label(node)}: mask fill -inf -> {MASK_FILL:g}")
+    t._remove_dead(graph)
+    return t._done(model, "finite_mask_fills", details)
+
+
+def _gelu(x: str, y: str, name: str, approximate: str) -> onnx.NodeProto:
+    if approximate == "none":
+        return onnx.helper.make_node("Gelu", [x], [y], name=name)
+    return onnx.helper.make_node("Gelu", [x], [y], name=name, approximate=approximate)
+
+
+def standard_gelu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """com.microsoft Gelu / FastGelu / BiasGelu -> ai.onnx Gelu (+ Add for a bias), opset >= 20.
+
+    The contrib ops compute 0.5 x (1 + erf(x / sqrt 2)) (Gelu, BiasGelu of x + bias) and the
+    tanh approximation (FastGelu), exactly what ai.onnx Gelu computes with approximate "none"
+    and "tanh"; ONNX shape inference types the standard op.
+    """
+    model = t._copy(model)
+    if t._opset(model) < 20:
+        return t._done(model, "standard_gelu", [])
+    graph = model.graph
+    namer = t._Namer(model)
+    details = []
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        kind = node.op_type if node.domain == _MS else ""
+        if kind not in ("Gelu", "FastGelu", "BiasGelu"):
+            nodes.append(node)
+            continue
+        base = node.name or namer(f"{node.output[0]}_gelu")
+        approximate = "tanh" if kind == "FastGelu" else "none"
+        x = node.input[0]
+        bias = node.input[1] if len(node.input) > 1 and node.input[1] else ""
+        if bias:
+            summed = namer(f"{node.output[0]}_biased")
+            nodes.append(
+                onnx.helper.make_node("Add", [x, bias], [summed], name=namer(f"{base}_bias"))
+            )
+            x = summed
+        nodes.append(_gelu(x, node.output[0], base, approximate))
+        ops = "Add + Gelu" if bias else "Gelu"
+        details.append(f"{kind} {base!r} (com.microsoft) -> {ops} (approximate {approximate})")
+    if details:
+        t._set_nodes(graph, nodes)
+        used = {n.domain for g in t._all_graphs(graph) for n in g.node}
+        if _MS not in used:
+            kept = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]
+            kept = [o for o in kept if o.domain != _MS]
+            del model.opset_import[:]
+            model.opset_import.extend(kept)
+    return t._done(model, "standard_gelu", details)

@@ -1,0 +1,401 @@
+"""Exact rewrites of legacy ops (opset <= 10) whose meaning the onnx version converter loses.
+
+The converter maps Upsample (opset 7/9) and Resize (opset 10) to an opset-11+ Resize with the
+*default* coordinate transformation (half_pixel) and nearest rounding (round_prefer_floor),
+while onnxruntime runs the legacy ops with asymmetric coordinates, floor for upsampling and ceil
+for downsampling (measured against onnxruntime 1.31, see tests/test_legacy.py). A bilinear
+upsampling segmenter's prepared model was 28 dB from its source for that alone. It has no
+adapter at all for the experimental ``Crop``.
+
+So these ops are rewritten *before* the opset upgrade into the opset-21 ops that compute the
+same thing, parked in a private domain (``PINNED_DOMAIN``) that the converter passes through
+untouched, and put back into the default domain right after it (``restore_pinned_ops``).
+
+Also here: ``fold_pad_into_pool``, for the ``Pad(value=-FLT_MAX) -> MaxPool(VALID)`` pairs that
+old converters emit for TF/Keras "SAME" pooling. The pad value is never the maximum of a window
+(each window holds a real value), but as a quantized activation it stretches the range to 3e38
+and every real value rounds to one step; MaxPool's own pads mean exactly the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from . import transforms as t
+from .transforms import Change
+
+PINNED_DOMAIN = "pipeline.pinned"
+_DEFAULT = ("", "ai.onnx")
+_ATTR = onnx.helper.get_attribute_value
+
+
+def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
+    return {a.name: _ATTR(a) for a in node.attribute}
+
+
+def _text(value: Any, default: str) -> str:
+    if value is None:
+        return default
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _constant(model: onnx.ModelProto, name: str) -> np.ndarray | None:
+    inits = t._initializers(model.graph)
+    if name in inits:
+        return numpy_helper.to_array(inits[name])
+    for node in model.graph.node:
+        if node.op_type == "Constant" and name in node.output:
+            return t._constant_value(node)
+    return None
+
+
+def _shrink_indices(size: int, scale: float) -> np.ndarray:
+    """The input rows onnxruntime's legacy nearest picks when an axis of ``size`` shrinks by
+    ``scale``: ceil(i / scale) in float32, clamped to the axis (``is_down_sampling``)."""
+    out = int(np.float32(size) * np.float32(scale))
+    picked = np.ceil(np.arange(out, dtype=np.float32) / np.float32(scale)).astype(np.int64)
+    return np.minimum(picked, size - 1)
+
+
+def _resize_nodes(
+    x: str,
+    y: str,
+    mode: str,
+    scales: np.ndarray | None,
+    scales_name: str,
+    shape: tuple[int, ...] | None,
+    base: str,
+    new_init: Callable[[np.ndarray, str], str],
+    fresh: Callable[[str], str],
+) -> tuple[list[onnx.NodeProto], str]:
+    """Opset-21 node(s) computing what onnxruntime computes for the legacy op.
+
+    Linear: Resize with asymmetric coordinates. Nearest: onnxruntime rounds per axis, floor
+    where it grows and ceil where it shrinks; the QNN HTP backend takes nearest/floor but
+    refuses nearest/ceil (it would fall back to the CPU), so shrunk axes become a Gather of
+    the rows onnxruntime picks (static shapes), grown axes a Resize with floor. Nearest
+    sampling is separable, so the two in sequence are exact.
+    """
+    make = onnx.helper.make_node
+    if mode in ("linear", "bilinear"):
+        node = make(
+            "Resize",
+            [x, "", scales_name],
+            [y],
+            name=base,
+            domain=PINNED_DOMAIN,
+            mode="linear",
+            coordinate_transformation_mode="asymmetric",
+        )
+        return [node], "linear, asymmetric"
+
+    def nearest(src: str, dst: str, scales_in: str, rounding: str, name: str) -> onnx.NodeProto:
+        return make(
+            "Resize",
+            [src, "", scales_in],
+            [dst],
+            name=name,
+            domain=PINNED_DOMAIN,
+            mode="nearest",
+            coordinate_transformation_mode="asymmetric",
+            nearest_mode=rounding,
+        )
+
+    if scales is None or np.all(scales >= 1.0):
+        why = "" if scales is not None else " (scales not constant: upsampling assumed)"
+        return [nearest(x, y, scales_name, "floor", base)], "nearest, asymmetric, floor" + why
+    grows = bool(np.any(scales > 1.0))
+    if shape is None or len(shape) != scales.size:  # no static shape: Resize with ceil
+        down = np.where(scales < 1.0, scales, 1.0).astype(np.float32)
+        up = np.where(scales > 1.0, scales, 1.0).astype(np.float32)
+        if not grows:
+            return [nearest(x, y, scales_name, "ceil", base)], "nearest, asymmetric, ceil"
+        mid = fresh(f"{y}_shrunk")
+        nodes = [
+            nearest(x, mid, new_init(down, f"{base}_down_scales"), "ceil", fresh(f"{base}_down")),
+            nearest(mid, y, new_init(up, f"{base}_up_scales"), "floor", base),
+        ]
+        return nodes, "nearest, asymmetric: ceil on shrunk axes, then floor on grown axes"
+    nodes = []
+    current = x
+    shrunk = [axis for axis in range(scales.size) if scales[axis] < 1.0]
+    for count, axis in enumerate(shrunk):
+        last = count == len(shrunk) - 1 and not grows
+        target = y if last else fresh(f"{y}_rows{axis}")
+        rows = new_init(_shrink_indices(shape[axis], float(scales[axis])), f"{base}_rows{axis}")
+        name = base if last else fresh(f"{base}_gather{axis}")
+        nodes.append(make("Gather", [current, rows], [target], name=name, axis=axis))
+        current = target
+    if grows:
+        up = np.where(scales > 1.0, scales, 1.0).astype(np.float32)
+        nodes.append(nearest(current, y, new_init(up, f"{base}_up_scales"), "floor", base))
+    what = f"nearest: Gather of the rows onnxruntime picks on shrunk axes {shrunk}"
+    return nodes, what + (", then Resize asymmetric/floor on grown axes" if grows else "")
+
+
+def _crop_nodes(
+    node: onnx.NodeProto, new_init: Callable[[np.ndarray, str], str], base: str
+) -> tuple[list[onnx.NodeProto], str]:
+    """Crop (opset 1, NCHW): border = [left, top, right, bottom], optional scale = [h, w].
+
+    onnxruntime: rows top .. (top + h if scale else H - bottom), columns likewise.
+    """
+    attrs = _attrs(node)
+    border = [int(v) for v in attrs.get("border", [0, 0, 0, 0])]
+    if len(border) != 4:
+        raise ValueError(f"Crop border must have 4 values, got {border}")
+    left, top, right, bottom = border
+    big = np.iinfo(np.int64).max
+    if "scale" in attrs and list(attrs["scale"]):
+        height, width = (int(v) for v in attrs["scale"])
+        ends = [top + height, left + width]
+        what = f"rows {top}:{top + height}, columns {left}:{left + width}"
+    else:
+        ends = [-bottom if bottom else big, -right if right else big]
+        what = f"border top {top}, left {left}, bottom {bottom}, right {right}"
+    inputs = [
+        node.input[0],
+        new_init(np.array([top, left], np.int64), f"{base}_starts"),
+        new_init(np.array(ends, np.int64), f"{base}_ends"),
+        new_init(np.array([2, 3], np.int64), f"{base}_axes"),
+    ]
+    make = onnx.helper.make_node
+    return [make("Slice", inputs, [node.output[0]], name=base, domain=PINNED_DOMAIN)], what
+
+
+def pin_legacy_semantics(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Upsample (opset 7/9), Resize (opset 10) and Crop -> the opset-21 Resize/Slice computing
+    the same, in ``PINNED_DOMAIN`` until ``restore_pinned_ops`` (after ``upgrade_opset``)."""
+    model = t._copy(model)
+    opset = t._opset(model)
+    graph = model.graph
+    namer = t._Namer(model)
+    details: list[str] = []
+    new_nodes: list[onnx.NodeProto] = []
+    values: dict[str, onnx.ValueInfoProto] | None = None
+
+    def new_init(array: np.ndarray, base: str) -> str:
+        name = namer(base)
+        graph.initializer.append(numpy_helper.from_array(array, name))
+        return name
+
+    for node in graph.node:
+        legacy_resize = (node.op_type == "Upsample" and opset <= 9) or (
+            node.op_type == "Resize" and opset == 10
+        )
+        if node.domain not in _DEFAULT or not (legacy_resize or node.op_type == "Crop"):
+            new_nodes.append(node)
+            continue
+        base = node.name or namer(f"{node.output[0]}_{node.op_type.lower()}")
+        if node.op_type == "Crop":
+            replacement, what = _crop_nodes(node, new_init, base)
+            details.append(f"{t.node_label(node)} -> Slice ({what})")
+            new_nodes.extend(replacement)
+            continue
+        attrs = _attrs(node)
+        mode = _text(attrs.get("mode"), "nearest")
+        if len(node.input) > 1 and node.input[1]:
+            scales_name = node.input[1]
+            scales = _constant(model, scales_name)
+        elif "scales" in attrs:
+            scales = np.asarray(attrs["scales"], np.float32)
+            scales_name = new_init(scales, f"{base}_scales")
+        else:  # Upsample-1 style height_scale/width_scale: no onnxruntime kernel to match
+            new_nodes.append(node)
+            continue
+        if scales is not None:
+            scales = np.asarray(scales, np.float32).reshape(-1)
+        if values is None:
+            values = t._inferred_values(model)
+        value = values.get(node.input[0])
+        shape = t._shape_of(value) if value is not None else None
+        replacement, what = _resize_nodes(
+            node.input[0], node.output[0], mode, scales, scales_name, shape, base, new_init, namer
+        )
+        details.append(f"{t.node_label(node)} (opset {opset}) -> Resize ({what})")
+        new_nodes.extend(replacement)
+    if details:
+        t._set_nodes(graph, new_nodes)
+        if not any(o.domain == PINNED_DOMAIN for o in model.opset_import):
+            model.opset_import.append(onnx.helper.make_opsetid(PINNED_DOMAIN, 1))
+    return t._done(model, "pin_legacy_semantics", details)
+
+
+def restore_pinned_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Move the ops ``pin_legacy_semantics`` parked back into the default domain (opset 21)."""
+    model = t._copy(model)
+    details = []
+    for graph in t._all_graphs(model.graph):
+        for node in graph.node:
+            if node.domain == PINNED_DOMAIN:
+                node.domain = ""
+                details.append(f"{t.node_label(node)}: restored as opset-{t._opset(model)} op")
+    imports = [o for o in model.opset_import if o.domain != PINNED_DOMAIN]
+    if len(imports) != len(model.opset_import):
+        kept = [onnx.helper.make_opsetid(o.domain, o.version) for o in imports]
+        del model.opset_import[:]
+        model.opset_import.extend(kept)
+    return t._done(model, "restore_pinned_ops", details)
+
+
+# A pad value at or below this is "minus infinity" for a max.
+_NEG_LIMIT = -float(np.finfo(np.float32).max)
+
+
+def _pad_spec(
+    model: onnx.ModelProto, pad: onnx.NodeProto, rank: int
+) -> tuple[list[int], float] | None:
+    """(pads over all axes [begin..., end...], constant value) of a constant-mode Pad."""
+    attrs = _attrs(pad)
+    if _text(attrs.get("mode"), "constant") != "constant":
+        return None
+    if "pads" in attrs:  # opset < 11
+        pads = [int(v) for v in attrs["pads"]]
+        value = float(attrs.get("value", 0.0))
+    else:
+        raw = _constant(model, pad.input[1]) if len(pad.input) > 1 else None
+        if raw is None:
+            return None
+        pads = [int(v) for v in raw.reshape(-1)]
+        value = 0.0
+        if len(pad.input) > 2 and pad.input[2]:
+            const = _constant(model, pad.input[2])
+            if const is None or const.size != 1:
+                return None
+            value = float(const.reshape(-1)[0])
+        if len(pad.input) > 3 and pad.input[3]:  # axes (opset 18): spread over all axes
+            axes = _constant(model, pad.input[3])
+            if axes is None:
+                return None
+            full = [0] * (2 * rank)
+            count = axes.size
+            for i, axis in enumerate(int(a) % rank for a in axes.reshape(-1)):
+                full[axis], full[axis + rank] = pads[i], pads[i + count]
+            pads = full
+    if len(pads) != 2 * rank:
+        return None
+    return pads, value
+
+
+def fold_pad_into_pool(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Pad(constant) -> MaxPool / AveragePool becomes the pool with those pads, when exact.
+
+    Exact when the Pad only pads spatial axes, by less than the kernel on every side (each
+    window keeps a real value), and the pad value is what the pool's own padding means: at or
+    below -FLT_MAX for MaxPool (its padding never wins a max), 0 for an AveragePool that counts
+    padding (count_include_pad = 1). The pool must use explicit or VALID padding, and nothing
+    else may read the padded tensor.
+    """
+    model = t._copy(model)
+    graph = model.graph
+    used = t._used_names(graph)
+    producers = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
+    outputs = {o.name for o in graph.output}
+    drop: set[int] = set()
+    details = []
+    for node in graph.node:
+        if node.op_type not in ("MaxPool", "AveragePool") or node.domain not in _DEFAULT:
+            continue
+        at = producers.get(node.input[0])
+        pad = graph.node[at] if at is not None else None
+        if pad is None or pad.op_type != "Pad" or pad.domain not in _DEFAULT:
+            continue
+        if used[pad.output[0]] != 1 or pad.output[0] in outputs:
+            continue
+        if node.op_type == "MaxPool" and len(node.output) > 1 and node.output[1]:
+            continue  # indices would change
+        attrs = _attrs(node)
+        kernel = [int(k) for k in attrs.get("kernel_shape", [])]
+        auto_pad = _text(attrs.get("auto_pad"), "NOTSET")
+        if not kernel or auto_pad not in ("NOTSET", "VALID"):
+            continue
+        rank = len(kernel) + 2
+        spec = _pad_spec(model, pad, rank)
+        if spec is None:
+            continue
+        pads, value = spec
+        spatial = len(kernel)
+        if any(pads[i] != 0 for i in (0, 1, rank, rank + 1)) or any(p < 0 for p in pads):
+            continue
+        if node.op_type == "MaxPool":
+            neutral = value <= _NEG_LIMIT
+        else:
+            neutral = value == 0.0 and int(attrs.get("count_include_pad", 0)) == 1
+        if not neutral:
+            continue
+        old = [int(p) for p in attrs.get("pads", [0] * 2 * spatial)]
+        extra = pads[2:rank] + pads[rank + 2 :]
+        new = [a + b for a, b in zip(old, extra, strict=True)]
+        if any(new[i] >= kernel[i % spatial] for i in range(2 * spatial)):
+            continue
+        for attr in [a for a in node.attribute if a.name in ("pads", "auto_pad")]:
+            node.attribute.remove(attr)
+        node.attribute.append(onnx.helper.make_attribute("pads", new))
+        node.input[0] = pad.input[0]
+        drop.add(at)
+        details.append(f"{t.node_label(pad)} folded into {t.node_label(node)}: pads {new}")
+    if drop:
+        t._drop_nodes(graph, drop)
+        t._remove_dead(graph)
+    return t._done(model, "fold_pad_into_pool", details)
+
+
+def batchnorm_to_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """An inference-mode BatchNormalization that nothing could absorb -> Mul + Add per channel.
+
+    Old converters (OnnxMLTools, WinMLTools) normalise the input image with a BatchNormalization
+    right after the graph input, where ``fold_batchnorm`` has no Conv to fold it into. As Mul
+    and Add it is the same affine map (computed in float64, rounded once), and the ops around
+    it can fold or fuse with it; the HTP also quantizes the two ops like any other.
+    """
+    model = t._copy(model)
+    graph = model.graph
+    inits = t._initializers(graph)
+    used = t._used_names(graph)
+    namer = t._Namer(model)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+    nodes: list[onnx.NodeProto] = []
+    details = []
+    for node in graph.node:
+        params = (
+            t._bn_params(node, inits, used)
+            if node.op_type == "BatchNormalization" and node.domain in _DEFAULT
+            else None
+        )
+        if params is None:
+            nodes.append(node)
+            continue
+        if values is None:
+            values = t._inferred_values(model)
+        value = values.get(node.input[0])
+        shape = t._shape_of(value) if value is not None else None
+        scale, shift = params
+        if shape is None or len(shape) < 2 or shape[1] != scale.shape[0]:
+            nodes.append(node)
+            continue
+        dtype = t._np_dtype(value.type.tensor_type.elem_type)
+        per_channel = (scale.shape[0],) + (1,) * (len(shape) - 2)
+        base = node.name or node.output[0]
+        s_name, b_name = namer(f"{base}_scale"), namer(f"{base}_shift")
+        graph.initializer.extend(
+            [
+                numpy_helper.from_array(scale.reshape(per_channel).astype(dtype), s_name),
+                numpy_helper.from_array(shift.reshape(per_channel).astype(dtype), b_name),
+            ]
+        )
+        mid = namer(f"{base}_scaled")
+        make = onnx.helper.make_node
+        nodes += [
+            make("Mul", [node.input[0], s_name], [mid], name=namer(f"{base}_mul")),
+            make("Add", [mid, b_name], [node.output[0]], name=namer(f"{base}_add")),
+        ]
+        details.append(f"{t.node_label(node)} (nothing to fold into) -> Mul + Add")
+    if details:
+        t._set_nodes(graph, nodes)
+        t._remove_dead(graph)
+    return t._done(model, "batchnorm_to_affine", details)

@@ -1,0 +1,1105 @@
+"""Pre-quantized models: graphs that already hold their own quantization.
+
+TFLite int8 exports, PPQ, PyTorch FX/eager and Vitis-AI QDQ models carry QuantizeLinear /
+DequantizeLinear nodes (or QOperator ``QLinear*`` ops) that *are* the model: its scales and zero
+points were chosen, often trained, by its authors, and there is no float original to calibrate
+from. Quantizing such a graph a second time fails (onnxruntime's quantizer puts a float Q/DQ in
+front of a DequantizeLinear) or stacks a second layer of Q/DQ that the QNN EP cannot group.
+
+So a pre-quantized model is built with its own quantization kept. Preparation cleans it like any
+model (Identity/Cast chains, Constant nodes, static shapes, If folding) but never folds its Q/DQ
+and keeps its opset: nothing needs opset 21 (no 16-bit types come from our quantizer), and the
+converter plus onnxruntime's optimizer have made such models unloadable. The quantize stage then
+only rewrites what the QNN HTP does not take, each rewrite exact (``for_htp``). Measured on the
+QNN 2.51 HTP simulator (onnxruntime-qnn 2.7.0), see tests/test_prequantized.py:
+
+- int8 *and* uint8 activations both compile and give identical results (the EP maps int8 to
+  uint8 + 128 itself), int8 weights with or without zero point, uint8 weights, per-tensor and
+  per-channel (axis 0) weights, int32 biases via DequantizeLinear: all taken as they are.
+- An op is only run quantized when it is a complete QDQ unit (onnxruntime's selectors: DQ on
+  every input, Q on the output, same activation type in and out, int32 bias, signed weights
+  for signed activations). Anything else runs as a *float* op on the HTP, and float Convs there
+  are far off (a uint8 Conv with a float bias: -14.9 dB against the CPU). Hence:
+  ``int32_biases`` (int8 / float biases -> int32 at input scale x weight scale),
+  ``signed_weights`` (uint8 weights beside int8/int16 activations -> int8, zero point - 128),
+  ``propagate_qdq`` (a Q behind Transpose/Reshape/Concat/Relu/... copied in front of them, and
+  after them when they read a DQ: Q(f(x)) == f(Q(x)) for these ops) and
+  ``split_leaky_relu`` (Conv -> LeakyRelu -> Q as two 8-bit Conv branches, see there).
+- A Cast between Q and DQ (PyTorch exports) makes the compile fail outright ("Node ... was
+  inserted using the NHWC format ... but was not selected"); ``drop_noop_casts`` removes it.
+- A standalone per-channel DequantizeLinear stays on the CPU ("QNN EP does not support a
+  standalone DQ op with per-channel quantization").
+
+``config [quantization] requantize = true`` takes the other road: ``dequantize`` removes the
+model's own quantization and the float model behind it is calibrated and quantized as usual.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..core.errors import ModelError
+from . import transforms as t
+from .transforms import Change
+
+QUANTIZE = "QuantizeLinear"
+DEQUANTIZE = "DequantizeLinear"
+QDQ_OPS = frozenset({QUANTIZE, DEQUANTIZE})
+_QDQ_DOMAINS = ("", "ai.onnx", "com.microsoft")
+_DEFAULT = ("", "ai.onnx")
+_MS = "com.microsoft"
+# QOperator-format ops: integer in, integer out, scales and zero points as inputs.
+QOPERATOR_OPS = frozenset(
+    {
+        "QLinearConv",
+        "QLinearMatMul",
+        "QLinearAdd",
+        "QLinearMul",
+        "QLinearSigmoid",
+        "QLinearLeakyRelu",
+        "QLinearGlobalAveragePool",
+        "QLinearAveragePool",
+        "QLinearConcat",
+        "QLinearSoftmax",
+        "QLinearReduceMean",
+        "QLinearWhere",
+        "QGemm",
+        "ConvInteger",
+        "MatMulInteger",
+    }
+)
+_INT_RANGES = {
+    onnx.TensorProto.UINT8: (0, 255),
+    onnx.TensorProto.INT8: (-128, 127),
+    onnx.TensorProto.UINT16: (0, 65535),
+    onnx.TensorProto.INT16: (-32768, 32767),
+}
+_SIGNED = (onnx.TensorProto.INT8, onnx.TensorProto.INT16)
+# Ops whose result Q(f(x)) equals f(Q(x)) for a per-tensor Q: they only move, pick, pad with
+# zero or compare values, so values on a quantization grid stay on it. Value: data inputs.
+_COMMUTING: dict[str, tuple[int, ...] | None] = {
+    "Transpose": (0,),
+    "Reshape": (0,),
+    "Flatten": (0,),
+    "Squeeze": (0,),
+    "Unsqueeze": (0,),
+    "Identity": (0,),
+    "Relu": (0,),
+    "MaxPool": (0,),
+    "Slice": (0,),
+    "Gather": (0,),
+    "DepthToSpace": (0,),
+    "SpaceToDepth": (0,),
+    "Expand": (0,),
+    "Tile": (0,),
+    "Resize": (0,),  # nearest only (checked)
+    "Pad": (0,),  # constant zero padding only (checked)
+    "Concat": None,  # every input
+}
+# Ops that take a weight and a bias: the QNN EP groups them only with an int32 bias.
+_BIASED = ("Conv", "ConvTranspose", "Gemm")
+_WEIGHTED = (*_BIASED, "MatMul")
+
+
+# --------------------------------------------------------------------------------------------
+# detection
+
+
+def _is_quant_node(node: onnx.NodeProto) -> bool:
+    if node.domain not in _QDQ_DOMAINS:
+        return False
+    return node.op_type in QDQ_OPS or node.op_type in QOPERATOR_OPS
+
+
+def quantization_ops(model: onnx.ModelProto) -> Counter[str]:
+    """Quantization nodes of the model (every graph, If/Loop bodies included), by op type."""
+    return Counter(
+        node.op_type
+        for graph in t._all_graphs(model.graph)
+        for node in graph.node
+        if _is_quant_node(node)
+    )
+
+
+def is_prequantized(model: onnx.ModelProto) -> bool:
+    """True when the model holds quantization of its own: Q/DQ nodes or QLinear* ops.
+
+    A float model has none of them (onnxruntime's quantizer is what adds them), so this is
+    False for every float model, fp16 ones included.
+    """
+    return any(_is_quant_node(node) for graph in t._all_graphs(model.graph) for node in graph.node)
+
+
+@dataclass(frozen=True)
+class PrequantizedSummary:
+    """What quantization a model brings: counts and types, for the report."""
+
+    quantize_nodes: int
+    dequantize_nodes: int
+    weights: int  # DequantizeLinear of a constant integer tensor
+    qoperator: dict[str, int]
+    activation_types: list[str]
+    weight_types: list[str]
+    per_channel_weights: int
+
+    @property
+    def activations_quantized(self) -> bool:
+        return bool(self.activation_types)
+
+    def describe(self) -> str:
+        parts = [
+            f"{self.quantize_nodes} QuantizeLinear",
+            f"{self.dequantize_nodes} DequantizeLinear",
+        ]
+        if self.qoperator:
+            parts.append(", ".join(f"{n} {op}" for op, n in sorted(self.qoperator.items())))
+        acts = "/".join(self.activation_types) or "none"
+        weights = "/".join(self.weight_types) or "none"
+        channel = f", {self.per_channel_weights} per-channel" if self.per_channel_weights else ""
+        return (
+            f"{', '.join(parts)}; activations {acts}; {self.weights} quantized weights "
+            f"({weights}{channel})"
+        )
+
+
+def _type_name(elem_type: int) -> str:
+    return onnx.TensorProto.DataType.Name(elem_type).lower()
+
+
+def summarize(model: onnx.ModelProto) -> PrequantizedSummary:
+    """Counts and integer types of a pre-quantized model's own quantization."""
+    graph = model.graph
+    inits = t._initializers(graph)
+    counts = quantization_ops(model)
+    acts: set[str] = set()
+    weights: set[str] = set()
+    n_weights = per_channel = 0
+    for node in graph.node:
+        if node.op_type not in QDQ_OPS or node.domain not in _QDQ_DOMAINS:
+            continue
+        zp = inits.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+        kind = _type_name(zp.data_type) if zp is not None else "uint8"
+        if node.op_type == DEQUANTIZE and node.input[0] in inits:
+            n_weights += 1
+            weights.add(_type_name(inits[node.input[0]].data_type))
+            scale = inits.get(node.input[1])
+            per_channel += int(scale is not None and numpy_helper.to_array(scale).size > 1)
+        elif node.op_type == QUANTIZE:
+            acts.add(kind)
+    return PrequantizedSummary(
+        quantize_nodes=counts[QUANTIZE],
+        dequantize_nodes=counts[DEQUANTIZE],
+        weights=n_weights,
+        qoperator={op: n for op, n in counts.items() if op in QOPERATOR_OPS},
+        activation_types=sorted(acts),
+        weight_types=sorted(weights),
+        per_channel_weights=per_channel,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# small helpers
+
+
+def _array(inits: dict[str, onnx.TensorProto], name: str) -> np.ndarray | None:
+    return numpy_helper.to_array(inits[name]) if name in inits else None
+
+
+@dataclass(frozen=True)
+class _Params:
+    """Per-tensor quantization parameters of one Q or DQ node (constant scale and zero point)."""
+
+    scale: float
+    zero_point: int
+    elem_type: int
+    scale_name: str
+    zp_name: str
+
+    def same(self, other: _Params | None) -> bool:
+        return (
+            other is not None
+            and np.float32(self.scale) == np.float32(other.scale)
+            and self.zero_point == other.zero_point
+            and self.elem_type == other.elem_type
+        )
+
+
+def _params(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> _Params | None:
+    """The per-tensor parameters of a Q/DQ node, or None (per-channel, non-constant, odd type)."""
+    if node.op_type not in QDQ_OPS or node.domain not in _QDQ_DOMAINS or len(node.input) < 2:
+        return None
+    scale = _array(inits, node.input[1])
+    zp_name = node.input[2] if len(node.input) > 2 else ""
+    if scale is None or scale.size != 1 or (zp_name and zp_name not in inits):
+        return None
+    if zp_name:
+        zp, elem_type = int(_array(inits, zp_name).reshape(())), inits[zp_name].data_type
+    else:
+        zp, elem_type = 0, onnx.TensorProto.UINT8
+    if elem_type not in _INT_RANGES:
+        return None
+    return _Params(float(scale.reshape(())), zp, elem_type, node.input[1], zp_name)
+
+
+class _Graph:
+    """Producer/consumer maps of a graph, rebuilt on demand after edits."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.graph = graph
+        self.refresh()
+
+    def refresh(self) -> None:
+        graph = self.graph
+        self.inits = t._initializers(graph)
+        self.producer = {o: n for n in graph.node for o in n.output if o}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in graph.node:
+            for name in node.input:
+                if name:
+                    self.consumers.setdefault(name, []).append(node)
+        self.outputs = {o.name for o in graph.output}
+
+    def dq_of(self, name: str) -> onnx.NodeProto | None:
+        node = self.producer.get(name)
+        return node if node is not None and node.op_type == DEQUANTIZE else None
+
+    def constant_dq(self, name: str) -> onnx.NodeProto | None:
+        """The DequantizeLinear of a constant tensor (a quantized weight) producing ``name``."""
+        node = self.dq_of(name)
+        if node is None or node.input[0] not in self.inits:
+            return None
+        if any(i and i not in self.inits for i in node.input[1:]):
+            return None
+        return node
+
+    def activation_dq(self, name: str) -> onnx.NodeProto | None:
+        node = self.dq_of(name)
+        if node is None or node.input[0] in self.inits:
+            return None
+        return node
+
+
+def _dq_value(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> np.ndarray:
+    """What a DequantizeLinear of constants computes, in float64 (exact for int8/int32)."""
+    q = _array(inits, node.input[0]).astype(np.float64)
+    scale = _array(inits, node.input[1]).astype(np.float64)
+    zp_name = node.input[2] if len(node.input) > 2 else ""
+    zp = _array(inits, zp_name).astype(np.float64) if zp_name else np.zeros_like(scale)
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+    if scale.size > 1:
+        shape = [1] * q.ndim
+        shape[axis % q.ndim] = scale.size
+        scale, zp = scale.reshape(shape), zp.reshape(shape)
+    return (q - zp) * scale
+
+
+def _qdq_pair(
+    source: str, params: _Params, namer: t._Namer, label: str
+) -> tuple[list[onnx.NodeProto], str]:
+    """Q then DQ of ``source`` with ``params`` (their initializers reused); the DQ's output."""
+    inputs = [params.scale_name, params.zp_name] if params.zp_name else [params.scale_name]
+    q_out, dq_out = namer(f"{source}_{label}_q"), namer(f"{source}_{label}_dq")
+    nodes = [
+        onnx.helper.make_node(QUANTIZE, [source, *inputs], [q_out], name=namer(f"{q_out}_node")),
+        onnx.helper.make_node(DEQUANTIZE, [q_out, *inputs], [dq_out], name=namer(f"{dq_out}_node")),
+    ]
+    return nodes, dq_out
+
+
+def _finish(
+    model: onnx.ModelProto, step: str, details: Sequence[str]
+) -> tuple[onnx.ModelProto, Change]:
+    if details:
+        t._sort_graph(model.graph)
+        t._remove_dead(model.graph)
+    return t._done(model, step, details)
+
+
+def _initializer(graph: onnx.GraphProto, namer: t._Namer, base: str, value: np.ndarray) -> str:
+    name = namer(base)
+    graph.initializer.append(numpy_helper.from_array(value, name))
+    return name
+
+
+# --------------------------------------------------------------------------------------------
+# preparation steps (each a no-op on float models)
+
+
+def _qoperator_nodes(
+    node: onnx.NodeProto, namer: t._Namer, graph: onnx.GraphProto, opset: int
+) -> list[onnx.NodeProto] | None:
+    """DQ -> float op -> Q nodes computing what one QLinear* node computes, or None."""
+    make = onnx.helper.make_node
+    ins = list(node.input) + [""] * 9
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    out = node.output[0]
+    base = node.name or out
+    nodes: list[onnx.NodeProto] = []
+
+    def dq(x: str, scale: str, zp: str, axis: int | None = None) -> str:
+        name = namer(f"{x}_dq")
+        kwargs = {"axis": axis} if axis is not None else {}
+        nodes.append(
+            make(
+                DEQUANTIZE,
+                [x, scale, zp] if zp else [x, scale],
+                [name],
+                name=namer(f"{base}_dq"),
+                **kwargs,
+            )
+        )
+        return name
+
+    def q_out(y: str, scale: str, zp: str) -> None:
+        nodes.append(
+            make(QUANTIZE, [y, scale, zp] if zp else [y, scale], [out], name=namer(f"{base}_q"))
+        )
+
+    op = node.op_type
+    y = namer(f"{base}_float")
+    if op == "QLinearConv" and node.domain in _DEFAULT:
+        inits = t._initializers(graph)
+        w_scale = _array(inits, ins[4])
+        per_channel = w_scale is not None and w_scale.size > 1
+        x = dq(ins[0], ins[1], ins[2])
+        w = dq(ins[3], ins[4], ins[5], 0 if per_channel else None)
+        conv_in = [x, w]
+        if ins[8]:
+            x_scale = _array(inits, ins[1])
+            if x_scale is None or w_scale is None:
+                return None
+            b_scale = (x_scale.astype(np.float32) * w_scale.astype(np.float32)).astype(np.float32)
+            b_scale_name = _initializer(
+                graph,
+                namer,
+                f"{base}_bias_scale",
+                b_scale.reshape(-1) if per_channel else b_scale.reshape(()),
+            )
+            zeros = np.zeros(b_scale.size if per_channel else (), np.int32)
+            b_zp = _initializer(graph, namer, f"{base}_bias_zp", zeros)
+            conv_in.append(dq(ins[8], b_scale_name, b_zp, 0 if per_channel else None))
+        nodes.append(make("Conv", conv_in, [y], name=namer(base), **attrs))
+        q_out(y, ins[6], ins[7])
+    elif op == "QLinearMatMul" and node.domain in _DEFAULT:
+        inits = t._initializers(graph)
+        b_scale = _array(inits, ins[4])
+        if b_scale is None or b_scale.size > 1:  # per-column scales: not mapped here
+            return None
+        a, b = dq(ins[0], ins[1], ins[2]), dq(ins[3], ins[4], ins[5])
+        nodes.append(make("MatMul", [a, b], [y], name=namer(base)))
+        q_out(y, ins[6], ins[7])
+    elif op in ("QLinearAdd", "QLinearMul") and node.domain == _MS:
+        a, b = dq(ins[0], ins[1], ins[2]), dq(ins[3], ins[4], ins[5])
+        nodes.append(make(op[len("QLinear") :], [a, b], [y], name=namer(base)))
+        q_out(y, ins[6], ins[7])
+    elif op in ("QLinearSigmoid", "QLinearLeakyRelu") and node.domain == _MS:
+        x = dq(ins[0], ins[1], ins[2])
+        kwargs = {"alpha": attrs.get("alpha", 0.01)} if op == "QLinearLeakyRelu" else {}
+        nodes.append(make(op[len("QLinear") :], [x], [y], name=namer(base), **kwargs))
+        q_out(y, ins[3], ins[4])
+    elif op in ("QLinearGlobalAveragePool", "QLinearAveragePool") and node.domain == _MS:
+        if attrs.pop("channels_last", 0):
+            return None
+        x = dq(ins[0], ins[1], ins[2])
+        nodes.append(make(op[len("QLinear") :], [x], [y], name=namer(base), **attrs))
+        q_out(y, ins[3], ins[4])
+    elif op == "QLinearConcat" and node.domain == _MS:
+        groups = list(node.input[2:])
+        if len(groups) % 3:
+            return None
+        parts = [dq(*groups[i : i + 3]) for i in range(0, len(groups), 3)]
+        nodes.append(make("Concat", parts, [y], name=namer(base), axis=attrs.get("axis", 0)))
+        q_out(y, ins[0], ins[1])
+    elif op == "QLinearSoftmax" and node.domain == _MS:
+        # Softmax-1/11 (flatten from axis, default 1) and -13 (one axis, default -1) differ;
+        # only map into a model whose own Softmax has the semantics the node was made with.
+        new_style = attrs.get("opset", 13) >= 13
+        if new_style != (opset >= 13):
+            return None
+        x = dq(ins[0], ins[1], ins[2])
+        axis = attrs.get("axis", -1 if new_style else 1)
+        nodes.append(make("Softmax", [x], [y], name=namer(base), axis=axis))
+        q_out(y, ins[3], ins[4])
+    elif op == "QGemm" and node.domain == _MS:
+        inits = t._initializers(graph)
+        a_scale, b_scale = _array(inits, ins[1]), _array(inits, ins[4])
+        if a_scale is None or b_scale is None or a_scale.size != 1:
+            return None
+        per_column = b_scale.size > 1
+        trans_b = attrs.get("transB", 0)
+        a = dq(ins[0], ins[1], ins[2])
+        b = dq(ins[3], ins[4], ins[5], (0 if trans_b else 1) if per_column else None)
+        gemm_in = [a, b]
+        if ins[6]:
+            scale = (a_scale.astype(np.float32) * b_scale.astype(np.float32)).astype(np.float32)
+            scale_name = _initializer(
+                graph,
+                namer,
+                f"{base}_bias_scale",
+                scale.reshape(-1) if per_column else scale.reshape(()),
+            )
+            zeros = np.zeros(scale.size if per_column else (), np.int32)
+            zp_name = _initializer(graph, namer, f"{base}_bias_zp", zeros)
+            gemm_in.append(dq(ins[6], scale_name, zp_name, 0 if per_column else None))
+        gemm_attrs = {k: v for k, v in attrs.items() if k in ("alpha", "transA", "transB")}
+        if not ins[7]:  # no output scale: a float result
+            nodes.append(make("Gemm", gemm_in, [out], name=namer(base), **gemm_attrs))
+            return nodes
+        nodes.append(make("Gemm", gemm_in, [y], name=namer(base), **gemm_attrs))
+        q_out(y, ins[7], ins[8])
+    else:
+        return None
+    return nodes
+
+
+def qoperator_to_qdq(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """QLinear* ops (QOperator format) -> DequantizeLinear, the float op, QuantizeLinear; and
+    data-moving ops on integer tensors likewise (``_integer_moves_to_qdq``).
+
+    The QNN EP takes the QDQ format: it groups DQ -> op -> Q into one quantized HTP op, while
+    QLinear* ops have no QNN kernel and stay on the CPU. The float op between the same Q/DQ
+    parameters computes the same thing up to the rounding of the integer kernels (<= 1 step).
+    """
+    model = t._copy(model)
+    graph = model.graph
+    namer = t._Namer(model)
+    opset = t._opset(model) or 13
+    details = []
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        replacement = (
+            _qoperator_nodes(node, namer, graph, opset) if node.op_type in QOPERATOR_OPS else None
+        )
+        if replacement is None:
+            nodes.append(node)
+            continue
+        nodes.extend(replacement)
+        float_op = next(n.op_type for n in replacement if n.op_type not in QDQ_OPS)
+        details.append(f"{t.node_label(node)} -> DQ + {float_op} + Q")
+    if details:
+        t._set_nodes(graph, nodes)
+        if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
+            model.opset_import.append(onnx.helper.make_opsetid("", 13))
+    if is_prequantized(model):
+        t._sort_graph(graph)
+        _integer_moves_to_qdq(model, details)
+    return _finish(model, "qoperator_to_qdq", details)
+
+
+def _integer_moves_to_qdq(model: onnx.ModelProto, details: list[str]) -> None:
+    """Data-moving ops on integer tensors (QOperator models transpose and reshape the uint8
+    output of a QuantizeLinear directly) -> DQ, the op in float, Q with the same parameters.
+
+    The QNN EP adds no integer Reshape/Transpose outside a QDQ unit ("Failed to add node"),
+    and the op after them then falls to the CPU too. Q(op(DQ(q))) == op(q): exact.
+    """
+    graph = model.graph
+    namer = t._Namer(model)
+    grid: dict[str, list[str]] = {}  # integer tensor -> [scale, zero point] of its Q
+    view = _Graph(graph)
+    for node in list(graph.node):
+        if node.op_type == QUANTIZE and node.domain in _QDQ_DOMAINS:
+            grid[node.output[0]] = list(node.input[1:3])
+            continue
+        if not _commutes(node, view):
+            continue
+        indices = _data_inputs(node)
+        params = [grid.get(node.input[i]) for i in indices]
+        if not params or any(p is None or p != params[0] for p in params):
+            continue
+        qparams = [name for name in params[0] if name]
+        for index in indices:
+            source = node.input[index]
+            floated = namer(f"{source}_dq")
+            graph.node.append(
+                onnx.helper.make_node(
+                    DEQUANTIZE, [source, *qparams], [floated], name=namer(f"{floated}_node")
+                )
+            )
+            node.input[index] = floated
+        out = node.output[0]
+        node.output[0] = namer(f"{out}_float")
+        graph.node.append(
+            onnx.helper.make_node(
+                QUANTIZE, [node.output[0], *qparams], [out], name=namer(f"{out}_q")
+            )
+        )
+        grid[out] = params[0]
+        details.append(f"{t.node_label(node)} on integers -> DQ + {node.op_type} + Q")
+
+
+def upgrade_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """``transforms.upgrade_opset``, except that a pre-quantized model keeps its opset.
+
+    It needs no opset-21 type (the pipeline adds no 16-bit Q/DQ to it) and the QNN EP takes
+    QDQ from opset 10 on; the upgrade itself has made such models unloadable. A model whose
+    legacy Resize/Upsample were pinned for the upgrade (``legacy.pin_legacy_semantics``) is
+    upgraded all the same: the pinned ops are opset-21 ops.
+    """
+    from .legacy import PINNED_DOMAIN
+
+    pinned = any(n.domain == PINNED_DOMAIN for g in t._all_graphs(model.graph) for n in g.node)
+    if not is_prequantized(model) or pinned:
+        return t.upgrade_opset(model)
+    return t._done(t._copy(model), "upgrade_opset", [])
+
+
+def fold_quantized_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """QuantizeLinear of a constant (a weight quantized at run time) -> the integer constant.
+
+    Computed by onnxruntime's own QuantizeLinear kernel, so the result is what the model
+    computed on every run; the DequantizeLinear after it stays, and the QNN EP sees a
+    quantized weight. (``fold_constants`` never folds Q/DQ: that would lose the model's
+    quantization.)
+    """
+    model = t._copy(model)
+    if not is_prequantized(model):
+        return t._done(model, "fold_quantized_constants", [])
+    graph = model.graph
+    inits = t._initializers(graph)
+    outputs = {o.name for o in graph.output}
+    details = []
+    folded: set[int] = set()
+    new_inits = []
+    for index, node in enumerate(graph.node):
+        if node.op_type != QUANTIZE or node.domain not in _QDQ_DOMAINS:
+            continue
+        if node.input[0] not in inits or any(i and i not in inits for i in node.input):
+            continue
+        if node.output[0] in outputs:
+            continue
+        values = {i: numpy_helper.to_array(inits[i]) for i in node.input if i}
+        result = t._run_nodes([node], values, model)[node.output[0]]
+        new_inits.append(numpy_helper.from_array(result, node.output[0]))
+        folded.add(index)
+        shape = list(result.shape)
+        details.append(
+            f"{t.node_label(node)} of constant {node.input[0]!r} -> {result.dtype} {shape}"
+        )
+    if folded:
+        t._drop_nodes(graph, folded)
+        graph.initializer.extend(new_inits)
+    return _finish(model, "fold_quantized_constants", details)
+
+
+def drop_noop_casts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Remove Cast nodes that cast to the type their input already has (pre-quantized models).
+
+    PyTorch exports put ``Cast(to=uint8)`` between a uint8 QuantizeLinear and its
+    DequantizeLinear. The QNN EP then cannot group the pair and the compile fails
+    ("Node ... was inserted using the NHWC format as requested by QNNExecutionProvider, but was
+    not selected by that EP"). The cast changes nothing.
+    """
+    model = t._copy(model)
+    if not is_prequantized(model):
+        return t._done(model, "drop_noop_casts", [])
+    graph = model.graph
+    types = {name: v.type.tensor_type.elem_type for name, v in t._inferred_values(model).items()}
+    types.update({name: init.data_type for name, init in t._initializers(graph).items()})
+    details = []
+    for node in graph.node:
+        if node.op_type != "Cast" or node.domain not in _DEFAULT:
+            continue
+        to = next((a.i for a in node.attribute if a.name == "to"), None)
+        if to is None or types.get(node.input[0]) != to:
+            continue
+        details.append(f"{t.node_label(node)}: input is already {_type_name(to)}")
+        node.op_type = "Identity"
+        del node.attribute[:]
+    if details:
+        removed = t._bypass_identities(graph)
+        details.append(f"removed {removed} Identity node(s)")
+    return _finish(model, "drop_noop_casts", details)
+
+
+# --------------------------------------------------------------------------------------------
+# rewrites for the QNN HTP (quantize stage, exact)
+
+
+def int32_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Biases of quantized Conv/ConvTranspose/Gemm -> int32 DequantizeLinear at scale
+    input scale x weight scale, zero point 0.
+
+    The QNN EP groups such an op into one quantized HTP op only with an int32 bias; an int8
+    bias (Vitis-AI) or a float bias leaves the op as a float op on the HTP, where it is far off.
+    Exact whenever the bias values are multiples of the new scale (power-of-two scales, and
+    any int32 bias already at that scale); otherwise each bias moves by at most half of
+    input scale x weight scale, which the detail line reports.
+    """
+    model = t._copy(model)
+    graph = model.graph
+    view = _Graph(graph)
+    namer = t._Namer(model)
+    details = []
+    for node in graph.node:
+        if node.op_type not in _BIASED or node.domain not in _DEFAULT or len(node.input) < 3:
+            continue
+        x_dq = view.activation_dq(node.input[0])
+        w_dq = view.constant_dq(node.input[1])
+        bias = node.input[2]
+        if x_dq is None or w_dq is None or not bias:
+            continue
+        x_params = _params(x_dq, view.inits)
+        w_scale = _array(view.inits, w_dq.input[1])
+        if x_params is None or w_scale is None:
+            continue
+        b_dq = view.constant_dq(bias)
+        if b_dq is not None:
+            value = _dq_value(b_dq, view.inits)
+            b_type = view.inits[b_dq.input[0]].data_type
+        elif bias in view.inits:
+            value = numpy_helper.to_array(view.inits[bias]).astype(np.float64)
+            b_type = view.inits[bias].data_type
+        else:
+            continue
+        if value.ndim != 1:
+            continue
+        scale = (np.float32(x_params.scale) * w_scale.astype(np.float32).reshape(-1)).astype(
+            np.float32
+        )
+        if scale.size not in (1, value.size):
+            continue
+        current = _array(view.inits, b_dq.input[1]) if b_dq is not None else None
+        if (
+            b_type == onnx.TensorProto.INT32
+            and current is not None
+            and current.size == scale.size
+            and np.array_equal(current.astype(np.float32).reshape(-1), scale)
+        ):
+            continue  # already what QNN wants
+        steps = value / scale.astype(np.float64)
+        if np.any(np.abs(steps) > np.iinfo(np.int32).max):
+            continue
+        quantized = np.round(steps)
+        error = float(np.max(np.abs(steps - quantized))) if value.size else 0.0
+        per_channel = scale.size > 1
+        base = node.name or node.output[0]
+        q_name = _initializer(graph, namer, f"{base}_bias_int32", quantized.astype(np.int32))
+        s_name = _initializer(
+            graph, namer, f"{base}_bias_scale", scale if per_channel else scale.reshape(())
+        )
+        z_name = _initializer(
+            graph, namer, f"{base}_bias_zp", np.zeros(scale.size if per_channel else (), np.int32)
+        )
+        out = namer(f"{base}_bias")
+        kwargs = {"axis": 0} if per_channel else {}
+        dq = onnx.helper.make_node(
+            DEQUANTIZE, [q_name, s_name, z_name], [out], name=namer(f"{out}_dq"), **kwargs
+        )
+        graph.node.append(dq)
+        node.input[2] = out
+        was = _type_name(b_type)
+        exact = "exact" if error == 0 else f"moved by <= {error:.3g} of its step"
+        details.append(
+            f"{t.node_label(node)}: {was} bias -> int32 at input x weight scale ({exact})"
+        )
+    return _finish(model, "int32_biases", details)
+
+
+def signed_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """uint8 weights of an op whose activation input is int8/int16 -> int8, zero point - 128.
+
+    onnxruntime's selectors group a signed-activation Conv/MatMul/Gemm only with signed
+    weights (an int16-activation Conv with uint8 weights fails to compile on the HTP).
+    (w - 128) with zero point (z - 128) dequantizes to the same values: exact.
+    """
+    model = t._copy(model)
+    graph = model.graph
+    view = _Graph(graph)
+    namer = t._Namer(model)
+    details = []
+    converted: dict[tuple[str, str], tuple[str, str]] = {}
+    for node in graph.node:
+        if node.op_type not in _WEIGHTED or node.domain not in _DEFAULT or len(node.input) < 2:
+            continue
+        x_dq, w_dq = view.activation_dq(node.input[0]), view.constant_dq(node.input[1])
+        if x_dq is None or w_dq is None or len(w_dq.input) < 3:
+            continue
+        x_params = _params(x_dq, view.inits)
+        weight, zp = view.inits[w_dq.input[0]], view.inits[w_dq.input[2]]
+        if x_params is None or x_params.elem_type not in _SIGNED:
+            continue
+        if weight.data_type != onnx.TensorProto.UINT8 or zp.data_type != onnx.TensorProto.UINT8:
+            continue
+        key = (w_dq.input[0], w_dq.input[2])
+        if key not in converted:
+            w = numpy_helper.to_array(weight).astype(np.int16) - 128
+            z = numpy_helper.to_array(zp).astype(np.int16) - 128
+            converted[key] = (
+                _initializer(graph, namer, f"{w_dq.input[0]}_int8", w.astype(np.int8)),
+                _initializer(graph, namer, f"{w_dq.input[2]}_int8", z.astype(np.int8)),
+            )
+        w_name, z_name = converted[key]
+        out = namer(f"{w_dq.output[0]}_int8")
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in w_dq.attribute}
+        graph.node.append(
+            onnx.helper.make_node(
+                DEQUANTIZE, [w_name, w_dq.input[1], z_name], [out], name=namer(f"{out}_dq"), **attrs
+            )
+        )
+        node.input[1] = out
+        details.append(f"{t.node_label(node)}: uint8 weight {w_dq.input[0]!r} -> int8 (exact)")
+    return _finish(model, "signed_weights", details)
+
+
+def _commutes(node: onnx.NodeProto, view: _Graph) -> bool:
+    """Whether Q(node(x)) == node(Q(x)) for a per-tensor Q (see ``_COMMUTING``)."""
+    if node.domain not in _DEFAULT or node.op_type not in _COMMUTING:
+        return False
+    if len([o for o in node.output if o]) != 1:
+        return False
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if node.op_type == "Resize":
+        mode = attrs.get("mode", b"nearest")
+        return (mode.decode() if isinstance(mode, bytes) else mode) == "nearest"
+    if node.op_type == "Pad":
+        mode = attrs.get("mode", b"constant")
+        if (mode.decode() if isinstance(mode, bytes) else mode) != "constant":
+            return False
+        value = node.input[2] if len(node.input) > 2 else ""
+        if value:
+            array = _array(view.inits, value)
+            return array is not None and not np.any(array)
+        return not attrs.get("value", 0.0)
+    return True
+
+
+def _data_inputs(node: onnx.NodeProto) -> list[int]:
+    indices = _COMMUTING[node.op_type]
+    if indices is None:
+        return [i for i, name in enumerate(node.input) if name]
+    return [i for i in indices if i < len(node.input) and node.input[i]]
+
+
+def _propagate_backward(model: onnx.ModelProto, details: list[str]) -> None:
+    """Copy a Q (with its DQ) in front of the data-moving ops before it, up to the op that
+    computes the value: that op then has a Q on its output and becomes a quantized unit."""
+    graph = model.graph
+    view = _Graph(graph)
+    namer = t._Namer(model)
+    work = [n for n in graph.node if n.op_type == QUANTIZE and n.input[0] not in view.inits]
+    while work:
+        q = work.pop()
+        params = _params(q, view.inits)
+        tensor = q.input[0]
+        node = view.producer.get(tensor)
+        if params is None or node is None or not _commutes(node, view) or tensor in view.outputs:
+            continue
+        if node.op_type == "Relu" and _clipped_by_q(node, view):
+            continue  # the Q clips at zero itself: the QNN EP drops this Relu into its producer
+        readers = view.consumers.get(tensor, [])
+        if not all(r.op_type == QUANTIZE and params.same(_params(r, view.inits)) for r in readers):
+            continue
+        added = []
+        for index in _data_inputs(node):
+            source = node.input[index]
+            dq = view.dq_of(source)
+            if dq is not None and params.same(_params(dq, view.inits)):
+                continue  # already on this grid
+            pair, out = _qdq_pair(source, params, namer, "pq")
+            graph.node.extend(pair)
+            node.input[index] = out
+            added.append(pair[0])
+        if added:
+            details.append(f"Q of {tensor!r} copied in front of {t.node_label(node)}")
+            view.refresh()
+            work.extend(added)
+
+
+def _propagate_forward(model: onnx.ModelProto, details: list[str]) -> None:
+    """After a data-moving op whose inputs all come from DQs on one grid, put a Q/DQ on that
+    grid: its result is on the grid already, and the op becomes a quantized unit."""
+    graph = model.graph
+    t._sort_graph(graph)
+    view = _Graph(graph)
+    namer = t._Namer(model)
+    for node in list(graph.node):
+        if node.op_type == "Identity" or not _commutes(node, view):
+            continue  # an Identity moves nothing: the DQ before it is as good
+        sources = [view.activation_dq(node.input[i]) for i in _data_inputs(node)]
+        if not sources or any(s is None for s in sources):
+            continue
+        params = _params(sources[0], view.inits)
+        if params is None or not all(params.same(_params(s, view.inits)) for s in sources):
+            continue
+        out = node.output[0]
+        readers = view.consumers.get(out, [])
+        if out not in view.outputs and all(
+            r.op_type == QUANTIZE and params.same(_params(r, view.inits)) for r in readers
+        ):
+            continue
+        details.append(f"Q/DQ of its input's grid put after {t.node_label(node)}")
+        inner = namer(f"{out}_pre_q")
+        node.output[0] = inner
+        pair, _ = _qdq_pair(inner, params, namer, "fq")
+        pair[1].output[0] = out
+        graph.node.extend(pair)
+        view.refresh()
+
+
+def propagate_qdq(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Quantize the float tensors around data-moving ops (Transpose, Reshape, Concat, Relu,
+    MaxPool, nearest Resize, ...) with the grid of the Q/DQ next to them.
+
+    Exporters put one Q after a chain like Conv -> Transpose -> Reshape -> Concat, or feed a
+    DQ through Flatten into Softmax: the ops in between, and the Conv, have no Q of their own,
+    so the QNN EP runs them as float ops on the HTP. These ops commute with a per-tensor Q
+    (they only move, pick, compare or zero-pad values), so the copies change nothing.
+    """
+    model = t._copy(model)
+    details: list[str] = []
+    _propagate_backward(model, details)
+    _propagate_forward(model, details)
+    return _finish(model, "propagate_qdq", details)
+
+
+def _leaky_alpha(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> float | None:
+    if node.op_type == "LeakyRelu":
+        return next((a.f for a in node.attribute if a.name == "alpha"), 0.01)
+    if node.op_type == "PRelu" and len(node.input) > 1:
+        slope = _array(inits, node.input[1])
+        if slope is not None and slope.size and np.all(slope == slope.flat[0]):
+            return float(slope.flat[0])
+    return None
+
+
+def _scaled_dq(
+    graph: onnx.GraphProto, view: _Graph, namer: t._Namer, dq: onnx.NodeProto, factor: float
+) -> str:
+    """A new DequantizeLinear of a copy of ``dq``'s integers with its scale times ``factor``.
+
+    A copy, not the same initializer: the QNN EP makes one static tensor per initializer name,
+    with the quantization parameters of the first DQ that reads it (measured: a second DQ of the
+    same integers at another scale computed with the first one's scale).
+    """
+    scale = _array(view.inits, dq.input[1]).astype(np.float32)
+    new_scale = (scale * np.float32(factor)).astype(np.float32)
+    s_name = _initializer(graph, namer, f"{dq.input[1]}_x{factor:g}", new_scale)
+    q_name = _initializer(
+        graph, namer, f"{dq.input[0]}_x{factor:g}", _array(view.inits, dq.input[0])
+    )
+    out = namer(f"{dq.output[0]}_x{factor:g}")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in dq.attribute}
+    inputs = [q_name, s_name, *dq.input[2:]]
+    graph.node.append(
+        onnx.helper.make_node(DEQUANTIZE, inputs, [out], name=namer(f"{out}_dq"), **attrs)
+    )
+    return out
+
+
+def split_leaky_relu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """op -> LeakyRelu(alpha) -> Q as two 8-bit branches: Q+(op(x)) + Q-(op_alpha(x)).
+
+    Vitis-AI and other exporters quantize only after the activation, so the op (a Conv, say)
+    has no Q of its own and runs as a float op on the HTP; quantizing its output on the Q's
+    grid would clip the negative side, which LeakyRelu shrinks by alpha. Instead:
+    ``op`` keeps its weights and gets a Q on the output grid whose range is [0, 255 steps]
+    (zero point at the type's minimum: the Q itself is the Relu), and a copy of ``op`` with
+    weight and bias scales multiplied by alpha computes alpha * op(x) into a Q of range
+    [-255 steps, 0]. Their sum is LeakyRelu(op(x)) rounded to the grid, the same integer the
+    model's Q produced; every op involved is a plain 8-bit QDQ unit. Needs 0 < alpha and an
+    op with quantized input, weight and (int32, see ``int32_biases``) bias.
+    """
+    model = t._copy(model)
+    graph = model.graph
+    view = _Graph(graph)
+    namer = t._Namer(model)
+    details = []
+    replace: dict[int, list[onnx.NodeProto]] = {}
+    for index, act in enumerate(graph.node):
+        alpha = _leaky_alpha(act, view.inits) if act.domain in _DEFAULT else None
+        if alpha is None or not alpha > 0:
+            continue
+        op = view.producer.get(act.input[0])
+        readers = view.consumers.get(act.output[0], [])
+        if op is None or op.op_type not in _WEIGHTED or op.domain not in _DEFAULT:
+            continue
+        if len(view.consumers.get(op.output[0], [])) != 1 or op.output[0] in view.outputs:
+            continue
+        if act.output[0] in view.outputs or len(readers) != 1 or readers[0].op_type != QUANTIZE:
+            continue
+        params = _params(readers[0], view.inits)
+        w_dq = view.constant_dq(op.input[1]) if len(op.input) > 1 else None
+        if params is None or view.activation_dq(op.input[0]) is None or w_dq is None:
+            continue
+        b_dq = view.constant_dq(op.input[2]) if len(op.input) > 2 and op.input[2] else None
+        if len(op.input) > 2 and op.input[2] and b_dq is None:
+            continue
+        low, high = _INT_RANGES[params.elem_type]
+        np_type = onnx.helper.tensor_dtype_to_np_dtype(params.elem_type)
+        base = op.name or op.output[0]
+        pos_zp = _initializer(graph, namer, f"{base}_pos_zp", np.array(low, np_type))
+        neg_zp = _initializer(graph, namer, f"{base}_neg_zp", np.array(high, np_type))
+        pos = _Params(params.scale, low, params.elem_type, params.scale_name, pos_zp)
+        neg = _Params(params.scale, high, params.elem_type, params.scale_name, neg_zp)
+
+        twin_inputs = [op.input[0], _scaled_dq(graph, view, namer, w_dq, alpha)]
+        if b_dq is not None:
+            twin_inputs.append(_scaled_dq(graph, view, namer, b_dq, alpha))
+        twin_out = namer(f"{op.output[0]}_alpha")
+        twin = onnx.helper.make_node(
+            op.op_type, twin_inputs, [twin_out], name=namer(f"{base}_alpha")
+        )
+        twin.attribute.extend(op.attribute)
+        pos_nodes, pos_out = _qdq_pair(op.output[0], pos, namer, "pos")
+        neg_nodes, neg_out = _qdq_pair(twin_out, neg, namer, "neg")
+        add = onnx.helper.make_node(
+            "Add", [pos_out, neg_out], [act.output[0]], name=act.name or namer(f"{base}_leaky")
+        )
+        replace[index] = [twin, *pos_nodes, *neg_nodes, add]
+        details.append(
+            f"{t.node_label(op)} -> {act.op_type}(alpha={alpha:g}): two 8-bit branches summed"
+        )
+    if replace:
+        nodes: list[onnx.NodeProto] = []
+        for index, node in enumerate(graph.node):
+            nodes.extend(replace.get(index, [node]))
+        t._set_nodes(graph, nodes)
+    return _finish(model, "split_leaky_relu", details)
+
+
+def float_edges(model: onnx.ModelProto) -> list[str]:
+    """Tensors between two ops with no Q/DQ in between (graph inputs/outputs aside): where the
+    QNN EP will run float ops on the HTP. For the report."""
+    view = _Graph(model.graph)
+    found = []
+    for node in model.graph.node:
+        if node.op_type in QDQ_OPS:
+            continue
+        for name in node.input:
+            producer = view.producer.get(name)
+            if producer is None or producer.op_type in QDQ_OPS or name in view.inits:
+                continue
+            if node.op_type == "Relu" and _clipped_by_q(node, view):
+                continue  # the EP folds this Relu into its producer's quantized op
+            found.append(f"{name!r}: {producer.op_type} -> {node.op_type}")
+    return found
+
+
+def _clipped_by_q(relu: onnx.NodeProto, view: _Graph) -> bool:
+    """A Relu read only by Q nodes whose range starts at zero (zero point = type minimum)."""
+    readers = view.consumers.get(relu.output[0], [])
+    for reader in readers:
+        params = _params(reader, view.inits) if reader.op_type == QUANTIZE else None
+        if params is None or params.zero_point != _INT_RANGES[params.elem_type][0]:
+            return False
+    return bool(readers) and relu.output[0] not in view.outputs
+
+
+def input_steps(model: onnx.ModelProto) -> dict[str, float]:
+    """Graph input -> the quantization step of the QuantizeLinear that reads it (per-tensor)."""
+    view = _Graph(model.graph)
+    steps: dict[str, float] = {}
+    for value in model.graph.input:
+        for reader in view.consumers.get(value.name, []):
+            params = _params(reader, view.inits) if reader.op_type == QUANTIZE else None
+            if params is not None:
+                steps[value.name] = min(params.scale, steps.get(value.name, params.scale))
+    return steps
+
+
+HTP_STEPS = (int32_biases, signed_weights, propagate_qdq, split_leaky_relu)
+
+
+def for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Change]]:
+    """The model with its own quantization, rewritten (exactly) into what the QNN HTP takes;
+    and what each step changed. A ModelError when the model quantizes no activation at all
+    (weight-only quantization): the HTP would run it in float; requantize it instead."""
+    summary = summarize(model)
+    if not summary.activations_quantized:
+        raise ModelError(
+            f"The model is pre-quantized ({summary.describe()}) but quantizes no activation: "
+            "the NPU would run every op in float.",
+            tip="Set requantize = true in [quantization]: its float model is then calibrated "
+            "and quantized by the pipeline.",
+        )
+    changes = []
+    for step in HTP_STEPS:
+        model, change = step(model)
+        changes.append(change)
+    return model, changes
+
+
+# --------------------------------------------------------------------------------------------
+# requantize = true: back to the float model
+
+
+def dequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Remove a pre-quantized model's own quantization: the float model behind it.
+
+    Quantized weights (DQ of constants, also Q of float constants) become float initializers,
+    activation Q -> DQ pairs are bypassed, QLinear* ops become float ops first. What is left
+    computes in float what the model computed on its quantization grid; the pipeline then
+    calibrates and quantizes it like any float model (config: requantize = true).
+    """
+    model, first = qoperator_to_qdq(model)
+    model, folded = fold_quantized_constants(model)
+    model, casts = drop_noop_casts(model)
+    graph = model.graph
+    view = _Graph(graph)
+    details = [
+        f"{step}: {len(change.details)} edit(s)"
+        for step, change in (("QLinear -> QDQ", first), ("Q of constants folded", folded))
+        if change.details
+    ]
+    if casts.details:
+        details.append(f"{len(casts.details) - 1} no-op Cast(s) removed")
+    weights = pairs = 0
+    drop: set[int] = set()
+    mapping: dict[str, str] = {}
+    new_inits = []
+    for index, node in enumerate(graph.node):
+        if node.op_type != DEQUANTIZE or node.domain not in _QDQ_DOMAINS:
+            continue
+        if node.input[0] in view.inits and all(i in view.inits for i in node.input[1:] if i):
+            new_inits.append(
+                numpy_helper.from_array(
+                    _dq_value(node, view.inits).astype(np.float32), node.output[0]
+                )
+            )
+            drop.add(index)
+            weights += 1
+            continue
+        q = view.producer.get(node.input[0])
+        if q is None or q.op_type != QUANTIZE:
+            continue
+        pairs += 1
+        if node.output[0] in view.outputs:  # the graph output keeps its name
+            node.op_type, node.domain = "Identity", ""
+            node.input[:] = [q.input[0]]
+            del node.attribute[:]
+            continue
+        mapping[node.output[0]] = q.input[0]
+        drop.add(index)
+    if drop or pairs:
+        t._drop_nodes(graph, drop)
+        graph.initializer.extend(new_inits)
+        for node in graph.node:
+            for i, name in enumerate(node.input):
+                while name in mapping:
+                    name = mapping[name]
+                node.input[i] = name
+        t._remove_dead(graph)
+        details.append(
+            f"{weights} quantized weight(s) -> float, {pairs} activation Q/DQ pair(s) removed"
+        )
+    left = quantization_ops(model)
+    if left:
+        shown = ", ".join(f"{op} x{n}" for op, n in sorted(left.items()))
+        raise ModelError(
+            f"requantize: the model's own quantization cannot be removed completely ({shown} "
+            "left, e.g. integer graph inputs/outputs or QLinear ops without a float form).",
+            tip="Set requantize = false to build the model with its own quantization.",
+        )
+    return _finish(model, "dequantize", details)
+
+
+def kept_steps(changes: Iterable[Change]) -> list[Change]:
+    """The steps of ``for_htp`` that changed something."""
+    return [c for c in changes if c.details]

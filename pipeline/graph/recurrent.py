@@ -1,0 +1,810 @@
+"""Recurrent ops (LSTM, GRU, RNN) and the streaming-model patterns around them, for the HTP.
+
+What the QNN EP (onnxruntime-qnn 2.7.0, QNN 2.51, HTP) does with ONNX recurrent ops, measured on
+small QDQ models (tests/test_recurrent.py builds the same kinds):
+
+- LSTM and GRU with the default gate functions are taken whole (QNN ``Lstm``/``Gru`` ops, run
+  in float inside the graph) in every direction, with or without initial states, peepholes and
+  batch > 1, and accurately.
+- Any ``activations`` attribute is refused ("QNN EP doesn't support non-default activations"),
+  even one that spells out the defaults: the EP compares against lower-case names while ONNX
+  exporters write "Sigmoid", "Tanh". Keras/tf2onnx/onnxmltools models always write it; DTLN's
+  two LSTMs stayed on the CPU for that alone and split the graph into 3 partitions.
+- ``clip`` is refused (LSTM and GRU); ``layout = 1`` fails in the builder (and onnxruntime's
+  CPU kernels refuse it too, so such a model cannot even be calibrated); ``RNN`` has no builder.
+- LSTM ``input_forget = 1`` is *taken* but ignored: the HTP computes a plain LSTM (6.7 dB
+  against onnxruntime on a random cell, where the CPU QDQ model gets 17.5 dB).
+- ``enable_htp_monolithic_lstm = 1`` crashed the simulator (SIGSEGV) on small LSTMs: not a default.
+
+So: ``normalize_recurrent_ops`` removes what changes nothing (an ``activations`` list equal to
+the defaults, a constant ``sequence_lens`` equal to the sequence length), and
+``unroll_recurrent_ops`` rewrites every remaining form QNN refuses or gets wrong into elementary
+ops (Gemm, Add, Mul, Sigmoid, Tanh, Split, Concat, Reshape) when the shapes are static. The
+unrolled form computes exactly what onnxruntime's CPU kernel computes (same gate equations, same
+order of clip/peephole/bias, onnxruntime's activation defaults), to float rounding.
+
+Two more patterns split streaming models into partitions, both rewritten exactly here:
+
+- ``lower_high_rank``: tensors of rank > 5 (an ``nn.Unfold`` exported as Gather with a 2-D index
+  table, giving [1, 3, 1, 1, 3, 129], then Transpose and Reshape). The HTP refuses them (Gather
+  error 3110), so the Gather gets a flat index and the Transpose works on the tensor with its
+  unit axes dropped and neighbouring axes merged.
+- ``dilate_conv_transpose``: a ConvTranspose with dilations > 1 ("QNN's TransposeConv2d operator
+  only supports default dilation values of 1") gets the equivalent dilated kernel (zeros between
+  the taps) and dilation 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from . import transforms as t
+from .transforms import Change
+
+RECURRENT_OPS = ("LSTM", "GRU", "RNN")
+GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+DEFAULT_ACTIVATIONS = {
+    "LSTM": ("sigmoid", "tanh", "tanh"),
+    "GRU": ("sigmoid", "tanh"),
+    "RNN": ("tanh",),
+}
+# onnxruntime's CPU kernels (rnn_helpers.cc): which activations read alpha/beta from the lists,
+# and the values they take when the lists run out (0 for those not listed).
+_ACTIVATION_PARAMS = {
+    "affine": (True, True),
+    "relu": (False, False),
+    "leakyrelu": (True, False),
+    "thresholdedrelu": (True, False),
+    "tanh": (False, False),
+    "scaledtanh": (True, True),
+    "sigmoid": (False, False),
+    "hardsigmoid": (True, True),
+    "elu": (True, False),
+    "softsign": (False, False),
+    "softplus": (False, False),
+}
+_ACTIVATION_DEFAULTS = {"leakyrelu": (0.01, 0.0), "hardsigmoid": (0.2, 0.5), "elu": (1.0, 0.0)}
+# HTP tensors have at most this many dimensions.
+MAX_RANK = 5
+
+_ATTR = onnx.helper.get_attribute_value
+
+
+def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
+    return {a.name: _ATTR(a) for a in node.attribute}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _directions(attrs: dict[str, Any]) -> list[str]:
+    direction = _text(attrs.get("direction", b"forward"))
+    return ["forward", "reverse"] if direction == "bidirectional" else [direction]
+
+
+def _activation_names(op: str, attrs: dict[str, Any], directions: int) -> list[str]:
+    names = attrs.get("activations")
+    if names is None:
+        return list(DEFAULT_ACTIVATIONS[op]) * directions
+    return [_text(n).lower() for n in names]
+
+
+# --------------------------------------------------------------------------------------------
+# normalize: drop what changes nothing
+
+
+def normalize_recurrent_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Remove attributes and inputs of LSTM/GRU/RNN that only restate the defaults.
+
+    Why: the QNN EP refuses any ``activations`` attribute, even ["Sigmoid", "Tanh", "Tanh"]
+    (it compares with lower-case names), and Keras/TF exporters always write one; a constant
+    ``sequence_lens`` equal to the sequence length is the same as none. Same function.
+    """
+    model = t._copy(model)
+    graph = model.graph
+    inits = t._initializers(graph)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+    details = []
+    for node in graph.node:
+        if node.op_type not in RECURRENT_OPS or node.domain not in t._DEFAULT_DOMAINS:
+            continue
+        attrs = _attrs(node)
+        dirs = len(_directions(attrs))
+        names = attrs.get("activations")
+        if (
+            names is not None
+            and [_text(n).lower() for n in names] == list(DEFAULT_ACTIVATIONS[node.op_type]) * dirs
+            and not attrs.get("activation_alpha")
+            and not attrs.get("activation_beta")
+        ):
+            drop = {"activations", "activation_alpha", "activation_beta"}
+            kept = [a for a in node.attribute if a.name not in drop]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+            details.append(f"{t.node_label(node)}: dropped activations = default")
+        if node.op_type == "LSTM" and "input_forget" in attrs and attrs["input_forget"] == 0:
+            kept = [a for a in node.attribute if a.name != "input_forget"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+        if len(node.input) > 4 and node.input[4] in inits:
+            lengths = numpy_helper.to_array(inits[node.input[4]])
+            values = values if values is not None else t._inferred_values(model)
+            x = values.get(node.input[0])
+            shape = t._shape_of(x) if x is not None else None
+            if shape is not None and len(shape) == 3:
+                steps = shape[1] if attrs.get("layout", 0) == 1 else shape[0]
+                if lengths.size and bool(np.all(lengths == steps)):
+                    node.input[4] = ""
+                    details.append(
+                        f"{t.node_label(node)}: dropped sequence_lens (all {steps} = length)"
+                    )
+    return t._done(model, "normalize_recurrent_ops", details)
+
+
+# --------------------------------------------------------------------------------------------
+# unroll: elementary ops for the forms QNN refuses
+
+
+def qnn_refuses(node: onnx.NodeProto) -> list[str]:
+    """Why the QNN EP would not run ``node`` (an LSTM/GRU/RNN) right; [] = it does."""
+    attrs = _attrs(node)
+    reasons = []
+    if node.op_type == "RNN":
+        reasons.append("no QNN RNN op")
+    if "activations" in attrs:
+        reasons.append("activations " + "/".join(_text(a) for a in attrs["activations"]))
+    if attrs.get("clip") is not None:
+        reasons.append(f"clip {attrs['clip']:g}")
+    if attrs.get("layout", 0) == 1:
+        reasons.append("layout 1")
+    if node.op_type == "LSTM" and attrs.get("input_forget", 0):
+        reasons.append("input_forget 1 (QNN ignores it)")
+    return reasons
+
+
+@dataclass
+class _Emitter:
+    """Collects the nodes and constants of one rewrite, with fresh names."""
+
+    fresh: Callable[[str], str]
+    base: str
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    inits: list[onnx.TensorProto] = field(default_factory=list)
+
+    def const(self, value: np.ndarray, tag: str) -> str:
+        name = self.fresh(f"{self.base}_{tag}")
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], tag: str, outputs: int = 1, **attrs: Any):
+        names = [
+            self.fresh(f"{self.base}_{tag}" + (f"_{i}" if outputs > 1 else ""))
+            for i in range(outputs)
+        ]
+        self.nodes.append(
+            onnx.helper.make_node(
+                op_type, inputs, names, name=self.fresh(f"{self.base}_{tag}_node"), **attrs
+            )
+        )
+        return names if outputs > 1 else names[0]
+
+    def split(self, x: str, sizes: list[int], axis: int, tag: str) -> list[str]:
+        if len(sizes) == 1:
+            return [x]
+        sizes_name = self.const(np.array(sizes, np.int64), f"{tag}_sizes")
+        return self.op("Split", [x, sizes_name], tag, outputs=len(sizes), axis=axis)
+
+    def reshape(self, x: str, shape: list[int], tag: str) -> str:
+        return self.op("Reshape", [x, self.const(np.array(shape, np.int64), f"{tag}_shape")], tag)
+
+
+class _Activation:
+    """One gate function as onnxruntime's RNN kernels define it (name, alpha, beta)."""
+
+    def __init__(self, name: str, alpha: float, beta: float) -> None:
+        self.name, self.alpha, self.beta = name, alpha, beta
+
+    def __call__(self, e: _Emitter, x: str, tag: str) -> str:
+        f32 = np.float32
+        if self.name == "sigmoid":
+            return e.op("Sigmoid", [x], tag)
+        if self.name == "tanh":
+            return e.op("Tanh", [x], tag)
+        if self.name == "relu":
+            return e.op("Relu", [x], tag)
+        if self.name == "leakyrelu":
+            return e.op("LeakyRelu", [x], tag, alpha=self.alpha)
+        if self.name == "thresholdedrelu":
+            return e.op("ThresholdedRelu", [x], tag, alpha=self.alpha)
+        if self.name == "hardsigmoid":
+            return e.op("HardSigmoid", [x], tag, alpha=self.alpha, beta=self.beta)
+        if self.name == "elu":
+            return e.op("Elu", [x], tag, alpha=self.alpha)
+        if self.name == "softsign":
+            return e.op("Softsign", [x], tag)
+        if self.name == "softplus":
+            return e.op("Softplus", [x], tag)
+        if self.name == "affine":
+            scaled = e.op("Mul", [x, e.const(np.array(self.alpha, f32), f"{tag}_a")], f"{tag}_ax")
+            return e.op("Add", [scaled, e.const(np.array(self.beta, f32), f"{tag}_b")], tag)
+        if self.name == "scaledtanh":
+            inner = e.op("Mul", [x, e.const(np.array(self.beta, f32), f"{tag}_b")], f"{tag}_bx")
+            tanh = e.op("Tanh", [inner], f"{tag}_tanh")
+            return e.op("Mul", [tanh, e.const(np.array(self.alpha, f32), f"{tag}_a")], tag)
+        raise ValueError(self.name)
+
+
+def _activations(op: str, attrs: dict[str, Any], directions: int) -> list[_Activation] | None:
+    """The gate functions in onnxruntime's order (alpha/beta consumed along the list)."""
+    names = _activation_names(op, attrs, directions)
+    if len(names) != len(DEFAULT_ACTIVATIONS[op]) * directions:
+        return None
+    alphas = list(attrs.get("activation_alpha") or [])
+    betas = list(attrs.get("activation_beta") or [])
+    result = []
+    for name in names:
+        if name not in _ACTIVATION_PARAMS:
+            return None
+        needs_alpha, needs_beta = _ACTIVATION_PARAMS[name]
+        default_alpha, default_beta = _ACTIVATION_DEFAULTS.get(name, (0.0, 0.0))
+        alpha = (alphas.pop(0) if alphas else default_alpha) if needs_alpha else 0.0
+        beta = (betas.pop(0) if betas else default_beta) if needs_beta else 0.0
+        result.append(_Activation(name, float(alpha), float(beta)))
+    return result
+
+
+@dataclass(frozen=True)
+class _Cell:
+    """One LSTM/GRU/RNN node's static facts."""
+
+    op: str
+    steps: int
+    batch: int
+    hidden: int
+    layout: int
+    directions: list[str]
+    clip: float | None
+    input_forget: bool
+    linear_before_reset: bool
+    functions: list[_Activation]
+
+
+def _constant(inits: dict[str, onnx.TensorProto], name: str) -> np.ndarray | None:
+    if not name:
+        return None
+    return numpy_helper.to_array(inits[name]).astype(np.float32) if name in inits else None
+
+
+@dataclass
+class _Direction:
+    """One direction's per-step inputs (input projections) and its constants."""
+
+    steps: list[list[str]]  # gate -> step -> [batch, hidden] input projection (with biases)
+    recurrence: list[str]  # gate -> R rows [hidden, hidden] (Gemm with transB)
+    functions: list[_Activation]
+    rbh: str = ""  # GRU: recurrent bias of the candidate gate (linear_before_reset)
+    peepholes: list[str] | None = None  # LSTM: P_i, P_o, P_f
+    clip: tuple[str, str] | None = None
+
+
+def _direction(
+    e: _Emitter, cell: _Cell, d: int, x2d: str, consts: dict[str, np.ndarray | None]
+) -> _Direction:
+    """Constants of direction ``d`` and its input projections for every step at once, one
+    Gemm per gate (so each gate's pre-activation gets its own quantization range)."""
+    gates, hidden, tag = GATES[cell.op], cell.hidden, f"d{d}"
+    w, r, bias = consts["W"], consts["R"], consts["B"]
+    assert w is not None and r is not None and bias is not None
+    wb, rb = bias[d][: gates * hidden], bias[d][gates * hidden :]
+
+    def rows(block: np.ndarray, g: int) -> np.ndarray:
+        return block[g * hidden : (g + 1) * hidden]
+
+    steps = []
+    for g in range(gates):
+        b = rows(wb, g)
+        if not (cell.op == "GRU" and cell.linear_before_reset and g == 2):
+            b = b + rows(rb, g)  # recurrent bias outside the reset gate: fold it in
+        weight, b_name = e.const(rows(w[d], g), f"{tag}_W{g}"), e.const(b, f"{tag}_b{g}")
+        proj = e.op("Gemm", [x2d, weight, b_name], f"{tag}_x{g}", transB=1)
+        steps.append(e.split(proj, [cell.batch] * cell.steps, 0, f"{tag}_x{g}_steps"))
+    per = len(DEFAULT_ACTIVATIONS[cell.op])
+    result = _Direction(
+        steps,
+        [e.const(rows(r[d], g), f"{tag}_R{g}") for g in range(gates)],
+        cell.functions[d * per : (d + 1) * per],
+    )
+    if cell.op == "GRU" and cell.linear_before_reset:
+        result.rbh = e.const(rows(rb, 2), f"{tag}_Rbh")
+    peepholes = consts["P"]
+    if cell.op == "LSTM" and peepholes is not None:
+        result.peepholes = [
+            e.const(peepholes[d][k * hidden : (k + 1) * hidden], f"{tag}_P{k}") for k in range(3)
+        ]
+    if cell.clip is not None:
+        result.clip = (
+            e.const(np.array(-cell.clip, np.float32), f"{tag}_clip_lo"),
+            e.const(np.array(cell.clip, np.float32), f"{tag}_clip_hi"),
+        )
+    return result
+
+
+def _pre(e: _Emitter, p: _Direction, value: str, tag: str) -> str:
+    """A gate's pre-activation, clipped as onnxruntime does (after bias and peephole)."""
+    return e.op("Clip", [value, *p.clip], f"{tag}_clip") if p.clip else value
+
+
+def _sum(e: _Emitter, p: _Direction, x: str, h: str | None, g: int, tag: str) -> str:
+    """x_t W_g^T + b_g (+ h_{t-1} R_g^T when there is a previous state)."""
+    if h is None:
+        return x
+    return e.op("Add", [x, e.op("Gemm", [h, p.recurrence[g]], f"{tag}_h{g}", transB=1)], tag)
+
+
+def _lstm_step(
+    e: _Emitter, cell: _Cell, p: _Direction, xs: list[str], h: str | None, c: str | None, s: str
+) -> tuple[str, str]:
+    """gates i, o, f, c (ONNX order); C = f*C + i*g(c); H = o*h(C); peepholes read C."""
+    f, g, hf = p.functions
+    i_pre, o_pre = _sum(e, p, xs[0], h, 0, f"{s}_i_sum"), _sum(e, p, xs[1], h, 1, f"{s}_o_sum")
+    f_pre, c_pre = _sum(e, p, xs[2], h, 2, f"{s}_f_sum"), _sum(e, p, xs[3], h, 3, f"{s}_c_sum")
+    if p.peepholes is not None and c is not None:
+        i_pre = e.op("Add", [i_pre, e.op("Mul", [c, p.peepholes[0]], f"{s}_pi")], f"{s}_i_peep")
+        f_pre = e.op("Add", [f_pre, e.op("Mul", [c, p.peepholes[2]], f"{s}_pf")], f"{s}_f_peep")
+    gate_i = f(e, _pre(e, p, i_pre, f"{s}_i"), f"{s}_i")
+    if cell.input_forget:  # coupled gates: f = 1 - i
+        one = e.const(np.array(1.0, np.float32), f"{s}_one")
+        gate_f = e.op("Sub", [one, gate_i], f"{s}_f")
+    else:
+        gate_f = f(e, _pre(e, p, f_pre, f"{s}_f"), f"{s}_f")
+    new_c = e.op("Mul", [gate_i, g(e, _pre(e, p, c_pre, f"{s}_c"), f"{s}_g")], f"{s}_ig")
+    if c is not None:
+        new_c = e.op("Add", [e.op("Mul", [gate_f, c], f"{s}_fc"), new_c], f"{s}_C")
+    if p.peepholes is not None:
+        o_pre = e.op("Add", [o_pre, e.op("Mul", [new_c, p.peepholes[1]], f"{s}_po")], f"{s}_o_peep")
+    gate_o = f(e, _pre(e, p, o_pre, f"{s}_o"), f"{s}_o")
+    return e.op("Mul", [gate_o, hf(e, new_c, f"{s}_hC")], f"{s}_H"), new_c
+
+
+def _gru_step(e: _Emitter, cell: _Cell, p: _Direction, xs: list[str], h: str | None, s: str) -> str:
+    """gates z, r, h (ONNX order); H = (1 - z) * h~ + z * H, written as h~ + z * (H - h~)."""
+    f, g = p.functions
+    gate_z = f(e, _pre(e, p, _sum(e, p, xs[0], h, 0, f"{s}_z_sum"), f"{s}_z"), f"{s}_z")
+    gate_r = f(e, _pre(e, p, _sum(e, p, xs[1], h, 1, f"{s}_r_sum"), f"{s}_r"), f"{s}_r")
+    if cell.linear_before_reset:  # h~ = g(x Wh + Wbh + r * (H Rh + Rbh))
+        rec = p.rbh  # H = 0: H Rh = 0
+        if h is not None:
+            rec = e.op("Gemm", [h, p.recurrence[2], p.rbh], f"{s}_h2", transB=1)
+        h_pre = e.op("Add", [xs[2], e.op("Mul", [gate_r, rec], f"{s}_rh")], f"{s}_h_sum")
+    elif h is None:  # (r * 0) Rh = 0
+        h_pre = xs[2]
+    else:  # h~ = g(x Wh + (r * H) Rh + Wbh + Rbh)
+        reset = e.op("Mul", [gate_r, h], f"{s}_rH")
+        rec = e.op("Gemm", [reset, p.recurrence[2]], f"{s}_h2", transB=1)
+        h_pre = e.op("Add", [xs[2], rec], f"{s}_h_sum")
+    cand = g(e, _pre(e, p, h_pre, f"{s}_h"), f"{s}_g")
+    if h is None:
+        one = e.const(np.array(1.0, np.float32), f"{s}_one")
+        return e.op("Mul", [e.op("Sub", [one, gate_z], f"{s}_1mz"), cand], f"{s}_H")
+    delta = e.op("Sub", [h, cand], f"{s}_dh")
+    return e.op("Add", [cand, e.op("Mul", [gate_z, delta], f"{s}_zdh")], f"{s}_H")
+
+
+def _unroll(
+    node: onnx.NodeProto,
+    cell: _Cell,
+    inits: dict[str, onnx.TensorProto],
+    fresh: Callable[[str], str],
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """Nodes computing ``node``'s outputs step by step (same names for its outputs)."""
+    inputs = list(node.input) + [""] * (8 - len(node.input))
+    consts = {k: _constant(inits, inputs[i]) for k, i in (("W", 1), ("R", 2), ("B", 3), ("P", 7))}
+    if consts["B"] is None:
+        consts["B"] = np.zeros((len(cell.directions), 2 * GATES[cell.op] * cell.hidden), np.float32)
+    batch, hidden, steps = cell.batch, cell.hidden, cell.steps
+    e = _Emitter(fresh, node.name or node.output[0])
+
+    # X as [steps * batch, input] (time-major rows), once for all directions.
+    x = inputs[0]
+    if cell.layout == 1:
+        x = e.op("Transpose", [x], "x_time_major", perm=[1, 0, 2])
+    x2d = e.reshape(x, [steps * batch, -1], "x_rows")
+
+    def states(name: str, tag: str) -> list[str | None]:
+        """A state input [directions, batch, hidden] (layout 1: [batch, directions, hidden])
+        as one [batch, hidden] tensor per direction; None where it is absent (zeros)."""
+        if not name:
+            return [None] * len(cell.directions)
+        parts = e.split(name, [1] * len(cell.directions), cell.layout, f"{tag}_dirs")
+        return [e.reshape(part, [batch, hidden], f"{tag}_{d}") for d, part in enumerate(parts)]
+
+    initial_h, initial_c = states(inputs[5], "h0"), states(inputs[6], "c0")
+    ys: list[list[str]] = []
+    last_h: list[str] = []
+    last_c: list[str] = []
+    for d, direction in enumerate(cell.directions):
+        p = _direction(e, cell, d, x2d, consts)
+        h, c = initial_h[d], initial_c[d]
+        outputs = [""] * steps
+        order = range(steps) if direction == "forward" else range(steps - 1, -1, -1)
+        for step in order:
+            s, xs = f"d{d}_t{step}", [p.steps[g][step] for g in range(GATES[cell.op])]
+            if cell.op == "LSTM":
+                h, c = _lstm_step(e, cell, p, xs, h, c, s)
+            elif cell.op == "GRU":
+                h = _gru_step(e, cell, p, xs, h, s)
+            else:  # RNN: H = f(x Wi + H Ri + b)
+                h = p.functions[0](e, _pre(e, p, _sum(e, p, xs[0], h, 0, f"{s}_sum"), s), f"{s}_H")
+            outputs[step] = h
+        assert h is not None
+        ys.append(outputs)
+        last_h.append(h)
+        if c is not None:
+            last_c.append(c)
+    _outputs(e, node, cell, ys, last_h, last_c)
+    return e.nodes, e.inits
+
+
+def _outputs(
+    e: _Emitter,
+    node: onnx.NodeProto,
+    cell: _Cell,
+    ys: list[list[str]],
+    last_h: list[str],
+    last_c: list[str],
+) -> None:
+    """Y [T, D, B, H] (layout 1: [B, T, D, H]); Y_h, Y_c [D, B, H] ([B, D, H]), by the names
+    of ``node``'s outputs, from the per-step [B, H] states."""
+    dirs, batch, hidden, steps = len(cell.directions), cell.batch, cell.hidden, cell.steps
+    outs = list(node.output) + [""] * (3 - len(node.output))
+
+    def stack(parts: list[str], shape: list[int], axis: int, tag: str, target: str = "") -> str:
+        """``parts`` reshaped to ``shape`` with 1 at ``axis``, concatenated along it."""
+        target = target or e.fresh(f"{e.base}_{tag}")
+        if len(parts) == 1:
+            shape_name = e.const(np.array(shape, np.int64), f"{tag}_shape")
+            e.nodes.append(
+                onnx.helper.make_node(
+                    "Reshape", [parts[0], shape_name], [target], name=e.fresh(f"{e.base}_{tag}")
+                )
+            )
+            return target
+        piece = list(shape)
+        piece[axis] = 1
+        expanded = [e.reshape(part, piece, f"{tag}_{k}") for k, part in enumerate(parts)]
+        e.nodes.append(
+            onnx.helper.make_node(
+                "Concat", expanded, [target], name=e.fresh(f"{e.base}_{tag}"), axis=axis
+            )
+        )
+        return target
+
+    if outs[0]:
+        per_step = [[ys[d][step] for d in range(dirs)] for step in range(steps)]
+        if cell.layout == 0:
+            rows = [
+                stack(parts, [1, dirs, batch, hidden], 1, f"y{k}")
+                for k, parts in enumerate(per_step)
+            ]
+            stack(rows, [steps, dirs, batch, hidden], 0, "Y", outs[0])
+        else:
+            rows = [
+                stack(parts, [batch, 1, dirs, hidden], 2, f"y{k}")
+                for k, parts in enumerate(per_step)
+            ]
+            stack(rows, [batch, steps, dirs, hidden], 1, "Y", outs[0])
+    state_shape = [batch, dirs, hidden] if cell.layout == 1 else [dirs, batch, hidden]
+    if outs[1]:
+        stack(last_h, state_shape, cell.layout, "Y_h", outs[1])
+    if cell.op == "LSTM" and outs[2]:
+        stack(last_c, state_shape, cell.layout, "Y_c", outs[2])
+
+
+def _cell(
+    node: onnx.NodeProto,
+    inits: dict[str, onnx.TensorProto],
+    shape: Callable[[str], tuple[int, ...] | None],
+) -> tuple[_Cell | None, str]:
+    """The static facts of ``node``, or (None, why it cannot be unrolled)."""
+    attrs = _attrs(node)
+    inputs = list(node.input) + [""] * (8 - len(node.input))
+    if inputs[1] not in inits or inputs[2] not in inits:
+        return None, "W or R is not a constant"
+    for index in (3, 7):
+        if inputs[index] and inputs[index] not in inits:
+            return None, f"input {index} is not a constant"
+    if inputs[4]:
+        return None, "sequence_lens shorter than the sequence (or not constant)"
+    x_shape = shape(inputs[0])
+    if x_shape is None or len(x_shape) != 3:
+        return None, "X has no static shape"
+    layout = int(attrs.get("layout", 0))
+    steps, batch = (x_shape[1], x_shape[0]) if layout == 1 else (x_shape[0], x_shape[1])
+    directions = _directions(attrs)
+    functions = _activations(node.op_type, attrs, len(directions))
+    if functions is None:
+        return None, "unknown activation functions"
+    hidden = int(attrs.get("hidden_size", 0)) or numpy_helper.to_array(inits[inputs[2]]).shape[-1]
+    clip = attrs.get("clip")
+    return (
+        _Cell(
+            node.op_type,
+            steps,
+            batch,
+            hidden,
+            layout,
+            directions,
+            None if clip is None else float(clip),
+            bool(attrs.get("input_forget", 0)),
+            bool(attrs.get("linear_before_reset", 0)),
+            functions,
+        ),
+        "",
+    )
+
+
+def unroll_recurrent_ops(
+    model: onnx.ModelProto, everything: bool = False
+) -> tuple[onnx.ModelProto, Change]:
+    """LSTM/GRU/RNN nodes the QNN EP refuses (``qnn_refuses``) -> elementary ops, per step.
+
+    Why: a refused recurrent op runs on the CPU and splits the graph around it. Unrolled, the
+    cell is Gemm/Add/Mul/Sigmoid/Tanh that the HTP runs, each gate with its own quantization
+    range. Needs static shapes and constant weights; the same function as onnxruntime's kernel.
+    ``everything`` unrolls accepted nodes too (to compare both forms on the HTP).
+    """
+    model = t._copy(model)
+    graph = model.graph
+    inits = t._initializers(graph)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+
+    def shape(name: str) -> tuple[int, ...] | None:
+        nonlocal values
+        values = values if values is not None else t._inferred_values(model)
+        return t._shape_of(values[name]) if name in values else None
+
+    fresh = t._Namer(model)
+    details = []
+    nodes: list[onnx.NodeProto] = []
+    new_inits: list[onnx.TensorProto] = []
+    for node in graph.node:
+        if node.op_type not in RECURRENT_OPS or node.domain not in t._DEFAULT_DOMAINS:
+            nodes.append(node)
+            continue
+        reasons = qnn_refuses(node)
+        if not reasons and not everything:
+            nodes.append(node)
+            continue
+        cell, why_not = _cell(node, inits, shape)
+        if cell is None:
+            details.append(f"{t.node_label(node)}: kept ({why_not}); QNN refuses it: {reasons}")
+            nodes.append(node)
+            continue
+        added, constants = _unroll(node, cell, inits, fresh)
+        nodes.extend(added)
+        new_inits.extend(constants)
+        why = ", ".join(reasons) if reasons else "asked"
+        details.append(
+            f"{t.node_label(node)}: unrolled into {len(added)} nodes ({cell.steps} step(s), "
+            f"{'/'.join(cell.directions)}; {why})"
+        )
+    if any(d for d in details if "unrolled" in d):
+        t._set_nodes(graph, nodes)
+        graph.initializer.extend(new_inits)
+        t._remove_dead(graph)
+        t._sort_graph(graph)
+    return t._done(model, "unroll_recurrent_ops", details)
+
+
+# --------------------------------------------------------------------------------------------
+# rank > 5: Gather with an index table, Transpose, Reshape chains
+
+
+def _reduced_transpose(
+    in_shape: tuple[int, ...], perm: list[int]
+) -> tuple[list[int], list[int]] | None:
+    """(input shape, perm) of the same transpose with unit axes dropped and axes that stay
+    neighbours merged; None when nothing gets smaller."""
+    kept_axes = [a for a in range(len(in_shape)) if in_shape[a] != 1]
+    position = {a: i for i, a in enumerate(kept_axes)}
+    order = [position[a] for a in perm if in_shape[a] != 1]  # kept axes, in output order
+    groups: list[list[int]] = []
+    for p in order:
+        if groups and groups[-1][-1] + 1 == p:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    by_input = sorted(groups, key=lambda g: g[0])
+    shape = [int(np.prod([in_shape[kept_axes[p]] for p in g])) for g in by_input]
+    new_perm = [by_input.index(g) for g in groups]
+    if len(shape) >= len(in_shape):
+        return None
+    return shape, new_perm
+
+
+def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Rank > 5 tensors -> rank <= 5, exactly: the HTP has no tensors above rank 5.
+
+    - Gather(x, constant index table of rank >= 2) giving rank > 5 -> Gather with the flat
+      index, then Reshape (``nn.Unfold`` exports: [1, 3, 1, 1, 131] by a [3, 129] table);
+    - Transpose of rank > 5 -> Reshape, Transpose of the tensor without its unit axes and with
+      neighbouring axes merged (often no transpose at all), Reshape;
+    - Reshape of a Reshape whose result had rank > 5 -> one Reshape.
+
+    Why: GTCRN's subband unfolds made 7 such Gather -> Transpose -> Reshape chains; the HTP
+    refused each Gather (error 3110), and each chain cost a CPU round trip and a partition.
+    """
+    model = t._copy(model)
+    graph = model.graph
+    inits = t._initializers(graph)
+    values = t._inferred_values(model)
+
+    def shape(name: str) -> tuple[int, ...] | None:
+        if name in inits:
+            return tuple(inits[name].dims)
+        return t._shape_of(values[name]) if name in values else None
+
+    fresh = t._Namer(model)
+    details = []
+    nodes: list[onnx.NodeProto] = []
+    new_inits: list[onnx.TensorProto] = []
+
+    def shape_const(dims: tuple[int, ...] | list[int], base: str) -> str:
+        name = fresh(f"{base}_shape")
+        new_inits.append(numpy_helper.from_array(np.array(dims, np.int64), name))
+        return name
+
+    make = onnx.helper.make_node
+    for node in graph.node:
+        out_shape = shape(node.output[0]) if node.output else None
+        if node.domain not in t._DEFAULT_DOMAINS or out_shape is None or len(out_shape) <= MAX_RANK:
+            nodes.append(node)
+            continue
+        base = node.name or node.output[0]
+        if node.op_type == "Gather" and node.input[1] in inits:
+            index = numpy_helper.to_array(inits[node.input[1]])
+            x_shape = shape(node.input[0])
+            if index.ndim < 2 or x_shape is None or len(x_shape) > MAX_RANK:
+                nodes.append(node)
+                continue
+            flat = fresh(f"{base}_flat_index")
+            new_inits.append(numpy_helper.from_array(index.reshape(-1), flat))
+            gathered = fresh(f"{base}_flat")
+            nodes.append(
+                make("Gather", [node.input[0], flat], [gathered], name=base, **_attrs(node))
+            )
+            nodes.append(
+                make(
+                    "Reshape",
+                    [gathered, shape_const(out_shape, base)],
+                    [node.output[0]],
+                    name=fresh(f"{base}_unflatten"),
+                )
+            )
+            details.append(f"{t.node_label(node)}: flat index {list(index.shape)} -> Reshape")
+        elif node.op_type == "Transpose":
+            in_shape = shape(node.input[0])
+            perm = list(_attrs(node).get("perm", range(len(out_shape)))[::1])
+            reduced = _reduced_transpose(in_shape, perm) if in_shape is not None else None
+            if reduced is None or len(reduced[0]) > MAX_RANK:
+                nodes.append(node)
+                continue
+            small, small_perm = reduced
+            if small_perm == sorted(small_perm):
+                nodes.append(
+                    make(
+                        "Reshape",
+                        [node.input[0], shape_const(out_shape, base)],
+                        [node.output[0]],
+                        name=base,
+                    )
+                )
+                details.append(f"{t.node_label(node)}: moves only unit axes -> Reshape")
+            else:
+                flat_in, flat_out = fresh(f"{base}_in"), fresh(f"{base}_out")
+                nodes += [
+                    make(
+                        "Reshape",
+                        [node.input[0], shape_const(small, base)],
+                        [flat_in],
+                        name=fresh(f"{base}_squeeze"),
+                    ),
+                    make("Transpose", [flat_in], [flat_out], name=base, perm=small_perm),
+                    make(
+                        "Reshape",
+                        [flat_out, shape_const(out_shape, base)],
+                        [node.output[0]],
+                        name=fresh(f"{base}_unsqueeze"),
+                    ),
+                ]
+                details.append(
+                    f"{t.node_label(node)}: rank {len(in_shape)} -> {len(small)} ({small})"
+                )
+        else:
+            nodes.append(node)
+    if details:
+        t._set_nodes(graph, nodes)
+        graph.initializer.extend(new_inits)
+        del new_inits[:]
+    # Reshape(Reshape(x)) -> Reshape(x) where the middle tensor has rank > 5.
+    producer = {o: n for n in graph.node for o in n.output}
+    outputs = {o.name for o in graph.output}
+    values = t._inferred_values(model) if details else values
+    for node in graph.node:
+        if node.op_type != "Reshape" or node.domain not in t._DEFAULT_DOMAINS:
+            continue
+        inner = producer.get(node.input[0])
+        middle = shape(node.input[0]) if inner is not None else None
+        target = shape(node.output[0])
+        if (
+            inner is None
+            or inner.op_type != "Reshape"
+            or middle is None
+            or len(middle) <= MAX_RANK
+            or target is None
+            or node.input[0] in outputs
+        ):
+            continue
+        node.input[0] = inner.input[0]
+        node.input[1] = shape_const(target, node.name or node.output[0])
+        details.append(
+            f"{t.node_label(node)}: reads {inner.input[0]!r} (skips a rank-{len(middle)} Reshape)"
+        )
+    if details:
+        graph.initializer.extend(new_inits)
+        t._remove_dead(graph)
+        t._sort_graph(graph)
+    return t._done(model, "lower_high_rank", details)
+
+
+# --------------------------------------------------------------------------------------------
+# ConvTranspose with dilations
+
+
+def dilate_conv_transpose(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """ConvTranspose(dilations d > 1) -> ConvTranspose(dilations 1) with the dilated kernel.
+
+    A dilated kernel is the kernel with d - 1 zeros between its taps: same output shape
+    ((k - 1) d + 1 taps either way), same sums. Why: QNN's TransposeConv2d only takes dilation 1,
+    and GTCRN's decoder (dilations 2 and 5 over time) lost two ConvTranspose to the CPU.
+    """
+    model = t._copy(model)
+    graph = model.graph
+    inits = t._initializers(graph)
+    used = t._used_names(graph)
+    details = []
+    for node in graph.node:
+        if node.op_type != "ConvTranspose" or node.domain not in t._DEFAULT_DOMAINS:
+            continue
+        attrs = _attrs(node)
+        dilations = [int(d) for d in attrs.get("dilations", [])]
+        if not dilations or all(d == 1 for d in dilations) or node.input[1] not in inits:
+            continue
+        weight = numpy_helper.to_array(inits[node.input[1]])
+        spatial = weight.shape[2:]
+        grown = [(k - 1) * d + 1 for k, d in zip(spatial, dilations, strict=True)]
+        dilated = np.zeros(weight.shape[:2] + tuple(grown), weight.dtype)
+        dilated[(slice(None), slice(None), *(slice(None, None, d) for d in dilations))] = weight
+        name = node.input[1]
+        if used[name] > 1:  # shared weight: give this node its own copy
+            name = t._Namer(model)(f"{name}_dilated")
+            node.input[1] = name
+            graph.initializer.append(numpy_helper.from_array(dilated, name))
+        else:
+            inits[name].CopyFrom(numpy_helper.from_array(dilated, name))
+        kept = [a for a in node.attribute if a.name not in ("dilations", "kernel_shape")]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        node.attribute.append(onnx.helper.make_attribute("kernel_shape", grown))
+        details.append(
+            f"{t.node_label(node)}: dilations {dilations} -> dilated kernel {list(spatial)} -> "
+            f"{grown}"
+        )
+    return t._done(model, "dilate_conv_transpose", details)

@@ -1,0 +1,213 @@
+"""Resize by a scale the HTP cannot follow: rewritten so the NPU computes what the model means.
+
+onnxruntime computes a Resize with ``scales`` from the scale given (asymmetric: source
+coordinate = i / s) and an output of floor(in * s). The QNN HTP backend (QNN 2.51, measured
+on the simulator) recomputes the scale as out / in: when in * s is not an integer (8 x 1.7 ->
+13, not 13.6) every row lands elsewhere and the context disagrees with the model (5-12 dB
+against the CPU QDQ model, nearest and linear alike; exact scale ratios are fine). Rewrites,
+for a static input and constant scales:
+
+- nearest: each such axis becomes a Gather of the rows onnxruntime picks (taken from
+  onnxruntime itself on an index ramp, so every coordinate and rounding mode is matched);
+- linear with asymmetric or half_pixel coordinates (the source coordinate does not depend on
+  the input length): the axis is padded at its end by repeating the last row until
+  (in + k) * s is an integer, resized, and sliced back to floor(in * s). Every output row
+  reads the same input rows as before, and where onnxruntime clamps to the last row the pad
+  holds that row's values: exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from . import transforms as t
+from .transforms import Change
+
+DRIFT = 1e-3  # input pixels the HTP's source coordinates may be off by (33 x 7.787879: 1e-6)
+MAX_PAD = 64  # longest end padding tried for a linear axis
+_DEFAULT = ("", "ai.onnx")
+_PAD_FREE_MODES = ("asymmetric", "half_pixel")
+
+
+def _text(value: Any, default: str) -> str:
+    if value is None:
+        return default
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _out(size: int, scale: float) -> int:
+    """onnxruntime's output length: the float32 product, truncated."""
+    return int(np.floor(np.float32(size) * np.float32(scale)))
+
+
+def _followed(size: int, scale: float) -> bool:
+    """The HTP (source coordinate = i * size / out) reads within ``DRIFT`` of where
+    onnxruntime reads (i / scale) on every output row of this axis."""
+    out = _out(size, scale)
+    return out >= 1 and (out - 1) * abs(1.0 / float(scale) - size / out) <= DRIFT
+
+
+def _off_axes(shape: tuple[int, ...], scales: np.ndarray) -> list[int]:
+    """Axes where the HTP's out / in differs from the scale onnxruntime resizes by."""
+    return [
+        axis
+        for axis, (size, scale) in enumerate(zip(shape, scales, strict=True))
+        if scale != 1.0 and not _followed(size, float(scale))
+    ]
+
+
+def _picks(size: int, scale: float, attrs: dict[str, Any]) -> np.ndarray:
+    """The input rows onnxruntime's nearest Resize reads along one axis of ``size``."""
+    import onnxruntime as ort
+
+    ramp = np.arange(size, dtype=np.float32).reshape(1, size)
+    kwargs = {
+        k: v for k, v in attrs.items() if k in ("coordinate_transformation_mode", "nearest_mode")
+    }
+    node = onnx.helper.make_node("Resize", ["x", "", "s"], ["y"], mode="nearest", **kwargs)
+    graph = onnx.helper.make_graph(
+        [node],
+        "picks",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, size])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array([1.0, scale], np.float32), "s")],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    model.ir_version = t.DEFAULT_IR_VERSION
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return session.run(None, {"x": ramp})[0].reshape(-1).astype(np.int64)
+
+
+def _end_pad(size: int, scale: float) -> int | None:
+    """Smallest k <= MAX_PAD for which the HTP follows the scale on size + k rows."""
+    for k in range(MAX_PAD + 1):
+        if _followed(size + k, scale):
+            return k
+    return None
+
+
+def _rewrite(
+    node: onnx.NodeProto,
+    shape: tuple[int, ...],
+    scales: np.ndarray,
+    off: list[int],
+    new_init: Callable[[np.ndarray, str], str],
+    fresh: Callable[[str], str],
+) -> tuple[list[onnx.NodeProto], str] | None:
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    mode = _text(attrs.get("mode"), "nearest")
+    coords = _text(attrs.get("coordinate_transformation_mode"), "half_pixel")
+    make = onnx.helper.make_node
+    base = node.name or node.output[0]
+    x, y = node.input[0], node.output[0]
+    if mode == "nearest":
+        nodes = []
+        current = x
+        rest = scales.copy()
+        rest[off] = 1.0
+        keep_resize = bool(np.any(rest != 1.0))
+        for count, axis in enumerate(off):
+            last = count == len(off) - 1 and not keep_resize
+            target = y if last else fresh(f"{y}_rows{axis}")
+            rows = new_init(_picks(shape[axis], float(scales[axis]), attrs), f"{base}_rows{axis}")
+            name = base if last else fresh(f"{base}_gather{axis}")
+            nodes.append(make("Gather", [current, rows], [target], name=name, axis=axis))
+            current = target
+        if keep_resize:
+            resize = onnx.NodeProto()
+            resize.CopyFrom(node)
+            resize.input[0] = current
+            resize.input[2] = new_init(rest.astype(np.float32), f"{base}_rest_scales")
+            nodes.append(resize)
+        return nodes, f"nearest: Gather of onnxruntime's rows on axes {off}"
+    if mode != "linear" or coords not in _PAD_FREE_MODES:
+        return None
+    pads = [0] * (2 * len(shape))
+    for axis in off:
+        k = _end_pad(shape[axis], float(scales[axis]))
+        if k is None:
+            return None
+        pads[len(shape) + axis] = k
+    out = [_out(n, float(s)) for n, s in zip(shape, scales, strict=True)]
+    padded, resized = fresh(f"{x}_edge_padded"), fresh(f"{y}_padded")
+    resize = onnx.NodeProto()
+    resize.CopyFrom(node)
+    resize.input[0], resize.output[0] = padded, resized
+    axes = list(range(len(shape)))
+    nodes = [
+        make(
+            "Pad",
+            [x, new_init(np.array(pads, np.int64), f"{base}_pads")],
+            [padded],
+            name=fresh(f"{base}_edge_pad"),
+            mode="edge",
+        ),
+        resize,
+        make(
+            "Slice",
+            [
+                resized,
+                new_init(np.zeros(len(shape), np.int64), f"{base}_starts"),
+                new_init(np.array(out, np.int64), f"{base}_ends"),
+                new_init(np.array(axes, np.int64), f"{base}_axes"),
+            ],
+            [y],
+            name=fresh(f"{base}_crop"),
+        ),
+    ]
+    return nodes, f"linear: axes {off} padded at the end by {[pads[len(shape) + a] for a in off]}"
+
+
+def resize_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Resize nodes whose in * scale is not an integer -> forms the HTP computes exactly."""
+    model = t._copy(model)
+    graph = model.graph
+    inits = t._initializers(graph)
+    namer = t._Namer(model)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+    nodes: list[onnx.NodeProto] = []
+    details = []
+
+    def new_init(array: np.ndarray, base: str) -> str:
+        name = namer(base)
+        graph.initializer.append(numpy_helper.from_array(array, name))
+        return name
+
+    for node in graph.node:
+        rewritten = None
+        usable = (
+            node.op_type == "Resize"
+            and node.domain in _DEFAULT
+            and len(node.input) >= 3
+            and node.input[2] in inits
+            and (len(node.input) < 4 or not node.input[3])
+            and not any(a.name in ("axes", "antialias") and a.i for a in node.attribute)
+        )
+        if usable:
+            if values is None:
+                values = t._inferred_values(model)
+            value = values.get(node.input[0])
+            shape = t._shape_of(value) if value is not None else None
+            scales = numpy_helper.to_array(inits[node.input[2]]).astype(np.float32).reshape(-1)
+            if shape is not None and len(shape) == scales.size:
+                off = _off_axes(shape, scales)
+                if off:
+                    rewritten = _rewrite(node, shape, scales, off, new_init, namer)
+        if rewritten is None:
+            nodes.append(node)
+            continue
+        replacement, what = rewritten
+        nodes.extend(replacement)
+        details.append(f"{t.node_label(node)}: in x scale not an integer; {what}")
+    if details:
+        t._set_nodes(graph, nodes)
+    return t._done(model, "resize_for_htp", details)

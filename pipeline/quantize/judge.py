@@ -1,0 +1,284 @@
+"""The HTP is the judge: precision choices are checked on what the NPU computes.
+
+The CPU QDQ model is not the HTP: on detectors and segmenters the context on the HTP simulator
+was 5-12 dB from the CPU QDQ model that met its target (FACTS §10), the drift starting at the
+convolutions whose weights mixed precision had raised to 16 bits. So after the CPU-guided choices
+(pipeline.quantize.mixed_precision), the QDQ model is compiled for the first target and run on the
+HTP (``pipeline.htp.probe``), and its context-vs-float SNR decides. While it is short:
+
+1. when the HTP loses more than ``HTP_GAP_DB`` against the CPU QDQ model, the divergence locator
+   (every activation exposed) names the first tensor where they part ways; weights raised to 16
+   bits go back to 8 bits per channel (the HTP reproduces those), or else the diverging tensor
+   is left in float16;
+2. when the quantization itself is short (the HTP agrees with the CPU), the tensors that cost the
+   output most *at their current precision* (16-bit activations included) go to float16, which
+   the HTP runs in fp16; as the last step the whole model runs in fp16 on the HTP.
+
+Each candidate is compiled and measured; the best one by context-vs-float SNR is kept, and every
+round is reported. Without onnxruntime-qnn in this environment the CPU decision stands and the
+report says so.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from qnn_ctx_runtime.targets import get_target
+
+from ..core.config import ModelConfig
+from ..core.metrics import worst_snr
+from ..htp.probe import ProbeResult, probe, qnn_available
+from .mixed_precision import EIGHT_BIT, SIXTEEN_BIT, measure
+
+HTP_GAP_DB = 3.0  # the HTP may lose this much against the CPU QDQ model before it is "diverging"
+MAX_REMEDIES = 3  # re-quantize-and-probe rounds after the first probe
+FLOAT16_FIRST = 4  # tensors left in float16 in the first round of that remedy (doubling after)
+PROBE_SAMPLES = 8
+
+
+@dataclass(frozen=True)
+class JudgeRound:
+    """One candidate, compiled and run on the HTP."""
+
+    label: str
+    ctx_vs_float_db: float | None
+    ctx_vs_qdq_db: float | None
+    qdq_vs_float_db: float | None
+    partitions: int
+    cpu_nodes: int
+    seconds: float
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first tensor (graph order) where the HTP and the CPU QDQ model part ways."""
+
+    tensor: str
+    op_type: str
+    node: str
+    snr_db: float
+
+
+@dataclass(frozen=True)
+class HtpJudgement:
+    """How the precision was decided: on the HTP (with its rounds) or, failing that, the CPU."""
+
+    judge: str  # "htp" | "cpu"
+    reason: str
+    target: str = ""
+    qnn_sdk: str = ""
+    rounds: list[JudgeRound] = field(default_factory=list)
+    divergence: Divergence | None = None
+    remedies: list[str] = field(default_factory=list)
+    chosen: str = ""  # the label of the round that was kept
+    ctx_vs_float_db: float | None = None
+    float16: list[str] = field(default_factory=list)  # tensors left unquantized (fp16 on the HTP)
+    whole_float16: bool = False
+
+
+@dataclass
+class Candidate:
+    """Precision choices for every bucket: per-tensor overrides, or the whole model in fp16."""
+
+    label: str
+    overrides: dict[str, str]
+    whole_float16: bool = False
+
+
+class Builder:
+    """What the judge needs from the quantize stage: rebuild the probe bucket's QDQ model."""
+
+    def __init__(
+        self,
+        requantize: Callable[[dict[str, str]], object],
+        use_float: Callable[[], object],
+    ) -> None:
+        self.requantize = requantize
+        self.use_float = use_float
+
+    def build(self, candidate: Candidate) -> None:
+        if candidate.whole_float16:
+            self.use_float()
+        else:
+            self.requantize(candidate.overrides)
+
+
+def _round(label: str, result: ProbeResult) -> JudgeRound:
+    def db(value: float) -> float | None:
+        return None if np.isnan(value) else float(value)
+
+    if not result.ok:
+        return JudgeRound(label, None, None, None, 0, 0, result.seconds, result.error[:500])
+    return JudgeRound(
+        label,
+        db(result.worst_ctx_vs_float),
+        db(result.worst_ctx_vs_qdq),
+        db(worst_snr(result.qdq_vs_float)),
+        result.partitions,
+        result.cpu_nodes,
+        result.seconds,
+    )
+
+
+def _score(result: ProbeResult) -> float:
+    """What the NPU delivers (whole on it: a partition count above 1 or CPU nodes disqualify)."""
+    if not result.ok or result.partitions != 1 or result.cpu_nodes:
+        return float("-inf")
+    return result.worst_ctx_vs_float
+
+
+def judge_on_htp(
+    config: ModelConfig,
+    float_path: Path,
+    qdq_path: Path,
+    heldout: list[Path],
+    calibration: Iterable[dict[str, np.ndarray]],
+    overrides: dict[str, str],
+    builder: Builder,
+    scratch: Path,
+) -> tuple[HtpJudgement, Candidate]:
+    """Check the current QDQ model on the HTP and improve it while it is short of the target.
+
+    Returns the judgement and the candidate that was kept (already built on disk when it is
+    not the last one tried: the caller rebuilds every bucket with it)."""
+    q = config.quantization
+    current = Candidate("as quantized", dict(overrides))
+    why_not = "quantization.judge = 'cpu'" if q.judge == "cpu" else qnn_available()
+    if why_not:
+        return HtpJudgement("cpu", f"judged on the CPU: {why_not}"), current
+    if not heldout:
+        return HtpJudgement("cpu", "judged on the CPU: no held-out samples to run"), current
+    chip = get_target(config.compile.targets[0])
+    samples = heldout[:PROBE_SAMPLES]
+    target_db = q.target_snr_db
+    work = Path(tempfile.mkdtemp(prefix=".htp-judge-", dir=scratch))
+    rounds: list[JudgeRound] = []
+    remedies: list[str] = []
+    divergence: Divergence | None = None
+    try:
+
+        def run(label: str, locate: bool = False) -> ProbeResult:
+            result = probe(
+                qdq_path,
+                float_path,
+                samples,
+                work / f"p{len(rounds)}",
+                chip.soc_model,
+                chip.htp_arch,
+                locate=locate,
+            )
+            rounds.append(_round(label + (" (locate)" if locate else ""), result))
+            return result
+
+        first = run(current.label)
+        if not first.ok:
+            return (
+                HtpJudgement(
+                    "cpu",
+                    f"judged on the CPU: the HTP probe failed ({first.error[:300]})",
+                    chip.name,
+                    rounds=rounds,
+                ),
+                current,
+            )
+        best, best_result = current, first
+        result = first
+        float16: list[str] = []
+        ranked: list[str] | None = None
+        for step in range(MAX_REMEDIES):
+            if result.worst_ctx_vs_float >= target_db:
+                break
+            gap = worst_snr(result.qdq_vs_float) - result.worst_ctx_vs_float
+            candidate: Candidate | None = None
+            if gap > HTP_GAP_DB:
+                located = run("the HTP diverges", locate=True)
+                found = located.first_divergence() if located.ok else None
+                if found is not None and divergence is None:
+                    divergence = Divergence(found.name, found.op_type, found.node, found.snr_db)
+                demoted = {
+                    name: "int8_per_channel"
+                    for name, precision in current.overrides.items()
+                    if precision.startswith("int16")
+                }
+                if demoted:
+                    remedies.append(
+                        f"{len(demoted)} weight(s) raised to int16 back to int8 per channel: the "
+                        "HTP computes 16-bit weights differently from the CPU"
+                    )
+                    candidate = Candidate(
+                        f"{len(demoted)} int16 weights -> int8 per channel",
+                        {**current.overrides, **demoted},
+                    )
+                elif found is not None:
+                    tensor = found.name.removesuffix("_DequantizeLinear_Output")
+                    float16.append(tensor)
+                    remedies.append(f"{tensor} ({found.op_type}) left in float16 on the HTP")
+                    candidate = Candidate(
+                        f"{tensor} in float16", {**current.overrides, tensor: "float16"}
+                    )
+            if candidate is None:
+                if ranked is None:
+                    found_all, signal, _, _ = measure(
+                        float_path, qdq_path, calibration, {**EIGHT_BIT, **SIXTEEN_BIT}
+                    )
+                    goal = {o: max(signal[o], 1e-30) for o in signal}
+                    ranked = [
+                        c.name
+                        for c in sorted(
+                            (c for c in found_all if c.kind == "activation" and c.noise),
+                            key=lambda c: max(c.noise.get(o, 0.0) / goal[o] for o in goal),
+                            reverse=True,
+                        )
+                    ]
+                count = FLOAT16_FIRST * 2**step
+                chosen = [t for t in ranked[:count] if t not in float16]
+                if step == MAX_REMEDIES - 1 or not chosen:
+                    remedies.append("the whole model in fp16 on the HTP (no quantization)")
+                    candidate = Candidate("whole model in fp16", {}, whole_float16=True)
+                else:
+                    float16 += chosen
+                    remedies.append(
+                        f"{len(chosen)} tensor(s) that cost the output most at 16 bits left in "
+                        f"float16: {', '.join(chosen[:6])}" + (" …" if len(chosen) > 6 else "")
+                    )
+                    candidate = Candidate(
+                        f"{len(float16)} tensors in float16",
+                        {**current.overrides, **dict.fromkeys(float16, "float16")},
+                    )
+            builder.build(candidate)
+            result = run(candidate.label)
+            current = candidate
+            if _score(result) > _score(best_result):
+                best, best_result = candidate, result
+        if best is not current:
+            builder.build(best)  # leave the kept candidate on disk
+        return (
+            HtpJudgement(
+                "htp",
+                f"judged on the HTP simulator for {chip.name} (soc {chip.soc_model}, HTP "
+                f"v{chip.htp_arch})",
+                chip.name,
+                first.qnn_sdk,
+                rounds,
+                divergence,
+                remedies,
+                best.label,
+                _db_or_none(best_result.worst_ctx_vs_float),
+                [t for t, p in best.overrides.items() if p == "float16"],
+                best.whole_float16,
+            ),
+            best,
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _db_or_none(value: float) -> float | None:
+    return None if np.isnan(value) else float(value)

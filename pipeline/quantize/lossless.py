@@ -1,0 +1,192 @@
+"""Preparation must not change what the model computes: check it, and name the step that did.
+
+The prepared float model (one bucket's) is run beside the source model on the same held-out
+feeds. Below ``MIN_PREPARED_SNR_DB`` the build fails: a model that is not the user's model
+must not ship, however well it then quantizes (an upsampling segmenter's opset upgrade once
+gave 13.6 dB and passed every other gate). To name the culprit, the preparation steps
+(``pipeline.graph.prepare.preparation_steps``) are run again one at a time from the source,
+and every prefix that changed the model is compared with the source on a few of those feeds:
+the first step whose prefix falls below the floor is the one that changed the function, and
+the report lists every step's figure. A prefix that onnxruntime cannot run (ops parked in a
+private domain across the opset upgrade) is skipped; the next runnable one is measured.
+
+A float16 source is compared in float32 (its own float16 rounding is not a change of function:
+the preparation computes the same function at higher precision); the report gives the figure
+against the float16 run too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..core.config import InputsSection
+from ..core.dtypes import np_dtype
+from ..core.metrics import OutputComparison, worst_snr
+from .evaluate import cpu_session, iter_samples, run_named
+
+MIN_PREPARED_SNR_DB = 60.0
+CHECK_SAMPLES = 8  # held-out feeds the prepared model is compared on
+STEP_SAMPLES = 4  # ... and each step's prefix, when looking for the culprit
+
+Feeds = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class StepFigure:
+    """The model after a preparation step vs the source: worst output SNR, or why not."""
+
+    step: str
+    snr_db: float | None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class PreparationCheck:
+    """Prepared float vs source float on held-out feeds, and (when it fails) per step."""
+
+    min_snr_db: float
+    snr_db: float | None  # worst output; None when it could not be measured
+    samples: int
+    passed: bool
+    reference: str  # "source" | "source in float32"
+    culprit: str = ""  # the first step below the floor
+    steps: list[StepFigure] = field(default_factory=list)
+    float16_snr_db: float | None = None  # vs the float16 source run, for a float16 source
+    error: str = ""
+
+    def message(self, model: str) -> str:
+        where = f"step {self.culprit!r}" if self.culprit else "an unidentified step"
+        figure = "-" if self.snr_db is None else f"{self.snr_db:.2f}"
+        return (
+            f"{model}: the prepared float model is {figure} dB from the {self.reference} "
+            f"(floor {self.min_snr_db:g} dB): preparation {where} changed what the model "
+            "computes."
+        )
+
+
+def _has_float16(model: Any) -> bool:
+    import onnx
+
+    f16 = onnx.TensorProto.FLOAT16
+    graph = model.graph
+    return any(t.data_type == f16 for t in graph.initializer) or any(
+        v.type.tensor_type.elem_type == f16 for v in (*graph.input, *graph.output)
+    )
+
+
+def _feeds_for(session: Any, feeds: Feeds, constants: dict[str, Any]) -> Feeds:
+    """``feeds`` (+ baked constants) as ``session``'s inputs want them: names and dtypes."""
+    result = {}
+    for arg in session.get_inputs():
+        if arg.name in feeds:
+            result[arg.name] = feeds[arg.name].astype(np_dtype(arg.type), copy=False)
+        elif arg.name in constants:
+            result[arg.name] = np.asarray(constants[arg.name], np_dtype(arg.type))
+    return result
+
+
+def compare(
+    reference: Any, test: Any, samples: Iterable[Feeds], constants: dict[str, Any]
+) -> tuple[float, int]:
+    """(worst output SNR, samples) of ``test`` against ``reference`` (models or sessions)."""
+    ref = reference if hasattr(reference, "run") else cpu_session(reference)
+    got = test if hasattr(test, "run") else cpu_session(test)
+    names = [o.name for o in ref.get_outputs()]
+    comparison = OutputComparison()
+    for feeds in samples:
+        expected = dict(zip(names, ref.run(names, _feeds_for(ref, feeds, constants)), strict=True))
+        comparison.add(expected, run_named(got, names, _feeds_for(got, feeds, constants)))
+    return worst_snr(comparison.summary()), comparison.samples
+
+
+def _limited(folder: Path, count: int) -> list[Feeds]:
+    return [feeds for _, feeds in zip(range(count), iter_samples(folder), strict=False)]
+
+
+def per_step(
+    source: Any, inputs: InputsSection, reference: Any, samples: list[Feeds]
+) -> Iterator[StepFigure]:
+    """Each preparation step's prefix vs ``reference`` (a session), in order."""
+    from ..graph.prepare import preparation_steps
+
+    model = source
+    last: float | None = None
+    for step in preparation_steps(inputs):
+        try:
+            model, change = step(model)
+        except Exception as exc:  # the full preparation ran before; report, do not crash
+            yield StepFigure("?", None, f"step failed: {type(exc).__name__}: {exc}"[:200])
+            return
+        if not change.changed:
+            continue
+        try:
+            last, _ = compare(reference, model, samples, inputs.constants)
+        except Exception as exc:  # onnxruntime cannot run this intermediate model
+            yield StepFigure(change.step, None, f"not runnable: {type(exc).__name__}"[:120])
+            continue
+        yield StepFigure(change.step, last)
+
+
+def check_preparation(
+    name: str, source: Any, inputs: InputsSection, prepared: Path, heldout: Path
+) -> PreparationCheck:
+    """Prepared float vs source on ``heldout`` feeds (the bucket's own, padded as the prepared
+    model takes them); per step when below the floor."""
+    samples = _limited(heldout, CHECK_SAMPLES)
+    reference, label, float16 = source, "source model", None
+    try:
+        if _has_float16(source):
+            from ..graph.transforms import float16_to_float32
+
+            reference, _ = float16_to_float32(source)
+            label = "source model computed in float32"
+        ref_session = cpu_session(reference)
+        snr, count = compare(ref_session, prepared, samples, inputs.constants)
+        if reference is not source:
+            float16, _ = compare(source, prepared, samples, inputs.constants)
+    except Exception as exc:  # onnxruntime's own error types: say why, do not fail the build
+        return PreparationCheck(
+            MIN_PREPARED_SNR_DB, None, 0, True, label, error=f"{type(exc).__name__}: {exc}"[:300]
+        )
+    if not count:
+        return PreparationCheck(MIN_PREPARED_SNR_DB, None, 0, True, label, error="no samples")
+    passed = snr >= MIN_PREPARED_SNR_DB
+    if passed:
+        return PreparationCheck(
+            MIN_PREPARED_SNR_DB, snr, count, True, label, float16_snr_db=float16
+        )
+    steps = list(per_step(source, inputs, ref_session, samples[:STEP_SAMPLES]))
+    return PreparationCheck(
+        MIN_PREPARED_SNR_DB, snr, count, False, label, culprit(steps), steps, float16
+    )
+
+
+def culprit(steps: list[StepFigure]) -> str:
+    """The first step whose prefix is below the floor; with the unrunnable steps just before
+    it, since any of those may have made the change ("a, b or c")."""
+    unmeasured: list[str] = []
+    for figure in steps:
+        if figure.snr_db is None:
+            unmeasured.append(figure.step)
+            continue
+        if figure.snr_db < MIN_PREPARED_SNR_DB:
+            names = [*unmeasured, figure.step]
+            return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        unmeasured = []
+    return ""
+
+
+def bucket_inputs(inputs: InputsSection, shapes: dict[str, Any] | None) -> InputsSection:
+    """The [inputs] a bucket is prepared with (pipeline.quantize.shapes does the same)."""
+    if shapes is None:
+        return inputs
+    return InputsSection(
+        dims=dict(inputs.dims),
+        shapes={k: list(v) for k, v in shapes.items()},
+        constants=dict(inputs.constants),
+    )

@@ -1,0 +1,279 @@
+"""Transformer encoders: unsorted exports load, contrib GELU becomes a typed standard op, an
+infinite attention-mask fill becomes finite with the same float result, and the masked scores
+keep the unmasked range when quantized (checked on a small attention block end to end)."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from pipeline.calibration import ranges
+from pipeline.core.config import InputsSection, load_config
+from pipeline.graph import attention
+from pipeline.graph.prepare import dynamic_tensors, prepare_model
+from pipeline.quantize.build import load_source_model, quantize_model
+
+RNG = np.random.default_rng(11)
+NO_INPUTS = InputsSection(dims={}, shapes={}, constants={})
+
+
+def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return session.run(None, feeds)
+
+
+def const(name: str, value: object, dtype: type = np.float32) -> TensorProto:
+    return numpy_helper.from_array(np.asarray(value, dtype), name)
+
+
+def model_of(nodes, inputs, outputs, inits, opset: int = 13) -> onnx.ModelProto:
+    graph = oh.make_graph(nodes, "g", inputs, outputs, inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model
+
+
+# --- unsorted exports ------------------------------------------------------------------------
+
+
+def test_an_unsorted_but_valid_model_loads(tmp_path: Path) -> None:
+    """PyTorch 1.1 wrote nodes out of order; onnxruntime runs it, onnx.checker refuses it."""
+    x = oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    nodes = [oh.make_node("Relu", ["a"], ["y"]), oh.make_node("Neg", ["x"], ["a"])]
+    model = model_of(nodes, [x], [y], [])
+    with pytest.raises(onnx.checker.ValidationError):
+        onnx.checker.check_model(model)
+    path = tmp_path / "unsorted.onnx"
+    onnx.save(model, str(path))
+    loaded = load_source_model(path)
+    assert [n.op_type for n in loaded.graph.node] == ["Neg", "Relu"]
+    feeds = {"x": RNG.standard_normal((1, 4)).astype(np.float32)}
+    np.testing.assert_array_equal(run(loaded, feeds)[0], run(model, feeds)[0])
+
+
+# --- GELU ---------------------------------------------------------------------------------------
+
+
+def gelu_block(pattern: str) -> onnx.ModelProto:
+    """MatMul -> Erf-GELU in the TensorFlow or Keras form -> MatMul."""
+    inits = [
+        const("w", RNG.standard_normal((8, 8))),
+        const("w2", RNG.standard_normal((8, 4))),
+        const("half", 0.5),
+        const("one", 1.0),
+        const("k", 0.70710677),
+        const("s2", 1.4142135),
+    ]
+    first = (
+        oh.make_node("Mul", ["a", "k"], ["b"])
+        if pattern == "tf"
+        else oh.make_node("Div", ["a", "s2"], ["b"])
+    )
+    nodes = [
+        oh.make_node("MatMul", ["x", "w"], ["a"]),
+        first,
+        oh.make_node("Erf", ["b"], ["e"]),
+        oh.make_node("Add", ["e", "one"], ["f"]),
+        oh.make_node("Mul", ["f", "half"], ["g"]),
+        oh.make_node("Mul", ["a", "g"], ["h"]),
+        oh.make_node("MatMul", ["h", "w2"], ["y"]),
+    ]
+    return model_of(
+        nodes,
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        inits,
+    )
+
+
+@pytest.mark.parametrize("pattern", ["tf", "keras"])
+def test_fused_gelu_is_a_typed_standard_op(pattern: str) -> None:
+    """qnn_preprocess fuses these into com.microsoft Gelu; preparation ends with ai.onnx Gelu,
+    every shape known, and the same numbers."""
+    source = gelu_block(pattern)
+    prepared, changes = prepare_model(source, NO_INPUTS)
+    ops = collections.Counter((n.domain, n.op_type) for n in prepared.graph.node)
+    assert ops[("", "Gelu")] == 1 and not any(d == "com.microsoft" for d, _ in ops)
+    assert dynamic_tensors(prepared) == []
+    assert any(c.step == "standard_gelu" and c.changed for c in changes)
+    feeds = {"x": RNG.standard_normal((1, 8)).astype(np.float32)}
+    np.testing.assert_allclose(run(prepared, feeds)[0], run(source, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("op", "bias", "approximate"),
+    [
+        ("Gelu", False, "none"),
+        ("FastGelu", True, "tanh"),
+        ("FastGelu", False, "tanh"),
+        ("BiasGelu", True, "none"),
+    ],
+)
+def test_contrib_gelus_become_standard_gelu(op: str, bias: bool, approximate: str) -> None:
+    inputs = ["x", "b"] if bias else ["x"]
+    node = oh.make_node(op, inputs, ["y"], domain="com.microsoft")
+    model = model_of(
+        [node],
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+        [const("b", RNG.standard_normal(8))] if bias else [],
+        opset=21,
+    )
+    model.opset_import.append(oh.make_opsetid("com.microsoft", 1))
+    converted, change = attention.standard_gelu(model)
+    assert change.changed
+    assert all(n.domain == "" for n in converted.graph.node)
+    assert all(o.domain != "com.microsoft" for o in converted.opset_import)
+    gelu = next(n for n in converted.graph.node if n.op_type == "Gelu")
+    got_approx = next((a.s.decode() for a in gelu.attribute if a.name == "approximate"), "none")
+    assert got_approx == approximate
+    feeds = {"x": (RNG.standard_normal((2, 8)) * 3).astype(np.float32)}
+    np.testing.assert_allclose(run(converted, feeds)[0], run(model, feeds)[0], rtol=1e-5, atol=1e-6)
+
+
+# --- attention-mask fills ----------------------------------------------------------------------
+
+SEQ = 8
+
+
+def masked_attention(fill: float = -np.inf, extra_reader: bool = False) -> onnx.ModelProto:
+    """scores [1,2,8,8] masked where mask == 0 by Where(., fill, scores) -> Softmax -> MatMul V."""
+    inits = [
+        const("zero", 0, np.int64),
+        const("fill", fill),
+        const("v", RNG.standard_normal((1, 2, SEQ, 4))),
+    ]
+    nodes = [
+        oh.make_node("Equal", ["mask", "zero"], ["masked"]),
+        oh.make_node("Where", ["masked", "fill", "scores"], ["filled"]),
+        oh.make_node("Softmax", ["filled"], ["probs"], axis=-1),
+        oh.make_node("MatMul", ["probs", "v"], ["y"]),
+    ]
+    outputs = [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, SEQ, 4])]
+    if extra_reader:  # the filled scores are also a model output: not only Softmax reads them
+        outputs.append(oh.make_tensor_value_info("filled", TensorProto.FLOAT, [1, 2, SEQ, SEQ]))
+    return model_of(
+        nodes,
+        [
+            oh.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 2, SEQ, SEQ]),
+            oh.make_tensor_value_info("mask", TensorProto.INT64, [1, 1, 1, SEQ]),
+        ],
+        outputs,
+        inits,
+    )
+
+
+def attention_feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    used = int(rng.integers(2, SEQ + 1))
+    mask = np.zeros((1, 1, 1, SEQ), np.int64)
+    mask[..., :used] = 1
+    return {"scores": (rng.standard_normal((1, 2, SEQ, SEQ)) * 3).astype(np.float32), "mask": mask}
+
+
+def test_infinite_mask_fill_becomes_finite_with_the_same_result() -> None:
+    source = masked_attention()
+    prepared, changes = prepare_model(source, NO_INPUTS)
+    fills = [
+        numpy_helper.to_array(i)
+        for i in prepared.graph.initializer
+        if i.name.endswith("finite_mask_fill")
+    ]
+    assert fills and np.isfinite(fills[0]).all() and float(fills[0]) == attention.MASK_FILL
+    assert any(c.step == "finite_mask_fills" and c.changed for c in changes)
+    for _ in range(4):
+        feeds = attention_feeds(RNG)
+        np.testing.assert_array_equal(run(prepared, feeds)[0], run(source, feeds)[0])
+
+
+def test_a_fill_something_else_reads_stays() -> None:
+    _, change = attention.finite_mask_fills(masked_attention(extra_reader=True))
+    assert not change.changed
+
+
+def test_mask_fill_range_rule_keeps_the_unmasked_range() -> None:
+    model = masked_attention(fill=attention.MASK_FILL)
+    raw = {"scores": (-9.0, 8.0), "filled": (attention.MASK_FILL, 8.0), "probs": (0.0, 1.0)}
+    cut, weights, changed = ranges.mask_fill_ranges(model, raw)
+    low = -9.0 - ranges.SOFTMAX_MARGIN
+    assert cut["filled"] == (low, 8.0) and changed == ["filled"]
+    assert weights == {"fill": (low, 8.0)}
+    assert cut["scores"] == raw["scores"] and cut["probs"] == raw["probs"]
+
+
+def test_mask_bias_added_to_scores_keeps_the_unmasked_range() -> None:
+    """BERT's form: scores + (1 - mask) * -10000, then Softmax (through a Reshape)."""
+    nodes = [
+        oh.make_node("Add", ["scores", "bias"], ["biased"]),
+        oh.make_node("Reshape", ["biased", "shape"], ["flat"]),
+        oh.make_node("Softmax", ["flat"], ["y"], axis=-1),
+    ]
+    model = model_of(
+        nodes,
+        [
+            oh.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 8]),
+            oh.make_tensor_value_info("bias", TensorProto.FLOAT, [1, 8]),
+        ],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [8])],
+        [const("shape", [8], np.int64)],
+    )
+    raw = {"scores": (-5.0, 6.0), "bias": (-10000.0, 0.0), "biased": (-10005.0, 6.0)}
+    raw["flat"] = raw["biased"]
+    cut, weights, changed = ranges.mask_fill_ranges(model, raw)
+    assert cut["biased"] == cut["flat"] == (-5.0 - ranges.SOFTMAX_MARGIN, 6.0)
+    # the bias needs only to push a masked score below every unmasked one by the margin
+    assert cut["bias"] == (-11.0 - ranges.SOFTMAX_MARGIN, 0.0)
+    assert weights == {} and sorted(changed) == ["bias", "biased", "flat"]
+    # A bias that does not saturate the Softmax (a real additive bias) is left alone.
+    raw["bias"] = (-3.0, 0.0)
+    assert ranges.mask_fill_ranges(model, raw)[2] == []
+
+
+READER = """
+import numpy as np
+
+def read(path, specs):
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        used = int(rng.integers(2, 9))
+        mask = np.zeros((1, 1, 1, 8), np.int64)
+        mask[..., :used] = 1
+        yield {"scores": (rng.standard_normal((1, 2, 8, 8)) * 3).astype(np.float32), "mask": mask}
+"""
+
+
+def quantized_attention_snr(tmp_path: Path) -> float:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    onnx.save(masked_attention(), str(tmp_path / "attention.onnx"))
+    (tmp_path / "reader.py").write_text(READER)
+    (tmp_path / "attention.toml").write_text(
+        '[model]\nname = "attention"\nversion = "1.0.0"\nsource = "attention.onnx"\n'
+        '[calibration]\nkind = "python"\nreader = "reader.py:read"\nsamples = 40\n'
+        "held_out = 0.25\n[quantization]\nmin_snr_db = 0.0\nauto_mixed_precision = false\n"
+    )
+    config = load_config(tmp_path / "attention.toml")
+    result = quantize_model(config, tmp_path / "artifacts", force=True)
+    return result.record.summary.worst_snr_db
+
+
+def test_masked_attention_quantizes_accurately(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the fill finite and the range rule, the QDQ model is accurate; with the fill finite
+    but the sentinel left in the range, every score rounds to one 16-bit step of ~15000."""
+    good = quantized_attention_snr(tmp_path / "rule")
+    assert good > 40.0
+    monkeypatch.setattr(ranges, "mask_fill_ranges", lambda model, r: (r, {}, []))
+    bad = quantized_attention_snr(tmp_path / "no_rule")
+    assert bad < good - 15.0

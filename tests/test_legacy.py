@@ -1,0 +1,293 @@
+"""Legacy ops keep their meaning through preparation: each rewrite is checked against what
+onnxruntime computes for the original op, on random inputs, through the whole prepare_model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from pipeline.core.config import InputsSection
+from pipeline.core.errors import ModelError
+from pipeline.graph import legacy
+from pipeline.graph import transforms as t
+from pipeline.graph.prepare import prepare_model
+
+RNG = np.random.default_rng(7)
+SHAPE = [1, 2, 6, 7]
+
+
+def run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return session.run(None, {"x": x})[0]
+
+
+def model_of(
+    nodes: list[onnx.NodeProto],
+    opset: int,
+    inits: list[TensorProto] = (),
+    out_shape: list[int] | None = None,
+    in_shape: list[int] | None = None,
+) -> onnx.ModelProto:
+    graph = oh.make_graph(
+        nodes,
+        "legacy",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, in_shape or SHAPE)],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, out_shape or [])],
+        list(inits),
+    )
+    if out_shape is None:  # rank unknown to us: leave it to inference
+        graph.output[0].type.tensor_type.ClearField("shape")
+        graph.output[0].type.tensor_type.shape.SetInParent()
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)])
+    model.ir_version = 3 if opset <= 8 else 6
+    return model
+
+
+def prepared(model: onnx.ModelProto) -> onnx.ModelProto:
+    result, _ = prepare_model(model, InputsSection(dims={}, shapes={}, constants={}))
+    return result
+
+
+def assert_same_function(model: onnx.ModelProto, samples: int = 3) -> onnx.ModelProto:
+    """prepare_model(model) computes what onnxruntime computes for ``model``, exactly."""
+    ready = prepared(model)
+    assert t._opset(ready) == t.TARGET_OPSET
+    assert all(n.domain != legacy.PINNED_DOMAIN for n in ready.graph.node)
+    assert all(o.domain != legacy.PINNED_DOMAIN for o in ready.opset_import)
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    for _ in range(samples):
+        x = RNG.standard_normal(shape).astype(np.float32)
+        expected, got = run(model, x), run(ready, x)
+        assert expected.shape == got.shape
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    return ready
+
+
+def resize_attrs(model: onnx.ModelProto) -> list[dict[str, object]]:
+    return [
+        {a.name: oh.get_attribute_value(a) for a in n.attribute}
+        for n in model.graph.node
+        if n.op_type == "Resize"
+    ]
+
+
+UP = [1.0, 1.0, 2.0, 3.0]
+ODD_UP = [1.0, 1.0, 1.5, 2.5]
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+@pytest.mark.parametrize("scales", [UP, ODD_UP])
+def test_upsample_7_keeps_its_meaning(mode: str, scales: list[float]) -> None:
+    model = model_of([oh.make_node("Upsample", ["x"], ["y"], mode=mode, scales=scales)], 7)
+    ready = assert_same_function(model)
+    for attrs in resize_attrs(ready):  # an off scale may have become a Gather (test_resize.py)
+        assert attrs["coordinate_transformation_mode"] == b"asymmetric"
+        assert attrs.get("nearest_mode", b"floor") == b"floor"
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+@pytest.mark.parametrize("scales", [UP, ODD_UP])
+def test_upsample_9_keeps_its_meaning(mode: str, scales: list[float]) -> None:
+    s = numpy_helper.from_array(np.array(scales, np.float32), "s")
+    model = model_of([oh.make_node("Upsample", ["x", "s"], ["y"], mode=mode)], 9, [s])
+    assert_same_function(model)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+@pytest.mark.parametrize(
+    "scales",
+    [
+        UP,
+        ODD_UP,
+        [1.0, 1.0, 0.5, 0.5],
+        [1.0, 1.0, 0.6, 0.7],
+        [1.0, 1.0, 0.35, 0.8],
+        [1.0, 1.0, 0.6, 1.7],
+    ],
+    ids=["up", "odd-up", "half", "odd-down", "odd-down-2", "mixed"],
+)
+@pytest.mark.parametrize("size", [[1, 2, 6, 7], [1, 2, 11, 5]], ids=["6x7", "11x5"])
+def test_resize_10_keeps_its_meaning(mode: str, scales: list[float], size: list[int]) -> None:
+    s = numpy_helper.from_array(np.array(scales, np.float32), "s")
+    node = oh.make_node("Resize", ["x", "s"], ["y"], mode=mode)
+    model = model_of([node], 10, [s], in_shape=size)
+    ready = assert_same_function(model)
+    ops = [n.op_type for n in ready.graph.node]
+    if mode == "linear":  # an off scale is padded for the HTP (test_resize.py)
+        assert ops in (["Resize"], ["Pad", "Resize", "Slice"])
+    else:  # rows picked by ceil (which QNN HTP refuses) become Gathers; growing stays Resize
+        shrunk = sum(1 for s in scales if s < 1.0)
+        assert ops.count("Gather") >= shrunk
+        assert all(a["nearest_mode"] == b"floor" for a in resize_attrs(ready))
+
+
+def test_the_version_converter_alone_would_change_bilinear_upsampling() -> None:
+    """Why the pinning exists: the converter's Resize takes half_pixel coordinates."""
+    from onnx import version_converter
+
+    s = numpy_helper.from_array(np.array(UP, np.float32), "s")
+    model = model_of([oh.make_node("Upsample", ["x", "s"], ["y"], mode="linear")], 9, [s])
+    model.graph.output[0].type.tensor_type.shape.Clear()
+    for size in [1, 2, 12, 21]:
+        model.graph.output[0].type.tensor_type.shape.dim.add().dim_value = size
+    converted = version_converter.convert_version(model, 21)
+    x = RNG.standard_normal(SHAPE).astype(np.float32)
+    assert not np.allclose(run(converted, x), run(model, x), atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "attrs",
+    [{"border": [1, 2, 1, 0]}, {"border": [1, 2, 0, 0], "scale": [3, 4]}, {"border": [0] * 4}],
+    ids=["border", "scale", "none"],
+)
+def test_crop_becomes_slice(attrs: dict[str, list[int]]) -> None:
+    model = model_of([oh.make_node("Crop", ["x"], ["y"], **attrs)], 7, in_shape=[1, 3, 6, 7])
+    ready = assert_same_function(model)
+    assert [n.op_type for n in ready.graph.node] == ["Slice"]
+
+
+@pytest.mark.parametrize(
+    ("op", "attrs"),
+    [
+        ("ImageScaler", {"scale": 2.0, "bias": [1.0, -2.0]}),
+        ("Scale", {"scale": 3.0}),
+        ("Affine", {"alpha": 2.0, "beta": 0.5}),
+        ("ScaledTanh", {"alpha": 2.0, "beta": 0.5}),
+        ("ParametricSoftplus", {"alpha": 2.0, "beta": 0.5}),
+    ],
+)
+def test_experimental_elementwise_ops_keep_their_meaning(op: str, attrs: dict) -> None:
+    assert_same_function(model_of([oh.make_node(op, ["x"], ["y"], **attrs)], 7, out_shape=SHAPE))
+
+
+def test_a_legacy_op_left_for_the_converter_names_the_right_fix() -> None:
+    """The rewrites run before the upgrade; an op they left names its nodes and the module to
+    extend (not a step that already ran)."""
+    model = model_of([oh.make_node("Scale", ["x"], ["y"], name="s1")], 7, out_shape=SHAPE)
+    with pytest.raises(ModelError) as info:
+        t.upgrade_opset(model)
+    assert "'s1'" in info.value.message
+    assert "pipeline/graph/legacy.py" in info.value.tip
+    assert "first" not in info.value.tip
+
+
+def test_pin_is_a_no_op_on_current_models() -> None:
+    s = numpy_helper.from_array(np.array(UP, np.float32), "s")
+    roi = numpy_helper.from_array(np.zeros(0, np.float32), "roi")
+    node = oh.make_node("Resize", ["x", "roi", "s"], ["y"], mode="linear")
+    model = model_of([node], 13, [s, roi])
+    _, change = legacy.pin_legacy_semantics(model)
+    assert not change.changed
+    _, change = legacy.restore_pinned_ops(model)
+    assert not change.changed
+
+
+# --- Pad(-FLT_MAX) + pool --------------------------------------------------------------------
+
+LOWEST = float(-np.finfo(np.float32).max)
+
+
+def padded_pool(pads: list[int], value: float, pool: str, **attrs: object) -> onnx.ModelProto:
+    p = numpy_helper.from_array(np.array(pads, np.int64), "pads")
+    v = numpy_helper.from_array(np.array(value, np.float32), "value")
+    nodes = [
+        oh.make_node("Pad", ["x", "pads", "value"], ["padded"]),
+        oh.make_node(pool, ["padded"], ["y"], kernel_shape=[3, 3], strides=[2, 2], **attrs),
+    ]
+    return model_of(nodes, 13, [p, v])
+
+
+def test_pad_with_lowest_float_folds_into_maxpool() -> None:
+    model = padded_pool([0, 0, 0, 1, 0, 0, 1, 1], LOWEST, "MaxPool", auto_pad="VALID")
+    folded, change = legacy.fold_pad_into_pool(model)
+    assert [n.op_type for n in folded.graph.node] == ["MaxPool"]
+    assert change.changed
+    x = RNG.standard_normal(SHAPE).astype(np.float32)
+    np.testing.assert_array_equal(run(folded, x), run(model, x))
+
+
+def test_pad_with_zero_folds_into_averagepool_that_counts_padding() -> None:
+    model = padded_pool([0, 0, 1, 1, 0, 0, 1, 1], 0.0, "AveragePool", count_include_pad=1)
+    folded, _ = legacy.fold_pad_into_pool(model)
+    assert [n.op_type for n in folded.graph.node] == ["AveragePool"]
+    x = RNG.standard_normal(SHAPE).astype(np.float32)
+    np.testing.assert_allclose(run(folded, x), run(model, x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("pads", "value", "pool", "attrs"),
+    [
+        ([0, 0, 0, 0, 0, 0, 3, 3], LOWEST, "MaxPool", {}),  # a window of padding only
+        ([0, 0, 0, 1, 0, 0, 1, 1], 0.0, "MaxPool", {}),  # 0 can win a max
+        ([0, 1, 0, 0, 0, 0, 0, 0], LOWEST, "MaxPool", {}),  # pads a channel
+        ([0, 0, 1, 1, 0, 0, 1, 1], 0.0, "AveragePool", {}),  # count_include_pad = 0
+    ],
+    ids=["pad>=kernel", "zero-for-max", "channel", "avg-excludes-pad"],
+)
+def test_pad_stays_when_folding_would_change_the_result(
+    pads: list[int], value: float, pool: str, attrs: dict
+) -> None:
+    _, change = legacy.fold_pad_into_pool(padded_pool(pads, value, pool, **attrs))
+    assert not change.changed
+
+
+# --- a BatchNormalization with nothing to fold into ----------------------------------------------
+
+
+def test_input_batchnorm_becomes_mul_add() -> None:
+    """Old converters normalise the input with a BatchNormalization right after it."""
+    channels = SHAPE[1]
+    params = [
+        numpy_helper.from_array(RNG.uniform(0.5, 2.0, channels).astype(np.float32), name)
+        for name in ("gamma", "beta", "mean", "var")
+    ]
+    bn = oh.make_node("BatchNormalization", ["x", "gamma", "beta", "mean", "var"], ["y"])
+    model = model_of([bn], 9, params, out_shape=SHAPE)
+    ready = assert_same_function(model)
+    assert [n.op_type for n in ready.graph.node] == ["Mul", "Add"]
+    _, change = legacy.batchnorm_to_affine(ready)
+    assert not change.changed
+
+
+@pytest.mark.qnn
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_legacy_resizes_stay_whole_on_the_htp(tmp_path: Path, mode: str) -> None:
+    """The rewritten nearest (Gather + Resize floor) and linear (asymmetric) forms compile
+    whole on the HTP and agree with the CPU QDQ model there."""
+    from pipeline.__main__ import main
+    from pipeline.core.layout import ModelPaths
+    from pipeline.core.records import VariantRecord, read_record
+
+    w = numpy_helper.from_array((RNG.standard_normal((2, 2, 1, 1)) * 0.5).astype("f4"), "w")
+    s = numpy_helper.from_array(np.array([1.0, 1.0, 0.6, 1.7], np.float32), "s")
+    nodes = [
+        oh.make_node("Conv", ["x", "w"], ["c"]),
+        oh.make_node("Resize", ["c", "s"], ["y"], mode=mode),
+    ]
+    model = model_of(nodes, 10, [w, s], out_shape=[1, 2, 6, 13], in_shape=[1, 2, 11, 8])
+    onnx.save(model, str(tmp_path / "resize.onnx"))
+    config = tmp_path / "resize.toml"
+    config.write_text(
+        '[model]\nname = "resize"\nversion = "1.0.0"\nsource = "resize.onnx"\n'
+        '[calibration]\nkind = "random"\nsamples = 16\n'
+        '[compile]\ntargets = ["snapdragon-x-elite"]\nmin_snr_db = 30.0\n',
+        encoding="utf-8",
+    )
+    artifacts = tmp_path / "artifacts"
+    for stage in ("quantize", "compile"):
+        assert main([stage, "--artifacts", str(artifacts), str(config)]) == 0, stage
+    folder = next(ModelPaths.of(artifacts, "resize").ctx.glob("*/snapdragon-x-elite"))
+    record, why = read_record(VariantRecord, folder / "variant.json")
+    assert record is not None and record.coverage is not None, why
+    assert record.coverage.qnn_partitions == 1 and record.coverage.cpu_compute_nodes == []
+    assert record.validation is not None and record.validation.worst_snr_db > 30.0

@@ -1,0 +1,149 @@
+"""Lossless preparation: the prepared float model is compared with the source, and a step that
+changed the function is found by running the preparation one step at a time."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from pipeline.core.config import InputsSection
+from pipeline.core.errors import GateError
+from pipeline.graph import prepare as prepare_mod
+from pipeline.graph.prepare import prepare_model
+from pipeline.graph.transforms import Change
+from pipeline.quantize import lossless
+from pipeline.quantize.lossless import StepFigure, check_preparation, culprit
+
+RNG = np.random.default_rng(3)
+NO_INPUTS = InputsSection(dims={}, shapes={}, constants={})
+
+
+def tiny(dtype: int = TensorProto.FLOAT, upsample: bool = False) -> onnx.ModelProto:
+    """Conv -> Relu (-> opset-9 bilinear Upsample) on 1x2x6x6."""
+    np_type = np.float16 if dtype == TensorProto.FLOAT16 else np.float32
+    w = numpy_helper.from_array(RNG.standard_normal((2, 2, 3, 3)).astype(np_type), "w")
+    nodes = [
+        oh.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        oh.make_node("Relu", ["c"], ["r" if upsample else "y"]),
+    ]
+    inits = [w]
+    out_shape = [1, 2, 6, 6]
+    if upsample:
+        inits.append(numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "s"))
+        nodes.append(oh.make_node("Upsample", ["r", "s"], ["y"], mode="linear"))
+        out_shape = [1, 2, 12, 12]
+    graph = oh.make_graph(
+        nodes,
+        "tiny",
+        [oh.make_tensor_value_info("x", dtype, [1, 2, 6, 6])],
+        [oh.make_tensor_value_info("y", dtype, out_shape)],
+        inits,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 9 if upsample else 13)])
+    model.ir_version = 7
+    return model
+
+
+def heldout(folder: Path, count: int = 4) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        np.savez(folder / f"sample_{i:05d}.npz", x=RNG.standard_normal((1, 2, 6, 6)).astype("f4"))
+    return folder
+
+
+def prepared_file(model: onnx.ModelProto, folder: Path) -> Path:
+    ready, _ = prepare_model(model, NO_INPUTS)
+    path = folder / "float.onnx"
+    onnx.save(ready, str(path))
+    return path
+
+
+def test_a_lossless_preparation_passes(tmp_path: Path) -> None:
+    source = tiny(upsample=True)
+    check = check_preparation(
+        "m", source, NO_INPUTS, prepared_file(source, tmp_path), heldout(tmp_path / "h")
+    )
+    assert check.passed and check.samples == 4
+    assert check.snr_db is not None and check.snr_db >= lossless.MIN_PREPARED_SNR_DB
+    assert check.steps == []  # per-step figures only when it fails
+
+
+def test_a_step_that_changes_the_function_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the pinning of legacy Upsample semantics the opset upgrade changes bilinear
+    upsampling (half_pixel instead of asymmetric): the check fails and names that step."""
+    from pipeline.graph import legacy
+
+    source = tiny(upsample=True)
+
+    def no_pin(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+        return model, Change("pin_legacy_semantics")
+
+    monkeypatch.setattr(legacy, "pin_legacy_semantics", no_pin)
+    path = prepared_file(source, tmp_path)
+    check = check_preparation("m", source, NO_INPUTS, path, heldout(tmp_path / "h"))
+    assert not check.passed
+    assert check.snr_db is not None and check.snr_db < lossless.MIN_PREPARED_SNR_DB
+    assert check.culprit == "upgrade_opset"
+    figures = {s.step: s.snr_db for s in check.steps}
+    assert figures["upgrade_opset"] < 60 and figures["set_ir_version"] == float("inf")
+    assert "upgrade_opset" in check.message("m")
+
+
+def test_a_step_that_changes_the_function_fails_the_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the quantize stage: a GateError naming the step, the figures in the report."""
+    from pipeline.__main__ import main
+    from pipeline.example import ensure_example
+
+    root = tmp_path / "proj"
+    ensure_example(root)
+    (root / "configs").mkdir()
+    repo = Path(__file__).resolve().parent.parent
+    shutil.copy(repo / "configs" / "example.toml", root / "configs" / "example.toml")
+    original = prepare_mod.preparation_steps
+
+    def lossy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+        out = model.graph.output[0].name
+        for node in model.graph.node:
+            node.output[:] = [f"{o}_pre" if o == out else o for o in node.output]
+        model.graph.initializer.append(numpy_helper.from_array(np.array(1.01, np.float32), "k"))
+        model.graph.node.append(oh.make_node("Mul", [f"{out}_pre", "k"], [out]))
+        return model, Change("lossy_step", ("output x 1.01",))
+
+    monkeypatch.setattr(prepare_mod, "preparation_steps", lambda inputs: [*original(inputs), lossy])
+    args = ["quantize", "--artifacts", str(tmp_path / "a"), str(root / "configs" / "example.toml")]
+    with pytest.raises(GateError) as info:
+        from pipeline.core.config import load_config
+        from pipeline.quantize.build import quantize_model
+
+        quantize_model(load_config(root / "configs" / "example.toml"), tmp_path / "a")
+    assert "lossy_step" in info.value.message
+    report = (tmp_path / "a" / "build" / "example_cnn" / "report.md").read_text()
+    assert "lossy_step" in report and "FAILED" in report
+    assert main(args) != 0
+
+
+def test_float16_source_is_compared_in_float32(tmp_path: Path) -> None:
+    source = tiny(TensorProto.FLOAT16)
+    check = check_preparation(
+        "m", source, NO_INPUTS, prepared_file(source, tmp_path), heldout(tmp_path / "h")
+    )
+    assert check.passed and "float32" in check.reference
+    assert check.float16_snr_db is not None and check.float16_snr_db < check.snr_db
+
+
+def test_culprit_names_the_unrunnable_steps_before_the_drop() -> None:
+    steps = [StepFigure("a", float("inf")), StepFigure("b", None), StepFigure("c", 12.0)]
+    assert culprit(steps) == "b or c"
+    assert culprit([StepFigure("a", 80.0), StepFigure("d", 30.0)]) == "d"
+    assert culprit([StepFigure("a", 80.0)]) == ""

@@ -1,0 +1,556 @@
+"""Pre-quantized models keep their own quantization: detection, preparation that keeps Q/DQ,
+exact rewrites for the QNN HTP, requantize, and the quantize stage's branch. Every rewrite is
+checked against onnxruntime on the CPU running the original model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from pipeline.core.config import InputsSection, load_config
+from pipeline.core.errors import ConfigError, ModelError
+from pipeline.graph import prequantized as pq
+from pipeline.graph.prepare import prepare_model
+
+RNG = np.random.default_rng(11)
+SHAPE = [1, 3, 8, 8]
+MODELS = Path(__file__).resolve().parent.parent.parent / "shared" / "models"
+FLOAT_MODELS = [
+    "mlperf_vww_mobilenetv1_025_96_float",
+    "mlperf_alibaba_ic_cifar10_dynbatch",
+    "ppocr_cls_mobilenetv3_dyn",
+    "ppocr_rec_en_number_v2_dyn",
+    "magika_standard_v3_3",
+    "ultraface_rfb320",
+    "silero_vad_op18_ifless",
+    "winml_squeezenet1.0_fp16",
+]
+
+
+# -- small models ---------------------------------------------------------------------------
+
+
+class Builder:
+    """Nodes and initializers of a small graph with input ``x`` [1, 3, 8, 8]."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[TensorProto] = []
+        self.count = 0
+
+    def name(self, base: str) -> str:
+        self.count += 1
+        return f"{base}{self.count}"
+
+    def const(self, value: np.ndarray, base: str = "c") -> str:
+        name = self.name(base)
+        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], domain: str = "", **attrs: object) -> str:
+        out = self.name(op.lower())
+        self.nodes.append(oh.make_node(op, inputs, [out], name=out, domain=domain, **attrs))
+        return out
+
+    def qdq(self, x: str, scale: float, zp: int, dtype: type = np.uint8) -> str:
+        s, z = self.const(np.float32(scale), "s"), self.const(np.array(zp, dtype), "z")
+        return self.node("DequantizeLinear", [self.node("QuantizeLinear", [x, s, z]), s, z])
+
+    def weight(
+        self, shape: list[int], scale: float = 2.0**-6, dtype: type = np.int8, zp: int = 0
+    ) -> str:
+        low, high = (-128, 127) if dtype == np.int8 else (0, 255)
+        q = RNG.integers(low, high + 1, shape).astype(dtype)
+        s, z = self.const(np.float32(scale), "ws"), self.const(np.array(zp, dtype), "wz")
+        return self.node("DequantizeLinear", [self.const(q, "w"), s, z])
+
+    def bias(self, n: int, scale: float, dtype: type = np.int32) -> str:
+        q = RNG.integers(-100, 100, n).astype(dtype)
+        s, z = self.const(np.float32(scale), "bs"), self.const(np.array(0, dtype), "bz")
+        return self.node("DequantizeLinear", [self.const(q, "b"), s, z])
+
+    def model(self, y: str, opset: int = 13, out_shape: list[int] | None = None) -> onnx.ModelProto:
+        for node in self.nodes:  # the last result is the graph output "y"
+            node.output[:] = ["y" if o == y else o for o in node.output]
+        graph = oh.make_graph(
+            self.nodes,
+            "g",
+            [oh.make_tensor_value_info("x", TensorProto.FLOAT, SHAPE)],
+            [oh.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)],
+            self.inits,
+        )
+        if out_shape is None:  # rank left to inference
+            graph.output[0].type.tensor_type.shape.SetInParent()
+        imports = [oh.make_opsetid("", opset), oh.make_opsetid("com.microsoft", 1)]
+        model = oh.make_model(graph, opset_imports=imports)
+        model.ir_version = 7
+        onnx.checker.check_model(model)
+        return model
+
+
+def run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return session.run(None, {"x": x})[0]
+
+
+def inputs(samples: int = 4) -> list[np.ndarray]:
+    return [RNG.uniform(-2, 2, SHAPE).astype(np.float32) for _ in range(samples)]
+
+
+def assert_same(a: onnx.ModelProto, b: onnx.ModelProto) -> None:
+    for x in inputs():
+        np.testing.assert_array_equal(run(a, x), run(b, x))
+
+
+def ops(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in model.graph.node]
+
+
+def conv_net(
+    act: type = np.uint8, zp: int = 0, bias: type = np.int32, flat: bool = False
+) -> onnx.ModelProto:
+    """x -> Q/DQ -> Conv(int8 weight, bias) -> Q/DQ: a QDQ unit as exporters write it.
+
+    ``flat``: the result flattened (a layout-neutral graph output, as classifiers and detector
+    heads have; with a Conv last the EP's NHWC->NCHW Transpose stays on the CPU).
+    """
+    b = Builder()
+    x = b.qdq("x", 2.0**-5, zp, act)
+    w = b.weight([4, 3, 3, 3])
+    y = b.qdq(
+        b.node("Conv", [x, w, b.bias(4, 2.0**-11, bias)], pads=[1, 1, 1, 1]), 2.0**-4, zp, act
+    )
+    if flat:
+        y = b.qdq(b.node("Flatten", [y]), 2.0**-4, zp, act)
+    return b.model(y)
+
+
+def float_net() -> onnx.ModelProto:
+    b = Builder()
+    w = b.const(RNG.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32))
+    y = b.node("Relu", [b.node("Conv", ["x", w], pads=[1, 1, 1, 1])])
+    return b.model(y)
+
+
+# -- detection ------------------------------------------------------------------------------
+
+
+def test_float_models_are_not_prequantized() -> None:
+    assert not pq.is_prequantized(float_net())
+    fp16 = float_net()
+    for init in fp16.graph.initializer:
+        init.CopyFrom(
+            numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float16), init.name)
+        )
+    assert not pq.is_prequantized(fp16)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", FLOAT_MODELS)
+def test_real_float_models_are_not_prequantized(name: str) -> None:
+    path = MODELS / f"{name}.onnx"
+    if not path.is_file():
+        pytest.skip(f"{path} not present")
+    assert not pq.is_prequantized(onnx.load(str(path), load_external_data=False))
+
+
+def test_qdq_qoperator_and_weight_only_models_are_prequantized() -> None:
+    assert pq.is_prequantized(conv_net())
+    b = Builder()  # weight-only: a DQ of a constant, float activations
+    y = b.node("Conv", ["x", b.weight([4, 3, 1, 1])])
+    weight_only = b.model(y)
+    assert pq.is_prequantized(weight_only)
+    summary = pq.summarize(weight_only)
+    assert summary.weights == 1 and not summary.activations_quantized
+    with pytest.raises(ModelError, match="requantize = true"):
+        pq.for_htp(weight_only)
+    b = Builder()
+    q = b.node("QuantizeLinear", ["x", b.const(np.float32(0.05)), b.const(np.uint8(128))])
+    sig = b.node(
+        "QLinearSigmoid",
+        [q, *(b.const(v) for v in (np.float32(0.05), np.uint8(128), np.float32(1 / 256)))],
+        domain="com.microsoft",
+    )
+    model = b.model(b.node("DequantizeLinear", [sig, b.const(np.float32(1 / 256))]))
+    assert pq.quantization_ops(model)["QLinearSigmoid"] == 1
+
+
+# -- preparation keeps the model's own Q/DQ ---------------------------------------------------
+
+
+def test_prepare_keeps_qdq_and_opset_and_drops_noop_casts() -> None:
+    b = Builder()
+    s, z = b.const(np.float32(0.05)), b.const(np.uint8(128))
+    q = b.node("QuantizeLinear", ["x", s, z])
+    cast = b.node("Cast", [q], to=TensorProto.UINT8)  # PyTorch: Q -> Cast(uint8) -> DQ
+    x = b.node("DequantizeLinear", [cast, b.node("Identity", [s]), b.node("Identity", [z])])
+    y = b.node("Conv", [x, b.weight([4, 3, 3, 3]), b.bias(4, 0.05 * 2**-6)], pads=[1, 1, 1, 1])
+    source = b.model(b.qdq(y, 0.1, 128), opset=11)
+    prepared, changes = prepare_model(source, InputsSection(dims={}, shapes={}, constants={}))
+    assert_same(source, prepared)
+    assert "Cast" not in ops(prepared) and "Identity" not in ops(prepared)
+    assert (
+        ops(prepared).count("QuantizeLinear") == 2 and ops(prepared).count("DequantizeLinear") == 4
+    )
+    assert prepared.opset_import[0].version == 11  # no upgrade for a pre-quantized model
+    done = {c.step for c in changes if c.details}
+    assert "drop_noop_casts" in done and "upgrade_opset" not in done
+
+
+def test_float_model_still_upgraded_and_untouched_by_prequantized_steps() -> None:
+    source = float_net()
+    source.opset_import[0].version = 11
+    for step in (pq.drop_noop_casts, pq.fold_quantized_constants, pq.qoperator_to_qdq):
+        _, change = step(source)
+        assert not change.changed
+    upgraded, change = pq.upgrade_opset(source)
+    assert change.changed and upgraded.opset_import[0].version == 21
+
+
+def test_quantize_of_a_constant_folds_to_its_integers() -> None:
+    b = Builder()  # Vitis-AI: float weight -> Q -> DQ, quantized at every run
+    w = b.const(RNG.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32))
+    s, z = b.const(np.float32(2.0**-6)), b.const(np.int8(0))
+    wq = b.node("DequantizeLinear", [b.node("QuantizeLinear", [w, s, z]), s, z])
+    x = b.qdq("x", 2.0**-5, 0, np.int8)
+    source = b.model(b.qdq(b.node("Conv", [x, wq], pads=[1, 1, 1, 1]), 2.0**-4, 0, np.int8))
+    folded, change = pq.fold_quantized_constants(source)
+    assert len(change.details) == 1 and ops(folded).count("QuantizeLinear") == 2
+    assert_same(source, folded)
+
+
+# -- QOperator -> QDQ ----------------------------------------------------------------------------
+
+
+def _qlinear_model(op: str) -> onnx.ModelProto:
+    """x -> Q(uint8) -> one QLinear op -> DQ."""
+    b = Builder()
+    xs, xz = b.const(np.float32(0.04)), b.const(np.uint8(120))
+    ys, yz = b.const(np.float32(0.03)), b.const(np.uint8(100))
+    q = b.node("QuantizeLinear", ["x", xs, xz])
+    ms = "com.microsoft"
+    if op == "QLinearConv":
+        w = b.const(RNG.integers(-60, 60, (4, 3, 3, 3)).astype(np.int8))
+        ws, wz = b.const(np.float32(0.01)), b.const(np.int8(0))
+        bias = b.const(RNG.integers(-500, 500, 4).astype(np.int32))
+        y = b.node(op, [q, xs, xz, w, ws, wz, ys, yz, bias], pads=[1, 1, 1, 1])
+    elif op == "QLinearMatMul":
+        w = b.const(RNG.integers(0, 255, (8, 8)).astype(np.uint8))
+        ws, wz = b.const(np.float32(0.01)), b.const(np.uint8(128))
+        y = b.node(op, [q, xs, xz, w, ws, wz, ys, yz])
+    elif op in ("QLinearAdd", "QLinearMul"):
+        y = b.node(op, [q, xs, xz, q, xs, xz, ys, yz], domain=ms)
+    elif op == "QLinearLeakyRelu":
+        y = b.node(op, [q, xs, xz, ys, yz], domain=ms, alpha=0.2)
+    elif op == "QLinearGlobalAveragePool":
+        y = b.node(op, [q, xs, xz, ys, yz], domain=ms, channels_last=0)
+    elif op == "QLinearConcat":
+        y = b.node(op, [ys, yz, q, xs, xz, q, xs, xz], domain=ms, axis=1)
+    else:
+        y = b.node(op, [q, xs, xz, ys, yz], domain=ms)
+    return b.model(b.node("DequantizeLinear", [y, ys, yz]))
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        "QLinearConv",
+        "QLinearMatMul",
+        "QLinearAdd",
+        "QLinearMul",
+        "QLinearSigmoid",
+        "QLinearLeakyRelu",
+        "QLinearGlobalAveragePool",
+        "QLinearConcat",
+    ],
+)
+def test_qlinear_ops_become_dq_op_q_within_one_step(op: str) -> None:
+    source = _qlinear_model(op)
+    converted, change = pq.qoperator_to_qdq(source)
+    assert change.changed and op not in ops(converted)
+    assert not pq.quantization_ops(converted).keys() - {"QuantizeLinear", "DequantizeLinear"}
+    for x in inputs():
+        diff = np.abs(run(source, x) - run(converted, x))
+        assert diff.max() <= 0.03 + 1e-6, op  # integer kernels round differently: <= 1 step
+        assert (diff > 1e-6).mean() < 0.1, op
+
+
+def test_integer_data_moves_get_their_own_dq_and_q() -> None:
+    b = Builder()  # QOperator style: the uint8 result of a Q transposed and reshaped as is
+    s, z = b.const(np.float32(0.05)), b.const(np.uint8(128))
+    moved = b.node("Transpose", [b.node("QuantizeLinear", ["x", s, z])], perm=[0, 2, 3, 1])
+    flat = b.node("Reshape", [moved, b.const(np.array([1, -1], np.int64))])
+    source = b.model(b.node("DequantizeLinear", [flat, s, z]), out_shape=[1, 192])
+    converted, change = pq.qoperator_to_qdq(source)
+    assert len(change.details) == 2
+    assert pq.float_edges(converted) == []
+    assert_same(source, converted)
+
+
+# -- rewrites for the HTP (all exact) -------------------------------------------------------------
+
+
+def test_int8_bias_becomes_int32_exactly() -> None:
+    source = conv_net(np.int8, 0, np.int8)  # Vitis-AI: an int8 bias at its own scale
+    converted, change = pq.int32_biases(source)
+    assert change.changed and "exact" in change.details[0]
+    biases = [
+        numpy_helper.to_array(i) for i in converted.graph.initializer if "bias_int32" in i.name
+    ]
+    assert biases and biases[0].dtype == np.int32
+    assert_same(source, converted)
+    _, change = pq.int32_biases(converted)  # already at input x weight scale: no-op
+    assert not change.changed
+
+
+def test_uint8_weights_beside_int8_activations_become_int8_exactly() -> None:
+    b = Builder()
+    x = b.qdq("x", 2.0**-5, 3, np.int8)
+    y = b.node("Conv", [x, b.weight([4, 3, 1, 1], 0.01, np.uint8, 131)])
+    source = b.model(b.qdq(y, 0.05, 0, np.int8))
+    converted, change = pq.signed_weights(source)
+    assert change.changed
+    assert_same(source, converted)
+    assert not pq.signed_weights(conv_net())[1].changed  # uint8 activations: left alone
+
+
+def test_quantization_is_copied_through_data_moving_ops() -> None:
+    b = Builder()  # detector head: Conv -> Transpose -> Reshape -> Concat -> Q; DQ -> Flatten
+    x = b.qdq("x", 2.0**-5, 0, np.int8)
+    heads = []
+    for _ in range(2):
+        conv = b.node("Conv", [x, b.weight([4, 3, 1, 1]), b.bias(4, 2.0**-11)])
+        moved = b.node("Transpose", [conv], perm=[0, 2, 3, 1])
+        heads.append(b.node("Reshape", [moved, b.const(np.array([1, -1, 2], np.int64))]))
+    cat = b.qdq(b.node("Concat", heads, axis=1), 2.0**-4, 0, np.int8)
+    y = b.qdq(b.node("Softmax", [b.node("Flatten", [cat])]), 2.0**-7, -128, np.int8)
+    source = b.model(y, out_shape=[1, 128])
+    assert len(pq.float_edges(source)) == 7
+    converted, change = pq.propagate_qdq(source)
+    assert change.changed
+    assert pq.float_edges(converted) == []
+    assert_same(source, converted)
+
+
+def test_relu_clipped_by_its_q_is_left_to_the_ep() -> None:
+    b = Builder()  # PyTorch FX ConvReLU: the Q (zero point 0) clips at zero itself
+    x = b.qdq("x", 2.0**-5, 0)
+    conv = b.node("Conv", [x, b.weight([4, 3, 1, 1]), b.bias(4, 2.0**-11)])
+    source = b.model(b.qdq(b.node("Relu", [conv]), 2.0**-4, 0))
+    assert pq.float_edges(source) == []
+    assert not pq.propagate_qdq(source)[1].changed
+    b = Builder()  # the same with a zero point of 128: the Relu is real, Q copied before it
+    x = b.qdq("x", 2.0**-5, 128)
+    conv = b.node("Conv", [x, b.weight([4, 3, 1, 1]), b.bias(4, 2.0**-11)])
+    source = b.model(b.qdq(b.node("Relu", [conv]), 2.0**-4, 128))
+    converted, change = pq.propagate_qdq(source)
+    assert change.changed and pq.float_edges(converted) == []
+    assert_same(source, converted)
+
+
+@pytest.mark.parametrize(("act", "zp"), [(np.int8, 0), (np.uint8, 128), (np.uint8, 0)])
+@pytest.mark.parametrize("op", ["LeakyRelu", "PRelu"])
+def test_leaky_relu_after_conv_splits_into_exact_8bit_branches(act: type, zp: int, op: str) -> None:
+    b = Builder()
+    x = b.qdq("x", 2.0**-5, zp, act)
+    conv = b.node("Conv", [x, b.weight([4, 3, 3, 3]), b.bias(4, 2.0**-11)], pads=[1, 1, 1, 1])
+    if op == "LeakyRelu":
+        leaky = b.node(op, [conv], alpha=0.1015625)
+    else:
+        leaky = b.node(op, [conv, b.const(np.full((4, 1, 1), 0.25, np.float32))])
+    source = b.model(b.qdq(leaky, 2.0**-4, zp, act))
+    converted, change = pq.split_leaky_relu(source)
+    assert change.changed and pq.float_edges(converted) == []
+    assert ops(converted).count("Conv") == 2 and op not in ops(converted)
+    # The twin reads its own copy of the weights (QNN keeps one static tensor per name).
+    convs = [n for n in converted.graph.node if n.op_type == "Conv"]
+    producer = {o: n for n in converted.graph.node for o in n.output}
+    assert producer[convs[0].input[1]].input[0] != producer[convs[1].input[1]].input[0]
+    assert_same(source, converted)
+
+
+def test_for_htp_on_a_vitis_style_model_is_exact_and_leaves_no_float_op() -> None:
+    b = Builder()
+    x = b.qdq("x", 2.0**-5, 0, np.int8)
+    conv = b.node(
+        "Conv", [x, b.weight([4, 3, 3, 3]), b.bias(4, 2.0**-9, np.int8)], pads=[1, 1, 1, 1]
+    )
+    y = b.qdq(b.node("LeakyRelu", [conv], alpha=0.1015625), 2.0**-4, 0, np.int8)
+    conv = b.node("Conv", [y, b.weight([4, 4, 1, 1]), b.bias(4, 2.0**-9, np.int8)])
+    source = b.model(b.qdq(b.node("Relu", [conv]), 2.0**-4, 0, np.int8))
+    converted, changes = pq.for_htp(source)
+    assert [c.step for c in changes if c.changed] == [
+        "int32_biases",
+        "propagate_qdq",
+        "split_leaky_relu",
+    ]
+    assert pq.float_edges(converted) == []
+    assert_same(source, converted)
+
+
+# -- requantize ------------------------------------------------------------------------------------
+
+
+def test_dequantize_gives_the_float_model_behind() -> None:
+    source = conv_net(np.int8, 0, np.int32)
+    plain, change = pq.dequantize(source)
+    assert change.changed and not pq.is_prequantized(plain)
+    assert ops(plain) == ["Conv", "Identity"]  # the graph output keeps its name
+    inits = {i.name: numpy_helper.to_array(i) for i in source.graph.initializer}
+    dqs = [n for n in source.graph.node if n.op_type == "DequantizeLinear"]
+    w, bias = (
+        (inits[n.input[0]].astype(np.float32) - inits[n.input[2]]) * inits[n.input[1]]
+        for n in dqs[1:3]
+    )
+    b = Builder()  # the same Conv in float: the model without its activation rounding
+    y = b.node("Conv", ["x", b.const(w), b.const(bias.astype(np.float32))], pads=[1, 1, 1, 1])
+    reference = b.model(y)
+    for x in inputs(2):
+        np.testing.assert_allclose(run(plain, x), run(reference, x), rtol=1e-5, atol=1e-5)
+
+
+def test_requantize_key_is_a_checked_bool(tmp_path: Path) -> None:
+    path = tmp_path / "m.toml"
+    path.write_text(
+        '[model]\nname = "m"\nversion = "1"\nsource = "m.onnx"\n\n[calibration]\nkind = "random"\n\n[quantization]\nrequantize = "yes"\n'
+    )
+    with pytest.raises(ConfigError, match=r"quantization\.requantize must be true or false"):
+        load_config(path, check_files=False)
+    path.write_text(path.read_text().replace('"yes"', "true"))
+    assert load_config(path, check_files=False).quantization.requantize is True
+
+
+# -- the quantize stage ----------------------------------------------------------------------
+
+
+def _config(tmp_path: Path, model: onnx.ModelProto, extra: str = "") -> Path:
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    path = tmp_path / "m.toml"
+    path.write_text(
+        '[model]\nname = "pq"\nversion = "1"\nsource = "m.onnx"\n\n'
+        '[calibration]\nkind = "random"\ninput = "x"\nsamples = 8\n\n'
+        "[quantization]\nmin_snr_db = 20.0\n" + extra
+    )
+    return path
+
+
+def _vitis_model(flat: bool = False) -> onnx.ModelProto:
+    b = Builder()
+    x = b.qdq("x", 2.0**-5, 0, np.int8)
+    conv = b.node(
+        "Conv", [x, b.weight([4, 3, 3, 3]), b.bias(4, 2.0**-9, np.int8)], pads=[1, 1, 1, 1]
+    )
+    y = b.qdq(b.node("LeakyRelu", [conv], alpha=0.1015625), 2.0**-4, 0, np.int8)
+    if flat:
+        y = b.qdq(b.node("Flatten", [y]), 2.0**-4, 0, np.int8)
+    return b.model(y)
+
+
+def test_quantize_stage_keeps_the_models_own_quantization(tmp_path: Path) -> None:
+    from pipeline.__main__ import main
+
+    config = _config(tmp_path, _vitis_model())
+    assert main(["quantize", "--artifacts", str(tmp_path / "a"), str(config)]) == 0
+    root = tmp_path / "a" / "build" / "pq"
+    report = json.loads((root / "report.json").read_text())
+    own = report["prequantized"]
+    assert own["kept"] and "activations int8" in own["summary"]
+    assert {c["step"] for c in own["conversions"] if c["details"]} >= {"split_leaky_relu"}
+    assert own["float_edges"] == [] and own["input_jitter"]
+    assert report["method"] == "own (pre-quantized)" and report["merged_tensors"] == 0
+    (bucket,) = report["buckets"]
+    assert bucket["qdq_vs_float"]["y"]["snr_db"] in ("inf", float("inf"))
+    markdown = (root / "report.md").read_text()
+    assert "the model's own, kept" in markdown and "split_leaky_relu" in markdown
+    qdq = onnx.load(str(root / "buckets" / "static" / "qdq.onnx"))
+    assert ops(qdq).count("QuantizeLinear") == 4  # its own 2 + the two branch Qs, no others
+
+
+def test_quantize_stage_requantizes_when_asked(tmp_path: Path) -> None:
+    from pipeline.__main__ import main
+
+    config = _config(tmp_path, _vitis_model(), "requantize = true\n")
+    assert main(["quantize", "--artifacts", str(tmp_path / "a"), str(config)]) == 0
+    report = json.loads((tmp_path / "a" / "build" / "pq" / "report.json").read_text())
+    assert not report["prequantized"]["kept"] and report["prequantized"]["removed"]
+    assert report["method"] == "MinMax" and report["merged_tensors"] > 0
+
+
+def test_overrides_on_a_kept_model_are_refused(tmp_path: Path) -> None:
+    from pipeline.__main__ import main
+
+    extra = '\n[quantization.overrides]\nop_types = { Conv = "uint16" }\n'
+    config = _config(tmp_path, _vitis_model(), extra)
+    assert main(["quantize", "--artifacts", str(tmp_path / "a"), str(config)]) != 0
+
+
+# -- on the QNN HTP simulator ------------------------------------------------------------------
+
+
+def _on_htp(model: onnx.ModelProto, tmp_path: Path, x: np.ndarray) -> tuple[np.ndarray, object]:
+    """Compile ``model`` for the HTP (Snapdragon X Elite), run it; output and coverage."""
+    pytest.importorskip("onnxruntime_qnn")
+    from pipeline.compile import coverage as coverage_mod
+    from qnn_ctx_runtime import qnn
+
+    ep = qnn.find_qnn_ep()
+    source, ctx = tmp_path / "m.onnx", tmp_path / "m_ctx.onnx"
+    model.ir_version = 10
+    onnx.save(model, str(source))
+    options = ep.session_options(qnn.QnnOptions("htp", 60, 73), log_severity=3)
+    ort.ModelCompiler(options, str(source), embed_compiled_data_into_model=True).compile_to_file(
+        str(ctx)
+    )
+    config = {"session.record_ep_graph_assignment_info": "1"}
+    session = ort.InferenceSession(
+        str(ctx), ep.session_options(qnn.QnnOptions("htp"), config, log_severity=3)
+    )
+    coverage = coverage_mod.summarize(
+        coverage_mod.assignment_from_session(session), qnn.read_model_summary(ctx)
+    )
+    return session.run(None, {"x": x})[0], coverage
+
+
+@pytest.mark.qnn
+def test_htp_takes_int8_activations_as_uint8_plus_128(tmp_path: Path) -> None:
+    """Measured fact behind keeping int8 activations: the same network with int8 (zero point
+    0) and uint8 (zero point 128) activations gives bit-identical results on the HTP."""
+    signed, unsigned = conv_net(np.int8, 0, flat=True), onnx.ModelProto()
+    unsigned.CopyFrom(signed)
+    for init in unsigned.graph.initializer:
+        value = numpy_helper.to_array(init)
+        if init.name.startswith("z"):  # activation zero points
+            init.CopyFrom(numpy_helper.from_array(np.array(int(value) + 128, np.uint8), init.name))
+    x = inputs(1)[0]
+    np.testing.assert_array_equal(run(signed, x), run(unsigned, x))
+    (tmp_path / "s").mkdir()
+    (tmp_path / "u").mkdir()
+    a, cov_a = _on_htp(signed, tmp_path / "s", x)
+    b, cov_b = _on_htp(unsigned, tmp_path / "u", x)
+    assert cov_a.passed and cov_b.passed
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.qnn
+def test_vitis_style_model_runs_whole_and_quantized_on_the_htp(tmp_path: Path) -> None:
+    """int8 bias + Conv -> LeakyRelu -> Q: after for_htp one partition, no CPU compute node,
+    and the HTP agrees with the CPU but for ties (the HTP rounds x.5 up, ONNX to even)."""
+    source = _vitis_model(flat=True)
+    converted, _ = pq.for_htp(source)
+    x = inputs(1)[0]
+    got, coverage = _on_htp(converted, tmp_path, x)
+    assert coverage.passed and coverage.qnn_partitions == 1, coverage.problems
+    want = run(source, x)
+    steps = np.abs(got - want) / 2.0**-4
+    assert steps.max() <= 1.0 + 1e-6 and (steps > 0.5).mean() < 0.05

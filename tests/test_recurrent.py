@@ -1,0 +1,418 @@
+"""Recurrent ops and streaming-model patterns (pipeline/graph/recurrent.py): every rewrite is
+checked against what onnxruntime's CPU kernels compute for the original model."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from pipeline.core.config import InputsSection
+from pipeline.graph import recurrent as rc
+from pipeline.graph import transforms as t
+from pipeline.graph.prepare import prepare_model
+
+ATOL = 2e-5
+
+
+def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
+
+
+def random_feeds(
+    model: onnx.ModelProto, seed: int = 0, scale: float = 1.5
+) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        i.name: (
+            scale * rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim])
+        ).astype(np.float32)
+        for i in model.graph.input
+    }
+
+
+def rnn_model(
+    op: str,
+    *,
+    steps: int = 3,
+    batch: int = 2,
+    size: int = 5,
+    hidden: int = 4,
+    direction: str = "forward",
+    layout: int = 0,
+    states: bool = True,
+    peepholes: bool = False,
+    bias: bool = True,
+    outputs: tuple[bool, ...] = (True, True, True),
+    seed: int = 0,
+    **attrs: object,
+) -> onnx.ModelProto:
+    """One LSTM/GRU/RNN node with seeded weights and its states as graph inputs."""
+    rng = np.random.default_rng(seed)
+    dirs = 2 if direction == "bidirectional" else 1
+    gates = rc.GATES[op]
+
+    def weight(name: str, shape: tuple[int, ...]) -> TensorProto:
+        return numpy_helper.from_array((0.6 * rng.standard_normal(shape)).astype(np.float32), name)
+
+    inits = [weight("W", (dirs, gates * hidden, size)), weight("R", (dirs, gates * hidden, hidden))]
+    ins = ["x", "W", "R", "", "", "", "", ""]
+    if bias:
+        inits.append(weight("B", (dirs, 2 * gates * hidden)))
+        ins[3] = "B"
+    x_shape = [steps, batch, size] if layout == 0 else [batch, steps, size]
+    s_shape = [dirs, batch, hidden] if layout == 0 else [batch, dirs, hidden]
+    inputs = [oh.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)]
+    if states:
+        inputs.append(oh.make_tensor_value_info("h0", TensorProto.FLOAT, s_shape))
+        ins[5] = "h0"
+        if op == "LSTM":
+            inputs.append(oh.make_tensor_value_info("c0", TensorProto.FLOAT, s_shape))
+            ins[6] = "c0"
+    if op == "LSTM" and peepholes:
+        inits.append(weight("P", (dirs, 3 * hidden)))
+        ins[7] = "P"
+    while ins[-1] == "":
+        ins.pop()
+    y_shape = [steps, dirs, batch, hidden] if layout == 0 else [batch, steps, dirs, hidden]
+    names = ["y", "y_h", "y_c"][: 3 if op == "LSTM" else 2]
+    outs = [n if keep else "" for n, keep in zip(names, outputs, strict=False)]
+    while outs and not outs[-1]:
+        outs.pop()
+    shapes = {"y": y_shape, "y_h": s_shape, "y_c": s_shape}
+    node = oh.make_node(
+        op, ins, outs, hidden_size=hidden, direction=direction, layout=layout, **attrs
+    )
+    graph = oh.make_graph(
+        [node],
+        "rnn",
+        inputs,
+        [oh.make_tensor_value_info(n, TensorProto.FLOAT, shapes[n]) for n in outs if n],
+        inits,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+def assert_unrolled_exactly(model: onnx.ModelProto) -> onnx.ModelProto:
+    unrolled, change = rc.unroll_recurrent_ops(model, everything=True)
+    assert change.changed and "unrolled" in change.details[0]
+    assert not any(n.op_type in rc.RECURRENT_OPS for n in unrolled.graph.node)
+    for seed in range(2):
+        feeds = random_feeds(model, seed)
+        expected, got = run(model, feeds), run(unrolled, feeds)
+        for name, value in expected.items():
+            np.testing.assert_allclose(got[name], value, atol=ATOL, rtol=1e-5, err_msg=name)
+    return unrolled
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize(
+    "form",
+    [{}, {"clip": 0.7}, {"states": False}, {"peepholes": True}, {"input_forget": 1}],
+    ids=["plain", "clip", "zero-state", "peepholes", "input-forget"],
+)
+def test_lstm_unrolls_exactly(direction: str, steps: int, form: dict) -> None:
+    assert_unrolled_exactly(rnn_model("LSTM", direction=direction, steps=steps, **form))
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+@pytest.mark.parametrize("linear_before_reset", [0, 1])
+@pytest.mark.parametrize(
+    "form", [{}, {"clip": 0.7}, {"states": False}], ids=["plain", "clip", "zero-state"]
+)
+def test_gru_unrolls_exactly(direction: str, linear_before_reset: int, form: dict) -> None:
+    model = rnn_model("GRU", direction=direction, linear_before_reset=linear_before_reset, **form)
+    assert_unrolled_exactly(model)
+
+
+@pytest.mark.parametrize("direction", ["forward", "bidirectional"])
+@pytest.mark.parametrize("form", [{}, {"clip": 0.7}, {"states": False}])
+def test_rnn_unrolls_exactly(direction: str, form: dict) -> None:
+    assert_unrolled_exactly(rnn_model("RNN", direction=direction, **form))
+
+
+@pytest.mark.parametrize(
+    ("op", "attrs"),
+    [
+        (
+            "LSTM",
+            {
+                "activations": ["HardSigmoid", "LeakyRelu", "Relu"],
+                "activation_alpha": [0.3, 0.05],
+                "activation_beta": [0.4],
+            },
+        ),
+        (
+            "LSTM",
+            {
+                "direction": "bidirectional",
+                "activations": ["Sigmoid", "Tanh", "Tanh", "HardSigmoid", "ScaledTanh", "Affine"],
+                "activation_alpha": [0.3, 1.5, 0.7],
+                "activation_beta": [0.45, 0.8, 0.1],
+            },
+        ),
+        ("GRU", {"activations": ["Sigmoid", "Softsign"], "linear_before_reset": 1}),
+        ("GRU", {"activations": ["HardSigmoid", "Elu"]}),
+        ("RNN", {"activations": ["Relu"]}),
+        ("RNN", {"activations": ["Softplus"]}),
+        ("RNN", {"activations": ["ThresholdedRelu"], "activation_alpha": [0.2]}),
+        ("RNN", {"direction": "bidirectional", "activations": ["Tanh", "LeakyRelu"]}),
+    ],
+)
+def test_activation_functions_follow_onnxruntime(op: str, attrs: dict) -> None:
+    """alpha/beta are consumed along the list by the functions that take them (rnn_helpers)."""
+    assert_unrolled_exactly(rnn_model(op, **attrs))
+
+
+@pytest.mark.parametrize(
+    ("op", "form"),
+    [
+        ("LSTM", {"bias": False}),
+        ("GRU", {"bias": False, "outputs": (False, True)}),
+        ("LSTM", {"outputs": (False, False, True)}),
+        ("LSTM", {"outputs": (True,)}),
+    ],
+)
+def test_optional_inputs_and_outputs(op: str, form: dict) -> None:
+    assert_unrolled_exactly(rnn_model(op, **form))
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("direction", ["forward", "bidirectional"])
+def test_layout_1_matches_the_time_major_op(op: str, direction: str) -> None:
+    """onnxruntime refuses layout 1 ("Batchwise recurrent operations ... not supported"), so the
+    unrolled batch-major model is compared with the time-major op on transposed data."""
+    time_major = rnn_model(op, direction=direction, layout=0, seed=3)
+    batch_major = rnn_model(op, direction=direction, layout=1, seed=3)
+    assert "layout 1" in rc.qnn_refuses(batch_major.graph.node[0])
+    unrolled, _ = rc.unroll_recurrent_ops(batch_major)
+    assert not any(n.op_type == op for n in unrolled.graph.node)
+    feeds = random_feeds(time_major)
+    expected = run(time_major, feeds)
+    got = run(unrolled, {k: np.ascontiguousarray(v.transpose(1, 0, 2)) for k, v in feeds.items()})
+    np.testing.assert_allclose(got["y"], expected["y"].transpose(2, 0, 1, 3), atol=ATOL)
+    np.testing.assert_allclose(got["y_h"], expected["y_h"].transpose(1, 0, 2), atol=ATOL)
+
+
+def test_forms_qnn_runs_are_kept() -> None:
+    """The QNN EP runs default LSTM/GRU whole (float inside the HTP graph), which was more
+    accurate on the simulator than the unrolled cell (DTLN: 46.8 vs 33.0 dB ctx vs float)."""
+    for model in (
+        rnn_model("LSTM", direction="bidirectional", peepholes=True),
+        rnn_model("GRU", linear_before_reset=1),
+        rnn_model("LSTM", states=False),
+    ):
+        kept, change = rc.unroll_recurrent_ops(model)
+        assert not change.changed
+        assert [n.op_type for n in kept.graph.node] == [model.graph.node[0].op_type]
+    for model, reason in (
+        (rnn_model("RNN"), "no QNN RNN op"),
+        (rnn_model("GRU", clip=2.0), "clip"),
+        (rnn_model("LSTM", input_forget=1), "input_forget"),
+        (rnn_model("LSTM", activations=["Sigmoid", "Relu", "Relu"]), "activations"),
+    ):
+        assert any(reason in r for r in rc.qnn_refuses(model.graph.node[0]))
+        unrolled, change = rc.unroll_recurrent_ops(model)
+        assert change.changed and not any(
+            n.op_type in rc.RECURRENT_OPS for n in unrolled.graph.node
+        )
+
+
+def test_default_activations_spelled_out_are_dropped() -> None:
+    """Keras exports write activations = ["Sigmoid", "Tanh", "Tanh"], which the QNN EP refuses."""
+    model = rnn_model(
+        "LSTM", direction="bidirectional", activations=["Sigmoid", "Tanh", "Tanh"] * 2
+    )
+    assert rc.qnn_refuses(model.graph.node[0])
+    normalized, change = rc.normalize_recurrent_ops(model)
+    assert "dropped activations" in change.details[0]
+    assert rc.qnn_refuses(normalized.graph.node[0]) == []
+    feeds = random_feeds(model)
+    for name, value in run(model, feeds).items():
+        np.testing.assert_array_equal(run(normalized, feeds)[name], value)
+    custom = rnn_model("GRU", activations=["Sigmoid", "Relu"])
+    assert not rc.normalize_recurrent_ops(custom)[1].changed
+
+
+def test_full_length_sequence_lens_is_dropped() -> None:
+    model = rnn_model("GRU", steps=3, batch=2)
+    model.graph.initializer.append(numpy_helper.from_array(np.array([3, 3], np.int32), "lens"))
+    model.graph.node[0].input[4] = "lens"
+    normalized, change = rc.normalize_recurrent_ops(model)
+    assert change.changed and normalized.graph.node[0].input[4] == ""
+    feeds = random_feeds(model)
+    for name, value in run(model, feeds).items():
+        np.testing.assert_allclose(run(normalized, feeds)[name], value, atol=1e-6)
+    shorter = rnn_model("GRU", steps=3, batch=2)
+    shorter.graph.initializer.append(numpy_helper.from_array(np.array([3, 2], np.int32), "lens"))
+    shorter.graph.node[0].input[4] = "lens"
+    assert not rc.normalize_recurrent_ops(shorter)[1].changed
+
+
+def test_prepare_model_makes_a_keras_lstm_qnn_ready() -> None:
+    """Through the whole preparation: same function, and no LSTM left that QNN would refuse."""
+    model = rnn_model("LSTM", steps=1, batch=1, activations=["Sigmoid", "Tanh", "Tanh"])
+    ready, _ = prepare_model(model, InputsSection(dims={}, shapes={}, constants={}))
+    assert all(not rc.qnn_refuses(n) for n in ready.graph.node if n.op_type in rc.RECURRENT_OPS)
+    feeds = random_feeds(model)
+    for name, value in run(model, feeds).items():
+        np.testing.assert_allclose(run(ready, feeds)[name], value, atol=1e-6)
+
+
+# -- rank > 5 -------------------------------------------------------------------------------------
+
+
+def single(
+    nodes: list[onnx.NodeProto], x_shape: list[int], inits: list[TensorProto], y_shape: list[int]
+) -> onnx.ModelProto:
+    graph = oh.make_graph(
+        nodes,
+        "g",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, y_shape)],
+        inits,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+def max_rank(model: onnx.ModelProto) -> int:
+    values = t._inferred_values(model)
+    produced = [o for n in model.graph.node for o in n.output]
+    return max(len(t._shape_of(values[name]) or ()) for name in produced)
+
+
+def test_unfold_as_gather_drops_to_rank_5() -> None:
+    """nn.Unfold(kernel (1, 3)) as exported by torch: Gather by a [3, W] window table gives
+    rank 6, Transpose, Reshape to [1, C*3, 1, W] (GTCRN's subband feature extraction)."""
+    width = 9
+    table = np.array([np.arange(width) + k for k in range(3)], np.int64)
+    nodes = [
+        oh.make_node("Gather", ["x", "table"], ["g"], axis=4),
+        oh.make_node("Transpose", ["g"], ["tr"], perm=[0, 1, 2, 4, 3, 5]),
+        oh.make_node("Reshape", ["tr", "shape"], ["y"]),
+    ]
+    inits = [
+        numpy_helper.from_array(table, "table"),
+        numpy_helper.from_array(np.array([1, 9, 1, width], np.int64), "shape"),
+    ]
+    model = single(nodes, [1, 3, 1, 1, width + 2], inits, [1, 9, 1, width])
+    assert max_rank(model) == 6
+    lowered, change = rc.lower_high_rank(model)
+    assert change.changed
+    assert max_rank(lowered) <= rc.MAX_RANK
+    feeds = random_feeds(model)
+    np.testing.assert_array_equal(run(lowered, feeds)["y"], run(model, feeds)["y"])
+
+
+def test_rank_6_transpose_with_a_real_permutation() -> None:
+    """A pixel-shuffle style [1, C, r, r, H, W] permutation: merged/unit axes leave rank 4."""
+    nodes = [
+        oh.make_node("Reshape", ["x", "six"], ["r6"]),
+        oh.make_node("Transpose", ["r6"], ["t6"], perm=[0, 1, 4, 2, 5, 3]),
+        oh.make_node("Reshape", ["t6", "out"], ["y"]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array([1, 3, 2, 2, 4, 5], np.int64), "six"),
+        numpy_helper.from_array(np.array([1, 3, 8, 10], np.int64), "out"),
+    ]
+    model = single(nodes, [1, 12, 4, 5], inits, [1, 3, 8, 10])
+    lowered, change = rc.lower_high_rank(model)
+    assert change.changed
+    assert max_rank(lowered) <= rc.MAX_RANK
+    feeds = random_feeds(model)
+    np.testing.assert_array_equal(run(lowered, feeds)["y"], run(model, feeds)["y"])
+
+
+def test_reduced_transpose() -> None:
+    assert rc._reduced_transpose((1, 3, 1, 1, 3, 129), [0, 1, 2, 4, 3, 5]) == ([1161], [0])
+    assert rc._reduced_transpose((1, 3, 2, 2, 4, 5), [0, 1, 4, 2, 5, 3]) == (
+        [3, 2, 2, 4, 5],
+        [0, 3, 1, 4, 2],
+    )
+    assert rc._reduced_transpose((2, 3), [1, 0]) is None
+
+
+# -- ConvTranspose dilations -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dilations", "group", "strides", "pads"),
+    [
+        ([5, 1], 4, [1, 1], [5, 1, 5, 1]),
+        ([2, 3], 1, [2, 1], [1, 0, 2, 1]),
+        ([2, 2], 2, [1, 2], [0, 0, 0, 0]),
+    ],
+)
+def test_dilated_conv_transpose_becomes_a_dilated_kernel(
+    dilations: list[int], group: int, strides: list[int], pads: list[int]
+) -> None:
+    rng = np.random.default_rng(1)
+    weight = rng.standard_normal((4, 6 // group if group > 1 else 3, 3, 3)).astype(np.float32)
+    bias = rng.standard_normal(weight.shape[1] * group).astype(np.float32)
+    node = oh.make_node(
+        "ConvTranspose",
+        ["x", "w", "b"],
+        ["y"],
+        dilations=dilations,
+        group=group,
+        strides=strides,
+        pads=pads,
+        kernel_shape=[3, 3],
+    )
+    inits = [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(bias, "b")]
+    out = [
+        s * (n - 1) + (3 - 1) * d + 1 - pads[i] - pads[i + 2]
+        for i, (s, n, d) in enumerate(zip(strides, (7, 6), dilations, strict=True))
+    ]
+    model = single([node], [1, 4, 7, 6], inits, [1, weight.shape[1] * group, *out])
+    rewritten, change = rc.dilate_conv_transpose(model)
+    attrs = {a.name: oh.get_attribute_value(a) for a in rewritten.graph.node[0].attribute}
+    assert change.changed and "dilations" not in attrs
+    feeds = random_feeds(model)
+    np.testing.assert_allclose(run(rewritten, feeds)["y"], run(model, feeds)["y"], atol=1e-5)
+
+
+# -- hypot with a floor under the root ------------------------------------------------------------
+
+
+def test_hypot_with_a_tiny_constant_under_the_root() -> None:
+    """sqrt(re^2 + im^2 + 1e-12) (GTCRN's |STFT|) gets the hypot form too."""
+    graph = oh.make_graph(
+        [
+            oh.make_node("Mul", ["a", "a"], ["a2"]),
+            oh.make_node("Mul", ["b", "b"], ["b2"]),
+            oh.make_node("Add", ["a2", "b2"], ["s"]),
+            oh.make_node("Add", ["s", "eps"], ["se"]),
+            oh.make_node("Sqrt", ["se"], ["y"]),
+        ],
+        "g",
+        [oh.make_tensor_value_info(n, TensorProto.FLOAT, [2, 64]) for n in ("a", "b")],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])],
+        [numpy_helper.from_array(np.array(1e-12, np.float32), "eps")],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model.ir_version = 10
+    rewritten, change = t.rewrite_hypot(model)
+    assert change.changed
+    assert "Sqrt" in [n.op_type for n in rewritten.graph.node]
+    feeds = random_feeds(model)
+    feeds["a"][0, :8] = 0.0
+    feeds["b"][0, :4] = 0.0
+    np.testing.assert_allclose(run(rewritten, feeds)["y"], run(model, feeds)["y"], atol=2e-6)
+    big = onnx.ModelProto()
+    big.CopyFrom(model)
+    big.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.array(0.01, np.float32), "eps"))
+    assert not t.rewrite_hypot(big)[1].changed  # not negligible: keep the function

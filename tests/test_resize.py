@@ -1,0 +1,121 @@
+"""Resize by a scale whose in x scale is not an integer: the HTP resizes by out/in instead, so
+such Resizes are rewritten (Gather for nearest, edge pad + Resize + Slice for linear) into
+forms that compute exactly what onnxruntime computes, checked on the CPU and on the HTP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from pipeline.graph.resize import resize_for_htp
+
+RNG = np.random.default_rng(17)
+
+
+def resize_model(
+    shape: list[int], scales: list[float], mode: str, coords: str, **attrs: object
+) -> onnx.ModelProto:
+    node = oh.make_node(
+        "Resize",
+        ["x", "", "s"],
+        ["y"],
+        name="resize",
+        mode=mode,
+        coordinate_transformation_mode=coords,
+        **attrs,
+    )
+    out = [int(np.float32(n) * np.float32(s)) for n, s in zip(shape, scales, strict=True)]
+    graph = oh.make_graph(
+        [node],
+        "resize",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, out)],
+        [numpy_helper.from_array(np.array(scales, np.float32), "s")],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+def run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return session.run(None, {"x": x})[0]
+
+
+CASES = [
+    ([1, 2, 8, 8], [1, 1, 1.7, 1.7], "nearest", "asymmetric", {"nearest_mode": "floor"}),
+    ([1, 2, 7, 9], [1, 1, 1.5, 1.3], "nearest", "half_pixel", {}),
+    ([1, 2, 9, 7], [1, 1, 0.6, 2.5], "nearest", "asymmetric", {"nearest_mode": "floor"}),
+    ([1, 2, 8, 8], [1, 1, 1.7, 1.7], "linear", "asymmetric", {}),
+    ([1, 2, 11, 8], [1, 1, 1.3, 2.0], "linear", "half_pixel", {}),
+    ([1, 2, 10, 9], [1, 1, 0.7, 0.45], "linear", "asymmetric", {}),
+]
+
+
+@pytest.mark.parametrize(("shape", "scales", "mode", "coords", "attrs"), CASES)
+def test_off_scale_resize_is_rewritten_exactly(
+    shape: list[int], scales: list[float], mode: str, coords: str, attrs: dict
+) -> None:
+    model = resize_model(shape, scales, mode, coords, **attrs)
+    rewritten, change = resize_for_htp(model)
+    assert change.changed
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert ("Gather" in ops) if mode == "nearest" else (ops == ["Pad", "Resize", "Slice"])
+    for _ in range(3):
+        x = RNG.standard_normal(shape).astype(np.float32)
+        want, got = run(model, x), run(rewritten, x)
+        assert want.shape == got.shape
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("scales", "coords"),
+    [([1, 1, 2.0, 3.0], "asymmetric"), ([1, 1, 1.7, 1.7], "align_corners")],
+    ids=["integral", "align-corners-depends-on-length"],
+)
+def test_resize_the_htp_follows_or_that_cannot_be_padded_stays(
+    scales: list[float], coords: str
+) -> None:
+    _, change = resize_for_htp(resize_model([1, 2, 8, 8], scales, "linear", coords))
+    assert not change.changed
+
+
+@pytest.mark.qnn
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_off_scale_resize_agrees_on_the_htp(tmp_path: Path, mode: str) -> None:
+    """Left alone, the ctx was 5-12 dB from the CPU QDQ model; rewritten it agrees."""
+    from pipeline.__main__ import main
+    from pipeline.core.layout import ModelPaths
+    from pipeline.core.records import VariantRecord, read_record
+
+    model = resize_model([1, 2, 11, 8], [1, 1, 1.7, 1.7], mode, "asymmetric")
+    w = numpy_helper.from_array((RNG.standard_normal((2, 2, 1, 1)) * 0.5).astype("f4"), "w")
+    model.graph.initializer.append(w)
+    model.graph.node.insert(0, oh.make_node("Conv", ["x", "w"], ["c"]))
+    model.graph.node[1].input[0] = "c"
+    onnx.save(model, str(tmp_path / "resize.onnx"))
+    config = tmp_path / "resize.toml"
+    config.write_text(
+        '[model]\nname = "resize"\nversion = "1.0.0"\nsource = "resize.onnx"\n'
+        '[calibration]\nkind = "random"\nsamples = 16\n'
+        '[compile]\ntargets = ["snapdragon-x-elite"]\nmin_snr_db = 30.0\n',
+        encoding="utf-8",
+    )
+    artifacts = tmp_path / "artifacts"
+    for stage in ("quantize", "compile"):
+        assert main([stage, "--artifacts", str(artifacts), str(config)]) == 0, stage
+    folder = next(ModelPaths.of(artifacts, "resize").ctx.glob("*/snapdragon-x-elite"))
+    record, why = read_record(VariantRecord, folder / "variant.json")
+    assert record is not None and record.coverage is not None, why
+    assert record.coverage.qnn_partitions == 1 and record.coverage.cpu_compute_nodes == []
+    assert record.validation is not None and record.validation.worst_snr_db > 30.0

@@ -1,0 +1,252 @@
+"""ai.onnx.ml post-processing tails (ArgMax -> ArrayFeatureExtractor label lookup, ZipMap score
+map): found by rule, kept on the CPU as a declared tail, and a model ending in one builds,
+compiles whole on the NPU otherwise, publishes, and runs from the release with the non-tensor
+outputs onnxruntime gives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from pipeline.compile import coverage
+from pipeline.core.config import InputsSection
+from pipeline.core.metrics import LABELS, MAP_VALUES, OutputComparison, comparable, worst_snr
+from pipeline.graph.prepare import prepare_model
+from pipeline.graph.tails import model_tail, summary_tail
+from qnn_ctx_runtime import qnn
+
+RNG = np.random.default_rng(5)
+LABEL_NAMES = ["cat", "dog", "bird"]
+
+
+def classifier(string_labels: bool = True) -> onnx.ModelProto:
+    """Conv -> GlobalAveragePool -> Flatten -> Gemm -> Softmax, then the converters' tail:
+    ArgMax -> ArrayFeatureExtractor (label) and ZipMap (label -> score)."""
+    classes = len(LABEL_NAMES)
+    if string_labels:
+        labels = oh.make_tensor(
+            "labels", TensorProto.STRING, [classes], [s.encode() for s in LABEL_NAMES]
+        )
+        zipmap = oh.make_node(
+            "ZipMap",
+            ["probs"],
+            ["scores"],
+            domain="ai.onnx.ml",
+            classlabels_strings=LABEL_NAMES,
+        )
+        label_type, key_type = TensorProto.STRING, TensorProto.STRING
+    else:
+        labels = numpy_helper.from_array(np.arange(classes, dtype=np.int64), "labels")
+        zipmap = oh.make_node(
+            "ZipMap",
+            ["probs"],
+            ["scores"],
+            domain="ai.onnx.ml",
+            classlabels_int64s=list(range(classes)),
+        )
+        label_type, key_type = TensorProto.INT64, TensorProto.INT64
+    inits = [
+        numpy_helper.from_array((RNG.standard_normal((4, 3, 3, 3)) * 0.5).astype("f4"), "w"),
+        numpy_helper.from_array((RNG.standard_normal((classes, 4)) * 2).astype("f4"), "fc_w"),
+        numpy_helper.from_array(np.zeros(classes, "f4"), "fc_b"),
+        labels,
+    ]
+    nodes = [
+        oh.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        oh.make_node("Relu", ["c"], ["r"], name="relu"),
+        oh.make_node("GlobalAveragePool", ["r"], ["p"], name="pool"),
+        oh.make_node("Flatten", ["p"], ["f"], name="flatten"),
+        oh.make_node("Gemm", ["f", "fc_w", "fc_b"], ["logits"], name="fc", transB=1),
+        oh.make_node("Softmax", ["logits"], ["probs"], name="softmax"),
+        oh.make_node("ArgMax", ["probs"], ["index"], name="argmax", axis=1),
+        oh.make_node(
+            "ArrayFeatureExtractor",
+            ["labels", "index"],
+            ["label"],
+            name="lookup",
+            domain="ai.onnx.ml",
+        ),
+        zipmap,
+    ]
+    zipmap.name = "zipmap"
+    seq_map = oh.make_sequence_type_proto(
+        oh.make_map_type_proto(key_type, oh.make_tensor_type_proto(TensorProto.FLOAT, []))
+    )
+    graph = oh.make_graph(
+        nodes,
+        "classifier",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+        [
+            oh.make_tensor_value_info("label", label_type, ["batch", 1]),
+            oh.make_value_info("scores", seq_map),
+        ],
+        inits,
+    )
+    model = oh.make_model(
+        graph, opset_imports=[oh.make_opsetid("", 13), oh.make_opsetid("ai.onnx.ml", 1)]
+    )
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def run(model: onnx.ModelProto | str, x: np.ndarray) -> list:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    payload = model if isinstance(model, str) else model.SerializeToString()
+    session = ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})
+
+
+def test_the_tail_is_the_ml_ops_and_the_index_that_feeds_them() -> None:
+    model = classifier()
+    tail = model_tail(model)
+    ops = sorted(model.graph.node[i].op_type for i in tail.nodes)
+    assert ops == ["ArgMax", "ArrayFeatureExtractor", "ZipMap"]
+    assert tail.outputs == ("label", "scores") and tail.inputs == ("probs",)
+
+
+def test_a_model_without_ml_ops_has_no_tail() -> None:
+    model = classifier()
+    keep = [n for n in model.graph.node if n.domain != "ai.onnx.ml" and n.op_type != "ArgMax"]
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    del model.graph.output[:]
+    model.graph.output.append(oh.make_tensor_value_info("probs", TensorProto.FLOAT, None))
+    assert not model_tail(model)
+
+
+@pytest.mark.parametrize("string_labels", [True, False], ids=["strings", "int64"])
+def test_preparation_keeps_the_tail_typed_and_static(string_labels: bool) -> None:
+    """Shape inference gives the label lookup no shape and a map no tensor shape: the prepared
+    model keeps their types, gives the label its static shape, and computes the same."""
+    source = classifier(string_labels)
+    prepared, changes = prepare_model(
+        source, InputsSection(dims={"batch": 1}, shapes={}, constants={})
+    )
+    label = next(o for o in prepared.graph.output if o.name == "label")
+    assert [d.dim_value for d in label.type.tensor_type.shape.dim] == [1, 1]
+    assert any(c.step == "static_tail_outputs" and c.changed for c in changes)
+    x = RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)
+    want, got = run(source, x), run(prepared, x)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert got[1][0].keys() == want[1][0].keys()
+    for key in want[1][0]:
+        assert got[1][0][key] == pytest.approx(want[1][0][key], rel=1e-5, abs=1e-6)
+
+
+def test_outputs_are_compared_by_kind() -> None:
+    maps = [{"b": 0.25, "a": 0.75}]
+    kind, values = comparable(maps)
+    assert kind == MAP_VALUES and values.tolist() == [[0.75, 0.25]]  # key order: a, b
+    assert comparable(np.array([["cat"]], dtype=object))[0] == LABELS
+    assert comparable(np.array([[3]], dtype=np.int64))[0] == LABELS
+    assert comparable(np.zeros(3, np.float32))[0] is None
+    comparison = OutputComparison()
+    comparison.add(
+        {"label": np.array([["cat"]], dtype=object), "scores": maps},
+        {"label": np.array([["dog"]], dtype=object), "scores": [{"a": 0.75, "b": 0.25}]},
+    )
+    comparison.add(
+        {"label": np.array([["cat"]], dtype=object), "scores": maps},
+        {"label": np.array([["cat"]], dtype=object), "scores": [{"a": 0.70, "b": 0.30}]},
+    )
+    summary = comparison.summary()
+    assert summary["label"].compared_as == LABELS and summary["label"].agreement == 0.5
+    assert summary["scores"].compared_as == MAP_VALUES and np.isfinite(summary["scores"].snr_db)
+    assert worst_snr(summary) == summary["scores"].snr_db  # labels carry no SNR
+
+
+def test_coverage_reports_the_tail_apart_from_the_gate() -> None:
+    N = qnn.NodeInfo
+    nodes = [
+        N("ctx", "EPContext", "com.microsoft", ["x"], ["probs_q", "index"]),
+        N("dq", "DequantizeLinear", "", ["probs_q", "s", "z"], ["probs"]),
+        N("lookup", "ArrayFeatureExtractor", "ai.onnx.ml", ["labels", "index"], ["label"]),
+        N("zipmap", "ZipMap", "ai.onnx.ml", ["probs"], ["scores"]),
+    ]
+    summary = qnn.ModelSummary(
+        10,
+        {},
+        {},
+        [qnn.ValueInfo("x", "float32", [1, 3, 8, 8])],
+        [qnn.ValueInfo("label", "type8", [1, 1]), qnn.ValueInfo("scores", "", [])],
+        nodes,
+        {"labels", "s", "z"},
+    )
+    assert sorted(
+        nodes[i].name for i in summary_tail(nodes, {"label": "type8", "scores": ""}).nodes
+    ) == [
+        "lookup",
+        "zipmap",
+    ]
+    cpu = [("dq", "DequantizeLinear"), ("lookup", "ArrayFeatureExtractor"), ("zipmap", "ZipMap")]
+    result = coverage.summarize(
+        [("QNNExecutionProvider", [("ctx", "EPContext")]), ("CPUExecutionProvider", cpu)], summary
+    )
+    assert result.passed and result.cpu_compute_nodes == []
+    assert sorted(n.name for n in result.cpu_tail_nodes or []) == ["dq", "lookup", "zipmap"]
+    assert "declared CPU tail" in result.gate
+    # Any other op on the CPU still fails the gate.
+    extra = [*cpu, ("relu", "Relu")]
+    nodes.append(N("relu", "Relu", "", ["probs"], ["other"]))
+    failed = coverage.summarize(
+        [("QNNExecutionProvider", [("ctx", "EPContext")]), ("CPUExecutionProvider", extra)], summary
+    )
+    # (the DequantizeLinear now also serves the Relu: no longer the tail's alone)
+    assert not failed.passed and [n.name for n in failed.cpu_compute_nodes] == ["dq", "relu"]
+
+
+@pytest.mark.qnn
+def test_a_classifier_with_a_tail_builds_and_runs_from_its_release(tmp_path: Path) -> None:
+    """quantize -> compile (HTP simulator) -> publish -> qnn_ctx_runtime.load -> run."""
+    import qnn_ctx_runtime
+    from pipeline.__main__ import main
+    from pipeline.core.layout import ModelPaths
+    from pipeline.core.records import VariantRecord, read_record
+
+    root = tmp_path / "proj"
+    (root / "configs").mkdir(parents=True)
+    onnx.save(classifier(), str(root / "configs" / "clf.onnx"))
+    config = root / "configs" / "clf.toml"
+    config.write_text(
+        '[model]\nname = "clf"\nversion = "1.0.0"\nsource = "clf.onnx"\n'
+        "[inputs]\ndims = { batch = 1 }\n"
+        '[calibration]\nkind = "random"\nsamples = 24\n'
+        '[compile]\ntargets = ["snapdragon-x-elite"]\nmin_snr_db = 20.0\n',
+        encoding="utf-8",
+    )
+    artifacts = root / "artifacts"
+    for stage in ("quantize", "compile", "publish"):
+        assert main([stage, "--artifacts", str(artifacts), str(config)]) == 0, stage
+    paths = ModelPaths.of(artifacts, "clf")
+    variant_dir = next(p for p in (paths.ctx).glob("*/snapdragon-x-elite"))
+    record, why = read_record(VariantRecord, variant_dir / "variant.json")
+    assert record is not None and record.coverage is not None, why
+    assert record.coverage.qnn_partitions == 1 and record.coverage.cpu_compute_nodes == []
+    assert {n.op_type for n in record.coverage.cpu_tail_nodes or []} >= {"ZipMap"}
+    assert {o.name: o.dtype for o in record.outputs} == {
+        "label": "str",
+        "scores": "seq(map(string,tensor(float)))",
+    }
+    assert (
+        record.validation is not None
+        and record.validation.ctx_vs_float["label"].compared_as == LABELS
+    )
+    loaded = qnn_ctx_runtime.load(artifacts / "releases" / "clf" / "1.0.0")
+    source = str(root / "configs" / "clf.onnx")  # the model built above (seeded weights)
+    for _ in range(3):
+        x = RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)
+        got = loaded.run({"x": x})
+        want = dict(zip(["label", "scores"], run(source, x), strict=True))
+        assert isinstance(got["scores"], list) and isinstance(got["scores"][0], dict)
+        assert got["scores"][0].keys() == want["scores"][0].keys()
+        for key, value in want["scores"][0].items():
+            assert got["scores"][0][key] == pytest.approx(value, abs=0.02)
+        assert got["label"].dtype == object and got["label"].shape == want["label"].shape
