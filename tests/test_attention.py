@@ -18,7 +18,7 @@ from pipeline.calibration import ranges
 from pipeline.core.config import InputsSection, load_config
 from pipeline.graph import attention
 from pipeline.graph.prepare import dynamic_tensors, prepare_model
-from pipeline.quantize.build import load_source_model, quantize_model
+from pipeline.quantize.build import load_source_model
 
 RNG = np.random.default_rng(11)
 NO_INPUTS = InputsSection(dims={}, shapes={}, constants={})
@@ -240,31 +240,36 @@ def test_mask_bias_added_to_scores_keeps_the_unmasked_range() -> None:
     assert ranges.mask_fill_ranges(model, raw)[2] == []
 
 
-READER = """
-import numpy as np
-
-def read(path, specs):
-    rng = np.random.default_rng(5)
-    for _ in range(40):
-        used = int(rng.integers(2, 9))
-        mask = np.zeros((1, 1, 1, 8), np.int64)
-        mask[..., :used] = 1
-        yield {"scores": (rng.standard_normal((1, 2, 8, 8)) * 3).astype(np.float32), "mask": mask}
-"""
-
-
 def quantized_attention_snr(tmp_path: Path) -> float:
+    """QDQ vs float SNR of the prepared attention block, quantized by the pipeline's own
+    calibrate -> range rules -> quantize (no mixed precision, no HTP judge: the rule alone)."""
+    from pipeline.quantize import quantizer
+    from pipeline.quantize.evaluate import evaluate
+
     tmp_path.mkdir(parents=True, exist_ok=True)
-    onnx.save(masked_attention(), str(tmp_path / "attention.onnx"))
-    (tmp_path / "reader.py").write_text(READER)
+    source = tmp_path / "attention.onnx"
+    onnx.save(masked_attention(), str(source))
     (tmp_path / "attention.toml").write_text(
         '[model]\nname = "attention"\nversion = "1.0.0"\nsource = "attention.onnx"\n'
-        '[calibration]\nkind = "python"\nreader = "reader.py:read"\nsamples = 40\n'
-        "held_out = 0.25\n[quantization]\nmin_snr_db = 0.0\nauto_mixed_precision = false\n"
+        '[calibration]\nkind = "random"\n'
     )
     config = load_config(tmp_path / "attention.toml")
-    result = quantize_model(config, tmp_path / "artifacts", force=True)
-    return result.record.summary.worst_snr_db
+    prepared, _ = prepare_model(masked_attention(), NO_INPUTS)
+    float_path = tmp_path / "float.onnx"
+    onnx.save(prepared, str(float_path))
+    rng = np.random.default_rng(5)
+    samples = [attention_feeds(rng) for _ in range(32)]
+    part = quantizer.calibrate(
+        config, float_path, samples, tmp_path / "raw.json", tmp_path / "cal.onnx", "attention"
+    )
+    _, rms = quantizer.merge_ranges([part], tmp_path / "ranges.json")
+    qdq = tmp_path / "qdq.onnx"
+    quantizer.quantize(config, float_path, qdq, tmp_path / "ranges.json", rms, {})
+    heldout = tmp_path / "heldout"
+    heldout.mkdir()
+    for index in range(8):
+        np.savez(heldout / f"sample_{index:05d}.npz", **attention_feeds(rng))
+    return min(a.snr_db for a in evaluate(float_path, qdq, heldout).values())
 
 
 def test_masked_attention_quantizes_accurately(

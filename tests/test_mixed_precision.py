@@ -50,8 +50,12 @@ def _build(
     auto_mixed: bool = False,
     target: float = 25.0,
     activations: str = "uint16",
+    judge: str = "cpu",
 ) -> dict:
-    """Quantize ``model`` (u16 activations, u8 weights) through the real stage; the report."""
+    """Quantize ``model`` (u16 activations, u8 weights) through the real stage; the report.
+
+    The CPU judges by default: these tests are about the CPU-side rules (the HTP judge, which
+    may rescue a model they break, has its own tests in test_judge.py)."""
     onnx.save(model, str(tmp / "m.onnx"))
     (tmp / "calib").mkdir()
     for i, sample in enumerate(samples):
@@ -72,6 +76,7 @@ def _build(
             weight_type = "uint8"
             auto_mixed_precision = {str(auto_mixed).lower()}
             target_snr_db = {target}
+            judge = "{judge}"
             """
         )
     )

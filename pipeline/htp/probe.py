@@ -172,12 +172,13 @@ def _exposed(qdq_path: str, out: Path) -> tuple[Path, list[tuple[str, str, str]]
         if node.op_type != "DequantizeLinear" or node.input[0] in inits:
             continue
         tensor = node.output[0]
-        if tensor in outputs:
-            continue
         quantize = producer.get(node.input[0])
         source = producer.get(quantize.input[0]) if quantize is not None else None
         op, name = (source.op_type, source.name) if source is not None else ("input", "")
-        model.graph.output.append(helper.make_tensor_value_info(tensor, TensorProto.FLOAT, None))
+        if tensor not in outputs:  # graph outputs are compared already, in their place
+            model.graph.output.append(
+                helper.make_tensor_value_info(tensor, TensorProto.FLOAT, None)
+            )
         exposed.append((tensor, op, name))
     path = out / "probe_qdq.onnx"
     onnx.save(model, str(path))
@@ -227,7 +228,7 @@ def _run(job: ProbeJob, result: ProbeResult, path: Path) -> None:
     qdq = ort.InferenceSession(str(model_path), cpu_options, providers=cpu)
     flt = ort.InferenceSession(job.float_model, cpu_options, providers=cpu)
     outputs = [o.name for o in flt.get_outputs()]
-    names = outputs + [t for t, _, _ in exposed]
+    names = outputs + [t for t, _, _ in exposed if t not in outputs]
     stage("run")
     vs_float, vs_qdq, q_vs_f, tensors = (OutputComparison() for _ in range(4))
     for sample in job.samples:

@@ -40,14 +40,12 @@ SIXTEEN_BIT = {4: "uint16", 5: "int16"}
 
 
 def raised_types(config: ModelConfig) -> dict[str, str]:
-    """What a tensor is raised to: activations to uint16; weights to int8 with one symmetric scale
-    per output channel when they are per-tensor 8-bit (the HTP agrees with the CPU on those to
-    55-80 dB), else to int16 per channel (which the HTP computes less exactly, FACTS §10: the
-    HTP judge in pipeline.quantize.judge checks what it costs there)."""
-    q = config.quantization
-    eight_bit = q.weight_type in ("uint8", "int8")
-    weight = "int8_per_channel" if eight_bit and not q.per_channel else "int16_per_channel"
-    return {"weight": weight, "activation": "uint16"}
+    """What a tensor is raised to: activations to uint16, weights to int16 (symmetric, as QNN HTP
+    wants 16-bit weights). The HTP computes some 16-bit weights differently from the CPU (dilated
+    convolutions: FACTS §10); pipeline.quantize.judge checks the result there and moves the
+    weights to 8 bits per channel where it diverges."""
+    del config  # the same for every config today; kept as the place to decide it
+    return {"weight": "int16", "activation": "uint16"}
 
 
 @dataclass(frozen=True)
@@ -215,6 +213,7 @@ def measure(
     qdq_path: Path,
     samples: Iterable[dict[str, np.ndarray]],
     elems: dict[int, str] = EIGHT_BIT,
+    kinds: tuple[str, ...] = ("weight", "activation"),
 ) -> tuple[list[Candidate], dict[str, float], dict[str, float], dict[str, Any]]:
     """Per quantized tensor of the ``elems`` types (8-bit by default), the output noise it adds
     alone; plus the outputs' signal and the QDQ model's noise."""
@@ -240,7 +239,11 @@ def measure(
     known |= {i.name for i in float_model.graph.input} | {
         i.name for i in float_model.graph.initializer
     }
-    found = [c for c in candidates(onnx.load(str(qdq_path)), elems) if c.name in known]
+    found = [
+        c
+        for c in candidates(onnx.load(str(qdq_path)), elems)
+        if c.name in known and c.kind in kinds
+    ]
     measured = 0
     for cand in found:
         if time.perf_counter() - started > ANALYSIS_BUDGET_S:

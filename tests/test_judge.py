@@ -1,0 +1,187 @@
+"""The HTP is the judge (pipeline/quantize/judge.py, pipeline/htp/probe.py), on the real simulator.
+
+Small seeded models through the real quantize stage: a dilated convolution whose 16-bit weights the
+HTP computes differently from the CPU (FACTS §10) is located and moved to 8 bits per channel; a
+tensor whose channels differ by five decades, which no uniform 16-bit grid holds, goes to fp16 on
+the HTP; without QNN the CPU decision stands and the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from pipeline.core.config import load_config
+from pipeline.core.layout import ModelPaths
+from pipeline.quantize.build import quantize_model
+
+pytestmark = pytest.mark.qnn
+
+
+def _init(name: str, array: np.ndarray) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(array, dtype=np.float32), name)
+
+
+def _write(tmp: Path, model: onnx.ModelProto, samples: list[np.ndarray], quantization: str) -> Path:
+    onnx.save(model, str(tmp / "m.onnx"))
+    (tmp / "calib").mkdir()
+    for i, sample in enumerate(samples):
+        np.save(tmp / "calib" / f"s{i:03d}.npy", sample.astype(np.float32))
+    config = tmp / "m.toml"
+    config.write_text(
+        textwrap.dedent(
+            """
+            [model]
+            name = "m"
+            source = "m.onnx"
+            [calibration]
+            kind = "tensors"
+            path = "calib"
+            samples = 16
+            held_out = 0.25
+            [quantization]
+            """
+        )
+        + textwrap.dedent(quantization)
+    )
+    return config
+
+
+def _report(tmp: Path) -> dict:
+    return json.loads((ModelPaths.of(tmp / "artifacts", "m").report.with_suffix(".json")).read_text())
+
+
+def _dilated_model(rng: np.random.Generator) -> onnx.ModelProto:
+    """Conv 3x3 dilation 4 -> Relu -> Conv 3x3 dilation 4: what DeepLab's atrous blocks do."""
+    nodes = [
+        helper.make_node(
+            "Conv", ["x", "w1", "b1"], ["c1"], dilations=[4, 4], pads=[4, 4, 4, 4], name="atrous1"
+        ),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu"),
+        helper.make_node(
+            "Conv", ["r1", "w2", "b2"], ["y"], dilations=[4, 4], pads=[4, 4, 4, 4], name="atrous2"
+        ),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "dilated",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 24, 24])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 24, 24])],
+        [
+            _init("w1", rng.normal(0, 0.2, (16, 16, 3, 3))),
+            _init("b1", rng.normal(0, 0.1, 16)),
+            _init("w2", rng.normal(0, 0.2, (16, 16, 3, 3))),
+            _init("b2", rng.normal(0, 0.1, 16)),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model
+
+
+def test_htp_divergence_at_16_bit_weights_is_located_and_moved_to_8_bit_per_channel(
+    tmp_path: Path,
+):
+    rng = np.random.default_rng(7)
+    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
+    config = _write(
+        tmp_path,
+        _dilated_model(rng),
+        samples,
+        """
+        activation_type = "uint16"
+        weight_type = "uint8"
+        auto_mixed_precision = false
+        target_snr_db = 38.0
+        [quantization.overrides]
+        tensors = { w1 = "int16", w2 = "int16" }
+        """,
+    )
+    quantize_model(load_config(config), tmp_path / "artifacts", force=True)
+    htp = _report(tmp_path)["htp"]
+    assert htp["judge"] == "htp", htp["reason"]
+    first, *later = htp["rounds"]
+    assert first["label"] == "as quantized"
+    # The HTP loses far more than the CPU QDQ model: 16-bit dilated weights are computed otherwise.
+    assert first["qdq_vs_float_db"] - first["ctx_vs_float_db"] > 10
+    assert htp["divergence"]["op_type"] == "Conv"
+    assert htp["divergence"]["node"] in ("atrous1", "atrous2")
+    kept = next(r for r in htp["rounds"] if r["label"] == htp["chosen"])
+    assert htp["chosen"] == "weights int8 per channel"
+    assert kept["ctx_vs_float_db"] > first["ctx_vs_float_db"] + 10
+    assert kept["ctx_vs_qdq_db"] > 50  # the HTP reproduces 8-bit per-channel weights
+    # The QDQ model on disk is the kept one: both weights int8, one scale per output channel.
+    qdq = onnx.load(str(ModelPaths.of(tmp_path / "artifacts", "m").bucket("static").qdq))
+    inits = {i.name: i for i in qdq.graph.initializer}
+    for node in qdq.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0].startswith("w"):
+            assert inits[node.input[0]].data_type == TensorProto.INT8
+            assert numpy_helper.to_array(inits[node.input[1]]).shape == (16,)
+
+
+def _imbalanced_model(rng: np.random.Generator) -> onnx.ModelProto:
+    """A Conv whose output channels span five decades (a BN-folded dead channel next to live
+    ones), then a 1x1 Conv that reads the tiny channel with a huge weight: no uniform 16-bit grid
+    holds both, so quantization cannot meet the target; fp16 on the HTP can."""
+    scale = np.ones((8, 1, 1, 1), np.float32)
+    scale[0] = 2000.0  # one huge channel sets the range
+    scale[1] = 0.01  # one tiny channel carries the signal
+    w1 = rng.normal(0, 0.3, (8, 4, 3, 3)).astype(np.float32) * scale
+    w2 = rng.normal(0, 0.05, (4, 8, 1, 1)).astype(np.float32)
+    w2[:, 1] = 60.0  # ... amplified by the next layer
+    w2[:, 0] = 1e-4
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], name="imbalanced"),
+        helper.make_node("Conv", ["c1", "w2"], ["y"], name="reader"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "imbalanced",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16, 16])],
+        [_init("w1", w1), _init("w2", w2)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model
+
+
+def test_what_no_16_bit_grid_holds_goes_to_fp16_on_the_htp(tmp_path: Path):
+    rng = np.random.default_rng(11)
+    samples = [rng.normal(0, 1, (1, 4, 16, 16)) for _ in range(16)]
+    config = _write(
+        tmp_path,
+        _imbalanced_model(rng),
+        samples,
+        """
+        activation_type = "uint16"
+        weight_type = "uint8"
+        target_snr_db = 30.0
+        """,
+    )
+    quantize_model(load_config(config), tmp_path / "artifacts", force=True)
+    htp = _report(tmp_path)["htp"]
+    assert htp["judge"] == "htp", htp["reason"]
+    first = htp["rounds"][0]
+    assert first["ctx_vs_float_db"] < 30  # quantized, the tiny channel is lost
+    kept = next(r for r in htp["rounds"] if r["label"] == htp["chosen"])
+    assert "float16" in htp["chosen"] or "fp16" in htp["chosen"]
+    assert kept["ctx_vs_float_db"] >= 30 and kept["partitions"] == 1 and kept["cpu_nodes"] == 0
+    assert "c1" in htp["float16"] or htp["whole_float16"]
+
+
+def test_cpu_judge_keeps_the_cpu_decision_and_says_so(tmp_path: Path):
+    rng = np.random.default_rng(3)
+    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
+    config = _write(tmp_path, _dilated_model(rng), samples, 'judge = "cpu"\n')
+    quantize_model(load_config(config), tmp_path / "artifacts", force=True)
+    htp = _report(tmp_path)["htp"]
+    assert htp["judge"] == "cpu" and "quantization.judge = 'cpu'" in htp["reason"]
+    assert htp["rounds"] == []
+    assert "Judged on the HTP" in (tmp_path / "artifacts/build/m/report.md").read_text()
