@@ -50,9 +50,7 @@ def test_sqrt_of_sigmoid_product_becomes_exp_of_softplus_sum_exactly():
         assert ops.count("Softplus") == factors and ops.count("Exp") == 1
         # Logits from confident background (-20) to confident object (+8): the tiny products
         # are where the original form loses everything in fp16.
-        feeds = {
-            n: RNG.uniform(-20, 8, (1, 64)).astype(np.float32) for n in "abc"[:factors]
-        }
+        feeds = {n: RNG.uniform(-20, 8, (1, 64)).astype(np.float32) for n in "abc"[:factors]}
         original, got = _run(model, feeds), _run(rewritten, feeds)
         logits = np.stack([feeds[n].astype(np.float64) for n in feeds])
         truth = np.sqrt(np.prod(1.0 / (1.0 + np.exp(-logits)), axis=0))

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 INF = float("inf")
+_FLOAT_TYPE = 1  # onnx TensorProto.FLOAT
 Interval = tuple[float, float]
 MAX_MARGIN = 0.5  # widen a range by at most this x its span, on each side
 MARGIN_FLOOR_DB = 60.0  # ... and only while its own quantization SNR stays above this
@@ -323,37 +324,55 @@ def widen(
 def activation_rms(
     model: Any, samples: Any, names: list[str], max_samples: int = 8
 ) -> dict[str, float]:
-    """Root mean square of each named float tensor over the first samples (float model)."""
+    """Root mean square of each named float tensor over the first samples (float model).
+
+    The sums of squares are computed in the graph (ReduceSumSquare, Size per tensor) and only
+    those scalars leave it, so memory stays what one inference needs: fetching every activation
+    of a 1024x2048 segmenter would hold gigabytes at once.
+    """
     import onnx
-    import onnxruntime as ort
+    from onnx import helper
+
+    from ..core.cpu import cpu_session
 
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
-    produced = {o for n in probe.graph.node for o in n.output}
-    inputs = {i.name for i in probe.graph.input}
-    present = {o.name for o in probe.graph.output}
-    wanted = [n for n in names if n in produced or n in inputs]
-    for name in wanted:
-        if name in produced and name not in present:
-            probe.graph.output.append(onnx.ValueInfoProto(name=name))
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(
-        probe.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    outputs = [o.name for o in session.get_outputs() if o.name in set(wanted)]
+    graph = probe.graph
+    types = {
+        v.name: v.type.tensor_type.elem_type
+        for v in [*graph.value_info, *graph.input, *graph.output]
+        if v.type.HasField("tensor_type")
+    }
+    produced = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+    wanted = [n for n in dict.fromkeys(names) if n in produced and types.get(n) == _FLOAT_TYPE]
+    del graph.output[:]
+    for index, name in enumerate(wanted):
+        squares, size = f"__rms_ss_{index}", f"__rms_n_{index}"
+        graph.node.extend(
+            [
+                helper.make_node("ReduceSumSquare", [name], [squares], keepdims=0),
+                helper.make_node("Size", [name], [size]),
+            ]
+        )
+        graph.output.extend(
+            [
+                helper.make_tensor_value_info(squares, _FLOAT_TYPE, []),
+                helper.make_tensor_value_info(size, onnx.TensorProto.INT64, []),
+            ]
+        )
+    if not wanted:
+        return {}
+    session = cpu_session(probe)
+    outputs = [o.name for o in session.get_outputs()]
     total = dict.fromkeys(wanted, 0.0)
     count = dict.fromkeys(wanted, 0)
     for index, feeds in enumerate(samples):
         if index >= max_samples:
             break
-        values = dict(zip(outputs, session.run(outputs, feeds), strict=True))
-        values.update({k: v for k, v in feeds.items() if k in total})
-        for name, value in values.items():
-            if np.issubdtype(np.asarray(value).dtype, np.floating):
-                v = np.asarray(value, dtype=np.float64)
-                total[name] += float(np.sum(v * v))
-                count[name] += v.size
+        values = session.run(outputs, feeds)
+        for position, name in enumerate(wanted):
+            total[name] += float(values[2 * position])
+            count[name] += int(values[2 * position + 1])
     return {n: float(np.sqrt(total[n] / count[n])) for n in wanted if count[n]}
 
 

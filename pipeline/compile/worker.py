@@ -33,6 +33,7 @@ import numpy as np
 
 from qnn_ctx_runtime import qnn
 
+from ..core.cpu import cpu_session
 from ..core.dtypes import np_dtype, value_type_name
 from ..core.layout import STANDALONE_DIR
 from ..core.metrics import OutputComparison, worst_snr
@@ -392,14 +393,9 @@ def _feeds(job: CompileJob, bucket: BucketJob, session: Any) -> Iterator[dict[st
 
 def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation:
     """ctx on QNN (the HTP simulator on x86_64) vs QDQ and float on the CPU EP."""
-    import onnxruntime as ort
-
-    cpu_options = ort.SessionOptions()
-    cpu_options.log_severity_level = 3
-    cpu = ["CPUExecutionProvider"]
-    qdq = ort.InferenceSession(bucket.qdq, cpu_options, providers=cpu)
+    qdq = cpu_session(bucket.qdq)
     flt = (
-        ort.InferenceSession(bucket.float_model, cpu_options, providers=cpu)
+        cpu_session(bucket.float_model)
         if bucket.float_model and Path(bucket.float_model).is_file()
         else None
     )

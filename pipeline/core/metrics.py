@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 _TINY = 1e-20
+_CHUNK = 1 << 20  # values compared at a time
 
 
 # How an output is compared (``Accuracy.compared_as``): numeric tensors by SNR (None), sequences
@@ -122,17 +123,29 @@ class OutputComparison:
                 self._agree[name] = self._agree.get(name, 0) + agree
                 self._count[name] = self._count.get(name, 0) + max(ref_array.size, 1)
                 continue
-            r = np.asarray(ref_array, np.float64).ravel()
-            t = np.asarray(test_array, np.float64).ravel()
-            e = r - t
-            self._signal[name] = self._signal.get(name, 0.0) + float(r @ r)
-            self._noise[name] = self._noise.get(name, 0.0) + float(e @ e)
-            worst = float(np.max(np.abs(e))) if e.size else 0.0
-            self._max_abs[name] = max(self._max_abs.get(name, 0.0), worst)
-            self._dot[name] = self._dot.get(name, 0.0) + float(r @ t)
-            self._norm_ref[name] = self._norm_ref.get(name, 0.0) + float(r @ r)
-            self._norm_test[name] = self._norm_test.get(name, 0.0) + float(t @ t)
+            self._add_values(name, np.ravel(ref_array), np.ravel(test_array))
         self.samples += 1
+
+    def _add_values(self, name: str, ref: np.ndarray, test: np.ndarray) -> None:
+        """Sums in float64, a chunk at a time: a 1024x2048 segmentation map is 40 M values, and
+        float64 copies of it whole would cost a gigabyte per comparison."""
+        signal = noise = dot = test_power = worst = 0.0
+        for start in range(0, max(ref.size, 1), _CHUNK):
+            r = np.asarray(ref[start : start + _CHUNK], np.float64)
+            t = np.asarray(test[start : start + _CHUNK], np.float64)
+            e = r - t
+            signal += float(r @ r)
+            noise += float(e @ e)
+            dot += float(r @ t)
+            test_power += float(t @ t)
+            if e.size:
+                worst = max(worst, float(np.max(np.abs(e))))
+        self._signal[name] = self._signal.get(name, 0.0) + signal
+        self._noise[name] = self._noise.get(name, 0.0) + noise
+        self._max_abs[name] = max(self._max_abs.get(name, 0.0), worst)
+        self._dot[name] = self._dot.get(name, 0.0) + dot
+        self._norm_ref[name] = self._norm_ref.get(name, 0.0) + signal
+        self._norm_test[name] = self._norm_test.get(name, 0.0) + test_power
 
     def summary(self) -> dict[str, Accuracy]:
         """Per output: SNR, max abs error and cosine, pooled over the samples added."""

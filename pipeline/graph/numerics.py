@@ -67,7 +67,9 @@ def rewrite_sqrt_of_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, C
         total = terms[0]
         for term in terms[1:]:
             summed = fresh("softplus_sum")
-            added.append(helper.make_node("Add", [total, term], [summed], name=fresh("geomean_add")))
+            added.append(
+                helper.make_node("Add", [total, term], [summed], name=fresh("geomean_add"))
+            )
             total = summed
         scaled = fresh("half_log_mean")
         added += [

@@ -19,6 +19,7 @@ import numpy as np
 from qnn_ctx_runtime import buckets as bk
 
 from ..core.config import ModelConfig
+from ..core.cpu import cpu_session
 from ..core.dtypes import np_dtype
 from ..core.layout import samples_in
 from ..core.metrics import Accuracy, OutputComparison
@@ -32,16 +33,6 @@ def iter_samples(folder: Path) -> Iterator[Feeds]:
     for path in samples_in(folder):
         with np.load(path, allow_pickle=False) as data:
             yield {k: data[k] for k in data.files}
-
-
-def cpu_session(model: Any) -> Any:
-    """A CPU EP session on a model file or ``ModelProto``, errors only in the log."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    payload = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
-    return ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
 
 
 def run_named(session: Any, names: list[str], feeds: Feeds) -> Feeds:

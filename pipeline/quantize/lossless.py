@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 
 from ..core.config import InputsSection
+from ..core.cpu import cpu_session
 from ..core.dtypes import np_dtype
 from ..core.metrics import OutputComparison, worst_snr
-from .evaluate import cpu_session, iter_samples, run_named
+from .evaluate import iter_samples, run_named
 
 MIN_PREPARED_SNR_DB = 60.0
 CHECK_SAMPLES = 8  # held-out feeds the prepared model is compared on

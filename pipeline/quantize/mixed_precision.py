@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..core.config import ModelConfig
+from ..core.cpu import cpu_session
 from ..core.metrics import LABELS, comparable, worst_snr
 from .evaluate import evaluate
 
@@ -184,13 +185,8 @@ def _with_fake_quant(model: Any, cand: Candidate) -> Any:
 
 
 def _session(model: Any) -> Any:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    payload = model if isinstance(model, str) else model.SerializeToString()
-    return ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
+    # Basic optimizations only: sessions are built per candidate, and their build time counts.
+    return cpu_session(model, optimize=False)
 
 
 def _values(value: Any) -> np.ndarray:

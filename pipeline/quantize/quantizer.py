@@ -279,6 +279,15 @@ def _channel_axis(node: Any, weight: str) -> int:
     return 0
 
 
+def _grouped_transpose(node: Any) -> bool:
+    """A ConvTranspose with groups: its weight [C_in, C_out / group, ...] has fewer scales on the
+    channel axis than the bias has channels, and onnxruntime's bias quantization then fails
+    ("operands could not be broadcast together with shapes (16,) (8,)", GTCRN's decoder).
+    Such a weight stays per tensor."""
+    group = next((a.i for a in node.attribute if a.name == "group"), 1)
+    return node.op_type == "ConvTranspose" and group > 1
+
+
 def _tensor_overrides(model: Any, tensors: dict[str, str], op_types: dict[str, str]) -> Overrides:
     """Config and mixed-precision choices -> onnxruntime overrides and float (fp16) nodes.
 
@@ -323,7 +332,9 @@ def _tensor_overrides(model: Any, tensors: dict[str, str], op_types: dict[str, s
                     "per channel.",
                     tip=f"Use {qtype} for it in quantization.overrides.tensors.",
                 )
-            entry.update(symmetric=True, axis=_channel_axis(users[0], name))
+            entry["symmetric"] = True
+            if not _grouped_transpose(users[0]):
+                entry["axis"] = _channel_axis(users[0], name)
         elif name in weights and qtype.startswith("int"):
             entry["symmetric"] = True  # QNN HTP wants signed weights symmetric
         result[name] = [entry]

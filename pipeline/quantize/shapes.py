@@ -20,13 +20,13 @@ from qnn_ctx_runtime.buckets import Bucket, CropRule, PadRule
 
 from ..calibration.samples import InputSpec, input_specs
 from ..core.config import InputsSection, ModelConfig
+from ..core.cpu import cpu_session
 from ..core.dtypes import np_dtype
 from ..core.errors import ModelError, PipelineError
 from ..core.fileio import atomic_path
 from ..graph import buckets as plans
 from ..graph.prepare import prepare_model
 from ..graph.transforms import Change
-from .evaluate import cpu_session
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,23 @@
+"""ONNX Runtime on the CPU, as every stage uses it to measure: quiet, and lean on memory.
+
+The arena is off: an arena keeps each session's peak allocation for the session's lifetime, and
+the stages keep several sessions open side by side (source, float and QDQ models of a 1024x2048
+segmenter held 4 GiB that way); without it each run returns its memory when it ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def cpu_session(model: Any, optimize: bool = True) -> Any:
+    """A CPU EP session on a model file or ``ModelProto``; errors only in the log."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.enable_cpu_mem_arena = False
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    payload = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
+    return ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
