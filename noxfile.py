@@ -31,8 +31,10 @@ NEWEST = TOOLCHAINS.pinned[TOOLCHAINS.default]
 # The device-side package: every environment that runs the builder needs it (the builder's
 # manifest type, chip and toolchain tables and QNN helpers live there).
 RUNTIME = ["-e", "./runtime"]
-# The quantize side uses plain onnxruntime at the newest pin's version: one version to bump.
-QUANTIZE_DEPS = [f"onnxruntime=={NEWEST.onnxruntime}", *RUNTIME, "-e", ".[build]"]
+# The quantize side quantizes with plain onnxruntime (newest pin: one version to bump) and judges
+# precision choices on the HTP simulator, so it also gets the newest pin's onnxruntime-qnn (a
+# plugin EP beside onnxruntime since 2.x). Without it, quantization.judge = "cpu" still works.
+QUANTIZE_DEPS = [*NEWEST.requirements, *RUNTIME, "-e", ".[build]"]
 # Compile/doctor need the pinned pair, the runtime package and tqdm for progress: nothing from
 # the quantize environment (EPContext nodes are read with the runtime's small protobuf reader).
 COMPILE_EXTRAS = [*RUNTIME, "numpy", "tqdm>=4.66"]
@@ -97,7 +99,7 @@ def doctor(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the test suite against real ONNX Runtime, the QNN EP and its HTP simulator."""
-    session.install(*QUANTIZE_DEPS, *NEWEST.requirements, "pytest>=8")
+    session.install(*QUANTIZE_DEPS, "pytest>=8")
     session.run("python", "-m", "pytest", *session.posargs)
 
 

@@ -14,7 +14,7 @@ from onnx import TensorProto, numpy_helper
 
 from pipeline.core.config import InputsSection
 from pipeline.core.errors import ModelError
-from pipeline.graph import legacy
+from pipeline.graph import edit, legacy
 from pipeline.graph import transforms as t
 from pipeline.graph.prepare import prepare_model
 
@@ -61,7 +61,7 @@ def prepared(model: onnx.ModelProto) -> onnx.ModelProto:
 def assert_same_function(model: onnx.ModelProto, samples: int = 3) -> onnx.ModelProto:
     """prepare_model(model) computes what onnxruntime computes for ``model``, exactly."""
     ready = prepared(model)
-    assert t._opset(ready) == t.TARGET_OPSET
+    assert edit.opset_version(ready) == t.TARGET_OPSET
     assert all(n.domain != legacy.PINNED_DOMAIN for n in ready.graph.node)
     assert all(o.domain != legacy.PINNED_DOMAIN for o in ready.opset_import)
     shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]

@@ -15,8 +15,8 @@ from onnx import TensorProto, numpy_helper
 from pipeline.core.config import InputsSection
 from pipeline.core.errors import GateError
 from pipeline.graph import prepare as prepare_mod
+from pipeline.graph.edit import Change
 from pipeline.graph.prepare import prepare_model
-from pipeline.graph.transforms import Change
 from pipeline.quantize import lossless
 from pipeline.quantize.lossless import StepFigure, check_preparation, culprit
 

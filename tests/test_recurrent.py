@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from pipeline.core.config import InputsSection
+from pipeline.graph import edit
 from pipeline.graph import recurrent as rc
 from pipeline.graph import transforms as t
 from pipeline.graph.prepare import prepare_model
@@ -289,9 +290,9 @@ def single(
 
 
 def max_rank(model: onnx.ModelProto) -> int:
-    values = t._inferred_values(model)
+    values = edit.inferred_values(model)
     produced = [o for n in model.graph.node for o in n.output]
-    return max(len(t._shape_of(values[name]) or ()) for name in produced)
+    return max(len(edit.value_shape(values[name]) or ()) for name in produced)
 
 
 def test_unfold_as_gather_drops_to_rank_5() -> None:

@@ -12,6 +12,7 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from pipeline.core.errors import ModelError
+from pipeline.graph import edit
 from pipeline.graph import transforms as t
 
 RNG = np.random.default_rng(0)
@@ -108,10 +109,10 @@ def test_bake_constant_inputs_unknown_name_has_hint() -> None:
 
 def test_fix_input_shapes_by_dim_param_and_by_shape() -> None:
     fixed, change = t.fix_input_shapes(parse(DYNAMIC), {"batch": 2}, {"sr": []})
-    assert t._shape_of(fixed.graph.input[0]) == (2, 4)
+    assert edit.value_shape(fixed.graph.input[0]) == (2, 4)
     assert change.details == ("input 'x': ['batch', 4] -> [2, 4]",)
     fixed, _ = t.fix_input_shapes(parse(DYNAMIC), {}, {"x": [3, 4]})
-    assert t._shape_of(fixed.graph.input[0]) == (3, 4)
+    assert edit.value_shape(fixed.graph.input[0]) == (3, 4)
     _, noop = t.fix_input_shapes(fixed, {}, {})
     assert not noop.changed
 
@@ -163,10 +164,10 @@ g (float[1, 6] x) => (float[?, ?] y) {
 
 def test_fold_constants_makes_reshape_shape_schema_static() -> None:
     model = with_inits(parse(SHAPE_CHAIN, False), ("idx", np.array([1, 0], np.int64)))
-    assert t.dynamic_outputs(model), "the Reshape output needs data propagation before folding"
+    assert edit.dynamic_outputs(model), "the Reshape output needs data propagation before folding"
     folded, change = t.fold_constants(model)
     assert ops(folded) == ["Reshape"] and change.changed
-    assert t.dynamic_outputs(folded) == []
+    assert edit.dynamic_outputs(folded) == []
     x = RNG.standard_normal((1, 6)).astype(np.float32)
     np.testing.assert_array_equal(run(folded, {"x": x})[0], x.reshape(6, 1))
     _, noop = t.fold_constants(folded)
@@ -338,7 +339,7 @@ def test_replace_legacy_image_scaler_then_upgrade() -> None:
     replaced, change = t.replace_legacy_ops(model)
     assert ops(replaced) == ["Mul", "Add"] and change.changed
     upgraded, change = t.upgrade_opset(replaced)
-    assert t._opset(upgraded) == 21 and change.details == ("opset 8 -> 21",)
+    assert edit.opset_version(upgraded) == 21 and change.details == ("opset 8 -> 21",)
     x = RNG.standard_normal((1, 2, 2, 2)).astype(np.float32)
     np.testing.assert_allclose(run(upgraded, {"x": x})[0], run(model, {"x": x})[0], rtol=1e-6)
     _, noop = t.replace_legacy_ops(upgraded)
@@ -430,7 +431,7 @@ def test_topological_sort_orders_and_detects_cycles() -> None:
 def test_store_inferred_shapes_fixes_stale_output_dims() -> None:
     fixed, _ = t.fix_input_shapes(parse(DYNAMIC), {"batch": 1}, {"sr": []})
     stored, change = t.store_inferred_shapes(fixed)
-    assert t._shape_of(stored.graph.output[0]) == (1, 4)
+    assert edit.value_shape(stored.graph.output[0]) == (1, 4)
     assert change.details == ("output 'y' shape -> [1, 4]",)
     _, noop = t.store_inferred_shapes(stored)
     assert not noop.changed
@@ -440,5 +441,5 @@ def test_dynamic_outputs_ignores_stored_value_info() -> None:
     model = with_inits(parse(SHAPE_CHAIN, False), ("idx", np.array([1, 0], np.int64)))
     # A stored shape that only data propagation could justify does not count.
     model.graph.value_info.append(oh.make_tensor_value_info("y", TensorProto.FLOAT, [6, 1]))
-    names = [name for name, _ in t.dynamic_outputs(model)]
+    names = [name for name, _ in edit.dynamic_outputs(model)]
     assert names == ["y"]

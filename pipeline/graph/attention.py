@@ -20,8 +20,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from . import transforms as t
-from .transforms import Change
+from . import edit
+from .edit import Change
 
 # Far below any attention score, far above float32's lowest: exp(MASK_FILL - score) is exactly
 # 0 in float32 for any score above -1e9 + 104, and adding a bias to it cannot overflow.
@@ -70,10 +70,10 @@ def finite_mask_fills(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     uniform distribution. The fill gets its own initializer, so a constant shared with
     something else keeps its value there.
     """
-    model = t._copy(model)
+    model = edit.copy_model(model)
     graph = model.graph
-    inits = t._initializers(graph)
-    namer = t._Namer(model)
+    inits = edit.initializers_by_name(graph)
+    namer = edit.FreshNames(model)
     details = []
     for node in graph.node:
         if node.op_type != "Where" or node.domain not in _DEFAULT or len(node.input) != 3:
@@ -92,9 +92,9 @@ def finite_mask_fills(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                 numpy_helper.from_array(np.full(value.shape, MASK_FILL, value.dtype), fill)
             )
             node.input[slot] = fill
-            details.append(f"{t.node_label(node)}: mask fill -inf -> {MASK_FILL:g}")
-    t._remove_dead(graph)
-    return t._done(model, "finite_mask_fills", details)
+            details.append(f"{edit.node_label(node)}: mask fill -inf -> {MASK_FILL:g}")
+    edit.remove_dead_nodes(graph)
+    return edit.checked_change(model, "finite_mask_fills", details)
 
 
 def _gelu(x: str, y: str, name: str, approximate: str) -> onnx.NodeProto:
@@ -110,11 +110,11 @@ def standard_gelu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     tanh approximation (FastGelu), exactly what ai.onnx Gelu computes with approximate "none"
     and "tanh"; ONNX shape inference types the standard op.
     """
-    model = t._copy(model)
-    if t._opset(model) < 20:
-        return t._done(model, "standard_gelu", [])
+    model = edit.copy_model(model)
+    if edit.opset_version(model) < 20:
+        return edit.checked_change(model, "standard_gelu", [])
     graph = model.graph
-    namer = t._Namer(model)
+    namer = edit.FreshNames(model)
     details = []
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
@@ -136,11 +136,11 @@ def standard_gelu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         ops = "Add + Gelu" if bias else "Gelu"
         details.append(f"{kind} {base!r} (com.microsoft) -> {ops} (approximate {approximate})")
     if details:
-        t._set_nodes(graph, nodes)
-        used = {n.domain for g in t._all_graphs(graph) for n in g.node}
+        edit.set_nodes(graph, nodes)
+        used = {n.domain for g in edit.all_graphs(graph) for n in g.node}
         if _MS not in used:
             kept = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]
             kept = [o for o in kept if o.domain != _MS]
             del model.opset_import[:]
             model.opset_import.extend(kept)
-    return t._done(model, "standard_gelu", details)
+    return edit.checked_change(model, "standard_gelu", details)

@@ -26,8 +26,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from . import edit
 from . import transforms as t
-from .transforms import Change
+from .edit import Change
 
 PINNED_DOMAIN = "pipeline.pinned"
 _DEFAULT = ("", "ai.onnx")
@@ -45,12 +46,12 @@ def _text(value: Any, default: str) -> str:
 
 
 def _constant(model: onnx.ModelProto, name: str) -> np.ndarray | None:
-    inits = t._initializers(model.graph)
+    inits = edit.initializers_by_name(model.graph)
     if name in inits:
         return numpy_helper.to_array(inits[name])
     for node in model.graph.node:
         if node.op_type == "Constant" and name in node.output:
-            return t._constant_value(node)
+            return t.constant_value(node)
     return None
 
 
@@ -171,10 +172,10 @@ def _crop_nodes(
 def pin_legacy_semantics(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Upsample (opset 7/9), Resize (opset 10) and Crop -> the opset-21 Resize/Slice computing
     the same, in ``PINNED_DOMAIN`` until ``restore_pinned_ops`` (after ``upgrade_opset``)."""
-    model = t._copy(model)
-    opset = t._opset(model)
+    model = edit.copy_model(model)
+    opset = edit.opset_version(model)
     graph = model.graph
-    namer = t._Namer(model)
+    namer = edit.FreshNames(model)
     details: list[str] = []
     new_nodes: list[onnx.NodeProto] = []
     values: dict[str, onnx.ValueInfoProto] | None = None
@@ -194,7 +195,7 @@ def pin_legacy_semantics(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
         base = node.name or namer(f"{node.output[0]}_{node.op_type.lower()}")
         if node.op_type == "Crop":
             replacement, what = _crop_nodes(node, new_init, base)
-            details.append(f"{t.node_label(node)} -> Slice ({what})")
+            details.append(f"{edit.node_label(node)} -> Slice ({what})")
             new_nodes.extend(replacement)
             continue
         attrs = _attrs(node)
@@ -211,36 +212,38 @@ def pin_legacy_semantics(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
         if scales is not None:
             scales = np.asarray(scales, np.float32).reshape(-1)
         if values is None:
-            values = t._inferred_values(model)
+            values = edit.inferred_values(model)
         value = values.get(node.input[0])
-        shape = t._shape_of(value) if value is not None else None
+        shape = edit.value_shape(value) if value is not None else None
         replacement, what = _resize_nodes(
             node.input[0], node.output[0], mode, scales, scales_name, shape, base, new_init, namer
         )
-        details.append(f"{t.node_label(node)} (opset {opset}) -> Resize ({what})")
+        details.append(f"{edit.node_label(node)} (opset {opset}) -> Resize ({what})")
         new_nodes.extend(replacement)
     if details:
-        t._set_nodes(graph, new_nodes)
+        edit.set_nodes(graph, new_nodes)
         if not any(o.domain == PINNED_DOMAIN for o in model.opset_import):
             model.opset_import.append(onnx.helper.make_opsetid(PINNED_DOMAIN, 1))
-    return t._done(model, "pin_legacy_semantics", details)
+    return edit.checked_change(model, "pin_legacy_semantics", details)
 
 
 def restore_pinned_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Move the ops ``pin_legacy_semantics`` parked back into the default domain (opset 21)."""
-    model = t._copy(model)
+    model = edit.copy_model(model)
     details = []
-    for graph in t._all_graphs(model.graph):
+    for graph in edit.all_graphs(model.graph):
         for node in graph.node:
             if node.domain == PINNED_DOMAIN:
                 node.domain = ""
-                details.append(f"{t.node_label(node)}: restored as opset-{t._opset(model)} op")
+                details.append(
+                    f"{edit.node_label(node)}: restored as opset-{edit.opset_version(model)} op"
+                )
     imports = [o for o in model.opset_import if o.domain != PINNED_DOMAIN]
     if len(imports) != len(model.opset_import):
         kept = [onnx.helper.make_opsetid(o.domain, o.version) for o in imports]
         del model.opset_import[:]
         model.opset_import.extend(kept)
-    return t._done(model, "restore_pinned_ops", details)
+    return edit.checked_change(model, "restore_pinned_ops", details)
 
 
 # A pad value at or below this is "minus infinity" for a max.
@@ -291,9 +294,9 @@ def fold_pad_into_pool(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     padding (count_include_pad = 1). The pool must use explicit or VALID padding, and nothing
     else may read the padded tensor.
     """
-    model = t._copy(model)
+    model = edit.copy_model(model)
     graph = model.graph
-    used = t._used_names(graph)
+    used = edit.used_names(graph)
     producers = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
     outputs = {o.name for o in graph.output}
     drop: set[int] = set()
@@ -338,11 +341,11 @@ def fold_pad_into_pool(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
         node.attribute.append(onnx.helper.make_attribute("pads", new))
         node.input[0] = pad.input[0]
         drop.add(at)
-        details.append(f"{t.node_label(pad)} folded into {t.node_label(node)}: pads {new}")
+        details.append(f"{edit.node_label(pad)} folded into {edit.node_label(node)}: pads {new}")
     if drop:
-        t._drop_nodes(graph, drop)
-        t._remove_dead(graph)
-    return t._done(model, "fold_pad_into_pool", details)
+        edit.drop_nodes(graph, drop)
+        edit.remove_dead_nodes(graph)
+    return edit.checked_change(model, "fold_pad_into_pool", details)
 
 
 def batchnorm_to_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -353,17 +356,17 @@ def batchnorm_to_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
     and Add it is the same affine map (computed in float64, rounded once), and the ops around
     it can fold or fuse with it; the HTP also quantizes the two ops like any other.
     """
-    model = t._copy(model)
+    model = edit.copy_model(model)
     graph = model.graph
-    inits = t._initializers(graph)
-    used = t._used_names(graph)
-    namer = t._Namer(model)
+    inits = edit.initializers_by_name(graph)
+    used = edit.used_names(graph)
+    namer = edit.FreshNames(model)
     values: dict[str, onnx.ValueInfoProto] | None = None
     nodes: list[onnx.NodeProto] = []
     details = []
     for node in graph.node:
         params = (
-            t._bn_params(node, inits, used)
+            t.bn_params(node, inits, used)
             if node.op_type == "BatchNormalization" and node.domain in _DEFAULT
             else None
         )
@@ -371,14 +374,14 @@ def batchnorm_to_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
             nodes.append(node)
             continue
         if values is None:
-            values = t._inferred_values(model)
+            values = edit.inferred_values(model)
         value = values.get(node.input[0])
-        shape = t._shape_of(value) if value is not None else None
+        shape = edit.value_shape(value) if value is not None else None
         scale, shift = params
         if shape is None or len(shape) < 2 or shape[1] != scale.shape[0]:
             nodes.append(node)
             continue
-        dtype = t._np_dtype(value.type.tensor_type.elem_type)
+        dtype = edit.numpy_dtype(value.type.tensor_type.elem_type)
         per_channel = (scale.shape[0],) + (1,) * (len(shape) - 2)
         base = node.name or node.output[0]
         s_name, b_name = namer(f"{base}_scale"), namer(f"{base}_shift")
@@ -394,8 +397,8 @@ def batchnorm_to_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
             make("Mul", [node.input[0], s_name], [mid], name=namer(f"{base}_mul")),
             make("Add", [mid, b_name], [node.output[0]], name=namer(f"{base}_add")),
         ]
-        details.append(f"{t.node_label(node)} (nothing to fold into) -> Mul + Add")
+        details.append(f"{edit.node_label(node)} (nothing to fold into) -> Mul + Add")
     if details:
-        t._set_nodes(graph, nodes)
-        t._remove_dead(graph)
-    return t._done(model, "batchnorm_to_affine", details)
+        edit.set_nodes(graph, nodes)
+        edit.remove_dead_nodes(graph)
+    return edit.checked_change(model, "batchnorm_to_affine", details)

@@ -14,7 +14,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .transforms import Change, _copy, _done, _Namer, node_label, topological_sort
+from .edit import Change, FreshNames, checked_change, copy_model, node_label
+from .transforms import topological_sort
 
 
 def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
@@ -40,11 +41,11 @@ def rewrite_sqrt_of_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, C
     near zero. Measured on PP-PicoDet (HTP simulator, fp16): class scores 5.6 dB -> 32.5 dB vs
     float. Only products whose every factor is a Sigmoid used nowhere else are rewritten.
     """
-    model = _copy(model)
+    model = copy_model(model)
     graph = model.graph
     producer = _producers(graph)
     uses = _consumers(graph)
-    fresh = _Namer(model)
+    fresh = FreshNames(model)
     drop: set[int] = set()
     added: list[onnx.NodeProto] = []
     details = []
@@ -83,12 +84,12 @@ def rewrite_sqrt_of_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, C
             "exp(-0.5 * sum(softplus(-logit)))"
         )
     if not details:
-        return _done(model, "rewrite_sqrt_of_sigmoids", [])
+        return checked_change(model, "rewrite_sqrt_of_sigmoids", [])
     kept = [n for n in graph.node if id(n) not in drop]
     del graph.node[:]
     graph.node.extend(kept + added)
     model, _ = topological_sort(model)
-    return _done(model, "rewrite_sqrt_of_sigmoids", details)
+    return checked_change(model, "rewrite_sqrt_of_sigmoids", details)
 
 
 def _sigmoid_factors(

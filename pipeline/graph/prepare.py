@@ -12,13 +12,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..core.errors import ModelError
+from . import edit
 from .tails import model_tail
 
 if TYPE_CHECKING:
     import onnx
 
     from ..core.config import InputsSection
-    from .transforms import Change
+    from .edit import Change
 
 
 def dynamic_tensors(model: onnx.ModelProto) -> list[str]:
@@ -26,7 +27,7 @@ def dynamic_tensors(model: onnx.ModelProto) -> list[str]:
 
     Stored value_info is ignored (shapes that only data propagation justifies do not count).
     """
-    from .transforms import dynamic_outputs
+    from .edit import dynamic_outputs
 
     return [name for name, _ in dynamic_outputs(model)]
 
@@ -82,20 +83,19 @@ def prepare_model(
     model: onnx.ModelProto, inputs: InputsSection
 ) -> tuple[onnx.ModelProto, list[Change]]:
     """Return a float32, fully static, NPU-friendly model and what each step changed."""
-    from . import transforms as t
 
     changes: list[Change] = []
     for step in preparation_steps(inputs):
         model, change = step(model)
         changes.append(change)
-    dynamic = t.dynamic_outputs(model)
+    dynamic = edit.dynamic_outputs(model)
     if dynamic:  # a declared CPU tail (labels, score maps) needs no static shape
         tail = model_tail(model)
         in_tail = {o for i in tail.nodes for o in model.graph.node[i].output}
         dynamic = [(name, node) for name, node in dynamic if name not in in_tail]
     if dynamic:
         shown = [
-            f"{name!r} (graph input)" if node is None else f"{name!r} from {t.node_label(node)}"
+            f"{name!r} (graph input)" if node is None else f"{name!r} from {edit.node_label(node)}"
             for name, node in dynamic[:10]
         ]
         more = f" and {len(dynamic) - 10} more" if len(dynamic) > 10 else ""

@@ -45,8 +45,9 @@ import onnx
 from onnx import numpy_helper
 
 from ..core.errors import ModelError
+from . import edit
 from . import transforms as t
-from .transforms import Change
+from .edit import Change
 
 QUANTIZE = "QuantizeLinear"
 DEQUANTIZE = "DequantizeLinear"
@@ -121,7 +122,7 @@ def quantization_ops(model: onnx.ModelProto) -> Counter[str]:
     """Quantization nodes of the model (every graph, If/Loop bodies included), by op type."""
     return Counter(
         node.op_type
-        for graph in t._all_graphs(model.graph)
+        for graph in edit.all_graphs(model.graph)
         for node in graph.node
         if _is_quant_node(node)
     )
@@ -133,7 +134,9 @@ def is_prequantized(model: onnx.ModelProto) -> bool:
     A float model has none of them (onnxruntime's quantizer is what adds them), so this is
     False for every float model, fp16 ones included.
     """
-    return any(_is_quant_node(node) for graph in t._all_graphs(model.graph) for node in graph.node)
+    return any(
+        _is_quant_node(node) for graph in edit.all_graphs(model.graph) for node in graph.node
+    )
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,7 @@ def _type_name(elem_type: int) -> str:
 def summarize(model: onnx.ModelProto) -> PrequantizedSummary:
     """Counts and integer types of a pre-quantized model's own quantization."""
     graph = model.graph
-    inits = t._initializers(graph)
+    inits = edit.initializers_by_name(graph)
     counts = quantization_ops(model)
     acts: set[str] = set()
     weights: set[str] = set()
@@ -256,7 +259,7 @@ class _Graph:
 
     def refresh(self) -> None:
         graph = self.graph
-        self.inits = t._initializers(graph)
+        self.inits = edit.initializers_by_name(graph)
         self.producer = {o: n for n in graph.node for o in n.output if o}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         for node in graph.node:
@@ -300,7 +303,7 @@ def _dq_value(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> np.nd
 
 
 def _qdq_pair(
-    source: str, params: _Params, namer: t._Namer, label: str
+    source: str, params: _Params, namer: edit.FreshNames, label: str
 ) -> tuple[list[onnx.NodeProto], str]:
     """Q then DQ of ``source`` with ``params`` (their initializers reused); the DQ's output."""
     inputs = [params.scale_name, params.zp_name] if params.zp_name else [params.scale_name]
@@ -316,12 +319,14 @@ def _finish(
     model: onnx.ModelProto, step: str, details: Sequence[str]
 ) -> tuple[onnx.ModelProto, Change]:
     if details:
-        t._sort_graph(model.graph)
-        t._remove_dead(model.graph)
-    return t._done(model, step, details)
+        edit.sort_graph(model.graph)
+        edit.remove_dead_nodes(model.graph)
+    return edit.checked_change(model, step, details)
 
 
-def _initializer(graph: onnx.GraphProto, namer: t._Namer, base: str, value: np.ndarray) -> str:
+def _initializer(
+    graph: onnx.GraphProto, namer: edit.FreshNames, base: str, value: np.ndarray
+) -> str:
     name = namer(base)
     graph.initializer.append(numpy_helper.from_array(value, name))
     return name
@@ -332,7 +337,7 @@ def _initializer(graph: onnx.GraphProto, namer: t._Namer, base: str, value: np.n
 
 
 def _qoperator_nodes(
-    node: onnx.NodeProto, namer: t._Namer, graph: onnx.GraphProto, opset: int
+    node: onnx.NodeProto, namer: edit.FreshNames, graph: onnx.GraphProto, opset: int
 ) -> list[onnx.NodeProto] | None:
     """DQ -> float op -> Q nodes computing what one QLinear* node computes, or None."""
     make = onnx.helper.make_node
@@ -364,7 +369,7 @@ def _qoperator_nodes(
     op = node.op_type
     y = namer(f"{base}_float")
     if op == "QLinearConv" and node.domain in _DEFAULT:
-        inits = t._initializers(graph)
+        inits = edit.initializers_by_name(graph)
         w_scale = _array(inits, ins[4])
         per_channel = w_scale is not None and w_scale.size > 1
         x = dq(ins[0], ins[1], ins[2])
@@ -387,7 +392,7 @@ def _qoperator_nodes(
         nodes.append(make("Conv", conv_in, [y], name=namer(base), **attrs))
         q_out(y, ins[6], ins[7])
     elif op == "QLinearMatMul" and node.domain in _DEFAULT:
-        inits = t._initializers(graph)
+        inits = edit.initializers_by_name(graph)
         b_scale = _array(inits, ins[4])
         if b_scale is None or b_scale.size > 1:  # per-column scales: not mapped here
             return None
@@ -427,7 +432,7 @@ def _qoperator_nodes(
         nodes.append(make("Softmax", [x], [y], name=namer(base), axis=axis))
         q_out(y, ins[3], ins[4])
     elif op == "QGemm" and node.domain == _MS:
-        inits = t._initializers(graph)
+        inits = edit.initializers_by_name(graph)
         a_scale, b_scale = _array(inits, ins[1]), _array(inits, ins[4])
         if a_scale is None or b_scale is None or a_scale.size != 1:
             return None
@@ -466,10 +471,10 @@ def qoperator_to_qdq(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     QLinear* ops have no QNN kernel and stay on the CPU. The float op between the same Q/DQ
     parameters computes the same thing up to the rounding of the integer kernels (<= 1 step).
     """
-    model = t._copy(model)
+    model = edit.copy_model(model)
     graph = model.graph
-    namer = t._Namer(model)
-    opset = t._opset(model) or 13
+    namer = edit.FreshNames(model)
+    opset = edit.opset_version(model) or 13
     details = []
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
@@ -481,13 +486,13 @@ def qoperator_to_qdq(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             continue
         nodes.extend(replacement)
         float_op = next(n.op_type for n in replacement if n.op_type not in QDQ_OPS)
-        details.append(f"{t.node_label(node)} -> DQ + {float_op} + Q")
+        details.append(f"{edit.node_label(node)} -> DQ + {float_op} + Q")
     if details:
-        t._set_nodes(graph, nodes)
+        edit.set_nodes(graph, nodes)
         if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
             model.opset_import.append(onnx.helper.make_opsetid("", 13))
     if is_prequantized(model):
-        t._sort_graph(graph)
+        edit.sort_graph(graph)
         _integer_moves_to_qdq(model, details)
     return _finish(model, "qoperator_to_qdq", details)
 
@@ -500,7 +505,7 @@ def _integer_moves_to_qdq(model: onnx.ModelProto, details: list[str]) -> None:
     and the op after them then falls to the CPU too. Q(op(DQ(q))) == op(q): exact.
     """
     graph = model.graph
-    namer = t._Namer(model)
+    namer = edit.FreshNames(model)
     grid: dict[str, list[str]] = {}  # integer tensor -> [scale, zero point] of its Q
     view = _Graph(graph)
     for node in list(graph.node):
@@ -531,7 +536,7 @@ def _integer_moves_to_qdq(model: onnx.ModelProto, details: list[str]) -> None:
             )
         )
         grid[out] = params[0]
-        details.append(f"{t.node_label(node)} on integers -> DQ + {node.op_type} + Q")
+        details.append(f"{edit.node_label(node)} on integers -> DQ + {node.op_type} + Q")
 
 
 def upgrade_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -544,10 +549,10 @@ def upgrade_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """
     from .legacy import PINNED_DOMAIN
 
-    pinned = any(n.domain == PINNED_DOMAIN for g in t._all_graphs(model.graph) for n in g.node)
+    pinned = any(n.domain == PINNED_DOMAIN for g in edit.all_graphs(model.graph) for n in g.node)
     if not is_prequantized(model) or pinned:
         return t.upgrade_opset(model)
-    return t._done(t._copy(model), "upgrade_opset", [])
+    return edit.checked_change(edit.copy_model(model), "upgrade_opset", [])
 
 
 def fold_quantized_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -558,11 +563,11 @@ def fold_quantized_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, C
     quantized weight. (``fold_constants`` never folds Q/DQ: that would lose the model's
     quantization.)
     """
-    model = t._copy(model)
+    model = edit.copy_model(model)
     if not is_prequantized(model):
-        return t._done(model, "fold_quantized_constants", [])
+        return edit.checked_change(model, "fold_quantized_constants", [])
     graph = model.graph
-    inits = t._initializers(graph)
+    inits = edit.initializers_by_name(graph)
     outputs = {o.name for o in graph.output}
     details = []
     folded: set[int] = set()
@@ -575,15 +580,15 @@ def fold_quantized_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, C
         if node.output[0] in outputs:
             continue
         values = {i: numpy_helper.to_array(inits[i]) for i in node.input if i}
-        result = t._run_nodes([node], values, model)[node.output[0]]
+        result = t.run_nodes([node], values, model)[node.output[0]]
         new_inits.append(numpy_helper.from_array(result, node.output[0]))
         folded.add(index)
         shape = list(result.shape)
         details.append(
-            f"{t.node_label(node)} of constant {node.input[0]!r} -> {result.dtype} {shape}"
+            f"{edit.node_label(node)} of constant {node.input[0]!r} -> {result.dtype} {shape}"
         )
     if folded:
-        t._drop_nodes(graph, folded)
+        edit.drop_nodes(graph, folded)
         graph.initializer.extend(new_inits)
     return _finish(model, "fold_quantized_constants", details)
 
@@ -596,12 +601,12 @@ def drop_noop_casts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     ("Node ... was inserted using the NHWC format as requested by QNNExecutionProvider, but was
     not selected by that EP"). The cast changes nothing.
     """
-    model = t._copy(model)
+    model = edit.copy_model(model)
     if not is_prequantized(model):
-        return t._done(model, "drop_noop_casts", [])
+        return edit.checked_change(model, "drop_noop_casts", [])
     graph = model.graph
-    types = {name: v.type.tensor_type.elem_type for name, v in t._inferred_values(model).items()}
-    types.update({name: init.data_type for name, init in t._initializers(graph).items()})
+    types = {name: v.type.tensor_type.elem_type for name, v in edit.inferred_values(model).items()}
+    types.update({name: init.data_type for name, init in edit.initializers_by_name(graph).items()})
     details = []
     for node in graph.node:
         if node.op_type != "Cast" or node.domain not in _DEFAULT:
@@ -609,11 +614,11 @@ def drop_noop_casts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         to = next((a.i for a in node.attribute if a.name == "to"), None)
         if to is None or types.get(node.input[0]) != to:
             continue
-        details.append(f"{t.node_label(node)}: input is already {_type_name(to)}")
+        details.append(f"{edit.node_label(node)}: input is already {_type_name(to)}")
         node.op_type = "Identity"
         del node.attribute[:]
     if details:
-        removed = t._bypass_identities(graph)
+        removed = t.bypass_identities(graph)
         details.append(f"removed {removed} Identity node(s)")
     return _finish(model, "drop_noop_casts", details)
 
@@ -632,10 +637,10 @@ def int32_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     any int32 bias already at that scale); otherwise each bias moves by at most half of
     input scale x weight scale, which the detail line reports.
     """
-    model = t._copy(model)
+    model = edit.copy_model(model)
     graph = model.graph
     view = _Graph(graph)
-    namer = t._Namer(model)
+    namer = edit.FreshNames(model)
     details = []
     for node in graph.node:
         if node.op_type not in _BIASED or node.domain not in _DEFAULT or len(node.input) < 3:
@@ -697,7 +702,7 @@ def int32_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         was = _type_name(b_type)
         exact = "exact" if error == 0 else f"moved by <= {error:.3g} of its step"
         details.append(
-            f"{t.node_label(node)}: {was} bias -> int32 at input x weight scale ({exact})"
+            f"{edit.node_label(node)}: {was} bias -> int32 at input x weight scale ({exact})"
         )
     return _finish(model, "int32_biases", details)
 
@@ -709,10 +714,10 @@ def signed_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     weights (an int16-activation Conv with uint8 weights fails to compile on the HTP).
     (w - 128) with zero point (z - 128) dequantizes to the same values: exact.
     """
-    model = t._copy(model)
+    model = edit.copy_model(model)
     graph = model.graph
     view = _Graph(graph)
-    namer = t._Namer(model)
+    namer = edit.FreshNames(model)
     details = []
     converted: dict[tuple[str, str], tuple[str, str]] = {}
     for node in graph.node:
@@ -744,7 +749,7 @@ def signed_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             )
         )
         node.input[1] = out
-        details.append(f"{t.node_label(node)}: uint8 weight {w_dq.input[0]!r} -> int8 (exact)")
+        details.append(f"{edit.node_label(node)}: uint8 weight {w_dq.input[0]!r} -> int8 (exact)")
     return _finish(model, "signed_weights", details)
 
 
@@ -782,7 +787,7 @@ def _propagate_backward(model: onnx.ModelProto, details: list[str]) -> None:
     computes the value: that op then has a Q on its output and becomes a quantized unit."""
     graph = model.graph
     view = _Graph(graph)
-    namer = t._Namer(model)
+    namer = edit.FreshNames(model)
     work = [n for n in graph.node if n.op_type == QUANTIZE and n.input[0] not in view.inits]
     while work:
         q = work.pop()
@@ -807,7 +812,7 @@ def _propagate_backward(model: onnx.ModelProto, details: list[str]) -> None:
             node.input[index] = out
             added.append(pair[0])
         if added:
-            details.append(f"Q of {tensor!r} copied in front of {t.node_label(node)}")
+            details.append(f"Q of {tensor!r} copied in front of {edit.node_label(node)}")
             view.refresh()
             work.extend(added)
 
@@ -816,9 +821,9 @@ def _propagate_forward(model: onnx.ModelProto, details: list[str]) -> None:
     """After a data-moving op whose inputs all come from DQs on one grid, put a Q/DQ on that
     grid: its result is on the grid already, and the op becomes a quantized unit."""
     graph = model.graph
-    t._sort_graph(graph)
+    edit.sort_graph(graph)
     view = _Graph(graph)
-    namer = t._Namer(model)
+    namer = edit.FreshNames(model)
     for node in list(graph.node):
         if node.op_type == "Identity" or not _commutes(node, view):
             continue  # an Identity moves nothing: the DQ before it is as good
@@ -834,7 +839,7 @@ def _propagate_forward(model: onnx.ModelProto, details: list[str]) -> None:
             r.op_type == QUANTIZE and params.same(_params(r, view.inits)) for r in readers
         ):
             continue
-        details.append(f"Q/DQ of its input's grid put after {t.node_label(node)}")
+        details.append(f"Q/DQ of its input's grid put after {edit.node_label(node)}")
         inner = namer(f"{out}_pre_q")
         node.output[0] = inner
         pair, _ = _qdq_pair(inner, params, namer, "fq")
@@ -852,7 +857,7 @@ def propagate_qdq(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     so the QNN EP runs them as float ops on the HTP. These ops commute with a per-tensor Q
     (they only move, pick, compare or zero-pad values), so the copies change nothing.
     """
-    model = t._copy(model)
+    model = edit.copy_model(model)
     details: list[str] = []
     _propagate_backward(model, details)
     _propagate_forward(model, details)
@@ -870,7 +875,7 @@ def _leaky_alpha(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> fl
 
 
 def _scaled_dq(
-    graph: onnx.GraphProto, view: _Graph, namer: t._Namer, dq: onnx.NodeProto, factor: float
+    graph: onnx.GraphProto, view: _Graph, namer: edit.FreshNames, dq: onnx.NodeProto, factor: float
 ) -> str:
     """A new DequantizeLinear of a copy of ``dq``'s integers with its scale times ``factor``.
 
@@ -906,10 +911,10 @@ def split_leaky_relu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     model's Q produced; every op involved is a plain 8-bit QDQ unit. Needs 0 < alpha and an
     op with quantized input, weight and (int32, see ``int32_biases``) bias.
     """
-    model = t._copy(model)
+    model = edit.copy_model(model)
     graph = model.graph
     view = _Graph(graph)
-    namer = t._Namer(model)
+    namer = edit.FreshNames(model)
     details = []
     replace: dict[int, list[onnx.NodeProto]] = {}
     for index, act in enumerate(graph.node):
@@ -954,13 +959,13 @@ def split_leaky_relu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         )
         replace[index] = [twin, *pos_nodes, *neg_nodes, add]
         details.append(
-            f"{t.node_label(op)} -> {act.op_type}(alpha={alpha:g}): two 8-bit branches summed"
+            f"{edit.node_label(op)} -> {act.op_type}(alpha={alpha:g}): two 8-bit branches summed"
         )
     if replace:
         nodes: list[onnx.NodeProto] = []
         for index, node in enumerate(graph.node):
             nodes.extend(replace.get(index, [node]))
-        t._set_nodes(graph, nodes)
+        edit.set_nodes(graph, nodes)
     return _finish(model, "split_leaky_relu", details)
 
 
@@ -1078,14 +1083,14 @@ def dequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         mapping[node.output[0]] = q.input[0]
         drop.add(index)
     if drop or pairs:
-        t._drop_nodes(graph, drop)
+        edit.drop_nodes(graph, drop)
         graph.initializer.extend(new_inits)
         for node in graph.node:
             for i, name in enumerate(node.input):
                 while name in mapping:
                     name = mapping[name]
                 node.input[i] = name
-        t._remove_dead(graph)
+        edit.remove_dead_nodes(graph)
         details.append(
             f"{weights} quantized weight(s) -> float, {pairs} activation Q/DQ pair(s) removed"
         )

@@ -44,8 +44,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from . import transforms as t
-from .transforms import Change
+from . import edit
+from .edit import Change
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
@@ -107,13 +107,13 @@ def normalize_recurrent_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     (it compares with lower-case names), and Keras/TF exporters always write one; a constant
     ``sequence_lens`` equal to the sequence length is the same as none. Same function.
     """
-    model = t._copy(model)
+    model = edit.copy_model(model)
     graph = model.graph
-    inits = t._initializers(graph)
+    inits = edit.initializers_by_name(graph)
     values: dict[str, onnx.ValueInfoProto] | None = None
     details = []
     for node in graph.node:
-        if node.op_type not in RECURRENT_OPS or node.domain not in t._DEFAULT_DOMAINS:
+        if node.op_type not in RECURRENT_OPS or node.domain not in edit.DEFAULT_DOMAINS:
             continue
         attrs = _attrs(node)
         dirs = len(_directions(attrs))
@@ -128,24 +128,24 @@ def normalize_recurrent_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
             kept = [a for a in node.attribute if a.name not in drop]
             del node.attribute[:]
             node.attribute.extend(kept)
-            details.append(f"{t.node_label(node)}: dropped activations = default")
+            details.append(f"{edit.node_label(node)}: dropped activations = default")
         if node.op_type == "LSTM" and "input_forget" in attrs and attrs["input_forget"] == 0:
             kept = [a for a in node.attribute if a.name != "input_forget"]
             del node.attribute[:]
             node.attribute.extend(kept)
         if len(node.input) > 4 and node.input[4] in inits:
             lengths = numpy_helper.to_array(inits[node.input[4]])
-            values = values if values is not None else t._inferred_values(model)
+            values = values if values is not None else edit.inferred_values(model)
             x = values.get(node.input[0])
-            shape = t._shape_of(x) if x is not None else None
+            shape = edit.value_shape(x) if x is not None else None
             if shape is not None and len(shape) == 3:
                 steps = shape[1] if attrs.get("layout", 0) == 1 else shape[0]
                 if lengths.size and bool(np.all(lengths == steps)):
                     node.input[4] = ""
                     details.append(
-                        f"{t.node_label(node)}: dropped sequence_lens (all {steps} = length)"
+                        f"{edit.node_label(node)}: dropped sequence_lens (all {steps} = length)"
                     )
-    return t._done(model, "normalize_recurrent_ops", details)
+    return edit.checked_change(model, "normalize_recurrent_ops", details)
 
 
 # --------------------------------------------------------------------------------------------
@@ -560,22 +560,22 @@ def unroll_recurrent_ops(
     range. Needs static shapes and constant weights; the same function as onnxruntime's kernel.
     ``everything`` unrolls accepted nodes too (to compare both forms on the HTP).
     """
-    model = t._copy(model)
+    model = edit.copy_model(model)
     graph = model.graph
-    inits = t._initializers(graph)
+    inits = edit.initializers_by_name(graph)
     values: dict[str, onnx.ValueInfoProto] | None = None
 
     def shape(name: str) -> tuple[int, ...] | None:
         nonlocal values
-        values = values if values is not None else t._inferred_values(model)
-        return t._shape_of(values[name]) if name in values else None
+        values = values if values is not None else edit.inferred_values(model)
+        return edit.value_shape(values[name]) if name in values else None
 
-    fresh = t._Namer(model)
+    fresh = edit.FreshNames(model)
     details = []
     nodes: list[onnx.NodeProto] = []
     new_inits: list[onnx.TensorProto] = []
     for node in graph.node:
-        if node.op_type not in RECURRENT_OPS or node.domain not in t._DEFAULT_DOMAINS:
+        if node.op_type not in RECURRENT_OPS or node.domain not in edit.DEFAULT_DOMAINS:
             nodes.append(node)
             continue
         reasons = qnn_refuses(node)
@@ -584,7 +584,7 @@ def unroll_recurrent_ops(
             continue
         cell, why_not = _cell(node, inits, shape)
         if cell is None:
-            details.append(f"{t.node_label(node)}: kept ({why_not}); QNN refuses it: {reasons}")
+            details.append(f"{edit.node_label(node)}: kept ({why_not}); QNN refuses it: {reasons}")
             nodes.append(node)
             continue
         added, constants = _unroll(node, cell, inits, fresh)
@@ -592,15 +592,15 @@ def unroll_recurrent_ops(
         new_inits.extend(constants)
         why = ", ".join(reasons) if reasons else "asked"
         details.append(
-            f"{t.node_label(node)}: unrolled into {len(added)} nodes ({cell.steps} step(s), "
+            f"{edit.node_label(node)}: unrolled into {len(added)} nodes ({cell.steps} step(s), "
             f"{'/'.join(cell.directions)}; {why})"
         )
     if any(d for d in details if "unrolled" in d):
-        t._set_nodes(graph, nodes)
+        edit.set_nodes(graph, nodes)
         graph.initializer.extend(new_inits)
-        t._remove_dead(graph)
-        t._sort_graph(graph)
-    return t._done(model, "unroll_recurrent_ops", details)
+        edit.remove_dead_nodes(graph)
+        edit.sort_graph(graph)
+    return edit.checked_change(model, "unroll_recurrent_ops", details)
 
 
 # --------------------------------------------------------------------------------------------
@@ -641,17 +641,17 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     Why: GTCRN's subband unfolds made 7 such Gather -> Transpose -> Reshape chains; the HTP
     refused each Gather (error 3110), and each chain cost a CPU round trip and a partition.
     """
-    model = t._copy(model)
+    model = edit.copy_model(model)
     graph = model.graph
-    inits = t._initializers(graph)
-    values = t._inferred_values(model)
+    inits = edit.initializers_by_name(graph)
+    values = edit.inferred_values(model)
 
     def shape(name: str) -> tuple[int, ...] | None:
         if name in inits:
             return tuple(inits[name].dims)
-        return t._shape_of(values[name]) if name in values else None
+        return edit.value_shape(values[name]) if name in values else None
 
-    fresh = t._Namer(model)
+    fresh = edit.FreshNames(model)
     details = []
     nodes: list[onnx.NodeProto] = []
     new_inits: list[onnx.TensorProto] = []
@@ -664,7 +664,11 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     make = onnx.helper.make_node
     for node in graph.node:
         out_shape = shape(node.output[0]) if node.output else None
-        if node.domain not in t._DEFAULT_DOMAINS or out_shape is None or len(out_shape) <= MAX_RANK:
+        if (
+            node.domain not in edit.DEFAULT_DOMAINS
+            or out_shape is None
+            or len(out_shape) <= MAX_RANK
+        ):
             nodes.append(node)
             continue
         base = node.name or node.output[0]
@@ -688,7 +692,7 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                     name=fresh(f"{base}_unflatten"),
                 )
             )
-            details.append(f"{t.node_label(node)}: flat index {list(index.shape)} -> Reshape")
+            details.append(f"{edit.node_label(node)}: flat index {list(index.shape)} -> Reshape")
         elif node.op_type == "Transpose":
             in_shape = shape(node.input[0])
             perm = list(_attrs(node).get("perm", range(len(out_shape)))[::1])
@@ -706,7 +710,7 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                         name=base,
                     )
                 )
-                details.append(f"{t.node_label(node)}: moves only unit axes -> Reshape")
+                details.append(f"{edit.node_label(node)}: moves only unit axes -> Reshape")
             else:
                 flat_in, flat_out = fresh(f"{base}_in"), fresh(f"{base}_out")
                 nodes += [
@@ -725,20 +729,20 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                     ),
                 ]
                 details.append(
-                    f"{t.node_label(node)}: rank {len(in_shape)} -> {len(small)} ({small})"
+                    f"{edit.node_label(node)}: rank {len(in_shape)} -> {len(small)} ({small})"
                 )
         else:
             nodes.append(node)
     if details:
-        t._set_nodes(graph, nodes)
+        edit.set_nodes(graph, nodes)
         graph.initializer.extend(new_inits)
         del new_inits[:]
     # Reshape(Reshape(x)) -> Reshape(x) where the middle tensor has rank > 5.
     producer = {o: n for n in graph.node for o in n.output}
     outputs = {o.name for o in graph.output}
-    values = t._inferred_values(model) if details else values
+    values = edit.inferred_values(model) if details else values
     for node in graph.node:
-        if node.op_type != "Reshape" or node.domain not in t._DEFAULT_DOMAINS:
+        if node.op_type != "Reshape" or node.domain not in edit.DEFAULT_DOMAINS:
             continue
         inner = producer.get(node.input[0])
         middle = shape(node.input[0]) if inner is not None else None
@@ -755,13 +759,13 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         node.input[0] = inner.input[0]
         node.input[1] = shape_const(target, node.name or node.output[0])
         details.append(
-            f"{t.node_label(node)}: reads {inner.input[0]!r} (skips a rank-{len(middle)} Reshape)"
+            f"{edit.node_label(node)}: reads {inner.input[0]!r} (skips a rank-{len(middle)} Reshape)"
         )
     if details:
         graph.initializer.extend(new_inits)
-        t._remove_dead(graph)
-        t._sort_graph(graph)
-    return t._done(model, "lower_high_rank", details)
+        edit.remove_dead_nodes(graph)
+        edit.sort_graph(graph)
+    return edit.checked_change(model, "lower_high_rank", details)
 
 
 # --------------------------------------------------------------------------------------------
@@ -775,13 +779,13 @@ def dilate_conv_transpose(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
     ((k - 1) d + 1 taps either way), same sums. Why: QNN's TransposeConv2d only takes dilation 1,
     and GTCRN's decoder (dilations 2 and 5 over time) lost two ConvTranspose to the CPU.
     """
-    model = t._copy(model)
+    model = edit.copy_model(model)
     graph = model.graph
-    inits = t._initializers(graph)
-    used = t._used_names(graph)
+    inits = edit.initializers_by_name(graph)
+    used = edit.used_names(graph)
     details = []
     for node in graph.node:
-        if node.op_type != "ConvTranspose" or node.domain not in t._DEFAULT_DOMAINS:
+        if node.op_type != "ConvTranspose" or node.domain not in edit.DEFAULT_DOMAINS:
             continue
         attrs = _attrs(node)
         dilations = [int(d) for d in attrs.get("dilations", [])]
@@ -794,7 +798,7 @@ def dilate_conv_transpose(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
         dilated[(slice(None), slice(None), *(slice(None, None, d) for d in dilations))] = weight
         name = node.input[1]
         if used[name] > 1:  # shared weight: give this node its own copy
-            name = t._Namer(model)(f"{name}_dilated")
+            name = edit.FreshNames(model)(f"{name}_dilated")
             node.input[1] = name
             graph.initializer.append(numpy_helper.from_array(dilated, name))
         else:
@@ -804,7 +808,7 @@ def dilate_conv_transpose(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
         node.attribute.extend(kept)
         node.attribute.append(onnx.helper.make_attribute("kernel_shape", grown))
         details.append(
-            f"{t.node_label(node)}: dilations {dilations} -> dilated kernel {list(spatial)} -> "
+            f"{edit.node_label(node)}: dilations {dilations} -> dilated kernel {list(spatial)} -> "
             f"{grown}"
         )
-    return t._done(model, "dilate_conv_transpose", details)
+    return edit.checked_change(model, "dilate_conv_transpose", details)

@@ -25,8 +25,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from . import edit
 from . import transforms as t
-from .transforms import Change
+from .edit import Change
 
 DRIFT = 1e-3  # input pixels the HTP's source coordinates may be off by (33 x 7.787879: 1e-6)
 MAX_PAD = 64  # longest end padding tried for a linear axis
@@ -169,10 +170,10 @@ def _rewrite(
 
 def resize_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Resize nodes whose in * scale is not an integer -> forms the HTP computes exactly."""
-    model = t._copy(model)
+    model = edit.copy_model(model)
     graph = model.graph
-    inits = t._initializers(graph)
-    namer = t._Namer(model)
+    inits = edit.initializers_by_name(graph)
+    namer = edit.FreshNames(model)
     values: dict[str, onnx.ValueInfoProto] | None = None
     nodes: list[onnx.NodeProto] = []
     details = []
@@ -194,9 +195,9 @@ def resize_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         )
         if usable:
             if values is None:
-                values = t._inferred_values(model)
+                values = edit.inferred_values(model)
             value = values.get(node.input[0])
-            shape = t._shape_of(value) if value is not None else None
+            shape = edit.value_shape(value) if value is not None else None
             scales = numpy_helper.to_array(inits[node.input[2]]).astype(np.float32).reshape(-1)
             if shape is not None and len(shape) == scales.size:
                 off = _off_axes(shape, scales)
@@ -207,7 +208,7 @@ def resize_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             continue
         replacement, what = rewritten
         nodes.extend(replacement)
-        details.append(f"{t.node_label(node)}: in x scale not an integer; {what}")
+        details.append(f"{edit.node_label(node)}: in x scale not an integer; {what}")
     if details:
-        t._set_nodes(graph, nodes)
-    return t._done(model, "resize_for_htp", details)
+        edit.set_nodes(graph, nodes)
+    return edit.checked_change(model, "resize_for_htp", details)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import edit
+
 
 def sort_nodes(model: Any) -> Any:
     """A copy of ``model`` whose (sub)graph nodes are in topological order.
@@ -12,9 +14,8 @@ def sort_nodes(model: Any) -> Any:
     valid graphs out of order, which onnxruntime runs but the checker refuses. A cycle or a
     name nothing defines is still a ModelError naming the node.
     """
-    from . import transforms as t
 
-    result = t._copy(model)
-    for graph in t._all_graphs(result.graph):
-        t._sort_graph(graph)
+    result = edit.copy_model(model)
+    for graph in edit.all_graphs(result.graph):
+        edit.sort_graph(graph)
     return result

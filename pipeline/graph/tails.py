@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import edit
+
 TAIL_DOMAINS = frozenset({"ai.onnx.ml"})
 # Ops whose outputs are indices or labels (never float), whatever their input.
 INDEX_OPS = frozenset({"ArgMax", "ArgMin"})
@@ -183,9 +185,7 @@ def static_tail_outputs(model: Any) -> tuple[Any, Any]:
     import onnx
     import onnxruntime as ort
 
-    from . import transforms as t
-
-    model = t._copy(model)
+    model = edit.copy_model(model)
     tail = model_tail(model)
     graph = model.graph
     wanted = [
@@ -193,19 +193,19 @@ def static_tail_outputs(model: Any) -> tuple[Any, Any]:
         for o in graph.output
         if o.name in tail.outputs
         and o.type.HasField("tensor_type")
-        and t._shape_of(o) is None
+        and edit.value_shape(o) is None
         and o.type.tensor_type.HasField("shape")
     ]
     if not wanted:
-        return t._done(model, "static_tail_outputs", [])
+        return edit.checked_change(model, "static_tail_outputs", [])
     inits = {i.name for i in graph.initializer}
     feeds = {}
     for value in graph.input:
         if value.name in inits:
             continue
-        shape = t._shape_of(value)
+        shape = edit.value_shape(value)
         if shape is None:  # the static-shape check names it; nothing to learn here
-            return t._done(model, "static_tail_outputs", [])
+            return edit.checked_change(model, "static_tail_outputs", [])
         dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
         feeds[value.name] = np.zeros(shape, dtype)
     options = ort.SessionOptions()
@@ -224,4 +224,4 @@ def static_tail_outputs(model: Any) -> tuple[Any, Any]:
             dim.Clear()
             dim.dim_value = int(size)
         details.append(f"tail output {value.name!r} shape -> {shape}")
-    return t._done(model, "static_tail_outputs", details)
+    return edit.checked_change(model, "static_tail_outputs", details)

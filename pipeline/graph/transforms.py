@@ -16,8 +16,7 @@ import difflib
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +24,30 @@ import onnx
 from onnx import numpy_helper
 
 from ..core.errors import ModelError
+from .edit import (
+    DEFAULT_DOMAINS,
+    Change,
+    FreshNames,
+    all_graphs,
+    checked_change,
+    copy_model,
+    defined_names,
+    drop_nodes,
+    infer_shapes,
+    inferred_values,
+    initializers_by_name,
+    min_ir_version,
+    node_label,
+    numpy_dtype,
+    opset_version,
+    remove_dead_nodes,
+    rename_tensors,
+    set_nodes,
+    sort_graph,
+    subgraphs,
+    used_names,
+    value_shape,
+)
 
 # onnxruntime 1.24+ loads IR <= 11 at least and the quantizer needs opset 21 (IR 10) for 16-bit
 # Q/DQ; onnx 1.23 would write IR 14, which onnxruntime 1.31 refuses.
@@ -40,7 +63,6 @@ FOLD_MAX_BYTES = 1 << 20
 
 _FLOAT = onnx.TensorProto.FLOAT
 _FLOAT16 = onnx.TensorProto.FLOAT16
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 _NONDETERMINISTIC = {
     "RandomNormal",
     "RandomNormalLike",
@@ -62,337 +84,6 @@ _NEVER_FOLD = _NONDETERMINISTIC | {
 }
 
 
-@dataclass(frozen=True)
-class Change:
-    """What one transform did: one human-readable line per edit; no lines means a no-op."""
-
-    step: str
-    details: tuple[str, ...] = ()
-
-    @property
-    def changed(self) -> bool:
-        return bool(self.details)
-
-    def summary(self, limit: int = 3) -> str:
-        """One line for logs: the step, the number of edits and the first few of them."""
-        if not self.details:
-            return f"{self.step}: no change"
-        shown = "; ".join(self.details[:limit])
-        more = f"; … {len(self.details) - limit} more" if len(self.details) > limit else ""
-        return f"{self.step}: {len(self.details)} edit(s): {shown}{more}"
-
-
-# --------------------------------------------------------------------------------------------
-# helpers
-
-
-def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
-    return result
-
-
-def _done(
-    model: onnx.ModelProto, step: str, details: Iterable[str]
-) -> tuple[onnx.ModelProto, Change]:
-    """Check the output of a transform; a failure here is a bug in the transform, not the model."""
-    try:
-        onnx.checker.check_model(model)
-    except (onnx.checker.ValidationError, ValueError) as exc:
-        raise ModelError(
-            f"Graph preparation step {step!r} produced an invalid ONNX model: {exc}",
-            tip="This is a bug in pipeline/transforms.py; please report it with the model.",
-        ) from exc
-    return model, Change(step, tuple(details))
-
-
-def node_label(node: onnx.NodeProto) -> str:
-    name = node.name or (node.output[0] if node.output else "?")
-    return f"{node.op_type} {name!r}"
-
-
-def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            yield attr.g
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            yield from attr.graphs
-
-
-def _all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    yield graph
-    for node in graph.node:
-        for sub in _subgraphs(node):
-            yield from _all_graphs(sub)
-
-
-def _defined_names(graph: onnx.GraphProto) -> set[str]:
-    """Names a graph defines at its own level (not inside its subgraphs)."""
-    names = {i.name for i in graph.input} | {i.name for i in graph.initializer}
-    names |= {s.values.name for s in graph.sparse_initializer}
-    names |= {o for n in graph.node for o in n.output if o}
-    return names
-
-
-def _outer_refs(graph: onnx.GraphProto) -> set[str]:
-    """Names a (sub)graph uses without defining them: its implicit inputs from outer scopes."""
-    defined = _defined_names(graph)
-    used: set[str] = {o.name for o in graph.output}
-    for node in graph.node:
-        used.update(i for i in node.input if i)
-        for sub in _subgraphs(node):
-            used |= _outer_refs(sub)
-    return used - defined
-
-
-def _node_inputs(node: onnx.NodeProto) -> set[str]:
-    """Explicit inputs plus the outer-scope names its subgraphs read."""
-    names = {i for i in node.input if i}
-    for sub in _subgraphs(node):
-        names |= _outer_refs(sub)
-    return names
-
-
-def _used_names(graph: onnx.GraphProto) -> Counter[str]:
-    """How many times each name is read in ``graph`` (graph outputs count as a use)."""
-    used: Counter[str] = Counter(o.name for o in graph.output)
-    for node in graph.node:
-        used.update(_node_inputs(node))
-    return used
-
-
-def _all_names(model: onnx.ModelProto) -> set[str]:
-    names: set[str] = set()
-    for graph in _all_graphs(model.graph):
-        names |= _defined_names(graph)
-        names |= {o.name for o in graph.output}
-        names |= {v.name for v in graph.value_info}
-        for node in graph.node:
-            names.update(i for i in node.input if i)
-    return names
-
-
-class _Namer:
-    """Fresh tensor names that collide with nothing already in the model."""
-
-    def __init__(self, model: onnx.ModelProto) -> None:
-        self.taken = _all_names(model)
-
-    def __call__(self, base: str) -> str:
-        name, i = base, 0
-        while name in self.taken:
-            i += 1
-            name = f"{base}_{i}"
-        self.taken.add(name)
-        return name
-
-
-def _opset(model: onnx.ModelProto, domain: str = "") -> int:
-    for op in model.opset_import:
-        if op.domain in ((domain, "ai.onnx") if domain == "" else (domain,)):
-            return op.version
-    return 0
-
-
-def _initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
-    """Initializers that are true constants (an initializer listed as an input can be fed)."""
-    inputs = {i.name for i in graph.input}
-    return {t.name: t for t in graph.initializer if t.name not in inputs}
-
-
-def _shape_of(value: onnx.ValueInfoProto) -> tuple[int, ...] | None:
-    """The static shape of a tensor value, or None if the rank or any dim is unknown."""
-    if not value.type.HasField("tensor_type"):
-        return None
-    tensor_type = value.type.tensor_type
-    if not tensor_type.HasField("shape"):
-        return None
-    dims = []
-    for dim in tensor_type.shape.dim:
-        if not dim.HasField("dim_value") or dim.dim_value < 0:
-            return None
-        dims.append(dim.dim_value)
-    return tuple(dims)
-
-
-def _strip_shape_info(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy without stored value_info and output shapes, so inference must derive every shape."""
-    bare = _copy(model)
-    for graph in _all_graphs(bare.graph):
-        del graph.value_info[:]
-        for out in graph.output:
-            if out.type.HasField("tensor_type"):
-                out.type.tensor_type.ClearField("shape")
-    return bare
-
-
-def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Schema-only shape inference on a copy without stored shapes (the strict criterion)."""
-    bare = _strip_shape_info(model)
-    try:
-        return onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=False)
-    except onnx.shape_inference.InferenceError as exc:
-        raise ModelError(f"ONNX shape inference failed on the model: {exc}") from exc
-
-
-def _inferred_values(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
-    inferred = _infer(model)
-    graph = inferred.graph
-    values = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output)}
-    for init in graph.initializer:
-        values[init.name] = onnx.helper.make_tensor_value_info(
-            init.name, init.data_type, list(init.dims)
-        )
-    return values
-
-
-def dynamic_outputs(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto | None]]:
-    """Tensors whose shape schema inference alone cannot pin down, with the node producing them.
-
-    Graph inputs (node None) and every node output in every (sub)graph are checked, after
-    dropping stored value_info: shapes that only data propagation could justify do not count,
-    because the QNN EP sees the model without them.
-    """
-    inferred = _infer(model)
-    result: list[tuple[str, onnx.NodeProto | None]] = []
-    for graph in _all_graphs(inferred.graph):
-        values = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output)}
-        inits = {t.name for t in graph.initializer}
-        if graph is inferred.graph:
-            for inp in graph.input:
-                if inp.name not in inits and _shape_of(inp) is None:
-                    result.append((inp.name, None))
-        for node in graph.node:
-            for out in node.output:
-                if out and (out not in values or _shape_of(values[out]) is None):
-                    result.append((out, node))
-    return result
-
-
-def _remove_dead(graph: onnx.GraphProto) -> int:
-    """Drop nodes nothing reads and initializers nothing uses; returns how many nodes went."""
-    removed = 0
-    while True:
-        used = _used_names(graph)
-        dead = {i for i, n in enumerate(graph.node) if not any(o in used for o in n.output if o)}
-        if not dead:
-            break
-        removed += len(dead)
-        _drop_nodes(graph, dead)
-    used = _used_names(graph) | Counter(i.name for i in graph.input)
-    _delete_where(graph.initializer, lambda t: t.name not in used)
-    defined = _defined_names(graph)
-    _delete_where(graph.value_info, lambda v: v.name not in defined)
-    return removed
-
-
-def _delete_where(items: Any, condition: Any) -> None:
-    """Delete from a repeated protobuf field in place (no copies of big tensors)."""
-    for index in reversed([i for i, item in enumerate(items) if condition(item)]):
-        del items[index]
-
-
-def _rename(graph: onnx.GraphProto, mapping: Mapping[str, str]) -> None:
-    """Rename tensors everywhere in ``graph`` and in the subgraphs that read them."""
-    if not mapping:
-        return
-    for node in graph.node:
-        for i, name in enumerate(node.input):
-            if name in mapping:
-                node.input[i] = mapping[name]
-        for i, name in enumerate(node.output):
-            if name in mapping:
-                node.output[i] = mapping[name]
-        for sub in _subgraphs(node):
-            _rename(sub, mapping)
-    for seq in (graph.input, graph.output, graph.value_info):
-        for value in seq:
-            if value.name in mapping:
-                value.name = mapping[value.name]
-    for init in graph.initializer:
-        if init.name in mapping:
-            init.name = mapping[init.name]
-
-
-def _set_nodes(graph: onnx.GraphProto, nodes: Sequence[onnx.NodeProto]) -> None:
-    """Replace the node list; copies first, since ``nodes`` may be views into it."""
-    copies = []
-    for node in nodes:
-        copy = onnx.NodeProto()
-        copy.CopyFrom(node)
-        copies.append(copy)
-    del graph.node[:]
-    graph.node.extend(copies)
-
-
-def _drop_nodes(graph: onnx.GraphProto, indices: set[int]) -> None:
-    # Indices, not id(): protobuf hands out fresh Python wrappers for the same node.
-    _set_nodes(graph, [n for i, n in enumerate(graph.node) if i not in indices])
-
-
-def _sorted_order(graph: onnx.GraphProto) -> list[int]:
-    """Kahn's algorithm, keeping the original order wherever the data flow allows it."""
-    import heapq
-
-    available = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    available |= {s.values.name for s in graph.sparse_initializer}
-    available |= _outer_refs(graph)  # subgraphs may read names of the enclosing scope
-    producer: dict[str, int] = {}
-    for index, node in enumerate(graph.node):
-        for out in node.output:
-            if out:
-                producer[out] = index
-    waiting: list[set[str]] = []
-    readers: dict[str, list[int]] = {}
-    for index, node in enumerate(graph.node):
-        missing = {i for i in _node_inputs(node) if i not in available}
-        undefined = [i for i in missing if i not in producer]
-        if undefined:
-            raise ModelError(
-                f"Node {node_label(node)} reads {undefined[0]!r}, which no node, input or "
-                "initializer defines.",
-                tip="The model is malformed; re-export it.",
-            )
-        waiting.append(missing)
-        for name in missing:
-            readers.setdefault(name, []).append(index)
-    ready = [i for i, missing in enumerate(waiting) if not missing]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        index = heapq.heappop(ready)
-        order.append(index)
-        for out in graph.node[index].output:
-            for reader in readers.get(out, ()):
-                waiting[reader].discard(out)
-                if not waiting[reader]:
-                    heapq.heappush(ready, reader)
-    if len(order) != len(graph.node):
-        stuck = next(graph.node[i] for i, missing in enumerate(waiting) if missing)
-        raise ModelError(
-            f"The graph has a cycle through node {node_label(stuck)}.",
-            tip="ONNX graphs must be acyclic; re-export the model.",
-        )
-    return order
-
-
-def _sort_graph(graph: onnx.GraphProto) -> int:
-    """Sort ``graph``'s nodes in place; returns how many changed position."""
-    order = _sorted_order(graph)
-    moved = sum(1 for position, index in enumerate(order) if position != index)
-    if moved:
-        _set_nodes(graph, [graph.node[i] for i in order])
-    return moved
-
-
-def _np_dtype(elem_type: int) -> np.dtype:
-    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
-
-
-def _min_ir_for(model: onnx.ModelProto) -> int:
-    return onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
-
-
 # --------------------------------------------------------------------------------------------
 # 0. IR version and initializers listed as inputs
 
@@ -404,8 +95,8 @@ def set_ir_version(
 
     Raised to what the model's opsets need if that is higher than ``version``.
     """
-    model = _copy(model)
-    target = max(version, _min_ir_for(model))
+    model = copy_model(model)
+    target = max(version, min_ir_version(model))
     if target > ORT_MAX_IR_VERSION:
         raise ModelError(
             f"The model's opsets need IR version {target}, above {ORT_MAX_IR_VERSION}, the highest "
@@ -416,7 +107,7 @@ def set_ir_version(
     if model.ir_version != target:
         details.append(f"IR version {model.ir_version} -> {target}")
         model.ir_version = target
-    return _done(model, "set_ir_version", details)
+    return checked_change(model, "set_ir_version", details)
 
 
 def drop_initializer_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -425,7 +116,7 @@ def drop_initializer_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     Left in, the quantizer and the QNN EP treat those weights as runtime inputs: they are not
     quantized as weights and cannot be folded. Needs IR >= 4 (run ``set_ir_version`` first).
     """
-    model = _copy(model)
+    model = copy_model(model)
     inits = {t.name for t in model.graph.initializer}
     keep = [i for i in model.graph.input if i.name not in inits]
     dropped = [i.name for i in model.graph.input if i.name in inits]
@@ -437,7 +128,7 @@ def drop_initializer_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     details = (
         [f"input {len(dropped)} initializer(s) no longer listed as graph inputs"] if dropped else []
     )
-    return _done(model, "drop_initializer_inputs", details)
+    return checked_change(model, "drop_initializer_inputs", details)
 
 
 # --------------------------------------------------------------------------------------------
@@ -468,7 +159,7 @@ def bake_constant_inputs(
 
     Their consumers (and whole ``If`` branches on them) can then be folded away.
     """
-    model = _copy(model)
+    model = copy_model(model)
     graph = model.graph
     inputs = {i.name: i for i in graph.input}
     details = []
@@ -482,7 +173,7 @@ def bake_constant_inputs(
         value_info = inputs[name]
         tensor_type = value_info.type.tensor_type
         try:
-            array = np.asarray(value, dtype=_np_dtype(tensor_type.elem_type))
+            array = np.asarray(value, dtype=numpy_dtype(tensor_type.elem_type))
         except (TypeError, ValueError, KeyError) as exc:
             raise ModelError(
                 f"[inputs] constants.{name} = {value!r} does not convert to the input's type "
@@ -505,7 +196,7 @@ def bake_constant_inputs(
         graph.input.remove(value_info)
         shown = array.tolist() if array.size <= 8 else f"array {list(array.shape)}"
         details.append(f"input {name!r} baked in as constant {shown}")
-    return _done(model, "bake_constant_inputs", details)
+    return checked_change(model, "bake_constant_inputs", details)
 
 
 def _static_shape(
@@ -574,7 +265,7 @@ def fix_input_shapes(
     Output shapes and stored value_info that mention fixed dims are cleared: inference redoes
     them (``store_inferred_shapes``).
     """
-    model = _copy(model)
+    model = copy_model(model)
     graph = model.graph
     inits = {t.name for t in graph.initializer}
     inputs = [i for i in graph.input if i.name not in inits]
@@ -621,20 +312,20 @@ def fix_input_shapes(
         )
     if details:
         # Anything derived from the old dynamic shapes is stale now.
-        for graph_ in _all_graphs(graph):
+        for graph_ in all_graphs(graph):
             del graph_.value_info[:]
         for out in graph.output:
             for dim in out.type.tensor_type.shape.dim:
                 if not dim.HasField("dim_value"):
                     dim.Clear()  # unknown, keeping the rank
-    return _done(model, "fix_input_shapes", details)
+    return checked_change(model, "fix_input_shapes", details)
 
 
 # --------------------------------------------------------------------------------------------
 # 2. Constant nodes, folding, If inlining
 
 
-def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
+def constant_value(node: onnx.NodeProto) -> np.ndarray | None:
     for attr in node.attribute:
         if attr.ref_attr_name:
             return None
@@ -661,16 +352,16 @@ def constants_to_initializers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
     The quantizer and ONNX Runtime's fusions (Conv+BatchNorm, ...) only treat initializers as
     weights; a Constant-node weight is quantized as an activation and blocks folding.
     """
-    model = _copy(model)
+    model = copy_model(model)
     details = []
-    for graph in _all_graphs(model.graph):
+    for graph in all_graphs(model.graph):
         outputs = {o.name for o in graph.output}
         keep = []
         for node in graph.node:
             value = None
-            is_constant = node.op_type == "Constant" and node.domain in _DEFAULT_DOMAINS
+            is_constant = node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS
             if is_constant and node.output[0] not in outputs:
-                value = _constant_value(node)
+                value = constant_value(node)
             if value is None:
                 keep.append(node)
                 continue
@@ -679,19 +370,19 @@ def constants_to_initializers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
                 f"Constant {node.output[0]!r} -> initializer {list(value.shape)} {value.dtype}"
             )
         if len(keep) != len(graph.node):
-            _set_nodes(graph, keep)
-    return _done(model, "constants_to_initializers", details)
+            set_nodes(graph, keep)
+    return checked_change(model, "constants_to_initializers", details)
 
 
 def _foldable(node: onnx.NodeProto) -> bool:
-    if node.domain not in (*_DEFAULT_DOMAINS, "ai.onnx.ml") or node.op_type in _NEVER_FOLD:
+    if node.domain not in (*DEFAULT_DOMAINS, "ai.onnx.ml") or node.op_type in _NEVER_FOLD:
         return False
-    if any(True for _ in _subgraphs(node)):
+    if any(True for _ in subgraphs(node)):
         return False
     return bool(node.input) or node.op_type == "Constant"
 
 
-def _run_nodes(
+def run_nodes(
     nodes: Sequence[onnx.NodeProto],
     values: Mapping[str, np.ndarray],
     model: onnx.ModelProto,
@@ -709,7 +400,7 @@ def _run_nodes(
         initializer=[numpy_helper.from_array(values[name], name) for name in sorted(needed)],
     )
     sub = onnx.helper.make_model(graph, opset_imports=list(model.opset_import))
-    sub.ir_version = max(DEFAULT_IR_VERSION, _min_ir_for(sub))
+    sub.ir_version = max(DEFAULT_IR_VERSION, min_ir_version(sub))
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 4
@@ -722,7 +413,7 @@ def _run_nodes(
 def _evaluate_constants(model: onnx.ModelProto, details: list[str], max_bytes: int) -> bool:
     """Replace every node whose inputs are all constants by initializers of its results."""
     graph = model.graph
-    inits = _initializers(graph)
+    inits = initializers_by_name(graph)
     constant = set(inits)
     outputs = {o.name for o in graph.output}
     candidates = []
@@ -739,15 +430,15 @@ def _evaluate_constants(model: onnx.ModelProto, details: list[str], max_bytes: i
     for name in needed:
         values[name] = numpy_helper.to_array(inits[name])
     try:
-        values.update(_run_nodes(candidates, values, model))
+        values.update(run_nodes(candidates, values, model))
     except Exception:  # one odd node must not stop the others; retry one by one
         for node in candidates:
             if all(i in values for i in node.input if i):
                 try:
-                    values.update(_run_nodes([node], values, model))
+                    values.update(run_nodes([node], values, model))
                 except Exception:  # onnxruntime cannot run it: keep the node
                     continue
-    used = _used_names(graph)
+    used = used_names(graph)
     folded: set[int] = set()
     new_inits = []
     for index, node in zip(indices, candidates, strict=True):
@@ -766,7 +457,7 @@ def _evaluate_constants(model: onnx.ModelProto, details: list[str], max_bytes: i
         details.append(f"folded {node_label(node)} -> constant {shapes}")
     if not folded:
         return False
-    _drop_nodes(graph, folded)
+    drop_nodes(graph, folded)
     graph.initializer.extend(new_inits)
     return True
 
@@ -779,15 +470,15 @@ def _fold_shape_nodes(model: onnx.ModelProto, details: list[str]) -> bool:
         (i, n)
         for i, n in enumerate(graph.node)
         if n.op_type in ("Shape", "Size")
-        and n.domain in _DEFAULT_DOMAINS
+        and n.domain in DEFAULT_DOMAINS
         and n.output[0] not in outputs
     ]
     if not targets:
         return False
-    values = _inferred_values(model)
+    values = inferred_values(model)
     folded: set[int] = set()
     for index, node in targets:
-        shape = _shape_of(values[node.input[0]]) if node.input[0] in values else None
+        shape = value_shape(values[node.input[0]]) if node.input[0] in values else None
         if shape is None:
             continue
         if node.op_type == "Size":
@@ -804,26 +495,26 @@ def _fold_shape_nodes(model: onnx.ModelProto, details: list[str]) -> bool:
         details.append(f"folded {node_label(node)} of a static tensor -> {result.tolist()}")
     if not folded:
         return False
-    _drop_nodes(graph, folded)
+    drop_nodes(graph, folded)
     return True
 
 
 def _inline_branch(
-    model: onnx.ModelProto, index: int, branch: onnx.GraphProto, namer: _Namer
+    model: onnx.ModelProto, index: int, branch: onnx.GraphProto, namer: FreshNames
 ) -> list[onnx.NodeProto]:
     """The nodes of ``branch`` rewritten to live in the outer graph in place of ``node``."""
     node = model.graph.node[index]
     body = onnx.GraphProto()
     body.CopyFrom(branch)
     # Names the branch defines must not clash with names elsewhere in the model.
-    outer = _defined_names(model.graph) - set(node.output)
+    outer = defined_names(model.graph) - set(node.output)
     for position, other in enumerate(model.graph.node):
         if position != index:
-            for sub in _subgraphs(other):
-                for g in _all_graphs(sub):
-                    outer |= _defined_names(g)
-    local = _defined_names(body)
-    _rename(body, {name: namer(name) for name in local if name in outer})
+            for sub in subgraphs(other):
+                for g in all_graphs(sub):
+                    outer |= defined_names(g)
+    local = defined_names(body)
+    rename_tensors(body, {name: namer(name) for name in local if name in outer})
     # Branch results take the If's output names, directly where a branch node produces them.
     produced = Counter(o for n in body.node for o in n.output if o)
     out_names = [o.name for o in body.output]
@@ -836,7 +527,7 @@ def _inline_branch(
             mapping[branch_out] = if_out
         else:
             extra.append(onnx.helper.make_node("Identity", [branch_out], [if_out]))
-    _rename(body, mapping)
+    rename_tensors(body, mapping)
     model.graph.initializer.extend(body.initializer)
     model.graph.sparse_initializer.extend(body.sparse_initializer)
     return [*body.node, *extra]
@@ -844,13 +535,13 @@ def _inline_branch(
 
 def _inline_constant_ifs(model: onnx.ModelProto, details: list[str]) -> bool:
     graph = model.graph
-    inits = _initializers(graph)
-    namer: _Namer | None = None
+    inits = initializers_by_name(graph)
+    namer: FreshNames | None = None
     new_nodes: list[onnx.NodeProto] = []
     changed = False
     for index, node in enumerate(graph.node):
         cond = inits.get(node.input[0]) if node.op_type == "If" and node.input else None
-        if cond is None or node.domain not in _DEFAULT_DOMAINS:
+        if cond is None or node.domain not in DEFAULT_DOMAINS:
             new_nodes.append(node)
             continue
         value = numpy_helper.to_array(cond)
@@ -860,14 +551,14 @@ def _inline_constant_ifs(model: onnx.ModelProto, details: list[str]) -> bool:
         taken = bool(value.reshape(()).item())
         branch_name = "then_branch" if taken else "else_branch"
         branch = next(a.g for a in node.attribute if a.name == branch_name)
-        namer = namer or _Namer(model)
+        namer = namer or FreshNames(model)
         new_nodes.extend(_inline_branch(model, index, branch, namer))
         details.append(
             f"inlined {branch_name} of {node_label(node)}: its condition is constant {taken}"
         )
         changed = True
     if changed:
-        _set_nodes(graph, new_nodes)
+        set_nodes(graph, new_nodes)
     return changed
 
 
@@ -883,30 +574,30 @@ def fold_constants(
     Q/DQ nodes, random ops and loops are never folded; results over ``max_bytes`` that are also
     bigger than their inputs are kept as nodes.
     """
-    model = _copy(model)
+    model = copy_model(model)
     graph = model.graph
-    _sort_graph(graph)
+    sort_graph(graph)
     details: list[str] = []
     removed = 0
     for _ in range(100):
         changed = _inline_constant_ifs(model, details)
         changed |= _evaluate_constants(model, details, max_bytes)
-        removed += _remove_dead(graph)
+        removed += remove_dead_nodes(graph)
         changed |= _fold_shape_nodes(model, details)
         if not changed:
             break
-        _sort_graph(graph)
-    removed += _remove_dead(graph)
+        sort_graph(graph)
+    removed += remove_dead_nodes(graph)
     if removed:
         details.append(f"removed {removed} node(s) whose results nothing reads")
-    return _done(model, "fold_constants", details)
+    return checked_change(model, "fold_constants", details)
 
 
 # --------------------------------------------------------------------------------------------
 # 3. batch norm folding
 
 
-def _bn_params(
+def bn_params(
     node: onnx.NodeProto, inits: Mapping[str, onnx.TensorProto], used: Counter[str]
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """(scale, shift) of an inference-mode BatchNormalization whose parameters are constants."""
@@ -935,10 +626,10 @@ class _BnFolder:
     def __init__(self, model: onnx.ModelProto) -> None:
         self.model = model
         self.graph = model.graph
-        self.namer = _Namer(model)
-        self.inits = _initializers(self.graph)
+        self.namer = FreshNames(model)
+        self.inits = initializers_by_name(self.graph)
         self.outputs = {o.name for o in self.graph.output}
-        self.used = _used_names(self.graph)
+        self.used = used_names(self.graph)
         self.producer = {o: n for n in self.graph.node for o in n.output if o}
         self._shapes: dict[str, onnx.ValueInfoProto] | None = None
 
@@ -956,7 +647,7 @@ class _BnFolder:
 
     def rank(self, name: str) -> int | None:
         if self._shapes is None:
-            self._shapes = _inferred_values(self.model)
+            self._shapes = inferred_values(self.model)
         value = self._shapes.get(name)
         if value is None or not value.type.tensor_type.HasField("shape"):
             return None
@@ -1071,16 +762,16 @@ def fold_batchnorm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     Unfused BNs are quantized on their own and often fall back to the CPU, splitting the QNN
     graph. The fold is exact up to float rounding (computed in float64).
     """
-    model = _copy(model)
+    model = copy_model(model)
     folder = _BnFolder(model)
     removed: set[int] = set()
     details = []
     for index, bn in enumerate(model.graph.node):
-        if bn.op_type != "BatchNormalization" or bn.domain not in _DEFAULT_DOMAINS:
+        if bn.op_type != "BatchNormalization" or bn.domain not in DEFAULT_DOMAINS:
             continue
-        params = _bn_params(bn, folder.inits, folder.used)
+        params = bn_params(bn, folder.inits, folder.used)
         prev = folder.producer.get(bn.input[0])
-        if params is None or prev is None or prev.domain not in _DEFAULT_DOMAINS:
+        if params is None or prev is None or prev.domain not in DEFAULT_DOMAINS:
             continue
         if not folder.only_reader(bn.input[0]):
             continue
@@ -1093,7 +784,7 @@ def fold_batchnorm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             done = folder.fold_matmul(bn, prev, *params)
             if done and bn.op_type == "Add":  # became the bias Add; nothing to remove
                 folder.producer[bn.output[0]] = bn
-                folder.used = _used_names(model.graph)
+                folder.used = used_names(model.graph)
                 details.append(f"folded BatchNormalization {label!r} into {prev_label} (+Add)")
                 continue
         else:
@@ -1102,13 +793,13 @@ def fold_batchnorm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             continue
         prev.output[0] = bn.output[0]
         folder.producer[bn.output[0]] = prev
-        folder.used = _used_names(model.graph)
+        folder.used = used_names(model.graph)
         removed.add(index)
         details.append(f"folded BatchNormalization {label!r} into {prev_label}")
     if removed:
-        _drop_nodes(model.graph, removed)
-    _remove_dead(model.graph)
-    return _done(model, "fold_batchnorm", details)
+        drop_nodes(model.graph, removed)
+    remove_dead_nodes(model.graph)
+    return checked_change(model, "fold_batchnorm", details)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1145,10 +836,10 @@ def float16_to_float32(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     Calibration and the quantizer work on float32 (fp16 models fail with "Invalid input name"),
     and the QNN HTP quantized path does not need fp16 anywhere.
     """
-    model = _copy(model)
+    model = copy_model(model)
     details = []
     top = model.graph
-    for graph in _all_graphs(model.graph):
+    for graph in all_graphs(model.graph):
         count = 0
         for i, init in enumerate(graph.initializer):
             if init.data_type == _FLOAT16:
@@ -1175,7 +866,7 @@ def float16_to_float32(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
                     for t in attr.tensors:
                         if t.data_type == _FLOAT16:
                             t.CopyFrom(_to_float32(t))
-    return _done(model, "float16_to_float32", details)
+    return checked_change(model, "float16_to_float32", details)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1183,7 +874,7 @@ def float16_to_float32(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
 
 
 def _legacy_replacement(
-    node: onnx.NodeProto, new_init: Any, namer: _Namer
+    node: onnx.NodeProto, new_init: Any, namer: FreshNames
 ) -> list[onnx.NodeProto] | None:
     """Standard ops for experimental ops that the version converter has no adapter for."""
     if node.op_type not in _LEGACY_OPS:
@@ -1236,10 +927,10 @@ def replace_legacy_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     into Mul/Add/Tanh/Softplus, because the onnx version converter has no adapter for them and
     fails when the quantizer upgrades the opset. Assumes float32 (run after float16_to_float32).
     """
-    model = _copy(model)
-    namer = _Namer(model)
+    model = copy_model(model)
+    namer = FreshNames(model)
     details = []
-    for graph in _all_graphs(model.graph):
+    for graph in all_graphs(model.graph):
         new_nodes: list[onnx.NodeProto] = []
 
         def new_init(array: Any, base: str, graph: onnx.GraphProto = graph) -> str:
@@ -1251,7 +942,7 @@ def replace_legacy_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
         for node in graph.node:
             replacement = (
                 _legacy_replacement(node, new_init, namer)
-                if node.domain in _DEFAULT_DOMAINS
+                if node.domain in DEFAULT_DOMAINS
                 else None
             )
             if replacement is None:
@@ -1262,8 +953,8 @@ def replace_legacy_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
             ops = "+".join(n.op_type for n in replacement)
             details.append(f"{node_label(node)} -> {ops}")
         if replaced:
-            _set_nodes(graph, new_nodes)
-    return _done(model, "replace_legacy_ops", details)
+            set_nodes(graph, new_nodes)
+    return checked_change(model, "replace_legacy_ops", details)
 
 
 def upgrade_opset(
@@ -1276,17 +967,17 @@ def upgrade_opset(
     """
     from onnx import version_converter
 
-    model = _copy(model)
-    current = _opset(model)
+    model = copy_model(model)
+    current = opset_version(model)
     if current >= target:
-        return _done(model, "upgrade_opset", [])
+        return checked_change(model, "upgrade_opset", [])
     legacy = sorted(
-        {n.op_type for g in _all_graphs(model.graph) for n in g.node} & (_LEGACY_OPS | {"Crop"})
+        {n.op_type for g in all_graphs(model.graph) for n in g.node} & (_LEGACY_OPS | {"Crop"})
     )
     if legacy:
         nodes = [
             t.name or t.output[0]
-            for g in _all_graphs(model.graph)
+            for g in all_graphs(model.graph)
             for t in g.node
             if t.op_type in legacy
         ]
@@ -1305,8 +996,8 @@ def upgrade_opset(
             f"{target}: {exc}",
             tip="Re-export the model with a newer opset (>= 13).",
         ) from exc
-    converted.ir_version = max(model.ir_version, _min_ir_for(converted))
-    return _done(converted, "upgrade_opset", [f"opset {current} -> {target}"])
+    converted.ir_version = max(model.ir_version, min_ir_version(converted))
+    return checked_change(converted, "upgrade_opset", [f"opset {current} -> {target}"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -1366,15 +1057,15 @@ def _htp_rewrite(
     return None
 
 
-def _bypass_identities(graph: onnx.GraphProto) -> int:
+def bypass_identities(graph: onnx.GraphProto) -> int:
     """Remove Identity nodes by reading their input directly (graph outputs keep their names)."""
     outputs = {o.name for o in graph.output}
     producers = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
-    used = _used_names(graph)
+    used = used_names(graph)
     mapping: dict[str, str] = {}
     gone: set[int] = set()
     for index, node in enumerate(graph.node):
-        if node.op_type != "Identity" or node.domain not in _DEFAULT_DOMAINS:
+        if node.op_type != "Identity" or node.domain not in DEFAULT_DOMAINS:
             continue
         source, target = node.input[0], node.output[0]
         source = mapping.get(source, source)
@@ -1388,13 +1079,13 @@ def _bypass_identities(graph: onnx.GraphProto) -> int:
             gone.add(index)
     if not gone:
         return 0
-    _drop_nodes(graph, gone)
+    drop_nodes(graph, gone)
     for node in graph.node:
         for i, name in enumerate(node.input):
             if name in mapping:
                 node.input[i] = mapping[name]
-        for sub in _subgraphs(node):
-            _rename(sub, mapping)
+        for sub in subgraphs(node):
+            rename_tensors(sub, mapping)
     return len(gone)
 
 
@@ -1408,21 +1099,21 @@ def rewrite_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     - Max(x, 0) -> Relu(x): no quantized zero constant, a native HTP op.
     - Expand/Reshape to the shape they already have, and Identity nodes, are removed.
     """
-    model = _copy(model)
+    model = copy_model(model)
     graph = model.graph
-    inits = _initializers(graph)
+    inits = initializers_by_name(graph)
     values: dict[str, onnx.ValueInfoProto] | None = None
 
     def shape(name: str) -> tuple[int, ...] | None:
         nonlocal values
         if name in inits:
             return tuple(inits[name].dims)
-        values = values if values is not None else _inferred_values(model)
-        return _shape_of(values[name]) if name in values else None
+        values = values if values is not None else inferred_values(model)
+        return value_shape(values[name]) if name in values else None
 
     details = []
     for node in graph.node:
-        if node.domain not in _DEFAULT_DOMAINS:
+        if node.domain not in DEFAULT_DOMAINS:
             continue
         rewrite = _htp_rewrite(node, inits, shape)
         if rewrite is None:
@@ -1434,11 +1125,11 @@ def rewrite_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         node.op_type = op
         if op not in ("Max", "Min"):
             del node.attribute[:]
-    removed = _bypass_identities(graph)
+    removed = bypass_identities(graph)
     if removed:
         details.append(f"removed {removed} Identity node(s)")
-    _remove_dead(graph)
-    return _done(model, "rewrite_for_htp", details)
+    remove_dead_nodes(graph)
+    return checked_change(model, "rewrite_for_htp", details)
 
 
 HYPOT_EPS = 1e-12  # keeps max(|a|, |b|) = 0 from dividing 0 by 0 in the float model
@@ -1467,20 +1158,20 @@ def rewrite_hypot(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     float up to ``HYPOT_EPS``; only fires when the squares and the sum have no other reader.
     A tiny constant under the root (sqrt(a*a + b*b + 1e-12), <= ``HYPOT_MAX_FLOOR``) is dropped.
     """
-    model = _copy(model)
+    model = copy_model(model)
     graph = model.graph
-    used = _used_names(graph)
-    inits = _initializers(graph)
+    used = used_names(graph)
+    inits = initializers_by_name(graph)
     # Indices, not the node wrappers: protobuf hands out fresh ones for the same node.
     nodes_in = list(graph.node)
     producer = {o: i for i, n in enumerate(nodes_in) for o in n.output}
-    fresh = _Namer(model)
+    fresh = FreshNames(model)
     details = []
     replace: dict[int, list[onnx.NodeProto]] = {}
     drop: set[int] = set()
     constants: list[onnx.TensorProto] = []
     for position, node in enumerate(nodes_in):
-        if node.op_type != "Sqrt" or node.domain not in _DEFAULT_DOMAINS:
+        if node.op_type != "Sqrt" or node.domain not in DEFAULT_DOMAINS:
             continue
         at_add = producer.get(node.input[0])
         add = nodes_in[at_add] if at_add is not None else None
@@ -1533,10 +1224,10 @@ def rewrite_hypot(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         for i, node in enumerate(nodes_in):
             if i not in drop:
                 nodes.extend(replace.get(i, [node]))
-        _set_nodes(graph, nodes)
+        set_nodes(graph, nodes)
         graph.initializer.extend(constants)
-        _sort_graph(graph)
-    return _done(model, "rewrite_hypot", details)
+        sort_graph(graph)
+    return checked_change(model, "rewrite_hypot", details)
 
 
 def rewrite_reciprocal(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -1548,17 +1239,17 @@ def rewrite_reciprocal(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     computes 1/sqrt(var) that way, and its ctx model fell to 6 dB. Div(1, x) is exact there
     (73 dB). Same value in float.
     """
-    model = _copy(model)
+    model = copy_model(model)
     graph = model.graph
     targets = [
         i
         for i, node in enumerate(graph.node)
-        if node.op_type == "Reciprocal" and node.domain in _DEFAULT_DOMAINS
+        if node.op_type == "Reciprocal" and node.domain in DEFAULT_DOMAINS
     ]
     if not targets:
-        return _done(model, "rewrite_reciprocal", [])
-    values = _inferred_values(model)
-    fresh = _Namer(model)
+        return checked_change(model, "rewrite_reciprocal", [])
+    values = inferred_values(model)
+    fresh = FreshNames(model)
     one = fresh("reciprocal_one")
     details = []
     for i in targets:
@@ -1573,7 +1264,7 @@ def rewrite_reciprocal(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
         details.append(f"{node_label(node)}: Reciprocal({x}) -> Div(1, {x})")
     if details:
         graph.initializer.append(numpy_helper.from_array(np.array(1.0, np.float32), one))
-    return _done(model, "rewrite_reciprocal", details)
+    return checked_change(model, "rewrite_reciprocal", details)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1594,7 +1285,7 @@ def qnn_preprocess(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
 
     from onnxruntime.quantization.execution_providers.qnn import qnn_preprocess_model
 
-    work = _copy(model)
+    work = copy_model(model)
     metadata = [(p.key, p.value) for p in work.metadata_props]
     del work.metadata_props[:]
     before = Counter(n.op_type for n in work.graph.node)
@@ -1607,7 +1298,9 @@ def qnn_preprocess(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             out = Path(tmp) / "preprocessed.onnx"
             try:
                 # It saves its input with external data, which rewrites the proto in place.
-                modified = qnn_preprocess_model(_copy(work), out, fuse_layernorm=_opset(work) >= 17)
+                modified = qnn_preprocess_model(
+                    copy_model(work), out, fuse_layernorm=opset_version(work) >= 17
+                )
             except Exception as exc:  # onnxruntime's errors are untyped
                 raise ModelError(f"onnxruntime qnn_preprocess_model failed: {exc}") from exc
             result = onnx.load(out) if modified else work
@@ -1618,7 +1311,7 @@ def qnn_preprocess(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     result.ir_version = model.ir_version
     # onnxruntime writes an import for every domain it knows; keep the original ones plus any
     # domain a node really uses.
-    used = {n.domain for g in _all_graphs(result.graph) for n in g.node}
+    used = {n.domain for g in all_graphs(result.graph) for n in g.node}
     known = {o.domain for o in model.opset_import}
     imports = [o for o in result.opset_import if o.domain in known or o.domain in used]
     if len(imports) != len(result.opset_import):
@@ -1633,7 +1326,7 @@ def qnn_preprocess(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                 details.append(f"{op}: {before[op]} -> {after[op]} node(s)")
         if unnamed:
             details.append(f"named {unnamed} unnamed node(s)")
-    return _done(result, "qnn_preprocess", details)
+    return checked_change(result, "qnn_preprocess", details)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1643,13 +1336,13 @@ def qnn_preprocess(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
 def topological_sort(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Order nodes so each comes after its producers (ONNX requires it; Olive fails on silero
     without it). Subgraphs are sorted too; the original order is kept where possible."""
-    model = _copy(model)
+    model = copy_model(model)
     details = []
-    for graph in _all_graphs(model.graph):
-        moved = _sort_graph(graph)
+    for graph in all_graphs(model.graph):
+        moved = sort_graph(graph)
         if moved:
             details.append(f"graph {graph.name!r}: {moved} node(s) reordered")
-    return _done(model, "topological_sort", details)
+    return checked_change(model, "topological_sort", details)
 
 
 def store_inferred_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -1658,8 +1351,8 @@ def store_inferred_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
     Stale dynamic dims in graph outputs would make the QNN EP treat them as dynamic, and stored
     shapes that inference cannot justify hide real problems.
     """
-    old = {o.name: _shape_of(o) for o in model.graph.output}
-    inferred = _infer(model)
+    old = {o.name: value_shape(o) for o in model.graph.output}
+    inferred = infer_shapes(model)
     # Outputs inference cannot give a shape (a label lookup, an op it has no schema for) keep
     # their stored type: a graph output needs one, and the static-shape check names them.
     stored = {o.name: o.type for o in model.graph.output}
@@ -1669,8 +1362,8 @@ def store_inferred_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
             out.type.CopyFrom(stored[out.name])
     details = []
     for out in inferred.graph.output:
-        new = _shape_of(out)
+        new = value_shape(out)
         if new != old.get(out.name):
             shown = list(new) if new is not None else "unknown"
             details.append(f"output {out.name!r} shape -> {shown}")
-    return _done(inferred, "store_inferred_shapes", details)
+    return checked_change(inferred, "store_inferred_shapes", details)

@@ -1,0 +1,346 @@
+"""Small, generic helpers for editing ONNX graphs, shared by every graph transform.
+
+They copy, name, sort, prune and look things up; none of them decides anything about the HTP.
+Transforms stay pure by starting from ``copy_model`` and ending with ``checked_change``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+
+from ..core.errors import ModelError
+
+DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+@dataclass(frozen=True)
+class Change:
+    """What one transform did: one human-readable line per edit; no lines means a no-op."""
+
+    step: str
+    details: tuple[str, ...] = ()
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.details)
+
+    def summary(self, limit: int = 3) -> str:
+        """One line for logs: the step, the number of edits and the first few of them."""
+        if not self.details:
+            return f"{self.step}: no change"
+        shown = "; ".join(self.details[:limit])
+        more = f"; … {len(self.details) - limit} more" if len(self.details) > limit else ""
+        return f"{self.step}: {len(self.details)} edit(s): {shown}{more}"
+
+
+def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    return result
+
+
+def checked_change(
+    model: onnx.ModelProto, step: str, details: Iterable[str]
+) -> tuple[onnx.ModelProto, Change]:
+    """Check the output of a transform; a failure here is a bug in the transform, not the model."""
+    try:
+        onnx.checker.check_model(model)
+    except (onnx.checker.ValidationError, ValueError) as exc:
+        raise ModelError(
+            f"Graph preparation step {step!r} produced an invalid ONNX model: {exc}",
+            tip="This is a bug in pipeline/transforms.py; please report it with the model.",
+        ) from exc
+    return model, Change(step, tuple(details))
+
+
+def node_label(node: onnx.NodeProto) -> str:
+    name = node.name or (node.output[0] if node.output else "?")
+    return f"{node.op_type} {name!r}"
+
+
+def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    yield graph
+    for node in graph.node:
+        for sub in subgraphs(node):
+            yield from all_graphs(sub)
+
+
+def defined_names(graph: onnx.GraphProto) -> set[str]:
+    """Names a graph defines at its own level (not inside its subgraphs)."""
+    names = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    names |= {s.values.name for s in graph.sparse_initializer}
+    names |= {o for n in graph.node for o in n.output if o}
+    return names
+
+
+def outer_refs(graph: onnx.GraphProto) -> set[str]:
+    """Names a (sub)graph uses without defining them: its implicit inputs from outer scopes."""
+    defined = defined_names(graph)
+    used: set[str] = {o.name for o in graph.output}
+    for node in graph.node:
+        used.update(i for i in node.input if i)
+        for sub in subgraphs(node):
+            used |= outer_refs(sub)
+    return used - defined
+
+
+def node_inputs(node: onnx.NodeProto) -> set[str]:
+    """Explicit inputs plus the outer-scope names its subgraphs read."""
+    names = {i for i in node.input if i}
+    for sub in subgraphs(node):
+        names |= outer_refs(sub)
+    return names
+
+
+def used_names(graph: onnx.GraphProto) -> Counter[str]:
+    """How many times each name is read in ``graph`` (graph outputs count as a use)."""
+    used: Counter[str] = Counter(o.name for o in graph.output)
+    for node in graph.node:
+        used.update(node_inputs(node))
+    return used
+
+
+def all_names(model: onnx.ModelProto) -> set[str]:
+    names: set[str] = set()
+    for graph in all_graphs(model.graph):
+        names |= defined_names(graph)
+        names |= {o.name for o in graph.output}
+        names |= {v.name for v in graph.value_info}
+        for node in graph.node:
+            names.update(i for i in node.input if i)
+    return names
+
+
+class FreshNames:
+    """Fresh tensor names that collide with nothing already in the model."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.taken = all_names(model)
+
+    def __call__(self, base: str) -> str:
+        name, i = base, 0
+        while name in self.taken:
+            i += 1
+            name = f"{base}_{i}"
+        self.taken.add(name)
+        return name
+
+
+def opset_version(model: onnx.ModelProto, domain: str = "") -> int:
+    for op in model.opset_import:
+        if op.domain in ((domain, "ai.onnx") if domain == "" else (domain,)):
+            return op.version
+    return 0
+
+
+def initializers_by_name(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Initializers that are true constants (an initializer listed as an input can be fed)."""
+    inputs = {i.name for i in graph.input}
+    return {t.name: t for t in graph.initializer if t.name not in inputs}
+
+
+def value_shape(value: onnx.ValueInfoProto) -> tuple[int, ...] | None:
+    """The static shape of a tensor value, or None if the rank or any dim is unknown."""
+    if not value.type.HasField("tensor_type"):
+        return None
+    tensor_type = value.type.tensor_type
+    if not tensor_type.HasField("shape"):
+        return None
+    dims = []
+    for dim in tensor_type.shape.dim:
+        if not dim.HasField("dim_value") or dim.dim_value < 0:
+            return None
+        dims.append(dim.dim_value)
+    return tuple(dims)
+
+
+def strip_shape_info(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy without stored value_info and output shapes, so inference must derive every shape."""
+    bare = copy_model(model)
+    for graph in all_graphs(bare.graph):
+        del graph.value_info[:]
+        for out in graph.output:
+            if out.type.HasField("tensor_type"):
+                out.type.tensor_type.ClearField("shape")
+    return bare
+
+
+def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Schema-only shape inference on a copy without stored shapes (the strict criterion)."""
+    bare = strip_shape_info(model)
+    try:
+        return onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=False)
+    except onnx.shape_inference.InferenceError as exc:
+        raise ModelError(f"ONNX shape inference failed on the model: {exc}") from exc
+
+
+def inferred_values(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    inferred = infer_shapes(model)
+    graph = inferred.graph
+    values = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output)}
+    for init in graph.initializer:
+        values[init.name] = onnx.helper.make_tensor_value_info(
+            init.name, init.data_type, list(init.dims)
+        )
+    return values
+
+
+def dynamic_outputs(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto | None]]:
+    """Tensors whose shape schema inference alone cannot pin down, with the node producing them.
+
+    Graph inputs (node None) and every node output in every (sub)graph are checked, after
+    dropping stored value_info: shapes that only data propagation could justify do not count,
+    because the QNN EP sees the model without them.
+    """
+    inferred = infer_shapes(model)
+    result: list[tuple[str, onnx.NodeProto | None]] = []
+    for graph in all_graphs(inferred.graph):
+        values = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output)}
+        inits = {t.name for t in graph.initializer}
+        if graph is inferred.graph:
+            for inp in graph.input:
+                if inp.name not in inits and value_shape(inp) is None:
+                    result.append((inp.name, None))
+        for node in graph.node:
+            for out in node.output:
+                if out and (out not in values or value_shape(values[out]) is None):
+                    result.append((out, node))
+    return result
+
+
+def remove_dead_nodes(graph: onnx.GraphProto) -> int:
+    """Drop nodes nothing reads and initializers nothing uses; returns how many nodes went."""
+    removed = 0
+    while True:
+        used = used_names(graph)
+        dead = {i for i, n in enumerate(graph.node) if not any(o in used for o in n.output if o)}
+        if not dead:
+            break
+        removed += len(dead)
+        drop_nodes(graph, dead)
+    used = used_names(graph) | Counter(i.name for i in graph.input)
+    delete_where(graph.initializer, lambda t: t.name not in used)
+    defined = defined_names(graph)
+    delete_where(graph.value_info, lambda v: v.name not in defined)
+    return removed
+
+
+def delete_where(items: Any, condition: Any) -> None:
+    """Delete from a repeated protobuf field in place (no copies of big tensors)."""
+    for index in reversed([i for i, item in enumerate(items) if condition(item)]):
+        del items[index]
+
+
+def rename_tensors(graph: onnx.GraphProto, mapping: Mapping[str, str]) -> None:
+    """Rename tensors everywhere in ``graph`` and in the subgraphs that read them."""
+    if not mapping:
+        return
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in mapping:
+                node.input[i] = mapping[name]
+        for i, name in enumerate(node.output):
+            if name in mapping:
+                node.output[i] = mapping[name]
+        for sub in subgraphs(node):
+            rename_tensors(sub, mapping)
+    for seq in (graph.input, graph.output, graph.value_info):
+        for value in seq:
+            if value.name in mapping:
+                value.name = mapping[value.name]
+    for init in graph.initializer:
+        if init.name in mapping:
+            init.name = mapping[init.name]
+
+
+def set_nodes(graph: onnx.GraphProto, nodes: Sequence[onnx.NodeProto]) -> None:
+    """Replace the node list; copies first, since ``nodes`` may be views into it."""
+    copies = []
+    for node in nodes:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copies.append(copy)
+    del graph.node[:]
+    graph.node.extend(copies)
+
+
+def drop_nodes(graph: onnx.GraphProto, indices: set[int]) -> None:
+    # Indices, not id(): protobuf hands out fresh Python wrappers for the same node.
+    set_nodes(graph, [n for i, n in enumerate(graph.node) if i not in indices])
+
+
+def sorted_order(graph: onnx.GraphProto) -> list[int]:
+    """Kahn's algorithm, keeping the original order wherever the data flow allows it."""
+    import heapq
+
+    available = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    available |= {s.values.name for s in graph.sparse_initializer}
+    available |= outer_refs(graph)  # subgraphs may read names of the enclosing scope
+    producer: dict[str, int] = {}
+    for index, node in enumerate(graph.node):
+        for out in node.output:
+            if out:
+                producer[out] = index
+    waiting: list[set[str]] = []
+    readers: dict[str, list[int]] = {}
+    for index, node in enumerate(graph.node):
+        missing = {i for i in node_inputs(node) if i not in available}
+        undefined = [i for i in missing if i not in producer]
+        if undefined:
+            raise ModelError(
+                f"Node {node_label(node)} reads {undefined[0]!r}, which no node, input or "
+                "initializer defines.",
+                tip="The model is malformed; re-export it.",
+            )
+        waiting.append(missing)
+        for name in missing:
+            readers.setdefault(name, []).append(index)
+    ready = [i for i, missing in enumerate(waiting) if not missing]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        index = heapq.heappop(ready)
+        order.append(index)
+        for out in graph.node[index].output:
+            for reader in readers.get(out, ()):
+                waiting[reader].discard(out)
+                if not waiting[reader]:
+                    heapq.heappush(ready, reader)
+    if len(order) != len(graph.node):
+        stuck = next(graph.node[i] for i, missing in enumerate(waiting) if missing)
+        raise ModelError(
+            f"The graph has a cycle through node {node_label(stuck)}.",
+            tip="ONNX graphs must be acyclic; re-export the model.",
+        )
+    return order
+
+
+def sort_graph(graph: onnx.GraphProto) -> int:
+    """Sort ``graph``'s nodes in place; returns how many changed position."""
+    order = sorted_order(graph)
+    moved = sum(1 for position, index in enumerate(order) if position != index)
+    if moved:
+        set_nodes(graph, [graph.node[i] for i in order])
+    return moved
+
+
+def numpy_dtype(elem_type: int) -> np.dtype:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+
+
+def min_ir_version(model: onnx.ModelProto) -> int:
+    return onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
