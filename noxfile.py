@@ -12,6 +12,7 @@ Arguments after ``--`` go to the stage: config paths and its flags (``--force``,
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from pipeline.core.config import EXAMPLE_CONFIGS, load_config
 from qnn_ctx_runtime.toolchains import load_toolchains
 
+PYPROJECT = nox.project.load_toml("pyproject.toml")
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["quantize", "tests", "lint"]
 nox.options.reuse_existing_virtualenvs = True
@@ -35,20 +37,27 @@ RUNTIME = ["-e", "./runtime"]
 # precision choices on the HTP simulator, so it also gets the newest pin's onnxruntime-qnn (a
 # plugin EP beside onnxruntime since 2.x). Without it, quantization.judge = "cpu" still works.
 QUANTIZE_DEPS = [*NEWEST.requirements, *RUNTIME, "-e", ".[build]"]
-# Compile/doctor need the pinned pair, the runtime package and tqdm for progress: nothing from
-# the quantize environment (EPContext nodes are read with the runtime's small protobuf reader).
-COMPILE_EXTRAS = [*RUNTIME, "numpy", "tqdm>=4.66"]
+# Compile/doctor need the pinned pair, the runtime package and tqdm for progress (EPContext nodes
+# are read with the runtime's small protobuf reader), and onnx for compile.gpu = "float16" only:
+# its fp16 copy of the float model is made by onnxruntime's own converter, which needs onnx.
+ONNX = next(
+    d for d in PYPROJECT["project"]["optional-dependencies"]["build"] if d.startswith("onnx")
+)
+COMPILE_EXTRAS = [*RUNTIME, "numpy", "tqdm>=4.66", ONNX]
+# Ed25519 signing of manifests (publish --sign-key) and its checks in the tests.
+SIGN_DEPS = PYPROJECT["project"]["optional-dependencies"]["sign"]
 
 
-def _configs(session: nox.Session) -> list[str]:
-    """The config paths among the arguments after ``--`` (the rest are the stage's flags)."""
-    return [a for a in session.posargs if not a.startswith("-")] or [
-        str(p) for p in EXAMPLE_CONFIGS
-    ]
+def _configs(session: nox.Session, stage: str) -> list[str]:
+    """The config paths among the arguments after ``--``, read by the stage's own parser (so a
+    flag with a value, ``--artifacts out`` or ``--sign-key key.pem``, is not taken for one)."""
+    from pipeline.__main__ import build_parser
 
-
-def _flags(session: nox.Session) -> list[str]:
-    return [a for a in session.posargs if a.startswith("-")]
+    try:
+        args = build_parser().parse_args([stage, *session.posargs])
+    except SystemExit:  # argparse printed the problem
+        session.error(f"bad arguments for `python -m pipeline {stage}`: {session.posargs}")
+    return [str(p) for p in args.configs] or [str(p) for p in EXAMPLE_CONFIGS]
 
 
 @nox.session
@@ -68,7 +77,7 @@ def compile_ctx(session: nox.Session, qnn: str) -> None:
             f"nox -s \"compile_ctx(qnn='{TOOLCHAINS.default}')\"; pinned: "
             f"{', '.join(TOOLCHAINS.pinned)}."
         )
-    configs = _configs(session)
+    configs = _configs(session, "compile")
     wanted = {
         v
         for c in configs
@@ -77,16 +86,17 @@ def compile_ctx(session: nox.Session, qnn: str) -> None:
     if qnn not in wanted:
         session.skip(f"no config asks for toolchain {qnn} (compile.toolchains)")
     session.install(*TOOLCHAINS.get(qnn).requirements, *COMPILE_EXTRAS)
-    session.run(
-        "python", "-m", "pipeline", "compile", "--toolchain", qnn, *_flags(session), *configs
-    )
+    session.run("python", "-m", "pipeline", "compile", "--toolchain", qnn, *session.posargs)
 
 
 @nox.session
 def publish(session: nox.Session) -> None:
     """Assemble immutable, versioned releases from the variants that passed their gates."""
     session.install(f"onnxruntime=={NEWEST.onnxruntime}", "numpy", *RUNTIME)
-    session.run("python", "-m", "pipeline", "publish", *_flags(session), *_configs(session))
+    if any(a.startswith("--sign-key") for a in session.posargs) or "QNN_CTX_SIGN_KEY" in os.environ:
+        session.install(*SIGN_DEPS)
+    _configs(session, "publish")  # refuse bad arguments before installing anything else
+    session.run("python", "-m", "pipeline", "publish", *session.posargs)
 
 
 @nox.session
@@ -99,7 +109,7 @@ def doctor(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the test suite against real ONNX Runtime, the QNN EP and its HTP simulator."""
-    session.install(*QUANTIZE_DEPS, "pytest>=8")
+    session.install(*QUANTIZE_DEPS, *SIGN_DEPS, "pytest>=8")
     session.run("python", "-m", "pytest", *session.posargs)
 
 

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from .core.errors import PipelineError
+from .core.fileio import check_writable_folder, describe_os_error
 
 # stage name -> module; each module has HELP, configure(parser) and run(args) -> int, and keeps
 # heavy imports inside run() so that building this parser stays cheap.
@@ -16,6 +17,7 @@ STAGES = {
     "quantize": "pipeline.quantize",
     "compile": "pipeline.compile",
     "publish": "pipeline.publish",
+    "plan": "pipeline.plan",
     "doctor": "pipeline.doctor",
 }
 
@@ -27,6 +29,9 @@ The stages run in order, each in its own environment (see noxfile.py):
   compile   QDQ -> EP-context model per target chip and pinned QNN toolchain, with coverage,
             validation on the HTP simulator and a load benchmark
   publish   passing variants -> immutable, versioned release with manifest and checksums
+            (--from DIR ...: from the shards of separate CI jobs, proven to fit together)
+  plan      the build as a matrix of CI jobs (quantize per model, compile per model x
+            toolchain, publish per model), as a table or GitHub Actions matrix JSON
   doctor    check this machine for the known barriers (version pairs, CPU fallback, paths)
   example   (re)generate the bundled example model and its calibration data
 """
@@ -59,11 +64,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "artifacts", None) is not None:
+            check_writable_folder(args.artifacts)  # a file, read-only: said before any work
         return int(args.run(args) or 0)
     except PipelineError as exc:
         print(f"\nERROR: {exc.message}", file=sys.stderr)
         if exc.tip:
             print(f"TIP: {exc.tip}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the disk filled up, a folder turned read-only, ... mid-run
+        message, tip = describe_os_error(exc)
+        print(f"\nERROR: {message}\nTIP: {tip}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\nInterrupted; nothing half-written was left behind.", file=sys.stderr)

@@ -3,8 +3,12 @@
 The barriers come from FACTS and from users' field reports: a module clash between onnxruntime
 and onnxruntime-qnn 1.x, x86 Python emulated on ARM64 Windows (QNN kills the process), an
 onnxruntime / onnxruntime-qnn pair that silently falls back to CPU, non-ASCII paths, and releases
-built with a QNN SDK newer than the runtime's. The QNN probe runs in a child process, because a
-native abort would otherwise take the doctor down with it.
+built with a QNN SDK newer than the runtime's. It also says which device this is and how that
+was found (qnn_ctx_runtime.device), whether QNN's GPU backend starts here, and for every
+variant of every release whether it is eligible and why (its SDK against the runtime's, its HTP
+arch against the device's, ONNX Runtime's compatibility check where it applies). The QNN probe
+runs in a child process, because a native abort would otherwise take the doctor down with it;
+the same fresh process asks onnxruntime about its EP devices and the compatibility check.
 
 Imports only what the runtime does (standard library, numpy, onnxruntime), so it runs on devices.
 """
@@ -23,11 +27,20 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from qnn_ctx_runtime import qnn
-from qnn_ctx_runtime.device import device_for, native_machine_detail, process_machine
+from qnn_ctx_runtime.device import (
+    Compatibility,
+    Device,
+    EpDeviceFacts,
+    detect_device,
+    native_machine_detail,
+    process_machine,
+    with_ep_facts,
+)
 from qnn_ctx_runtime.manifest import MANIFEST_FILE, Manifest
-from qnn_ctx_runtime.select import choose_variant, parse_version
+from qnn_ctx_runtime.select import Plan, parse_version, plan_variants
 from qnn_ctx_runtime.toolchains import Toolchains, load_toolchains
 
 from .core.errors import PipelineError
@@ -130,10 +143,29 @@ def diagnose(
                 "" if ep.qnn_sdk else "use an onnxruntime-qnn that reports qnn_version",
             )
         )
+    paths = _release_paths(artifacts, releases)
+    probed = run_probe(_compatibility_strings(paths)) if probe and ep else None
     if probe:
-        rows.append(check_probe() if ep else Row("QNN probe", SKIP, "no QNN EP to probe"))
+        rows.append(
+            check_probe(probed=probed) if ep else Row("QNN probe", SKIP, "no QNN EP to probe")
+        )
+    device = detect_device(target)
+    if probed is not None and probed.result is not None and "ep_devices" in probed.result:
+        device = with_ep_facts(device, EpDeviceFacts.from_json(probed.result["ep_devices"]))
+    rows.append(
+        check_device(
+            device, ((probed.result or {}) if probed else {}).get("compatibility_function", "")
+        )
+    )
+    rows.append(check_gpu(probed, device))
     rows.append(check_paths(_paths_to_check(artifacts), sys.platform == "win32"))
-    rows.extend(check_releases(_release_paths(artifacts, releases), ep, target))
+    compatibility = {
+        info: Compatibility(**verdict)
+        for info, verdict in (
+            (probed.result or {}).get("compatibility", {}) if probed else {}
+        ).items()
+    }
+    rows.extend(check_releases(paths, ep, target, device, compatibility))
     return rows
 
 
@@ -279,16 +311,35 @@ def _paths_to_check(artifacts: Path) -> dict[str, str]:
 # -- QNN probe ----------------------------------------------------------------------------------
 
 PROBE_SCRIPT = """
-import json, os, tempfile
+import json, os, sys, tempfile
 import numpy as np
 import onnxruntime as ort
 from qnn_ctx_runtime import qnn
+from qnn_ctx_runtime.device import check_compiled_model, compatibility_function, ep_device_facts
 from pipeline.doctor import PROBE_INPUT, PROBE_MODEL
 out = {}
+ep = qnn.find_qnn_ep()
+if ep.installed.api == "plugin":  # 1.x lists no EP devices: leave availability unknown
+    out["ep_devices"] = ep_device_facts(ep.devices).to_json()
+out["compatibility_function"] = compatibility_function()[1]
+# Before any session: after a QNN EP instance existed, the check can read freed memory.
+out["compatibility"] = {
+    info: vars(check_compiled_model(ep.devices, info)) for info in json.loads(sys.argv[1])
+}
+print("PROBE_FACTS " + json.dumps(out), flush=True)
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "probe.onnx")
     with open(path, "wb") as handle:
         handle.write(PROBE_MODEL)
+    try:  # QNN's GPU backend, as a gpu variant is opened: no CPU fallback allowed
+        options = ep.session_options(
+            qnn.QnnOptions("gpu"), {"session.disable_cpu_ep_fallback": "1"}, log_severity=3
+        )
+        ort.InferenceSession(path, sess_options=options)
+        out["gpu"] = "ok"
+    except Exception as exc:
+        out["gpu"] = str(exc)
+    print("PROBE_GPU " + json.dumps(out["gpu"]), flush=True)
     config = {"session.record_ep_graph_assignment_info": "1"}
     options = qnn.find_qnn_ep().session_options(qnn.QnnOptions(), config, log_severity=3)
     session = ort.InferenceSession(path, sess_options=options)
@@ -305,26 +356,60 @@ print("PROBE " + json.dumps(out))
 """
 
 
-def check_probe(python: str | None = None, timeout: float = 180) -> Row:
-    """Run the probe model on the QNN EP in a child process; CPU fallback or a crash fails."""
+@dataclass
+class Probed:
+    """What the probe process printed; ``result`` holds its facts even when it died later."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    timeout: float
+    result: dict[str, Any] | None
+
+
+def run_probe(compatibility: list[str], python: str | None = None, timeout: float = 180) -> Probed:
+    """The probe in a child process: EP devices, ONNX Runtime's compatibility check of each
+    string in ``compatibility``, a QNN GPU session, and the probe model on the QNN EP."""
     env = dict(os.environ)
     roots = [str(Path(__file__).resolve().parent.parent), str(Path(qnn.__file__).parents[1])]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (*roots, env.get("PYTHONPATH")) if p)
     try:
         done = subprocess.run(
-            [python or sys.executable, "-c", PROBE_SCRIPT],
+            [python or sys.executable, "-c", PROBE_SCRIPT, json.dumps(compatibility)],
             capture_output=True,
             text=True,
             timeout=timeout,
             env=env,
         )
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
+        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        return Probed(None, stdout, "", timeout, _probe_facts(stdout))
+    return Probed(done.returncode, done.stdout, done.stderr, timeout, _probe_facts(done.stdout))
+
+
+def _probe_facts(stdout: str) -> dict[str, Any] | None:
+    facts: dict[str, Any] = {}
+    for line in stdout.splitlines():
+        if line.startswith("PROBE_FACTS "):
+            facts.update(json.loads(line[len("PROBE_FACTS ") :]))
+        elif line.startswith("PROBE_GPU "):
+            facts["gpu"] = json.loads(line[len("PROBE_GPU ") :])
+    return facts or None
+
+
+def check_probe(
+    python: str | None = None, timeout: float = 180, probed: Probed | None = None
+) -> Row:
+    """Run the probe model on the QNN EP in a child process; CPU fallback or a crash fails."""
+    probed = probed or run_probe([], python, timeout)
+    if probed.returncode is None:
         return Row(
             "QNN probe",
             FAIL,
-            f"the probe model hung for {timeout:.0f} s",
+            f"the probe model hung for {probed.timeout:.0f} s",
             "check the NPU driver; run the probe again with a longer timeout",
         )
+    done = probed
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("PROBE ")), None)
     if done.returncode != 0 or line is None:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
@@ -365,6 +450,75 @@ def check_probe(python: str | None = None, timeout: float = 180) -> Row:
     return Row("QNN probe", OK, f"{placed}, max error {result['max_error']:.3g}")
 
 
+# -- the device -----------------------------------------------------------------------------------
+
+
+def check_device(device: Device, compatibility_check: str = "") -> Row:
+    """Which chip this is and how that was found; an unidentified device is a WARN only on a
+    device (the x86 simulator has no chip to find), because the loader then chooses blind."""
+    where = (
+        f"; onnxruntime offers the QNN EP on {'/'.join(device.ep_types) or 'no device'}"
+        if device.npu is not None
+        else ""
+    )
+    if compatibility_check:
+        applies = "applies" if device.npu else "does not apply (no NPU device)"
+        where += f"; ONNX Runtime's compatibility check ({compatibility_check}) {applies}"
+    if not device.identified:
+        where += "; the loader tries the lowest HTP arch first"
+    if device.identified:
+        return Row("device", OK, device.describe() + where)
+    status = OK if device.simulator else WARN
+    fix = "" if device.simulator else "pass --target (and target= to load()) to name the chip"
+    read = (
+        f"; read: {'; '.join(device.evidence)}" if device.evidence and not device.simulator else ""
+    )
+    return Row("device", status, device.describe() + where + read, fix)
+
+
+def check_gpu(probed: Probed | None, device: Device) -> Row:
+    """Whether QNN's GPU backend starts here, which gpu variants need. The GPU path was never
+    run on hardware by this project; the row says so."""
+    unverified = "the GPU path is unverified on hardware"
+    if probed is None or probed.result is None or "gpu" not in probed.result:
+        return Row("QNN GPU backend", SKIP, f"not probed; {unverified}")
+    answer = probed.result["gpu"]
+    if answer == "ok":
+        return Row(
+            "QNN GPU backend",
+            OK,
+            "a QNN GPU session opened with session.disable_cpu_ep_fallback=1 (gpu variants can "
+            f"run here); {unverified} by this project",
+        )
+    log = probed.stderr
+    cannot = next(
+        (
+            m
+            for m in ("QNN_BACKEND_ERROR_CANNOT_INITIALIZE", "Failed to initialize backend")
+            if m in log + answer
+        ),
+        None,
+    )
+    why = (
+        f"QNN's GPU backend cannot initialise ({cannot})"
+        if cannot
+        else f"the QNN GPU session failed: {answer[:200]}"
+    )
+    if device.simulator:
+        return Row(
+            "QNN GPU backend",
+            SKIP,
+            f"{why}: an x86 machine has no Adreno GPU, so gpu variants are skipped here; "
+            f"{unverified}",
+        )
+    return Row(
+        "QNN GPU backend",
+        WARN,
+        f"{why}; gpu variants will be skipped and the CPU model is the last fallback; {unverified}",
+        "update the Adreno GPU (OpenCL) driver; QNN SDK 2.33+ needs a recent one",
+    )
+
+
 # -- releases -----------------------------------------------------------------------------------
 
 
@@ -390,7 +544,27 @@ def _read_manifest(path: Path) -> Manifest:
         return Manifest.from_json(member.read(), f"{path}!{MANIFEST_FILE}")
 
 
-def check_releases(paths: list[Path], ep: qnn.InstalledQnn | None, target: str | None) -> list[Row]:
+def _compatibility_strings(paths: list[Path]) -> list[str]:
+    """Every HTP variant's compatibility string in the releases that can be read."""
+    found: set[str] = set()
+    for path in paths:
+        try:
+            manifest = _read_manifest(path)
+        except (PipelineError, OSError, KeyError, ValueError):
+            continue
+        found |= {v.ep_compatibility_info for v in manifest.variants if v.ep_compatibility_info}
+    return sorted(found)
+
+
+def check_releases(
+    paths: list[Path],
+    ep: qnn.InstalledQnn | None,
+    target: str | None,
+    device: Device | None = None,
+    compatibility: dict[str, Compatibility] | None = None,
+) -> list[Row]:
+    """A row per release (can it run here, and which variant) and one per variant (eligible or
+    not, and why: its SDK against the runtime's, its arch against the device's, ...)."""
     if not paths:
         return [Row("releases", SKIP, "no release found", "pass --artifacts or --release")]
     rows = []
@@ -415,19 +589,74 @@ def check_releases(paths: list[Path], ep: qnn.InstalledQnn | None, target: str |
         if ep is None:
             rows.append(Row(label, SKIP, f"needs QNN SDK {sdks}; no QNN EP installed"))
             continue
-        try:
-            chosen = choose_variant(manifest, ep, device_for(target))
-        except PipelineError as exc:
-            reasons = [line.strip(" -") for line in exc.message.splitlines()[1:]]
-            detail = "; ".join(reasons) or exc.message.splitlines()[0]
+        here = device or detect_device(target)
+        checks = compatibility or {}
+        verdicts = {
+            v.id: checks[v.ep_compatibility_info]
+            for v in manifest.variants
+            if v.ep_compatibility_info in checks
+        }
+        plan = plan_variants(manifest, ep, here, verdicts)
+        if plan.order:
+            chosen = plan.order[0]
+            detail = f"QNN SDK {sdks} vs runtime {ep.qnn_sdk}: loads {chosen.id}"
+            arch = here.htp_arch
+            if chosen.backend == "htp" and arch is not None and chosen.htp_arch != arch:
+                rows.append(
+                    Row(
+                        label,
+                        WARN,
+                        f"{detail}, built for HTP v{chosen.htp_arch}: the release has no variant "
+                        f"for the device's v{arch} ({here.target})",
+                        f"add {here.target!r} to compile.targets and publish again",
+                    )
+                )
+            elif chosen.backend != "htp":
+                rows.append(
+                    Row(
+                        label,
+                        WARN,
+                        f"{detail}: no HTP variant can run here, the {chosen.backend} variant is "
+                        "the fallback",
+                        "build for this chip (compile.targets) and this runtime's SDK",
+                    )
+                )
+            else:
+                rows.append(Row(label, OK, detail))
+        else:
+            error = plan.error()
+            reasons = [line.strip(" -") for line in error.message.splitlines()[1:]]
+            detail = "; ".join(reasons) or error.message.splitlines()[0]
             rows.append(
                 Row(
                     label,
                     FAIL,
                     f"needs QNN SDK {sdks}, runtime has {ep.qnn_sdk}: {detail}",
-                    exc.tip or "",
+                    error.tip or "",
                 )
             )
-            continue
-        rows.append(Row(label, OK, f"QNN SDK {sdks} vs runtime {ep.qnn_sdk}: loads {chosen.id}"))
+        rows.extend(variant_rows(label, plan))
+    return rows
+
+
+def variant_rows(label: str, plan: Plan) -> list[Row]:
+    """One row per variant: OK when the loader may try it (its place in the order), SKIP with
+    the reasons when it may not. Never FAIL: the release row says whether anything runs."""
+    rows = []
+    runtime_sdk = plan.runtime.qnn_sdk or "?"
+    for verdict in plan.verdicts:
+        v = verdict.variant
+        what = f"{v.backend}, QNN SDK {v.qnn_sdk_version} (runtime {runtime_sdk})"
+        if v.backend == "htp":
+            what += f", HTP v{v.htp_arch}"
+        if verdict.eligible:
+            place = plan.order.index(v) + 1
+            why = "; ".join(verdict.notes)
+            rows.append(
+                Row(f"{label}: {v.id}", OK, f"{what}: tried {place} of {len(plan.order)}; {why}")
+            )
+        else:
+            rows.append(
+                Row(f"{label}: {v.id}", SKIP, f"{what}: not eligible: {'; '.join(verdict.reasons)}")
+            )
     return rows

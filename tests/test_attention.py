@@ -262,9 +262,9 @@ def quantized_attention_snr(tmp_path: Path) -> float:
     part = quantizer.calibrate(
         config, float_path, samples, tmp_path / "raw.json", tmp_path / "cal.onnx", "attention"
     )
-    _, rms = quantizer.merge_ranges([part], tmp_path / "ranges.json")
+    _, statistics = quantizer.merge_ranges([part], tmp_path / "ranges.json")
     qdq = tmp_path / "qdq.onnx"
-    quantizer.quantize(config, float_path, qdq, tmp_path / "ranges.json", rms, {})
+    quantizer.quantize(config, float_path, qdq, tmp_path / "ranges.json", statistics, {})
     heldout = tmp_path / "heldout"
     heldout.mkdir()
     for index in range(8):

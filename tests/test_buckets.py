@@ -61,7 +61,7 @@ def write_config(tmp_path: Path, extra: str, base: str = BASE) -> Path:
             "set buckets.dims or buckets.shapes, not both",
         ),
         ("[buckets]\ndims = { w = [] }\n", "buckets.dims.w is empty"),
-        ("[buckets]\ndims = { w = [0, 4] }\n", "needs positive sizes"),
+        ("[buckets]\ndims = { w = [0, 4] }\n", "buckets.dims.w = [0, 4] must hold values in [1,"),
         ("[buckets]\ndims = { w = [4, 4] }\n", "repeats a size"),
         (
             "[buckets]\nshapes = [{ x = [1, 2] }, { y = [1, 2] }]\n",
@@ -69,7 +69,10 @@ def write_config(tmp_path: Path, extra: str, base: str = BASE) -> Path:
         ),
         ("[buckets]\nshapes = [{ x = [1, 2] }, { x = [1, 2, 3] }]\n", "has another rank"),
         ("[buckets]\nshapes = [{ x = [1, 2] }, { x = [1, 2] }]\n", "the same bucket twice"),
-        ("[buckets]\nshapes = [{ x = [1, 0] }]\n", "needs positive dims"),
+        (
+            "[buckets]\nshapes = [{ x = [1, 0] }]\n",
+            "buckets.shapes[0].x = [1, 0] must hold values in [1,",
+        ),
         (
             "[buckets]\ndims = { width = [4] }\npad = { widht = { value = 1.0 } }\n",
             "did you mean 'width'?",
@@ -80,7 +83,7 @@ def write_config(tmp_path: Path, extra: str, base: str = BASE) -> Path:
         ),
         (
             '[buckets]\ndims = { w = [4] }\noutputs = { y = { axis = -1, follows = "w" } }\n',
-            "must be >= 0",
+            "buckets.outputs.y.axis = -1 must be in [0, 63]",
         ),
         (
             '[buckets]\ndims = { w = [4] }\noutputs = { y = { axis = 1, follows = "v" } }\n',

@@ -50,7 +50,7 @@ def test_digest_changes_with_any_setting(tmp_path: Path) -> None:
         ("[quantization]\nactivation_type = 'uint9'\n", "quantization.activation_type = 'uint9'"),
         ("[quantization]\nper_channel = 'yes'\n", "must be true or false"),
         ("[compile]\nmax_partitions = 1.5\n", "compile.max_partitions must be an integer"),
-        ("[inputs]\ndims = { batch = 0 }\n", "inputs.dims.batch = 0 must be > 0"),
+        ("[inputs]\ndims = { batch = 0 }\n", "inputs.dims.batch = 0 must be in [1, 2147483647]"),
         ("[compile]\ntargets = []\n", "compile.targets is empty"),
         ("[calibrations]\nkind = 'random'\n", "did you mean 'calibration'"),
     ],
@@ -130,8 +130,8 @@ SEVERAL_MESSAGES = [
     "unknown key [quantization] 'activaton_type'; did you mean 'activation_type'?",
     "calibration.held_out = 1.5 must be in [0, 1)",
     "calibration.seed = -1 must be >= 0",
-    "calibration.image.size = [0, 0] must be [height, width], both > 0",
-    "calibration.audio.window = 0 must be >= 1",
+    "calibration.image.size = [0, 0] must hold values in [1, 16384]",
+    "calibration.audio.window = 0 must be in [1, 16777216]",
 ]
 
 

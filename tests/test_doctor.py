@@ -16,6 +16,8 @@ from pipeline.core.config import load_config
 from pipeline.publish.release import publish_model
 from qnn_ctx_runtime.toolchains import Toolchain, Toolchains, load_toolchains
 
+X_ELITE = "snapdragon-x-elite"
+
 # A table like runtime/qnn_ctx_runtime/toolchains.toml: two pins and one known, unpinned release.
 PINS = Toolchains(
     default="2.7.0",
@@ -156,8 +158,12 @@ EXPECTED_CHECKS = {
     "pinned pair",
     "QNN SDK",
     "QNN probe",
+    "device",
+    "QNN GPU backend",
     "ASCII paths",
     "release tiny/1.0.0",
+    "release tiny/1.0.0: snapdragon-x-elite_qnn-2.51.0",
+    "release tiny/1.0.0: snapdragon-8-gen-3_qnn-2.51.0",
 }
 
 
@@ -171,7 +177,16 @@ def test_doctor_here_prints_its_table(artifacts: Path, capsys):
     assert main(["doctor", "--artifacts", str(artifacts), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {r["check"] for r in rows} == EXPECTED_CHECKS
-    assert all(r["status"] == "OK" for r in rows), rows
+    by_check = {r["check"]: r for r in rows}
+    gpu = by_check.pop("QNN GPU backend")  # no Adreno GPU on an x86 machine
+    assert gpu["status"] == "SKIP" and "QNN_BACKEND_ERROR_CANNOT_INITIALIZE" in gpu["detail"]
+    assert "the GPU path is unverified on hardware" in gpu["detail"]
+    assert all(r["status"] == "OK" for r in by_check.values()), rows
+    assert by_check["device"]["detail"].startswith("not identified (an x86 machine")
+    assert "the loader tries the lowest HTP arch first" in by_check["device"]["detail"]
+    assert by_check["release tiny/1.0.0"]["detail"].endswith("loads snapdragon-x-elite_qnn-2.51.0")
+    variant = by_check["release tiny/1.0.0: snapdragon-8-gen-3_qnn-2.51.0"]["detail"]
+    assert variant.startswith("htp, QNN SDK 2.51.0 (runtime 2.51.0), HTP v75: tried 2 of 2")
 
 
 def doctor_in(python: Path, artifacts: Path) -> tuple[int, dict[str, dict]]:
@@ -218,6 +233,61 @@ def test_archive_release_is_checked_too(artifacts: Path, tmp_path: Path, capsys)
     archive = next((artifacts / "releases").rglob("*.tar.gz"))
     copy = shutil.copy(archive, tmp_path / archive.name)
     rows = doctor.diagnose(tmp_path / "none", [Path(copy)], "snapdragon-888", probe=False)
-    row = rows[-1]
-    assert row.check == f"release {archive.name}" and row.status == "FAIL"
+    row = next(r for r in rows if r.check == f"release {archive.name}")
+    assert row.status == "FAIL"
+    variant = next(r for r in rows if r.check == f"release {archive.name}: {X_ELITE}_qnn-2.51.0")
+    assert variant.status == "SKIP" and variant.detail.endswith("built for HTP v73 > device's v68")
     assert "add target 'snapdragon-888'" in row.fix.lower()
+
+
+# -- the device, the GPU backend, and each variant -------------------------------------------
+
+
+def test_device_row_says_how_the_chip_was_found_or_that_it_was_not():
+    from qnn_ctx_runtime.device import ChipFact, detect_device
+
+    fact = ChipFact("Android getprop ro.soc.model", "SM8750")
+    row = doctor.check_device(detect_device(facts=[fact], machine="arm64"))
+    assert row.status == "OK"
+    assert row.detail.startswith("snapdragon-8-elite (soc 69, HTP v79) from Android getprop")
+    unknown = detect_device(
+        facts=[ChipFact("/proc/cpuinfo Hardware", "Qualcomm QCS6490")], machine="arm64"
+    )
+    row = doctor.check_device(unknown)
+    assert row.status == "WARN" and "pass --target" in row.fix
+    assert "/proc/cpuinfo Hardware: 'Qualcomm QCS6490'" in row.detail
+    assert "the loader tries the lowest HTP arch first" in row.detail
+    simulator = doctor.check_device(detect_device(facts=[], machine="x86_64"))
+    assert simulator.status == "OK" and simulator.fix == ""
+
+
+def probed(gpu: str, stderr: str = "") -> doctor.Probed:
+    return doctor.Probed(0, "", stderr, 180, {"gpu": gpu})
+
+
+def test_gpu_row_on_a_device():
+    from qnn_ctx_runtime.device import detect_device
+
+    device = detect_device("snapdragon-x-elite", facts=[], machine="arm64")
+    row = doctor.check_gpu(probed("ok"), device)
+    assert row.status == "OK" and "unverified on hardware by this project" in row.detail
+    failed = "[E:onnxruntime] QNN_BACKEND_ERROR_CANNOT_INITIALIZE: Backend failed to initialize"
+    row = doctor.check_gpu(probed("FAIL : fallback to CPU EP has been disabled", failed), device)
+    assert (
+        row.status == "WARN"
+        and "cannot initialise (QNN_BACKEND_ERROR_CANNOT_INITIALIZE)" in row.detail
+    )
+    assert row.fix.startswith("update the Adreno GPU (OpenCL) driver")
+    assert doctor.check_gpu(None, device).status == "SKIP"
+
+
+@pytest.mark.qnn
+def test_a_release_without_the_devices_arch_is_a_warning_naming_the_target(artifacts: Path):
+    releases = sorted((artifacts / "releases").glob("*/*"))
+    rows = doctor.diagnose(artifacts, [], "snapdragon-8-elite", probe=False)
+    row = next(r for r in rows if r.check == "release tiny/1.0.0")
+    assert releases and row.status == "WARN"
+    assert "loads snapdragon-8-gen-3_qnn-2.51.0, built for HTP v75" in row.detail
+    assert row.fix == "add 'snapdragon-8-elite' to compile.targets and publish again"
+    variant = next(r for r in rows if r.check == f"release tiny/1.0.0: {X_ELITE}_qnn-2.51.0")
+    assert variant.status == "OK" and "tried 2 of 2" in variant.detail

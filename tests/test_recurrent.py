@@ -417,3 +417,44 @@ def test_hypot_with_a_tiny_constant_under_the_root() -> None:
     big.CopyFrom(model)
     big.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.array(0.01, np.float32), "eps"))
     assert not t.rewrite_hypot(big)[1].changed  # not negligible: keep the function
+
+
+def test_grouped_conv_transpose_weight_stays_per_tensor(tmp_path) -> None:
+    """onnxruntime cannot quantize a grouped ConvTranspose's bias against per-channel weight
+    scales ([C_in, C_out / group] gives C_out / group scales for C_out biases): such a weight
+    asked for int8 per channel (the HTP judge's remedy) gets one symmetric scale instead."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize_static
+
+    from pipeline.quantize.quantizer import _tensor_overrides
+
+    rng = np.random.default_rng(2)
+    node = oh.make_node("ConvTranspose", ["x", "w", "b"], ["y"], group=2, kernel_shape=[3, 3])
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((4, 4, 3, 3)).astype(np.float32), "w"),
+        numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b"),
+    ]
+    model = single([node], [1, 4, 5, 5], inits, [1, 8, 7, 7])
+    overrides = _tensor_overrides(model, {"w": "int8_per_channel"}, {})
+    assert overrides.tensors["w"] == [{"quant_type": QuantType.QInt8, "symmetric": True}]
+    # ... and when every weight is per channel by default (quantization.per_channel).
+    overrides = _tensor_overrides(model, {}, {}, per_channel_type="int8")
+    assert overrides.tensors["w"] == [{"quant_type": QuantType.QInt8, "symmetric": True}]
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.left = [random_feeds(model, seed) for seed in range(2)]
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return self.left.pop() if self.left else None
+
+    quantize_static(
+        str(path),
+        str(tmp_path / "q.onnx"),
+        Reader(),
+        activation_type=QuantType.QUInt16,
+        weight_type=QuantType.QInt8,
+        per_channel=True,
+        extra_options={"TensorQuantOverrides": overrides.tensors},
+    )

@@ -11,6 +11,7 @@ import shutil
 import tarfile
 import tempfile
 import textwrap
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -33,7 +34,13 @@ import qnn_ctx_runtime
 from pipeline.core.config import load_config
 from pipeline.publish.release import publish_model
 from qnn_ctx_runtime import qnn
-from qnn_ctx_runtime.device import device_for, emulated_on_arm64, native_machine, process_machine
+from qnn_ctx_runtime.device import (
+    detect_device,
+    device_for,
+    emulated_on_arm64,
+    native_machine,
+    process_machine,
+)
 from qnn_ctx_runtime.errors import FeedError, ReleaseError, UsageError
 from qnn_ctx_runtime.manifest import MANIFEST_FILE, SINGLE_BUCKET, Manifest, SchemaVersion
 from qnn_ctx_runtime.release import sha256_file
@@ -111,11 +118,12 @@ RELEASE = sdk_manifest(("2.49.40", 73, "2.5.0"), ("2.51.0", 73, "2.7.0"), ("2.51
         ("2.50.40", "snapdragon-x-elite", "t73_qnn-2.49.40"),  # newest SDK <= runtime's
         ("2.51.0", "snapdragon-8-gen-1", "t69_qnn-2.51.0"),  # v73 is too new for a v69 device
         ("2.51.0", "snapdragon-8-gen-3", "t73_qnn-2.51.0"),  # v75 device: closest lower arch
-        ("2.52.0", None, "t73_qnn-2.51.0"),  # arch unknown: newest SDK, then highest arch
+        ("2.52.0", None, "t69_qnn-2.51.0"),  # not identified: lowest arch, then newest SDK
     ],
 )
 def test_choice_rule(runtime_sdk, target, expected):
-    chosen = choose_variant(RELEASE, fake_runtime(runtime_sdk), device_for(target))
+    device = detect_device(target, facts=[], machine="x86_64")  # nothing read from this machine
+    chosen = choose_variant(RELEASE, fake_runtime(runtime_sdk), device)
     assert chosen.id == expected
 
 
@@ -236,17 +244,28 @@ def qdq_reference(release: Path) -> np.ndarray:
 
 @pytest.mark.qnn
 @pytest.mark.parametrize(
-    ("target", "variant"),
+    ("target", "variant", "warning"),
     [
-        (X_ELITE, f"{X_ELITE}_qnn-2.51.0"),
-        (GEN3, f"{GEN3}_qnn-2.51.0"),
-        ("snapdragon-8-elite", f"{GEN3}_qnn-2.51.0"),  # v79 device runs the v75 binary
-        (None, f"{GEN3}_qnn-2.51.0"),  # simulator, no target: the variant's own arch
+        (X_ELITE, f"{X_ELITE}_qnn-2.51.0", None),
+        ("X1E-78-100", f"{X_ELITE}_qnn-2.51.0", None),  # a part number names the chip too
+        (GEN3, f"{GEN3}_qnn-2.51.0", None),
+        # a v79 device runs the v75 binary, and is told so: never another arch silently
+        ("snapdragon-8-elite", f"{GEN3}_qnn-2.51.0", "no variant for the device's HTP v79"),
+        (None, f"{X_ELITE}_qnn-2.51.0", None),  # simulator, not identified: the lowest arch
     ],
 )
-def test_load_folder_and_run_on_the_simulator(release: Path, target, variant):
-    with qnn_ctx_runtime.load(release, target=target) as model:
+def test_load_folder_and_run_on_the_simulator(release: Path, target, variant, warning):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = qnn_ctx_runtime.load(release, target=target)
+    said = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    assert said == [] if warning is None else len(said) == 1 and warning in said[0], said
+    with model:
         assert model.variant.id == variant
+        if target is None:
+            detection = model.facts()["detection"]
+            assert not detection["identified"] and detection["simulator"]
+            assert model.facts()["choice"].startswith("device not identified: the lowest HTP arch")
         assert model.provider == "QNNExecutionProvider" and not model.on_cpu
         facts = model.facts()
         assert facts["qnn_sdk_version"] == "2.51.0" and facts["runtime"].startswith(
@@ -767,6 +786,9 @@ def test_an_older_sdk_binary_runs_on_a_newer_runtime(two_sdk_release, tmp_path):
     dest = tmp_path / "old-only"
     shutil.copytree(two_sdk_release, dest)
     data = json.loads((dest / MANIFEST_FILE).read_text("utf-8"))
+    for dropped in [v for v in data["variants"] if v["qnn_sdk_version"] != "2.49.40"]:
+        for entry in dropped["files"]:  # a file the manifest does not list is refused
+            (dest / entry["path"]).unlink()
     data["variants"] = [v for v in data["variants"] if v["qnn_sdk_version"] == "2.49.40"]
     (dest / MANIFEST_FILE).write_text(json.dumps(data), "utf-8")
     with qnn_ctx_runtime.load(dest, target=X_ELITE) as model:

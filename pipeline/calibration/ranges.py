@@ -84,6 +84,7 @@ class RangeChanges:
     widened: int = 0
     bias_floor: list[BiasFloor] = field(default_factory=list)
     mask_fills: list[str] = field(default_factory=list)  # tensors cut to their unmasked range
+    bias_corrections: int = 0  # layers whose bias absorbed their weight's mean rounding error
     # Weight -> (rmin, rmax) for onnxruntime's TensorQuantOverrides (not in the report).
     weight_ranges: dict[str, Interval] = field(default_factory=dict)
 

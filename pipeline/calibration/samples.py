@@ -119,11 +119,7 @@ def load_image(path: Path, spec: InputSpec, config: ModelConfig) -> np.ndarray:
         raise CalibrationError(
             f"Input {spec.describe()} is not an image tensor; set calibration.image.size."
         )
-    try:
-        with Image.open(path) as raw:
-            image = raw.convert("L" if options.channel_order == "GRAY" else "RGB")
-    except OSError as exc:
-        raise CalibrationError(f"Cannot read calibration image {path}: {exc}") from None
+    image = open_image(path, gray=options.channel_order == "GRAY")
 
     pad_box: tuple[int, int] | None = None
     if options.resize == "stretch":
@@ -143,6 +139,8 @@ def load_image(path: Path, spec: InputSpec, config: ModelConfig) -> np.ndarray:
     array = np.asarray(image, dtype=np.float32)
     if array.ndim == 2:
         array = array[:, :, np.newaxis]
+    if array.shape[2] == 1 and options.channel_order != "GRAY":  # 16-bit gray: same in R, G, B
+        array = np.repeat(array, 3, axis=2)
     if options.channel_order == "BGR":
         array = array[:, :, ::-1]
     if options.dtype != "uint8":
@@ -155,7 +153,47 @@ def load_image(path: Path, spec: InputSpec, config: ModelConfig) -> np.ndarray:
         array = canvas
     if not nhwc:
         array = array.transpose(2, 0, 1)
+    if options.dtype == "uint8":  # 16-bit sources scale to fractions of 0..255
+        array = np.clip(np.rint(array), 0, 255)
     return array[np.newaxis].astype(options.dtype)
+
+
+# Pillow modes of 16-bit samples (a 16-bit grayscale PNG opens as "I;16"; older Pillow gave "I").
+_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def open_image(path: Path, gray: bool) -> Any:
+    """Any image Pillow opens, on the 0..255 scale of 8-bit pixels, or a CalibrationError.
+
+    8-bit modes ("1", "L", "P", "RGB", "CMYK", "YCbCr", ...) are converted by Pillow to "L" or
+    "RGB"; an alpha channel ("RGBA", "LA", "PA") is dropped, as torchvision's loader does.
+    16-bit grayscale is scaled by 255/65535 into a float ("F") image, so it keeps its precision
+    instead of saturating at 255 (Pillow's own "I;16" -> "L" clips). 32-bit integer and float
+    images have no known range and are refused, naming the file and the fix.
+    """
+    from PIL import Image
+
+    try:
+        with Image.open(path) as raw:
+            raw.load()
+            mode = raw.mode
+            if mode in _SIXTEEN_BIT or (mode == "I" and raw.format == "PNG"):
+                pixels = np.asarray(raw).astype(np.float32) * np.float32(255.0 / 65535.0)
+                return Image.fromarray(pixels)  # float32, one channel: mode "F"
+            if mode not in ("I", "F"):
+                return raw.convert("L" if gray else "RGB")
+    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
+        raise CalibrationError(
+            f"Cannot read calibration image {path}: {type(exc).__name__}: {exc}",
+            tip="Re-save it as an 8- or 16-bit PNG or JPEG, or remove it from calibration.path.",
+        ) from None
+    kind = "32-bit integer" if mode == "I" else "32-bit float"
+    raise CalibrationError(
+        f"Calibration image {path} has {kind} pixels (Pillow mode {mode!r}), whose range is not "
+        "known, so it cannot be put on the 0..255 scale that calibration.image.scale expects.",
+        tip="Save calibration images as 8- or 16-bit PNG or JPEG, or give the arrays as "
+        'calibration.kind = "tensors".',
+    )
 
 
 def _wav_windows(path: Path, config: ModelConfig) -> tuple[int, list[int]]:
@@ -486,6 +524,16 @@ class Router:
                     f"Calibration sample {where}: tensor {name!r} has dtype {array.dtype}, the "
                     f"model input needs {dtype}.",
                     tip=f"Save it with .astype(np.{dtype.name}).",
+                )
+            if array.dtype.kind in "fc" and not np.isfinite(array).all():
+                # NaN/inf would become calibration ranges (or be skipped by min/max) and the
+                # report would still show a figure: refused, never calibrated on silently.
+                bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+                raise CalibrationError(
+                    f"Calibration sample {where}: tensor {name!r} holds {bad} NaN or infinite "
+                    f"value(s) of {array.size}.",
+                    tip="Fix the data or the reader that made it (often a division by zero), or "
+                    "remove the sample from calibration.path.",
                 )
             own[name] = array
         return own

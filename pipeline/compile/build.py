@@ -27,6 +27,7 @@ from ..core.config import ModelConfig
 from ..core.errors import ModelError, ToolchainError
 from ..core.fileio import atomic_dir, sha256_file
 from ..core.layout import ModelPaths, VariantPaths, samples_in
+from ..core.lock import locked
 from ..core.progress import Progress
 from ..core.records import (
     BucketArtifacts,
@@ -39,6 +40,7 @@ from ..core.records import (
     write_record,
 )
 from . import coverage as coverage_mod
+from . import gpu as gpu_variant
 from .child import interpret, run_child
 from .job import BucketJob, CompileJob
 from .report import describe, write_model_report
@@ -149,6 +151,7 @@ def model_inputs(config: ModelConfig, artifacts: Path) -> ModelInputs:
         qdq_sha256=qdq_sha,
         float_sha256=float_sha,
         heldout_digest=held_sha,
+        compile_digest=config.compile_digest(),
     )
     return ModelInputs(config, paths, record, heldout, built_from)
 
@@ -161,6 +164,7 @@ def compile_settings(config: ModelConfig, multi: bool) -> dict[str, object]:
     settings = dataclasses.asdict(config.compile)
     settings.pop("targets")
     settings.pop("toolchains")
+    settings.pop("gpu")  # the gpu variant is built on its own (pipeline.compile.gpu)
     if multi:
         settings["packaging"] = list(config.buckets.packaging)
         settings["qnn_options"] = dict(config.buckets.qnn_options)
@@ -336,7 +340,11 @@ def build_variant(
 
 
 def _remove_stale(
-    paths: ModelPaths, wanted: list[Toolchain], current: Toolchain, targets: list[Target]
+    paths: ModelPaths,
+    wanted: list[Toolchain],
+    current: Toolchain,
+    targets: list[Target],
+    others: frozenset[str] = frozenset(),
 ) -> None:
     """Variants the config no longer asks for must not linger beside the ones it does."""
     if not paths.ctx.is_dir():
@@ -347,12 +355,13 @@ def _remove_stale(
             shutil.rmtree(path, ignore_errors=True)
     folder = paths.ctx / current.onnxruntime_qnn
     if folder.is_dir():
-        names = {t.name for t in targets}
+        names = {t.name for t in targets} | others
         for path in folder.iterdir():
             if path.is_dir() and not path.name.startswith(".") and path.name not in names:
                 shutil.rmtree(path, ignore_errors=True)
 
 
+@locked("compile")
 def compile_model(
     config: ModelConfig,
     artifacts: Path,
@@ -373,10 +382,13 @@ def compile_model(
         )
         return []
     inputs = model_inputs(config, artifacts)
-    _remove_stale(inputs.paths, wanted, toolchain, targets)
+    precision = config.compile.gpu
+    gpu_wanted = precision != "off"
+    others = frozenset({gpu_variant.GPU_TARGET} if gpu_wanted else ())
+    _remove_stale(inputs.paths, wanted, toolchain, targets, others)
     built: list[Built] = []
     label = f"{config.model.name} qnn {toolchain.onnxruntime_qnn}"
-    with Progress(len(targets), label, unit="variant") as progress:
+    with Progress(len(targets) + gpu_wanted, label, unit="variant") as progress:
         for target in targets:
             progress.status(f"{target.name}: start")
             result = build_variant(
@@ -384,6 +396,14 @@ def compile_model(
             )
             built.append(result)
             progress.write(describe(result.record, result.skipped))
+            progress.update()
+        if gpu_wanted:  # the float/fp16 model for QNN's GPU backend, a published fallback
+            progress.status(f"{gpu_variant.GPU_TARGET}: start")
+            record, folder, skipped, seconds = gpu_variant.build(
+                inputs, toolchain, installed, precision, force, log_severity
+            )
+            built.append(Built(record, folder, skipped, seconds))
+            progress.write(gpu_variant.describe(record, skipped))
             progress.update()
     report = write_model_report(config, inputs.paths, inputs.record, wanted, targets)
     out(f"{config.model.name}: compile report -> {report}")

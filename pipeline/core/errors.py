@@ -13,6 +13,8 @@ from qnn_ctx_runtime.errors import ActionableError, FeedError, ReleaseError, Too
 PipelineError = ActionableError
 
 __all__ = [
+    "ArtifactsError",
+    "BusyError",
     "CalibrationError",
     "CompileError",
     "ConfigError",
@@ -48,3 +50,11 @@ class CompileError(PipelineError):
 
 class PublishError(PipelineError):
     """A release cannot be assembled, or would overwrite a different one."""
+
+
+class BusyError(PipelineError):
+    """Another run is building the same model in the same artifacts folder right now."""
+
+
+class ArtifactsError(PipelineError):
+    """The artifacts folder (or a file in it) cannot be written: read-only, full, or a file."""

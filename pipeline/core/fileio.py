@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -17,7 +18,10 @@ from qnn_ctx_runtime.release import sha256_file
 __all__ = [
     "atomic_dir",
     "atomic_path",
+    "check_writable_folder",
+    "describe_os_error",
     "link_or_copy",
+    "pid_scratch",
     "sha256_bytes",
     "sha256_file",
     "write_json",
@@ -92,3 +96,92 @@ def link_or_copy(source: Path, target: Path) -> None:
         os.link(source, target)
     except OSError:
         shutil.copyfile(source, target)
+
+
+# errno -> (what it means here, the fix)
+_OS_FIXES = {
+    errno.ENOSPC: ("the disk is full", "Free space there, or pass --artifacts on another disk."),
+    errno.EDQUOT: ("the disk quota is used up", "Free space, or pass --artifacts elsewhere."),
+    errno.EFBIG: (
+        "the file grew past the size limit",
+        "Raise the limit (ulimit -f) or free space.",
+    ),
+    errno.EROFS: ("the file system is read-only", "Pass --artifacts on a writable disk."),
+    errno.EACCES: (
+        "permission denied",
+        "Pass --artifacts a folder you may write, or fix its rights.",
+    ),
+    errno.EPERM: ("not permitted", "Pass --artifacts a folder you may write, or fix its rights."),
+    errno.ENOTDIR: ("a path in it is a file, not a folder", "Remove or rename that file."),
+    errno.EISDIR: ("it is a folder, not a file", "Remove or rename that folder."),
+}
+
+
+def describe_os_error(exc: OSError) -> tuple[str, str]:
+    """(message naming the path and the cause, tip) for an OSError met while building."""
+    where = exc.filename or "a file"
+    cause, fix = _OS_FIXES.get(exc.errno or -1, (exc.strerror or str(exc), ""))
+    other = f" -> {exc.filename2}" if exc.filename2 else ""
+    return (
+        f"Cannot write or read {where}{other}: {cause} ({exc.strerror or exc}). Nothing "
+        "half-written was kept: every artifact is written to a temporary name and renamed "
+        "into place.",
+        fix or "Check the path and the disk, then run the stage again.",
+    )
+
+
+def check_writable_folder(folder: Path, what: str = "--artifacts") -> None:
+    """``folder`` exists (or is created) as a folder this process can write into; else an
+    ArtifactsError naming it, before any work is done."""
+    from .errors import ArtifactsError
+
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ArtifactsError(
+            f"{what} {folder} is a file, not a folder.",
+            tip=f"Pass a folder as {what} (it is created when missing).",
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        cause, fix = _OS_FIXES.get(exc.errno or -1, (exc.strerror or str(exc), ""))
+        raise ArtifactsError(
+            f"{what} {folder} cannot be written: {cause} ({exc.strerror or exc}).",
+            tip=fix or f"Pass a writable folder as {what}.",
+        ) from None
+
+
+def pid_scratch(prefix: str) -> tempfile.TemporaryDirectory[str]:
+    """A scratch folder in the system temp folder whose name carries this process's id, so a
+    later run can tell the litter of a killed run (its process is gone) from a live one's."""
+    sweep_dead_scratch(prefix)
+    return tempfile.TemporaryDirectory(prefix=f"{prefix}{os.getpid()}-")
+
+
+def sweep_dead_scratch(prefix: str) -> list[Path]:
+    """Remove ``<tmp>/<prefix><pid>-*`` folders whose process no longer runs."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(f"{prefix}*-*"):
+        pid = path.name[len(prefix) :].split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process with this id runs (or may run: no right to signal it)."""
+    if pid == os.getpid():
+        return True
+    if os.name != "posix":
+        return True  # no cheap check: never delete another run's folder
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True

@@ -13,6 +13,9 @@
                                           (standalone/ holds one context per bucket)
     <artifacts>/releases/<model>/<version>/   a published release
 
+No artifact's name starts with '.': such names are the temporary files and folders of a run
+(atomic writes, scratch folders), so the stage holding a model's lock removes them (core.lock).
+
 A model with one static shape has one bucket, named ``static``. Every name that becomes a folder
 (model, version, bucket, toolchain, target) is one safe path component (``config.SAFE_COMPONENT``),
 so nothing is ever written outside ``<artifacts>``.
@@ -34,6 +37,8 @@ REPORT_MD = "report.md"
 REPORT_JSON = "report.json"
 SAMPLE_GLOB = "sample_*.npz"
 STANDALONE_DIR = "standalone"
+# The gpu variant's folder beside the target chips' (ctx/<toolchain>/gpu/) and its manifest target.
+GPU_TARGET = "gpu"
 
 
 def component(value: str, what: str) -> str:
@@ -104,6 +109,11 @@ class ModelPaths:
         return self.root / RECORD_FILE
 
     @property
+    def lock(self) -> Path:
+        """``build/.<model>.lock``: held by the stage building this model (core.lock)."""
+        return self.root.parent / f".{self.root.name}.lock"
+
+    @property
     def report(self) -> Path:
         return self.root / REPORT_MD
 
@@ -129,6 +139,10 @@ class ModelPaths:
     @property
     def ctx_report(self) -> Path:
         return self.ctx / REPORT_MD
+
+    def toolchain(self, toolchain: str) -> Path:
+        """``ctx/<onnxruntime-qnn>/``: every target of one toolchain (one compile job's shard)."""
+        return self.ctx / component(toolchain, "toolchain")
 
     def variant(self, toolchain: str, target: str) -> VariantPaths:
         return VariantPaths(

@@ -310,6 +310,9 @@ class BuiltFrom:
     qdq_sha256: dict[str, str]  # bucket -> QDQ model
     float_sha256: dict[str, str]
     heldout_digest: dict[str, str]
+    # ModelConfig.compile_digest(): the [compile] settings it was built with, so a shard from a
+    # CI job proves it fits the config (pipeline.publish.shards); None in older records.
+    compile_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -342,11 +345,21 @@ class VariantRecord:
     error: Failure | None
 
     @property
+    def deferred_to_device(self) -> bool:
+        """A gpu variant whose backend cannot start on the build machine (no Adreno GPU): its
+        coverage gate runs at load on the device (pipeline.compile.gpu)."""
+        return (
+            self.backend == "gpu"
+            and self.status == "ok"
+            and self.error is not None
+            and self.error.kind == "unavailable"
+        )
+
+    @property
     def passed(self) -> bool:
         return (
             self.status == "ok"
-            and self.coverage is not None
-            and self.coverage.passed
+            and (self.deferred_to_device or (self.coverage is not None and self.coverage.passed))
             and self.validation is not None
             and self.validation.passed
         )
@@ -366,6 +379,8 @@ class VariantRecord:
             error = self.error
             reasons.append(f"{error.stage}: {error.message}" if error else f"status {self.status}")
         for name, section in (("coverage", self.coverage), ("validation", self.validation)):
+            if section is None and name == "coverage" and self.deferred_to_device:
+                continue
             if section is None:
                 if self.status == "ok":
                     reasons.append(f"{name}: not measured")

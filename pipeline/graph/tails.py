@@ -23,8 +23,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import edit
-
 TAIL_DOMAINS = frozenset({"ai.onnx.ml"})
 # Ops whose outputs are indices or labels (never float), whatever their input.
 INDEX_OPS = frozenset({"ArgMax", "ArgMin"})
@@ -184,6 +182,8 @@ def static_tail_outputs(model: Any) -> tuple[Any, Any]:
     import numpy as np
     import onnx
     import onnxruntime as ort
+
+    from . import edit  # onnx: not in the compile environment, which reads summaries only
 
     model = edit.copy_model(model)
     tail = model_tail(model)

@@ -1280,10 +1280,11 @@ def qnn_preprocess(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     It only takes a file path for its output, hence the temporary folder.
     """
     import logging
-    import tempfile
     from pathlib import Path
 
     from onnxruntime.quantization.execution_providers.qnn import qnn_preprocess_model
+
+    from ..core.fileio import pid_scratch
 
     work = copy_model(model)
     metadata = [(p.key, p.value) for p in work.metadata_props]
@@ -1294,7 +1295,7 @@ def qnn_preprocess(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     level = logger.level
     logger.setLevel(logging.ERROR)  # it warns once per unnamed node
     try:
-        with tempfile.TemporaryDirectory(prefix="pipeline-qnnprep-") as tmp:
+        with pid_scratch("pipeline-qnnprep-") as tmp:  # a killed run's is swept next time
             out = Path(tmp) / "preprocessed.onnx"
             try:
                 # It saves its input with external data, which rewrites the proto in place.

@@ -36,13 +36,14 @@ from qnn_ctx_runtime.manifest import (
     Variant,
 )
 from qnn_ctx_runtime.toolchains import load_toolchains
+from qnn_ctx_runtime.toolchains import version_key as qnn_version_key
 from qnn_ctx_runtime.typed import to_json_value
 
 from .. import __version__
 from ..core.config import ModelConfig
 from ..core.errors import PublishError
 from ..core.fileio import sha256_file
-from ..core.layout import ModelPaths, VariantPaths
+from ..core.layout import GPU_TARGET, ModelPaths, VariantPaths
 from ..core.records import CtxSet, QuantizeRecord, TensorSpec, VariantRecord, read_record
 
 CPU_FOLDER = "cpu"
@@ -325,6 +326,137 @@ def _set_variant(
     return variant, sources
 
 
+# -- the gpu variant --------------------------------------------------------------------------
+
+
+def _gpu_variants(
+    config: ModelConfig, paths: ModelPaths, quantize: QuantizeRecord, allow_partial: bool
+) -> tuple[list[Variant], list[Source], list[Excluded]]:
+    """The gpu variant (pipeline.compile.gpu) of the newest toolchain that built one; it is
+    the same model whichever toolchain wrote it, so one is published."""
+    precision = config.compile.gpu
+    chosen: Variant | None = None
+    sources: list[Source] = []
+    excluded: list[Excluded] = []
+    toolchains = sorted(
+        load_toolchains().selected(config.compile.toolchains),
+        key=lambda t: qnn_version_key(t.qnn_sdk),
+        reverse=True,
+    )
+    for toolchain in toolchains:
+        vid = f"{GPU_TARGET}-{precision}_qnn-{toolchain.qnn_sdk}"
+        folder = paths.variant(toolchain.onnxruntime_qnn, GPU_TARGET)
+        record, why = read_record(VariantRecord, folder.record)
+        if record is None:
+            reason = "not built" if not folder.record.is_file() else "; ".join(why)
+            excluded.append(Excluded(vid, reason))
+            continue
+        _check_built_from(
+            f"gpu / onnxruntime-qnn {toolchain.onnxruntime_qnn}", folder.root, record, quantize
+        )
+        files = record.sets[0].ctx_files if record.sets else {}
+        if any(f"_gpu-{precision}_" not in name for name in files.values()):
+            excluded.append(
+                Excluded(vid, f"built for another precision than {precision}; {RECOMPILE}")
+            )
+            continue
+        failed = record.failed_gates()
+        if failed and (not allow_partial or record.status != "ok"):
+            excluded.append(Excluded(vid, "; ".join(failed)))
+        elif chosen is not None:
+            excluded.append(Excluded(vid, f"the same {precision} model as {chosen.id}"))
+        else:
+            chosen, sources = _gpu_variant(vid, folder.root, record, quantize, precision, failed)
+    return ([chosen] if chosen else []), sources, excluded
+
+
+def _gpu_variant(
+    vid: str,
+    folder: Path,
+    record: VariantRecord,
+    quantize: QuantizeRecord,
+    precision: str,
+    failed: list[str],
+) -> tuple[Variant, list[Source]]:
+    """One gpu variant of the release: a float model per bucket, no context binary."""
+    order = [b.name for b in quantize.buckets]
+    files = record.sets[0].ctx_files
+    if sorted(files) != sorted(order):
+        raise PublishError(
+            f"gpu variant in {folder}: its buckets ({sorted(files)}) are not the built ones "
+            f"({order}).",
+            tip=RECOMPILE,
+        )
+    entries, sources = [], []
+    for bucket in order:
+        local = folder / files[bucket]
+        if not local.is_file():
+            raise PublishError(f"gpu variant: {local} is missing.", tip=RECOMPILE)
+        summary = qnn.read_model_summary(local)
+        if summary.nodes_of("EPContext"):
+            raise PublishError(
+                f"gpu variant: {local} holds EPContext nodes; a gpu variant is a float model.",
+                tip=RECOMPILE,
+            )
+        source = _source(local, f"{vid}/{local.name}")
+        sources.append(source)
+
+        def infos(values: list[qnn.ValueInfo]) -> list[TensorInfo]:
+            return [
+                TensorInfo(v.name, [d if isinstance(d, int) else -1 for d in v.shape], v.dtype)
+                for v in values
+            ]
+
+        entries.append(
+            BucketEntry(bucket, source.entry.path, infos(summary.inputs), infos(summary.outputs))
+        )
+    buckets = Buckets(
+        shared_binary=None,
+        axes=[BucketAxis(p.input, p.axis, p.dim, float(p.value), p.side) for p in quantize.pads],
+        crops=[
+            BucketCrop(c.output, c.axis, c.input, c.input_axis, c.num, c.den, c.add, c.shift)
+            for c in quantize.crops
+        ],
+        entries=entries,
+    )
+    if record.deferred_to_device:
+        coverage = {
+            "verified_on_hardware": False,
+            "why": record.error.message if record.error else "",
+            "gate": "at load on the device: session.disable_cpu_ep_fallback=1, so a graph QNN's "
+            "GPU backend runs only in part fails and the runtime goes on to the CPU model",
+        }
+    else:
+        coverage = (finite(record.coverage) or {}) | {"verified_on_hardware": True}
+    variant = Variant(
+        id=vid,
+        target=GPU_TARGET,
+        soc_model=0,
+        htp_arch=0,
+        backend="gpu",
+        qnn_sdk_version=record.qnn_sdk,
+        ep_sdk_version="",
+        onnxruntime_qnn=record.toolchain,
+        onnxruntime=record.onnxruntime,
+        ep_compatibility_info="",
+        embed_mode=0,
+        model=entries[-1].model,
+        files=[s.entry for s in sources],
+        inputs=_tensor_infos(record.inputs),
+        outputs=_tensor_infos(record.outputs),
+        coverage=coverage,
+        accuracy=(finite(record.validation) or {}) | {"precision": precision},
+        load={
+            "sizes": {s.entry.path: s.entry.size for s in sources},
+            "total_bytes": sum(s.entry.size for s in sources),
+        },
+        passed=not failed,
+        failed_gates=failed,
+        buckets=buckets,
+    )
+    return variant, sources
+
+
 # -- the release ------------------------------------------------------------------------------
 
 
@@ -374,6 +506,11 @@ def build_manifest(
                     )
                 variants.append(variant)
                 sources.extend(files)
+    if config.compile.gpu != "off":
+        gpu, gpu_sources, gpu_excluded = _gpu_variants(config, paths, quantize, allow_partial)
+        variants += gpu
+        sources += gpu_sources
+        excluded += gpu_excluded
     if not any(v.passed for v in variants) and not (allow_partial and variants):
         reasons = "\n".join(f"  - {e.id}: {e.reason}" for e in excluded)
         raise PublishError(

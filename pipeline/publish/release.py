@@ -22,13 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qnn_ctx_runtime.manifest import MANIFEST_FILE, Manifest
-from qnn_ctx_runtime.release import verify_folder
+from qnn_ctx_runtime.release import manifest_sha256, verify_folder
+from qnn_ctx_runtime.trust import SIGNATURE_FILE
 
 from ..core.config import ModelConfig
 from ..core.errors import PipelineError, PublishError
 from ..core.fileio import sha256_file
 from ..core.layout import release_dir
+from ..core.lock import locked
 from .collect import Source, build_manifest
+from .sign import load_signing_key, sign_manifest, signing_key_path
 
 _TEMP_MARK = ".publish-"
 
@@ -38,18 +41,24 @@ class PublishResult:
     folder: Path
     manifest: Manifest
     unchanged: bool
+    manifest_sha256: str = ""  # what a consumer pins: load(..., expect_manifest_sha256=)
 
     def summary_line(self) -> str:
         m = self.manifest
+        pin = f"\n  manifest sha256 {self.manifest_sha256}" if self.manifest_sha256 else ""
+        signed = " (signed)" if (self.folder / SIGNATURE_FILE).is_file() else ""
         if self.unchanged:
-            return f"{m.model} {m.version}: already published with the same content ({self.folder})"
+            return (
+                f"{m.model} {m.version}: already published with the same content "
+                f"({self.folder}){signed}{pin}"
+            )
         passed = sum(v.passed for v in m.variants)
         text = f"{m.model} {m.version}: published {passed} variant(s)"
         if len(m.variants) > passed:
             text += f" and {len(m.variants) - passed} marked failed"
         if m.excluded:
             text += f", left out {len(m.excluded)} ({'; '.join(e.id for e in m.excluded)})"
-        return f"{text} -> {self.folder}"
+        return f"{text} -> {self.folder}{signed}{pin}"
 
 
 def archive_name(manifest: Manifest) -> str:
@@ -74,7 +83,8 @@ def _fsync_dir(path: Path) -> None:
 def _write_archive(folder: Path, manifest: Manifest) -> Path:
     """A reproducible tar.gz of the release (sorted, fixed times and owners), with its .sha256."""
     target = folder / archive_name(manifest)
-    names = [MANIFEST_FILE, *sorted(e.path for e in manifest.files())]
+    signature = [SIGNATURE_FILE] if (folder / SIGNATURE_FILE).is_file() else []
+    names = [MANIFEST_FILE, *signature, *sorted(e.path for e in manifest.files())]
     with (
         open(target, "xb") as raw,
         gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz,
@@ -92,8 +102,11 @@ def _write_archive(folder: Path, manifest: Manifest) -> Path:
     return target
 
 
-def _assemble(folder: Path, manifest: Manifest, sources: list[Source]) -> None:
-    """Copy and re-hash every file into ``folder``, then write the manifest and the archive."""
+def _assemble(
+    folder: Path, manifest: Manifest, sources: list[Source], sign_key: Path | None = None
+) -> None:
+    """Copy and re-hash every file into ``folder``, then write the manifest (and its Ed25519
+    signature, with a key) and the archive."""
     for item in sources:
         target = folder / item.entry.path
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -104,8 +117,12 @@ def _assemble(folder: Path, manifest: Manifest, sources: list[Source]) -> None:
                 tip="Do not rebuild while publishing; run publish again.",
             )
         _fsync_file(target)
-    (folder / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
+    raw = manifest.to_json().encode("utf-8")
+    (folder / MANIFEST_FILE).write_bytes(raw)
     _fsync_file(folder / MANIFEST_FILE)
+    if sign_key is not None:
+        (folder / SIGNATURE_FILE).write_bytes(sign_manifest(raw, sign_key))
+        _fsync_file(folder / SIGNATURE_FILE)
     archive = _write_archive(folder, manifest)
     _fsync_file(archive)
     for sub in {folder / Path(e.path).parent for e in manifest.files()} | {folder}:
@@ -156,32 +173,44 @@ def _same_or_refuse(final: Path, manifest: Manifest) -> Manifest:
     return existing
 
 
+@locked("publish")
 def publish_model(
-    config: ModelConfig, artifacts: Path, allow_partial: bool = False, cpu_fallback: bool = True
+    config: ModelConfig,
+    artifacts: Path,
+    allow_partial: bool = False,
+    cpu_fallback: bool = True,
+    sign_key: Path | None = None,
 ) -> PublishResult:
-    """Publish one model's release, atomically; the same content again is a no-op."""
+    """Publish one model's release, atomically; the same content again is a no-op.
+
+    ``sign_key`` (or $QNN_CTX_SIGN_KEY) signs the manifest with Ed25519 (publish.sign)."""
+    sign_key = signing_key_path(sign_key)
+    if sign_key is not None:
+        load_signing_key(sign_key)  # a bad key is refused before any work
     manifest, sources = build_manifest(config, artifacts, allow_partial, cpu_fallback)
     final = release_dir(artifacts, manifest.model, manifest.version)
     parent = final.parent
     if final.exists():
-        return PublishResult(final, _same_or_refuse(final, manifest), unchanged=True)
+        existing = _same_or_refuse(final, manifest)
+        return PublishResult(final, existing, True, manifest_sha256(final))
     parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(parent)
     temp = Path(
         tempfile.mkdtemp(prefix=f".{manifest.version}{_TEMP_MARK}{os.getpid()}-", dir=parent)
     )
     try:
-        _assemble(temp, manifest, sources)
+        _assemble(temp, manifest, sources, sign_key)
         os.chmod(temp, 0o755)  # mkdtemp makes it 0700
         try:
             os.rename(temp, final)  # atomic; fails if another publish got there first
         except OSError:
             if not final.exists():
                 raise
-            return PublishResult(final, _same_or_refuse(final, manifest), unchanged=True)
+            existing = _same_or_refuse(final, manifest)
+            return PublishResult(final, existing, True, manifest_sha256(final))
         _fsync_dir(parent)
     finally:
         with contextlib.suppress(OSError):
             if temp.exists():
                 shutil.rmtree(temp)
-    return PublishResult(final, manifest, unchanged=False)
+    return PublishResult(final, manifest, False, manifest_sha256(final))

@@ -36,6 +36,7 @@ from ..core.config import ModelConfig
 from ..core.errors import CalibrationError, ConfigError, GateError, ModelError
 from ..core.fileio import atomic_dir, atomic_path, link_or_copy, sha256_file
 from ..core.layout import ModelPaths, sample_name, samples_in
+from ..core.lock import locked
 from ..core.metrics import worst_snr
 from ..core.records import (
     BucketArtifacts,
@@ -143,6 +144,7 @@ def _reusable(paths: ModelPaths, record: QuantizeRecord | None, inputs: BuildInp
     )
 
 
+@locked("quantize")
 def quantize_model(config: ModelConfig, artifacts: Path, force: bool = False) -> QuantizeResult:
     """Build (or reuse) the QDQ models of every bucket of one config."""
     paths = ModelPaths.of(artifacts, config.model.name)
@@ -363,7 +365,7 @@ def _quantize_all(
             )
             for name in order
         ]
-        merged, rms = quantizer.merge_ranges(parts, paths.ranges)
+        merged, statistics = quantizer.merge_ranges(parts, paths.ranges)
     timings["calibrate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -372,7 +374,7 @@ def _quantize_all(
     def quantize(name: str, extra: dict[str, str]) -> quantizer.range_rules.RangeChanges:
         bucket = paths.bucket(name)
         return quantizer.quantize(
-            config, prepared[name].float_path, bucket.qdq, paths.ranges, rms, extra
+            config, prepared[name].float_path, bucket.qdq, paths.ranges, statistics, extra
         )
 
     changes = {name: quantize(name, overrides) for name in order}
@@ -387,6 +389,7 @@ def _quantize_all(
             samples[probe],
             overrides,
             lambda extra: quantize(probe, extra),
+            statistics.means if q.bias_correction else None,
         )
         mixed = dataclasses.replace(mixed, bucket=probe)
     chosen = {**overrides, **(mixed.overrides if mixed else {})}
@@ -592,7 +595,11 @@ def _build(
         tensor_overrides=dict(q.overrides.tensors),
         op_type_overrides=dict(q.overrides.op_types),
         range_rules=report_mod.RangeRules(
-            changes.clamped, changes.widened, changes.bias_floor, changes.mask_fills or None
+            changes.clamped,
+            changes.widened,
+            changes.bias_floor,
+            changes.mask_fills or None,
+            changes.bias_corrections,
         ),
         mixed_precision=mixed,
         htp=judgement,

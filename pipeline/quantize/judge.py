@@ -12,7 +12,11 @@ HTP (``pipeline.htp.probe``), and its context-vs-float SNR decides. While it is 
    is left in float16;
 2. when the quantization itself is short (the HTP agrees with the CPU), the tensors that cost the
    output most *at their current precision* (16-bit activations included) go to float16, which
-   the HTP runs in fp16; as the last step the whole model runs in fp16 on the HTP.
+   the HTP runs in fp16;
+3. the whole model in fp16 on the HTP: straight away when the quantized model is already
+   ``HOPELESS_DB`` short of the target on the CPU (one tensor range spanning channels whose
+   scales differ by 10^4, as in PP-PicoDet's first convolutions, leaves no 16-bit scale that
+   serves them all), and always before the judge gives up short of the target.
 
 Each candidate is compiled and measured; the best one by context-vs-float SNR is kept, and every
 round is reported. Without onnxruntime-qnn in this environment the CPU decision stands and the
@@ -40,6 +44,9 @@ HTP_GAP_DB = 3.0  # the HTP may lose this much against the CPU QDQ model before 
 MAX_REMEDIES = 3  # re-quantize-and-probe rounds after the first probe
 FLOAT16_FIRST = 4  # tensors left in float16 in the first round of that remedy (doubling after)
 PROBE_SAMPLES = 8
+# A quantized model this far below the target on the CPU (after mixed precision) goes straight to
+# fp16: raising single tensors has not closed such gaps on any model measured (PP-PicoDet: 1 dB).
+HOPELESS_DB = 10.0
 
 
 @dataclass(frozen=True)
@@ -194,11 +201,36 @@ def judge_on_htp(
         ranked: list[str] | None = None
         per_channel_done = False
         weights = channel_weights(float_path)
+        tried_float16 = False
+
+        def whole_float16(why: str) -> Candidate:
+            nonlocal tried_float16
+            tried_float16 = True
+            remedies.append(f"the whole model in fp16 on the HTP (no quantization): {why}")
+            return Candidate("whole model in fp16", {}, whole_float16=True)
+
+        def attempt(candidate: Candidate) -> ProbeResult:
+            nonlocal best, best_result, current
+            builder.build(candidate)
+            outcome = run(candidate.label)
+            current = candidate
+            if _score(outcome) > _score(best_result):
+                best, best_result = candidate, outcome
+            return outcome
+
         for step in range(MAX_REMEDIES):
-            if result.worst_ctx_vs_float >= target_db:
+            if result.worst_ctx_vs_float >= target_db or tried_float16:
                 break
-            gap = worst_snr(result.qdq_vs_float) - result.worst_ctx_vs_float
+            short_on_cpu = target_db - worst_snr(result.qdq_vs_float)
+            if short_on_cpu > HOPELESS_DB:
+                # Mixed precision already raised what the CPU said mattered and the quantized
+                # model is still far off: per-tensor remedies will not close that gap.
+                result = attempt(
+                    whole_float16(f"the quantized model is {short_on_cpu:.0f} dB short on the CPU")
+                )
+                continue
             candidate: Candidate | None = None
+            gap = worst_snr(result.qdq_vs_float) - result.worst_ctx_vs_float
             if gap > HTP_GAP_DB:
                 located = run("the HTP diverges", locate=True)
                 found = located.first_divergence() if located.ok else None
@@ -248,8 +280,7 @@ def judge_on_htp(
                 count = FLOAT16_FIRST * 2**step
                 chosen = [t for t in ranked[:count] if t not in float16]
                 if step == MAX_REMEDIES - 1 or not chosen:
-                    remedies.append("the whole model in fp16 on the HTP (no quantization)")
-                    candidate = Candidate("whole model in fp16", {}, whole_float16=True)
+                    candidate = whole_float16("the last remedy")
                 else:
                     float16 += chosen
                     remedies.append(
@@ -260,11 +291,9 @@ def judge_on_htp(
                         f"{len(float16)} tensors in float16",
                         {**current.overrides, **dict.fromkeys(float16, "float16")},
                     )
-            builder.build(candidate)
-            result = run(candidate.label)
-            current = candidate
-            if _score(result) > _score(best_result):
-                best, best_result = candidate, result
+            result = attempt(candidate)
+        if not tried_float16 and _score(best_result) < target_db:
+            result = attempt(whole_float16("every other remedy left it short of the target"))
         if best is not current:
             builder.build(best)  # leave the kept candidate on disk
         return (

@@ -30,6 +30,7 @@ import numpy as np
 from ..core.config import ModelConfig
 from ..core.cpu import cpu_session
 from ..core.metrics import LABELS, comparable, worst_snr
+from .bias_correction import corrected_float_bias
 from .evaluate import evaluate
 
 ANALYSIS_SAMPLES = 8  # calibration samples the per-tensor noise is measured on
@@ -42,11 +43,12 @@ SIXTEEN_BIT = {4: "uint16", 5: "int16"}
 
 def raised_types(config: ModelConfig) -> dict[str, str]:
     """What a tensor is raised to: activations to uint16, weights to int16 (symmetric, as QNN HTP
-    wants 16-bit weights). The HTP computes some 16-bit weights differently from the CPU (dilated
-    convolutions: FACTS §10); pipeline.quantize.judge checks the result there and moves the
-    weights to 8 bits per channel where it diverges."""
-    del config  # the same for every config today; kept as the place to decide it
-    return {"weight": "int16", "activation": "uint16"}
+    wants 16-bit weights; per channel when the config's weights are). The HTP computes some
+    16-bit weights differently from the CPU (dilated convolutions: FACTS §10);
+    pipeline.quantize.judge checks the result there and moves the weights back to 8 bits per
+    channel where it diverges."""
+    per_channel = "_per_channel" if config.quantization.per_channel else ""
+    return {"weight": f"int16{per_channel}", "activation": "uint16"}
 
 
 @dataclass(frozen=True)
@@ -138,8 +140,11 @@ def candidates(qdq: Any, elems: dict[int, str] = EIGHT_BIT) -> list[Candidate]:
     return list(found.values())
 
 
-def _with_fake_quant(model: Any, cand: Candidate) -> Any:
-    """A copy of the float model where only ``cand`` is quantized as in the QDQ model."""
+def _with_fake_quant(
+    model: Any, cand: Candidate, means: dict[str, np.ndarray] | None = None
+) -> Any:
+    """A copy of the float model where only ``cand`` is quantized as in the QDQ model (a weight
+    with its layer's bias corrected as the QDQ model's is, when ``means`` are given)."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -147,9 +152,13 @@ def _with_fake_quant(model: Any, cand: Candidate) -> Any:
     out.CopyFrom(model)
     graph = out.graph
     if cand.kind == "weight":
+        quantized = cand.dequantized()
+        bias = corrected_float_bias(model, cand.name, quantized, means) if means else None
         for init in graph.initializer:
             if init.name == cand.name:
-                init.CopyFrom(numpy_helper.from_array(cand.dequantized(), cand.name))
+                init.CopyFrom(numpy_helper.from_array(quantized, cand.name))
+            elif bias is not None and init.name == bias[0]:
+                init.CopyFrom(numpy_helper.from_array(bias[1], bias[0]))
         return out
     scale = numpy_helper.from_array(cand.scale.astype(np.float32), f"{cand.name}__fq_scale")
     zero = numpy_helper.from_array(cand.zero_point, f"{cand.name}__fq_zero")
@@ -210,9 +219,11 @@ def measure(
     samples: Iterable[dict[str, np.ndarray]],
     elems: dict[int, str] = EIGHT_BIT,
     kinds: tuple[str, ...] = ("weight", "activation"),
+    means: dict[str, np.ndarray] | None = None,
 ) -> tuple[list[Candidate], dict[str, float], dict[str, float], dict[str, Any]]:
     """Per quantized tensor of the ``elems`` types (8-bit by default), the output noise it adds
-    alone; plus the outputs' signal and the QDQ model's noise."""
+    alone; plus the outputs' signal and the QDQ model's noise. ``means`` (layer inputs' channel
+    means) apply the bias correction the QDQ model has to each weight measured alone."""
     import onnx
 
     started = time.perf_counter()
@@ -244,7 +255,7 @@ def measure(
     for cand in found:
         if time.perf_counter() - started > ANALYSIS_BUDGET_S:
             break
-        cand.noise = _noise(_session(_with_fake_quant(float_model, cand)), feeds, refs)
+        cand.noise = _noise(_session(_with_fake_quant(float_model, cand, means)), feeds, refs)
         measured += 1
     stats = {
         "samples": len(feeds),
@@ -295,6 +306,7 @@ def raise_precision(
     calibration: Iterable[dict[str, np.ndarray]],
     base_overrides: dict[str, str],
     requantize: Callable[[dict[str, str]], Any],
+    means: dict[str, np.ndarray] | None = None,
 ) -> MixedPrecision:
     """Re-quantize with the costliest 8-bit tensors raised while the worst SNR is short."""
     target = config.quantization.target_snr_db
@@ -303,7 +315,7 @@ def raise_precision(
     summary = MixedPrecision(target, before, before)
     if before >= target:
         return summary
-    found, signal, _, stats = measure(float_path, qdq_path, calibration)
+    found, signal, _, stats = measure(float_path, qdq_path, calibration, means=means)
     summary = dataclasses.replace(
         summary,
         candidates=stats["candidates"],

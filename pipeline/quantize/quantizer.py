@@ -9,9 +9,10 @@ range per tensor in every bucket, so their weights and scales stay byte-identica
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from ..core.config import ModelConfig
 from ..core.errors import CalibrationError, ModelError, PipelineError
 from ..core.fileio import atomic_path
 from ..core.progress import Progress
+from . import bias_correction
 
 CALIBRATION_CHUNK = 16  # samples whose intermediate outputs are held at once
 ORT_QUANT_TYPES = {
@@ -42,6 +44,8 @@ class Calibrated:
     cache: Path
     rms: dict[str, float]
     rms_samples: int
+    means: dict[str, np.ndarray] = field(default_factory=dict)  # layer inputs, per channel
+    mean_samples: int = 0
 
 
 class StreamingReader:
@@ -90,12 +94,24 @@ def calibrate(
     _, calibrated = range_rules.read_cache(cache)
     model = onnx.load(str(float_path))
     rms = range_rules.activation_rms(model, samples, sorted(calibrated), RMS_SAMPLES)
-    return Calibrated(cache, rms, min(len(samples), RMS_SAMPLES))
+    means, mean_samples = {}, 0
+    if config.quantization.bias_correction:
+        means, mean_samples = bias_correction.input_means(model, samples)
+    return Calibrated(cache, rms, min(len(samples), RMS_SAMPLES), means, mean_samples)
 
 
-def merge_ranges(parts: list[Calibrated], target: Path) -> tuple[int, dict[str, float]]:
+@dataclass(frozen=True)
+class Statistics:
+    """What every bucket's quantization reads besides the ranges, pooled over the buckets."""
+
+    rms: dict[str, float]  # activation -> root mean square (range margins)
+    means: dict[str, np.ndarray]  # layer input -> per-channel mean (bias correction)
+
+
+def merge_ranges(parts: list[Calibrated], target: Path) -> tuple[int, Statistics]:
     """Union of every tensor's calibrated range over the buckets, written to ``target``; and the
-    RMS of each activation pooled over the buckets' samples. Returns (tensors, rms)."""
+    RMS of each activation and the channel means of each layer input pooled over the buckets'
+    samples. Returns (tensors, statistics)."""
     from onnxruntime.quantization.calibrate import (
         TensorData,
         TensorsData,
@@ -130,7 +146,16 @@ def merge_ranges(parts: list[Calibrated], target: Path) -> tuple[int, dict[str, 
             power[name] = power.get(name, 0.0) + part.rms_samples * value * value
             weight[name] = weight.get(name, 0) + part.rms_samples
     rms = {n: float(np.sqrt(power[n] / weight[n])) for n in power if weight[n]}
-    return len(tensors), rms
+    sums: dict[str, np.ndarray] = {}
+    counts: dict[str, int] = {}
+    for part in parts:
+        for name, value in part.means.items():
+            if name in sums and sums[name].shape != value.shape:
+                continue  # a channel count that differs between buckets: no common mean
+            sums[name] = sums.get(name, 0.0) + part.mean_samples * value
+            counts[name] = counts.get(name, 0) + part.mean_samples
+    means = {n: sums[n] / counts[n] for n in sums if counts[n]}
+    return len(tensors), Statistics(rms, means)
 
 
 def quantize(
@@ -138,10 +163,11 @@ def quantize(
     float_path: Path,
     qdq_path: Path,
     ranges_file: Path,
-    rms: dict[str, float],
+    statistics: Statistics,
     tensor_overrides: dict[str, str],
 ) -> range_rules.RangeChanges:
-    """Write ``qdq_path`` from the calibrated ranges after the range rules; what they changed."""
+    """Write ``qdq_path`` from the calibrated ranges after the range rules, then correct the
+    biases for the weights' rounding (``bias_correction``); what they changed."""
     import onnx
 
     q = config.quantization
@@ -169,7 +195,7 @@ def quantize(
                 q.weight_type,
                 q.per_channel,
                 tensor_types,
-                rms,
+                statistics.rms,
             )
         except PipelineError:
             raise
@@ -184,6 +210,14 @@ def quantize(
         )
     finally:
         tuned.unlink(missing_ok=True)
+    if q.bias_correction and statistics.means:
+        corrected, change = bias_correction.correct_biases(
+            onnx.load(str(qdq_path)), model, statistics.means
+        )
+        if change.changed:
+            with atomic_path(qdq_path) as tmp:
+                onnx.save(corrected, str(tmp))
+        changes = dataclasses.replace(changes, bias_corrections=len(change.details))
     return changes
 
 
@@ -207,7 +241,12 @@ def _run_quantizer(
 
     q = config.quantization
     model = onnx.load(str(float_path), load_external_data=False)
-    overrides = _tensor_overrides(model, tensor_overrides, q.overrides.op_types)
+    overrides = _tensor_overrides(
+        model,
+        tensor_overrides,
+        q.overrides.op_types,
+        per_channel_type=q.weight_type if q.per_channel else "",
+    )
     init_overrides = overrides.tensors
     for name, (low, high) in (weight_ranges or {}).items():
         entry = init_overrides.setdefault(name, [{}])[0]
@@ -288,7 +327,9 @@ def _grouped_transpose(node: Any) -> bool:
     return node.op_type == "ConvTranspose" and group > 1
 
 
-def _tensor_overrides(model: Any, tensors: dict[str, str], op_types: dict[str, str]) -> Overrides:
+def _tensor_overrides(
+    model: Any, tensors: dict[str, str], op_types: dict[str, str], per_channel_type: str = ""
+) -> Overrides:
     """Config and mixed-precision choices -> onnxruntime overrides and float (fp16) nodes.
 
     ``*_per_channel`` gives a weight one symmetric scale per output channel (the HTP computes
@@ -348,6 +389,13 @@ def _tensor_overrides(model: Any, tensors: dict[str, str], op_types: dict[str, s
         qtype = precision.partition("_per_")[0]
         for output in node.output:
             result.setdefault(output, [{"quant_type": getattr(QuantType, ORT_QUANT_TYPES[qtype])}])
+    if per_channel_type:  # weights per channel by default: not a grouped ConvTranspose's
+        for node in model.graph.node:
+            if _grouped_transpose(node) and len(node.input) > 1 and node.input[1] in weights:
+                entry = {"quant_type": getattr(QuantType, ORT_QUANT_TYPES[per_channel_type])}
+                if per_channel_type.startswith("int"):
+                    entry["symmetric"] = True
+                result.setdefault(node.input[1], [entry])
     return Overrides(result, float_nodes)
 
 

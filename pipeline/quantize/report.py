@@ -31,6 +31,7 @@ class RangeRules:
     widened: int
     bias_floor: list[BiasFloor]
     mask_fills: list[str] | None = None  # attention scores cut to their unmasked range
+    bias_corrections: int = 0  # layers whose bias absorbed their weight's mean rounding error
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,11 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
         f"saturating readers can tell apart, {rules.widened} widened for unseen values; widened "
         f"so the int32 biases fit: {floors}.",
     ]
+    if rules.bias_corrections:
+        lines.append(
+            f"Bias correction: {rules.bias_corrections} layer(s) absorb in their bias the mean "
+            "error their weight's rounding adds (pipeline/quantize/bias_correction.py)."
+        )
     if rules.mask_fills:
         shown = ", ".join(f"`{n}`" for n in rules.mask_fills[:6])
         more = f" and {len(rules.mask_fills) - 6} more" if len(rules.mask_fills) > 6 else ""

@@ -10,6 +10,7 @@ is what installs reliably on Windows ARM64. Heavy imports happen on first use.
 
 from __future__ import annotations
 
+from .client import WorkerError, WorkerModel, WorkerTimeout, connect
 from .errors import ActionableError, FeedError, ReleaseError, ToolchainError, UsageError
 from .loader import LoadedModel, load
 from .release import verify
@@ -22,6 +23,10 @@ __all__ = [
     "ReleaseError",
     "ToolchainError",
     "UsageError",
+    "WorkerError",
+    "WorkerModel",
+    "WorkerTimeout",
+    "connect",
     "load",
     "verify",
 ]

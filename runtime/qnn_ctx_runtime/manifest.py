@@ -10,6 +10,12 @@ Format 2 describes every variant the same way: a set of one or more static shape
 each with its own ctx model; a model with one static shape is a variant with one bucket. Format 1
 releases (where only multi-shape variants had ``buckets``) are read by upgrading them to that form.
 
+A variant's ``backend`` is ``htp`` (an EP-context model for one chip's NPU) or ``gpu`` (the
+float or fp16 model, which QNN's GPU backend compiles on the device: no chip, no context binary,
+so ``soc_model`` and ``htp_arch`` are 0 and the EPContext fields empty). A gpu variant needs no
+new field, so it is format 2: a qnn-ctx-runtime that predates it reads the release and skips the
+variant (its rule was "backend must be htp").
+
 Standard library only: this module runs on the device.
 """
 
@@ -151,34 +157,60 @@ class Variant:
     id: str = field(
         metadata=_doc("Folder of the variant in the release; carries target and QNN SDK version.")
     )
-    target: str = field(metadata=_doc("Chip name from pipeline.targets, e.g. snapdragon-x-elite."))
-    soc_model: int = field(metadata=_doc("QNN soc_model the binary was built for."))
-    htp_arch: int = field(metadata=_doc("QNN htp_arch the binary was built for (e.g. 73 for v73)."))
-    backend: str = field(metadata=_doc("QNN backend, e.g. htp."))
+    target: str = field(
+        metadata=_doc(
+            "Chip name from qnn_ctx_runtime.targets, e.g. snapdragon-x-elite; 'gpu' for a gpu "
+            "variant, which is not built for one chip."
+        )
+    )
+    soc_model: int = field(
+        metadata=_doc("QNN soc_model the binary was built for; 0 for a gpu variant.", minimum=0)
+    )
+    htp_arch: int = field(
+        metadata=_doc(
+            "QNN htp_arch the binary was built for (e.g. 73 for v73); 0 for a gpu variant.",
+            minimum=0,
+        )
+    )
+    backend: str = field(
+        metadata=_doc(
+            "QNN backend: htp (an EP-context model for the NPU) or gpu (a float or fp16 model "
+            "QNN's GPU backend compiles at load, with session.disable_cpu_ep_fallback=1 so that "
+            "a graph the GPU runs only in part fails instead of running on the CPU). The runtime "
+            "tries htp variants, then gpu ones, then (when allowed) the CPU model."
+        )
+    )
     qnn_sdk_version: str = field(
         metadata=_doc(
             "QNN SDK that built the binary, read from the EPContext node.", pattern=_VERSION
         )
     )
     ep_sdk_version: str = field(
-        metadata=_doc("Raw ep_sdk_version attribute of the EPContext node.")
+        metadata=_doc("Raw ep_sdk_version attribute of the EPContext node; empty for gpu.")
     )
     onnxruntime_qnn: str = field(
         metadata=_doc("onnxruntime-qnn version that compiled the variant.")
     )
     onnxruntime: str = field(metadata=_doc("onnxruntime version that compiled the variant."))
     ep_compatibility_info: str = field(
-        metadata=_doc("Model metadata ep_compatibility_info.QNNExecutionProvider.")
+        metadata=_doc("Model metadata ep_compatibility_info.QNNExecutionProvider; empty for gpu.")
     )
     embed_mode: int = field(
-        metadata=_doc("1: context binary inside the .onnx; 0: beside it in a .bin file.")
+        metadata=_doc(
+            "1: context binary inside the .onnx; 0: beside it in a .bin file (0 for gpu: no "
+            "context binary)."
+        )
     )
     model: str = field(metadata=_doc("Path of the ctx .onnx file to load; one of files."))
     files: list[FileEntry] = field(metadata=_doc("Every file of the variant, the ctx .onnx first."))
     inputs: list[TensorInfo] = field(metadata=_doc("Graph inputs."))
     outputs: list[TensorInfo] = field(metadata=_doc("Graph outputs."))
     coverage: dict[str, Any] = field(
-        metadata=_doc("QNN partitions and nodes left on CPU, with the gate result.")
+        metadata=_doc(
+            "QNN partitions and nodes left on CPU, with the gate result. For a gpu variant that "
+            "could not be run where it was built, verified_on_hardware is false and the gate "
+            "runs at load on the device (session.disable_cpu_ep_fallback=1)."
+        )
     )
     accuracy: dict[str, Any] = field(
         metadata=_doc("ctx vs QDQ and vs float: SNR, max abs error, cosine.")
@@ -411,6 +443,30 @@ def _upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
     return upgraded
 
 
+def _check_backend(where: str, variant: Variant, issues: list[str]) -> None:
+    """An htp variant names its chip; a gpu variant has no chip and no context binary."""
+    if variant.backend == "htp" and (variant.htp_arch <= 0 or variant.soc_model <= 0):
+        issues.append(f"{where}: an htp variant needs htp_arch and soc_model above 0")
+    if variant.backend == "gpu":
+        stray = [
+            name
+            for name, value in (
+                ("soc_model", variant.soc_model),
+                ("htp_arch", variant.htp_arch),
+                ("ep_sdk_version", variant.ep_sdk_version),
+                ("ep_compatibility_info", variant.ep_compatibility_info),
+                ("embed_mode", variant.embed_mode),
+                ("buckets.shared_binary", variant.buckets.shared_binary),
+            )
+            if value
+        ]
+        if stray:
+            issues.append(
+                f"{where}: a gpu variant has no chip and no context binary, but sets "
+                + ", ".join(stray)
+            )
+
+
 def _check_semantics(manifest: Manifest, issues: list[str]) -> None:
     """Cross-field rules that the types alone cannot express."""
     seen: dict[str, str] = {}
@@ -436,6 +492,7 @@ def _check_semantics(manifest: Manifest, issues: list[str]) -> None:
         issues.append(f"variants: id {variant_id!r} appears more than once")
     for i, variant in enumerate(manifest.variants):
         check_files(f"variants[{i}]", variant.model, variant.files)
+        _check_backend(f"variants[{i}]", variant, issues)
         if variant.embed_mode not in (0, 1):
             issues.append(f"variants[{i}].embed_mode must be 0 or 1, got {variant.embed_mode}")
         if variant.passed and variant.failed_gates:

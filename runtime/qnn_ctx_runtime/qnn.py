@@ -108,6 +108,19 @@ class QnnOptions:
         return options
 
 
+# How many SessionOptions with the QNN EP this process made (each becomes an EP instance when a
+# session or compile uses it). ONNX Runtime's compiled-model compatibility check is only safe
+# before the first: onnxruntime-qnn's factory keeps a pointer to the last EP instance after it is
+# released and the check then reads freed memory (seen here as a segfault; see
+# qnn_ctx_runtime.device.check_compiled_model).
+_EP_OPTIONS_MADE = 0
+
+
+def ep_instances_possible() -> bool:
+    """True once this process may have created a QNN EP instance."""
+    return _EP_OPTIONS_MADE > 0
+
+
 @dataclass
 class QnnEp:
     """A usable QNN EP in this process, and how to attach it to ``SessionOptions``."""
@@ -125,6 +138,8 @@ class QnnEp:
         """Fresh ``SessionOptions`` with the QNN EP attached; one per session or compile."""
         import onnxruntime as ort
 
+        global _EP_OPTIONS_MADE
+        _EP_OPTIONS_MADE += 1
         so = ort.SessionOptions()
         so.log_severity_level = log_severity
         for key, value in (config or {}).items():

@@ -40,6 +40,16 @@ class SessionSpec:
     provider: str = "qnn"  # "qnn" | "cpu"
 
 
+# Per QNN backend. HTP: never compile online, a ctx model QNN cannot take as-is must fail, not
+# recompile. GPU: a float model QNN compiles at load; a graph the GPU runs only in part must
+# fail, not run half on the CPU (without this a GPU backend that cannot even initialise gives a
+# session that silently runs everything on the CPU, as measured on x86_64).
+BACKEND_SESSION_CONFIG = {
+    "htp": {"session.disable_model_compile": "1"},
+    "gpu": {"session.disable_cpu_ep_fallback": "1"},
+}
+
+
 class VariantSessions:
     """Sessions over every bucket of one variant, and the pad / run / crop around them."""
 
@@ -82,8 +92,7 @@ class VariantSessions:
         sessions = []
         last = len(self.entries) - 1
         for index, entry in enumerate(self.entries):
-            # Never compile online: a ctx model QNN cannot take as-is must fail, not recompile.
-            config = {"session.disable_model_compile": "1"}
+            config = dict(BACKEND_SESSION_CONFIG.get(self.spec.backend, {}))
             if self.shared:  # one QNN context, loaded once, for every bucket's graph
                 config["ep.share_ep_contexts"] = "1"
                 if index == last:
