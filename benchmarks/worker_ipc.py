@@ -11,11 +11,14 @@ exists is used as it is), then times in one run, interleaved call by call:
   that loads the same release and reads one JSON line per call on stdin, tensors base64-encoded,
   and answers the same way on stdout.
 
-Overhead = median over calls of (call - the in-process call made right beside it). "one copy per
-tensor" is the measured time of copying the input and the output once (``np.copyto``): the goal
-is overhead <= 0.5 ms + that, and >= 10x less overhead than JSON + base64 at 1 MB. Start: the
-worker's connect() until READY vs ``load()`` in this process (first, with onnxruntime's import,
-and again).
+Each cell is "min / median" over the calls. Overhead: the fastest call minus the fastest
+in-process one / the median of (call - the in-process call of the same round). "one copy per
+tensor" is the measured time of copying the input and the output once (``np.copyto``, caches
+cold as they are in a call). The goals, checked on the min (the best calls: a shared machine
+inflates medians): overhead <= 0.5 ms + one copy per tensor, and >= 10x less overhead than
+JSON + base64 at 1 MB. Start: the worker's connect() until READY and the baseline's start until
+its ready line, vs ``load()`` in a fresh interpreter (onnxruntime's import included) and again
+in this process.
 
     python benchmarks/worker_ipc.py [--artifacts DIR] [--backend cpu|htp] [--calls N]
 
@@ -56,7 +59,7 @@ GOAL_RATIO_AT_1MB = 10.0
 
 
 def build_release(label: str, shape: list[int], artifacts: Path) -> Path:
-    """A Relu model of ``shape`` through quantize, compile and publish (cached)."""
+    """A Relu model of ``shape`` through quantize, compile and publish (kept once published)."""
     import onnx
     from onnx import TensorProto, helper
 

@@ -250,13 +250,16 @@ class ModelConfig:
 
     def quantize_digest(self) -> str:
         """A hash of the settings the quantize stage reads: not the release's name, version or
-        description, not [compile], not the buckets' packaging or compile options."""
+        description, not [compile] (but its first target, the chip the HTP judge decides on),
+        not the buckets' packaging or compile options."""
         data = dataclasses.asdict(self)
         for key in ("path", "compile"):
             data.pop(key, None)
         data["model"] = {"source": self.model.source}
         for key in ("packaging", "qnn_options"):
             data["buckets"].pop(key, None)
+        if self.quantization.judge == "htp":  # the judge decides on the first target's chip
+            data["judge_target"] = self.compile.targets[0] if self.compile.targets else ""
         return _hash(data)
 
     def compile_digest(self) -> str:

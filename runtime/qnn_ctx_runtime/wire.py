@@ -111,6 +111,8 @@ class TensorRef:
         """The value, read in place from a segment's ``buffer`` (a view, not a copy)."""
         if self.where == Where.INLINE:
             return self.data
+        if buffer is None:
+            raise ProtocolError(f"tensor {self.name!r} is in a segment the frame does not name")
         if self.format == Format.PICKLE:
             return pickle.loads(memoryview(buffer)[self.offset : self.offset + self.nbytes])
         return np.ndarray(self.shape, np.dtype(self.dtype), buffer=buffer, offset=self.offset)
