@@ -58,8 +58,8 @@ def _digit(rng: np.random.Generator, digit: int) -> np.ndarray:
     centre_row = (rows * pixels).sum() / total
     centre_col = (cols * pixels).sum() / total
     image = np.zeros((28, 28), np.float32)
-    top = int(round(14 - centre_row))
-    left = int(round(14 - centre_col))
+    top = round(14 - centre_row)
+    left = round(14 - centre_col)
     top = min(max(top, 0), 28 - pixels.shape[0])
     left = min(max(left, 0), 28 - pixels.shape[1])
     image[top : top + pixels.shape[0], left : left + pixels.shape[1]] = pixels
