@@ -10,18 +10,13 @@ infrastructure failure, never cached as the model's own.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import qnn_ctx_runtime
-
 from ..core.records import Failure
+from ..htp.isolation import run_module
 from .eplog import LogFacts, parse_ep_log
 from .job import STAGE_MARKER, CompileJob, WorkerResult, read_message, write_message
 
@@ -50,57 +45,19 @@ def run_child(
     job_path = work / "job.json"
     write_message(job_path, job)
     result_path = Path(job.result)
-    env = dict(os.environ)
-    # The worker imports this checkout's pipeline and the qnn_ctx_runtime this process uses.
-    roots = [
-        str(Path(__file__).resolve().parents[2]),
-        str(Path(qnn_ctx_runtime.__file__).parents[1]),
-    ]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (*roots, env.get("PYTHONPATH")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    started = time.monotonic()
-    timed_out = False
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", WORKER, str(job_path)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # its own process group, so a kill takes its children too
-        )
-        try:
-            while True:
-                try:
-                    proc.wait(timeout=0.5)
-                    break
-                except subprocess.TimeoutExpired:
-                    elapsed = time.monotonic() - started
-                    if on_tick:
-                        on_tick(_read_result(result_path).stage, elapsed)
-                    if elapsed > timeout_s:
-                        timed_out = True
-                        _kill_group(proc)
-                        break
-        except BaseException:  # Ctrl-C: leave no orphan compiling in the background
-            _kill_group(proc)
-            raise
-    log_text = log_path.read_text("utf-8", errors="replace") if log_path.is_file() else ""
+
+    def tick(elapsed: float) -> None:
+        if on_tick:
+            on_tick(_read_result(result_path).stage, elapsed)
+
+    finished = run_module(WORKER, job_path, log_path, timeout_s, tick)
     return ChildOutcome(
         result=_read_result(result_path),
-        returncode=proc.returncode,
-        timed_out=timed_out,
-        seconds=time.monotonic() - started,
-        log=log_text,
+        returncode=finished.returncode,
+        timed_out=finished.timed_out,
+        seconds=finished.seconds,
+        log=finished.log,
     )
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-    proc.wait()
 
 
 def _read_result(path: Path) -> WorkerResult:

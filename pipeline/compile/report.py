@@ -303,8 +303,9 @@ def write_model_report(
     lines += [
         gates,
         "Validation: the ctx model on the QNN HTP backend (the x86_64 HTP simulator here) vs "
-        "the QDQ and the float model on the CPU EP, over held-out samples. Load: min of "
-        f"{settings.load_runs} session creations, QDQ with QNN compiling online vs ctx.",
+        "the QDQ and the float model on the CPU EP, over held-out samples. Load: ctx session "
+        f"creation, min of {settings.load_runs}, vs one creation of the QDQ model with QNN "
+        "compiling online; timed on this build machine (the simulator), not device latency.",
         "",
         table(VARIANT_HEADERS, _variant_rows(rows)) if rows else "No variant has been built yet.",
     ]

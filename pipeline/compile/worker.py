@@ -18,7 +18,6 @@ coverage and validation run on that set. The record says which set was validated
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -48,6 +47,7 @@ from ..core.records import (
     TensorSpec,
     Validation,
 )
+from ..htp.isolation import die_with_parent
 from . import coverage as coverage_mod
 from .job import BucketJob, CompileJob, WorkerResult, read_message, stage_line, write_message
 
@@ -452,8 +452,10 @@ def combine_validation(per_bucket: dict[str, Validation]) -> Validation:
 def benchmark(
     job: CompileJob, ep: qnn.QnnEp, ctxs: dict[str, Path], shared: bool, progress: Progress
 ) -> None:
-    """Session creation, min of N: every bucket, all buckets in turn, and the largest bucket's
-    QDQ model with QNN compiling online (what loading costs without a context binary)."""
+    """Session creation, min of N: every bucket, all buckets in turn; and once, the largest
+    bucket's QDQ model with QNN compiling online (what loading costs without a context binary:
+    seconds where the context takes milliseconds, so one run tells the ratio; three took a
+    third of the stage on the larger models)."""
     import onnxruntime as ort
 
     runs = max(1, job.load_runs)
@@ -484,14 +486,11 @@ def benchmark(
     qdq_s: float | None = None
     error: str | None = None
     try:
-        times = []
-        for _ in range(runs):
-            options = ep.session_options(_options(job), log_severity=job.log_severity)
-            started = time.perf_counter()
-            session = ort.InferenceSession(job.largest.qdq, options)
-            times.append(time.perf_counter() - started)
-            del session
-        qdq_s = min(times)
+        options = ep.session_options(_options(job), log_severity=job.log_severity)
+        started = time.perf_counter()
+        session = ort.InferenceSession(job.largest.qdq, options)
+        qdq_s = time.perf_counter() - started
+        del session
     except Exception as exc:  # onnxruntime's error types are not importable by name
         error = ort_error(exc)
     ratio = qdq_s / ctx_s if qdq_s is not None and ctx_s > 0 else None
@@ -592,28 +591,13 @@ def run(job: CompileJob, progress: Progress) -> None:
 # -- the process -----------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the compile stage that started it dies (kill -9
-    included), so no orphan keeps compiling; the process group kill covers the rest."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m pipeline.compile.worker JOB.json``: any failure is left in the result file."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m pipeline.compile.worker JOB.json", file=sys.stderr)
         return 2
-    _die_with_parent()
+    die_with_parent()
     job = read_message(CompileJob, Path(args[0]))
     progress = Progress(Path(job.result))
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import qnn_ctx_runtime
 
 # Signals that come from outside the worker (an operator, the OOM killer, a shutdown).
 OUTSIDE_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+ANSI_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 @dataclass
@@ -99,7 +101,10 @@ def run_module(
             kill_group(proc)
             raise
     text = log_path.read_text("utf-8", errors="replace") if log_path.is_file() else ""
-    return Finished(proc.returncode, timed_out, time.monotonic() - started, text)
+    plain = ANSI_CODES.sub("", text)
+    if plain != text:  # onnxruntime colours its log lines even into a file; logs stay plain
+        log_path.write_text(plain, "utf-8")
+    return Finished(proc.returncode, timed_out, time.monotonic() - started, plain)
 
 
 def kill_group(proc: subprocess.Popen) -> None:

@@ -37,6 +37,7 @@ from qnn_ctx_runtime.targets import get_target
 
 from ..core.config import ModelConfig
 from ..core.metrics import worst_snr
+from ..core.progress import Progress
 from ..htp.probe import ProbeResult, probe, qnn_available
 from .mixed_precision import EIGHT_BIT, SIXTEEN_BIT, measure
 
@@ -169,9 +170,12 @@ def judge_on_htp(
     rounds: list[JudgeRound] = []
     remedies: list[str] = []
     divergence: Divergence | None = None
+    progress = Progress(MAX_REMEDIES + 3, f"HTP judge ({chip.name})", "round")
     try:
 
         def run(label: str, locate: bool = False) -> ProbeResult:
+            shown = label + (" (locate)" if locate else "")
+            progress.status(f"round {len(rounds) + 1}: {shown}: compile and run on the HTP")
             result = probe(
                 qdq_path,
                 float_path,
@@ -181,7 +185,10 @@ def judge_on_htp(
                 chip.htp_arch,
                 locate=locate,
             )
-            rounds.append(_round(label + (" (locate)" if locate else ""), result))
+            rounds.append(_round(shown, result))
+            progress.update(1)
+            db = "failed" if not result.ok else f"{result.worst_ctx_vs_float:.1f} dB vs float"
+            progress.status(f"round {len(rounds)}: {shown}: {db}")
             return result
 
         first = run(current.label)
@@ -314,6 +321,7 @@ def judge_on_htp(
             best,
         )
     finally:
+        progress.close()
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from ..core.config import ModelConfig
 from ..core.cpu import cpu_session
 from ..core.metrics import LABELS, comparable, worst_snr
+from ..core.progress import Progress
 from .bias_correction import corrected_float_bias
 from .evaluate import evaluate
 
@@ -252,11 +253,16 @@ def measure(
         if c.name in known and c.kind in kinds
     ]
     measured = 0
-    for cand in found:
-        if time.perf_counter() - started > ANALYSIS_BUDGET_S:
-            break
-        cand.noise = _noise(_session(_with_fake_quant(float_model, cand, means)), feeds, refs)
-        measured += 1
+    with Progress(len(found), "mixed precision: output noise per tensor", "tensor") as progress:
+        for cand in found:
+            if time.perf_counter() - started > ANALYSIS_BUDGET_S:
+                progress.status(f"time budget spent after {measured} of {len(found)}")
+                break
+            cand.noise = _noise(_session(_with_fake_quant(float_model, cand, means)), feeds, refs)
+            measured += 1
+            progress.update(1)
+            if measured % 10 == 0 or measured == len(found):
+                progress.status(f"tensor {measured} of {len(found)}")
     stats = {
         "samples": len(feeds),
         "candidates": len(found),
@@ -338,15 +344,20 @@ def raise_precision(
     best: tuple[float, int] = (before, 0)
     rounds = []
     count = max(count, 1)
-    for _ in range(MAX_ROUNDS):
-        requantize(overrides_for(ranked[:count]))
-        after = worst_snr(evaluate(float_path, qdq_path, heldout))
-        rounds.append(Round(count, after))
-        if after > best[0]:
-            best = (after, count)
-        if after >= target + SAFETY_DB or count >= len(ranked):
-            break
-        count = min(len(ranked), count * 2)
+    with Progress(MAX_ROUNDS, "mixed precision: re-quantize", "round") as progress:
+        progress.status(f"{before:.1f} dB at 8 bits, target {target:g} dB")
+        for number in range(1, MAX_ROUNDS + 1):
+            progress.status(f"round {number}: {count} tensor(s) at 16 bits")
+            requantize(overrides_for(ranked[:count]))
+            after = worst_snr(evaluate(float_path, qdq_path, heldout))
+            rounds.append(Round(count, after))
+            progress.update(1)
+            progress.status(f"round {number}: {count} tensor(s) at 16 bits -> {after:.1f} dB")
+            if after > best[0]:
+                best = (after, count)
+            if after >= target + SAFETY_DB or count >= len(ranked):
+                break
+            count = min(len(ranked), count * 2)
     if best[1] != count:  # leave the best variant on disk
         requantize(overrides_for(ranked[: best[1]]))
     total = {o: max(signal[o], 1e-30) for o in signal}
