@@ -475,6 +475,27 @@ def test_quantize_stage_keeps_the_models_own_quantization(tmp_path: Path) -> Non
     assert "the model's own, kept" in markdown and "split_leaky_relu" in markdown
     qdq = onnx.load(str(root / "buckets" / "static" / "qdq.onnx"))
     assert ops(qdq).count("QuantizeLinear") == 4  # its own 2 + the two branch Qs, no others
+    # The rounding floor reaches the record, where the compile stage's gate reads it.
+    record = json.loads((root / "record.json").read_text())
+    floor = record["summary"]["rounding_floor_db"]
+    assert set(floor) == {"y"} and floor["y"] == pytest.approx(own["input_jitter"]["y"]["snr_db"])
+
+
+def test_ctx_gate_of_a_prequantized_output_follows_its_rounding_floor() -> None:
+    from pipeline.compile.worker import snr_gate
+    from pipeline.core.metrics import Accuracy
+
+    summary = {"boxes": Accuracy(12.8, 0.5, 0.99), "scores": Accuracy(43.0, 0.01, 1.0)}
+    # A model this pipeline quantized: 20 dB for every output.
+    assert snr_gate(20.0, {}, summary)[0] is False
+    # Pre-quantized, its boxes move 14.5 dB when its inputs move half a step: 11.5 dB is its due.
+    passed, gate = snr_gate(20.0, {"boxes": 11.5, "scores": 41.0}, summary)
+    assert passed and "boxes 11.5 dB" in gate and "scores" not in gate
+    # Below its own floor less the margin it still fails, and the other outputs keep 20 dB.
+    assert snr_gate(20.0, {"boxes": 13.0}, summary)[0] is False
+    worse = {**summary, "scores": Accuracy(18.0, 0.1, 0.99)}
+    assert snr_gate(20.0, {"boxes": 11.5}, worse)[0] is False
+    assert snr_gate(0.0, {}, worse) == (True, "no SNR gate")
 
 
 def test_quantize_stage_requantizes_when_asked(tmp_path: Path) -> None:

@@ -48,6 +48,9 @@ from .worker import combine_validation, merge_specs
 
 # The builder's code that decides what a variant is: editing it rebuilds.
 CODE = ("core", "compile")
+# A pre-quantized model's ctx may land this far below its own rounding floor (the HTP rounds
+# ties half up where onnxruntime rounds them to even) before validation calls it wrong.
+ROUNDING_MARGIN_DB = 3.0
 VALIDATE_SAMPLES = 16  # held-out samples run on the HTP simulator (slow for big graphs)
 
 
@@ -238,6 +241,10 @@ def make_job(
         max_partitions=settings.max_partitions,
         allowed_cpu_ops=list(settings.allowed_cpu_ops),
         min_snr_db=settings.min_snr_db,
+        snr_floor_db={
+            name: floor - ROUNDING_MARGIN_DB
+            for name, floor in inputs.record.summary.rounding_floor_db.items()
+        },
         validate_samples=VALIDATE_SAMPLES,
         seed=config.calibration.seed,
     )

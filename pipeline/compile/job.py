@@ -59,6 +59,9 @@ class CompileJob:
     max_partitions: int = 1
     allowed_cpu_ops: list[str] = field(default_factory=list)
     min_snr_db: float = 0.0
+    # Per output, a lower gate for a pre-quantized model: its own rounding floor less a margin
+    # (an implementation that rounds ties otherwise lands about that far from the CPU).
+    snr_floor_db: dict[str, float] = field(default_factory=dict)
     validate_samples: int = 16
     probe_timeout_s: float = 300.0
     seed: int = 0

@@ -145,6 +145,9 @@ class QuantizeSummary:
     outputs: dict[str, Accuracy]
     prepare_steps: list[str]
     mixed_precision: list[str]  # tensors raised to 16 bit
+    # A pre-quantized model's own rounding floor per output (dB): the model against itself with
+    # its inputs moved by half a step. Empty for a model this pipeline quantized.
+    rounding_floor_db: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import shutil
 import tempfile
 import time
@@ -675,6 +676,13 @@ def _record(
             outputs=report.buckets[-1].qdq_vs_float,
             prepare_steps=[c.step for c in state.largest.changes if c.details],
             mixed_precision=[t.name for t in mixed.tensors] if mixed else [],
+            rounding_floor_db={
+                name: accuracy.snr_db
+                for name, accuracy in (
+                    report.prequantized.input_jitter if report.prequantized else {}
+                ).items()
+                if accuracy.snr_db is not None and math.isfinite(accuracy.snr_db)
+            },
         ),
     )
 
