@@ -52,7 +52,8 @@ def _build(
     activations: str = "uint16",
     judge: str = "cpu",
 ) -> dict:
-    """Quantize ``model`` (u16 activations, u8 weights) through the real stage; the report.
+    """Quantize ``model`` (u16 activations, u8 weights per tensor: the layout these range and
+    bias rules are about) through the real stage; the report.
 
     The CPU judges by default: these tests are about the CPU-side rules (the HTP judge, which
     may rescue a model they break, has its own tests in test_judge.py)."""
@@ -74,6 +75,7 @@ def _build(
             [quantization]
             activation_type = "{activations}"
             weight_type = "uint8"
+            per_channel = false
             auto_mixed_precision = {str(auto_mixed).lower()}
             target_snr_db = {target}
             judge = "{judge}"
@@ -414,7 +416,7 @@ def test_mixed_precision_raises_what_hurts_the_output(tmp_path: Path) -> None:
     assert mixed["before_snr_db"] < 20
     assert mixed["after_snr_db"] >= 30 and _snr(report) == pytest.approx(mixed["after_snr_db"])
     assert [t["name"] for t in mixed["tensors"]] == ["A"]  # B is left at 8 bits
-    assert mixed["tensors"][0]["to"] == "int16_per_channel"  # the default weights are per channel
+    assert mixed["tensors"][0]["to"] == "int16"  # a MatMul weight: per tensor, as QNN takes it
     assert mixed["measured"] == mixed["candidates"] > 0 and mixed["analysis_samples"] > 0
     # The QDQ model on disk is the chosen one: A at int16, B still 8-bit.
     found = {c.name: c for c in candidates(_qdq(tmp_path))}

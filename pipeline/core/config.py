@@ -137,12 +137,14 @@ class QuantizationSection:
     """onnxruntime static QDQ quantization settings, in QNN-friendly defaults."""
 
     activation_type: QuantType = "uint16"
-    # Weights: 8-bit symmetric, one scale per output channel, the biases corrected for the
-    # rounding (bias_correction). BN-folded CNNs give channels of one weight scales 10-1000x
-    # apart, which one scale per tensor cannot serve: per channel + correction measured 25-45 dB
-    # where per tensor gave 11-26 dB (weights alone, 5 real models); the HTP computes 8-bit
-    # per-channel weights as the CPU does (55-80 dB apart).
-    weight_type: QuantType = "int8"
+    weight_type: QuantType = "uint8"  # weights per tensor (MatMul, Gather, norms, ...)
+    # Conv, ConvTranspose and Gemm weights in int8, symmetric, one scale per output channel, the
+    # biases corrected for the rounding (bias_correction). BN-folded CNNs give the channels of
+    # one weight scales 10-1000x apart, which one scale per tensor cannot serve: per channel +
+    # correction measured 25-45 dB where per tensor gave 11-26 dB (weights alone, 5 real
+    # models); the HTP computes 8-bit per-channel weights as the CPU does (55-80 dB apart).
+    # Other weights keep weight_type per tensor: QNN refuses per-channel (and signed) LayerNorm
+    # scales and takes MatMul weights per tensor only.
     per_channel: bool = True
     method: CalibrationMethod = "MinMax"
     min_snr_db: float = 0.0  # gate on fp32 vs QDQ per output; 0 disables

@@ -42,14 +42,15 @@ EIGHT_BIT = {2: "uint8", 3: "int8"}  # onnx TensorProto elem types
 SIXTEEN_BIT = {4: "uint16", 5: "int16"}
 
 
-def raised_types(config: ModelConfig) -> dict[str, str]:
-    """What a tensor is raised to: activations to uint16, weights to int16 (symmetric, as QNN HTP
-    wants 16-bit weights; per channel when the config's weights are). The HTP computes some
-    16-bit weights differently from the CPU (dilated convolutions: FACTS §10);
+def raised_type(candidate: Candidate) -> str:
+    """What a tensor is raised to: an activation to uint16, a weight to int16 (symmetric, as QNN
+    HTP wants 16-bit weights) in its own layout, per channel when it is per channel now. The HTP
+    computes some 16-bit weights differently from the CPU (dilated convolutions: FACTS §10);
     pipeline.quantize.judge checks the result there and moves the weights back to 8 bits per
     channel where it diverges."""
-    per_channel = "_per_channel" if config.quantization.per_channel else ""
-    return {"weight": f"int16{per_channel}", "activation": "uint16"}
+    if candidate.kind == "activation":
+        return "uint16"
+    return "int16_per_channel" if candidate.scale.size > 1 else "int16"
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,6 @@ def raise_precision(
 ) -> MixedPrecision:
     """Re-quantize with the costliest 8-bit tensors raised while the worst SNR is short."""
     target = config.quantization.target_snr_db
-    raised = raised_types(config)
     before = worst_snr(evaluate(float_path, qdq_path, heldout))
     summary = MixedPrecision(target, before, before)
     if before >= target:
@@ -338,7 +338,7 @@ def raise_precision(
     def overrides_for(group: list[Candidate]) -> dict[str, str]:
         extra = dict(base_overrides)
         for cand in group:
-            extra.setdefault(cand.name, raised[cand.kind])
+            extra.setdefault(cand.name, raised_type(cand))
         return extra
 
     best: tuple[float, int] = (before, 0)
@@ -368,7 +368,7 @@ def raise_precision(
             RaisedTensor(
                 c.name,
                 c.kind,
-                raised[c.kind],
+                raised_type(c),
                 min((_db(total[o], c.noise[o]) for o in c.noise), default=float("nan")),
             )
             for c in ranked[: best[1]]

@@ -173,6 +173,7 @@ def quantize(
     q = config.quantization
     model = onnx.load(str(float_path))
     op_types = q.overrides.op_types
+    tensor_overrides = {**per_channel_weights(model, q.per_channel), **tensor_overrides}
     tensor_types = dict(tensor_overrides)
     for node in model.graph.node:
         if node.op_type in op_types:
@@ -193,7 +194,7 @@ def quantize(
                 tuned,
                 q.activation_type,
                 q.weight_type,
-                q.per_channel,
+                False,  # per-channel weights are explicit in tensor_types
                 tensor_types,
                 statistics.rms,
             )
@@ -241,12 +242,7 @@ def _run_quantizer(
 
     q = config.quantization
     model = onnx.load(str(float_path), load_external_data=False)
-    overrides = _tensor_overrides(
-        model,
-        tensor_overrides,
-        q.overrides.op_types,
-        per_channel_type=q.weight_type if q.per_channel else "",
-    )
+    overrides = _tensor_overrides(model, tensor_overrides, q.overrides.op_types)
     init_overrides = overrides.tensors
     for name, (low, high) in (weight_ranges or {}).items():
         entry = init_overrides.setdefault(name, [{}])[0]
@@ -264,7 +260,7 @@ def _run_quantizer(
             calibrate_method=getattr(CalibrationMethod, q.method),
             activation_type=getattr(QuantType, ORT_QUANT_TYPES[q.activation_type]),
             weight_type=getattr(QuantType, ORT_QUANT_TYPES[q.weight_type]),
-            per_channel=q.per_channel,
+            per_channel=False,  # per channel only where per_channel_weights says, explicitly
             init_overrides=init_overrides or None,
             nodes_to_exclude=overrides.float_nodes or None,
         )
@@ -327,9 +323,28 @@ def _grouped_transpose(node: Any) -> bool:
     return node.op_type == "ConvTranspose" and group > 1
 
 
-def _tensor_overrides(
-    model: Any, tensors: dict[str, str], op_types: dict[str, str], per_channel_type: str = ""
-) -> Overrides:
+# The ops whose weights go per channel by default (int8, symmetric): the QNN HTP takes those
+# per channel and computes them as the CPU does. A grouped ConvTranspose is not among them: its
+# weight [C_in, C_out / group, ...] has fewer channel scales than its bias has channels.
+PER_CHANNEL_OPS = {"Conv", "ConvTranspose", "Gemm"}
+
+
+def per_channel_weights(model: Any, enabled: bool = True) -> dict[str, str]:
+    """Weight -> "int8_per_channel" for every ``PER_CHANNEL_OPS`` weight (``per_channel``)."""
+    if not enabled:
+        return {}
+    inits = {i.name: i for i in model.graph.initializer}
+    chosen = {}
+    for node in model.graph.node:
+        if node.op_type not in PER_CHANNEL_OPS or len(node.input) < 2 or _grouped_transpose(node):
+            continue
+        weight = inits.get(node.input[1])
+        if weight is not None and len(weight.dims) >= 2:
+            chosen[weight.name] = "int8_per_channel"
+    return chosen
+
+
+def _tensor_overrides(model: Any, tensors: dict[str, str], op_types: dict[str, str]) -> Overrides:
     """Config and mixed-precision choices -> onnxruntime overrides and float (fp16) nodes.
 
     ``*_per_channel`` gives a weight one symmetric scale per output channel (the HTP computes
@@ -389,13 +404,6 @@ def _tensor_overrides(
         qtype = precision.partition("_per_")[0]
         for output in node.output:
             result.setdefault(output, [{"quant_type": getattr(QuantType, ORT_QUANT_TYPES[qtype])}])
-    if per_channel_type:  # weights per channel by default: not a grouped ConvTranspose's
-        for node in model.graph.node:
-            if _grouped_transpose(node) and len(node.input) > 1 and node.input[1] in weights:
-                entry = {"quant_type": getattr(QuantType, ORT_QUANT_TYPES[per_channel_type])}
-                if per_channel_type.startswith("int"):
-                    entry["symmetric"] = True
-                result.setdefault(node.input[1], [entry])
     return Overrides(result, float_nodes)
 
 
