@@ -43,7 +43,11 @@ QUANTIZE_DEPS = [*NEWEST.requirements, *RUNTIME, "-e", ".[build]"]
 ONNX = next(
     d for d in PYPROJECT["project"]["optional-dependencies"]["build"] if d.startswith("onnx")
 )
-COMPILE_EXTRAS = [*RUNTIME, "numpy", "tqdm>=4.66", ONNX]
+# matplotlib draws the compile plots of report.html (accuracy per output, load times).
+MATPLOTLIB = next(
+    d for d in PYPROJECT["project"]["optional-dependencies"]["build"] if d.startswith("matplotlib")
+)
+COMPILE_EXTRAS = [*RUNTIME, "numpy", "tqdm>=4.66", ONNX, MATPLOTLIB]
 # Ed25519 signing of manifests (publish --sign-key) and its checks in the tests.
 SIGN_DEPS = PYPROJECT["project"]["optional-dependencies"]["sign"]
 

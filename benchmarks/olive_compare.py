@@ -388,7 +388,9 @@ def load_ctx(request: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
     import onnxruntime as ort
 
-    from pipeline import coverage, metrics, qnn
+    from pipeline.compile import coverage
+    from pipeline.core import metrics
+    from qnn_ctx_runtime import qnn
 
     path = request["ctx"]
     ep = qnn.find_qnn_ep()
@@ -401,9 +403,9 @@ def load_ctx(request: dict[str, Any]) -> dict[str, Any]:
         coverage.assignment_from_session(session), qnn.read_model_summary(path)
     )
     result = {
-        "qnn_partitions": report["qnn_partitions"],
-        "cpu_compute_nodes": len(report["cpu_compute_nodes"]),
-        "cpu_ops": report["cpu_ops"],
+        "qnn_partitions": report.qnn_partitions,
+        "cpu_compute_nodes": len(report.cpu_compute_nodes),
+        "cpu_ops": dict(report.cpu_ops),
         "snr_db": None,
     }
     samples = request.get("samples") or []

@@ -187,3 +187,41 @@ def test_cpu_judge_keeps_the_cpu_decision_and_says_so(tmp_path: Path):
     assert htp["judge"] == "cpu" and "quantization.judge = 'cpu'" in htp["reason"]
     assert htp["rounds"] == []
     assert "Judged on the HTP" in (tmp_path / "artifacts/build/m/report.md").read_text()
+
+
+def test_compile_reuses_the_judges_figures_for_the_same_ctx_and_only_then(tmp_path: Path):
+    """The judge's first probe runs the ctx compile would build (same bytes) on the samples it
+    would validate on; compile reuses those figures, proven by digests, and measures itself as
+    soon as any digest differs. The reused figures equal the ones it measures itself."""
+    from pipeline.compile.build import compile_model
+    from pipeline.core.records import VariantRecord, read_record
+    from qnn_ctx_runtime import qnn
+    from qnn_ctx_runtime.toolchains import load_toolchains
+
+    rng = np.random.default_rng(5)
+    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
+    config = load_config(_write(tmp_path, _dilated_model(rng), samples, ""))
+    artifacts = tmp_path / "artifacts"
+    quantize_model(config, artifacts, force=True)
+    paths = ModelPaths.of(artifacts, "m")
+    probe = paths.bucket("static").htp_probe
+    assert probe.is_file()
+    table = load_toolchains()
+    toolchain = table.get(table.default)
+
+    def compiled(force: bool) -> VariantRecord:
+        compile_model(config, artifacts, table, toolchain, qnn.installed_qnn(), force, out=str)
+        folder = paths.variant(toolchain.onnxruntime_qnn, config.compile.targets[0])
+        record, why = read_record(VariantRecord, folder.record)
+        assert record is not None, why
+        return record
+
+    reused = compiled(force=True).validation
+    assert reused.measured_by.startswith("the quantize stage's HTP judge")
+    assert reused.samples == len(samples) // 4  # every held-out sample (held_out = 0.25)
+    # A probe record that no longer matches the ctx: compile runs the simulator itself.
+    record = json.loads(probe.read_text())
+    probe.write_text(json.dumps({**record, "ctx_sha256": "0" * 64}))
+    measured = compiled(force=True).validation
+    assert measured.measured_by == ""
+    assert measured.ctx_vs_qdq == reused.ctx_vs_qdq and measured.ctx_vs_float == reused.ctx_vs_float

@@ -322,17 +322,31 @@ def widen(
     return result
 
 
-def activation_rms(
-    model: Any, samples: Any, names: list[str], max_samples: int = 8
-) -> dict[str, float]:
-    """Root mean square of each named float tensor over the first samples (float model).
+@dataclass(frozen=True)
+class Statistics:
+    """Per-tensor statistics of the float model on the first calibration samples."""
 
-    The sums of squares are computed in the graph (ReduceSumSquare, Size per tensor) and only
-    those scalars leave it, so memory stays what one inference needs: fetching every activation
-    of a 1024x2048 segmenter would hold gigabytes at once.
+    rms: dict[str, float]  # root mean square (range margins)
+    means: dict[str, np.ndarray]  # mean over the requested axes (bias correction)
+    samples: int
+
+
+def activation_statistics(
+    model: Any,
+    samples: Any,
+    rms_names: list[str],
+    mean_axes: dict[str, list[int]] | None = None,
+    max_samples: int = 8,
+) -> Statistics:
+    """RMS of each float tensor in ``rms_names`` and the mean of each tensor in ``mean_axes``
+    over those axes, on the first ``max_samples`` samples, in one pass.
+
+    The reductions run in the graph (ReduceSumSquare and Size, ReduceMean) and only their
+    results leave it, so memory stays what one inference needs: fetching every activation of a
+    1024x2048 segmenter would hold gigabytes at once.
     """
     import onnx
-    from onnx import helper
+    from onnx import helper, numpy_helper
 
     from ..core.cpu import cpu_session
 
@@ -345,7 +359,12 @@ def activation_rms(
         if v.type.HasField("tensor_type")
     }
     produced = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
-    wanted = [n for n in dict.fromkeys(names) if n in produced and types.get(n) == _FLOAT_TYPE]
+    wanted = [n for n in dict.fromkeys(rms_names) if n in produced and types.get(n) == _FLOAT_TYPE]
+    averaged = {
+        n: axes
+        for n, axes in (mean_axes or {}).items()
+        if n in produced and types.get(n) == _FLOAT_TYPE
+    }
     del graph.output[:]
     for index, name in enumerate(wanted):
         squares, size = f"__rms_ss_{index}", f"__rms_n_{index}"
@@ -361,12 +380,19 @@ def activation_rms(
                 helper.make_tensor_value_info(size, onnx.TensorProto.INT64, []),
             ]
         )
-    if not wanted:
-        return {}
+    for index, (name, axes) in enumerate(averaged.items()):
+        axes_name, mean = f"__mean_axes_{index}", f"__mean_{index}"
+        graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), axes_name))
+        graph.node.append(helper.make_node("ReduceMean", [name, axes_name], [mean], keepdims=0))
+        graph.output.append(helper.make_tensor_value_info(mean, _FLOAT_TYPE, None))
+    if not wanted and not averaged:
+        return Statistics({}, {}, 0)
     session = cpu_session(probe)
     outputs = [o.name for o in session.get_outputs()]
     total = dict.fromkeys(wanted, 0.0)
     count = dict.fromkeys(wanted, 0)
+    sums: dict[str, np.ndarray] = {}
+    used = 0
     for index, feeds in enumerate(samples):
         if index >= max_samples:
             break
@@ -374,7 +400,22 @@ def activation_rms(
         for position, name in enumerate(wanted):
             total[name] += float(values[2 * position])
             count[name] += int(values[2 * position + 1])
-    return {n: float(np.sqrt(total[n] / count[n])) for n in wanted if count[n]}
+        for position, name in enumerate(averaged):
+            value = values[2 * len(wanted) + position].astype(np.float64)
+            sums[name] = sums.get(name, 0.0) + value
+        used += 1
+    return Statistics(
+        {n: float(np.sqrt(total[n] / count[n])) for n in wanted if count[n]},
+        {n: v / used for n, v in sums.items()} if used else {},
+        used,
+    )
+
+
+def activation_rms(
+    model: Any, samples: Any, names: list[str], max_samples: int = 8
+) -> dict[str, float]:
+    """Root mean square of each named float tensor over the first samples (float model)."""
+    return activation_statistics(model, samples, names, None, max_samples).rms
 
 
 def _weight_scales(weight: np.ndarray, qtype: str, per_channel: bool, axis: int) -> np.ndarray:

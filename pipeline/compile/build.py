@@ -26,7 +26,7 @@ from qnn_ctx_runtime.toolchains import Toolchain, Toolchains
 from ..core.config import ModelConfig
 from ..core.errors import ModelError, ToolchainError
 from ..core.fileio import atomic_dir, sha256_file
-from ..core.layout import ModelPaths, VariantPaths, samples_in
+from ..core.layout import VALIDATE_SAMPLES, ModelPaths, VariantPaths, samples_in
 from ..core.lock import locked
 from ..core.progress import Progress
 from ..core.records import (
@@ -39,6 +39,7 @@ from ..core.records import (
     read_record,
     write_record,
 )
+from ..report_html import write_html_reports
 from . import coverage as coverage_mod
 from . import gpu as gpu_variant
 from .child import interpret, run_child
@@ -51,7 +52,6 @@ CODE = ("core", "compile")
 # A pre-quantized model's ctx may land this far below its own rounding floor (the HTP rounds
 # ties half up where onnxruntime rounds them to even) before validation calls it wrong.
 ROUNDING_MARGIN_DB = 3.0
-VALIDATE_SAMPLES = 16  # held-out samples run on the HTP simulator (slow for big graphs)
 
 
 # -- the toolchain -------------------------------------------------------------------------------
@@ -222,6 +222,7 @@ def make_job(
                 ctx_name=ctx_file_name(
                     config.model.name, bucket.name if multi else None, target, toolchain
                 ),
+                htp_probe=str(where.htp_probe.resolve()) if where.htp_probe.is_file() else "",
             )
         )
     return CompileJob(
@@ -414,4 +415,7 @@ def compile_model(
             progress.update()
     report = write_model_report(config, inputs.paths, inputs.record, wanted, targets)
     out(f"{config.model.name}: compile report -> {report}")
+    page = write_html_reports(inputs.paths.root, out)  # never raises: a warning line on failure
+    if page is not None:
+        out(f"{config.model.name}: HTML report -> {page}")
     return built

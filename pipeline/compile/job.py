@@ -36,6 +36,7 @@ class BucketJob:
     float_model: str
     heldout: list[str]
     ctx_name: str
+    htp_probe: str = ""  # the quantize stage's HtpProbeRecord of this QDQ, if it left one
 
 
 @dataclass(frozen=True)

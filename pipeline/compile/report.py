@@ -55,7 +55,8 @@ def describe(r: VariantRecord, skipped: bool = False) -> str:
         f"{verdict} {head}: {c.qnn_partitions if c else '-'} QNN partition(s), "
         f"{len(c.cpu_compute_nodes) if c else '-'} CPU node(s), "
         f"ctx vs QDQ {fmt(v.worst_snr_db if v else None, 1)} dB, "
-        f"load {fmt(load.ratio if load else None, 1)}x faster than QDQ"
+        f"load {fmt(load.ratio if load else None, 1)}x faster than QDQ (HTP simulator, "
+        "not device latency)"
     )
     primary = r.sets[0] if r.sets else None
     if primary is not None and primary.kind == "shared":
@@ -210,6 +211,8 @@ def _notes(rows: list[_Row]) -> list[str]:
                 how += f" Labels agreeing with the float model: {shown}."
             if how:
                 notes.append(f"- **{where}** {how.strip()}")
+        if r.validation is not None and r.validation.measured_by:
+            notes.append(f"- **{where}** validation figures measured by {r.validation.measured_by}")
         if r.validation is not None and not r.validation.passed:
             notes.append(f"- **{where}** validation below the gate (compile.min_snr_db)")
         if r.load is not None and r.load.qdq_error:
@@ -235,9 +238,9 @@ VARIANT_HEADERS = [
     "cosine vs QDQ",
     "ctx MB",
     "compile s",
-    "load QDQ ms",
-    "load ctx ms",
-    "load ratio",
+    "load QDQ ms (sim)",
+    "load ctx ms (sim)",
+    "load ratio (sim)",
 ]
 BUCKET_HEADERS = [
     "toolchain",
@@ -248,7 +251,7 @@ BUCKET_HEADERS = [
     "CPU nodes",
     "SNR vs QDQ dB",
     "SNR vs float dB",
-    "load ctx ms",
+    "load ctx ms (sim)",
 ]
 SIZE_HEADERS = [
     "toolchain",
@@ -258,7 +261,7 @@ SIZE_HEADERS = [
     "standalone total MB",
     "largest bucket alone MB",
     "shared / largest",
-    "load all ms",
+    "load all ms (sim)",
 ]
 
 

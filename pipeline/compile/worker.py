@@ -34,6 +34,7 @@ from qnn_ctx_runtime import qnn
 
 from ..core.cpu import cpu_session
 from ..core.dtypes import np_dtype, value_type_name
+from ..core.fileio import sha256_file
 from ..core.layout import STANDALONE_DIR
 from ..core.metrics import OutputComparison, worst_snr
 from ..core.records import (
@@ -42,10 +43,12 @@ from ..core.records import (
     CtxFacts,
     CtxSet,
     Failure,
+    HtpProbeRecord,
     LoadTimes,
     Memory,
     TensorSpec,
     Validation,
+    read_record,
 )
 from ..htp.isolation import die_with_parent
 from . import coverage as coverage_mod
@@ -452,6 +455,43 @@ def snr_gate(
     return passed, gate
 
 
+def probe_validation(
+    job: CompileJob, ep: qnn.QnnEp, bucket: BucketJob, ctx: Path
+) -> Validation | None:
+    """The quantize stage's HTP judge already ran this very ctx (the same bytes, compiled by the
+    same onnxruntime-qnn from the same QDQ) on these very held-out samples: its figures are what
+    running it again would measure. None unless every one of those is proven by digest."""
+    if job.multi or not bucket.htp_probe or job.backend_type != "htp":
+        return None
+    record, _ = read_record(HtpProbeRecord, Path(bucket.htp_probe))
+    samples = bucket.heldout[: job.validate_samples or None]
+    if (
+        record is None
+        or not samples
+        or record.onnxruntime_qnn != ep.installed.package_version
+        or (record.soc_model, record.htp_arch) != (job.soc_model, job.htp_arch)
+        or record.qnn_options != job.qnn_options
+        or record.ctx_sha256 != sha256_file(ctx)
+        or record.qdq_sha256 != sha256_file(Path(bucket.qdq))
+        or record.sample_sha256 != [sha256_file(Path(s)) for s in samples]
+    ):
+        return None
+    passed, gate = snr_gate(job.min_snr_db, job.snr_floor_db, record.ctx_vs_qdq)
+    return Validation(
+        ctx_vs_qdq=record.ctx_vs_qdq,
+        ctx_vs_float=record.ctx_vs_float,
+        qdq_vs_float=record.qdq_vs_float,
+        worst_snr_db=worst_snr(record.ctx_vs_qdq),
+        worst_snr_vs_float_db=worst_snr(record.ctx_vs_float) if record.ctx_vs_float else None,
+        samples=len(samples),
+        samples_source="heldout",
+        passed=passed,
+        gate=gate,
+        measured_by="the quantize stage's HTP judge: the same ctx bytes on the same held-out "
+        "samples (sha256 of each checked)",
+    )
+
+
 def combine_validation(per_bucket: dict[str, Validation]) -> Validation:
     """One verdict over the buckets: the worst SNRs, the largest bucket's per-output figures."""
     sections = list(per_bucket.values())
@@ -467,6 +507,7 @@ def combine_validation(per_bucket: dict[str, Validation]) -> Validation:
         samples_source=largest.samples_source,
         passed=all(s.passed for s in sections),
         gate=largest.gate,
+        measured_by=largest.measured_by if len({s.measured_by for s in sections}) == 1 else "",
     )
 
 
@@ -591,7 +632,9 @@ def run(job: CompileJob, progress: Progress) -> None:
     progress.stage("validate")
     for bucket in job.buckets:
         try:
-            validation = validate(job, bucket, sessions[bucket.name])
+            validation = probe_validation(job, ep, bucket, ctxs[bucket.name]) or validate(
+                job, bucket, sessions[bucket.name]
+            )
         except Exception as exc:  # onnxruntime's error types are not importable by name
             kind_, message = classify(ort_error(exc), ep.installed)
             what = f"bucket {bucket.name}: " if job.multi else ""

@@ -3,6 +3,7 @@
     <artifacts>/build/<model>/
         record.json                       the quantize record (written last: no record, no build)
         report.md | report.json           preparation, quantization, accuracy
+        report.html                       the quantize and compile reports with plots, one page
         ranges.json                       calibrated ranges, merged over the buckets
         heldout/sample_NNNN.npz           held-out samples at their true size (+ index.json)
         buckets/<bucket>/float.onnx       prepared static float model of one shape
@@ -11,6 +12,7 @@
         ctx/report.md | report.json       one row per compiled variant
         ctx/<onnxruntime-qnn>/<target>/   one variant: variant.json, compile.log, ctx files
                                           (standalone/ holds one context per bucket)
+    <artifacts>/build/index.html          every model of the run: status, SNRs, links
     <artifacts>/releases/<model>/<version>/   a published release
 
 No artifact's name starts with '.': such names are the temporary files and folders of a run
@@ -35,7 +37,12 @@ RECORD_FILE = "record.json"
 VARIANT_FILE = "variant.json"
 REPORT_MD = "report.md"
 REPORT_JSON = "report.json"
+REPORT_HTML = "report.html"  # per model, beside report.md (pipeline.report_html)
+INDEX_HTML = "index.html"  # build/index.html over every model
 SAMPLE_GLOB = "sample_*.npz"
+# Held-out samples a context runs on the HTP (the simulator here) to be validated: compile's
+# validation, and the quantize stage's first HTP probe, whose figures compile can then reuse.
+VALIDATE_SAMPLES = 16
 STANDALONE_DIR = "standalone"
 # The gpu variant's folder beside the target chips' (ctx/<toolchain>/gpu/) and its manifest target.
 GPU_TARGET = "gpu"
@@ -75,6 +82,12 @@ class BucketPaths:
     @property
     def heldout(self) -> Path:
         return self.root / "heldout"
+
+    @property
+    def htp_probe(self) -> Path:
+        """What the quantize stage's HTP judge measured on this QDQ model (pipeline.htp.probe):
+        compile reuses it for a ctx of the same bytes instead of running the simulator again."""
+        return self.root / "htp_probe.json"
 
 
 @dataclass(frozen=True)
@@ -116,6 +129,10 @@ class ModelPaths:
     @property
     def report(self) -> Path:
         return self.root / REPORT_MD
+
+    @property
+    def report_html(self) -> Path:
+        return self.root / REPORT_HTML
 
     @property
     def ranges(self) -> Path:

@@ -214,6 +214,30 @@ class Validation:
     samples_source: str  # "heldout" | "random"
     passed: bool
     gate: str
+    # "" when this variant ran its ctx itself; else who ran the same ctx bytes on the same
+    # samples (the quantize stage's HTP judge, see HtpProbeRecord).
+    measured_by: str = ""
+
+
+@dataclass(frozen=True)
+class HtpProbeRecord:
+    """What the quantize stage's HTP judge measured on one bucket's kept QDQ model
+    (``buckets/<b>/htp_probe.json``). A compile of the same QDQ to the same ctx bytes, run on
+    the same samples by the same simulator, would measure the same: compile reuses it."""
+
+    qdq_sha256: str
+    ctx_sha256: str
+    onnxruntime_qnn: str
+    qnn_sdk: str
+    soc_model: int
+    htp_arch: int
+    qnn_options: dict[str, str]
+    sample_sha256: list[str]  # the held-out sample files, in order
+    partitions: int
+    cpu_nodes: int
+    ctx_vs_qdq: dict[str, Accuracy]
+    ctx_vs_float: dict[str, Accuracy]
+    qdq_vs_float: dict[str, Accuracy]
 
 
 @dataclass(frozen=True)

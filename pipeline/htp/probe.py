@@ -24,6 +24,7 @@ import numpy as np
 from qnn_ctx_runtime.typed import parse, to_json_value
 
 from ..core.cpu import cpu_session
+from ..core.fileio import sha256_file
 from ..core.metrics import Accuracy, OutputComparison, worst_snr
 from .isolation import die_with_parent, run_module
 
@@ -60,6 +61,9 @@ class ProbeResult:
     stage: str = "start"
     error: str = ""
     qnn_sdk: str = ""
+    onnxruntime_qnn: str = ""
+    ctx_sha256: str = ""
+    sample_sha256: list[str] = field(default_factory=list)
     partitions: int = 0
     cpu_nodes: int = 0
     samples: int = 0
@@ -208,6 +212,9 @@ def _run(job: ProbeJob, result: ProbeResult, path: Path) -> None:
     ort.ModelCompiler(
         options, str(model_path), embed_compiled_data_into_model=True
     ).compile_to_file(str(ctx_path))
+    result.ctx_sha256 = sha256_file(ctx_path)
+    result.sample_sha256 = [sha256_file(Path(sample)) for sample in job.samples]
+    result.onnxruntime_qnn = ep.installed.package_version
     stage("load")
     record = {"session.record_ep_graph_assignment_info": "1"}
     ctx = ort.InferenceSession(str(ctx_path), ep.session_options(qnn.QnnOptions("htp"), record, 3))

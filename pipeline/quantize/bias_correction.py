@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..core.cpu import cpu_session
+from ..calibration.ranges import activation_statistics
 from ..graph.edit import Change, FreshNames, checked_change, copy_model
 
 MEAN_SAMPLES = 8  # calibration samples the input means are measured on
@@ -118,55 +118,30 @@ def layers(model: onnx.ModelProto) -> list[Layer]:
     return found
 
 
+def mean_axes(model: onnx.ModelProto) -> dict[str, list[int]]:
+    """Every layer input whose rank is known -> the axes its per-channel mean is taken over."""
+    ranks = {
+        v.name: len(v.type.tensor_type.shape.dim)
+        for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]
+        if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
+    }
+    axes = {}
+    for layer in layers(model):
+        rank = ranks.get(layer.input)
+        if rank is not None and rank >= 2:
+            axes[layer.input] = layer.channel_axes(rank)
+    return axes
+
+
 def input_means(
     model: onnx.ModelProto,
     samples: Iterable[dict[str, np.ndarray]],
     max_samples: int = MEAN_SAMPLES,
 ) -> tuple[dict[str, np.ndarray], int]:
-    """Per-channel mean of every layer input over the first samples, and how many were used.
-
-    The means are reduced inside the graph (ReduceMean), so only one vector per tensor leaves
-    it: memory stays what one inference needs.
-    """
-    wanted = {layer.input: layer for layer in layers(model)}
-    if not wanted:
-        return {}, 0
-    probe = copy_model(model)
-    graph = probe.graph
-    ranks = {
-        v.name: len(v.type.tensor_type.shape.dim)
-        for v in [*graph.value_info, *graph.input, *graph.output]
-        if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
-    }
-    fresh = FreshNames(probe)
-    del graph.output[:]
-    outputs = {}
-    for name, layer in wanted.items():
-        rank = ranks.get(name)
-        if rank is None or rank < 2:
-            continue
-        axes = fresh(f"{name}__mean_axes")
-        graph.initializer.append(
-            numpy_helper.from_array(np.array(layer.channel_axes(rank), np.int64), axes)
-        )
-        mean = fresh(f"{name}__mean")
-        graph.node.append(helper.make_node("ReduceMean", [name, axes], [mean], keepdims=0))
-        graph.output.append(helper.make_tensor_value_info(mean, onnx.TensorProto.FLOAT, None))
-        outputs[name] = mean
-    if not outputs:
-        return {}, 0
-    session = cpu_session(probe)
-    names = list(outputs.values())
-    totals: dict[str, np.ndarray] = {}
-    used = 0
-    for index, feeds in enumerate(samples):
-        if index >= max_samples:
-            break
-        values = session.run(names, feeds)
-        for tensor, value in zip(outputs, values, strict=True):
-            totals[tensor] = totals.get(tensor, 0.0) + value.astype(np.float64)
-        used += 1
-    return {t: v / used for t, v in totals.items()} if used else {}, used
+    """Per-channel mean of every layer input over the first samples, and how many were used
+    (reduced inside the graph: only one vector per tensor leaves it)."""
+    stats = activation_statistics(model, samples, [], mean_axes(model), max_samples)
+    return stats.means, stats.samples
 
 
 def _dequantize(

@@ -54,6 +54,7 @@ from ..core.report import fmt
 from ..graph import prequantized
 from ..graph.buckets import BucketPlan
 from ..graph.source import sort_nodes
+from ..report_html import write_html_reports
 from . import quantizer
 from . import report as report_mod
 from .evaluate import end_to_end, evaluate, input_jitter
@@ -64,7 +65,7 @@ from .shapes import PreparedBucket, prepare_buckets
 
 TOOLS = ("onnx", "onnxruntime", "numpy", "pillow")
 # The builder's code that shapes the QDQ models: editing it rebuilds.
-CODE = ("core", "graph", "calibration", "quantize")
+CODE = ("core", "graph", "calibration", "quantize", "htp")
 HELDOUT_FROM_CALIBRATION = 8  # samples that validate a bucket no held-out sample fits
 Feeds = dict[str, np.ndarray]
 
@@ -153,6 +154,7 @@ def quantize_model(config: ModelConfig, artifacts: Path, force: bool = False) ->
     record, _ = read_record(QuantizeRecord, paths.record)
     if not force and _reusable(paths, record, inputs):
         assert record is not None
+        write_html_reports(paths.root)  # only re-rendered if missing or out of date
         return QuantizeResult(config.model.name, paths.root, True, record)
     # Invalidate first: a build killed from here on leaves no record that claims success.
     paths.record.unlink(missing_ok=True)
@@ -162,6 +164,7 @@ def quantize_model(config: ModelConfig, artifacts: Path, force: bool = False) ->
     report.timings_s["total"] = time.perf_counter() - started
     report_mod.write(paths.root, report)
     write_record(paths.record, record)
+    write_html_reports(paths.root)  # never raises: a failure to render is a warning line
     check = report.preparation_check
     if check is not None and not check.passed:
         raise GateError(
@@ -411,6 +414,7 @@ def _quantize_all(
         chosen,
         Builder(lambda extra: quantize(probe, extra), lambda: use_float(probe)),
         paths.root,
+        paths.bucket(probe).htp_probe if len(order) == 1 else None,
     )
     timings["judge"] = time.perf_counter() - t0
     # The same choices in every bucket, so the weights stay identical.

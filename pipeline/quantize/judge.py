@@ -33,11 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
-from qnn_ctx_runtime.targets import get_target
+from qnn_ctx_runtime.targets import Target, get_target
 
 from ..core.config import ModelConfig
+from ..core.fileio import sha256_file
+from ..core.layout import VALIDATE_SAMPLES
 from ..core.metrics import worst_snr
 from ..core.progress import Progress
+from ..core.records import HtpProbeRecord, write_record
 from ..htp.probe import ProbeResult, probe, qnn_available
 from .mixed_precision import EIGHT_BIT, SIXTEEN_BIT, measure
 
@@ -151,19 +154,27 @@ def judge_on_htp(
     overrides: dict[str, str],
     builder: Builder,
     scratch: Path,
+    probe_record: Path | None = None,
 ) -> tuple[HtpJudgement, Candidate]:
     """Check the current QDQ model on the HTP and improve it while it is short of the target.
 
     Returns the judgement and the candidate that was kept (already built on disk when it is
-    not the last one tried: the caller rebuilds every bucket with it)."""
+    not the last one tried: the caller rebuilds every bucket with it). When the kept candidate
+    is the first, measured on the validation samples, its figures go to ``probe_record`` for
+    the compile stage to reuse (``HtpProbeRecord``)."""
     q = config.quantization
     current = Candidate("as quantized", dict(overrides))
+    if probe_record is not None:
+        probe_record.unlink(missing_ok=True)
     why_not = "quantization.judge = 'cpu'" if q.judge == "cpu" else qnn_available()
     if why_not:
         return HtpJudgement("cpu", f"judged on the CPU: {why_not}"), current
     if not heldout:
         return HtpJudgement("cpu", "judged on the CPU: no held-out samples to run"), current
     chip = get_target(config.compile.targets[0])
+    # The first probe runs on the samples compile validates on (it is usually the one kept,
+    # and compile then reuses it); remedy rounds only need to rank candidates.
+    first_samples = heldout[:VALIDATE_SAMPLES]
     samples = heldout[:PROBE_SAMPLES]
     target_db = q.target_snr_db
     work = Path(tempfile.mkdtemp(prefix=".htp-judge-", dir=scratch))
@@ -173,13 +184,13 @@ def judge_on_htp(
     progress = Progress(MAX_REMEDIES + 3, f"HTP judge ({chip.name})", "round")
     try:
 
-        def run(label: str, locate: bool = False) -> ProbeResult:
+        def run(label: str, locate: bool = False, on: list[Path] | None = None) -> ProbeResult:
             shown = label + (" (locate)" if locate else "")
             progress.status(f"round {len(rounds) + 1}: {shown}: compile and run on the HTP")
             result = probe(
                 qdq_path,
                 float_path,
-                samples,
+                samples if on is None else on,
                 work / f"p{len(rounds)}",
                 chip.soc_model,
                 chip.htp_arch,
@@ -191,7 +202,9 @@ def judge_on_htp(
             progress.status(f"round {len(rounds)}: {shown}: {db}")
             return result
 
-        first = run(current.label)
+        first = run(current.label, on=first_samples)
+        first_sha = sha256_file(qdq_path)
+        first_candidate = current
         if not first.ok:
             return (
                 HtpJudgement(
@@ -303,6 +316,8 @@ def judge_on_htp(
             result = attempt(whole_float16("every other remedy left it short of the target"))
         if best is not current:
             builder.build(best)  # leave the kept candidate on disk
+        if probe_record is not None and best is first_candidate:
+            _write_probe_record(probe_record, qdq_path, first_sha, first, chip)
         return (
             HtpJudgement(
                 "htp",
@@ -323,6 +338,31 @@ def judge_on_htp(
     finally:
         progress.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _write_probe_record(
+    path: Path, qdq_path: Path, qdq_sha: str, result: ProbeResult, chip: Target
+) -> None:
+    """The first probe's figures, for compile to reuse, if the QDQ on disk is still the one
+    probed (re-quantizing the same choices is deterministic, but only the digest proves it)."""
+    if not result.ok or not result.ctx_sha256 or sha256_file(qdq_path) != qdq_sha:
+        return
+    record = HtpProbeRecord(
+        qdq_sha256=qdq_sha,
+        ctx_sha256=result.ctx_sha256,
+        onnxruntime_qnn=result.onnxruntime_qnn,
+        qnn_sdk=result.qnn_sdk,
+        soc_model=chip.soc_model,
+        htp_arch=chip.htp_arch,
+        qnn_options={},
+        sample_sha256=list(result.sample_sha256),
+        partitions=result.partitions,
+        cpu_nodes=result.cpu_nodes,
+        ctx_vs_qdq=result.ctx_vs_qdq,
+        ctx_vs_float=result.ctx_vs_float,
+        qdq_vs_float=result.qdq_vs_float,
+    )
+    write_record(path, record)
 
 
 def channel_weights(float_path: Path) -> list[str]:

@@ -93,11 +93,10 @@ def calibrate(
         _run_quantizer(config, float_path, scratch, samples, cache, {}, progress=progress)
     _, calibrated = range_rules.read_cache(cache)
     model = onnx.load(str(float_path))
-    rms = range_rules.activation_rms(model, samples, sorted(calibrated), RMS_SAMPLES)
-    means, mean_samples = {}, 0
-    if config.quantization.bias_correction:
-        means, mean_samples = bias_correction.input_means(model, samples)
-    return Calibrated(cache, rms, min(len(samples), RMS_SAMPLES), means, mean_samples)
+    # One pass for both: the RMS of every activation, the channel means of every layer input.
+    axes = bias_correction.mean_axes(model) if config.quantization.bias_correction else {}
+    stats = range_rules.activation_statistics(model, samples, sorted(calibrated), axes, RMS_SAMPLES)
+    return Calibrated(cache, stats.rms, stats.samples, stats.means, stats.samples)
 
 
 @dataclass(frozen=True)
