@@ -178,3 +178,15 @@ def test_help_lists_stages(capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     for stage in ("quantize", "compile", "publish", "doctor"):
         assert stage in out
+
+
+def test_validation_samples_are_spread_over_the_held_out_set() -> None:
+    """The HTP runs a few held-out samples; a stream's first windows (a file's silent start)
+    are not a fair choice, so they are spread evenly, first and last included."""
+    from pipeline.core.layout import spread
+
+    files = [Path(f"sample_{i:04d}.npz") for i in range(100)]
+    chosen = spread(files, 5)
+    assert [int(p.stem[-4:]) for p in chosen] == [0, 25, 50, 74, 99]
+    assert spread(files[:3], 16) == files[:3] and spread(files, 1) == files[:1]
+    assert len(set(spread(files, 16))) == 16

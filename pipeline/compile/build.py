@@ -26,7 +26,7 @@ from qnn_ctx_runtime.toolchains import Toolchain, Toolchains
 from ..core.config import ModelConfig
 from ..core.errors import ModelError, ToolchainError
 from ..core.fileio import atomic_dir, sha256_file
-from ..core.layout import VALIDATE_SAMPLES, ModelPaths, VariantPaths, samples_in
+from ..core.layout import VALIDATE_SAMPLES, ModelPaths, VariantPaths, samples_in, spread
 from ..core.lock import locked
 from ..core.progress import Progress
 from ..core.records import (
@@ -218,7 +218,7 @@ def make_job(
                 name=bucket.name,
                 qdq=str(where.qdq.resolve()),
                 float_model=str(where.float_model.resolve()) if where.float_model.is_file() else "",
-                heldout=[str(p.resolve()) for p in inputs.heldout[bucket.name]],
+                heldout=[str(p.resolve()) for p in spread(inputs.heldout[bucket.name])],
                 ctx_name=ctx_file_name(
                     config.model.name, bucket.name if multi else None, target, toolchain
                 ),

@@ -39,7 +39,7 @@ from qnn_ctx_runtime.toolchains import Toolchain
 from ..core.cpu import cpu_session
 from ..core.errors import ToolchainError
 from ..core.fileio import atomic_dir
-from ..core.layout import GPU_TARGET, VariantPaths
+from ..core.layout import GPU_TARGET, VALIDATE_SAMPLES, VariantPaths, spread
 from ..core.metrics import OutputComparison, worst_snr
 from ..core.records import (
     BucketOutcome,
@@ -55,7 +55,7 @@ from . import coverage as coverage_mod
 from .worker import combine_validation, merge_specs
 
 PRECISIONS = ("float32", "float16")
-VALIDATE_SAMPLES = 16
+
 CODE = ("core", "compile")
 # The log lines of a QNN GPU backend that cannot start: no Adreno GPU / OpenCL driver here.
 UNAVAILABLE = ("QNN_BACKEND_ERROR_CANNOT_INITIALIZE", "Failed to initialize backend")
@@ -287,7 +287,7 @@ def _build(
             write_model(where.float_model, out / name, precision)
             models[bucket.name] = out / name
             sizes[bucket.name] = (out / name).stat().st_size
-            samples[bucket.name] = inputs.heldout[bucket.name][:VALIDATE_SAMPLES]
+            samples[bucket.name] = spread(inputs.heldout[bucket.name], VALIDATE_SAMPLES)
         outcome, result, message = probe(
             models, samples, work, VariantPaths(out).log, config.compile.timeout_s, log_severity
         )

@@ -67,6 +67,19 @@ def samples_in(folder: Path) -> list[Path]:
     return sorted(Path(folder).glob(SAMPLE_GLOB))
 
 
+def spread(samples: list[Path], count: int = VALIDATE_SAMPLES) -> list[Path]:
+    """``count`` samples evenly spaced over ``samples`` (all of them when there are fewer).
+
+    Not the first ones: held-out samples come in file order, and the first windows of a
+    stream (a file's silent start, its first frames) can be all a short prefix holds."""
+    if len(samples) <= count:
+        return list(samples)
+    if count <= 1:
+        return list(samples[:count])
+    last = len(samples) - 1
+    return [samples[round(i * last / (count - 1))] for i in range(count)]
+
+
 @dataclass(frozen=True)
 class BucketPaths:
     root: Path

@@ -37,7 +37,7 @@ from qnn_ctx_runtime.targets import Target, get_target
 
 from ..core.config import ModelConfig
 from ..core.fileio import sha256_file
-from ..core.layout import VALIDATE_SAMPLES
+from ..core.layout import VALIDATE_SAMPLES, spread
 from ..core.metrics import worst_snr
 from ..core.progress import Progress
 from ..core.records import HtpProbeRecord, write_record
@@ -174,8 +174,8 @@ def judge_on_htp(
     chip = get_target(config.compile.targets[0])
     # The first probe runs on the samples compile validates on (it is usually the one kept,
     # and compile then reuses it); remedy rounds only need to rank candidates.
-    first_samples = heldout[:VALIDATE_SAMPLES]
-    samples = heldout[:PROBE_SAMPLES]
+    first_samples = spread(heldout, VALIDATE_SAMPLES)
+    samples = spread(heldout, PROBE_SAMPLES)
     target_db = q.target_snr_db
     work = Path(tempfile.mkdtemp(prefix=".htp-judge-", dir=scratch))
     rounds: list[JudgeRound] = []
