@@ -24,6 +24,7 @@ import json
 import math
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from html import escape
@@ -329,6 +330,23 @@ def _page(title: str, body: str, digest: str = "") -> str:
 
 def plots_available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
+
+
+def preload_plotting() -> None:
+    """Import matplotlib in a background thread, so its ~1 s import overlaps the stage's own
+    work (onnxruntime and the worker processes run outside the GIL) instead of adding to it.
+    Python's import lock makes a later import wait for this one, never repeat it."""
+    if not plots_available():
+        return
+
+    def load() -> None:
+        try:
+            import matplotlib.backends.backend_svg
+            import matplotlib.figure  # noqa: F401
+        except Exception:  # the page says what is missing when it is drawn
+            return
+
+    threading.Thread(target=load, name="preload-matplotlib", daemon=True).start()
 
 
 def _figure(width: float, height: float) -> Any:

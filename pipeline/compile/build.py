@@ -39,7 +39,7 @@ from ..core.records import (
     read_record,
     write_record,
 )
-from ..report_html import write_html_reports
+from ..report_html import preload_plotting, write_html_reports
 from . import coverage as coverage_mod
 from . import gpu as gpu_variant
 from .child import interpret, run_child
@@ -390,6 +390,7 @@ def compile_model(
         )
         return []
     inputs = model_inputs(config, artifacts)
+    preload_plotting()  # report.html at the end: its import overlaps the variants' workers
     precision = config.compile.gpu
     gpu_wanted = precision != "off"
     others = frozenset({gpu_variant.GPU_TARGET} if gpu_wanted else ())

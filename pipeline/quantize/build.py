@@ -54,7 +54,7 @@ from ..core.report import fmt
 from ..graph import prequantized
 from ..graph.buckets import BucketPlan
 from ..graph.source import sort_nodes
-from ..report_html import write_html_reports
+from ..report_html import preload_plotting, write_html_reports
 from . import quantizer
 from . import report as report_mod
 from .evaluate import end_to_end, evaluate, input_jitter
@@ -405,6 +405,9 @@ def _quantize_all(
         with atomic_path(paths.bucket(name).qdq) as tmp:
             shutil.copyfile(prepared[name].float_path, tmp)
 
+    # report.html at the end needs matplotlib: its ~1 s import runs while this process waits
+    # for the judge's HTP probes in their child processes, instead of after them.
+    preload_plotting()
     judgement, candidate = judge_on_htp(
         config,
         prepared[probe].float_path,
