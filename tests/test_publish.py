@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -419,3 +420,28 @@ def test_kill_9_never_leaves_a_half_visible_release(build: Build):
     assert _visible_state(build) == "complete"
     leftovers = [p.name for p in (build.artifacts / "releases" / MODEL).iterdir()]
     assert leftovers == [VERSION]
+
+
+def test_variant_built_from_other_settings_or_samples_is_refused(build: Build):
+    """The whole chain, not only the QDQ digest: a variant compiled with other [compile]
+    settings, against another float model, on other held-out samples or from other quantize
+    settings is stale too, and named with the reason."""
+    config = load_config(build.config)
+    target = config.compile.targets[0]
+    cases = {
+        "compiled with other [compile] settings": {"built_from": {"compile_digest": "0" * 64}},
+        "compiled against another prepared float model": {
+            "built_from": {"float_sha256": {"static": "0" * 64}}
+        },
+        "validated on other held-out samples": {
+            "built_from": {"heldout_digest": {"static": "0" * 64}}
+        },
+        "built from other quantize settings": {"built_from": {"config_digest": "0" * 64}},
+    }
+    original = (build.variant_folder(target) / "variant.json").read_text("utf-8")
+    for reason, change in cases.items():
+        (build.variant_folder(target) / "variant.json").write_text(original, "utf-8")
+        edit_variant(build, target, **change)
+        with pytest.raises(PublishError, match=re.escape(reason)):
+            publish(build)
+        assert not build.release().exists()

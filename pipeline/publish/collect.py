@@ -153,9 +153,15 @@ def check_quantize_chain(config: ModelConfig, paths: ModelPaths) -> QuantizeReco
 
 
 def _check_built_from(
-    name: str, folder: Path, variant: VariantRecord, quantize: QuantizeRecord
+    name: str,
+    folder: Path,
+    variant: VariantRecord,
+    quantize: QuantizeRecord,
+    compile_digest: str | None = None,
 ) -> None:
-    """A variant must have been compiled from the QDQ models the quantize record names now."""
+    """A variant must have been compiled from what the quantize record names now, the whole
+    chain: source model, quantize settings, and every bucket's float model, QDQ model and
+    held-out samples; and with the current ``[compile]`` settings (when both record them)."""
     built = variant.built_from
     stale = [
         f"bucket {b.name}: compiled from QDQ {built.qdq_sha256.get(b.name, 'none')[:16]}…, the "
@@ -163,6 +169,20 @@ def _check_built_from(
         for b in quantize.buckets
         if built.qdq_sha256.get(b.name) != b.qdq_sha256
     ]
+    stale += [
+        f"bucket {b.name}: compiled against another prepared float model"
+        for b in quantize.buckets
+        if b.name in built.float_sha256 and built.float_sha256[b.name] != b.float_sha256
+    ]
+    stale += [
+        f"bucket {b.name}: validated on other held-out samples"
+        for b in quantize.buckets
+        if b.name in built.heldout_digest and built.heldout_digest[b.name] != b.heldout_digest
+    ]
+    if built.config_digest != quantize.inputs.config_digest:
+        stale.append("it was built from other quantize settings")
+    if compile_digest and built.compile_digest and built.compile_digest != compile_digest:
+        stale.append("it was compiled with other [compile] settings")
     extra = sorted(set(built.qdq_sha256) - {b.name for b in quantize.buckets})
     if extra:
         stale.append(f"it has buckets {extra} the current build does not")
@@ -486,7 +506,7 @@ def build_manifest(
                 excluded += [Excluded(planned[k], reason) for k in kinds]
                 continue
             where = f"{target} / onnxruntime-qnn {toolchain.onnxruntime_qnn}"
-            _check_built_from(where, folder.root, record, quantize)
+            _check_built_from(where, folder.root, record, quantize, config.compile_digest())
             failed = record.failed_gates()
             if failed and (not allow_partial or record.status != "ok"):
                 excluded += [Excluded(planned[k], "; ".join(failed)) for k in kinds]
