@@ -685,6 +685,67 @@ def test_system_temp_litter_of_a_dead_process_is_swept() -> None:
         shutil.rmtree(live, ignore_errors=True)
 
 
+def test_windows_job_object_limits_have_the_winnt_layout() -> None:
+    """The child-kill-on-parent-death of Windows rests on a struct passed to
+    SetInformationJobObject: a wrong layout is refused there (or sets the wrong flag), so its
+    size and the flag's offset must be winnt.h's (144 and 16 bytes on 64-bit, 112 and 16 on
+    32-bit)."""
+    import ctypes
+    import struct
+
+    from pipeline.htp.isolation import JOB_OBJECT_LIMIT_KILL_ON_JOB_CLOSE, kill_on_close_limits
+
+    limits = kill_on_close_limits()
+    assert ctypes.sizeof(limits) == (144 if struct.calcsize("P") == 8 else 112)
+    raw = bytes(limits)
+    assert int.from_bytes(raw[16:20], "little") == JOB_OBJECT_LIMIT_KILL_ON_JOB_CLOSE == 0x2000
+    assert raw[:16] == bytes(16) and raw[20:] == bytes(len(raw) - 20)
+
+
+def test_kill_without_process_groups_still_kills_the_child(monkeypatch) -> None:
+    """Where ``os.killpg`` does not exist (Windows without a job object) the child is killed
+    directly, not left running behind an AttributeError."""
+    from pipeline.htp import isolation
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    monkeypatch.delattr(isolation.os, "killpg")
+    isolation.kill_group(child)
+    assert child.returncode is not None and child.returncode != 0
+
+
+@pytest.mark.skipif(sys.platform != "win32", reason="job objects are Windows' own")
+def test_windows_worker_dies_with_its_parent(tmp_path: Path) -> None:
+    """A parent killed outright (TerminateProcess) takes its job object, and the worker, along."""
+    script = tmp_path / "parent.py"
+    pid_file = tmp_path / "child.pid"
+    script.write_text(
+        "import subprocess, sys\n"
+        "from pipeline.htp.isolation import WindowsJob\n"
+        "job = WindowsJob.create()\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "job.assign(child)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "child.wait()\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], env=dict(os.environ, PYTHONPATH=python_path())
+    )
+    while not pid_file.is_file() or not pid_file.read_text():
+        assert parent.poll() is None, "the parent ended before starting its worker"
+        time.sleep(0.05)
+    child_pid = int(pid_file.read_text())
+    parent.kill()
+    parent.wait()
+    import ctypes
+
+    synchronize = 0x00100000
+    kernel32 = ctypes.WinDLL("kernel32")  # type: ignore[attr-defined]
+    handle = kernel32.OpenProcess(synchronize, False, child_pid)
+    if handle:  # still there a moment: wait for the job's kill, not for a timer
+        assert kernel32.WaitForSingleObject(handle, 60_000) == 0
+        kernel32.CloseHandle(handle)
+
+
 # -- corrupt source models ---------------------------------------------------------------------
 
 

@@ -2,7 +2,10 @@
 
 The parent writes the job file and waits; the child rewrites a result file after every step, so
 when QNN kills it the parent still knows how far it got. A timeout or Ctrl-C kills the whole
-process group; the child asks Linux to kill it when the parent dies (``die_with_parent``).
+process group; the child asks Linux to kill it when the parent dies (``die_with_parent``). On
+Windows, which has neither process groups to kill nor a parent-death signal, each child runs in a
+job object that kills every process in it when its last handle closes: when the parent ends,
+``kill -9``-style (TerminateProcess) included.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import qnn_ctx_runtime
 
@@ -75,6 +79,7 @@ def run_module(
     """``python -m module job_path`` with output to ``log_path``; killed after ``timeout_s``."""
     started = time.monotonic()
     timed_out = False
+    job = WindowsJob.create() if sys.platform == "win32" else None
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", module, str(job_path)],
@@ -84,6 +89,8 @@ def run_module(
             env=child_env(),
             start_new_session=True,  # its own process group, so a kill takes its children too
         )
+        if job is not None:
+            job.assign(proc)
         try:
             while True:
                 try:
@@ -95,11 +102,14 @@ def run_module(
                         on_tick(elapsed)
                     if elapsed > timeout_s:
                         timed_out = True
-                        kill_group(proc)
+                        kill_group(proc, job)
                         break
         except BaseException:  # Ctrl-C: leave no orphan compiling in the background
-            kill_group(proc)
+            kill_group(proc, job)
             raise
+        finally:
+            if job is not None:
+                job.close()
     text = log_path.read_text("utf-8", errors="replace") if log_path.is_file() else ""
     plain = ANSI_CODES.sub("", text)
     if plain != text:  # onnxruntime colours its log lines even into a file; logs stay plain
@@ -107,12 +117,129 @@ def run_module(
     return Finished(proc.returncode, timed_out, time.monotonic() - started, plain)
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+def kill_group(proc: subprocess.Popen, job: WindowsJob | None = None) -> None:
+    """Kill the child and whatever it started: its process group (POSIX) or its job (Windows)."""
+    if job is not None:
+        job.terminate()
+    elif hasattr(os, "killpg"):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+    else:
         proc.kill()
     proc.wait()
+
+
+class _BasicLimits(ctypes.Structure):
+    """JOBOBJECT_BASIC_LIMIT_INFORMATION (winnt.h)."""
+
+    _fields_ = [
+        ("PerProcessUserTimeLimit", ctypes.c_int64),
+        ("PerJobUserTimeLimit", ctypes.c_int64),
+        ("LimitFlags", ctypes.c_uint32),
+        ("MinimumWorkingSetSize", ctypes.c_size_t),
+        ("MaximumWorkingSetSize", ctypes.c_size_t),
+        ("ActiveProcessLimit", ctypes.c_uint32),
+        ("Affinity", ctypes.c_size_t),
+        ("PriorityClass", ctypes.c_uint32),
+        ("SchedulingClass", ctypes.c_uint32),
+    ]
+
+
+class _IoCounters(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "ReadOperationCount",
+            "WriteOperationCount",
+            "OtherOperationCount",
+            "ReadTransferCount",
+            "WriteTransferCount",
+            "OtherTransferCount",
+        )
+    ]
+
+
+class JobLimits(ctypes.Structure):
+    """JOBOBJECT_EXTENDED_LIMIT_INFORMATION (winnt.h): 144 bytes on 64-bit Windows."""
+
+    _fields_ = [
+        ("BasicLimitInformation", _BasicLimits),
+        ("IoInfo", _IoCounters),
+        ("ProcessMemoryLimit", ctypes.c_size_t),
+        ("JobMemoryLimit", ctypes.c_size_t),
+        ("PeakProcessMemoryUsed", ctypes.c_size_t),
+        ("PeakJobMemoryUsed", ctypes.c_size_t),
+    ]
+
+
+JOB_OBJECT_EXTENDED_LIMIT_INFORMATION = 9  # JOBOBJECTINFOCLASS
+JOB_OBJECT_LIMIT_KILL_ON_JOB_CLOSE = 0x2000
+
+
+def kill_on_close_limits() -> JobLimits:
+    """The limits that make a job kill its processes when its last handle closes."""
+    limits = JobLimits()
+    limits.BasicLimitInformation.LimitFlags = JOB_OBJECT_LIMIT_KILL_ON_JOB_CLOSE
+    return limits
+
+
+def _kernel32() -> Any:
+    return ctypes.WinDLL("kernel32", use_last_error=True)  # type: ignore[attr-defined]
+
+
+@dataclass
+class WindowsJob:
+    """A Windows job object holding one child (and what it starts), killed with its parent.
+
+    The handle is not inheritable, so only this process holds it: when this process ends for
+    any reason the system closes it and, with KILL_ON_JOB_CLOSE, ends the child.
+    """
+
+    handle: int
+
+    @classmethod
+    def create(cls) -> WindowsJob | None:
+        """A kill-on-close job, or None (said on stderr) when Windows refuses one."""
+        kernel32 = _kernel32()
+        kernel32.CreateJobObjectW.restype = ctypes.c_void_p
+        handle = kernel32.CreateJobObjectW(None, None)
+        limits = kill_on_close_limits()
+        if not handle or not kernel32.SetInformationJobObject(
+            ctypes.c_void_p(handle),
+            JOB_OBJECT_EXTENDED_LIMIT_INFORMATION,
+            ctypes.byref(limits),
+            ctypes.sizeof(limits),
+        ):
+            print(
+                f"warning: no job object for the worker (Windows error {ctypes.get_last_error()}):"
+                " it may outlive this process if this process is killed",
+                file=sys.stderr,
+            )
+            if handle:
+                kernel32.CloseHandle(ctypes.c_void_p(handle))
+            return None
+        return cls(handle)
+
+    def assign(self, proc: subprocess.Popen) -> None:
+        process = int(proc._handle)  # type: ignore[attr-defined]  # Popen's own process handle
+        if not _kernel32().AssignProcessToJobObject(
+            ctypes.c_void_p(self.handle), ctypes.c_void_p(process)
+        ):
+            print(
+                f"warning: the worker is not in a job object (Windows error "
+                f"{ctypes.get_last_error()}): it may outlive this process if this process is killed",
+                file=sys.stderr,
+            )
+
+    def terminate(self) -> None:
+        _kernel32().TerminateJobObject(ctypes.c_void_p(self.handle), 1)
+
+    def close(self) -> None:
+        if self.handle:
+            _kernel32().CloseHandle(ctypes.c_void_p(self.handle))
+            self.handle = 0
 
 
 def die_with_parent() -> None:
