@@ -176,6 +176,17 @@ def test_what_no_16_bit_grid_holds_goes_to_fp16_on_the_htp(tmp_path: Path):
     assert "float16" in htp["chosen"] or "fp16" in htp["chosen"]
     assert kept["ctx_vs_float_db"] >= 30 and kept["partitions"] == 1 and kept["cpu_nodes"] == 0
     assert "c1" in htp["float16"] or htp["whole_float16"]
+    # The kept candidate ran on the validation samples too: its run is what compile reuses.
+    from pipeline.core.fileio import sha256_file
+    from pipeline.core.records import HtpProbeRecord, read_record
+
+    bucket = ModelPaths.of(tmp_path / "artifacts", "m").bucket("static")
+    record, why = read_record(HtpProbeRecord, bucket.htp_probe)
+    assert record is not None, why
+    assert record.qdq_sha256 == sha256_file(bucket.qdq)
+    assert round(min(a.snr_db for a in record.ctx_vs_float.values()), 6) == round(
+        kept["ctx_vs_float_db"], 6
+    )
 
 
 def test_cpu_judge_keeps_the_cpu_decision_and_says_so(tmp_path: Path):
@@ -225,3 +236,52 @@ def test_compile_reuses_the_judges_figures_for_the_same_ctx_and_only_then(tmp_pa
     measured = compiled(force=True).validation
     assert measured.measured_by == ""
     assert measured.ctx_vs_qdq == reused.ctx_vs_qdq and measured.ctx_vs_float == reused.ctx_vs_float
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="Linux pinning")
+def test_a_probe_split_over_cores_measures_what_one_child_does_even_if_a_helper_dies(
+    tmp_path: Path, monkeypatch
+):
+    """The simulator's samples split over pinned child processes (the first compiles, helpers
+    load its context) give the very figures of one child running them all; a helper that dies
+    only costs time: the comparing child runs the samples it left."""
+    import os
+
+    from pipeline.htp import probe as probe_mod
+
+    rng = np.random.default_rng(5)
+    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
+    config = load_config(_write(tmp_path, _dilated_model(rng), samples, 'judge = "cpu"\n'))
+    quantize_model(config, tmp_path / "artifacts", force=True)
+    bucket = ModelPaths.of(tmp_path / "artifacts", "m").bucket("static")
+    heldout = sorted(bucket.heldout.glob("sample_*.npz"))
+    assert len(heldout) == 4
+
+    def run(work: str, cores: list[int]):
+        monkeypatch.setattr(probe_mod, "_ways", lambda count, locate: cores)
+        result = probe_mod.probe(bucket.qdq, bucket.float_model, heldout, tmp_path / work, 60, 73)
+        assert result.ok, result.error
+        return result
+
+    core = min(os.sched_getaffinity(0))
+    one = run("one", [])
+    split = run("split", [core, core])
+    assert {p.name for p in (tmp_path / "split").glob("probe_result_*.json")} == {
+        "probe_result_0.json",
+        "probe_result_1.json",
+    }
+    real_start = probe_mod.start_module
+    monkeypatch.setattr(
+        probe_mod,
+        "start_module",
+        lambda module, job, log: real_start("pipeline.htp.no_such_module", job, log),
+    )
+    orphaned = run("orphaned", [core, core])
+    assert "No module named" in (tmp_path / "orphaned" / "probe_1.log").read_text()
+    for result in (split, orphaned):
+        assert result.samples == one.samples == 4
+        assert result.ctx_sha256 == one.ctx_sha256
+        assert result.sample_sha256 == one.sample_sha256
+        assert (result.partitions, result.cpu_nodes) == (one.partitions, one.cpu_nodes) == (1, 0)
+        assert result.ctx_vs_float == one.ctx_vs_float
+        assert result.ctx_vs_qdq == one.ctx_vs_qdq and result.qdq_vs_float == one.qdq_vs_float

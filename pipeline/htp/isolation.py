@@ -69,18 +69,38 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_module(
-    module: str,
-    job_path: Path,
-    log_path: Path,
-    timeout_s: float,
-    on_tick: Callable[[float], None] | None = None,
-) -> Finished:
-    """``python -m module job_path`` with output to ``log_path``; killed after ``timeout_s``."""
+@dataclass
+class Started:
+    """A child started by ``start_module``: the process, its log file and its Windows job."""
+
+    proc: subprocess.Popen
+    log: Any  # the open log file, closed by ``finish``
+    log_path: Path
+    job: WindowsJob | None
+    started: float
+
+    def kill(self) -> None:
+        kill_group(self.proc, self.job)
+
+    def finish(self, timed_out: bool = False) -> Finished:
+        """Close the log (plain text, no ANSI codes) and the job; how the child ended."""
+        self.log.close()
+        if self.job is not None:
+            self.job.close()
+        path = self.log_path
+        text = path.read_text("utf-8", errors="replace") if path.is_file() else ""
+        plain = ANSI_CODES.sub("", text)
+        if plain != text:  # onnxruntime colours its log lines even into a file; logs stay plain
+            path.write_text(plain, "utf-8")
+        return Finished(self.proc.returncode, timed_out, time.monotonic() - self.started, plain)
+
+
+def start_module(module: str, job_path: Path, log_path: Path) -> Started:
+    """Start ``python -m module job_path`` with output to ``log_path``; do not wait for it."""
     started = time.monotonic()
-    timed_out = False
     job = WindowsJob.create() if sys.platform == "win32" else None
-    with open(log_path, "wb") as log:
+    log = open(log_path, "wb")  # noqa: SIM115 - closed by Started.finish
+    try:
         proc = subprocess.Popen(
             [sys.executable, "-m", module, str(job_path)],
             stdin=subprocess.DEVNULL,
@@ -89,32 +109,44 @@ def run_module(
             env=child_env(),
             start_new_session=True,  # its own process group, so a kill takes its children too
         )
+    except BaseException:
+        log.close()
         if job is not None:
-            job.assign(proc)
-        try:
-            while True:
-                try:
-                    proc.wait(timeout=0.5)
+            job.close()
+        raise
+    if job is not None:
+        job.assign(proc)
+    return Started(proc, log, log_path, job, started)
+
+
+def run_module(
+    module: str,
+    job_path: Path,
+    log_path: Path,
+    timeout_s: float,
+    on_tick: Callable[[float], None] | None = None,
+) -> Finished:
+    """``python -m module job_path`` with output to ``log_path``; killed after ``timeout_s``."""
+    child = start_module(module, job_path, log_path)
+    timed_out = False
+    try:
+        while True:
+            try:
+                child.proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                elapsed = time.monotonic() - child.started
+                if on_tick:
+                    on_tick(elapsed)
+                if elapsed > timeout_s:
+                    timed_out = True
+                    child.kill()
                     break
-                except subprocess.TimeoutExpired:
-                    elapsed = time.monotonic() - started
-                    if on_tick:
-                        on_tick(elapsed)
-                    if elapsed > timeout_s:
-                        timed_out = True
-                        kill_group(proc, job)
-                        break
-        except BaseException:  # Ctrl-C: leave no orphan compiling in the background
-            kill_group(proc, job)
-            raise
-        finally:
-            if job is not None:
-                job.close()
-    text = log_path.read_text("utf-8", errors="replace") if log_path.is_file() else ""
-    plain = ANSI_CODES.sub("", text)
-    if plain != text:  # onnxruntime colours its log lines even into a file; logs stay plain
-        log_path.write_text(plain, "utf-8")
-    return Finished(proc.returncode, timed_out, time.monotonic() - started, plain)
+    except BaseException:  # Ctrl-C: leave no orphan compiling in the background
+        child.kill()
+        child.finish()
+        raise
+    return child.finish(timed_out)
 
 
 def kill_group(proc: subprocess.Popen, job: WindowsJob | None = None) -> None:

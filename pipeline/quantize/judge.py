@@ -47,7 +47,7 @@ from .mixed_precision import EIGHT_BIT, SIXTEEN_BIT, measure
 HTP_GAP_DB = 3.0  # the HTP may lose this much against the CPU QDQ model before it is "diverging"
 MAX_REMEDIES = 3  # re-quantize-and-probe rounds after the first probe
 FLOAT16_FIRST = 4  # tensors left in float16 in the first round of that remedy (doubling after)
-PROBE_SAMPLES = 8
+LOCATE_SAMPLES = 8  # a locator run exposes every activation: fewer samples, one child
 # A quantized model this far below the target on the CPU (after mixed precision) goes straight to
 # fp16: raising single tensors has not closed such gaps on any model measured (PP-PicoDet: 1 dB).
 HOPELESS_DB = 10.0
@@ -159,9 +159,9 @@ def judge_on_htp(
     """Check the current QDQ model on the HTP and improve it while it is short of the target.
 
     Returns the judgement and the candidate that was kept (already built on disk when it is
-    not the last one tried: the caller rebuilds every bucket with it). When the kept candidate
-    is the first, measured on the validation samples, its figures go to ``probe_record`` for
-    the compile stage to reuse (``HtpProbeRecord``)."""
+    not the last one tried: the caller rebuilds every bucket with it). Every candidate runs on
+    the validation samples, so the kept one's figures go to ``probe_record`` for the compile
+    stage to reuse (``HtpProbeRecord``)."""
     q = config.quantization
     current = Candidate("as quantized", dict(overrides))
     if probe_record is not None:
@@ -172,10 +172,11 @@ def judge_on_htp(
     if not heldout:
         return HtpJudgement("cpu", "judged on the CPU: no held-out samples to run"), current
     chip = get_target(config.compile.targets[0])
-    # The first probe runs on the samples compile validates on (it is usually the one kept,
-    # and compile then reuses it); remedy rounds only need to rank candidates.
-    first_samples = spread(heldout, VALIDATE_SAMPLES)
-    samples = spread(heldout, PROBE_SAMPLES)
+    # Every candidate runs on the samples compile validates on, so compile can reuse the run of
+    # the one kept (its digests proven) instead of running the simulator again; the locator
+    # only needs to find a tensor.
+    samples = spread(heldout, VALIDATE_SAMPLES)
+    locate_samples = spread(heldout, LOCATE_SAMPLES)
     target_db = q.target_snr_db
     work = Path(tempfile.mkdtemp(prefix=".htp-judge-", dir=scratch))
     rounds: list[JudgeRound] = []
@@ -202,9 +203,8 @@ def judge_on_htp(
             progress.status(f"round {len(rounds)}: {shown}: {db}")
             return result
 
-        first = run(current.label, on=first_samples)
+        first = run(current.label)
         first_sha = sha256_file(qdq_path)
-        first_candidate = current
         if not first.ok:
             return (
                 HtpJudgement(
@@ -215,7 +215,7 @@ def judge_on_htp(
                 ),
                 current,
             )
-        best, best_result = current, first
+        best, best_result, best_sha = current, first, first_sha
         result = first
         float16: list[str] = []
         ranked: list[str] | None = None
@@ -230,12 +230,12 @@ def judge_on_htp(
             return Candidate("whole model in fp16", {}, whole_float16=True)
 
         def attempt(candidate: Candidate) -> ProbeResult:
-            nonlocal best, best_result, current
+            nonlocal best, best_result, best_sha, current
             builder.build(candidate)
             outcome = run(candidate.label)
             current = candidate
             if _score(outcome) > _score(best_result):
-                best, best_result = candidate, outcome
+                best, best_result, best_sha = candidate, outcome, sha256_file(qdq_path)
             return outcome
 
         for step in range(MAX_REMEDIES):
@@ -252,7 +252,7 @@ def judge_on_htp(
             candidate: Candidate | None = None
             gap = worst_snr(result.qdq_vs_float) - result.worst_ctx_vs_float
             if gap > HTP_GAP_DB:
-                located = run("the HTP diverges", locate=True)
+                located = run("the HTP diverges", locate=True, on=locate_samples)
                 found = located.first_divergence() if located.ok else None
                 if found is not None and divergence is None:
                     divergence = Divergence(found.name, found.op_type, found.node, found.snr_db)
@@ -316,8 +316,8 @@ def judge_on_htp(
             result = attempt(whole_float16("every other remedy left it short of the target"))
         if best is not current:
             builder.build(best)  # leave the kept candidate on disk
-        if probe_record is not None and best is first_candidate:
-            _write_probe_record(probe_record, qdq_path, first_sha, first, chip)
+        if probe_record is not None:
+            _write_probe_record(probe_record, qdq_path, best_sha, best_result, chip)
         return (
             HtpJudgement(
                 "htp",
@@ -343,7 +343,7 @@ def judge_on_htp(
 def _write_probe_record(
     path: Path, qdq_path: Path, qdq_sha: str, result: ProbeResult, chip: Target
 ) -> None:
-    """The first probe's figures, for compile to reuse, if the QDQ on disk is still the one
+    """The kept candidate's figures, for compile to reuse, if the QDQ on disk is still the one
     probed (re-quantizing the same choices is deterministic, but only the digest proves it)."""
     if not result.ok or not result.ctx_sha256 or sha256_file(qdq_path) != qdq_sha:
         return
