@@ -238,13 +238,48 @@ def test_compile_reuses_the_judges_figures_for_the_same_ctx_and_only_then(tmp_pa
     assert measured.ctx_vs_qdq == reused.ctx_vs_qdq and measured.ctx_vs_float == reused.ctx_vs_float
 
 
+# Sitecustomize for the probe's processes (tests/test_compile.py's way of making a hang or a
+# death real): the main child's first HTP run waits for a helper's claim, so a helper always
+# joins, whatever the speed; with "die" the helper then kills itself holding its claim.
+PROBE_HOOK = """\
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import onnxruntime
+
+_run = onnxruntime.InferenceSession.run
+_first = []
+
+
+def _hooked(self, *args, **kwargs):
+    job = Path(sys.argv[-1])
+    if not _first and job.name.startswith("probe_"):
+        _first.append(1)
+        stash = job.parent / "htp_outputs"
+        if job.name == "probe_job.json":
+            mine = str(os.getpid())
+            while not [c for c in stash.glob("*.claim") if c.read_text() not in ("", mine)]:
+                time.sleep(0.01)
+        elif {action!r} == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+    return _run(self, *args, **kwargs)
+
+
+onnxruntime.InferenceSession.run = _hooked
+"""
+
+
 @pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="Linux pinning")
-def test_a_probe_split_over_cores_measures_what_one_child_does_even_if_a_helper_dies(
-    tmp_path: Path, monkeypatch
+@pytest.mark.parametrize("action", ["help", "die"])
+def test_helpers_on_other_cores_measure_what_one_child_does_and_a_dead_one_costs_nothing(
+    tmp_path: Path, monkeypatch, action: str
 ):
-    """The simulator's samples split over pinned child processes (the first compiles, helpers
-    load its context) give the very figures of one child running them all; a helper that dies
-    only costs time: the comparing child runs the samples it left."""
+    """Helpers that join a long run (pinned, on the same context bytes, claiming samples from
+    the back) give the figures of one child running every sample; a helper that dies holding a
+    claim leaves its sample to the main child."""
     import os
 
     from pipeline.htp import probe as probe_mod
@@ -257,31 +292,35 @@ def test_a_probe_split_over_cores_measures_what_one_child_does_even_if_a_helper_
     heldout = sorted(bucket.heldout.glob("sample_*.npz"))
     assert len(heldout) == 4
 
-    def run(work: str, cores: list[int]):
-        monkeypatch.setattr(probe_mod, "_ways", lambda count, locate: cores)
-        result = probe_mod.probe(bucket.qdq, bucket.float_model, heldout, tmp_path / work, 60, 73)
+    def run(work: str):
+        result = probe_mod.probe(
+            bucket.qdq, bucket.float_model, heldout, tmp_path / work, 60, 73, timeout_s=300
+        )
         assert result.ok, result.error
         return result
 
+    monkeypatch.setattr(probe_mod, "_cores", lambda count, locate: [])
+    one = run("one")  # one process runs every sample
+    assert not list((tmp_path / "one").glob("probe_helper_*"))
     core = min(os.sched_getaffinity(0))
-    one = run("one", [])
-    split = run("split", [core, core])
-    assert {p.name for p in (tmp_path / "split").glob("probe_result_*.json")} == {
-        "probe_result_0.json",
-        "probe_result_1.json",
-    }
-    real_start = probe_mod.start_module
-    monkeypatch.setattr(
-        probe_mod,
-        "start_module",
-        lambda module, job, log: real_start("pipeline.htp.no_such_module", job, log),
+    monkeypatch.setattr(probe_mod, "_cores", lambda count, locate: [core, core])
+    monkeypatch.setattr(probe_mod, "HELPER_AFTER_S", 0.0)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(PROBE_HOOK.format(action=action))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p)
     )
-    orphaned = run("orphaned", [core, core])
-    assert "No module named" in (tmp_path / "orphaned" / "probe_1.log").read_text()
-    for result in (split, orphaned):
-        assert result.samples == one.samples == 4
-        assert result.ctx_sha256 == one.ctx_sha256
-        assert result.sample_sha256 == one.sample_sha256
-        assert (result.partitions, result.cpu_nodes) == (one.partitions, one.cpu_nodes) == (1, 0)
-        assert result.ctx_vs_float == one.ctx_vs_float
-        assert result.ctx_vs_qdq == one.ctx_vs_qdq and result.qdq_vs_float == one.qdq_vs_float
+    shared = run("shared")
+    helper_log = (tmp_path / "shared" / "probe_helper_1.log").read_text()
+    if action == "die":
+        assert not (tmp_path / "shared" / "probe_helper_1.json").is_file() or (
+            '"status": "ok"' not in (tmp_path / "shared" / "probe_helper_1.json").read_text()
+        ), helper_log
+    else:
+        assert '"status": "ok"' in (tmp_path / "shared" / "probe_helper_1.json").read_text()
+    assert shared.samples == one.samples == 4
+    assert shared.ctx_sha256 == one.ctx_sha256 and shared.sample_sha256 == one.sample_sha256
+    assert (shared.partitions, shared.cpu_nodes) == (one.partitions, one.cpu_nodes) == (1, 0)
+    assert shared.ctx_vs_float == one.ctx_vs_float
+    assert shared.ctx_vs_qdq == one.ctx_vs_qdq and shared.qdq_vs_float == one.qdq_vs_float

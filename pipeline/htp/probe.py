@@ -10,11 +10,13 @@ the HTP computes differently (e.g. 16-bit weights in a dilated convolution).
 ``python -m pipeline.htp.probe JOB.json`` is the child; the parent never loads QNN itself.
 
 The x86_64 simulator runs a graph on one thread and spins a second one (measured: 8.9 s for 6
-samples on two cores, 9.1 s pinned to one; two unpinned probes side by side were slower than one).
-So on Linux with several cores the samples are split: the first child compiles the context and
-runs its share, one helper per further core loads that very context and runs its own, each
-pinned to its core, and a last child (unpinned, CPU only unless a helper died and left samples
-to run) compares everything: the HTP's part takes about 1/cores of the time.
+samples on two cores, 9.1 s pinned to one; two unpinned probes side by side were slower than one,
+two pinned ones 1.65x faster). So the samples are shared out by work stealing: the child claims
+them one by one from the front (an exclusive claim file each); when its run has lasted a second
+and samples are left, the parent pins it to one core and starts a helper per further core (Linux,
+4 GiB of available memory each), which loads the very same context and claims from the back.
+The child then waits for the helpers' outputs, runs itself any sample whose claimer died, and
+compares. A quick model never starts a helper, so it pays nothing for this.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +43,9 @@ from .isolation import Finished, Started, die_with_parent, run_module, start_mod
 MODULE = "pipeline.htp.probe"
 DIVERGENCE_DB = 30.0  # HTP vs CPU QDQ below this at one tensor: they compute it differently
 CTX_NAME = "probe_ctx.onnx"
+# The CPUs this process may use when it starts, before the parent pins it to one.
+ALL_CORES = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+STASH = "htp_outputs"  # each sample's HTP outputs (<i>.npz) and who claimed it (<i>.claim)
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,8 @@ class ProbeJob:
     htp_arch: int
     qnn_options: dict[str, str] = field(default_factory=dict)
     locate: bool = False
-    ctx: str = ""  # a context compiled by another child: load it instead of compiling
-    run: list[int] | None = None  # the samples (indices) to run on the HTP; None: all not run yet
-    compare: bool = True  # compare every sample's stashed HTP outputs with the CPU models
+    ctx: str = ""  # a helper: load this context (the main child's) instead of compiling
+    helper: bool = False  # claim samples from the back, run them, stash the outputs; no compare
     core: int = -1  # pin this process (and the threads QNN starts) to this CPU
 
 
@@ -75,6 +78,7 @@ class TensorAgreement:
 class ProbeResult:
     status: str = "running"  # running | ok | failed
     stage: str = "start"
+    pid: int = 0  # the child's, so the parent can pin it when helpers join
     error: str = ""
     qnn_sdk: str = ""
     onnxruntime_qnn: str = ""
@@ -133,9 +137,11 @@ def qnn_available() -> str:
     return ""
 
 
-def _ways(samples: int, locate: bool) -> list[int]:
-    """The CPUs to split a probe over: one per core (Linux, where a process can be pinned), no
-    more than there are samples, and each extra simulator process only with 4 GiB available."""
+def _cores(samples: int, locate: bool) -> list[int]:
+    """The CPUs a probe may use, one simulator process each: every core this process may run on
+    (Linux, where a process can be pinned), no more than there are samples, and each extra
+    process only with 4 GiB of memory available. A locator run (every activation an output)
+    stays in one process."""
     if locate or samples < 2 or not hasattr(os, "sched_getaffinity"):
         return []
     cores = sorted(os.sched_getaffinity(0))
@@ -146,6 +152,7 @@ def _ways(samples: int, locate: bool) -> list[int]:
 
 
 HELPER_MEMORY = 4 << 30  # bytes of available memory asked for each extra simulator process
+HELPER_AFTER_S = 1.0  # a run phase shorter than this is not worth another process
 
 
 def _available_bytes() -> int | None:
@@ -172,6 +179,7 @@ def probe(
 ) -> ProbeResult:
     """Compile ``qdq`` for the HTP, run it there and compare; a dead child is a failed result."""
     work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work / STASH, ignore_errors=True)  # outputs and claims of an earlier probe
     job = ProbeJob(
         qdq=str(qdq.resolve()),
         float_model=str(float_model.resolve()),
@@ -183,22 +191,81 @@ def probe(
         qnn_options=dict(qnn_options or {}),
         locate=locate,
     )
-    shutil.rmtree(work / "htp_outputs", ignore_errors=True)  # outputs stashed by an earlier probe
-    cores = _ways(len(samples), locate)
-    if not cores:
-        return _run_child(job, work / "probe_job.json", work / "probe.log", timeout_s)
-    return _probe_split(job, work, cores, timeout_s)
-
-
-def _run_child(
-    job: ProbeJob,
-    job_path: Path,
-    log: Path,
-    timeout_s: float,
-    on_tick: Callable[[float], None] | None = None,
-) -> ProbeResult:
+    job_path = work / "probe_job.json"
     job_path.write_text(json.dumps(to_json_value(job)), encoding="utf-8")
-    return _outcome(job, run_module(MODULE, job_path, log, timeout_s, on_tick), timeout_s)
+    helpers = _Helpers(job, work, _cores(len(samples), locate))
+    try:
+        done = run_module(MODULE, job_path, work / "probe.log", timeout_s, helpers.tick)
+    finally:
+        helpers.stop()
+    return _outcome(job, done, timeout_s)
+
+
+class _Helpers:
+    """Starts the helper processes once the main child's run phase has lasted HELPER_AFTER_S
+    with samples left to claim, and ends them with it."""
+
+    def __init__(self, job: ProbeJob, work: Path, cores: list[int]) -> None:
+        self.job, self.work, self.cores = job, work, cores
+        self.started: list[Started] = []
+        self.run_seen: float | None = None
+
+    def tick(self, elapsed: float) -> None:
+        for helper in self.started:
+            helper.proc.poll()  # reap a dead one, so the main child sees it gone
+        if self.started or len(self.cores) < 2:
+            return
+        try:
+            stage = json.loads(Path(self.job.result).read_text("utf-8")).get("stage")
+        except (OSError, ValueError):
+            return
+        if stage != "run":
+            return
+        if self.run_seen is None:
+            self.run_seen = elapsed
+        claims = self.work / STASH
+        claimed = len(list(claims.glob("*.claim"))) if claims.is_dir() else 0
+        if elapsed - self.run_seen < HELPER_AFTER_S or claimed >= len(self.job.samples) - 1:
+            return
+        main_pid = _main_pid(self.job)
+        if main_pid is None:
+            return
+        _pin_threads(main_pid, self.cores[0])
+        ctx = str((self.work / CTX_NAME).resolve())
+        for k, core in enumerate(self.cores[1:], start=1):
+            helper = replace(
+                self.job,
+                result=str((self.work / f"probe_helper_{k}.json").resolve()),
+                ctx=ctx,
+                helper=True,
+                core=core,
+            )
+            path = self.work / f"probe_helper_{k}_job.json"
+            path.write_text(json.dumps(to_json_value(helper)), encoding="utf-8")
+            self.started.append(start_module(MODULE, path, self.work / f"probe_helper_{k}.log"))
+
+    def stop(self) -> None:
+        """The main child is done (or dead): its helpers have nothing left to do."""
+        for helper in self.started:
+            if helper.proc.poll() is None:
+                helper.kill()
+            helper.finish()
+
+
+def _main_pid(job: ProbeJob) -> int | None:
+    try:
+        return int(json.loads(Path(job.result).read_text("utf-8"))["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _pin_threads(pid: int, core: int) -> None:
+    """Pin every thread of ``pid`` (QNN's spinning one too) to ``core``."""
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(task), {core})
+    except (OSError, ValueError):
+        return  # it ended meanwhile, or this is no Linux: the helpers still help
 
 
 def _outcome(job: ProbeJob, done: Finished, timeout_s: float) -> ProbeResult:
@@ -216,65 +283,6 @@ def _outcome(job: ProbeJob, done: Finished, timeout_s: float) -> ProbeResult:
             f"the HTP child died in {result.stage} ({done.signal_name()}): " + " / ".join(tail)
         )
     result.seconds = done.seconds
-    return result
-
-
-def _probe_split(job: ProbeJob, work: Path, cores: list[int], timeout_s: float) -> ProbeResult:
-    """The samples split over ``cores``: compile and run share 0, helpers run the others on the
-    same context bytes (started as soon as it exists, or when the first child ends), then one
-    child compares (and runs what a dead helper left). A helper's failure only costs time; the
-    first child's is the probe's."""
-    started = time.monotonic()
-    count = len(job.samples)
-    shares = [list(range(k, count, len(cores))) for k in range(len(cores))]
-    ctx_path = work / CTX_NAME
-    ctx_path.unlink(missing_ok=True)
-    helpers: list[tuple[ProbeJob, Started]] = []
-
-    def start_helpers(_elapsed: float) -> None:
-        if helpers or not ctx_path.is_file():
-            return
-        for k in range(1, len(cores)):
-            helper = replace(
-                job,
-                result=str((work / f"probe_result_{k}.json").resolve()),
-                ctx=str(ctx_path.resolve()),
-                run=shares[k],
-                compare=False,
-                core=cores[k],
-            )
-            path = work / f"probe_job_{k}.json"
-            path.write_text(json.dumps(to_json_value(helper)), encoding="utf-8")
-            helpers.append((helper, start_module(MODULE, path, work / f"probe_{k}.log")))
-
-    first_job = replace(job, result=str((work / "probe_result_0.json").resolve()), run=shares[0])
-    first_job = replace(first_job, compare=False, core=cores[0])
-    try:
-        first = _run_child(
-            first_job, work / "probe_job_0.json", work / "probe_0.log", timeout_s, start_helpers
-        )
-        if first.ok:
-            start_helpers(0.0)  # the first child was too quick for a tick: they run now
-        for _, helper in helpers:  # they run shares of the same size: not long after the first
-            left = timeout_s - (time.monotonic() - started)
-            try:
-                helper.proc.wait(timeout=max(left, 0.0))
-            except subprocess.TimeoutExpired:
-                helper.kill()
-    finally:
-        for _, helper in helpers:
-            if helper.proc.poll() is None:
-                helper.kill()
-            helper.finish()
-    if not first.ok:
-        return first
-    final = replace(job, ctx=str(ctx_path.resolve()))
-    left = max(timeout_s - (time.monotonic() - started), 1.0)
-    result = _run_child(final, work / "probe_job.json", work / "probe.log", left)
-    if result.ok:  # the first child loaded the context; the last one may not have needed to
-        result.partitions, result.cpu_nodes = first.partitions, first.cpu_nodes
-        result.qnn_sdk, result.onnxruntime_qnn = first.qnn_sdk, first.onnxruntime_qnn
-    result.seconds = time.monotonic() - started
     return result
 
 
@@ -314,19 +322,15 @@ def _run(job: ProbeJob, result: ProbeResult, path: Path) -> None:
         _save(path, result)
 
     work = Path(job.work)
-    stash = work / "htp_outputs"
+    stash = work / STASH
     stash.mkdir(exist_ok=True)
     model_path, exposed = _exposed(job.qdq, work) if job.locate else (Path(job.qdq), [])
     outputs = _output_names(job.float_model)
     names = outputs + [t for t, _, _ in exposed if t not in outputs]
-    wanted = range(len(job.samples)) if job.run is None else job.run
-    to_run = [i for i in wanted if not _stashed(stash, i).is_file()]
-    if not job.ctx or to_run:
-        _run_on_htp(job, result, stage, model_path, names, to_run, stash)
-    else:
-        result.ctx_sha256 = sha256_file(Path(job.ctx))
-        result.sample_sha256 = [sha256_file(Path(sample)) for sample in job.samples]
-    if job.compare:
+    _run_on_htp(job, result, stage, model_path, names, stash)
+    if not job.helper:
+        if hasattr(os, "sched_setaffinity"):  # pinned when helpers joined: compare on every core
+            os.sched_setaffinity(0, ALL_CORES)
         stage("compare")
         _compare(job, result, model_path, outputs, names, exposed, stash)
     result.status = "ok"
@@ -343,17 +347,46 @@ def _stashed(stash: Path, index: int) -> Path:
     return stash / f"{index:04d}.npz"
 
 
+def _claim(stash: Path, index: int) -> bool:
+    """Take sample ``index`` for this process; False when another one has it."""
+    try:
+        fd = os.open(stash / f"{index:04d}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as claim:
+        claim.write(str(os.getpid()))
+    return True
+
+
+def _claimer_alive(stash: Path, index: int) -> bool:
+    """Whether the process that claimed ``index`` may still deliver it (a zombie, dead but not
+    yet reaped by the parent, will not)."""
+    try:
+        pid = int((stash / f"{index:04d}.claim").read_text())
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError):  # being written, or not ours to signal: assume alive
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
 def _run_on_htp(
     job: ProbeJob,
     result: ProbeResult,
     stage: Callable[[str], None],
     model_path: Path,
     names: list[str],
-    indices: list[int],
     stash: Path,
 ) -> None:
-    """Compile (or load ``job.ctx``), measure the partitioning, run ``indices`` and stash each
-    sample's outputs (written whole, then renamed: another child only sees complete files)."""
+    """Compile (or, a helper, load the main child's context), measure the partitioning, then run
+    the samples this process claims and stash their outputs (written whole, then renamed, so
+    another process only ever sees complete files). The main child then waits for the helpers'
+    samples and runs itself any whose claimer died."""
     import onnxruntime as ort
 
     from qnn_ctx_runtime import qnn
@@ -377,7 +410,7 @@ def _run_on_htp(
         ort.ModelCompiler(
             options, str(model_path), embed_compiled_data_into_model=True
         ).compile_to_file(str(partial))
-        partial.replace(ctx_path)  # helpers start when it appears: whole or not at all
+        partial.replace(ctx_path)
     result.ctx_sha256 = sha256_file(ctx_path)
     result.sample_sha256 = [sha256_file(Path(sample)) for sample in job.samples]
     stage("load")
@@ -395,17 +428,32 @@ def _run_on_htp(
         for n in s.get_nodes()
         if n.op_type not in io_qdq
     )
+
     # The HTP's outputs go to disk first and its session is closed before the CPU models run:
     # the simulator and two CPU sessions of a 1024x2048 model side by side took 1.7 GiB.
     stage("run")
-    for index in indices:
-        with np.load(job.samples[index], allow_pickle=False) as data:
-            feeds = {k: data[k] for k in data.files}
-        target = _stashed(stash, index)
-        partial = target.with_name(f".{target.stem}.{os.getpid()}.partial.npz")
-        np.savez(partial, *ctx.run(names, feeds))
-        partial.replace(target)
+    count = len(job.samples)
+    for index in reversed(range(count)) if job.helper else range(count):
+        if _claim(stash, index):
+            _run_sample(ctx, job.samples[index], names, _stashed(stash, index))
+    while not job.helper:
+        missing = [i for i in range(count) if not _stashed(stash, i).is_file()]
+        if not missing:
+            break
+        for index in missing:
+            if not _claimer_alive(stash, index) and not _stashed(stash, index).is_file():
+                # its helper died: this process runs it after all
+                _run_sample(ctx, job.samples[index], names, _stashed(stash, index))
+        time.sleep(0.02)
     del ctx, assignment  # the assignment info holds the session (and the simulator) alive
+
+
+def _run_sample(session: Any, sample: str, names: list[str], target: Path) -> None:
+    with np.load(sample, allow_pickle=False) as data:
+        feeds = {k: data[k] for k in data.files}
+    partial = target.with_name(f".{target.stem}.{os.getpid()}.partial.npz")
+    np.savez(partial, *session.run(names, feeds))
+    partial.replace(target)
 
 
 def _compare(
@@ -455,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         # thread then shares this core instead of taking another probe's.
         os.sched_setaffinity(0, {job.core})
     path = Path(job.result)
-    result = ProbeResult()
+    result = ProbeResult(pid=os.getpid())
     started = time.perf_counter()
     try:
         _run(job, result, path)
