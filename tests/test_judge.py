@@ -229,6 +229,14 @@ def test_compile_reuses_the_judges_figures_for_the_same_ctx_and_only_then(tmp_pa
 
     reused = compiled(force=True).validation
     assert reused.measured_by.startswith("the quantize stage's HTP judge")
+    # Compile adopted the very context the judge ran instead of compiling it again.
+    from pipeline.core.fileio import sha256_file
+
+    folder = paths.variant(toolchain.onnxruntime_qnn, config.compile.targets[0])
+    (ctx,) = folder.root.glob("*_ctx.onnx")
+    judged = json.loads(probe.read_text())["ctx_sha256"]
+    assert sha256_file(ctx) == judged == sha256_file(paths.bucket("static").htp_probe_ctx)
+    assert "the HTP judge's context, adopted" in folder.log.read_text()
     assert reused.samples == len(samples) // 4  # every held-out sample (held_out = 0.25)
     # A probe record that no longer matches the ctx: compile runs the simulator itself.
     record = json.loads(probe.read_text())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,7 +36,7 @@ from qnn_ctx_runtime import qnn
 from ..core.cpu import cpu_session
 from ..core.dtypes import np_dtype, value_type_name
 from ..core.fileio import sha256_file
-from ..core.layout import STANDALONE_DIR
+from ..core.layout import HTP_PROBE_CTX, STANDALONE_DIR
 from ..core.metrics import OutputComparison, worst_snr
 from ..core.records import (
     BucketOutcome,
@@ -137,6 +138,18 @@ def compile_set(job: CompileJob, ep: qnn.QnnEp, out_dir: Path, share: bool) -> d
         stale.unlink()
     ctxs = {}
     for index, bucket in enumerate(job.buckets):
+        adopted = None if share else adoptable_probe_ctx(job, ep, bucket)
+        if adopted is not None:
+            ctx = out_dir / bucket.ctx_name
+            shutil.copyfile(adopted, ctx)
+            print(
+                f"[compile_worker] {ctx.name}: the HTP judge's context, adopted (compiled by "
+                f"onnxruntime-qnn {ep.installed.package_version} from this QDQ for this chip with "
+                "these options, every digest checked)",
+                flush=True,
+            )
+            ctxs[bucket.name] = ctx
+            continue
         config: dict[str, str] = {}
         if share:
             config = {**SHARE, "ep.context_node_name_prefix": f"{bucket.name}_"}
@@ -453,6 +466,28 @@ def snr_gate(
         shown = ", ".join(f"{name} {value:.1f} dB" for name, value in lowered.items())
         gate += f"; lowered to the pre-quantized model's own rounding floor, less a margin: {shown}"
     return passed, gate
+
+
+def adoptable_probe_ctx(job: CompileJob, ep: qnn.QnnEp, bucket: BucketJob) -> Path | None:
+    """The context the quantize stage's HTP judge compiled and ran, when compiling again would be
+    the same compile: same QDQ bytes, onnxruntime-qnn, chip and QNN options, embedded, one
+    bucket. QNN does not always compile a graph to the same bytes twice (recurrent ones), so
+    adopting it is what lets the judge's run stand as this context's validation."""
+    if job.multi or not job.embed or not bucket.htp_probe or job.backend_type != "htp":
+        return None
+    ctx = Path(bucket.htp_probe).with_name(HTP_PROBE_CTX)
+    record, _ = read_record(HtpProbeRecord, Path(bucket.htp_probe))
+    if (
+        record is None
+        or not ctx.is_file()
+        or record.onnxruntime_qnn != ep.installed.package_version
+        or (record.soc_model, record.htp_arch) != (job.soc_model, job.htp_arch)
+        or record.qnn_options != job.qnn_options
+        or record.qdq_sha256 != sha256_file(Path(bucket.qdq))
+        or record.ctx_sha256 != sha256_file(ctx)
+    ):
+        return None
+    return ctx
 
 
 def probe_validation(

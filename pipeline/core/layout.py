@@ -43,6 +43,7 @@ SAMPLE_GLOB = "sample_*.npz"
 # Held-out samples a context runs on the HTP (the simulator here) to be validated: compile's
 # validation, and the quantize stage's first HTP probe, whose figures compile can then reuse.
 VALIDATE_SAMPLES = 16
+HTP_PROBE_CTX = "htp_probe_ctx.onnx"  # beside htp_probe.json: the context the HTP judge ran
 STANDALONE_DIR = "standalone"
 # The gpu variant's folder beside the target chips' (ctx/<toolchain>/gpu/) and its manifest target.
 GPU_TARGET = "gpu"
@@ -101,6 +102,13 @@ class BucketPaths:
         """What the quantize stage's HTP judge measured on this QDQ model (pipeline.htp.probe):
         compile reuses it for a ctx of the same bytes instead of running the simulator again."""
         return self.root / "htp_probe.json"
+
+    @property
+    def htp_probe_ctx(self) -> Path:
+        """The context the judge ran (embedded, for its chip): compile adopts these very bytes
+        when the QDQ, toolchain, chip and QNN options match, instead of compiling again (QNN does
+        not always compile a recurrent graph to the same bytes twice)."""
+        return self.root / HTP_PROBE_CTX
 
 
 @dataclass(frozen=True)

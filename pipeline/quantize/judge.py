@@ -36,12 +36,12 @@ import numpy as np
 from qnn_ctx_runtime.targets import Target, get_target
 
 from ..core.config import ModelConfig
-from ..core.fileio import sha256_file
-from ..core.layout import VALIDATE_SAMPLES, spread
+from ..core.fileio import atomic_path, sha256_file
+from ..core.layout import HTP_PROBE_CTX, VALIDATE_SAMPLES, spread
 from ..core.metrics import worst_snr
 from ..core.progress import Progress
 from ..core.records import HtpProbeRecord, write_record
-from ..htp.probe import ProbeResult, probe, qnn_available
+from ..htp.probe import CTX_NAME, ProbeResult, probe, qnn_available
 from .mixed_precision import EIGHT_BIT, SIXTEEN_BIT, measure
 
 HTP_GAP_DB = 3.0  # the HTP may lose this much against the CPU QDQ model before it is "diverging"
@@ -166,6 +166,7 @@ def judge_on_htp(
     current = Candidate("as quantized", dict(overrides))
     if probe_record is not None:
         probe_record.unlink(missing_ok=True)
+        probe_record.with_name(HTP_PROBE_CTX).unlink(missing_ok=True)
     why_not = "quantization.judge = 'cpu'" if q.judge == "cpu" else qnn_available()
     if why_not:
         return HtpJudgement("cpu", f"judged on the CPU: {why_not}"), current
@@ -180,6 +181,7 @@ def judge_on_htp(
     target_db = q.target_snr_db
     work = Path(tempfile.mkdtemp(prefix=".htp-judge-", dir=scratch))
     rounds: list[JudgeRound] = []
+    ctx_of: dict[int, Path] = {}  # each probe's context file, by id of its result
     remedies: list[str] = []
     divergence: Divergence | None = None
     progress = Progress(MAX_REMEDIES + 3, f"HTP judge ({chip.name})", "round")
@@ -188,16 +190,18 @@ def judge_on_htp(
         def run(label: str, locate: bool = False, on: list[Path] | None = None) -> ProbeResult:
             shown = label + (" (locate)" if locate else "")
             progress.status(f"round {len(rounds) + 1}: {shown}: compile and run on the HTP")
+            folder = work / f"p{len(rounds)}"
             result = probe(
                 qdq_path,
                 float_path,
                 samples if on is None else on,
-                work / f"p{len(rounds)}",
+                folder,
                 chip.soc_model,
                 chip.htp_arch,
                 locate=locate,
             )
             rounds.append(_round(shown, result))
+            ctx_of[id(result)] = folder / CTX_NAME
             progress.update(1)
             db = "failed" if not result.ok else f"{result.worst_ctx_vs_float:.1f} dB vs float"
             progress.status(f"round {len(rounds)}: {shown}: {db}")
@@ -317,7 +321,9 @@ def judge_on_htp(
         if best is not current:
             builder.build(best)  # leave the kept candidate on disk
         if probe_record is not None:
-            _write_probe_record(probe_record, qdq_path, best_sha, best_result, chip)
+            _write_probe_record(
+                probe_record, qdq_path, best_sha, best_result, chip, ctx_of[id(best_result)]
+            )
         return (
             HtpJudgement(
                 "htp",
@@ -341,12 +347,18 @@ def judge_on_htp(
 
 
 def _write_probe_record(
-    path: Path, qdq_path: Path, qdq_sha: str, result: ProbeResult, chip: Target
+    path: Path, qdq_path: Path, qdq_sha: str, result: ProbeResult, chip: Target, ctx: Path
 ) -> None:
     """The kept candidate's figures, for compile to reuse, if the QDQ on disk is still the one
     probed (re-quantizing the same choices is deterministic, but only the digest proves it)."""
     if not result.ok or not result.ctx_sha256 or sha256_file(qdq_path) != qdq_sha:
         return
+    kept = path.with_name(HTP_PROBE_CTX)
+    if ctx.is_file() and sha256_file(ctx) == result.ctx_sha256:
+        with atomic_path(kept) as tmp:
+            shutil.copyfile(ctx, tmp)
+    else:
+        kept.unlink(missing_ok=True)
     record = HtpProbeRecord(
         qdq_sha256=qdq_sha,
         ctx_sha256=result.ctx_sha256,
