@@ -180,6 +180,8 @@ def probe(
     """Compile ``qdq`` for the HTP, run it there and compare; a dead child is a failed result."""
     work.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / STASH, ignore_errors=True)  # outputs and claims of an earlier probe
+    for stale in [work / "probe_result.json", *work.glob("probe_helper_*")]:
+        stale.unlink(missing_ok=True)  # its stage or pid must not pass for this probe's
     job = ProbeJob(
         qdq=str(qdq.resolve()),
         float_model=str(float_model.resolve()),
