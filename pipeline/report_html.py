@@ -430,13 +430,7 @@ def fig_mixed_curve(mixed: dict[str, Any]) -> Any | None:
         )
     target = _finite(mixed.get("target_snr_db"))
     if target is not None:
-        ax.axhline(
-            target,
-            color=COLOURS["target"],
-            linestyle="--",
-            linewidth=1,
-            label=f"target {target:g} dB",
-        )
+        _limit_line(ax.axhline, target, f"target {target:g} dB")
     ax.set_xlabel("tensors raised to 16 bit")
     ax.set_ylabel("worst output SNR vs float (dB)")
     ax.set_title("Mixed precision: output SNR vs tensors raised to 16 bit")
@@ -467,28 +461,12 @@ def fig_sensitivity(mixed: dict[str, Any]) -> Any | None:
     ax.set_yticks(list(ys), [_short(t[0]) for t in shown], fontsize=8)
     ax.invert_yaxis()
     for y, v in zip(ys, values, strict=True):
-        ax.annotate(
-            f"{v:.1f}",
-            (v, y),
-            textcoords="offset points",
-            xytext=(3 if v >= 0 else -3, 0),
-            ha="left" if v >= 0 else "right",
-            va="center",
-            fontsize=7,
-        )
+        _bar_label(ax, f"{v:.1f}", v, y)
     target = _finite(mixed.get("target_snr_db"))
     kinds = sorted({t[1] for t in shown})
     handles = [_patch(COLOURS.get(k, "#7f7f7f"), k) for k in kinds]
     if target is not None:
-        handles.append(
-            ax.axvline(
-                target,
-                color=COLOURS["target"],
-                linestyle="--",
-                linewidth=1,
-                label=f"target {target:g} dB",
-            )
-        )
+        handles.append(_limit_line(ax.axvline, target, f"target {target:g} dB"))
     lo, hi = min([*values, 0.0]), max([*values, target or 0.0])
     ax.set_xlim(lo - 0.08 * (hi - lo + 1), hi + 0.1 * (hi - lo + 1))
     ax.set_xlabel("output SNR vs float with only this tensor at 8 bit (dB): lower costs more")
@@ -497,6 +475,24 @@ def fig_sensitivity(mixed: dict[str, Any]) -> Any | None:
     ax.set_title(f"Sensitivity of the raised tensors{more}")
     ax.grid(axis="y", visible=False)
     return fig
+
+
+def _bar_label(ax: Any, text: str, x: float, y: float) -> None:
+    """``text`` just past the end of a horizontal bar (left of it for a negative one)."""
+    ax.annotate(
+        text,
+        (x, y),
+        textcoords="offset points",
+        xytext=(3 if x >= 0 else -3, 0),
+        ha="left" if x >= 0 else "right",
+        va="center",
+        fontsize=7,
+    )
+
+
+def _limit_line(draw: Any, value: float, label: str) -> Any:
+    """A target or gate: ``draw`` is the axes' axvline or axhline."""
+    return draw(value, color=COLOURS["target"], linestyle="--", linewidth=1, label=label)
 
 
 def _legend(fig: Any, handles: list[Any], labels: list[str]) -> None:
@@ -549,30 +545,14 @@ def _hbar_groups(
                 label=label if g == 0 else None,
             )
             text = ("inf (identical)" if value > 0 else "-inf") if infinite else f"{value:.1f}"
-            ax.annotate(
-                text,
-                (drawn, y),
-                textcoords="offset points",
-                xytext=(3 if drawn >= 0 else -3, 0),
-                ha="left" if drawn >= 0 else "right",
-                va="center",
-                fontsize=7,
-            )
+            _bar_label(ax, text, drawn, y)
     ax.set_yticks(range(len(groups)), groups, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(lo - 0.1 * span if lo < 0 else 0, cap + 0.22 * span)
     ax.grid(axis="y", visible=False)
     handles = [_patch(colour, label) for label, colour, _ in series]
     if gate_db:
-        handles.append(
-            ax.axvline(
-                gate_db,
-                color=COLOURS["target"],
-                linestyle="--",
-                linewidth=1,
-                label=f"gate: ctx vs QDQ >= {gate_db:g} dB",
-            )
-        )
+        handles.append(_limit_line(ax.axvline, gate_db, f"gate: ctx vs QDQ >= {gate_db:g} dB"))
     _legend(ax.figure, handles, [h.get_label() for h in handles])
 
 
@@ -711,14 +691,7 @@ def fig_load(variants: list[dict[str, Any]]) -> Any | None:
                 continue
             y = g + (k - (len(series) - 1) / 2) * height
             ax.barh(y, value, height=height * 0.95, color=colour, label=label if g == 0 else None)
-            ax.annotate(
-                f"{value:.1f} ms",
-                (value, y),
-                textcoords="offset points",
-                xytext=(3, 0),
-                va="center",
-                fontsize=7,
-            )
+            _bar_label(ax, f"{value:.1f} ms", value, y)
     ax.set_xscale("log")
     finite = [x for _, _, vals in series for x in vals if x]
     ax.set_xlim(min(finite) / 2, max(finite) * 4)
