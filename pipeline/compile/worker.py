@@ -468,26 +468,33 @@ def snr_gate(
     return passed, gate
 
 
-def adoptable_probe_ctx(job: CompileJob, ep: qnn.QnnEp, bucket: BucketJob) -> Path | None:
-    """The context the quantize stage's HTP judge compiled and ran, when compiling again would be
-    the same compile: same QDQ bytes, onnxruntime-qnn, chip and QNN options, embedded, one
-    bucket. QNN does not always compile a graph to the same bytes twice (recurrent ones), so
-    adopting it is what lets the judge's run stand as this context's validation."""
-    if job.multi or not job.embed or not bucket.htp_probe or job.backend_type != "htp":
+def judged_here(job: CompileJob, ep: qnn.QnnEp, bucket: BucketJob) -> HtpProbeRecord | None:
+    """The quantize stage's HTP judge record of this bucket, if it describes this very compile:
+    same QDQ bytes, onnxruntime-qnn, chip and QNN options, one bucket on the HTP."""
+    if job.multi or not bucket.htp_probe or job.backend_type != "htp":
         return None
-    ctx = Path(bucket.htp_probe).with_name(HTP_PROBE_CTX)
     record, _ = read_record(HtpProbeRecord, Path(bucket.htp_probe))
     if (
         record is None
-        or not ctx.is_file()
         or record.onnxruntime_qnn != ep.installed.package_version
         or (record.soc_model, record.htp_arch) != (job.soc_model, job.htp_arch)
         or record.qnn_options != job.qnn_options
         or record.qdq_sha256 != sha256_file(Path(bucket.qdq))
-        or record.ctx_sha256 != sha256_file(ctx)
     ):
         return None
-    return ctx
+    return record
+
+
+def adoptable_probe_ctx(job: CompileJob, ep: qnn.QnnEp, bucket: BucketJob) -> Path | None:
+    """The context the judge compiled and ran, when compiling again would be the same compile
+    (``judged_here``) and it is embedded. QNN does not always compile a graph to the same bytes
+    twice (recurrent ones), so adopting it is what lets the judge's run stand as this context's
+    validation."""
+    record = judged_here(job, ep, bucket) if job.embed else None
+    if record is None:
+        return None
+    ctx = Path(bucket.htp_probe).with_name(HTP_PROBE_CTX)
+    return ctx if ctx.is_file() and record.ctx_sha256 == sha256_file(ctx) else None
 
 
 def probe_validation(
@@ -496,18 +503,12 @@ def probe_validation(
     """The quantize stage's HTP judge already ran this very ctx (the same bytes, compiled by the
     same onnxruntime-qnn from the same QDQ) on these very held-out samples: its figures are what
     running it again would measure. None unless every one of those is proven by digest."""
-    if job.multi or not bucket.htp_probe or job.backend_type != "htp":
-        return None
-    record, _ = read_record(HtpProbeRecord, Path(bucket.htp_probe))
+    record = judged_here(job, ep, bucket)
     samples = bucket.heldout[: job.validate_samples or None]
     if (
         record is None
         or not samples
-        or record.onnxruntime_qnn != ep.installed.package_version
-        or (record.soc_model, record.htp_arch) != (job.soc_model, job.htp_arch)
-        or record.qnn_options != job.qnn_options
         or record.ctx_sha256 != sha256_file(ctx)
-        or record.qdq_sha256 != sha256_file(Path(bucket.qdq))
         or record.sample_sha256 != [sha256_file(Path(s)) for s in samples]
     ):
         return None
