@@ -85,6 +85,7 @@ class RangeChanges:
     bias_floor: list[BiasFloor] = field(default_factory=list)
     mask_fills: list[str] = field(default_factory=list)  # tensors cut to their unmasked range
     bias_corrections: int = 0  # layers whose bias absorbed their weight's mean rounding error
+    swish_splits: list[str] = field(default_factory=list)  # pipeline.graph.qdq_htp edits
     # Weight -> (rmin, rmax) for onnxruntime's TensorQuantOverrides (not in the report).
     weight_ranges: dict[str, Interval] = field(default_factory=dict)
 

@@ -123,6 +123,9 @@ def candidates(qdq: Any, elems: dict[int, str] = EIGHT_BIT) -> list[Candidate]:
         return numpy_helper.to_array(inits[name]) if name in inits else None
 
     found: dict[str, Candidate] = {}
+    # A QuantizeLinear of a DequantizeLinear's output requantizes (pipeline.graph.qdq_htp): not
+    # a float tensor of its own.
+    requantized = {o for n in qdq.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
     for node in qdq.graph.node:
         if node.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(node.input) < 3:
             continue
@@ -131,7 +134,8 @@ def candidates(qdq: Any, elems: dict[int, str] = EIGHT_BIT) -> list[Candidate]:
             continue
         elem = inits[node.input[2]].data_type
         axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
-        if node.op_type == "QuantizeLinear" and node.input[0] not in inits:
+        source = node.input[0]
+        if node.op_type == "QuantizeLinear" and source not in inits and source not in requantized:
             # onnxruntime renames a quantized graph output's producer to "<name>_QuantizeLinear_Input".
             name = node.input[0].removesuffix("_QuantizeLinear_Input")
             found.setdefault(name, Candidate(name, "activation", scale, zero, elem))

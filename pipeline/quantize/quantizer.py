@@ -23,6 +23,7 @@ from ..core.config import ModelConfig
 from ..core.errors import CalibrationError, ModelError, PipelineError
 from ..core.fileio import atomic_path
 from ..core.progress import Progress
+from ..graph import qdq_htp
 from . import bias_correction
 
 CALIBRATION_CHUNK = 16  # samples whose intermediate outputs are held at once
@@ -218,6 +219,11 @@ def quantize(
             with atomic_path(qdq_path) as tmp:
                 onnx.save(corrected, str(tmp))
         changes = dataclasses.replace(changes, bias_corrections=len(change.details))
+    split, change = qdq_htp.split_swish_input(onnx.load(str(qdq_path)))
+    if change.changed:
+        with atomic_path(qdq_path) as tmp:
+            onnx.save(split, str(tmp))
+        changes = dataclasses.replace(changes, swish_splits=list(change.details))
     return changes
 
 

@@ -32,6 +32,7 @@ class RangeRules:
     bias_floor: list[BiasFloor]
     mask_fills: list[str] | None = None  # attention scores cut to their unmasked range
     bias_corrections: int = 0  # layers whose bias absorbed their weight's mean rounding error
+    swish_splits: list[str] | None = None  # x * sigmoid(x) given a requantized copy of x
 
 
 @dataclass(frozen=True)
@@ -239,6 +240,12 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
         lines.append(
             f"Bias correction: {rules.bias_corrections} layer(s) absorb in their bias the mean "
             "error their weight's rounding adds (pipeline/quantize/bias_correction.py)."
+        )
+    if rules.swish_splits:
+        lines.append(
+            f"SiLU for the HTP: {len(rules.swish_splits)} x * sigmoid(x) read a requantized copy "
+            "of x (the HTP's fused 16-bit SiLU is wrong for some shapes; "
+            "pipeline/graph/qdq_htp.py)."
         )
     if rules.mask_fills:
         shown = ", ".join(f"`{n}`" for n in rules.mask_fills[:6])

@@ -1,0 +1,109 @@
+"""Rewrites of a *quantized* (QDQ) model for patterns the HTP computes wrongly.
+
+The QNN HTP backend (QNN 2.51, onnxruntime-qnn 2.7.0, measured on the simulator) fuses
+``x * Sigmoid(x)`` (SiLU/Swish: YOLOv5/v8, EfficientNet and most detectors since) into one
+op when both factors read the *same* 16-bit quantized tensor. That fused op is wrong for some
+tensor shapes: a Conv -> SiLU at 12x12 or 10x10 (not 8x8, 14x14 or 16x16) came out at 2-5 dB
+against the CPU QDQ model, a third of the elements wrong; inside a YOLOv8n the whole model
+fell from 46 dB (CPU QDQ) to 12 dB on the HTP, with run-to-run differences on the same input.
+With 8-bit activations, or with the pattern broken, it is right (64-80 dB).
+
+``split_swish_input`` breaks the pattern without changing what the model computes: the Mul's
+direct factor gets its own QuantizeLinear/DequantizeLinear pair with a scale larger by
+``SPLIT_SCALE`` (a requantization the HTP runs as a Convert; it adds at most half a 16-bit step
+of rounding, ~90 dB below the signal), so the HTP no longer sees one tensor on both sides.
+tests/test_qdq_htp.py builds the failing case and checks both the rewrite and the HTP's result.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import numpy_helper
+
+from .edit import Change, FreshNames, checked_change, copy_model, sort_graph
+
+# Activations the HTP gates a tensor with itself through (x * f(x)); measured wrong: Sigmoid.
+SELF_GATES = ("Sigmoid",)
+SIXTEEN_BIT = (onnx.TensorProto.UINT16, onnx.TensorProto.INT16)
+# The copy's scale: larger, so nothing clips, and different enough that the QNN EP does not drop
+# the requantization as a no-op.
+SPLIT_SCALE = 1.0 + 2.0**-10
+
+
+def split_swish_input(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Give the direct factor of every 16-bit ``x * Sigmoid(x)`` its own requantized copy."""
+    out = copy_model(model)
+    graph = out.graph
+    inits = {i.name: i for i in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output if o}
+    fresh = FreshNames(out)
+
+    def dequantized_from(tensor: str) -> onnx.NodeProto | None:
+        """The 16-bit, per-tensor DequantizeLinear of an activation that produces ``tensor``."""
+        node = producer.get(tensor)
+        if node is None or node.op_type != "DequantizeLinear" or len(node.input) < 3:
+            return None
+        scale, zero = inits.get(node.input[1]), inits.get(node.input[2])
+        if node.input[0] in inits or scale is None or zero is None:
+            return None  # a weight, or parameters computed at run time
+        if zero.data_type not in SIXTEEN_BIT or numpy_helper.to_array(scale).size != 1:
+            return None
+        return node
+
+    def gate_source(tensor: str) -> str | None:
+        """The quantized tensor that a Sigmoid -> Q -> DQ chain ending in ``tensor`` reads."""
+        dq = producer.get(tensor)
+        if dq is None or dq.op_type != "DequantizeLinear":
+            return None
+        q = producer.get(dq.input[0])
+        if q is None or q.op_type != "QuantizeLinear":
+            return None
+        gate = producer.get(q.input[0])
+        if gate is None or gate.op_type not in SELF_GATES:
+            return None
+        source = dequantized_from(gate.input[0])
+        return source.input[0] if source is not None else None
+
+    details: list[str] = []
+    added: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if node.op_type != "Mul" or len(node.input) != 2:
+            continue
+        for direct, other in ((0, 1), (1, 0)):
+            dq = dequantized_from(node.input[direct])
+            if dq is None or gate_source(node.input[other]) != dq.input[0]:
+                continue
+            scale = numpy_helper.to_array(inits[dq.input[1]])
+            scale_name = fresh(f"{dq.input[0]}_htp_split_scale")
+            copy_q, copy_dq = fresh(f"{dq.input[0]}_htp_split"), fresh(f"{dq.output[0]}_htp_split")
+            graph.initializer.append(
+                numpy_helper.from_array((scale * SPLIT_SCALE).astype(scale.dtype), scale_name)
+            )
+            zero = dq.input[2]
+            added.append(
+                onnx.helper.make_node(
+                    "QuantizeLinear",
+                    [node.input[direct], scale_name, zero],
+                    [copy_q],
+                    name=fresh(f"{copy_q}_QuantizeLinear"),
+                )
+            )
+            added.append(
+                onnx.helper.make_node(
+                    "DequantizeLinear",
+                    [copy_q, scale_name, zero],
+                    [copy_dq],
+                    name=fresh(f"{copy_dq}_DequantizeLinear"),
+                )
+            )
+            node.input[direct] = copy_dq
+            details.append(
+                f"Mul {node.name or node.output[0]!r}: x * sigmoid(x) reads a requantized copy "
+                f"of {dq.input[0]!r} (the HTP's fused 16-bit SiLU is wrong for some shapes)"
+            )
+            break
+    if not details:
+        return model, Change("split_swish_input")
+    graph.node.extend(added)
+    sort_graph(graph)
+    return checked_change(out, "split_swish_input", details)
