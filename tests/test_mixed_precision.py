@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -261,6 +262,58 @@ def test_live_ranges_of_clip_relu_hardsigmoid_and_no_op() -> None:
         [],
     )
     assert ranges.live_ranges(alone, {}, 16)["x"] == pytest.approx((-2.5, 2.5))
+
+
+def test_saturating_input_seen_on_one_side_gets_its_whole_live_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A score map calibrated on images without objects: its Sigmoid input never went above
+    0 there, and every object seen later was clipped to probability 0.5 (PP-OCRv4 det)."""
+    model = _model(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["sum"]),
+            helper.make_node("Add", ["sum", "bias"], ["logit"]),
+            helper.make_node("Sigmoid", ["logit"], ["y"]),
+        ],
+        [_tensor("x", [1, 8])],
+        [_tensor("y", [1, 1])],
+        [_init("w", np.ones((8, 1))), _init("bias", np.array(-6.0))],
+    )
+    rng = np.random.default_rng(5)
+    # Calibration: every feature spans [0, 1], but never more than 4 of them at once.
+    background = [(rng.permutation(8) < 2 + i % 3).astype(np.float32)[None] for i in range(16)]
+    report = _build(tmp_path, model, background)
+    assert report["range_rules"]["filled"] >= 1
+    objects = rng.uniform(0.8, 1.0, (32, 8)).astype(np.float32)  # all features at once
+    expected = 1 / (1 + np.exp(-(objects.sum(axis=1) - 6.0)))
+
+    def snr_on_objects() -> float:
+        session = ort.InferenceSession(
+            _qdq(tmp_path).SerializeToString(), providers=["CPUExecutionProvider"]
+        )
+        got = np.array([session.run(None, {"x": row[None]})[0].item() for row in objects])
+        return float(10 * np.log10(np.sum(expected**2) / np.sum((expected - got) ** 2)))
+
+    assert snr_on_objects() > 40.0
+    monkeypatch.setattr(ranges, "FILL_MAX_RATIO", 0.0)
+    _rebuild(tmp_path)
+    assert snr_on_objects() < 15.0  # every object clipped near probability 0.5
+
+
+def test_fill_live_only_for_16_bit_finite_and_affordable_ranges() -> None:
+    live = {
+        "sig": (-11.8, 11.8),
+        "relu6": (0.0, 6.0),
+        "relu": (0.0, ranges.INF),
+        "far": (-1e3, 1e3),
+    }
+    calibrated = {"sig": (-11.8, 0.0), "relu6": (0.0, 4.0), "relu": (0.0, 2.0), "far": (-1, 1)}
+    bits = dict.fromkeys(calibrated, 16)
+    filled, count = ranges.fill_live(calibrated, live, bits)
+    assert filled == {**calibrated, "sig": (-11.8, 11.8), "relu6": (0.0, 6.0)} and count == 2
+    assert ranges.fill_live(calibrated, live, {**bits, "sig": 8})[0]["sig"] == (-11.8, 0.0)
+    # Calibration only saw saturated values (collapsed at the edge): all of the live range.
+    assert ranges.fill_live({"sig": (-11.8, -11.8)}, live, bits)[0]["sig"] == (-11.8, 11.8)
 
 
 # --- margin for values calibration never saw ----------------------------------------------------

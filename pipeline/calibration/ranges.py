@@ -15,6 +15,12 @@ real models; each is fixed here, on the ranges, before onnxruntime picks scales:
   far as its own quantization SNR (from the tensor's RMS on calibration samples) can pay while
   staying above ``MARGIN_FLOOR_DB``; never past the bounds the producing op guarantees
   (onnxruntime removes Relu/Clip and lets QuantizeLinear clamp, so those must stay exact).
+- **A saturating reader's input seen on one side only** (``fill_live``). A detector's score
+  map is negative almost everywhere; calibration images with no object in them (no text for
+  a DBNet text detector) leave its Sigmoid input calibrated to [-11.8, 0], and every held-out
+  object is clipped to probability 0.5 (PP-OCRv4's detector: 5.6 dB). At 16 bits the whole
+  live range of such an input costs a few dB of a ~90 dB tensor, so it gets all of it
+  (at most ``FILL_MAX_RATIO`` times its calibrated span).
 - **Bias overflow** (``bias_floor``). A Conv/Gemm bias is stored as int32 with scale
   input_scale x weight_scale. When the input is constant (a ReLU branch that is always 0, in
   ppocr_rec's first SE block) its range collapses to onnxruntime's minimum (1e-4), the bias
@@ -35,6 +41,7 @@ _FLOAT_TYPE = 1  # onnx TensorProto.FLOAT
 Interval = tuple[float, float]
 MAX_MARGIN = 0.5  # widen a range by at most this x its span, on each side
 MARGIN_FLOOR_DB = 60.0  # ... and only while its own quantization SNR stays above this
+FILL_MAX_RATIO = 16.0  # a 16-bit tensor pays at most 24 dB of its ~90 dB to cover its live range
 MIN_REAL_RANGE = 1e-4  # onnxruntime's default for QNN (get_qnn_qdq_config)
 BIAS_HEADROOM = 1.05  # keep the largest bias a little inside the int32 range
 INT32_SPAN = float(2**32 - 2)  # onnxruntime: int32 max - (int32 min + 1)
@@ -85,6 +92,7 @@ class RangeChanges:
     bias_floor: list[BiasFloor] = field(default_factory=list)
     mask_fills: list[str] = field(default_factory=list)  # tensors cut to their unmasked range
     bias_corrections: int = 0  # layers whose bias absorbed their weight's mean rounding error
+    filled: int = 0  # 16-bit inputs of saturating ops given their whole live range
     swish_splits: list[str] = field(default_factory=list)  # pipeline.graph.qdq_htp edits
     # Weight -> (rmin, rmax) for onnxruntime's TensorQuantOverrides (not in the report).
     weight_ranges: dict[str, Interval] = field(default_factory=dict)
@@ -271,6 +279,28 @@ def clamp_to_live(
             new_low = new_high = floor if high < floor else ceiling
         if (new_low, new_high) != (low, high):
             result[name] = (new_low, new_high)
+            changed += 1
+    return result, changed
+
+
+def fill_live(
+    ranges: dict[str, Interval], live: dict[str, Interval], bits: dict[str, int]
+) -> tuple[dict[str, Interval], int]:
+    """16-bit tensors whose live range is finite on both sides, widened to all of it (when it
+    is at most ``FILL_MAX_RATIO`` times their calibrated span); returns them and how many."""
+    result = dict(ranges)
+    changed = 0
+    for name, (low, high) in ranges.items():
+        if bits.get(name, 8) < 16 or name not in live:
+            continue
+        floor, ceiling = live[name]
+        if not (np.isfinite(floor) and np.isfinite(ceiling)):
+            continue
+        if high > low and ceiling - floor > FILL_MAX_RATIO * (high - low):
+            continue  # (a collapsed range saw only saturated values: it gets the live range)
+        filled = (min(low, floor), max(high, ceiling))
+        if filled != (low, high):
+            result[name] = filled
             changed += 1
     return result, changed
 
@@ -692,10 +722,12 @@ def tune(
     changes.widened = sum(1 for n in widened if widened[n] != ranges[n])
     # Second pass: with every range now known, the rule also passes through x+y and x-y.
     # Narrowing a tensor afterwards only makes the bounds it lent to others conservative.
-    ranges, _ = clamp_to_live(widened, live_ranges(model, bits, default_bits, widened))
+    live = live_ranges(model, bits, default_bits, widened)
+    ranges, _ = clamp_to_live(widened, live)
     changes.clamped = sum(
         1 for n, (lo, hi) in raw.items() if ranges[n][0] > lo or ranges[n][1] < hi
     )
+    ranges, changes.filled = fill_live(ranges, live, bits)
     ranges, fill_ranges, changes.mask_fills = mask_fill_ranges(model, ranges)
     floors, weight_ranges = bias_floor(model, ranges, activation_types, weight_types, per_channel)
     ranges = apply_bias_floor(ranges, floors)

@@ -608,6 +608,7 @@ def _build(
             changes.bias_floor,
             changes.mask_fills or None,
             changes.bias_corrections,
+            changes.filled,
             changes.swish_splits or None,
         ),
         mixed_precision=mixed,

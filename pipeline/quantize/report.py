@@ -32,6 +32,7 @@ class RangeRules:
     bias_floor: list[BiasFloor]
     mask_fills: list[str] | None = None  # attention scores cut to their unmasked range
     bias_corrections: int = 0  # layers whose bias absorbed their weight's mean rounding error
+    filled: int = 0  # 16-bit inputs of saturating ops given their whole live range
     swish_splits: list[str] | None = None  # x * sigmoid(x) given a requantized copy of x
 
 
@@ -236,6 +237,11 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
         f"saturating readers can tell apart, {rules.widened} widened for unseen values; widened "
         f"so the int32 biases fit: {floors}.",
     ]
+    if rules.filled:
+        lines.append(
+            f"Saturating readers: {rules.filled} 16-bit input(s) of Sigmoid/Tanh/Clip-like ops "
+            "cover their whole live range, not only the side calibration saw."
+        )
     if rules.bias_corrections:
         lines.append(
             f"Bias correction: {rules.bias_corrections} layer(s) absorb in their bias the mean "
