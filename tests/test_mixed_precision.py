@@ -517,6 +517,30 @@ def test_mixed_precision_does_nothing_above_target(tmp_path: Path) -> None:
     assert mixed["rounds"] == []
 
 
+def test_mixed_precision_skips_the_analysis_when_16_bits_would_not_help(tmp_path: Path) -> None:
+    """The 8-bit weight is exact (an identity): every tensor at 16 bits gains nothing, so the
+    per-tensor analysis is skipped and the model stays as quantized."""
+    model = _model(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["h"]),
+            helper.make_node("Mul", ["h", "h"], ["h2"]),
+            helper.make_node("Mul", ["h2", "h2"], ["y"]),
+        ],
+        [_tensor("x", [1, 16])],
+        [_tensor("y", [1, 16])],
+        [_init("w", np.eye(16))],
+    )
+    rng = np.random.default_rng(11)
+    samples = [rng.normal(0, 1, (1, 16)) for _ in range(16)]
+    report = _build(tmp_path, model, samples, auto_mixed=True, target=200.0)
+    mixed = report["mixed_precision"]
+    assert mixed["tensors"] == [] and mixed["measured"] == 0 and mixed["rounds"] == []
+    assert mixed["ceiling_snr_db"] < mixed["before_snr_db"] + 3.0 < 200.0
+    assert _snr(report) == pytest.approx(mixed["before_snr_db"])  # the 8-bit model is kept
+    md = (tmp_path / "artifacts" / "build" / "m" / "report.md").read_text()
+    assert "Mixed precision: not used" in md
+
+
 def test_choose_predicts_from_additive_noise() -> None:
     from pipeline.quantize.mixed_precision import Candidate, choose
 

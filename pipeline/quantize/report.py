@@ -272,6 +272,13 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
 
 def _mixed_section(r: QuantizeReport) -> list[str]:
     mixed = r.mixed_precision
+    if mixed is not None and not mixed.tensors and mixed.ceiling_snr_db is not None:
+        return [
+            "",
+            f"Mixed precision: not used. With every 8-bit tensor at 16 bits the worst SNR is "
+            f"{fmt(mixed.ceiling_snr_db)} dB (8 bits: {fmt(mixed.before_snr_db)} dB, target "
+            f"{fmt(mixed.target_snr_db)} dB): what is short is not 8-bit rounding.",
+        ]
     if mixed is None or not mixed.tensors:
         return []
     where = f" (chosen on bucket {mixed.bucket}, applied to all)" if r.multi else ""
