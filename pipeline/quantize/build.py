@@ -418,6 +418,7 @@ def _quantize_all(
         Builder(lambda extra: quantize(probe, extra), lambda: use_float(probe)),
         paths.root,
         paths.bucket(probe).htp_probe if len(order) == 1 else None,
+        mixed.after_snr_db if mixed else None,
     )
     timings["judge"] = time.perf_counter() - t0
     # The same choices in every bucket, so the weights stay identical.

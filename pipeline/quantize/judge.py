@@ -155,13 +155,16 @@ def judge_on_htp(
     builder: Builder,
     scratch: Path,
     probe_record: Path | None = None,
+    cpu_snr_db: float | None = None,
 ) -> tuple[HtpJudgement, Candidate]:
     """Check the current QDQ model on the HTP and improve it while it is short of the target.
 
     Returns the judgement and the candidate that was kept (already built on disk when it is
     not the last one tried: the caller rebuilds every bucket with it). Every candidate runs on
     the validation samples, so the kept one's figures go to ``probe_record`` for the compile
-    stage to reuse (``HtpProbeRecord``)."""
+    stage to reuse (``HtpProbeRecord``). ``cpu_snr_db``, the QDQ model's worst SNR on the CPU:
+    ``HOPELESS_DB`` or more short of the target, the whole model in fp16 is tried first, and
+    the quantized model only runs on the HTP when fp16 does not reach the target either."""
     q = config.quantization
     current = Candidate("as quantized", dict(overrides))
     if probe_record is not None:
@@ -207,8 +210,33 @@ def judge_on_htp(
             progress.status(f"round {len(rounds)}: {shown}: {db}")
             return result
 
-        first = run(current.label)
-        first_sha = sha256_file(qdq_path)
+        tried_float16 = False
+
+        def whole_float16(why: str) -> Candidate:
+            nonlocal tried_float16
+            tried_float16 = True
+            remedies.append(f"the whole model in fp16 on the HTP (no quantization): {why}")
+            return Candidate("whole model in fp16", {}, whole_float16=True)
+
+        early: tuple[Candidate, ProbeResult, str] | None = None
+        if cpu_snr_db is not None and target_db - cpu_snr_db > HOPELESS_DB:
+            fp16 = whole_float16(
+                f"the quantized model is {target_db - cpu_snr_db:.0f} dB short on the CPU"
+            )
+            builder.build(fp16)
+            early = (fp16, run(fp16.label), sha256_file(qdq_path))
+            if _score(early[1]) >= target_db:
+                current = fp16
+            else:
+                builder.build(current)  # back to the quantized model, judged as usual
+        if early is not None and current is early[0]:
+            first, first_sha = early[1], early[2]
+        else:
+            first = run(current.label)
+            first_sha = sha256_file(qdq_path)
+        if not first.ok and early is not None and early[1].ok:
+            current, first, first_sha = early[0], early[1], early[2]  # fp16 ran, quantized not
+            builder.build(current)
         if not first.ok:
             return (
                 HtpJudgement(
@@ -220,18 +248,13 @@ def judge_on_htp(
                 current,
             )
         best, best_result, best_sha = current, first, first_sha
+        if early is not None and _score(early[1]) > _score(first):
+            best, best_result, best_sha = early
         result = first
         float16: list[str] = []
         ranked: list[str] | None = None
         per_channel_done = False
         weights = channel_weights(float_path)
-        tried_float16 = False
-
-        def whole_float16(why: str) -> Candidate:
-            nonlocal tried_float16
-            tried_float16 = True
-            remedies.append(f"the whole model in fp16 on the HTP (no quantization): {why}")
-            return Candidate("whole model in fp16", {}, whole_float16=True)
 
         def attempt(candidate: Candidate) -> ProbeResult:
             nonlocal best, best_result, best_sha, current
