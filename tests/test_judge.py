@@ -127,6 +127,37 @@ def test_htp_divergence_at_16_bit_weights_is_located_and_moved_to_8_bit_per_chan
             assert numpy_helper.to_array(inits[node.input[1]]).shape == (16,)
 
 
+def test_a_remedy_that_changes_nothing_ends_the_rounds_with_fp16(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """With every move counted as "nothing" (STALLED_DB huge), the round after the first remedy
+    is the whole model in fp16, not another locate."""
+    from pipeline.quantize import judge
+
+    monkeypatch.setattr(judge, "STALLED_DB", 1e9)
+    rng = np.random.default_rng(7)
+    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
+    config = _write(
+        tmp_path,
+        _dilated_model(rng),
+        samples,
+        """
+        activation_type = "uint16"
+        weight_type = "uint8"
+        auto_mixed_precision = false
+        target_snr_db = 70.0
+        min_snr_db = 0.0
+        [quantization.overrides]
+        tensors = { w1 = "int16", w2 = "int16" }
+        """,
+    )
+    quantize_model(load_config(config), tmp_path / "artifacts", force=True)
+    htp = _report(tmp_path)["htp"]
+    labels = [r["label"] for r in htp["rounds"]]
+    assert labels[-1] == "whole model in fp16" and labels.count("the HTP diverges (locate)") == 1
+    assert any("moved the context by under" in r for r in htp["remedies"]), htp["remedies"]
+
+
 def _imbalanced_model(rng: np.random.Generator) -> onnx.ModelProto:
     """A Conv whose output channels span five decades (a BN-folded dead channel next to live
     ones), then a 1x1 Conv that reads the tiny channel with a huge weight: no uniform 16-bit grid
