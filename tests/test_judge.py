@@ -87,26 +87,25 @@ def _dilated_model(rng: np.random.Generator) -> onnx.ModelProto:
     return model
 
 
+def _build_dilated_int16(tmp_path: Path, target_snr_db: float) -> dict:
+    """Quantize the dilated model with both weights forced to int16 (which the HTP computes
+    otherwise) and mixed precision off; its report."""
+    rng = np.random.default_rng(7)
+    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
+    settings = (
+        'activation_type = "uint16"\nweight_type = "uint8"\nauto_mixed_precision = false\n'
+        f"target_snr_db = {target_snr_db}\nmin_snr_db = 0.0\n"
+        '[quantization.overrides]\ntensors = { w1 = "int16", w2 = "int16" }\n'
+    )
+    config = _write(tmp_path, _dilated_model(rng), samples, settings)
+    quantize_model(load_config(config), tmp_path / "artifacts", force=True)
+    return _report(tmp_path)
+
+
 def test_htp_divergence_at_16_bit_weights_is_located_and_moved_to_8_bit_per_channel(
     tmp_path: Path,
 ):
-    rng = np.random.default_rng(7)
-    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
-    config = _write(
-        tmp_path,
-        _dilated_model(rng),
-        samples,
-        """
-        activation_type = "uint16"
-        weight_type = "uint8"
-        auto_mixed_precision = false
-        target_snr_db = 38.0
-        [quantization.overrides]
-        tensors = { w1 = "int16", w2 = "int16" }
-        """,
-    )
-    quantize_model(load_config(config), tmp_path / "artifacts", force=True)
-    htp = _report(tmp_path)["htp"]
+    htp = _build_dilated_int16(tmp_path, 38.0)["htp"]
     assert htp["judge"] == "htp", htp["reason"]
     first = htp["rounds"][0]
     assert first["label"] == "as quantized"
@@ -135,24 +134,7 @@ def test_a_remedy_that_changes_nothing_ends_the_rounds_with_fp16(
     from pipeline.quantize import judge
 
     monkeypatch.setattr(judge, "STALLED_DB", 1e9)
-    rng = np.random.default_rng(7)
-    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
-    config = _write(
-        tmp_path,
-        _dilated_model(rng),
-        samples,
-        """
-        activation_type = "uint16"
-        weight_type = "uint8"
-        auto_mixed_precision = false
-        target_snr_db = 70.0
-        min_snr_db = 0.0
-        [quantization.overrides]
-        tensors = { w1 = "int16", w2 = "int16" }
-        """,
-    )
-    quantize_model(load_config(config), tmp_path / "artifacts", force=True)
-    htp = _report(tmp_path)["htp"]
+    htp = _build_dilated_int16(tmp_path, 70.0)["htp"]
     labels = [r["label"] for r in htp["rounds"]]
     assert labels[-1] == "whole model in fp16" and labels.count("the HTP diverges (locate)") == 1
     assert any("moved the context by under" in r for r in htp["remedies"]), htp["remedies"]
@@ -185,21 +167,21 @@ def _imbalanced_model(rng: np.random.Generator) -> onnx.ModelProto:
     return model
 
 
-def test_what_no_16_bit_grid_holds_goes_to_fp16_on_the_htp(tmp_path: Path):
+def _build_imbalanced(tmp_path: Path, target_snr_db: float) -> dict:
+    """Quantize the imbalanced model (u16 activations, u8 weights); its report."""
     rng = np.random.default_rng(11)
     samples = [rng.normal(0, 1, (1, 4, 16, 16)) for _ in range(16)]
-    config = _write(
-        tmp_path,
-        _imbalanced_model(rng),
-        samples,
-        """
-        activation_type = "uint16"
-        weight_type = "uint8"
-        target_snr_db = 30.0
-        """,
+    settings = (
+        f'activation_type = "uint16"\nweight_type = "uint8"\ntarget_snr_db = {target_snr_db}\n'
+        "min_snr_db = 0.0\n"
     )
+    config = _write(tmp_path, _imbalanced_model(rng), samples, settings)
     quantize_model(load_config(config), tmp_path / "artifacts", force=True)
-    report = _report(tmp_path)
+    return _report(tmp_path)
+
+
+def test_what_no_16_bit_grid_holds_goes_to_fp16_on_the_htp(tmp_path: Path):
+    report = _build_imbalanced(tmp_path, 30.0)
     htp = report["htp"]
     assert htp["judge"] == "htp", htp["reason"]
     # Quantized, the tiny channel is lost: even every tensor at 16 bits is far short on the CPU,
@@ -227,21 +209,7 @@ def test_what_no_16_bit_grid_holds_goes_to_fp16_on_the_htp(tmp_path: Path):
 
 def test_fp16_first_still_runs_the_quantized_model_when_it_falls_short(tmp_path: Path):
     """A target even fp16 misses: the quantized model runs too, and the better one is kept."""
-    rng = np.random.default_rng(11)
-    samples = [rng.normal(0, 1, (1, 4, 16, 16)) for _ in range(16)]
-    config = _write(
-        tmp_path,
-        _imbalanced_model(rng),
-        samples,
-        """
-        activation_type = "uint16"
-        weight_type = "uint8"
-        target_snr_db = 150.0
-        min_snr_db = 0.0
-        """,
-    )
-    quantize_model(load_config(config), tmp_path / "artifacts", force=True)
-    htp = _report(tmp_path)["htp"]
+    htp = _build_imbalanced(tmp_path, 150.0)["htp"]
     labels = [r["label"] for r in htp["rounds"]]
     assert labels[:2] == ["whole model in fp16", "as quantized"], labels
     assert htp["chosen"] == "whole model in fp16" and htp["whole_float16"]
