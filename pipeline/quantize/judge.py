@@ -222,6 +222,7 @@ def judge_on_htp(
             remedies.append(f"the whole model in fp16 on the HTP (no quantization): {why}")
             return Candidate("whole model in fp16", {}, whole_float16=True)
 
+        # (candidate, its run, the QDQ digest it ran): fp16 first for a hopeless quantization
         early: tuple[Candidate, ProbeResult, str] | None = None
         if cpu_snr_db is not None and target_db - cpu_snr_db > HOPELESS_DB:
             fp16 = whole_float16(
@@ -229,18 +230,16 @@ def judge_on_htp(
             )
             builder.build(fp16)
             early = (fp16, run(fp16.label), sha256_file(qdq_path))
-            if _score(early[1]) >= target_db:
-                current = fp16
-            else:
-                builder.build(current)  # back to the quantized model, judged as usual
-        if early is not None and current is early[0]:
-            first, first_sha = early[1], early[2]
+        if early is not None and _score(early[1]) >= target_db:
+            current, first, first_sha = early  # fp16 is enough: the quantized model never runs
         else:
+            if early is not None:
+                builder.build(current)  # back to the quantized model, judged as usual
             first = run(current.label)
             first_sha = sha256_file(qdq_path)
-        if not first.ok and early is not None and early[1].ok:
-            current, first, first_sha = early[0], early[1], early[2]  # fp16 ran, quantized not
-            builder.build(current)
+            if not first.ok and early is not None and early[1].ok:
+                current, first, first_sha = early  # fp16 ran where the quantized model did not
+                builder.build(current)
         if not first.ok:
             return (
                 HtpJudgement(

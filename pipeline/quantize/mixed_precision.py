@@ -283,12 +283,6 @@ def measure(
     return found, signal, qdq_noise, stats
 
 
-def _load(path: Path) -> Any:
-    import onnx
-
-    return onnx.load(str(path), load_external_data=False)
-
-
 def _db(signal: float, noise: float) -> float:
     if noise <= 0.0:
         return float("inf")
@@ -337,7 +331,9 @@ def raise_precision(
     summary = MixedPrecision(target, before, before)
     if before >= target:
         return summary
-    every = {c.name: raised_type(c) for c in candidates(_load(qdq_path))}
+    import onnx
+
+    every = {c.name: raised_type(c) for c in candidates(onnx.load(str(qdq_path)))}
     if every:
         requantize({**every, **base_overrides})
         ceiling = worst_snr(evaluate(float_path, qdq_path, heldout))

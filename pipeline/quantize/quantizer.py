@@ -211,19 +211,19 @@ def quantize(
         )
     finally:
         tuned.unlink(missing_ok=True)
+    # Edits of the quantized model: one load, one write for both.
+    qdq = onnx.load(str(qdq_path))
+    edited = False
     if q.bias_correction and statistics.means:
-        corrected, change = bias_correction.correct_biases(
-            onnx.load(str(qdq_path)), model, statistics.means
-        )
-        if change.changed:
-            with atomic_path(qdq_path) as tmp:
-                onnx.save(corrected, str(tmp))
+        qdq, change = bias_correction.correct_biases(qdq, model, statistics.means)
+        edited |= change.changed
         changes = dataclasses.replace(changes, bias_corrections=len(change.details))
-    split, change = qdq_htp.split_swish_input(onnx.load(str(qdq_path)))
-    if change.changed:
+    qdq, change = qdq_htp.split_swish_input(qdq)
+    edited |= change.changed
+    changes = dataclasses.replace(changes, swish_splits=list(change.details))
+    if edited:
         with atomic_path(qdq_path) as tmp:
-            onnx.save(split, str(tmp))
-        changes = dataclasses.replace(changes, swish_splits=list(change.details))
+            onnx.save(qdq, str(tmp))
     return changes
 
 
