@@ -159,6 +159,30 @@ def write_config(root: Path, name: str, compile_section: str, source: str | None
     return path
 
 
+def build_whole_on_htp(root: Path, name: str, model: onnx.ModelProto, samples: int = 16) -> None:
+    """Quantize and compile ``model`` with the real stages (random calibration, one target) and
+    assert that the ctx is whole on the HTP and ≥ 30 dB from the float model there."""
+    from pipeline.__main__ import main
+    from pipeline.core.records import VariantRecord, read_record
+
+    onnx.save(model, str(root / f"{name}.onnx"))
+    config = root / f"{name}.toml"
+    config.write_text(
+        f'[model]\nname = "{name}"\nversion = "1.0.0"\nsource = "{name}.onnx"\n'
+        f'[calibration]\nkind = "random"\nsamples = {samples}\n'
+        '[compile]\ntargets = ["snapdragon-x-elite"]\nmin_snr_db = 30.0\n',
+        encoding="utf-8",
+    )
+    artifacts = root / "artifacts"
+    for stage in ("quantize", "compile"):
+        assert main([stage, "--artifacts", str(artifacts), str(config)]) == 0, stage
+    folder = next(ModelPaths.of(artifacts, name).ctx.glob("*/snapdragon-x-elite"))
+    record, why = read_record(VariantRecord, folder / "variant.json")
+    assert record is not None and record.coverage is not None, why
+    assert record.coverage.qnn_partitions == 1 and record.coverage.cpu_compute_nodes == []
+    assert record.validation is not None and record.validation.worst_snr_db > 30.0
+
+
 def model_paths(root: Path, name: str) -> ModelPaths:
     return ModelPaths.of(root / "artifacts", name)
 

@@ -10,6 +10,7 @@ import onnx
 import onnx.helper as oh
 import onnxruntime as ort
 import pytest
+from compile_fixtures import build_whole_on_htp
 from onnx import TensorProto, numpy_helper
 
 from pipeline.core.config import InputsSection
@@ -264,10 +265,6 @@ def test_input_batchnorm_becomes_mul_add() -> None:
 def test_legacy_resizes_stay_whole_on_the_htp(tmp_path: Path, mode: str) -> None:
     """The rewritten nearest (Gather + Resize floor) and linear (asymmetric) forms compile
     whole on the HTP and agree with the CPU QDQ model there."""
-    from pipeline.__main__ import main
-    from pipeline.core.layout import ModelPaths
-    from pipeline.core.records import VariantRecord, read_record
-
     w = numpy_helper.from_array((RNG.standard_normal((2, 2, 1, 1)) * 0.5).astype("f4"), "w")
     s = numpy_helper.from_array(np.array([1.0, 1.0, 0.6, 1.7], np.float32), "s")
     nodes = [
@@ -275,19 +272,4 @@ def test_legacy_resizes_stay_whole_on_the_htp(tmp_path: Path, mode: str) -> None
         oh.make_node("Resize", ["c", "s"], ["y"], mode=mode),
     ]
     model = model_of(nodes, 10, [w, s], out_shape=[1, 2, 6, 13], in_shape=[1, 2, 11, 8])
-    onnx.save(model, str(tmp_path / "resize.onnx"))
-    config = tmp_path / "resize.toml"
-    config.write_text(
-        '[model]\nname = "resize"\nversion = "1.0.0"\nsource = "resize.onnx"\n'
-        '[calibration]\nkind = "random"\nsamples = 16\n'
-        '[compile]\ntargets = ["snapdragon-x-elite"]\nmin_snr_db = 30.0\n',
-        encoding="utf-8",
-    )
-    artifacts = tmp_path / "artifacts"
-    for stage in ("quantize", "compile"):
-        assert main([stage, "--artifacts", str(artifacts), str(config)]) == 0, stage
-    folder = next(ModelPaths.of(artifacts, "resize").ctx.glob("*/snapdragon-x-elite"))
-    record, why = read_record(VariantRecord, folder / "variant.json")
-    assert record is not None and record.coverage is not None, why
-    assert record.coverage.qnn_partitions == 1 and record.coverage.cpu_compute_nodes == []
-    assert record.validation is not None and record.validation.worst_snr_db > 30.0
+    build_whole_on_htp(tmp_path, "resize", model)

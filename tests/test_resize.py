@@ -11,6 +11,7 @@ import onnx
 import onnx.helper as oh
 import onnxruntime as ort
 import pytest
+from compile_fixtures import build_whole_on_htp
 from onnx import TensorProto, numpy_helper
 
 from pipeline.graph.resize import resize_for_htp
@@ -94,28 +95,9 @@ def test_resize_the_htp_follows_or_that_cannot_be_padded_stays(
 @pytest.mark.parametrize("mode", ["nearest", "linear"])
 def test_off_scale_resize_agrees_on_the_htp(tmp_path: Path, mode: str) -> None:
     """Left alone, the ctx was 5-12 dB from the CPU QDQ model; rewritten it agrees."""
-    from pipeline.__main__ import main
-    from pipeline.core.layout import ModelPaths
-    from pipeline.core.records import VariantRecord, read_record
-
     model = resize_model([1, 2, 11, 8], [1, 1, 1.7, 1.7], mode, "asymmetric")
     w = numpy_helper.from_array((RNG.standard_normal((2, 2, 1, 1)) * 0.5).astype("f4"), "w")
     model.graph.initializer.append(w)
     model.graph.node.insert(0, oh.make_node("Conv", ["x", "w"], ["c"]))
     model.graph.node[1].input[0] = "c"
-    onnx.save(model, str(tmp_path / "resize.onnx"))
-    config = tmp_path / "resize.toml"
-    config.write_text(
-        '[model]\nname = "resize"\nversion = "1.0.0"\nsource = "resize.onnx"\n'
-        '[calibration]\nkind = "random"\nsamples = 16\n'
-        '[compile]\ntargets = ["snapdragon-x-elite"]\nmin_snr_db = 30.0\n',
-        encoding="utf-8",
-    )
-    artifacts = tmp_path / "artifacts"
-    for stage in ("quantize", "compile"):
-        assert main([stage, "--artifacts", str(artifacts), str(config)]) == 0, stage
-    folder = next(ModelPaths.of(artifacts, "resize").ctx.glob("*/snapdragon-x-elite"))
-    record, why = read_record(VariantRecord, folder / "variant.json")
-    assert record is not None and record.coverage is not None, why
-    assert record.coverage.qnn_partitions == 1 and record.coverage.cpu_compute_nodes == []
-    assert record.validation is not None and record.validation.worst_snr_db > 30.0
+    build_whole_on_htp(tmp_path, "resize", model)

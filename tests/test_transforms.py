@@ -9,6 +9,7 @@ import onnx.helper as oh
 import onnx.parser
 import onnxruntime as ort
 import pytest
+from compile_fixtures import build_whole_on_htp
 from onnx import TensorProto, numpy_helper
 
 from pipeline.core.errors import ModelError
@@ -194,6 +195,90 @@ def test_fold_constants_inlines_if_on_constant_condition(sr: int, expected: str)
     assert any("inlined" in line for line in change.details)
     x = np.array([-1.0, 2.0], np.float32)
     np.testing.assert_array_equal(run(folded, {"x": x})[0], run(model, {"x": x})[0])
+
+
+GATED = """<ir_version: 8, opset_import: ["": 13]>
+g (float[1, 4] x) => (float[1, 4] y, float[1, 1] score) {
+  lo = ReduceMin<keepdims = 1>(x)
+  score = Sigmoid(lo)
+  cond = Greater(score, half)
+  y = If(cond) <
+    then_branch = t () => (THEN a) { h = Sqrt(x) \n a = Mul(h, two) },
+    else_branch = e () => (float[1, 4] b) { h = Neg(x) \n b = Add(h, score) }
+  >
+}"""
+
+
+def gated_model(then_type: str = "float[1, 4]", two: tuple[int, ...] = ()) -> onnx.ModelProto:
+    """A score-gated branch; both branches define a local ``h`` (inlining must rename one)."""
+    return with_inits(
+        parse(GATED.replace("THEN", then_type)),
+        ("half", np.array(0.5, np.float32)),
+        ("two", np.full(two, 2.0, np.float32)),
+    )
+
+
+def test_lower_data_dependent_ifs_computes_both_branches_and_selects() -> None:
+    """An If on a computed score becomes both branches + Where and computes the same, including
+    inputs where the branch not taken gives NaN (Sqrt of a negative)."""
+    model = gated_model()
+    lowered, change = t.lower_data_dependent_ifs(model)
+    onnx.checker.check_model(lowered, full_check=True)
+    assert "If" not in ops(lowered) and "Where" in ops(lowered)
+    assert list(change.details) == ["computed both branches of If 'y' and selected with Where"]
+    taken = set()
+    for x in (RNG.uniform(0.1, 2.0, (1, 4)), RNG.uniform(-2.0, 2.0, (1, 4)), -np.ones((1, 4))):
+        feeds = {"x": x.astype(np.float32)}
+        expected, got = run(model, feeds), run(lowered, feeds)
+        taken.add(bool(expected[1].item() > 0.5))
+        for a, b in zip(expected, got, strict=True):
+            np.testing.assert_array_equal(a, b)
+            assert np.isfinite(b).all()
+    assert taken == {True, False}, "both branches must be exercised"
+    _, noop = t.lower_data_dependent_ifs(lowered)
+    assert not noop.changed
+
+
+def test_lower_data_dependent_ifs_keeps_an_if_whose_branches_differ_in_shape() -> None:
+    model = gated_model(then_type="float[2, 4]", two=(2, 1))  # a broadcast Where would hide it
+    lowered, change = t.lower_data_dependent_ifs(model)
+    assert ops(lowered) == ops(model)  # kept, and the report says why
+    assert len(change.details) == 1 and "different or unknown shapes" in change.details[0]
+
+
+def test_lower_data_dependent_ifs_keeps_an_if_with_a_random_branch() -> None:
+    model = gated_model()
+    branch = next(a.g for a in model.graph.node[-1].attribute if a.name == "then_branch")
+    branch.node[0].CopyFrom(oh.make_node("RandomNormalLike", ["x"], ["h"]))
+    lowered, change = t.lower_data_dependent_ifs(model)
+    assert "If" in ops(lowered) and "RandomNormalLike" in change.details[0]
+
+
+@pytest.mark.qnn
+def test_score_gated_verifier_compiles_whole_on_the_htp(tmp_path) -> None:
+    """A keyword spotter's "run the verifier when the first score passes" head: before the
+    lowering, qnn_preprocess failed on the If; now it builds whole on the HTP and accurate."""
+    text = """<ir_version: 8, opset_import: ["": 13]>
+    g (float[1, 16] x) => (float[1, 1] p) {
+      z = MatMul(x, w1)
+      s = Sigmoid(z)
+      cond = GreaterOrEqual(s, half)
+      p = If(cond) <
+        then_branch = t () => (float[1, 1] q) {
+          h = MatMul(x, w2) \n r = Relu(h) \n v = MatMul(r, w3) \n q = Sigmoid(v)
+        },
+        else_branch = e () => (float[1, 1] r) { r = Identity(s) }
+      >
+    }"""
+    rng = np.random.default_rng(3)
+    model = with_inits(
+        parse(text),
+        ("w1", (rng.standard_normal((16, 1)) * 0.3).astype(np.float32)),
+        ("w2", (rng.standard_normal((16, 8)) * 0.3).astype(np.float32)),
+        ("w3", (rng.standard_normal((8, 1)) * 0.3).astype(np.float32)),
+        ("half", np.array(0.5, np.float32)),
+    )
+    build_whole_on_htp(tmp_path, "gated", model, samples=32)
 
 
 def test_fold_constants_keeps_results_that_would_bloat_the_model() -> None:

@@ -54,6 +54,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         legacy.restore_pinned_ops,
         t.constants_to_initializers,  # the converter may add Constant nodes
         t.fold_constants,
+        t.lower_data_dependent_ifs,  # the QNN EP runs no control flow
         prequantized.fold_quantized_constants,  # Q(float weight) -> its integers (own Q/DQ kept)
         prequantized.drop_noop_casts,  # Q -> Cast(same type) -> DQ: QNN cannot group it
         legacy.fold_pad_into_pool,  # Pad(-FLT_MAX) -> MaxPool: the pad value blows the range

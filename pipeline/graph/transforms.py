@@ -500,14 +500,22 @@ def _fold_shape_nodes(model: onnx.ModelProto, details: list[str]) -> bool:
 
 
 def _inline_branch(
-    model: onnx.ModelProto, index: int, branch: onnx.GraphProto, namer: FreshNames
+    model: onnx.ModelProto,
+    index: int,
+    branch: onnx.GraphProto,
+    namer: FreshNames,
+    results: Sequence[str] | None = None,
 ) -> list[onnx.NodeProto]:
-    """The nodes of ``branch`` rewritten to live in the outer graph in place of ``node``."""
+    """The nodes of ``branch`` rewritten to live in the outer graph in place of ``node``.
+
+    The branch's outputs get the names ``results`` (default: the If's own outputs).
+    """
     node = model.graph.node[index]
+    results = list(node.output) if results is None else list(results)
     body = onnx.GraphProto()
     body.CopyFrom(branch)
     # Names the branch defines must not clash with names elsewhere in the model.
-    outer = defined_names(model.graph) - set(node.output)
+    outer = defined_names(model.graph) - set(results)
     for position, other in enumerate(model.graph.node):
         if position != index:
             for sub in subgraphs(other):
@@ -520,7 +528,7 @@ def _inline_branch(
     out_names = [o.name for o in body.output]
     mapping = {}
     extra = []
-    for branch_out, if_out in zip(out_names, node.output, strict=True):
+    for branch_out, if_out in zip(out_names, results, strict=True):
         if not if_out:
             continue
         if produced[branch_out] == 1 and out_names.count(branch_out) == 1:
@@ -560,6 +568,101 @@ def _inline_constant_ifs(model: onnx.ModelProto, details: list[str]) -> bool:
     if changed:
         set_nodes(graph, new_nodes)
     return changed
+
+
+def _impure(branch: onnx.GraphProto) -> str | None:
+    """An op that makes computing ``branch`` when it is not taken unsafe or wasteful."""
+    for graph in all_graphs(branch):
+        for node in graph.node:
+            if node.op_type in _NONDETERMINISTIC or node.op_type in ("Loop", "Scan"):
+                return node.op_type
+    return None
+
+
+def _lower_if(model: onnx.ModelProto, index: int) -> onnx.ModelProto | str:
+    """``model`` with If node ``index`` computed as both branches + Where, or why not."""
+    values = inferred_values(model)
+    node = model.graph.node[index]
+    cond = values.get(node.input[0])
+    cond_shape = value_shape(cond) if cond is not None else None
+    if cond_shape is None or math.prod(cond_shape) != 1:
+        return f"its condition {node.input[0]!r} has no static one-element shape"
+    branches = {a.name: a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH}
+    for branch in branches.values():
+        if op := _impure(branch):
+            return f"a branch holds {op}, which must not run when the branch is not taken"
+    candidate = copy_model(model)
+    graph = candidate.graph
+    namer = FreshNames(candidate)
+    outputs = list(node.output)
+    taken = {b: [namer(f"{o or 'unused'}_{b[:4]}") for o in outputs] for b in branches}
+    then_nodes = _inline_branch(
+        candidate, index, branches["then_branch"], namer, taken["then_branch"]
+    )
+    nodes = list(graph.node)
+    set_nodes(graph, [*nodes[:index], *then_nodes, *nodes[index:]])
+    index += len(then_nodes)
+    else_nodes = _inline_branch(
+        candidate, index, branches["else_branch"], namer, taken["else_branch"]
+    )
+    nodes = list(graph.node)
+    set_nodes(graph, [*nodes[:index], *else_nodes, *nodes[index + 1 :]])
+    inferred = inferred_values(candidate)
+    select: list[onnx.NodeProto] = []
+    for out, then_out, else_out in zip(
+        outputs, taken["then_branch"], taken["else_branch"], strict=True
+    ):
+        if not out:
+            continue
+        shapes = [value_shape(inferred[n]) if n in inferred else None for n in (then_out, else_out)]
+        if shapes[0] is None or shapes[0] != shapes[1]:
+            return f"its branches give {out!r} different or unknown shapes ({shapes[0]} vs {shapes[1]})"
+        flag = namer(f"{node.input[0]}_for_{out}")
+        shape = namer(f"{flag}_shape")
+        graph.initializer.append(
+            numpy_helper.from_array(np.ones(len(shapes[0]), dtype=np.int64), shape)
+        )
+        select.append(onnx.helper.make_node("Reshape", [node.input[0], shape], [flag]))
+        select.append(onnx.helper.make_node("Where", [flag, then_out, else_out], [out]))
+    graph.node.extend(select)
+    sort_graph(graph)
+    remove_dead_nodes(graph)
+    return candidate
+
+
+def lower_data_dependent_ifs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Compute an ``If`` on a computed condition as both branches and a ``Where``.
+
+    Why: a keyword spotter's "run the verifier only above a threshold" is an If on a score. The
+    QNN EP runs no control flow (the If and everything after it would stay on the CPU) and
+    onnxruntime's qnn_preprocess_model breaks the If's subgraphs. Computing both branches and
+    selecting is exact when the branches are pure and agree on shapes: a value of the branch not
+    taken (even inf/NaN) never reaches the output. An If that fails those conditions is kept and
+    named in the details.
+    """
+    model = copy_model(model)
+    details: list[str] = []
+    kept: set[tuple[str, ...]] = set()  # by outputs: indices move as branches are inlined
+    while True:
+        index = next(
+            (
+                i
+                for i, n in enumerate(model.graph.node)
+                if n.op_type == "If" and n.domain in DEFAULT_DOMAINS and tuple(n.output) not in kept
+            ),
+            None,
+        )
+        if index is None:
+            break
+        node = model.graph.node[index]
+        lowered = _lower_if(model, index)
+        if isinstance(lowered, str):
+            details.append(f"kept {node_label(node)}: {lowered}")
+            kept.add(tuple(node.output))
+            continue
+        details.append(f"computed both branches of {node_label(node)} and selected with Where")
+        model = lowered
+    return checked_change(model, "lower_data_dependent_ifs", details)
 
 
 def fold_constants(
