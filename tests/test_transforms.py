@@ -468,6 +468,73 @@ def test_rewrite_for_htp_neutral_and_zero_constants(op: str, value: float, expec
     np.testing.assert_array_equal(run(rewritten, {"x": x})[0], run(model, {"x": x})[0])
 
 
+TOP_DB = """<ir_version: 8, opset_import: ["": 13]>
+g (float[1, 8, 6] x) => (float[1, 8, 6] y) {
+  db = Mul(x, ten)
+  peak = ReduceMax<keepdims = 0>(db)
+  floor = Sub(peak, eighty)
+  y = Clip(db, LO, HI)
+}"""
+
+
+@pytest.mark.parametrize(
+    ("bounds", "expected"),
+    [
+        (("floor", "big"), ["Max"]),  # a log-mel top_db floor; float max is no bound at all
+        (("floor", "hi"), ["Max", "Min"]),
+        (("", "floor"), ["Min"]),
+        (("lo", "floor"), ["Max", "Min"]),
+    ],
+)
+def test_split_computed_clips_gives_max_and_min(bounds: tuple[str, str], expected) -> None:
+    """Only a Clip with a computed bound is split; rewrite_for_htp then drops a no-op bound."""
+    model = with_inits(
+        parse(TOP_DB.replace("LO", bounds[0]).replace("HI", bounds[1])),
+        ("ten", np.array(10.0, np.float32)),
+        ("eighty", np.array(80.0, np.float32)),
+        ("big", np.array(np.finfo(np.float32).max, np.float32)),
+        ("hi", np.array(-5.0, np.float32)),
+        ("lo", np.array(-30.0, np.float32)),
+    )
+    split, change = t.split_computed_clips(model)
+    cleaned, _ = t.rewrite_for_htp(split)
+    assert ops(cleaned)[3:] == expected and "Clip" not in ops(cleaned)
+    assert "computed bound 'floor'" in change.details[0]
+    x = (RNG.standard_normal((1, 8, 6)) * 5).astype(np.float32)
+    np.testing.assert_array_equal(run(cleaned, {"x": x})[0], run(model, {"x": x})[0])
+    constant = with_inits(
+        parse(TOP_DB.replace("LO", "lo").replace("HI", "hi")),
+        ("ten", np.array(10.0, np.float32)),
+        ("eighty", np.array(80.0, np.float32)),
+        ("hi", np.array(-5.0, np.float32)),
+        ("lo", np.array(-30.0, np.float32)),
+    )
+    same, noop = t.split_computed_clips(constant)
+    assert ops(same) == ops(constant) and not noop.changed
+
+
+@pytest.mark.qnn
+def test_top_db_floor_compiles_whole_on_the_htp(tmp_path) -> None:
+    """A Conv -> dB -> Clip(x, max(x) - 80) tail: the computed Clip stayed on the CPU."""
+    model = with_inits(
+        parse(
+            """<ir_version: 8, opset_import: ["": 13]>
+            g (float[1, 2, 8, 8] x) => (float[1, 3, 8, 8] y) {
+              c = Conv(x, w)
+              db = Mul(c, ten)
+              peak = ReduceMax<keepdims = 0>(db)
+              floor = Sub(peak, eighty)
+              y = Clip(db, floor, big)
+            }"""
+        ),
+        ("w", (RNG.standard_normal((3, 2, 1, 1)) * 0.5).astype(np.float32)),
+        ("ten", np.array(10.0, np.float32)),
+        ("eighty", np.array(12.0, np.float32)),  # so that the floor cuts real values
+        ("big", np.array(np.finfo(np.float32).max, np.float32)),
+    )
+    build_whole_on_htp(tmp_path, "topdb", model)
+
+
 def test_rewrite_for_htp_drops_noop_expand_and_identity_but_keeps_output_names() -> None:
     model = with_inits(
         parse(

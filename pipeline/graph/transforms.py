@@ -1192,6 +1192,43 @@ def bypass_identities(graph: onnx.GraphProto) -> int:
     return len(gone)
 
 
+def split_computed_clips(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Clip(x, lo, hi) with a computed bound -> Max(x, lo) then Min(., hi): exactly Clip's
+    definition.
+
+    Why: the QNN EP takes a Clip only with constant bounds; a computed one (a log-mel front
+    end's ``top_db`` floor, ``max(x) - 80``) stays on the CPU and cuts the graph in two. A
+    constant no-op bound (±float max) that comes along is dropped later by rewrite_for_htp.
+    """
+    model = copy_model(model)
+    graph = model.graph
+    inits = initializers_by_name(graph)
+    nodes: list[onnx.NodeProto] = []
+    details: list[str] = []
+    namer: FreshNames | None = None
+    for node in graph.node:
+        bounds = list(node.input[1:3])
+        computed = [b for b in bounds if b and b not in inits]
+        if node.op_type != "Clip" or node.domain not in DEFAULT_DOMAINS or not computed:
+            nodes.append(node)
+            continue
+        namer = namer or FreshNames(model)
+        current = node.input[0]
+        steps = [(op, b) for op, b in zip(("Max", "Min"), bounds, strict=False) if b]
+        for position, (op, bound) in enumerate(steps):
+            out = node.output[0] if position == len(steps) - 1 else namer(f"{node.output[0]}_lo")
+            name = f"{node.name or node.output[0]}_{op.lower()}"
+            nodes.append(onnx.helper.make_node(op, [current, bound], [out], name=name))
+            current = out
+        details.append(
+            f"{node_label(node)} -> {' + '.join(op for op, _ in steps)} "
+            f"(computed bound {', '.join(repr(b) for b in computed)})"
+        )
+    if details:
+        set_nodes(graph, nodes)
+    return checked_change(model, "split_computed_clips", details)
+
+
 def rewrite_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Exact rewrites of patterns the HTP backend or its quantization handles badly.
 
