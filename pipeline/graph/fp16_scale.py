@@ -158,6 +158,7 @@ def fit_float16(
     over = {n: p for n, p in peaks.items() if p > FLOAT16_TARGET}
     if not over:
         return None, Change("fit_float16")
+    model = copy_model(model)  # the plan's nodes are this copy's: _rescale edits them in place
     floats = [
         i.name
         for i in model.graph.input
@@ -171,8 +172,8 @@ def fit_float16(
         if isinstance(plan, str):
             reasons.append(f"scaling {name!r}: {plan}")
             continue
-        if any(plan.of(t) <= 0 for t in over):
-            stuck = next(t for t in over if plan.of(t) <= 0)
+        stuck = next((t for t in over if plan.of(t) <= 0), None)
+        if stuck is not None:
             reasons.append(f"scaling {name!r} does not shrink {stuck!r}")
             continue
         for shift in range(1, 64):
@@ -186,55 +187,50 @@ def fit_float16(
     return None, Change("fit_float16", (detail,))
 
 
+def _read_from(graph: onnx.GraphProto, mapping: Mapping[str, str]) -> None:
+    """Make every node that reads a tensor of ``mapping`` read its replacement instead."""
+    for node in graph.node:
+        node.input[:] = [mapping.get(name, name) for name in node.input]
+
+
 def _rescale(
     model: onnx.ModelProto, scaled: str, shift: int, plan: _Plan, peak: float, tensor: str
 ) -> tuple[onnx.ModelProto, Change]:
-    model = copy_model(model)
+    """Apply ``plan`` to ``model`` (edited in place: the plan holds its nodes)."""
     graph = model.graph
     fresh = FreshNames(model)
     inits = initializers_by_name(graph)
     factor = 2.0**-shift
-    # Rebind the plan's nodes to this copy (same order, same outputs).
-    nodes = {tuple(n.output): n for n in graph.node}
+
+    def constant(value: float, base: str) -> str:
+        name = fresh(base)
+        graph.initializer.append(numpy_helper.from_array(np.array(value, np.float32), name))
+        return name
+
     for node, index, degree in plan.scale_inputs:
-        target = nodes[tuple(node.output)]
-        source = numpy_helper.to_array(inits[target.input[index]])
+        source = numpy_helper.to_array(inits[node.input[index]])
         value = (source.astype(np.float64) * factor ** float(degree)).astype(source.dtype)
-        target.input[index] = fresh(f"{target.input[index]}_scaled")
-        graph.initializer.append(numpy_helper.from_array(value, target.input[index]))
+        node.input[index] = fresh(f"{node.input[index]}_scaled")
+        graph.initializer.append(numpy_helper.from_array(value, node.input[index]))
     added: list[onnx.NodeProto] = []
-    for node, degree in plan.logs:
-        target = nodes[tuple(node.output)]
-        raw = fresh(f"{target.output[0]}_of_scaled")
-        offset = fresh(f"{target.output[0]}_offset")
-        graph.initializer.append(
-            numpy_helper.from_array(
-                np.array(float(degree) * shift * math.log(2), np.float32), offset
-            )
-        )
-        added.append(helper.make_node("Add", [raw, offset], [target.output[0]], name=offset))
-        target.output[0] = raw
+    for node, degree in plan.logs:  # log(x) = log(c^d x) + d k ln 2
+        raw = fresh(f"{node.output[0]}_of_scaled")
+        offset = constant(float(degree) * shift * math.log(2), f"{node.output[0]}_offset")
+        added.append(helper.make_node("Add", [raw, offset], [node.output[0]], name=offset))
+        node.output[0] = raw
     producers = {o: n for n in graph.node for o in n.output if o}
+    inside: dict[str, str] = {}  # graph outputs of nonzero degree stay scaled inside the graph
     for out in graph.output:
         degree = plan.of(out.name)
         if degree and out.name in producers:  # (an input passed through stays as it is)
-            raw = fresh(f"{out.name}_scaled")
+            inside[out.name] = fresh(f"{out.name}_scaled")
             producer = producers[out.name]
-            producer.output[list(producer.output).index(out.name)] = raw
-            for node in graph.node:  # inside the graph it stays scaled
-                node.input[:] = [raw if i == out.name else i for i in node.input]
-            back = fresh(f"{out.name}_unscale")
-            graph.initializer.append(
-                numpy_helper.from_array(np.array(factor ** -float(degree), np.float32), back)
-            )
-            added.append(helper.make_node("Mul", [raw, back], [out.name], name=back))
+            producer.output[list(producer.output).index(out.name)] = inside[out.name]
+            back = constant(factor ** -float(degree), f"{out.name}_unscale")
+            added.append(helper.make_node("Mul", [inside[out.name], back], [out.name], name=back))
     source = fresh(f"{scaled}_scaled")
-    for node in graph.node:
-        for i, name in enumerate(node.input):
-            if name == scaled:
-                node.input[i] = source
-    step = fresh(f"{scaled}_scale")
-    graph.initializer.append(numpy_helper.from_array(np.array(factor, np.float32), step))
+    _read_from(graph, {**inside, scaled: source})
+    step = constant(factor, f"{scaled}_scale")
     added.append(helper.make_node("Mul", [scaled, step], [source], name=step))
     graph.node.extend(added)
     sort_graph(graph)

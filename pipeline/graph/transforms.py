@@ -581,12 +581,7 @@ def _impure(branch: onnx.GraphProto) -> str | None:
 
 def _lower_if(model: onnx.ModelProto, index: int) -> onnx.ModelProto | str:
     """``model`` with If node ``index`` computed as both branches + Where, or why not."""
-    values = inferred_values(model)
     node = model.graph.node[index]
-    cond = values.get(node.input[0])
-    cond_shape = value_shape(cond) if cond is not None else None
-    if cond_shape is None or math.prod(cond_shape) != 1:
-        return f"its condition {node.input[0]!r} has no static one-element shape"
     branches = {a.name: a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH}
     for branch in branches.values():
         if op := _impure(branch):
@@ -607,7 +602,11 @@ def _lower_if(model: onnx.ModelProto, index: int) -> onnx.ModelProto | str:
     )
     nodes = list(graph.node)
     set_nodes(graph, [*nodes[:index], *else_nodes, *nodes[index + 1 :]])
-    inferred = inferred_values(candidate)
+    inferred = inferred_values(candidate)  # one inference for the condition and the branches
+    cond = inferred.get(node.input[0])
+    cond_shape = value_shape(cond) if cond is not None else None
+    if cond_shape is None or math.prod(cond_shape) != 1:
+        return f"its condition {node.input[0]!r} has no static one-element shape"
     select: list[onnx.NodeProto] = []
     for out, then_out, else_out in zip(
         outputs, taken["then_branch"], taken["else_branch"], strict=True

@@ -18,6 +18,7 @@ Outputs: see pipeline.core.layout. The record is written last: no record, no val
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -401,16 +402,20 @@ def _quantize_all(
 
     t0 = time.perf_counter()
 
+    @functools.cache
+    def calibrated_peaks() -> dict[str, float]:
+        from ..calibration.ranges import read_cache
+
+        _, ranges = read_cache(paths.ranges)
+        return {t: max(abs(low), abs(high)) for t, (low, high) in ranges.items()}
+
     def use_float(name: str) -> None:  # the whole model in fp16 on the HTP: no quantization
         import onnx
 
-        from ..calibration.ranges import read_cache
         from ..graph.fp16_scale import fit_float16
 
-        _, ranges = read_cache(paths.ranges)
-        peaks = {t: max(abs(low), abs(high)) for t, (low, high) in ranges.items()}
-        model, change = fit_float16(onnx.load(str(prepared[name].float_path)), peaks)
-        if change.changed:  # reported with the preparation steps
+        model, change = fit_float16(onnx.load(str(prepared[name].float_path)), calibrated_peaks())
+        if change.changed:  # reported with the preparation steps (once: a rebuild replaces it)
             prepared[name].changes[:] = [
                 c for c in prepared[name].changes if c.step != change.step
             ] + [change]
