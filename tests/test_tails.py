@@ -5,6 +5,7 @@ outputs onnxruntime gives."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -239,6 +240,12 @@ def test_a_classifier_with_a_tail_builds_and_runs_from_its_release(tmp_path: Pat
         record.validation is not None
         and record.validation.ctx_vs_float["label"].compared_as == LABELS
     )
+    # The HTP judged it (its non-tensor outputs stashed and compared like the CPU's), and the
+    # compile stage adopted the judge's context and its run on the held-out samples.
+    judged = json.loads(paths.report.with_suffix(".json").read_text("utf-8"))["htp"]
+    assert judged["judge"] == "htp", judged["reason"]
+    assert record.validation.measured_by.startswith("the quantize stage's HTP judge")
+    assert record.validation.ctx_vs_float["scores"].compared_as == MAP_VALUES
     loaded = qnn_ctx_runtime.load(artifacts / "releases" / "clf" / "1.0.0")
     source = str(root / "configs" / "clf.onnx")  # the model built above (seeded weights)
     for _ in range(3):

@@ -37,7 +37,7 @@ from qnn_ctx_runtime.typed import parse, to_json_value
 
 from ..core.cpu import cpu_session
 from ..core.fileio import sha256_file
-from ..core.metrics import Accuracy, OutputComparison, worst_snr
+from ..core.metrics import Accuracy, OutputComparison, comparable, worst_snr
 from .isolation import Finished, Started, die_with_parent, run_module, start_module
 
 MODULE = "pipeline.htp.probe"
@@ -454,8 +454,16 @@ def _run_sample(session: Any, sample: str, names: list[str], target: Path) -> No
     with np.load(sample, allow_pickle=False) as data:
         feeds = {k: data[k] for k in data.files}
     partial = target.with_name(f".{target.stem}.{os.getpid()}.partial.npz")
-    np.savez(partial, *session.run(names, feeds))
+    np.savez(partial, *(_storable(value) for value in session.run(names, feeds)))
     partial.replace(target)
+
+
+def _storable(value: Any) -> np.ndarray:
+    """An output as an array ``np.load`` reads without pickle and that compares as the output
+    itself (``comparable``): a ZipMap's sequence of maps as its values in key order, a string
+    tensor (onnxruntime's object array) as a unicode one."""
+    _, array = comparable(value)
+    return array.astype(str) if array.dtype.kind == "O" else array
 
 
 def _compare(
