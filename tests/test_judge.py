@@ -313,9 +313,9 @@ onnxruntime.InferenceSession.run = _hooked
 def test_helpers_on_other_cores_measure_what_one_child_does_and_a_dead_one_costs_nothing(
     tmp_path: Path, monkeypatch, action: str
 ):
-    """Helpers that join a long run (pinned, on the same context bytes, claiming samples from
-    the back) give the figures of one child running every sample; a helper that dies holding a
-    claim leaves its sample to the main child."""
+    """Helpers started with the probe (pinned, loading the main child's context once it is
+    compiled, claiming samples from the back) give the figures of one child running every
+    sample; a helper that dies holding a claim leaves its sample to the main child."""
     import os
 
     from pipeline.htp import probe as probe_mod
@@ -340,7 +340,6 @@ def test_helpers_on_other_cores_measure_what_one_child_does_and_a_dead_one_costs
     assert not list((tmp_path / "one").glob("probe_helper_*"))
     core = min(os.sched_getaffinity(0))
     monkeypatch.setattr(probe_mod, "_cores", lambda count, locate: [core, core])
-    monkeypatch.setattr(probe_mod, "HELPER_AFTER_S", 0.0)
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(PROBE_HOOK.format(action=action))
@@ -360,3 +359,36 @@ def test_helpers_on_other_cores_measure_what_one_child_does_and_a_dead_one_costs
     assert (shared.partitions, shared.cpu_nodes) == (one.partitions, one.cpu_nodes) == (1, 0)
     assert shared.ctx_vs_float == one.ctx_vs_float
     assert shared.ctx_vs_qdq == one.ctx_vs_qdq and shared.qdq_vs_float == one.qdq_vs_float
+
+
+def test_a_helper_loads_the_context_only_while_samples_are_left(tmp_path: Path):
+    """A helper waits for the main child's compile; it bows out when the child failed or ended,
+    or has claimed every sample (a quick model), and joins while some sample is unclaimed."""
+    from pipeline.htp import probe as probe_mod
+
+    stash = tmp_path / probe_mod.STASH
+    stash.mkdir()
+    job = probe_mod.ProbeJob(
+        qdq="",
+        float_model="",
+        samples=["a", "b"],
+        work=str(tmp_path),
+        result="",
+        soc_model=60,
+        htp_arch=73,
+        helper=True,
+    )
+    main = tmp_path / probe_mod.RESULT_NAME
+
+    def ready(**state) -> bool:
+        main.write_text(json.dumps(state))
+        return probe_mod._context_ready(job, stash)
+
+    assert ready(status="running", stage="run")
+    assert ready(status="running", stage="load")
+    (stash / "0000.claim").write_text("1")
+    assert ready(status="running", stage="run")
+    (stash / "0001.claim").write_text("1")
+    assert not ready(status="running", stage="run")
+    assert not ready(status="failed", stage="compile")
+    assert not ready(status="running", stage="compare")

@@ -12,11 +12,14 @@ the HTP computes differently (e.g. 16-bit weights in a dilated convolution).
 The x86_64 simulator runs a graph on one thread and spins a second one (measured: 8.9 s for 6
 samples on two cores, 9.1 s pinned to one; two unpinned probes side by side were slower than one,
 two pinned ones 1.65x faster). So the samples are shared out by work stealing: the child claims
-them one by one from the front (an exclusive claim file each); when its run has lasted a second
-and samples are left, the parent pins it to one core and starts a helper per further core (Linux,
-4 GiB of available memory each), which loads the very same context and claims from the back.
+them one by one from the front (an exclusive claim file each), and a helper per further core
+(Linux, 4 GiB of available memory each), started with the child and pinned to its own core,
+loads the very same context as soon as the child has compiled it and claims from the back; the
+child pins itself to one core when its run starts. A helper that started late (it waited a
+second of the run before: a third of a 2.6 s run on SqueezeNet) left most samples to the child.
 The child then waits for the helpers' outputs, runs itself any sample whose claimer died, and
-compares. A quick model never starts a helper, so it pays nothing for this.
+compares. On a quick model the helper finds every sample claimed and ends without loading: its
+start-up ran on the other core.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from .isolation import Finished, Started, die_with_parent, run_module, start_mod
 MODULE = "pipeline.htp.probe"
 DIVERGENCE_DB = 30.0  # HTP vs CPU QDQ below this at one tensor: they compute it differently
 CTX_NAME = "probe_ctx.onnx"
+RESULT_NAME = "probe_result.json"  # the main child's result, which its helpers watch
 # The CPUs this process may use when it starts, before the parent pins it to one.
 ALL_CORES = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
 STASH = "htp_outputs"  # each sample's HTP outputs (<i>.npz) and who claimed it (<i>.claim)
@@ -62,6 +66,7 @@ class ProbeJob:
     ctx: str = ""  # a helper: load this context (the main child's) instead of compiling
     helper: bool = False  # claim samples from the back, run them, stash the outputs; no compare
     core: int = -1  # pin this process (and the threads QNN starts) to this CPU
+    run_core: int = -1  # the main child, helped: pin itself to this CPU when its run starts
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,6 @@ def _cores(samples: int, locate: bool) -> list[int]:
 
 
 HELPER_MEMORY = 4 << 30  # bytes of available memory asked for each extra simulator process
-HELPER_AFTER_S = 1.0  # a run phase shorter than this is not worth another process
 
 
 def _available_bytes() -> int | None:
@@ -180,94 +184,69 @@ def probe(
     """Compile ``qdq`` for the HTP, run it there and compare; a dead child is a failed result."""
     work.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / STASH, ignore_errors=True)  # outputs and claims of an earlier probe
-    for stale in [work / "probe_result.json", *work.glob("probe_helper_*")]:
-        stale.unlink(missing_ok=True)  # its stage or pid must not pass for this probe's
+    for stale in [work / RESULT_NAME, work / CTX_NAME, *work.glob("probe_helper_*")]:
+        stale.unlink(missing_ok=True)  # its stage, pid or context must not pass for this probe's
+    cores = _cores(len(samples), locate)
     job = ProbeJob(
         qdq=str(qdq.resolve()),
         float_model=str(float_model.resolve()),
         samples=[str(p.resolve()) for p in samples],
         work=str(work.resolve()),
-        result=str((work / "probe_result.json").resolve()),
+        result=str((work / RESULT_NAME).resolve()),
         soc_model=soc_model,
         htp_arch=htp_arch,
         qnn_options=dict(qnn_options or {}),
         locate=locate,
+        run_core=cores[0] if cores else -1,
     )
     job_path = work / "probe_job.json"
     job_path.write_text(json.dumps(to_json_value(job)), encoding="utf-8")
-    helpers = _Helpers(job, work, _cores(len(samples), locate))
+    helpers = _start_helpers(job, work, cores[1:])
     try:
-        done = run_module(MODULE, job_path, work / "probe.log", timeout_s, helpers.tick)
+        done = run_module(MODULE, job_path, work / "probe.log", timeout_s, _reaper(helpers))
     finally:
-        helpers.stop()
-    return _outcome(job, done, timeout_s)
-
-
-class _Helpers:
-    """Starts the helper processes once the main child's run phase has lasted HELPER_AFTER_S
-    with samples left to claim, and ends them with it."""
-
-    def __init__(self, job: ProbeJob, work: Path, cores: list[int]) -> None:
-        self.job, self.work, self.cores = job, work, cores
-        self.started: list[Started] = []
-        self.run_seen: float | None = None
-
-    def tick(self, elapsed: float) -> None:
-        for helper in self.started:
-            helper.proc.poll()  # reap a dead one, so the main child sees it gone
-        if self.started or len(self.cores) < 2:
-            return
-        try:
-            stage = json.loads(Path(self.job.result).read_text("utf-8")).get("stage")
-        except (OSError, ValueError):
-            return
-        if stage != "run":
-            return
-        if self.run_seen is None:
-            self.run_seen = elapsed
-        claims = self.work / STASH
-        claimed = len(list(claims.glob("*.claim"))) if claims.is_dir() else 0
-        if elapsed - self.run_seen < HELPER_AFTER_S or claimed >= len(self.job.samples) - 1:
-            return
-        main_pid = _main_pid(self.job)
-        if main_pid is None:
-            return
-        _pin_threads(main_pid, self.cores[0])
-        ctx = str((self.work / CTX_NAME).resolve())
-        for k, core in enumerate(self.cores[1:], start=1):
-            helper = replace(
-                self.job,
-                result=str((self.work / f"probe_helper_{k}.json").resolve()),
-                ctx=ctx,
-                helper=True,
-                core=core,
-            )
-            path = self.work / f"probe_helper_{k}_job.json"
-            path.write_text(json.dumps(to_json_value(helper)), encoding="utf-8")
-            self.started.append(start_module(MODULE, path, self.work / f"probe_helper_{k}.log"))
-
-    def stop(self) -> None:
-        """The main child is done (or dead): its helpers have nothing left to do."""
-        for helper in self.started:
+        for helper in helpers:  # the main child is done (or dead): nothing left for them
             if helper.proc.poll() is None:
                 helper.kill()
             helper.finish()
+    return _outcome(job, done, timeout_s)
 
 
-def _main_pid(job: ProbeJob) -> int | None:
+def _start_helpers(job: ProbeJob, work: Path, cores: list[int]) -> list[Started]:
+    """One helper per extra core, each pinned to it: it waits for the main child's context."""
+    started = []
+    for k, core in enumerate(cores, start=1):
+        helper = replace(
+            job,
+            result=str((work / f"probe_helper_{k}.json").resolve()),
+            ctx=str((work / CTX_NAME).resolve()),
+            helper=True,
+            core=core,
+            run_core=-1,
+        )
+        path = work / f"probe_helper_{k}_job.json"
+        path.write_text(json.dumps(to_json_value(helper)), encoding="utf-8")
+        started.append(start_module(MODULE, path, work / f"probe_helper_{k}.log"))
+    return started
+
+
+def _reaper(helpers: list[Started]) -> Callable[[float], None]:
+    """Reaps a dead helper while the main child runs, so the child sees its claims orphaned."""
+
+    def tick(_elapsed: float) -> None:
+        for helper in helpers:
+            helper.proc.poll()
+
+    return tick
+
+
+def _pin_threads(core: int) -> None:
+    """Pin every thread of this process (QNN's spinning one too) to ``core``."""
     try:
-        return int(json.loads(Path(job.result).read_text("utf-8"))["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _pin_threads(pid: int, core: int) -> None:
-    """Pin every thread of ``pid`` (QNN's spinning one too) to ``core``."""
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
+        for task in os.listdir("/proc/self/task"):
             os.sched_setaffinity(int(task), {core})
     except (OSError, ValueError):
-        return  # it ended meanwhile, or this is no Linux: the helpers still help
+        return  # this is no Linux: the helpers still help
 
 
 def _outcome(job: ProbeJob, done: Finished, timeout_s: float) -> ProbeResult:
@@ -331,7 +310,7 @@ def _run(job: ProbeJob, result: ProbeResult, path: Path) -> None:
     names = outputs + [t for t, _, _ in exposed if t not in outputs]
     _run_on_htp(job, result, stage, model_path, names, stash)
     if not job.helper:
-        if hasattr(os, "sched_setaffinity"):  # pinned when helpers joined: compare on every core
+        if hasattr(os, "sched_setaffinity"):  # pinned for its run when helped: compare on all
             os.sched_setaffinity(0, ALL_CORES)
         stage("compare")
         _compare(job, result, model_path, outputs, names, exposed, stash)
@@ -398,7 +377,10 @@ def _run_on_htp(
     result.qnn_sdk = ep.installed.qnn_sdk
     result.onnxruntime_qnn = ep.installed.package_version
     work = Path(job.work)
-    if job.ctx:
+    if job.helper:
+        stage("wait")
+        if not _context_ready(job, stash):
+            return  # the main child failed, or it has claimed every sample: nothing to help with
         ctx_path = Path(job.ctx)
     else:
         stage("compile")
@@ -434,6 +416,8 @@ def _run_on_htp(
     # The HTP's outputs go to disk first and its session is closed before the CPU models run:
     # the simulator and two CPU sessions of a 1024x2048 model side by side took 1.7 GiB.
     stage("run")
+    if job.run_core >= 0:
+        _pin_threads(job.run_core)  # a helper has its own core: keep off it
     count = len(job.samples)
     for index in reversed(range(count)) if job.helper else range(count):
         if _claim(stash, index):
@@ -448,6 +432,23 @@ def _run_on_htp(
                 _run_sample(ctx, job.samples[index], names, _stashed(stash, index))
         time.sleep(0.02)
     del ctx, assignment  # the assignment info holds the session (and the simulator) alive
+
+
+def _context_ready(job: ProbeJob, stash: Path) -> bool:
+    """A helper waits until the main child has compiled its context (it is loading or running
+    it), and is needed only while some sample is unclaimed."""
+    main = Path(job.work) / RESULT_NAME
+    while True:
+        try:
+            state = json.loads(main.read_text("utf-8"))
+        except (OSError, ValueError):  # not written yet, or being replaced
+            state = {}
+        if state.get("status") in ("ok", "failed") or state.get("stage") in ("compare", "done"):
+            return False
+        if state.get("stage") in ("load", "run"):
+            claimed = len(list(stash.glob("*.claim")))
+            return claimed < len(job.samples)
+        time.sleep(0.02)
 
 
 def _run_sample(session: Any, sample: str, names: list[str], target: Path) -> None:
