@@ -479,6 +479,19 @@ def test_quantize_stage_keeps_the_models_own_quantization(tmp_path: Path) -> Non
     record = json.loads((root / "record.json").read_text())
     floor = record["summary"]["rounding_floor_db"]
     assert set(floor) == {"y"} and floor["y"] == pytest.approx(own["input_jitter"]["y"]["snr_db"])
+    # Nothing to decide, but what the NPU computes is measured, and compile adopts that run.
+    from pipeline.htp.probe import qnn_available
+
+    htp = report["htp"]
+    assert "own quantization is kept" in htp["reason"] and not htp["remedies"]
+    if qnn_available():
+        assert (
+            htp["judge"] == "cpu" and not (root / "buckets" / "static" / "htp_probe.json").exists()
+        )
+    else:
+        assert htp["judge"] == "htp" and [r["label"] for r in htp["rounds"]] == ["its own quantization"]
+        assert htp["ctx_vs_float_db"] > 20.0, htp
+        assert (root / "buckets" / "static" / "htp_probe.json").is_file()
 
 
 def test_ctx_gate_of_a_prequantized_output_follows_its_rounding_floor() -> None:

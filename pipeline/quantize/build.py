@@ -452,6 +452,39 @@ def _quantize_all(
     return merged, changes[plan.largest.name], mixed, judgement
 
 
+def _measure_own(config: ModelConfig, paths: ModelPaths, state: _State) -> HtpJudgement:
+    """A model keeping its own quantization has nothing to decide, but what the NPU computes
+    is still measured, and that run on the validation samples is what compile adopts (in
+    parallel processes; compile's own validation runs one sample after another)."""
+    names = state.plan.names
+    nothing = HtpJudgement("cpu", "the model's own quantization is kept: nothing to decide")
+    if len(names) != 1 or not state.held_counts[names[0]]:
+        return nothing
+    started = time.perf_counter()
+    bucket = paths.bucket(names[0])
+    judgement, _ = judge_on_htp(
+        config,
+        state.prepared[names[0]].float_path,
+        bucket.qdq,
+        samples_in(bucket.heldout),
+        [],
+        {},
+        Builder(_never_rebuilt, _never_rebuilt),
+        paths.root,
+        bucket.htp_probe,
+        decide=False,
+    )
+    state.timings["judge"] = time.perf_counter() - started
+    if judgement.judge == "htp":
+        return judgement
+    why = judgement.reason.removeprefix("judged on the CPU: ")
+    return dataclasses.replace(judgement, reason=f"{nothing.reason} ({why})")
+
+
+def _never_rebuilt(*_: object) -> None:
+    raise AssertionError("a pre-quantized model's own quantization is measured, never rebuilt")
+
+
 def _keep_own_quantization(
     config: ModelConfig, paths: ModelPaths, state: _State
 ) -> report_mod.OwnQuantization | None:
@@ -575,7 +608,7 @@ def _build(
     state.own = _keep_own_quantization(config, paths, state) or state.own
     if state.own is not None and state.own.kept:  # no calibration, no second quantization
         merged, changes, mixed = 0, quantizer.range_rules.RangeChanges(), None
-        judgement = HtpJudgement("cpu", "the model's own quantization is kept: nothing to decide")
+        judgement = _measure_own(config, paths, state)
     else:
         merged, changes, mixed, judgement = _quantize_all(
             config, paths, plan, state.prepared, samples, state.held_counts, state.timings

@@ -160,6 +160,7 @@ def judge_on_htp(
     scratch: Path,
     probe_record: Path | None = None,
     cpu_snr_db: float | None = None,
+    decide: bool = True,
 ) -> tuple[HtpJudgement, Candidate]:
     """Check the current QDQ model on the HTP and improve it while it is short of the target.
 
@@ -168,9 +169,11 @@ def judge_on_htp(
     the validation samples, so the kept one's figures go to ``probe_record`` for the compile
     stage to reuse (``HtpProbeRecord``). ``cpu_snr_db``, the QDQ model's worst SNR on the CPU:
     ``HOPELESS_DB`` or more short of the target, the whole model in fp16 is tried first, and
-    the quantized model only runs on the HTP when fp16 does not reach the target either."""
+    the quantized model only runs on the HTP when fp16 does not reach the target either.
+    ``decide = False`` (a pre-quantized model keeping its own quantization): one run, measured
+    and reported, no remedy."""
     q = config.quantization
-    current = Candidate("as quantized", dict(overrides))
+    current = Candidate("as quantized" if decide else "its own quantization", dict(overrides))
     if probe_record is not None:
         probe_record.unlink(missing_ok=True)
         probe_record.with_name(HTP_PROBE_CTX).unlink(missing_ok=True)
@@ -185,7 +188,7 @@ def judge_on_htp(
     # only needs to find a tensor.
     samples = spread(heldout, VALIDATE_SAMPLES)
     locate_samples = spread(heldout, LOCATE_SAMPLES)
-    target_db = q.target_snr_db
+    target_db = q.target_snr_db if decide else float("-inf")
     work = Path(tempfile.mkdtemp(prefix=".htp-judge-", dir=scratch))
     rounds: list[JudgeRound] = []
     ctx_of: dict[int, Path] = {}  # each probe's context file, by id of its result
@@ -357,11 +360,13 @@ def judge_on_htp(
             _write_probe_record(
                 probe_record, qdq_path, best_sha, best_result, chip, ctx_of[id(best_result)]
             )
+        where = f"the HTP simulator for {chip.name} (soc {chip.soc_model}, HTP v{chip.htp_arch})"
         return (
             HtpJudgement(
                 "htp",
-                f"judged on the HTP simulator for {chip.name} (soc {chip.soc_model}, HTP "
-                f"v{chip.htp_arch})",
+                f"judged on {where}"
+                if decide
+                else f"the model's own quantization is kept (nothing to decide), measured on {where}",
                 chip.name,
                 first.qnn_sdk,
                 rounds,
