@@ -1329,7 +1329,12 @@ def _load_section(page: _Page) -> None:
             "Session creation of the EP-context model (min of "
             f"{', '.join(map(str, sorted(runs))) or '-'} run(s)) against the QDQ model's with QNN "
             "compiling it online, on the build machine. A device's NPU loads differently: these "
-            "are not device latencies.",
+            "are not device latencies."
+            + "".join(
+                f" {_where(v)}: the QDQ load is timed by {how}."
+                for v in page.data.variants
+                if (how := _dict(v.get("load")).get("qdq_timed_by"))
+            ),
         ),
     )
     errors = [

@@ -255,8 +255,14 @@ def test_compile_reuses_the_judges_figures_for_the_same_ctx_and_only_then(tmp_pa
         assert record is not None, why
         return record
 
-    reused = compiled(force=True).validation
+    first = compiled(force=True)
+    reused = first.validation
     assert reused.measured_by.startswith("the quantize stage's HTP judge")
+    # The QDQ model's online-compile load is the judge's offline compile of it, not a second one.
+    from pipeline.compile.worker import JUDGE_COMPILE
+
+    judge_compile_s = json.loads(probe.read_text())["compile_s"]
+    assert first.load.qdq_timed_by == JUDGE_COMPILE and first.load.qdq_s == judge_compile_s > 0
     # Compile adopted the very context the judge ran instead of compiling it again.
     from pipeline.core.fileio import sha256_file
 
@@ -272,6 +278,10 @@ def test_compile_reuses_the_judges_figures_for_the_same_ctx_and_only_then(tmp_pa
     measured = compiled(force=True).validation
     assert measured.measured_by == ""
     assert measured.ctx_vs_qdq == reused.ctx_vs_qdq and measured.ctx_vs_float == reused.ctx_vs_float
+    # The record of another QDQ model: compile times the online compile itself.
+    probe.write_text(json.dumps({**record, "qdq_sha256": "0" * 64}))
+    timed = compiled(force=True).load
+    assert timed.qdq_timed_by == "" and timed.qdq_s is not None and timed.qdq_s > 0
 
 
 # Sitecustomize for the probe's processes (tests/test_compile.py's way of making a hang or a

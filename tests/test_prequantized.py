@@ -489,7 +489,9 @@ def test_quantize_stage_keeps_the_models_own_quantization(tmp_path: Path) -> Non
             htp["judge"] == "cpu" and not (root / "buckets" / "static" / "htp_probe.json").exists()
         )
     else:
-        assert htp["judge"] == "htp" and [r["label"] for r in htp["rounds"]] == ["its own quantization"]
+        assert htp["judge"] == "htp" and [r["label"] for r in htp["rounds"]] == [
+            "its own quantization"
+        ]
         assert htp["ctx_vs_float_db"] > 20.0, htp
         assert (root / "buckets" / "static" / "htp_probe.json").is_file()
 

@@ -213,6 +213,8 @@ def _notes(rows: list[_Row]) -> list[str]:
                 notes.append(f"- **{where}** {how.strip()}")
         if r.validation is not None and r.validation.measured_by:
             notes.append(f"- **{where}** validation figures measured by {r.validation.measured_by}")
+        if r.load is not None and r.load.qdq_timed_by:
+            notes.append(f"- **{where}** QDQ load (online compile) timed by {r.load.qdq_timed_by}")
         if r.validation is not None and not r.validation.passed:
             notes.append(f"- **{where}** validation below the gate (compile.min_snr_db)")
         if r.load is not None and r.load.qdq_error:

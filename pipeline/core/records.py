@@ -238,6 +238,7 @@ class HtpProbeRecord:
     ctx_vs_qdq: dict[str, Accuracy]
     ctx_vs_float: dict[str, Accuracy]
     qdq_vs_float: dict[str, Accuracy]
+    compile_s: float | None = None  # its offline compile of the QDQ model, in the probe child
 
 
 @dataclass(frozen=True)
@@ -286,6 +287,8 @@ class LoadTimes:
     qdq_s: float | None = None
     ratio: float | None = None
     qdq_error: str | None = None
+    # "" when qdq_s is a session created here with QNN compiling online; else what it is
+    qdq_timed_by: str = ""
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,7 @@ class ProbeResult:
     qdq_vs_float: dict[str, Accuracy] = field(default_factory=dict)
     tensors: list[TensorAgreement] = field(default_factory=list)
     seconds: float = 0.0
+    compile_s: float = 0.0  # the offline compile of the QDQ model (what loading it online costs)
 
     @property
     def ok(self) -> bool:
@@ -391,9 +392,11 @@ def _run_on_htp(
         ctx_path = work / CTX_NAME
         partial = work / f".{CTX_NAME}.partial.onnx"
         partial.unlink(missing_ok=True)
+        started = time.perf_counter()
         ort.ModelCompiler(
             options, str(model_path), embed_compiled_data_into_model=True
         ).compile_to_file(str(partial))
+        result.compile_s = time.perf_counter() - started
         partial.replace(ctx_path)
     result.ctx_sha256 = sha256_file(ctx_path)
     result.sample_sha256 = [sha256_file(Path(sample)) for sample in job.samples]

@@ -411,6 +411,7 @@ def _write_probe_record(
         ctx_vs_qdq=result.ctx_vs_qdq,
         ctx_vs_float=result.ctx_vs_float,
         qdq_vs_float=result.qdq_vs_float,
+        compile_s=result.compile_s or None,
     )
     write_record(path, record)
 
