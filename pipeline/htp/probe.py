@@ -47,7 +47,7 @@ MODULE = "pipeline.htp.probe"
 DIVERGENCE_DB = 30.0  # HTP vs CPU QDQ below this at one tensor: they compute it differently
 CTX_NAME = "probe_ctx.onnx"
 RESULT_NAME = "probe_result.json"  # the main child's result, which its helpers watch
-# The CPUs this process may use when it starts, before the parent pins it to one.
+# The CPUs this process may use when it starts, before it pins itself to one for its run.
 ALL_CORES = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
 STASH = "htp_outputs"  # each sample's HTP outputs (<i>.npz) and who claimed it (<i>.claim)
 
@@ -83,7 +83,6 @@ class TensorAgreement:
 class ProbeResult:
     status: str = "running"  # running | ok | failed
     stage: str = "start"
-    pid: int = 0  # the child's, so the parent can pin it when helpers join
     error: str = ""
     qnn_sdk: str = ""
     onnxruntime_qnn: str = ""
@@ -186,7 +185,7 @@ def probe(
     work.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / STASH, ignore_errors=True)  # outputs and claims of an earlier probe
     for stale in [work / RESULT_NAME, work / CTX_NAME, *work.glob("probe_helper_*")]:
-        stale.unlink(missing_ok=True)  # its stage, pid or context must not pass for this probe's
+        stale.unlink(missing_ok=True)  # its stage or context must not pass for this probe's
     cores = _cores(len(samples), locate)
     job = ProbeJob(
         qdq=str(qdq.resolve()),
@@ -517,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         # thread then shares this core instead of taking another probe's.
         os.sched_setaffinity(0, {job.core})
     path = Path(job.result)
-    result = ProbeResult(pid=os.getpid())
+    result = ProbeResult()
     started = time.perf_counter()
     try:
         _run(job, result, path)
