@@ -305,6 +305,15 @@ def _run(job: ProbeJob, result: ProbeResult, path: Path) -> None:
     work = Path(job.work)
     stash = work / STASH
     stash.mkdir(exist_ok=True)
+    if job.helper:
+        # Before any import of onnxruntime or QNN: on a quick model the child has claimed
+        # every sample by then, and a helper that only waited cost nothing measurable (one
+        # that registered QNN meanwhile cost the small models 0.25 s).
+        stage("wait")
+        if not _context_ready(job, stash):
+            result.status = "ok"
+            stage("done")
+            return  # the main child failed or ended, or it has every sample: nothing to help with
     model_path, exposed = _exposed(job.qdq, work) if job.locate else (Path(job.qdq), [])
     outputs = _output_names(job.float_model)
     names = outputs + [t for t, _, _ in exposed if t not in outputs]
@@ -378,9 +387,6 @@ def _run_on_htp(
     result.onnxruntime_qnn = ep.installed.package_version
     work = Path(job.work)
     if job.helper:
-        stage("wait")
-        if not _context_ready(job, stash):
-            return  # the main child failed, or it has claimed every sample: nothing to help with
         ctx_path = Path(job.ctx)
     else:
         stage("compile")
