@@ -244,6 +244,12 @@ def test_a_classifier_with_a_tail_builds_and_runs_from_its_release(tmp_path: Pat
     # compile stage adopted the judge's context and its run on the held-out samples.
     judged = json.loads(paths.report.with_suffix(".json").read_text("utf-8"))["htp"]
     assert judged["judge"] == "htp", judged["reason"]
+    # The declared tail is not CPU compute to the judge either: the quantized model met the
+    # target whole on the NPU, so it is the only round (no whole-model fp16 tried for nothing).
+    assert [(r["label"], r["partitions"], r["cpu_nodes"]) for r in judged["rounds"]] == [
+        ("as quantized", 1, 0)
+    ], judged["rounds"]
+    assert judged["chosen"] == "as quantized"
     assert record.validation.measured_by.startswith("the quantize stage's HTP judge")
     assert record.validation.ctx_vs_float["scores"].compared_as == MAP_VALUES
     loaded = qnn_ctx_runtime.load(artifacts / "releases" / "clf" / "1.0.0")
