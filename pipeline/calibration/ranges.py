@@ -31,6 +31,7 @@ real models; each is fixed here, on the ranges, before onnxruntime picks scales:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -355,11 +356,17 @@ def widen(
 
 @dataclass(frozen=True)
 class Statistics:
-    """Per-tensor statistics of the float model on the first calibration samples."""
+    """Per-tensor statistics of the float model: RMS and means on the first calibration samples,
+    min/max on all of them."""
 
     rms: dict[str, float]  # root mean square (range margins)
     means: dict[str, np.ndarray]  # mean over the requested axes (bias correction)
-    samples: int
+    samples: int  # samples the RMS and means are over
+    ranges: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    range_samples: int = 0
+
+
+_FLOAT16_TYPE = 10  # onnx TensorProto.FLOAT16
 
 
 def activation_statistics(
@@ -368,13 +375,16 @@ def activation_statistics(
     rms_names: list[str],
     mean_axes: dict[str, list[int]] | None = None,
     max_samples: int = 8,
+    range_names: Iterable[str] = (),
+    on_sample: Callable[[], None] | None = None,
 ) -> Statistics:
     """RMS of each float tensor in ``rms_names`` and the mean of each tensor in ``mean_axes``
-    over those axes, on the first ``max_samples`` samples, in one pass.
+    over those axes, on the first ``max_samples`` samples; with ``range_names``, also the min and
+    max of each of those tensors over every sample (a MinMax calibration); in one pass.
 
-    The reductions run in the graph (ReduceSumSquare and Size, ReduceMean) and only their
-    results leave it, so memory stays what one inference needs: fetching every activation of a
-    1024x2048 segmenter would hold gigabytes at once.
+    The reductions run in the graph (ReduceSumSquare and Size, ReduceMean, ReduceMin/Max) and
+    only their results leave it, so memory stays what one inference needs: fetching every
+    activation of a 1024x2048 segmenter would hold gigabytes at once.
     """
     import onnx
     from onnx import helper, numpy_helper
@@ -396,6 +406,11 @@ def activation_statistics(
         for n, axes in (mean_axes or {}).items()
         if n in produced and types.get(n) == _FLOAT_TYPE
     }
+    ranged = [
+        n
+        for n in dict.fromkeys(range_names)
+        if n in produced and types.get(n) in (_FLOAT_TYPE, _FLOAT16_TYPE)
+    ]
     del graph.output[:]
     for index, name in enumerate(wanted):
         squares, size = f"__rms_ss_{index}", f"__rms_n_{index}"
@@ -416,29 +431,50 @@ def activation_statistics(
         graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), axes_name))
         graph.node.append(helper.make_node("ReduceMean", [name, axes_name], [mean], keepdims=0))
         graph.output.append(helper.make_tensor_value_info(mean, _FLOAT_TYPE, None))
-    if not wanted and not averaged:
+    for index, name in enumerate(ranged):
+        for op in ("ReduceMin", "ReduceMax"):
+            out = f"__{op.lower()}_{index}"
+            graph.node.append(helper.make_node(op, [name], [out], keepdims=0))
+            graph.output.append(helper.make_tensor_value_info(out, types[name], []))
+    if not wanted and not averaged and not ranged:
         return Statistics({}, {}, 0)
-    session = cpu_session(probe)
+    # Ranges as onnxruntime's calibrator measures them: on the graph as written (its fusions
+    # change activations in the last bits, and a calibration cache should not depend on them).
+    session = cpu_session(probe, optimize=not ranged)
     outputs = [o.name for o in session.get_outputs()]
     total = dict.fromkeys(wanted, 0.0)
     count = dict.fromkeys(wanted, 0)
     sums: dict[str, np.ndarray] = {}
-    used = 0
+    low: dict[str, np.ndarray] = {}
+    high: dict[str, np.ndarray] = {}
+    used = seen = 0
+    first_range = 2 * len(wanted) + len(averaged)
     for index, feeds in enumerate(samples):
-        if index >= max_samples:
+        if index >= max_samples and not ranged:
             break
         values = session.run(outputs, feeds)
-        for position, name in enumerate(wanted):
-            total[name] += float(values[2 * position])
-            count[name] += int(values[2 * position + 1])
-        for position, name in enumerate(averaged):
-            value = values[2 * len(wanted) + position].astype(np.float64)
-            sums[name] = sums.get(name, 0.0) + value
-        used += 1
+        if index < max_samples:
+            for position, name in enumerate(wanted):
+                total[name] += float(values[2 * position])
+                count[name] += int(values[2 * position + 1])
+            for position, name in enumerate(averaged):
+                value = values[2 * len(wanted) + position].astype(np.float64)
+                sums[name] = sums.get(name, 0.0) + value
+            used += 1
+        for position, name in enumerate(ranged):
+            small, large = values[first_range + 2 * position : first_range + 2 * position + 2]
+            # fmin/fmax skip a NaN as onnxruntime's calibrator (np.nanmin) does
+            low[name] = small if name not in low else np.fmin(low[name], small)
+            high[name] = large if name not in high else np.fmax(high[name], large)
+        seen += 1
+        if on_sample is not None:
+            on_sample()
     return Statistics(
         {n: float(np.sqrt(total[n] / count[n])) for n in wanted if count[n]},
         {n: v / used for n, v in sums.items()} if used else {},
         used,
+        {n: (np.reshape(low[n], (1,)), np.reshape(high[n], (1,))) for n in low},
+        seen if ranged else 0,
     )
 
 

@@ -1,0 +1,116 @@
+"""The one-pass MinMax calibration writes what onnxruntime's own calibration writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from pipeline.calibration.ranges import read_cache
+from pipeline.core.config import load_config
+from pipeline.quantize import quantizer
+
+RNG = np.random.default_rng(11)
+
+
+def small_net() -> onnx.ModelProto:
+    """Conv -> Relu -> pool -> Gemm -> Softmax, a Sigmoid branch, and an fp16 side path (a Cast
+    to float16 and back): tensors of both float types, an input, initializers, an output."""
+    w = numpy_helper.from_array(RNG.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    b = numpy_helper.from_array(RNG.standard_normal(4).astype(np.float32), "b")
+    fc = numpy_helper.from_array(RNG.standard_normal((4, 5)).astype(np.float32), "fc")
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["conv"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["conv"], ["relu"]),
+        helper.make_node("Sigmoid", ["conv"], ["gate"]),
+        helper.make_node("Mul", ["relu", "gate"], ["gated"]),
+        helper.make_node("Cast", ["gated"], ["half"], to=TensorProto.FLOAT16),
+        helper.make_node("Cast", ["half"], ["back"], to=TensorProto.FLOAT),
+        helper.make_node("GlobalAveragePool", ["back"], ["pool"]),
+        helper.make_node("Flatten", ["pool"], ["flat"]),
+        helper.make_node("Gemm", ["flat", "fc"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["probs"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "net",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [1, 5])],
+        [w, b, fc],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return onnx.shape_inference.infer_shapes(model)
+
+
+@pytest.mark.parametrize("count", [5, 37])  # under one onnxruntime chunk, and over two
+def test_one_pass_minmax_equals_onnxruntime_calibration(tmp_path: Path, count: int) -> None:
+    model_path = tmp_path / "net.onnx"
+    onnx.save(small_net(), str(model_path))
+    config_path = tmp_path / "net.toml"
+    config_path.write_text(
+        '[model]\nname = "net"\nversion = "1.0.0"\nsource = "net.onnx"\n'
+        '[calibration]\nkind = "random"\nsamples = 8\n',
+        encoding="utf-8",
+    )
+    config = load_config(config_path)
+    assert config.quantization.method == "MinMax"
+    samples = [
+        {"x": (RNG.standard_normal((1, 3, 8, 8)) * (1 + i % 4)).astype(np.float32)}
+        for i in range(count)
+    ]
+
+    ours = quantizer.calibrate(
+        config, model_path, samples, tmp_path / "ours.json", tmp_path / "unused.onnx", "net"
+    )
+    quantizer._run_quantizer(
+        config, model_path, tmp_path / "ort.onnx", samples, tmp_path / "ort.json", {}
+    )
+
+    assert not (tmp_path / "unused.onnx").exists()  # no throwaway QDQ model any more
+    _, mine = read_cache(ours.cache)
+    _, theirs = read_cache(tmp_path / "ort.json")
+    assert mine.keys() == theirs.keys()
+    assert {"x", "conv", "gate", "probs"} <= mine.keys()  # input, activations, output
+    assert mine == theirs  # the very same float32 values, not merely close
+    # The statistics of the same pass: RMS on the first samples of every calibrated tensor.
+    assert ours.rms_samples == min(count, quantizer.RMS_SAMPLES)
+    first = samples[: quantizer.RMS_SAMPLES]
+    want = float(np.sqrt(np.mean([np.mean(s["x"].astype(np.float64) ** 2) for s in first])))
+    assert ours.rms["x"] == pytest.approx(want, rel=1e-5)
+
+
+def test_evaluate_measures_the_same_files_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mixed precision measures the QDQ model it starts from, the stage's report measures the
+    one it ends with: when they are the same file, the CPU runs happen once."""
+    from pipeline.quantize import evaluate as evaluate_mod
+
+    reference, test = tmp_path / "ref.onnx", tmp_path / "test.onnx"
+    onnx.save(small_net(), str(reference))
+    onnx.save(small_net(), str(test))
+    heldout = tmp_path / "heldout"
+    heldout.mkdir()
+    for i in range(3):
+        np.savez(heldout / f"sample_{i:04d}.npz", x=RNG.standard_normal((1, 3, 8, 8)).astype("f"))
+    runs: list[Path] = []
+    measure = evaluate_mod._evaluate
+
+    def counted(ref: Path, tst: Path, folder: Path) -> dict:
+        runs.append(tst)
+        return measure(ref, tst, folder)
+
+    monkeypatch.setattr(evaluate_mod, "_evaluate", counted)
+    first = evaluate_mod.evaluate(reference, test, heldout)
+    assert evaluate_mod.evaluate(reference, test, heldout) == first and len(runs) == 1
+    changed = small_net()
+    changed.graph.initializer[0].raw_data = np.zeros((4, 3, 3, 3), np.float32).tobytes()
+    onnx.save(changed, str(test))  # another model under the same name: measured again
+    assert evaluate_mod.evaluate(reference, test, heldout) != first and len(runs) == 2
+    np.savez(heldout / "sample_0003.npz", x=np.ones((1, 3, 8, 8), np.float32))
+    evaluate_mod.evaluate(reference, test, heldout)  # another sample: measured again
+    assert len(runs) == 3
