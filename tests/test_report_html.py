@@ -153,12 +153,27 @@ def test_page_is_redrawn_only_when_what_it_shows_changes(full: Path) -> None:
     assert page.stat().st_mtime_ns == before
     variant = next(paths.ctx.glob("*/snapdragon-x-elite/variant.json"))
     saved = variant.read_bytes()
+    figures = paths.root / report_html.FIGURES
+
+    def drawn() -> dict[str, tuple[str, int]]:
+        return {
+            f.name.rsplit("-", 1)[0]: (f.name, f.stat().st_mtime_ns) for f in figures.glob("*.svg")
+        }
+
+    first = drawn()
+    assert first.keys() == set(PLOTS)
     try:
         data = json.loads(saved)
         data["load"]["ratio"] = 1234.5
         variant.write_text(json.dumps(data), encoding="utf-8")
         assert report_html.write_html_reports(paths.root) == page
         assert "1234.5" in page.read_text(encoding="utf-8")
+        # Only the plots drawn from the variants are drawn again (and the old ones removed);
+        # the quantize report's plots are the files drawn before.
+        again = drawn()
+        assert again.keys() == set(PLOTS)
+        redrawn = {name for name in PLOTS if again[name] != first[name]}
+        assert redrawn == {"accuracy", "load"}, redrawn
     finally:
         variant.write_bytes(saved)
         report_html.write_html_reports(paths.root)
