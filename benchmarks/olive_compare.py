@@ -72,7 +72,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "tests"))
-from shared_configs import runnable_configs  # noqa: E402
+from shared_configs import compile_bytecode, runnable_configs  # noqa: E402
 from venvs import env_lock, envs_root, uv_command  # noqa: E402  (cached uv envs, shared with tests)
 
 from pipeline.core.config import ModelConfig  # noqa: E402
@@ -720,6 +720,7 @@ def main() -> int:
 
     configs, notes = runnable_configs(args.configs, "not compared")
     python = olive_python()
+    notes.append(compile_bytecode())
     artifacts = args.artifacts.resolve()
     results = []
     load = os.getloadavg()[0]

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shared_configs import runnable_configs  # noqa: E402
+from shared_configs import compile_bytecode, runnable_configs  # noqa: E402
 
 from pipeline.core.records import VariantRecord, read_record  # noqa: E402
 from pipeline.core.report import fmt, table  # noqa: E402
@@ -82,6 +82,7 @@ def main() -> int:
     parser.add_argument("--artifacts", type=Path, default=ROOT / "artifacts" / "bench")
     args = parser.parse_args()
     configs, notes = runnable_configs(args.configs)
+    notes.append(compile_bytecode())
     rows = []
     target = "-"
     for path, config in configs:
