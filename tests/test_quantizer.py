@@ -114,3 +114,37 @@ def test_evaluate_measures_the_same_files_once(
     np.savez(heldout / "sample_0003.npz", x=np.ones((1, 3, 8, 8), np.float32))
     evaluate_mod.evaluate(reference, test, heldout)  # another sample: measured again
     assert len(runs) == 3
+
+
+def test_kept_runs_serve_the_same_model_on_the_same_feeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The end-to-end check runs the QDQ and float models on the held-out samples that mixed
+    precision ran them on: a kept run is served without a session; another file, other feeds
+    or a full budget run the model."""
+    from pipeline.quantize import evaluate as evaluate_mod
+
+    monkeypatch.setattr(evaluate_mod, "_KEPT", {})
+    monkeypatch.setattr(evaluate_mod, "_KEPT_BYTES", [0])
+    path = tmp_path / "net.onnx"
+    onnx.save(small_net(), str(path))
+    feeds = {"x": RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    first = evaluate_mod.KeptRuns(path)
+    want = first.run_named(["probs"], feeds)
+    again = evaluate_mod.KeptRuns(path)
+    assert again.run_named(["probs"], dict(feeds))["probs"] is want["probs"]
+    assert again._session is None  # served from what the first one kept
+    other = {"x": feeds["x"] + 1}
+    got = again.run_named(["probs"], other)
+    assert again._session is not None and not np.array_equal(got["probs"], want["probs"])
+
+    changed = small_net()
+    changed.graph.initializer[0].raw_data = np.zeros((4, 3, 3, 3), np.float32).tobytes()
+    onnx.save(changed, str(path))  # another model under the same name
+    third = evaluate_mod.KeptRuns(path)
+    assert not np.array_equal(third.run_named(["probs"], feeds)["probs"], want["probs"])
+
+    monkeypatch.setattr(evaluate_mod, "KEEP_BYTES", 0)  # nothing fits: nothing is kept
+    before = dict(evaluate_mod._KEPT)
+    evaluate_mod.KeptRuns(path).run_named(["probs"], {"x": feeds["x"] * 2})
+    assert evaluate_mod._KEPT.keys() == before.keys()

@@ -1,7 +1,8 @@
 """onnxruntime's static QDQ quantizer, driven the way QNN HTP wants it.
 
-Three steps, each one call: ``calibrate`` one bucket's float model on its samples (onnxruntime's
-calibrator, streamed in chunks, ranges cached to a file), ``merge_ranges`` over the buckets (one
+Three steps, each one call: ``calibrate`` one bucket's float model on its samples (MinMax: one
+pass of in-graph reductions, one sample at a time, written as onnxruntime's calibration cache;
+other methods: onnxruntime's calibrator, streamed in chunks), ``merge_ranges`` over the buckets (one
 range per tensor in every bucket, so their weights and scales stay byte-identical), and
 ``quantize`` a bucket from the merged ranges after the range rules of
 ``pipeline.calibration.ranges`` (cut to the values that matter, margins, int32-bias floor).
