@@ -1,9 +1,8 @@
 """Peak RSS of the quantize stage: 16 vs 256 calibration samples, and a 1024x2048 segmenter.
 
-Calibration is streamed in chunks (pipeline.quantize.quantizer.CALIBRATION_CHUNK) and the
-per-tensor statistics are reduced inside the graph (pipeline.calibration.ranges.activation_rms),
-so peak memory must neither grow with the number of samples nor hold a sample's activations all
-at once. For contrast the same model is calibrated with onnxruntime's stock ``quantize_static``
+MinMax calibration and the per-tensor statistics are reduced inside the graph, one sample at a
+time (pipeline.calibration.ranges.activation_statistics), so peak memory must neither grow with
+the number of samples nor hold a sample's activations all at once. For contrast the same model is calibrated with onnxruntime's stock ``quantize_static``
 reading every sample before computing ranges.
 
     python benchmarks/calibration_memory.py [--model PATH] [--no-segmenter]
