@@ -269,3 +269,95 @@ def test_short_python_reader_split_is_exact(tmp_path: Path) -> None:
     )
     calib, held = build_samples(config, SPEC)
     assert (len(list(calib)), len(list(held))) == (3, 2)
+
+
+def test_recurrent_state_is_fed_back_by_the_calibration_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The calibration pass runs the float model anyway: its state outputs carry the next
+    window, so the reader does not run the model a second time, and the states (and ranges)
+    are those of the reader running it itself."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pipeline.calibration.ranges import activation_statistics
+
+    rng = np.random.default_rng(3)
+    w = numpy_helper.from_array(rng.standard_normal((64, 8)).astype(np.float32) * 0.05, "w")
+    half = numpy_helper.from_array(np.array(0.9, np.float32), "half")
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["a", "w"], ["drive"]),
+            helper.make_node("Mul", ["s", "half"], ["kept"]),
+            helper.make_node("Add", ["drive", "kept"], ["pre"]),
+            helper.make_node("Tanh", ["pre"], ["s_out"]),
+            helper.make_node("ReduceSum", ["s_out"], ["y"], keepdims=0),
+        ],
+        "rnn",
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, 64]),
+            helper.make_tensor_value_info("s", TensorProto.FLOAT, [1, 8]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, []),
+            helper.make_tensor_value_info("s_out", TensorProto.FLOAT, [1, 8]),
+        ],
+        [w, half],
+    )
+    model = onnx.shape_inference.infer_shapes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    )
+    model_path = tmp_path / "rnn.onnx"
+    onnx.save(model, str(model_path))
+    folder = tmp_path / "wav"
+    folder.mkdir()
+    for name, freq in (("a", 3), ("b", 7)):
+        write_wav(folder / f"{name}.wav", 8000 * np.sin(np.arange(64 * 12) * freq / 64))
+    config = make_config(
+        tmp_path,
+        'kind = "audio"\npath = "wav"\nheld_out = 0.25\nsamples = 16\ninput = "a"\n'
+        'recurrent = { s = "s_out" }\n[calibration.audio]\nwindow = 64',
+    )
+    specs = [InputSpec("a", (1, 64), np.dtype("float32")), InputSpec("s", (1, 8), "float32")]
+    plan = single_bucket({s.name: s.shape for s in specs})
+    router = Router(config, plan, {s.name: np.dtype("float32") for s in specs})
+    source = sample_source(config, specs)
+    (bucket,) = plan.buckets
+
+    runs = [0]
+
+    class Counted(ort.InferenceSession):  # the real session, its runs counted
+        def run(self, *args: object, **kwargs: object) -> list:
+            runs[0] += 1
+            return super().run(*args, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", Counted)
+    reader_states = [
+        feeds["s"].copy()
+        for feeds in BucketSamples(source, router, bucket, source.calib, model_path)
+    ]
+    assert runs[0] == len(reader_states) == 12
+    assert any(np.abs(s).max() > 0.1 for s in reader_states)  # the state moves
+
+    runs[0] = 0
+    seen: list[np.ndarray] = []
+    samples = BucketSamples(source, router, bucket, source.calib, model_path)
+
+    class Watched:  # the same samples, each state noted as the calibration pass gets it
+        recurrent = samples.recurrent
+        feed_back = samples.feed_back
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            for feeds in samples:
+                seen.append(feeds["s"].copy())
+                yield feeds
+
+    stats = activation_statistics(model, Watched(), ["pre"], None, 8, range_names=["s", "pre"])
+    assert runs[0] == len(seen)  # the calibration pass's own runs only: nothing run twice
+    assert len(seen) == len(reader_states)
+    for mine, theirs in zip(seen, reader_states, strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    low, high = stats.ranges["s"]
+    assert low[0] == pytest.approx(min(s.min() for s in reader_states), abs=1e-6)
+    assert high[0] == pytest.approx(max(s.max() for s in reader_states), abs=1e-6)

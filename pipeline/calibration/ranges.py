@@ -411,7 +411,12 @@ def activation_statistics(
         for n in dict.fromkeys(range_names)
         if n in produced and types.get(n) in (_FLOAT_TYPE, _FLOAT16_TYPE)
     ]
-    del graph.output[:]
+    # A recurrent reader carries each window's state from the float model's outputs: keep them,
+    # so the reader need not run the model a second time (``feed_back``).
+    feed_back = getattr(samples, "feed_back", None) if getattr(samples, "recurrent", None) else None
+    kept = [o.name for o in graph.output] if feed_back is not None else []
+    if feed_back is None:
+        del graph.output[:]
     for index, name in enumerate(wanted):
         squares, size = f"__rms_ss_{index}", f"__rms_n_{index}"
         graph.node.extend(
@@ -453,6 +458,9 @@ def activation_statistics(
         if index >= max_samples and not ranged:
             break
         values = session.run(outputs, feeds)
+        if feed_back is not None:
+            feed_back(dict(zip(kept, values, strict=False)))
+            values = values[len(kept) :]
         if index < max_samples:
             for position, name in enumerate(wanted):
                 total[name] += float(values[2 * position])

@@ -594,6 +594,18 @@ class BucketSamples:
         self.bucket = bucket
         self.refs = refs
         self.float_model = float_model
+        self._fed_back: Feeds | None = None
+
+    @property
+    def recurrent(self) -> dict[str, str]:
+        """State input -> the float model output that feeds it (empty: not recurrent)."""
+        return dict(self.router.config.calibration.recurrent or {})
+
+    def feed_back(self, outputs: Feeds) -> None:
+        """The float model's outputs on the sample just yielded, from a consumer that ran that
+        very model anyway (the calibration pass): the next window's state is taken from them
+        instead of running the model a second time."""
+        self._fed_back = outputs
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -638,6 +650,10 @@ class BucketSamples:
                 state = {}  # a new file starts from the initial (zero) state
                 previous = ref.path
             feeds.update(state)
+            self._fed_back = None
             yield ref, feeds
-            values = dict(zip(outputs, session.run(None, feeds), strict=True))
+            values = self._fed_back
+            if values is None or not all(out in values for out in recurrent.values()):
+                values = dict(zip(outputs, session.run(None, feeds), strict=True))
+            self._fed_back = None
             state = {inp: values[out] for inp, out in recurrent.items()}
