@@ -590,3 +590,147 @@ def test_vitis_style_model_runs_whole_and_quantized_on_the_htp(tmp_path: Path) -
     want = run(source, x)
     steps = np.abs(got - want) / 2.0**-4
     assert steps.max() <= 1.0 + 1e-6 and (steps > 0.5).mean() < 0.05
+
+
+# -- onnxruntime's dynamic quantization --------------------------------------------------------
+
+
+def _crnn(tmp_path: Path) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """A small CRNN (Conv -> Reshape -> bidirectional LSTM -> MatMul head), float and as
+    onnxruntime's quantize_dynamic writes it (ConvInteger, DynamicQuantizeLSTM, MatMulInteger)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    rng = np.random.default_rng(5)
+    hidden, steps = 6, 8
+    init = [
+        numpy_helper.from_array(rng.normal(0, 0.3, (4, 1, 3, 3)).astype(np.float32), "cw"),
+        numpy_helper.from_array(rng.normal(0, 0.1, (4,)).astype(np.float32), "cb"),
+        numpy_helper.from_array(np.array([steps, 1, 16], np.int64), "seq_shape"),
+        numpy_helper.from_array(rng.normal(0, 0.3, (2, 4 * hidden, 16)).astype(np.float32), "W"),
+        numpy_helper.from_array(
+            rng.normal(0, 0.3, (2, 4 * hidden, hidden)).astype(np.float32), "R"
+        ),
+        numpy_helper.from_array(np.array([steps, 2 * hidden], np.int64), "flat_shape"),
+        numpy_helper.from_array(rng.normal(0, 0.3, (2 * hidden, 5)).astype(np.float32), "head"),
+    ]
+    nodes = [
+        oh.make_node("Conv", ["x", "cw", "cb"], ["c"], pads=[1, 1, 1, 1]),
+        oh.make_node("Relu", ["c"], ["r"]),
+        oh.make_node("Transpose", ["r"], ["t"], perm=[3, 0, 1, 2]),  # width -> time
+        oh.make_node("Reshape", ["t", "seq_shape"], ["seq"]),
+        oh.make_node(
+            "LSTM", ["seq", "W", "R"], ["h"], hidden_size=hidden, direction="bidirectional"
+        ),
+        oh.make_node("Transpose", ["h"], ["ht"], perm=[0, 2, 1, 3]),
+        oh.make_node("Reshape", ["ht", "flat_shape"], ["hf"]),
+        oh.make_node("MatMul", ["hf", "head"], ["y"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "crnn",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, steps])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [steps, 5])],
+        init,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    onnx.save(model, str(tmp_path / "float.onnx"))
+    quantize_dynamic(
+        str(tmp_path / "float.onnx"),
+        str(tmp_path / "dynamic.onnx"),
+        weight_type=QuantType.QUInt8,
+        op_types_to_quantize=["Conv", "LSTM", "MatMul"],
+    )
+    return model, onnx.load(str(tmp_path / "dynamic.onnx"))
+
+
+def test_dynamic_quantization_becomes_the_float_model_behind_it(tmp_path: Path) -> None:
+    float_model, dynamic = _crnn(tmp_path)
+    assert {"ConvInteger", "MatMulInteger", "DynamicQuantizeLSTM", "DynamicQuantizeLinear"} <= set(
+        ops(dynamic)
+    )
+    assert pq.is_dynamically_quantized(dynamic) and not pq.is_dynamically_quantized(float_model)
+    restored, change = pq.dynamic_to_float(dynamic)
+    assert change.changed and not pq.is_prequantized(restored), ops(restored)
+    assert {"Conv", "LSTM", "MatMul"} <= set(ops(restored))
+    assert not {"Cast", "DynamicQuantizeLinear"} & set(ops(restored))
+    for x in [RNG.uniform(-2, 2, (1, 1, 4, 8)).astype(np.float32) for _ in range(4)]:
+        want, got = run(float_model, x), run(restored, x)
+        snr = 10 * np.log10(np.sum(want**2) / np.sum((want - got) ** 2))
+        assert snr > 30, snr  # the float model, up to the 8-bit rounding of its weights
+    # A float model is left alone.
+    assert not pq.dynamic_to_float(float_model)[1].changed
+
+
+def test_a_dynamically_quantized_model_is_built_from_its_float_model(tmp_path: Path) -> None:
+    """Its activation scales exist only at run time, so requantize = false cannot keep them: the
+    quantize stage takes the float model behind it and says so."""
+    from pipeline.__main__ import main
+
+    _, dynamic = _crnn(tmp_path)
+    config = _config(tmp_path, dynamic)
+    assert main(["quantize", "--artifacts", str(tmp_path / "a"), str(config)]) == 0
+    report = json.loads((tmp_path / "a" / "build" / "pq" / "report.json").read_text())
+    own = report["prequantized"]
+    assert not own["kept"] and "requantized" in own["summary"]
+    assert any("DynamicQuantizeLSTM -> float LSTM" in d for d in own["removed"]), own
+    qdq = onnx.load(str(tmp_path / "a" / "build" / "pq" / "buckets" / "static" / "qdq.onnx"))
+    assert "QuantizeLinear" in ops(qdq) and not {"ConvInteger", "MatMulInteger"} & set(ops(qdq))
+    assert report["worst_snr_db"] > 20
+
+
+def test_an_integer_bias_added_before_the_cast_becomes_the_conv_bias() -> None:
+    """Older onnxruntime quantizers add the bias in the integer domain, quantized at run time:
+    ConvInteger + Reshape(Cast(Floor(Div(bias, scale_x * scale_w)))) -> Cast -> Mul."""
+    rng = np.random.default_rng(8)
+    w = rng.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32)
+    scale = np.float32(np.abs(w).max() / 127)
+    zero = np.uint8(128)
+    wq = np.clip(np.round(w / scale) + 128, 0, 255).astype(np.uint8)
+    bias = rng.normal(0, 0.5, (4,)).astype(np.float32)
+    init = [
+        numpy_helper.from_array(wq, "wq"),
+        numpy_helper.from_array(np.array(zero), "wzp"),
+        numpy_helper.from_array(np.array(scale), "ws"),
+        numpy_helper.from_array(bias, "b"),
+        numpy_helper.from_array(np.array([1, -1, 1, 1], np.int64), "bshape"),
+    ]
+    nodes = [
+        oh.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xzp"]),
+        oh.make_node("ConvInteger", ["xq", "wq", "xzp", "wzp"], ["acc"], pads=[1, 1, 1, 1]),
+        oh.make_node("Mul", ["xs", "ws"], ["s"]),
+        oh.make_node("Div", ["b", "s"], ["bdiv"]),
+        oh.make_node("Floor", ["bdiv"], ["bfloor"]),
+        oh.make_node("Cast", ["bfloor"], ["bint"], to=TensorProto.INT32),
+        oh.make_node("Reshape", ["bint", "bshape"], ["bres"]),
+        oh.make_node("Add", ["acc", "bres"], ["biased"]),
+        oh.make_node("Cast", ["biased"], ["f"], to=TensorProto.FLOAT),
+        oh.make_node("Mul", ["f", "s"], ["y"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "old_dynamic",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, SHAPE)],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+        init,
+    )
+    dynamic = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    restored, change = pq.dynamic_to_float(dynamic)
+    assert change.changed and ops(restored) == ["Conv"], ops(restored)
+    conv = restored.graph.node[0]
+    assert list(conv.input)[2] == "b"  # the float bias, not its run-time integer form
+    reference = oh.make_model(
+        oh.make_graph(
+            [oh.make_node("Conv", ["x", "w", "b"], ["y"], pads=[1, 1, 1, 1])],
+            "float",
+            [oh.make_tensor_value_info("x", TensorProto.FLOAT, SHAPE)],
+            [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+            [numpy_helper.from_array((wq.astype(np.float32) - 128) * scale, "w"), init[3]],
+        ),
+        opset_imports=[oh.make_opsetid("", 17)],
+        ir_version=8,
+    )
+    for x in inputs():
+        np.testing.assert_allclose(run(restored, x), run(reference, x), rtol=1e-5, atol=1e-5)
+        got, old = run(restored, x), run(dynamic, x)
+        snr = 10 * np.log10(np.sum(got**2) / np.sum((got - old) ** 2))
+        assert snr > 25, snr  # what the dynamic model computed, up to its 8-bit activations

@@ -1035,6 +1035,201 @@ def for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Change]]:
 # requantize = true: back to the float model
 
 
+# onnxruntime's dynamic quantization (``quantize_dynamic``): activations are quantized at run
+# time from their own min/max, so there is no activation scale a static NPU graph could keep.
+DYNAMIC_OPS = frozenset({"DynamicQuantizeLinear", "DynamicQuantizeLSTM"})
+_INTEGER_OPS = {"ConvInteger": "Conv", "MatMulInteger": "MatMul"}
+
+
+def is_dynamically_quantized(model: onnx.ModelProto) -> bool:
+    """True when activations are quantized at run time (DynamicQuantizeLinear and kin)."""
+    return any(
+        node.op_type in DYNAMIC_OPS for graph in edit.all_graphs(model.graph) for node in graph.node
+    )
+
+
+def _only_consumer(view: _Graph, name: str, op_type: str) -> onnx.NodeProto | None:
+    users = view.consumers.get(name, [])
+    if len(users) != 1 or users[0].op_type != op_type or name in view.outputs:
+        return None
+    return users[0]
+
+
+def _integer_operand(
+    view: _Graph, node: onnx.NodeProto, position: int
+) -> tuple[str, str, np.ndarray | None] | None:
+    """Operand ``position`` (0 or 1) of a ConvInteger/MatMulInteger as (float source, its scale
+    tensor, its dequantized value): a DynamicQuantizeLinear output gives its float input and
+    its run-time scale; a constant gives ``(q - zero point)`` (scaled later). None otherwise."""
+    name = node.input[position]
+    zp_name = node.input[position + 2] if len(node.input) > position + 2 else ""
+    quantizer = view.producer.get(name)
+    if quantizer is not None and quantizer.op_type == "DynamicQuantizeLinear":
+        if zp_name and zp_name != quantizer.output[2]:
+            return None
+        return quantizer.input[0], quantizer.output[1], None
+    value = _array(view.inits, name)
+    zero = _array(view.inits, zp_name) if zp_name else np.zeros((), np.float64)
+    if value is None or zero is None:
+        return None
+    zero = zero.astype(np.float64)
+    if node.op_type == "ConvInteger" and zero.size > 1:  # per output channel
+        zero = zero.reshape([-1] + [1] * (value.ndim - 1))
+    return "", "", value.astype(np.float64) - zero
+
+
+def _integer_to_float(
+    view: _Graph, node: onnx.NodeProto, namer: edit.FreshNames
+) -> tuple[onnx.NodeProto, list[onnx.NodeProto], onnx.TensorProto | None] | None:
+    """ConvInteger/MatMulInteger -> Cast -> Mul(scale_a * scale_b), as onnxruntime's dynamic
+    quantizer writes it, as one float Conv/MatMul on the float operands; (new node, nodes it
+    replaces, new initializer)."""
+    operands = [_integer_operand(view, node, i) for i in (0, 1)]
+    after, bias, add = node.output[0], "", _only_consumer(view, node.output[0], "Add")
+    if add is not None and node.op_type == "ConvInteger":
+        bias = _integer_bias(view, add, after)
+        after = add.output[0]
+    cast = _only_consumer(view, after, "Cast")
+    if any(o is None for o in operands) or cast is None or bias is None:
+        return None
+    if next((a.i for a in cast.attribute if a.name == "to"), 0) != onnx.TensorProto.FLOAT:
+        return None
+    mul = _only_consumer(view, cast.output[0], "Mul")
+    if mul is None:
+        return None
+    scales = [i for i in mul.input if i != cast.output[0]]
+    product = view.producer.get(scales[0]) if len(scales) == 1 else None
+    if product is None or product.op_type != "Mul":
+        return None
+    factors = list(product.input)
+    inputs, initializer = [], None
+    for source, scale, value in operands:
+        if value is None:  # dynamically quantized: its run-time scale is one of the factors
+            if scale not in factors:
+                return None
+            factors.remove(scale)
+            inputs.append(source)
+    for position, (_, _, value) in enumerate(operands):
+        if value is None:
+            continue
+        if len(factors) != 1 or _array(view.inits, factors[0]) is None:
+            return None
+        weight_scale = _array(view.inits, factors[0]).astype(np.float64)
+        if node.op_type == "ConvInteger" and weight_scale.size > 1:
+            weight_scale = weight_scale.reshape([-1] + [1] * (value.ndim - 1))
+        name = namer(f"{node.input[position]}_float")
+        initializer = numpy_helper.from_array((value * weight_scale).astype(np.float32), name)
+        inputs.insert(position, name)
+        factors.pop()
+    if factors:
+        return None
+    float_node = onnx.helper.make_node(
+        _INTEGER_OPS[node.op_type],
+        inputs + ([bias] if bias else []),
+        [mul.output[0]],
+        name=namer(f"{node.name}_float"),
+    )
+    if node.op_type == "ConvInteger":
+        float_node.attribute.extend(node.attribute)
+    return float_node, [node, *([add] if bias else []), cast, mul], initializer
+
+
+def _integer_bias(view: _Graph, add: onnx.NodeProto, accumulator: str) -> str | None:
+    """The float bias behind an integer one added to a ConvInteger's accumulator, as older
+    onnxruntime quantizers wrote it: Reshape(Cast(Floor(Div(bias, scale_a * scale_b)))). Its
+    name (a 1-D float constant, what Conv takes as bias), or None."""
+    other = [i for i in add.input if i != accumulator]
+    node = view.producer.get(other[0]) if len(other) == 1 else None
+    if node is not None and node.op_type == "Reshape":
+        node = view.producer.get(node.input[0])
+    if node is None or node.op_type != "Cast":
+        return None
+    node = view.producer.get(node.input[0])
+    if node is None or node.op_type not in ("Floor", "Round"):
+        return None
+    node = view.producer.get(node.input[0])
+    if node is None or node.op_type != "Div":
+        return None
+    value = _array(view.inits, node.input[0])
+    if value is None or value.ndim != 1 or value.dtype != np.float32:
+        return None
+    return node.input[0]
+
+
+def _lstm_to_float(
+    view: _Graph, node: onnx.NodeProto, namer: edit.FreshNames
+) -> tuple[onnx.NodeProto, list[onnx.TensorProto]] | None:
+    """com.microsoft DynamicQuantizeLSTM -> LSTM: its int8 weights (stored [directions, input,
+    4 x hidden], one scale per direction or per gate row) dequantized and transposed back."""
+    inputs = list(node.input) + [""] * (12 - len(node.input))
+    weights = []
+    for weight, scale, zero in ((1, 8, 9), (2, 10, 11)):
+        q = _array(view.inits, inputs[weight])
+        s = _array(view.inits, inputs[scale])
+        z = _array(view.inits, inputs[zero]) if inputs[zero] else np.zeros_like(s)
+        if q is None or s is None or z is None or q.ndim != 3:
+            return None
+        shape = [q.shape[0], 1, q.shape[2] if s.size > q.shape[0] else 1]
+        s64, z64 = s.astype(np.float64).reshape(shape), z.astype(np.float64).reshape(shape)
+        value = ((q.astype(np.float64) - z64) * s64).transpose(0, 2, 1).astype(np.float32)
+        weights.append(numpy_helper.from_array(value, namer(f"{inputs[weight]}_float")))
+    lstm_inputs = [inputs[0], weights[0].name, weights[1].name, *inputs[3:8]]
+    while lstm_inputs and not lstm_inputs[-1]:
+        lstm_inputs.pop()
+    lstm = onnx.helper.make_node(
+        "LSTM", lstm_inputs, list(node.output), name=namer(f"{node.name or 'lstm'}_float")
+    )
+    lstm.attribute.extend(node.attribute)
+    return lstm, weights
+
+
+def dynamic_to_float(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """The float model behind onnxruntime's dynamic quantization: each ConvInteger/MatMulInteger
+    with its Cast and scale Mul becomes the float Conv/MatMul of the float operands (weights
+    dequantized), each DynamicQuantizeLSTM an LSTM; the run-time DynamicQuantizeLinear nodes go
+    with them. A no-op on other models."""
+    if not is_dynamically_quantized(model) and not any(
+        n.op_type in _INTEGER_OPS for n in model.graph.node
+    ):
+        return model, Change("dynamic_to_float")
+    graph = model.graph
+    namer = edit.FreshNames(model)
+    view = _Graph(graph)
+    replaced: dict[int, onnx.NodeProto] = {}
+    drop: set[int] = set()
+    index_of = {id(n): i for i, n in enumerate(graph.node)}
+    counts: Counter[str] = Counter()
+    for index, node in enumerate(graph.node):
+        if node.op_type in _INTEGER_OPS and node.domain in _DEFAULT:
+            found = _integer_to_float(view, node, namer)
+            if found is None:
+                continue
+            float_node, gone, initializer = found
+            replaced[index] = float_node
+            drop.update(index_of[id(n)] for n in gone[1:])
+            if initializer is not None:
+                graph.initializer.append(initializer)
+            counts[node.op_type] += 1
+        elif node.op_type == "DynamicQuantizeLSTM" and node.domain == _MS:
+            found_lstm = _lstm_to_float(view, node, namer)
+            if found_lstm is None:
+                continue
+            replaced[index], new_weights = found_lstm
+            graph.initializer.extend(new_weights)
+            counts[node.op_type] += 1
+    if not counts:
+        return model, Change("dynamic_to_float")
+    for index, new in replaced.items():
+        graph.node[index].CopyFrom(new)
+    edit.drop_nodes(graph, drop)
+    edit.remove_dead_nodes(graph)
+    details = [
+        f"{count} {op} -> float {_INTEGER_OPS.get(op, 'LSTM')} (weights dequantized)"
+        for op, count in sorted(counts.items())
+    ]
+    return _finish(model, "dynamic_to_float", details)
+
+
 def dequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Remove a pre-quantized model's own quantization: the float model behind it.
 
@@ -1043,6 +1238,7 @@ def dequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     computes in float what the model computed on its quantization grid; the pipeline then
     calibrates and quantizes it like any float model (config: requantize = true).
     """
+    model, dynamic = dynamic_to_float(model)
     model, first = qoperator_to_qdq(model)
     model, folded = fold_quantized_constants(model)
     model, casts = drop_noop_casts(model)
@@ -1053,6 +1249,7 @@ def dequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         for step, change in (("QLinear -> QDQ", first), ("Q of constants folded", folded))
         if change.details
     ]
+    details = list(dynamic.details) + details
     if casts.details:
         details.append(f"{len(casts.details) - 1} no-op Cast(s) removed")
     weights = pairs = 0

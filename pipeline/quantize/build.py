@@ -557,9 +557,15 @@ def _prepare_all(config: ModelConfig, paths: ModelPaths) -> _State:
     started = time.perf_counter()
     source = load_source_model(config.source_path)
     own = None
-    if config.quantization.requantize and prequantized.is_prequantized(source):
+    # A dynamically quantized model (onnxruntime's quantize_dynamic) has no activation scales
+    # to keep: its activations are quantized at run time. It is built from the float model
+    # behind it, whatever requantize says.
+    dynamic = prequantized.is_dynamically_quantized(source)
+    if (config.quantization.requantize or dynamic) and prequantized.is_prequantized(source):
         # The float model behind the quantized one becomes the source every figure refers to.
         summary = prequantized.summarize(source).describe()
+        if dynamic:
+            summary += " (dynamic: activations quantized at run time, so requantized)"
         source, removed = prequantized.dequantize(source)
         own = report_mod.OwnQuantization(False, summary, [], [], list(removed.details), {})
     steps = prepare_buckets(config, source, lambda name: paths.bucket(name).float_model)

@@ -171,9 +171,10 @@ def _own_quantization_section(own: OwnQuantization) -> list[str]:
     if not own.kept:
         return [
             "",
-            "## Own quantization removed (requantize = true)",
+            "## Own quantization removed"
+            + (" (quantized at run time)" if "dynamic:" in own.summary else " (requantize = true)"),
             "",
-            f"The source is pre-quantized ({own.summary}). Its Q/DQ were removed and the float "
+            f"The source is pre-quantized ({own.summary}). Its quantization was removed and the float "
             "model behind it is the reference below, calibrated and quantized like any float "
             "model: " + "; ".join(own.removed),
         ]
