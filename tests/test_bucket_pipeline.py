@@ -251,3 +251,70 @@ def test_rerun_with_nothing_changed_does_no_work(
     assert "(unchanged, skipped)" in capsys.readouterr().out
     assert stage(built, "publish", config) == 0
     assert "already published with the same content" in capsys.readouterr().out
+
+
+def _view_model() -> onnx.ModelProto:
+    """Conv over a dynamic width, then ``x.view(W, 1, -1)`` as torch.onnx exports it: the
+    Reshape target computed by Shape -> Gather -> Unsqueeze -> Concat (folded, per bucket, into
+    a constant of the same name and another value)."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(12)
+    init = [
+        numpy_helper.from_array(rng.standard_normal((4, 1, 3, 3)).astype(np.float32), "cw"),
+        numpy_helper.from_array(np.array(3, np.int64), "i3"),
+        numpy_helper.from_array(np.array([-1], np.int64), "m1"),
+        numpy_helper.from_array(np.array([1], np.int64), "one"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "cw"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Transpose", ["c"], ["t"], perm=[3, 0, 1, 2]),
+        helper.make_node("Shape", ["c"], ["s"]),
+        helper.make_node("Gather", ["s", "i3"], ["w"], axis=0),
+        helper.make_node("Unsqueeze", ["w"], ["wu"], axes=[0]),
+        helper.make_node("Concat", ["wu", "one", "m1"], ["shp"], axis=0),
+        helper.make_node("Reshape", ["t", "shp"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "view",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 8, "width"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["w", 1, 32])],
+        init,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12)], ir_version=7)
+
+
+@pytest.mark.qnn
+def test_a_shape_computed_reshape_target_gets_a_name_per_bucket(tmp_path: Path) -> None:
+    """QNN shares a static tensor between the graphs of one context by name: the folded Reshape
+    target ([16, 1, -1] in one bucket, [32, 1, -1] in the other) must not share one."""
+    onnx.save(_view_model(), str(tmp_path / "view.onnx"))
+    samples = tmp_path / "t"
+    samples.mkdir()
+    rng = np.random.default_rng(1)
+    for i, width in enumerate([12, 16, 24, 32, 10, 30, 14, 28]):
+        np.save(samples / f"s{i}.npy", rng.random((1, 1, 8, width)).astype(np.float32))
+    config = tmp_path / "view.toml"
+    config.write_text(
+        '[model]\nname = "view"\nversion = "0.1"\nsource = "view.onnx"\n'
+        '[calibration]\nkind = "tensors"\npath = "t"\nsamples = 8\nheld_out = 0.25\n'
+        '[compile]\ntargets = ["snapdragon-x-elite"]\nembed = false\n'
+        '[buckets]\ndims = { width = [16, 32] }\noutputs = { y = { axis = 0, follows = "width" } }\n',
+        encoding="utf-8",
+    )
+    assert stage(tmp_path, "quantize", str(config)) == 0
+    paths = ModelPaths.of(tmp_path / "artifacts", "view")
+    targets = {}
+    for bucket in ("width16", "width32"):
+        qdq = onnx.load(str(paths.bucket(bucket).qdq))
+        reshape = next(n for n in qdq.graph.node if n.op_type == "Reshape")
+        value = next(i for i in qdq.graph.initializer if i.name == reshape.input[1])
+        targets[bucket] = (value.name, numpy_helper.to_array(value).tolist())
+    assert targets["width16"][1][0] == 16 and targets["width32"][1][0] == 32
+    assert targets["width16"][0] != targets["width32"][0], targets
+    report = json.loads((paths.root / "report.json").read_text(encoding="utf-8"))
+    assert any(p["step"] == "distinct_bucket_constants" for p in report["prepare"]), report[
+        "prepare"
+    ]
+    assert stage(tmp_path, "compile", str(config)) == 0

@@ -110,7 +110,14 @@ def test_shared_packaging_needs_external_binaries(tmp_path: Path) -> None:
         load_config(write_config(tmp_path, "[buckets]\ndims = { w = [4] }\n", base), False)
     # One context per bucket may embed its binary.
     extra = '[buckets]\ndims = { w = [4] }\npackaging = ["standalone"]\n'
-    assert load_config(write_config(tmp_path, extra, base), False).buckets.enabled
+    config = load_config(write_config(tmp_path, extra, base), False)
+    assert config.buckets.enabled and config.compile.embed
+    # Without compile.embed in the config, shared packaging (the default) makes it false.
+    unsaid = BASE.replace("embed = false\n", "")
+    assert "embed" not in unsaid
+    config = load_config(write_config(tmp_path, "[buckets]\ndims = { w = [4] }\n", unsaid), False)
+    assert config.buckets.packaging == ["shared"] and not config.compile.embed
+    assert load_config(write_config(tmp_path, "", unsaid), False).compile.embed  # no buckets
 
 
 @pytest.mark.parametrize("kind", ["images", "audio"])

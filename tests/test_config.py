@@ -239,3 +239,14 @@ def test_quantize_digest_follows_only_what_quantize_reads(tmp_path: Path) -> Non
     assert renamed.quantize_digest() == compiled.quantize_digest() == base.quantize_digest()
     assert renamed.digest() != base.digest() and compiled.digest() != base.digest()
     assert recalibrated.quantize_digest() != base.quantize_digest()
+
+
+def test_gray_images_take_the_default_mean_and_std(tmp_path: Path) -> None:
+    """The defaults are one value for every channel, so a GRAY config needs none of its own;
+    a wrong count says what was given and what the channel order takes."""
+    gray = "[calibration.image]\nchannel_order = 'GRAY'\n"
+    config = load_config(write(tmp_path, MINIMAL.replace("[calibration]", gray + "[calibration]")))
+    assert config.calibration.image.mean == [0.0] and config.calibration.image.std == [1.0]
+    two = "[calibration.image]\nchannel_order = 'GRAY'\nmean = [0.5, 0.5]\n"
+    with pytest.raises(ConfigError, match=r"mean has 2 values; channel_order = 'GRAY' takes 1\."):
+        load_config(write(tmp_path, MINIMAL.replace("[calibration]", two + "[calibration]")))

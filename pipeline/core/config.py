@@ -80,8 +80,9 @@ class ImageOptions:
     channel_order: Literal["RGB", "BGR", "GRAY"] = "RGB"
     layout: Literal["NCHW", "NHWC"] = "NCHW"
     scale: float = 1.0 / 255.0
-    mean: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
-    std: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    # One value serves every channel (so the defaults fit GRAY as well as RGB/BGR).
+    mean: list[float] = field(default_factory=lambda: [0.0])
+    std: list[float] = field(default_factory=lambda: [1.0])
     dtype: Literal["float32", "float16", "uint8"] = "float32"
 
 
@@ -436,6 +437,13 @@ def load_config(path: str | Path, check_files: bool = True) -> ModelConfig:
     if config is _MISSING:
         problems.raise_if_any()
     config = dataclasses.replace(config, path=path)
+    compile_table = table.get("compile")
+    said_embed = isinstance(compile_table, dict) and "embed" in compile_table
+    if config.buckets.enabled and "shared" in config.buckets.packaging and not said_embed:
+        # One weight-shared context for the buckets is one external _qnn.bin: the default then.
+        config = dataclasses.replace(
+            config, compile=dataclasses.replace(config.compile, embed=False)
+        )
     _validate(config, check_files, problems)
     problems.raise_if_any()
     return config
@@ -633,8 +641,9 @@ def _validate_calibration(cal: CalibrationSection, problems: _Problems) -> None:
     for key in ("mean", "std"):
         if len(getattr(image, key)) not in (1, channels):
             add(
-                f"calibration.image.{key} needs 1 or {channels} values "
-                f"for channel_order = {image.channel_order!r}."
+                f"calibration.image.{key} has {len(getattr(image, key))} values; channel_order "
+                f"= {image.channel_order!r} takes "
+                + ("1." if channels == 1 else f"1 (every channel) or {channels}.")
             )
 
 

@@ -105,6 +105,7 @@ def prepare_buckets(
     )
     plan = fit_crops(config, source, plan)
     yield plan
+    saved = []
     for bucket in plan.buckets:
         section = InputsSection(
             dims=dict(config.inputs.dims),
@@ -112,8 +113,65 @@ def prepare_buckets(
             constants=dict(config.inputs.constants),
         )
         prepared, changes = _prepare(source, section, f"{name} bucket {bucket.describe()}")
-        yield _save(bucket, prepared, changes, input_specs(prepared), float_path_of)
+        saved.append(_save(bucket, prepared, changes, input_specs(prepared), float_path_of))
         del prepared
+    renamed = distinct_bucket_constants({b.bucket.name: b.float_path for b in saved})
+    for item in saved:
+        if renamed.get(item.bucket.name):
+            item.changes.append(
+                Change("distinct_bucket_constants", (f"{renamed[item.bucket.name]} renamed",))
+            )
+        yield item
+
+
+def distinct_bucket_constants(float_paths: dict[str, Path]) -> dict[str, str]:
+    """Give each bucket its own name for a constant whose value depends on the bucket's shape.
+
+    Folding a shape computation (PyTorch exports ``x.view(T, B, -1)`` as Shape -> Gather ->
+    Concat -> Reshape) leaves a constant with the same name and a different value in each
+    bucket; QNN shares a static tensor between the graphs of one context by name, so such a
+    constant becomes ``<name>__<bucket>`` in every bucket (the models on disk are rewritten).
+    Returns bucket -> what was renamed, for the report."""
+    import hashlib
+
+    import onnx
+
+    from ..graph import edit
+
+    if len(float_paths) < 2:
+        return {}
+    digests: dict[str, dict[str, str]] = {}
+    for bucket, path in float_paths.items():
+        model = onnx.load(str(path))
+        digests[bucket] = {
+            t.name: hashlib.sha256(t.SerializeToString()).hexdigest()
+            for t in model.graph.initializer
+        }
+    names = set().union(*(d.keys() for d in digests.values()))
+    clash = sorted(n for n in names if len({d[n] for d in digests.values() if n in d}) > 1)
+    if not clash:
+        return {}
+    renamed = {}
+    for bucket, path in float_paths.items():
+        mine = [n for n in clash if n in digests[bucket]]
+        if not mine:
+            continue
+        model = onnx.load(str(path))
+        taken = edit.all_names(model)
+        mapping = {}
+        for old in mine:
+            new, count = f"{old}__{bucket}", 0
+            while new in taken:
+                count += 1
+                new = f"{old}__{bucket}_{count}"
+            taken.add(new)
+            mapping[old] = new
+        edit.rename_tensors(model.graph, mapping)
+        with atomic_path(path) as tmp:
+            onnx.save(model, str(tmp))
+        shown = ", ".join(mine[:6]) + (" …" if len(mine) > 6 else "")
+        renamed[bucket] = f"{len(mine)} shape-dependent constant(s) ({shown})"
+    return renamed
 
 
 def _save(
