@@ -595,7 +595,9 @@ def test_vitis_style_model_runs_whole_and_quantized_on_the_htp(tmp_path: Path) -
 # -- onnxruntime's dynamic quantization --------------------------------------------------------
 
 
-def _crnn(tmp_path: Path) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+def _crnn(
+    tmp_path: Path, quantized: tuple[str, ...] = ("Conv", "LSTM", "MatMul")
+) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """A small CRNN (Conv -> Reshape -> bidirectional LSTM -> MatMul head), float and as
     onnxruntime's quantize_dynamic writes it (ConvInteger, DynamicQuantizeLSTM, MatMulInteger)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -638,7 +640,7 @@ def _crnn(tmp_path: Path) -> tuple[onnx.ModelProto, onnx.ModelProto]:
         str(tmp_path / "float.onnx"),
         str(tmp_path / "dynamic.onnx"),
         weight_type=QuantType.QUInt8,
-        op_types_to_quantize=["Conv", "LSTM", "MatMul"],
+        op_types_to_quantize=list(quantized),
     )
     return model, onnx.load(str(tmp_path / "dynamic.onnx"))
 
@@ -659,6 +661,12 @@ def test_dynamic_quantization_becomes_the_float_model_behind_it(tmp_path: Path) 
         assert snr > 30, snr  # the float model, up to the 8-bit rounding of its weights
     # A float model is left alone.
     assert not pq.dynamic_to_float(float_model)[1].changed
+    # Only its LSTM quantized: still a quantized model, and still restored.
+    _, lstm_only = _crnn(tmp_path, ("LSTM",))
+    assert ops(lstm_only).count("DynamicQuantizeLSTM") == 1
+    assert pq.is_prequantized(lstm_only) and pq.is_dynamically_quantized(lstm_only)
+    restored, _ = pq.dequantize(lstm_only)
+    assert "LSTM" in ops(restored) and not pq.is_prequantized(restored)
 
 
 def test_a_dynamically_quantized_model_is_built_from_its_float_model(tmp_path: Path) -> None:

@@ -115,7 +115,7 @@ _WEIGHTED = (*_BIASED, "MatMul")
 def _is_quant_node(node: onnx.NodeProto) -> bool:
     if node.domain not in _QDQ_DOMAINS:
         return False
-    return node.op_type in QDQ_OPS or node.op_type in QOPERATOR_OPS
+    return node.op_type in QDQ_OPS or node.op_type in QOPERATOR_OPS or node.op_type in DYNAMIC_OPS
 
 
 def quantization_ops(model: onnx.ModelProto) -> Counter[str]:
