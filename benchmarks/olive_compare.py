@@ -720,7 +720,7 @@ def main() -> int:
 
     configs, notes = runnable_configs(args.configs, "not compared")
     python = olive_python()
-    notes.append(compile_bytecode())
+    notes.append(compile_bytecode("both sides run from bytecode (Olive's venv is installed so)"))
     artifacts = args.artifacts.resolve()
     results = []
     load = os.getloadavg()[0]

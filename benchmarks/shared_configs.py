@@ -28,7 +28,7 @@ def runnable_configs(
     return chosen, notes
 
 
-def compile_bytecode() -> str:
+def compile_bytecode(note: str = "this checkout runs from bytecode") -> str:
     """Compile this checkout's packages and this interpreter's site-packages to bytecode
     (untimed, before any run), as nox's environments are (UV_COMPILE_BYTECODE) and Olive's venv
     is (uv --compile-bytecode): where PYTHONDONTWRITEBYTECODE is set, a side without bytecode
@@ -42,4 +42,4 @@ def compile_bytecode() -> str:
         capture_output=True,
         check=False,  # a file that does not compile is imported from source, as before
     )
-    return "both sides run from bytecode (compiled before the runs, untimed)"
+    return f"{note} (compiled before the runs, untimed)"
