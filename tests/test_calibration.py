@@ -183,6 +183,29 @@ def test_images_preprocessing(tmp_path: Path) -> None:
     assert np.allclose(x[0, :, 4:, :], 0.0)
 
 
+def test_text_lines_keep_their_aspect_and_letterboxes_their_fill(tmp_path: Path) -> None:
+    """resize = "height" (OCR recognizers): the full height, the width by the aspect ratio, the
+    rest of the width filled; pad_value is the fill in the units the model is fed (YOLOX
+    letterboxes with 114 at scale 1)."""
+    from PIL import Image
+
+    folder = tmp_path / "img"
+    folder.mkdir()
+    Image.fromarray(np.full((16, 40, 3), 200, np.uint8)).save(folder / "line.png")  # 1:2.5
+    spec = [InputSpec("x", (1, 3, 8, 32), np.dtype("float32"))]
+    base = 'kind = "images"\npath = "img"\nheld_out = 0.0\n[calibration.image]\nscale = 1.0\n'
+    config = make_config(tmp_path, base + 'resize = "height"\npad_value = 114.0')
+    x = next(iter(build_samples(config, spec)[0]))["x"]
+    assert x.shape == (1, 3, 8, 32)
+    assert np.allclose(x[0, :, :, :20], 200.0) and np.allclose(x[0, :, :, 20:], 114.0)
+    config = make_config(tmp_path, base + 'resize = "pad"\npad_value = 114.0')
+    x = next(iter(build_samples(config, spec)[0]))["x"]  # fits by height too: 8 x 20
+    assert np.allclose(x[0, :, :, :20], 200.0) and np.allclose(x[0, :, :, 20:], 114.0)
+    config = make_config(tmp_path, base + 'resize = "pad"')
+    x = next(iter(build_samples(config, spec)[0]))["x"]
+    assert np.allclose(x[0, :, :, 20:], 0.0)  # the default fill: zeros, as before
+
+
 def write_wav(path: Path, samples: np.ndarray, rate: int = 16000) -> None:
     with wave.open(str(path), "wb") as handle:
         handle.setnchannels(1)

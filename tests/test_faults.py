@@ -152,6 +152,10 @@ PLACES = {
     "calibration.image.scale": ("calibration.image.scale", "[calibration.image]\nscale = {v}\n"),
     "calibration.image.mean[*]": ("calibration.image.mean", "[calibration.image]\nmean = [{v}]\n"),
     "calibration.image.std[*]": ("calibration.image.std", "[calibration.image]\nstd = [{v}]\n"),
+    "calibration.image.pad_value": (
+        "calibration.image.pad_value",
+        "[calibration.image]\npad_value = {v}\n",
+    ),
     "calibration.audio.window": ("calibration.audio.window", "[calibration.audio]\nwindow = {v}\n"),
     "calibration.audio.hop": ("calibration.audio.hop", "[calibration.audio]\nhop = {v}\n"),
     "calibration.audio.sample_rate": (

@@ -130,6 +130,11 @@ def load_image(path: Path, spec: InputSpec, config: ModelConfig) -> np.ndarray:
         image = image.resize(resized, Image.BILINEAR)
         left, top = (image.width - width) // 2, (image.height - height) // 2
         image = image.crop((left, top, left + width, top + height))
+    elif options.resize == "height":  # a text line: full height, width by its aspect ratio
+        ratio = height / image.height
+        fitted = (min(width, max(1, round(image.width * ratio))), height)
+        image = image.resize(fitted, Image.BILINEAR)
+        pad_box = (fitted[1], fitted[0])
     else:  # pad: fit inside keeping the aspect ratio, pad right/bottom after normalisation
         ratio = min(width / image.width, height / image.height)
         fitted = (max(1, round(image.width * ratio)), max(1, round(image.height * ratio)))
@@ -148,7 +153,7 @@ def load_image(path: Path, spec: InputSpec, config: ModelConfig) -> np.ndarray:
         std = np.asarray(options.std, np.float32)
         array = (array * options.scale - mean) / std
     if pad_box is not None:
-        canvas = np.zeros((height, width, array.shape[2]), np.float32)
+        canvas = np.full((height, width, array.shape[2]), options.pad_value, np.float32)
         canvas[: pad_box[0], : pad_box[1]] = array
         array = canvas
     if not nhwc:

@@ -76,7 +76,11 @@ class ImageOptions:
     """The usual image preprocessing of a vision model's input."""
 
     size: list[int] = field(default_factory=list)  # [height, width]; empty = the input's
-    resize: Literal["stretch", "shorter-crop", "pad"] = "stretch"
+    # pad: fit inside keeping the aspect ratio; height: the full height, the width by the aspect
+    # ratio up to the size's width (OCR text lines); both fill the rest (right/bottom) with
+    # pad_value, in the units the model is fed (after scale/mean/std: YOLOX letterboxes with 114
+    # at scale 1, PaddleOCR pads normalized zeros).
+    resize: Literal["stretch", "shorter-crop", "pad", "height"] = "stretch"
     channel_order: Literal["RGB", "BGR", "GRAY"] = "RGB"
     layout: Literal["NCHW", "NHWC"] = "NCHW"
     scale: float = 1.0 / 255.0
@@ -84,6 +88,7 @@ class ImageOptions:
     mean: list[float] = field(default_factory=lambda: [0.0])
     std: list[float] = field(default_factory=lambda: [1.0])
     dtype: Literal["float32", "float16", "uint8"] = "float32"
+    pad_value: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -506,6 +511,7 @@ LIMITS: dict[str, Limit] = {
     "calibration.image.size[*]": Limit(1, 16384, why="[height, width] in pixels"),
     "calibration.image.scale": Limit(0, low_open=True, why="pixels are multiplied by it"),
     "calibration.image.mean[*]": _FINITE,
+    "calibration.image.pad_value": _FINITE,
     "calibration.image.std[*]": Limit(0, low_open=True, why="it divides"),
     "calibration.audio.window": Limit(1, 2**24, why="samples per window"),
     "calibration.audio.hop": Limit(0, 2**24, why="samples between windows; 0 = the window"),
