@@ -436,3 +436,48 @@ def test_bucket_section_must_name_the_variants_own_files_and_tensors() -> None:
     assert "entries[0].model" in message
     assert "crops[0] names logits[2], not an output axis" in message
     assert "pad_side must be start or end" in message
+
+
+def test_an_output_shortened_by_unpadded_convolutions_is_cropped_by_its_stride(
+    tmp_path: Path,
+) -> None:
+    """Unpadded (VALID) convolutions and a 2/2 pool: length = (n - 2) // 2 - 1 over the width,
+    a stride of 2 with an offset (MTCNN's P-Net). The ratio at the largest size (31/64) is not
+    the stride; the slope of length against size is, and the runtime's crop must give the
+    source model's length at every size."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pipeline.quantize.shapes import fit_crops
+
+    rng = np.random.default_rng(4)
+    weight = numpy_helper.from_array(rng.standard_normal((2, 1, 3, 3)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["x", "w"], ["c"]),  # no padding: 2 cells off
+            helper.make_node("MaxPool", ["c"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+            helper.make_node("Conv", ["p", "w2"], ["y"]),  # 2 more cells off after the pool
+        ],
+        "valid",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 16, "W"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [weight, numpy_helper.from_array(rng.standard_normal((1, 2, 3, 3)).astype("f"), "w2")],
+    )
+    source = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(source, str(tmp_path / "m.onnx"))
+    extra = '[buckets]\ndims = { W = [32, 64] }\noutputs = { y = { axis = 3, follows = "W" } }\n'
+    config = load_config(write_config(tmp_path, extra), check_files=False)
+    from pipeline.quantize.shapes import signatures
+
+    in_sigs, out_sigs = signatures(source, {})
+    plan = bk.plan_buckets(config.buckets, in_sigs, out_sigs, {}, {}, config.path)
+    (crop,) = fit_crops(config, source, plan).crops
+    assert (crop.num, crop.den) == (1, 2), crop
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(source.SerializeToString(), providers=["CPUExecutionProvider"])
+    for width in (9, 10, 17, 32, 33, 47, 64):
+        x = np.zeros((1, 1, 16, width), np.float32)
+        want = session.run(None, {"x": x})[0].shape[3]
+        rule = rt.CropRule("y", 3, "x", 3, "W", crop.num, crop.den, crop.add, crop.shift)
+        assert rule.length(width) == want, (width, rule)

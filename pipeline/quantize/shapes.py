@@ -223,16 +223,31 @@ def fit_crops(config: ModelConfig, source: Any, plan: plans.BucketPlan) -> plans
                 f"size ({crop.dim} = {top}), so the length of {crop.output!r} cannot be measured.",
                 tip="Remove it from [buckets] outputs.",
             )
-        ratio = fractions.Fraction(top_length, top)
-        probes = set(range(1, min(top, 2 * ratio.denominator + 2) + 1))
-        probes |= {n + d for n in sizes for d in (-1, 0, 1) if 1 <= n + d <= top}
-        probes |= {int(n) for n in rng.integers(1, top + 1, 8)}
-        measured = {}
-        for size in sorted(probes):
-            got = length(size)
-            if got is not None:
-                measured[size] = got
-        rule = plans.fit_length_rule(measured, ratio.numerator, ratio.denominator)
+        # The stride is the slope of length against size: top_length / top only when the
+        # length has no offset. Unpadded (VALID) convolutions take a few cells off at every
+        # size (MTCNN's P-Net: ceil((n - 2) / 2) - 4, 187 at 384): the slope between the largest
+        # size and half of it is then the stride, and the offset goes into the rule.
+        candidates = [fractions.Fraction(top_length, top)]
+        half = top // 2
+        half_length = length(half) if half >= 1 else None
+        if half_length is not None and top_length > half_length:
+            slope = fractions.Fraction(top_length - half_length, top - half).limit_denominator(64)
+            if slope not in candidates:
+                candidates.append(slope)
+        candidates.sort(key=lambda c: c.denominator)
+        measured: dict[int, int] = {}
+        rule = None
+        for ratio in candidates:
+            probes = set(range(1, min(top, 2 * ratio.denominator + 2) + 1))
+            probes |= {n + d for n in sizes for d in (-1, 0, 1) if 1 <= n + d <= top}
+            probes |= {int(n) for n in rng.integers(1, top + 1, 8)}
+            for size in sorted(probes - measured.keys()):
+                got = length(size)
+                if got is not None:
+                    measured[size] = got
+            rule = plans.fit_length_rule(measured, ratio.numerator, ratio.denominator)
+            if rule is not None:
+                break
         if rule is None:
             shown = ", ".join(f"{n}->{m}" for n, m in list(measured.items())[:12])
             raise ModelError(
@@ -265,8 +280,12 @@ def _output_length(
             if rule.input == name:
                 dims[rule.axis] = size
         feeds[name] = np.zeros(dims, dtype=types.get(name, np.float32))
+    import onnxruntime as ort
+
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 4  # a size too small for the model is expected: not an error
     try:
-        values = session.run([crop.output], {**feeds, **constants})
+        values = session.run([crop.output], {**feeds, **constants}, quiet)
     except Exception:  # too small for the model, say: that size is then not probed
         return None
     return int(np.asarray(values[0]).shape[crop.axis])
