@@ -250,6 +250,10 @@ def test_a_classifier_with_a_tail_builds_and_runs_from_its_release(tmp_path: Pat
         ("as quantized", 1, 0)
     ], judged["rounds"]
     assert judged["chosen"] == "as quantized"
+    # Every variant passed: the compile report's remarks are notes, not problems.
+    compiled = (paths.ctx / "report.md").read_text("utf-8")
+    assert "## Notes" in compiled and "## Problems" not in compiled
+    assert "declared CPU tail" in compiled
     assert record.validation.measured_by.startswith("the quantize stage's HTP judge")
     assert record.validation.ctx_vs_float["scores"].compared_as == MAP_VALUES
     loaded = qnn_ctx_runtime.load(artifacts / "releases" / "clf" / "1.0.0")

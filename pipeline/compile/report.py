@@ -332,7 +332,10 @@ def write_model_report(
         ]
     notes = _notes(rows)
     if notes:
-        lines += ["", "## Problems", "", *notes]
+        # Failures and failed gates are problems; on variants that all passed, what is left is
+        # how they were measured (adopted runs, declared CPU tails, label agreement).
+        failed = any(not row.record.passed for row in rows)
+        lines += ["", "## Problems" if failed else "## Notes", "", *notes]
     data = {
         "model": config.model.name,
         "version": config.model.version,
