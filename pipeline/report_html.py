@@ -17,6 +17,7 @@ rebuild does not pay for matplotlib; the index is rewritten every time (tables o
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import io
@@ -1494,6 +1495,12 @@ def render_model(
 FIGURES = "figures"  # build/<model>/figures/<name>-<digest>.svg: plots drawn already
 
 
+@functools.cache
+def _code_digest() -> str:
+    """This module's digest: what a page and each plot also depend on (read once a process)."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
 def _render_svgs(data: ModelData) -> tuple[dict[str, str], str]:
     """(name -> inline SVG, why there are none); a plot that fails is left out, not fatal.
 
@@ -1505,7 +1512,7 @@ def _render_svgs(data: ModelData) -> tuple[dict[str, str], str]:
     svgs: dict[str, str] = {}
     failed: list[str] = []
     folder = data.root / FIGURES
-    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    code = _code_digest()
     kept: set[Path] = set()
     for name, (inputs, draw) in figure_inputs(data).items():
         key = hashlib.sha256(
@@ -1539,7 +1546,7 @@ def _render_svgs(data: ModelData) -> tuple[dict[str, str], str]:
 
 def _digest(root: Path) -> str:
     """What a page depends on: its input files, this module, and whether it can plot."""
-    h = hashlib.sha256(Path(__file__).read_bytes())
+    h = hashlib.sha256(_code_digest().encode())
     h.update(b"plots" if plots_available() else b"tables")
     for path in _input_files(root):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 import shutil
@@ -63,7 +62,7 @@ from .evaluate import end_to_end, evaluate, input_jitter
 from .judge import Builder, HtpJudgement, judge_on_htp
 from .lossless import bucket_inputs, check_preparation
 from .mixed_precision import MixedPrecision, raise_precision
-from .shapes import PreparedBucket, prepare_buckets
+from .shapes import PreparedBucket, differing, initializer_digests, prepare_buckets
 
 TOOLS = ("onnx", "onnxruntime", "numpy", "pillow")
 # The builder's code that shapes the QDQ models: editing it rebuilds.
@@ -308,39 +307,30 @@ def _weight_sharing(qdq_paths: dict[str, Path]) -> report_mod.WeightSharing:
     import onnx
     from onnx import numpy_helper
 
-    digests: dict[str, dict[str, tuple[str, int]]] = {}
+    digests: dict[str, dict[str, str]] = {}
+    sizes: dict[str, dict[str, int]] = {}
     for bucket, path in qdq_paths.items():
         model = onnx.load(str(path))
-        digests[bucket] = {
-            t.name: (
-                hashlib.sha256(t.SerializeToString()).hexdigest(),
-                int(numpy_helper.to_array(t).nbytes),
-            )
-            for t in model.graph.initializer
+        digests[bucket] = initializer_digests(model)
+        sizes[bucket] = {
+            t.name: int(numpy_helper.to_array(t).nbytes) for t in model.graph.initializer
         }
-    names = set().union(*(d.keys() for d in digests.values()))
-    shared, specific, clash = [], [], []
-    for name in sorted(names):
-        values = {d[name] for d in digests.values() if name in d}
-        present = sum(name in d for d in digests.values())
-        if len(values) > 1:
-            clash.append(name)
-        elif present == len(digests):
-            shared.append(name)
-        else:
-            specific.append(name)
+    clash = differing(digests)
+    names = set().union(*(d.keys() for d in digests.values())) - set(clash)
+    shared = sorted(n for n in names if all(n in d for d in digests.values()))
+    specific = sorted(names - set(shared))
     if clash:
         raise ModelError(
             f"Initializer(s) {clash[:8]} have the same name but different values in different "
             "buckets; QNN would share one of them between the buckets' graphs.",
             tip="The preparation folded something shape-dependent into a weight; report the model.",
         )
-    first = next(iter(digests.values()))
+    first = next(iter(sizes.values()))
     return report_mod.WeightSharing(
         shared_initializers=len(shared),
-        shared_bytes=sum(first[n][1] for n in shared),
+        shared_bytes=sum(first[n] for n in shared),
         bucket_specific=specific,
-        bucket_specific_bytes=sum(d[n][1] for d in digests.values() for n in specific if n in d),
+        bucket_specific_bytes=sum(d[n] for d in sizes.values() for n in specific if n in d),
     )
 
 

@@ -124,6 +124,21 @@ def prepare_buckets(
         yield item
 
 
+def initializer_digests(model: Any) -> dict[str, str]:
+    """Initializer name -> sha256 of the tensor (name, type, shape and bytes)."""
+    import hashlib
+
+    return {
+        t.name: hashlib.sha256(t.SerializeToString()).hexdigest() for t in model.graph.initializer
+    }
+
+
+def differing(digests: dict[str, dict[str, str]]) -> list[str]:
+    """Initializer names with more than one value across the buckets' digests."""
+    names = set().union(*(d.keys() for d in digests.values()))
+    return sorted(n for n in names if len({d[n] for d in digests.values() if n in d}) > 1)
+
+
 def distinct_bucket_constants(float_paths: dict[str, Path]) -> dict[str, str]:
     """Give each bucket its own name for a constant whose value depends on the bucket's shape.
 
@@ -132,23 +147,16 @@ def distinct_bucket_constants(float_paths: dict[str, Path]) -> dict[str, str]:
     bucket; QNN shares a static tensor between the graphs of one context by name, so such a
     constant becomes ``<name>__<bucket>`` in every bucket (the models on disk are rewritten).
     Returns bucket -> what was renamed, for the report."""
-    import hashlib
-
     import onnx
 
     from ..graph import edit
 
     if len(float_paths) < 2:
         return {}
-    digests: dict[str, dict[str, str]] = {}
-    for bucket, path in float_paths.items():
-        model = onnx.load(str(path))
-        digests[bucket] = {
-            t.name: hashlib.sha256(t.SerializeToString()).hexdigest()
-            for t in model.graph.initializer
-        }
-    names = set().union(*(d.keys() for d in digests.values()))
-    clash = sorted(n for n in names if len({d[n] for d in digests.values() if n in d}) > 1)
+    digests = {
+        bucket: initializer_digests(onnx.load(str(path))) for bucket, path in float_paths.items()
+    }
+    clash = differing(digests)
     if not clash:
         return {}
     renamed = {}
