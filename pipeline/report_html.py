@@ -191,6 +191,8 @@ def _stale(data: ModelData, v: dict[str, Any]) -> bool:
 
 def _quantize_verdict(data: ModelData) -> tuple[str, bool | None]:
     q = data.quantize
+    if q.get("status") == "failed":
+        return "FAIL: stopped with an error", False
     if q:
         check = _dict(q.get("preparation_check"))
         if check and check.get("passed") is False:
@@ -1484,6 +1486,10 @@ def render_model(
     """The HTML page of one model from its data and its rendered plots."""
     page = _Page(data, svgs, plot_error)
     _header(page)
+    if data.quantize.get("status") == "failed":
+        _failure(page)
+        version = data.ctx.get("version") or ""
+        return _page(f"{data.name} {version}: build report", "\n".join(page.parts), digest)
     _gates(page)
     _quantize_sections(page)
     _compile_sections(page)
@@ -1499,6 +1505,46 @@ FIGURES = "figures"  # build/<model>/figures/<name>-<digest>.svg: plots drawn al
 def _code_digest() -> str:
     """This module's digest: what a page and each plot also depend on (read once a process)."""
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def _failure(page: _Page) -> None:
+    """A quantize run that stopped on an error: the error, its tip, how far it got, the source
+    model's facts and, for a fault in the pipeline, its traceback (report.json's fields)."""
+    q = page.data.quantize
+    page.add(
+        "<h2>Quantize stopped with an error</h2>",
+        f'<div class="note"><b>{escape(str(q.get("error_type", "")))}</b>: '
+        f"{escape(str(q.get('error', '')))}</div>",
+    )
+    if q.get("tip"):
+        page.add(_p(f"Tip: {q['tip']}"))
+    done = _dict(q.get("steps_done"))
+    page.add(
+        _p(
+            "Steps finished before it: " + ", ".join(f"{k} ({_fmt(v)} s)" for k, v in done.items())
+            if done
+            else "It stopped in the first step (prepare)."
+        )
+    )
+    source = _dict(q.get("source"))
+    if source:
+        ops = ", ".join(f"{k} ×{v}" for k, v in _dict(source.get("op_types")).items())
+        rows = [
+            ("opsets", ", ".join(f"{k} {v}" for k, v in _dict(source.get("opsets")).items())),
+            ("producer", source.get("producer") or "not stated"),
+            ("nodes", source.get("nodes")),
+            ("inputs", "; ".join(map(str, _list(source.get("inputs"))))),
+            ("outputs", "; ".join(map(str, _list(source.get("outputs"))))),
+            ("ops", ops),
+            ("already quantized", source.get("quantization") or "no"),
+        ]
+        page.add("<h2>The source model</h2>", _table(["", ""], rows))
+    if q.get("traceback"):
+        page.add(
+            "<h2>Where it failed</h2>",
+            _p("A fault in the pipeline, not in the model or config: please report it."),
+            f"<pre>{escape(str(q['traceback']))}</pre>",
+        )
 
 
 def _render_svgs(data: ModelData) -> tuple[dict[str, str], str]:
@@ -1570,7 +1616,8 @@ def write_model_html(root: Path) -> Path:
     if target.is_file() and _current_digest(target) == digest:
         return target
     data = load_model(root)
-    if data.quantize or data.ctx or data.variants:  # the plots read a quantize or compile report
+    failed = data.quantize.get("status") == "failed"  # nothing to plot: an error and its context
+    if (data.quantize or data.ctx or data.variants) and not failed:
         svgs, plot_error = _render_svgs(data)
     else:
         svgs, plot_error = {}, ""

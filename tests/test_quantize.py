@@ -190,3 +190,57 @@ def test_validation_samples_are_spread_over_the_held_out_set() -> None:
     assert [int(p.stem[-4:]) for p in chosen] == [0, 25, 50, 74, 99]
     assert spread(files[:3], 16) == files[:3] and spread(files, 1) == files[:1]
     assert len(set(spread(files, 16))) == 16
+
+
+def test_a_run_that_stops_on_an_error_leaves_a_diagnosis(
+    example: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A model that cannot be built still gets its report: the error and tip, the steps that
+    finished, the source model's facts; the console tip points at it, and nothing claims
+    success (no record, no QDQ model)."""
+    shutil.copy(example / "artifacts" / "example" / "example_cnn.onnx", example / "m.onnx")
+    data = example / "wrongdtype2"
+    data.mkdir(exist_ok=True)
+    for i in range(4):
+        np.save(data / f"s{i}.npy", np.zeros((1, 3, 32, 32), np.float64))
+    config = write_config(example, "m.onnx", 'kind = "tensors"\npath = "wrongdtype2"')
+    assert run(example, str(config)) == 1
+    paths = ModelPaths.of(example / "artifacts", "bad")
+    err = capsys.readouterr().err
+    assert f"The failure report: {paths.report}" in err
+    report = json.loads((paths.root / "report.json").read_text())
+    assert report["status"] == "failed" and report["error_type"] == "CalibrationError"
+    assert "dtype float64" in report["error"] and report["traceback"] == ""
+    assert list(report["steps_done"]) == ["prepare"]  # it stopped routing the samples
+    source = report["source"]
+    assert source["op_types"]["Conv"] >= 1 and source["inputs"][0].startswith("input: float [")
+    markdown = paths.report.read_text()
+    assert "quantize stopped with an error" in markdown and "## The source model" in markdown
+    html = (paths.root / "report.html").read_text()
+    assert "Quantize stopped with an error" in html and "dtype float64" in html
+    index = (example / "artifacts" / "build" / "index.html").read_text()
+    assert "FAIL: stopped with an error" in index
+    assert not paths.record.exists() and not paths.bucket(SINGLE_BUCKET).qdq.exists()
+
+
+def test_a_fault_in_the_pipeline_keeps_its_traceback_in_the_report(
+    example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception that is not one of the pipeline's errors (a bug) still propagates, and
+    the report keeps where it came from for the bug report."""
+    from pipeline.quantize import build
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise ValueError("a fault in the preparation check")
+
+    monkeypatch.setattr(build, "check_preparation", broken)
+    shutil.copy(example / "artifacts" / "example" / "example_cnn.onnx", example / "m.onnx")
+    config = write_config(example, "m.onnx")
+    with pytest.raises(ValueError, match="a fault in the preparation check"):
+        run(example, str(config), "--force")
+    paths = ModelPaths.of(example / "artifacts", "bad")
+    report = json.loads((paths.root / "report.json").read_text())
+    assert report["error_type"] == "ValueError" and "in broken" in report["traceback"]
+    assert "evaluate" in report["steps_done"] and "check_preparation" not in report["steps_done"]
+    assert "a fault in the pipeline" in paths.report.read_text()
+    assert not paths.record.exists()

@@ -24,6 +24,7 @@ import math
 import shutil
 import tempfile
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from qnn_ctx_runtime import buckets as bk
 
 from ..calibration.samples import BucketSamples, Router, SampleRef, SampleSource, sample_source
 from ..core.config import ModelConfig
-from ..core.errors import CalibrationError, ConfigError, GateError, ModelError
+from ..core.errors import CalibrationError, ConfigError, GateError, ModelError, PipelineError
 from ..core.fileio import atomic_dir, atomic_path, link_or_copy, sha256_file
 from ..core.layout import BucketPaths, ModelPaths, sample_name, samples_in
 from ..core.lock import locked
@@ -161,7 +162,12 @@ def quantize_model(config: ModelConfig, artifacts: Path, force: bool = False) ->
     paths.record.unlink(missing_ok=True)
     paths.root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    report, record = _build(config, paths, inputs)
+    timings: dict[str, float] = {}
+    try:
+        report, record = _build(config, paths, inputs, timings)
+    except Exception as exc:  # the console says why; the report says it too, with the context
+        _write_failure(config, paths, exc, timings)
+        raise
     report.timings_s["total"] = time.perf_counter() - started
     report_mod.write(paths.root, report)
     write_record(paths.record, record)
@@ -181,6 +187,31 @@ def quantize_model(config: ModelConfig, artifacts: Path, force: bool = False) ->
             tip="Use 16-bit types or overrides for the worst tensors, or more calibration data.",
         )
     return QuantizeResult(config.model.name, paths.root, False, record)
+
+
+def _write_failure(
+    config: ModelConfig, paths: ModelPaths, exc: Exception, timings: dict[str, float]
+) -> None:
+    """report.md/json of a run that stopped on ``exc``, and its path in the error's tip. A
+    fault that is not one of the pipeline's own errors keeps its traceback in the report."""
+    own = isinstance(exc, PipelineError)
+    failure = report_mod.QuantizeFailure(
+        model=config.model.name,
+        status="failed",
+        error=exc.message if own else f"{type(exc).__name__}: {exc}",
+        tip=(exc.tip or "") if own else "",
+        error_type=type(exc).__name__,
+        steps_done=dict(timings),
+        source=report_mod.describe_source(config.source_path),
+        traceback="" if own else "".join(traceback.format_exception(exc)),
+    )
+    try:
+        report_mod.write_failure(paths.root, failure)
+    except OSError:
+        return  # the error that stopped the run is the one to show (a full disk, say)
+    write_html_reports(paths.root, out=lambda _line: None)
+    if own:
+        exc.tip = (exc.tip + " " if exc.tip else "") + f"The failure report: {paths.report}."
 
 
 # -- the steps --------------------------------------------------------------------------------
@@ -542,7 +573,7 @@ class _State:
         return self.prepared[self.plan.largest.name]
 
 
-def _prepare_all(config: ModelConfig, paths: ModelPaths) -> _State:
+def _prepare_all(config: ModelConfig, paths: ModelPaths, timings: dict[str, float]) -> _State:
     """Load the source, plan the buckets and prepare each one's static float model."""
     started = time.perf_counter()
     source = load_source_model(config.source_path)
@@ -566,7 +597,7 @@ def _prepare_all(config: ModelConfig, paths: ModelPaths) -> _State:
         assert isinstance(item, PreparedBucket)
         prepared[item.bucket.name] = item
     _remove_stale_buckets(paths, plan)
-    timings = {"prepare": time.perf_counter() - started}
+    timings["prepare"] = time.perf_counter() - started
     return _State(source, plan, prepared, timings, own=own)
 
 
@@ -597,9 +628,10 @@ def _sample_all(config: ModelConfig, paths: ModelPaths, state: _State) -> dict[s
 
 
 def _build(
-    config: ModelConfig, paths: ModelPaths, inputs: BuildInputs
+    config: ModelConfig, paths: ModelPaths, inputs: BuildInputs, timings: dict[str, float]
 ) -> tuple[report_mod.QuantizeReport, QuantizeRecord]:
-    state = _prepare_all(config, paths)
+    """Every step of a quantize run; ``timings`` gets each step's seconds as it finishes."""
+    state = _prepare_all(config, paths, timings)
     samples = _sample_all(config, paths, state)
     plan = state.plan
     state.own = _keep_own_quantization(config, paths, state) or state.own

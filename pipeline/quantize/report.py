@@ -472,3 +472,133 @@ def write(folder: Path, report: QuantizeReport) -> Path:
     """report.md (each section rendered in turn) and report.json (the record itself)."""
     lines = [line for section in SECTIONS for line in section(report)]
     return write_report(folder, "\n".join(lines), report)
+
+
+# -- a run that stopped on an error ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SourceFacts:
+    """What the source model file says about itself: the context a failure is read in."""
+
+    opsets: dict[str, int]  # domain ("" for ai.onnx) -> version
+    producer: str
+    nodes: int
+    op_types: dict[str, int]  # "domain:op" or "op" -> count, most frequent first
+    inputs: list[str]  # "name: dtype [dims]"
+    outputs: list[str]
+    quantization: str  # what Q/DQ or integer ops it already holds, "" for a float model
+
+
+@dataclass(frozen=True)
+class QuantizeFailure:
+    """A quantize run that stopped on an error (``report.json`` with ``status = "failed"``):
+    the error and its tip, the steps that finished before it, and the source model's facts, so
+    a model that cannot be built still comes with a diagnosis beside its console error."""
+
+    model: str
+    status: str  # always "failed"
+    error: str
+    tip: str
+    error_type: str  # the pipeline's error class, or the exception of a fault in the pipeline
+    steps_done: dict[str, float]  # step -> seconds, in the order they ran
+    source: SourceFacts | None
+    traceback: str = ""  # only for a fault that is not one of the pipeline's own errors
+
+
+def describe_source(path: Path) -> SourceFacts | None:
+    """The facts of a model file (read without its external data), None if it does not load."""
+    import onnx
+
+    from ..graph import prequantized
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # the failure itself may be this unreadable file
+        return None
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        key = (
+            f"{node.domain}:{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+        )
+        counts[key] = counts.get(key, 0) + 1
+
+    def value(info: onnx.ValueInfoProto) -> str:
+        tensor = info.type.tensor_type
+        if not info.type.HasField("tensor_type"):
+            return f"{info.name}: {info.type.WhichOneof('value') or 'unknown'}"
+        dims = (
+            [
+                d.dim_param or (str(d.dim_value) if d.HasField("dim_value") else "?")
+                for d in tensor.shape.dim
+            ]
+            if tensor.HasField("shape")
+            else ["?"]
+        )
+        dtype = onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
+        return f"{info.name}: {dtype} [{', '.join(dims)}]"
+
+    inits = {i.name for i in model.graph.initializer}
+    quantization = ""
+    try:
+        if prequantized.is_prequantized(model):
+            quantization = prequantized.summarize(model).describe()
+    except Exception:  # a fact of the report, never a second failure
+        quantization = ""
+    return SourceFacts(
+        opsets={o.domain or "ai.onnx": o.version for o in model.opset_import},
+        producer=" ".join(p for p in (model.producer_name, model.producer_version) if p),
+        nodes=len(model.graph.node),
+        op_types=dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
+        inputs=[value(i) for i in model.graph.input if i.name not in inits],
+        outputs=[value(o) for o in model.graph.output],
+        quantization=quantization,
+    )
+
+
+def render_failure(failure: QuantizeFailure) -> str:
+    lines = [
+        f"# {failure.model}: quantize stopped with an error",
+        "",
+        f"**{failure.error_type}**: {failure.error}",
+    ]
+    if failure.tip:
+        lines += ["", f"Tip: {failure.tip}"]
+    done = ", ".join(f"{step} ({seconds:.1f} s)" for step, seconds in failure.steps_done.items())
+    lines += [
+        "",
+        f"Steps finished before it: {done}." if done else "It stopped in the first step (prepare).",
+        "Nothing of this run is usable: no QDQ model was recorded, so compile and publish refuse "
+        "this model until a quantize run passes.",
+    ]
+    s = failure.source
+    if s is not None:
+        opsets = ", ".join(f"{d} {v}" for d, v in s.opsets.items())
+        ops = ", ".join(f"{op} ×{n}" for op, n in s.op_types.items())
+        lines += [
+            "",
+            "## The source model",
+            "",
+            f"- opsets: {opsets}; producer: {s.producer or 'not stated'}; {s.nodes} nodes",
+            f"- inputs: {'; '.join(s.inputs) or 'none'}",
+            f"- outputs: {'; '.join(s.outputs) or 'none'}",
+            f"- ops: {ops or 'none'}",
+        ]
+        if s.quantization:
+            lines.append(f"- already quantized: {s.quantization}")
+    if failure.traceback:
+        lines += [
+            "",
+            "## Where it failed (a fault in the pipeline, not in your model or config: please "
+            "report it with this file)",
+            "",
+            "```",
+            failure.traceback.rstrip(),
+            "```",
+        ]
+    return "\n".join(lines)
+
+
+def write_failure(folder: Path, failure: QuantizeFailure) -> Path:
+    """report.md and report.json of a run that stopped on an error."""
+    return write_report(folder, render_failure(failure), failure)
