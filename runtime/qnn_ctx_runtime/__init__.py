@@ -10,10 +10,37 @@ is what installs reliably on Windows ARM64. Heavy imports happen on first use.
 
 from __future__ import annotations
 
-from .client import WorkerError, WorkerModel, WorkerTimeout, connect
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from .errors import ActionableError, FeedError, ReleaseError, ToolchainError, UsageError
-from .loader import LoadedModel, load
-from .release import verify
+
+if TYPE_CHECKING:
+    from .client import WorkerError, WorkerModel, WorkerTimeout, connect
+    from .loader import LoadedModel, load
+    from .release import verify
+
+# name -> its module, imported on first use (PEP 562): the builder's processes import this
+# package for its errors and records, and loading the client and loader (subprocess, secrets,
+# importlib.metadata) cost each of them 0.1 s.
+_LAZY = {
+    "WorkerError": "client",
+    "WorkerModel": "client",
+    "WorkerTimeout": "client",
+    "connect": "client",
+    "LoadedModel": "loader",
+    "load": "loader",
+    "verify": "release",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.2.0"
 __all__ = [
