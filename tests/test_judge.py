@@ -402,3 +402,50 @@ def test_a_helper_loads_the_context_only_while_samples_are_left(tmp_path: Path):
     assert not ready(status="running", stage="run")
     assert not ready(status="failed", stage="compile")
     assert not ready(status="running", stage="compare")
+
+
+def test_probes_started_ahead_take_the_first_job_and_unused_ones_end(tmp_path: Path):
+    """``spare_probes`` starts the probe's processes ahead (warming up while the stage works):
+    the first probe hands them its job and measures what a cold start does; later probes start
+    their own; whatever was not taken ends with the block, its folder removed."""
+    from pipeline.htp import probe as probe_mod
+
+    rng = np.random.default_rng(6)
+    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
+    config = load_config(_write(tmp_path, _dilated_model(rng), samples, 'judge = "cpu"\n'))
+    quantize_model(config, tmp_path / "artifacts", force=True)
+    bucket = ModelPaths.of(tmp_path / "artifacts", "m").bucket("static")
+    heldout = sorted(bucket.heldout.glob("sample_*.npz"))
+
+    def run(work: str) -> probe_mod.ProbeResult:
+        result = probe_mod.probe(
+            bucket.qdq, bucket.float_model, heldout, tmp_path / work, 60, 73, timeout_s=300
+        )
+        assert result.ok, result.error
+        return result
+
+    cold = run("cold")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    with probe_mod.spare_probes(scratch):
+        spares = probe_mod._SPARES
+        assert spares is not None
+        warm = run("warm")
+        assert probe_mod._SPARES is None  # taken by the first probe
+        job = json.loads((spares.folder / "main.json").read_text())
+        assert job["work"] == str((tmp_path / "warm").resolve())  # it ran the warm probe's job
+        assert spares.main.proc.returncode == 0
+        again = run("again")  # started cold: nothing is left to take
+        assert not list(spares.folder.glob("*again*"))
+    assert not spares.folder.exists()
+    for result in (warm, again):
+        assert result.samples == cold.samples and result.sample_sha256 == cold.sample_sha256
+        assert result.ctx_vs_float == cold.ctx_vs_float and result.ctx_vs_qdq == cold.ctx_vs_qdq
+        assert (result.partitions, result.cpu_nodes) == (1, 0)
+
+    with probe_mod.spare_probes(scratch):  # never taken: every process ends with the block
+        spares = probe_mod._SPARES
+        assert spares is not None
+        children = [spares.main, *spares.helpers]
+    assert all(child.proc.returncode is not None for child in children)
+    assert not spares.folder.exists() and probe_mod._SPARES is None

@@ -95,14 +95,16 @@ class Started:
         return Finished(self.proc.returncode, timed_out, time.monotonic() - self.started, plain)
 
 
-def start_module(module: str, job_path: Path, log_path: Path) -> Started:
-    """Start ``python -m module job_path`` with output to ``log_path``; do not wait for it."""
+def start_module(
+    module: str, job_path: Path, log_path: Path, options: tuple[str, ...] = ()
+) -> Started:
+    """Start ``python -m module [options] job_path`` with output to ``log_path``; do not wait."""
     started = time.monotonic()
     job = WindowsJob.create() if sys.platform == "win32" else None
     log = open(log_path, "wb")  # noqa: SIM115 - closed by Started.finish
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, str(job_path)],
+            [sys.executable, "-m", module, *options, str(job_path)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -127,7 +129,15 @@ def run_module(
     on_tick: Callable[[float], None] | None = None,
 ) -> Finished:
     """``python -m module job_path`` with output to ``log_path``; killed after ``timeout_s``."""
-    child = start_module(module, job_path, log_path)
+    return wait_for(start_module(module, job_path, log_path), timeout_s, on_tick)
+
+
+def wait_for(
+    child: Started, timeout_s: float, on_tick: Callable[[float], None] | None = None
+) -> Finished:
+    """Wait for a started child, killed (with what it started) after ``timeout_s`` from now or
+    on Ctrl-C; how it ended."""
+    waiting = time.monotonic()
     timed_out = False
     try:
         while True:
@@ -135,7 +145,7 @@ def run_module(
                 child.proc.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
-                elapsed = time.monotonic() - child.started
+                elapsed = time.monotonic() - waiting
                 if on_tick:
                     on_tick(elapsed)
                 if elapsed > timeout_s:

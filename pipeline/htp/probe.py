@@ -28,8 +28,10 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,7 @@ from qnn_ctx_runtime.typed import parse, to_json_value
 from ..core.cpu import cpu_session
 from ..core.fileio import sha256_file
 from ..core.metrics import Accuracy, OutputComparison, comparable, worst_snr
-from .isolation import Finished, Started, die_with_parent, run_module, start_module
+from .isolation import Finished, Started, die_with_parent, start_module, wait_for
 
 MODULE = "pipeline.htp.probe"
 DIVERGENCE_DB = 30.0  # HTP vs CPU QDQ below this at one tensor: they compute it differently
@@ -199,11 +201,19 @@ def probe(
         locate=locate,
         run_core=cores[0] if cores else -1,
     )
-    job_path = work / "probe_job.json"
-    job_path.write_text(json.dumps(to_json_value(job)), encoding="utf-8")
-    helpers = _start_helpers(job, work, cores[1:])
+    warm = _SPARES.take(len(cores[1:])) if _SPARES is not None else None
+    if warm is not None:  # started ahead, QNN registered: the job is all they wait for
+        main, helpers = warm
+        _hand_over(main, job)
+        for k, (helper, core) in enumerate(zip(helpers, cores[1:], strict=True), start=1):
+            _hand_over(helper, _helper_job(job, work, k, core))
+    else:
+        job_path = work / "probe_job.json"
+        job_path.write_text(json.dumps(to_json_value(job)), encoding="utf-8")
+        helpers = _start_helpers(job, work, cores[1:])
+        main = start_module(MODULE, job_path, work / "probe.log")
     try:
-        done = run_module(MODULE, job_path, work / "probe.log", timeout_s, _reaper(helpers))
+        done = wait_for(main, timeout_s, _reaper(helpers))
     finally:
         for helper in helpers:  # the main child is done (or dead): nothing left for them
             if helper.proc.poll() is None:
@@ -212,22 +222,109 @@ def probe(
     return _outcome(job, done, timeout_s)
 
 
+def _helper_job(job: ProbeJob, work: Path, k: int, core: int) -> ProbeJob:
+    return replace(
+        job,
+        result=str((work / f"probe_helper_{k}.json").resolve()),
+        ctx=str((work / CTX_NAME).resolve()),
+        helper=True,
+        core=core,
+        run_core=-1,
+    )
+
+
 def _start_helpers(job: ProbeJob, work: Path, cores: list[int]) -> list[Started]:
     """One helper per extra core, each pinned to it: it waits for the main child's context."""
     started = []
     for k, core in enumerate(cores, start=1):
-        helper = replace(
-            job,
-            result=str((work / f"probe_helper_{k}.json").resolve()),
-            ctx=str((work / CTX_NAME).resolve()),
-            helper=True,
-            core=core,
-            run_core=-1,
-        )
         path = work / f"probe_helper_{k}_job.json"
-        path.write_text(json.dumps(to_json_value(helper)), encoding="utf-8")
+        path.write_text(json.dumps(to_json_value(_helper_job(job, work, k, core))), "utf-8")
         started.append(start_module(MODULE, path, work / f"probe_helper_{k}.log"))
     return started
+
+
+# -- probe processes started ahead of their job ---------------------------------------------------
+
+AWAIT = "--await"  # the child's option: warm up, then wait for the job file to appear
+
+
+@dataclass
+class _Spares:
+    """Probe processes (a main child and a helper per extra core) started while the stage
+    prepares and calibrates, each importing onnxruntime and registering QNN (0.25-0.5 s of a
+    probe's start, measured on SqueezeNet) on a core the stage leaves idle, then waiting for
+    its job file. The first probe takes them; later ones start their own."""
+
+    folder: Path
+    main: Started
+    helpers: list[Started]
+
+    def take(self, helpers: int) -> tuple[Started, list[Started]] | None:
+        """The main child and ``helpers`` helpers (extra ones are ended), once."""
+        global _SPARES
+        _SPARES = None
+        if self.main.proc.poll() is not None or any(
+            h.proc.poll() is not None for h in self.helpers
+        ):
+            self.close()  # one died waiting (QNN failed to load?): a cold start says how
+            return None
+        if helpers > len(self.helpers):
+            self.close()
+            return None
+        for extra in self.helpers[helpers:]:
+            extra.kill()
+            extra.finish()
+        return self.main, self.helpers[:helpers]
+
+    def close(self) -> None:
+        for child in [self.main, *self.helpers]:
+            if not child.log.closed:
+                if child.proc.poll() is None:
+                    child.kill()
+                child.finish()
+
+
+_SPARES: _Spares | None = None
+
+
+def _job_file(child: Started) -> Path:
+    return Path(child.proc.args[-1])  # type: ignore[index]  # argv: python -m MODULE --await JOB
+
+
+def _hand_over(child: Started, job: ProbeJob) -> None:
+    """Give a waiting child its job (written whole, then renamed into the path it polls)."""
+    path = _job_file(child)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(to_json_value(job)), encoding="utf-8")
+    child.started = time.monotonic()  # its time is the job's, not the wait's
+    partial.replace(path)
+
+
+@contextmanager
+def spare_probes(scratch: Path) -> Iterator[None]:
+    """While the block runs, the first ``probe`` finds its processes started and warm. Nothing
+    is started where the probe could not run (no onnxruntime-qnn); whatever was not taken is
+    ended on the way out, and the folder of their job files and logs removed."""
+    global _SPARES
+    if _SPARES is not None or qnn_available():
+        yield
+        return
+    folder = Path(tempfile.mkdtemp(prefix=".htp-spares-", dir=scratch))
+    cores = _cores(2, locate=False)
+    main = start_module(MODULE, folder / "main.json", folder / "main.log", (AWAIT,))
+    helpers = [
+        start_module(MODULE, folder / f"helper{k}.json", folder / f"helper{k}.log", (AWAIT,))
+        for k in range(1, len(cores))
+    ]
+    spares = _spares = _Spares(folder, main, helpers)
+    _SPARES = spares
+    try:
+        yield
+    finally:
+        if _SPARES is spares:
+            _SPARES = None
+        _spares.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _reaper(helpers: list[Started]) -> Callable[[float], None]:
@@ -506,17 +603,46 @@ def _compare(
     result.tensors = [TensorAgreement(t, op, node, per_tensor[t].snr_db) for t, op, node in exposed]
 
 
+def _warm_up() -> None:
+    """What every probe does first, done while it waits for its job: the imports, and the
+    QNN EP's registration (kept per process). A failure here is the run's to report."""
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+
+        from qnn_ctx_runtime import qnn
+
+        from ..compile import coverage  # noqa: F401
+        from ..core import cpu  # noqa: F401
+
+        qnn.find_qnn_ep()
+    except Exception:
+        return
+
+
+def _await(job_path: Path) -> None:
+    """Wait for the parent to write the job (it dies with the parent, or is killed unused)."""
+    while not job_path.is_file():
+        time.sleep(0.005)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    waiting = args[:1] == [AWAIT]
+    args = args[1:] if waiting else args
     if len(args) != 1:
-        print(f"usage: python -m {MODULE} JOB.json", file=sys.stderr)
+        print(f"usage: python -m {MODULE} [{AWAIT}] JOB.json", file=sys.stderr)
         return 2
     die_with_parent()
+    if waiting:
+        _warm_up()
+        _await(Path(args[0]))
     job: ProbeJob = _load(ProbeJob, Path(args[0]))
     if job.core >= 0 and hasattr(os, "sched_setaffinity"):
         # Before QNN starts its threads, which inherit the mask: the simulator's spinning
-        # thread then shares this core instead of taking another probe's.
-        os.sched_setaffinity(0, {job.core})
+        # thread then shares this core instead of taking another probe's. (A warmed child
+        # pins whatever threads it has, the same way.)
+        _pin_threads(job.core)
     path = Path(job.result)
     result = ProbeResult()
     started = time.perf_counter()

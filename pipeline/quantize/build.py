@@ -17,6 +17,7 @@ Outputs: see pipeline.core.layout. The record is written last: no record, no val
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -56,6 +57,7 @@ from ..core.report import fmt
 from ..graph import prequantized
 from ..graph.buckets import BucketPlan
 from ..graph.source import sort_nodes
+from ..htp.probe import spare_probes
 from ..report_html import preload_plotting, write_html_reports
 from . import quantizer
 from . import report as report_mod
@@ -630,7 +632,16 @@ def _sample_all(config: ModelConfig, paths: ModelPaths, state: _State) -> dict[s
 def _build(
     config: ModelConfig, paths: ModelPaths, inputs: BuildInputs, timings: dict[str, float]
 ) -> tuple[report_mod.QuantizeReport, QuantizeRecord]:
-    """Every step of a quantize run; ``timings`` gets each step's seconds as it finishes."""
+    """Every step of a quantize run; ``timings`` gets each step's seconds as it finishes. The
+    HTP judge's processes start now, warming up beside preparation and calibration."""
+    judged = config.quantization.judge != "cpu"
+    with spare_probes(paths.root) if judged else contextlib.nullcontext():
+        return _steps(config, paths, inputs, timings)
+
+
+def _steps(
+    config: ModelConfig, paths: ModelPaths, inputs: BuildInputs, timings: dict[str, float]
+) -> tuple[report_mod.QuantizeReport, QuantizeRecord]:
     state = _prepare_all(config, paths, timings)
     samples = _sample_all(config, paths, state)
     plan = state.plan
