@@ -16,6 +16,7 @@ from onnx import TensorProto, numpy_helper
 
 from pipeline.core.config import InputsSection, load_config
 from pipeline.core.errors import ConfigError, ModelError
+from pipeline.graph import edit
 from pipeline.graph import prequantized as pq
 from pipeline.graph.prepare import prepare_model
 
@@ -742,3 +743,30 @@ def test_an_integer_bias_added_before_the_cast_becomes_the_conv_bias() -> None:
         got, old = run(restored, x), run(dynamic, x)
         snr = 10 * np.log10(np.sum(got**2) / np.sum((got - old) ** 2))
         assert snr > 25, snr  # what the dynamic model computed, up to its 8-bit activations
+
+
+def test_an_opset_11_qoperator_model_with_per_channel_weights_becomes_valid_qdq() -> None:
+    """onnxruntime's QOperator export keeps the float model's opset (11 for a tflite2onnx
+    classifier): its per-channel QLinearConv needs a DequantizeLinear with an axis, an
+    opset-13 attribute, so the model is brought to 13 first; and its QLinearSoftmax, made with
+    Softmax-11 semantics over the last axis, means the same as Softmax-13 there."""
+    b = Builder()
+    xs, xz = b.const(np.float32(0.04)), b.const(np.uint8(120))
+    cs, cz = b.const(np.float32(0.03)), b.const(np.uint8(100))
+    ys, yz = b.const(np.float32(1 / 256)), b.const(np.uint8(0))
+    q = b.node("QuantizeLinear", ["x", xs, xz])
+    w = b.const(RNG.integers(-60, 60, (4, 3, 3, 3)).astype(np.int8))
+    ws = b.const(np.array([0.01, 0.02, 0.005, 0.015], np.float32))
+    wz = b.const(np.zeros(4, np.int8))
+    conv = b.node("QLinearConv", [q, xs, xz, w, ws, wz, cs, cz], pads=[1, 1, 1, 1])
+    soft = b.node(
+        "QLinearSoftmax", [conv, cs, cz, ys, yz], domain="com.microsoft", axis=-1, opset=11
+    )
+    source = b.model(b.node("DequantizeLinear", [soft, ys, yz]), opset=11)
+    converted, change = pq.qoperator_to_qdq(source)
+    onnx.checker.check_model(converted)  # an axis on an opset-11 DequantizeLinear fails here
+    assert edit.opset_version(converted) == 13 and "opset 11 -> 13" in change.details[0]
+    assert not pq.quantization_ops(converted).keys() - {"QuantizeLinear", "DequantizeLinear"}
+    assert {"Conv", "Softmax"} <= set(ops(converted))
+    for x in inputs():
+        assert np.abs(run(source, x) - run(converted, x)).max() <= 2 / 256 + 1e-6

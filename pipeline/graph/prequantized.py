@@ -425,10 +425,11 @@ def _qoperator_nodes(
         # Softmax-1/11 (flatten from axis, default 1) and -13 (one axis, default -1) differ;
         # only map into a model whose own Softmax has the semantics the node was made with.
         new_style = attrs.get("opset", 13) >= 13
-        if new_style != (opset >= 13):
+        axis = attrs.get("axis", -1 if new_style else 1)
+        # Over the last axis the two agree: flattening from it leaves that axis alone.
+        if new_style != (opset >= 13) and axis != -1:
             return None
         x = dq(ins[0], ins[1], ins[2])
-        axis = attrs.get("axis", -1 if new_style else 1)
         nodes.append(make("Softmax", [x], [y], name=namer(base), axis=axis))
         q_out(y, ins[3], ins[4])
     elif op == "QGemm" and node.domain == _MS:
@@ -463,6 +464,9 @@ def _qoperator_nodes(
     return nodes
 
 
+PER_AXIS_OPSET = 13  # DequantizeLinear's axis (per-channel scales) is an opset-13 attribute
+
+
 def qoperator_to_qdq(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """QLinear* ops (QOperator format) -> DequantizeLinear, the float op, QuantizeLinear; and
     data-moving ops on integer tensors likewise (``_integer_moves_to_qdq``).
@@ -471,11 +475,21 @@ def qoperator_to_qdq(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     QLinear* ops have no QNN kernel and stay on the CPU. The float op between the same Q/DQ
     parameters computes the same thing up to the rounding of the integer kernels (<= 1 step).
     """
+    details = []
+    current = edit.opset_version(model)
+    if (
+        current
+        and current < PER_AXIS_OPSET
+        and any(n.op_type in QOPERATOR_OPS for g in edit.all_graphs(model.graph) for n in g.node)
+    ):
+        # A per-channel weight becomes a DequantizeLinear with an axis, which opset 13 added
+        # (onnxruntime's QOperator export keeps the float model's opset, often 11).
+        model, _ = t.upgrade_opset(model, PER_AXIS_OPSET)
+        details.append(f"opset {current} -> {PER_AXIS_OPSET}: per-axis DequantizeLinear")
     model = edit.copy_model(model)
     graph = model.graph
     namer = edit.FreshNames(model)
-    opset = edit.opset_version(model) or 13
-    details = []
+    opset = edit.opset_version(model) or PER_AXIS_OPSET
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
         replacement = (
