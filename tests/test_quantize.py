@@ -221,6 +221,11 @@ def test_a_run_that_stops_on_an_error_leaves_a_diagnosis(
     index = (example / "artifacts" / "build" / "index.html").read_text()
     assert "FAIL: stopped with an error" in index
     assert not paths.record.exists() and not paths.bucket(SINGLE_BUCKET).qdq.exists()
+    # compile, asked next, says that quantize failed and where it said why
+    assert main(["compile", "--artifacts", str(example / "artifacts"), str(config)]) == 1
+    err = capsys.readouterr().err
+    assert "the last quantize run stopped with an error" in err and "dtype float64" in err
+    assert str(paths.report) in err
 
 
 def test_a_fault_in_the_pipeline_keeps_its_traceback_in_the_report(

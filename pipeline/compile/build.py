@@ -122,11 +122,32 @@ class ModelInputs:
         return self.record.buckets
 
 
+def _failed_quantize(paths: ModelPaths) -> str:
+    """The error of a quantize run that stopped on one (its report.json says so), else ''."""
+    try:
+        report = json.loads((paths.root / "report.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(report, dict) or report.get("status") != "failed":
+        return ""
+    return str(report.get("error", "no message"))[:300]
+
+
 def model_inputs(config: ModelConfig, artifacts: Path) -> ModelInputs:
     """The QDQ models of every bucket, each proven to be the one the quantize record names."""
     paths = ModelPaths.of(artifacts, config.model.name)
-    run_quantize = f"Run `nox -s quantize -- {config.path}` first."
+    run_quantize = (
+        f"Run the quantize stage first: `nox -s quantize -- {config.path}` (or `python -m "
+        f"pipeline quantize {config.path} --artifacts {artifacts}`)."
+    )
     record, why = read_record(QuantizeRecord, paths.record)
+    failed = _failed_quantize(paths)
+    if record is None and failed:
+        raise ModelError(
+            f"{config.model.name}: the last quantize run stopped with an error ({failed}); "
+            f"nothing was recorded to compile. Its report: {paths.report}.",
+            tip="Fix what the report says, then run the quantize stage again. " + run_quantize,
+        )
     if record is None:
         raise ModelError(
             f"{config.model.name}: no usable quantize record ({'; '.join(why)}), so the QDQ "
