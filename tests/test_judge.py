@@ -449,3 +449,76 @@ def test_probes_started_ahead_take_the_first_job_and_unused_ones_end(tmp_path: P
         children = [spares.main, *spares.helpers]
     assert all(child.proc.returncode is not None for child in children)
     assert not spares.folder.exists() and probe_mod._SPARES is None
+
+
+def test_the_simulators_time_budget_leaves_samples_out_and_says_so(tmp_path: Path, monkeypatch):
+    """A model the simulator takes minutes a sample on (a 1024x1024 segmenter) cannot run 16
+    samples: past the budget no new sample starts once two ran (one per process). The figures
+    are those of the samples that ran, exactly what a run on only those measures; the report
+    says how many of how many; compile adopts that run and says so, and its own validation
+    keeps the same budget. A budget of a microsecond makes the cut certain, whatever the speed."""
+    from pipeline.compile import build as compile_build
+    from pipeline.compile.build import compile_model
+    from pipeline.core.records import VariantRecord, read_record
+    from pipeline.htp import probe as probe_mod
+    from pipeline.quantize import judge as judge_mod
+    from qnn_ctx_runtime import qnn
+    from qnn_ctx_runtime.toolchains import load_toolchains
+
+    rng = np.random.default_rng(7)
+    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(40)]
+    config_path = _write(tmp_path, _dilated_model(rng), samples, "")
+    config_path.write_text(config_path.read_text().replace("samples = 16", "samples = 40"))
+    config = load_config(config_path)
+    artifacts = tmp_path / "artifacts"
+    monkeypatch.setattr(judge_mod, "HTP_BUDGET_S", 1e-6)
+    quantize_model(config, artifacts, force=True)
+    first = _report(tmp_path)["htp"]["rounds"][0]
+    assert first["requested"] == 10 and 2 <= first["samples"] < 10, first
+    assert "The simulator took up to" in ModelPaths.of(artifacts, "m").report.read_text()
+
+    paths = ModelPaths.of(artifacts, "m")
+    bucket = paths.bucket("static")
+    record = json.loads(bucket.htp_probe.read_text())
+    assert len(record["sample_sha256"]) == first["samples"] and record["requested"] == 10
+    from pipeline.core.fileio import sha256_file
+
+    heldout = sorted(bucket.heldout.glob("sample_*.npz"))
+    ran = [p for p in heldout if sha256_file(p) in record["sample_sha256"]]
+    alone = probe_mod.probe(
+        bucket.qdq, bucket.float_model, ran, tmp_path / "alone", 60, 73, timeout_s=300
+    )
+    assert alone.ok and alone.samples == len(ran) == first["samples"]
+    assert alone.ctx_vs_qdq == record_accuracy(record["ctx_vs_qdq"], alone.ctx_vs_qdq)
+
+    table = load_toolchains()
+    toolchain = table.get(table.default)
+
+    def compiled() -> VariantRecord:
+        compile_model(config, artifacts, table, toolchain, qnn.installed_qnn(), True, out=str)
+        folder = paths.variant(toolchain.onnxruntime_qnn, config.compile.targets[0])
+        variant, why = read_record(VariantRecord, folder.record)
+        assert variant is not None, why
+        return variant
+
+    adopted = compiled().validation
+    assert adopted.measured_by.startswith("the quantize stage's HTP judge")
+    assert (adopted.samples, adopted.requested) == (first["samples"], 10)
+    notes = paths.ctx_report.read_text()
+    assert f"validated on {first['samples']} of 10 held-out samples" in notes
+    # Its own validation (the judge's record no longer matches) keeps the same budget.
+    bucket.htp_probe.write_text(json.dumps({**record, "ctx_sha256": "0" * 64}))
+    monkeypatch.setattr(compile_build, "HTP_BUDGET_S", 1e-6)
+    own = compiled().validation
+    assert own.measured_by == "" and (own.samples, own.requested) == (2, 10)
+
+
+def record_accuracy(stored: dict, like: dict) -> dict:
+    """The probe record's per-output figures as the ProbeResult's type, to compare them."""
+    from pipeline.core.metrics import Accuracy
+    from qnn_ctx_runtime.typed import parse
+
+    issues: list[str] = []
+    value = parse(dict[str, Accuracy], stored, "", issues)
+    assert not issues and set(value) == set(like)
+    return value

@@ -26,7 +26,14 @@ from qnn_ctx_runtime.toolchains import Toolchain, Toolchains
 from ..core.config import ModelConfig
 from ..core.errors import ModelError, ToolchainError
 from ..core.fileio import atomic_dir, sha256_file
-from ..core.layout import VALIDATE_SAMPLES, ModelPaths, VariantPaths, samples_in, spread
+from ..core.layout import (
+    HTP_BUDGET_S,
+    VALIDATE_SAMPLES,
+    ModelPaths,
+    VariantPaths,
+    samples_in,
+    spread,
+)
 from ..core.lock import locked
 from ..core.progress import Progress
 from ..core.records import (
@@ -211,6 +218,7 @@ def variant_digest(
         "target": dataclasses.asdict(target),
         "code": code_digest(*CODE),
         "validate_samples": VALIDATE_SAMPLES,
+        "validate_budget_s": HTP_BUDGET_S,
     }
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -268,6 +276,7 @@ def make_job(
             for name, floor in inputs.record.summary.rounding_floor_db.items()
         },
         validate_samples=VALIDATE_SAMPLES,
+        validate_budget_s=HTP_BUDGET_S,
         seed=config.calibration.seed,
     )
 

@@ -64,6 +64,7 @@ class CompileJob:
     # (an implementation that rounds ties otherwise lands about that far from the CPU).
     snr_floor_db: dict[str, float] = field(default_factory=dict)
     validate_samples: int = 16
+    validate_budget_s: float = 0.0  # HTP seconds for validation (core.layout.HTP_BUDGET_S); 0: none
     probe_timeout_s: float = 300.0
     seed: int = 0
 

@@ -213,6 +213,13 @@ def _notes(rows: list[_Row]) -> list[str]:
                 notes.append(f"- **{where}** {how.strip()}")
         if r.validation is not None and r.validation.measured_by:
             notes.append(f"- **{where}** validation figures measured by {r.validation.measured_by}")
+        v = r.validation
+        if v is not None and v.requested > v.samples:
+            notes.append(
+                f"- **{where}** validated on {v.samples} of {v.requested} held-out samples: the "
+                "HTP simulator's time budget (pipeline.core.layout.HTP_BUDGET_S s) ran out "
+                "before the rest"
+            )
         if r.load is not None and r.load.qdq_timed_by:
             notes.append(f"- **{where}** QDQ load (online compile) timed by {r.load.qdq_timed_by}")
         if r.validation is not None and not r.validation.passed:

@@ -43,6 +43,12 @@ SAMPLE_GLOB = "sample_*.npz"
 # Held-out samples a context runs on the HTP (the simulator here) to be validated: compile's
 # validation, and the quantize stage's first HTP probe, whose figures compile can then reuse.
 VALIDATE_SAMPLES = 16
+# Seconds of HTP simulator time one validation (or one judge round) may spend on its samples:
+# past it, no new sample starts once HTP_MIN_SAMPLES have run. The simulator takes ~1 s a
+# sample for a 224x224 CNN and minutes for a 1024x1024 segmenter, whose 16 samples would take
+# hours; the report says on how many of the samples the figures are, and why.
+HTP_BUDGET_S = 120.0
+HTP_MIN_SAMPLES = 2  # one per simulator process on two cores: run side by side, at no extra time
 HTP_PROBE_CTX = "htp_probe_ctx.onnx"  # beside htp_probe.json: the context the HTP judge ran
 STANDALONE_DIR = "standalone"
 # The gpu variant's folder beside the target chips' (ctx/<toolchain>/gpu/) and its manifest target.

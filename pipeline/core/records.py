@@ -217,6 +217,9 @@ class Validation:
     # "" when this variant ran its ctx itself; else who ran the same ctx bytes on the same
     # samples (the quantize stage's HTP judge, see HtpProbeRecord).
     measured_by: str = ""
+    # held-out samples there were to run; more than ``samples`` when the simulator's time
+    # budget (pipeline.core.layout.HTP_BUDGET_S) left the rest out. 0: not recorded.
+    requested: int = 0
 
 
 @dataclass(frozen=True)
@@ -232,13 +235,15 @@ class HtpProbeRecord:
     soc_model: int
     htp_arch: int
     qnn_options: dict[str, str]
-    sample_sha256: list[str]  # the held-out sample files, in order
+    sample_sha256: list[str]  # the held-out sample files it ran, in order
     partitions: int
     cpu_nodes: int
     ctx_vs_qdq: dict[str, Accuracy]
     ctx_vs_float: dict[str, Accuracy]
     qdq_vs_float: dict[str, Accuracy]
     compile_s: float | None = None  # its offline compile of the QDQ model, in the probe child
+    # the samples asked for; more than ran when the simulator's time budget left some out
+    requested: int = 0
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from qnn_ctx_runtime.typed import parse, to_json_value
 
 from ..core.cpu import cpu_session
 from ..core.fileio import sha256_file
+from ..core.layout import HTP_MIN_SAMPLES
 from ..core.metrics import Accuracy, OutputComparison, comparable, worst_snr
 from .isolation import Finished, Started, die_with_parent, start_module, wait_for
 
@@ -69,6 +70,8 @@ class ProbeJob:
     helper: bool = False  # claim samples from the back, run them, stash the outputs; no compare
     core: int = -1  # pin this process (and the threads QNN starts) to this CPU
     run_core: int = -1  # the main child, helped: pin itself to this CPU when its run starts
+    budget_s: float = 0.0  # no new sample after this many seconds of running (0: every sample)
+    min_samples: int = HTP_MIN_SAMPLES  # ... once this many are claimed
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,9 @@ class ProbeResult:
     sample_sha256: list[str] = field(default_factory=list)
     partitions: int = 0
     cpu_nodes: int = 0
-    samples: int = 0
+    samples: int = 0  # compared: all of those asked for, or fewer when the budget ran out
+    requested: int = 0  # asked for
+    seconds_per_sample: float = 0.0  # the simulator's, in one process
     ctx_vs_float: dict[str, Accuracy] = field(default_factory=dict)
     ctx_vs_qdq: dict[str, Accuracy] = field(default_factory=dict)
     qdq_vs_float: dict[str, Accuracy] = field(default_factory=dict)
@@ -182,8 +187,11 @@ def probe(
     qnn_options: dict[str, str] | None = None,
     locate: bool = False,
     timeout_s: float = 900.0,
+    budget_s: float = 0.0,
 ) -> ProbeResult:
-    """Compile ``qdq`` for the HTP, run it there and compare; a dead child is a failed result."""
+    """Compile ``qdq`` for the HTP, run it there and compare; a dead child is a failed result.
+    With ``budget_s``, the samples still unstarted after that many seconds of running are left
+    out (``HTP_MIN_SAMPLES`` at least run): ``samples`` < ``requested`` says so."""
     work.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / STASH, ignore_errors=True)  # outputs and claims of an earlier probe
     for stale in [work / RESULT_NAME, work / CTX_NAME, *work.glob("probe_helper_*")]:
@@ -200,6 +208,7 @@ def probe(
         qnn_options=dict(qnn_options or {}),
         locate=locate,
         run_core=cores[0] if cores else -1,
+        budget_s=budget_s,
     )
     warm = _SPARES.take(len(cores[1:])) if _SPARES is not None else None
     if warm is not None:  # started ahead, QNN registered: the job is all they wait for
@@ -503,7 +512,6 @@ def _run_on_htp(
         result.compile_s = time.perf_counter() - started
         partial.replace(ctx_path)
     result.ctx_sha256 = sha256_file(ctx_path)
-    result.sample_sha256 = [sha256_file(Path(sample)) for sample in job.samples]
     stage("load")
     record = {"session.record_ep_graph_assignment_info": "1"}
     ctx = ort.InferenceSession(str(ctx_path), ep.session_options(qnn.QnnOptions("htp"), record, 3))
@@ -520,11 +528,17 @@ def _run_on_htp(
     if job.run_core >= 0:
         _pin_threads(job.run_core)  # a helper has its own core: keep off it
     count = len(job.samples)
+    started, ran = time.monotonic(), 0
     for index in reversed(range(count)) if job.helper else range(count):
+        if _over_budget(job, stash, started, ran):
+            break  # the samples left unclaimed are left out, by every process alike
         if _claim(stash, index):
             _run_sample(ctx, job.samples[index], names, _stashed(stash, index))
+            ran += 1
+    if ran:
+        result.seconds_per_sample = (time.monotonic() - started) / ran
     while not job.helper:
-        missing = [i for i in range(count) if not _stashed(stash, i).is_file()]
+        missing = [i for i in _claimed(stash, count) if not _stashed(stash, i).is_file()]
         if not missing:
             break
         for index in missing:
@@ -533,6 +547,22 @@ def _run_on_htp(
                 _run_sample(ctx, job.samples[index], names, _stashed(stash, index))
         time.sleep(0.02)
     del ctx  # its session holds the simulator; the CPU models run next
+
+
+def _over_budget(job: ProbeJob, stash: Path, started: float, ran: int) -> bool:
+    """Whether the next sample would end past the budget (at this process's pace so far),
+    once ``min_samples`` are claimed by all processes together."""
+    if job.budget_s <= 0 or not ran:
+        return False
+    elapsed = time.monotonic() - started
+    if elapsed + elapsed / ran <= job.budget_s:
+        return False
+    return len(list(stash.glob("*.claim"))) >= job.min_samples
+
+
+def _claimed(stash: Path, count: int) -> list[int]:
+    """The samples some process took (all of them, unless the budget left some out)."""
+    return [i for i in range(count) if (stash / f"{i:04d}.claim").is_file()]
 
 
 def _context_ready(job: ProbeJob, stash: Path) -> bool:
@@ -580,7 +610,11 @@ def _compare(
     qdq = cpu_session(model_path)
     flt = cpu_session(job.float_model)
     vs_float, vs_qdq, q_vs_f, tensors = (OutputComparison() for _ in range(4))
-    for index, sample in enumerate(job.samples):
+    done = _claimed(stash, len(job.samples))
+    result.requested = len(job.samples)
+    result.sample_sha256 = [sha256_file(Path(job.samples[i])) for i in done]
+    for index in done:
+        sample = job.samples[index]
         with np.load(sample, allow_pickle=False) as data:
             feeds = {k: data[k] for k in data.files}
         with np.load(_stashed(stash, index)) as saved:

@@ -37,7 +37,7 @@ from qnn_ctx_runtime.targets import Target, get_target
 
 from ..core.config import ModelConfig
 from ..core.fileio import atomic_path, sha256_file
-from ..core.layout import HTP_PROBE_CTX, VALIDATE_SAMPLES, spread
+from ..core.layout import HTP_BUDGET_S, HTP_PROBE_CTX, VALIDATE_SAMPLES, spread
 from ..core.metrics import worst_snr
 from ..core.progress import Progress
 from ..core.records import HtpProbeRecord, write_record
@@ -69,6 +69,9 @@ class JudgeRound:
     cpu_nodes: int
     seconds: float
     error: str = ""
+    samples: int = 0  # held-out samples it ran on
+    requested: int = 0  # asked for: more when the simulator's time budget ran out first
+    seconds_per_sample: float = 0.0  # the simulator's pace, one process
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,9 @@ def _round(label: str, result: ProbeResult) -> JudgeRound:
         result.partitions,
         result.cpu_nodes,
         result.seconds,
+        samples=result.samples,
+        requested=result.requested,
+        seconds_per_sample=result.seconds_per_sample,
     )
 
 
@@ -209,6 +215,7 @@ def judge_on_htp(
                 chip.soc_model,
                 chip.htp_arch,
                 locate=locate,
+                budget_s=HTP_BUDGET_S,
             )
             rounds.append(_round(shown, result))
             ctx_of[id(result)] = folder / CTX_NAME
@@ -406,6 +413,7 @@ def _write_probe_record(
         htp_arch=chip.htp_arch,
         qnn_options={},
         sample_sha256=list(result.sample_sha256),
+        requested=result.requested,
         partitions=result.partitions,
         cpu_nodes=result.cpu_nodes,
         ctx_vs_qdq=result.ctx_vs_qdq,

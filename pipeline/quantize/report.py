@@ -8,6 +8,7 @@ from pathlib import Path
 from qnn_ctx_runtime.buckets import CropRule, PadRule
 
 from ..calibration.ranges import BiasFloor
+from ..core.layout import HTP_BUDGET_S
 from ..core.metrics import Accuracy, comparison_note, figure, worst_snr
 from ..core.records import BuildInputs
 from ..core.report import fmt, table, write_report
@@ -425,6 +426,7 @@ def _htp_section(r: QuantizeReport) -> list[str]:
             x.ctx_vs_qdq_db,
             x.partitions,
             x.cpu_nodes,
+            _samples(x.samples, x.requested),
             f"{x.seconds:.1f}",
             x.error or ("kept" if x.label == j.chosen else ""),
         ]
@@ -437,10 +439,20 @@ def _htp_section(r: QuantizeReport) -> list[str]:
         "ctx vs QDQ dB",
         "partitions",
         "CPU nodes",
+        "samples",
         "s",
         "",
     ]
     lines += ["", table(headers, rows)]
+    short = [x for x in j.rounds if x.requested > x.samples > 0]
+    if short:
+        pace = max(x.seconds_per_sample for x in short)
+        lines += [
+            "",
+            f"The simulator took up to {pace:.0f} s a sample (one process): a round runs no new "
+            f"sample after {HTP_BUDGET_S:g} s (pipeline.core.layout.HTP_BUDGET_S), so its figures "
+            "are on the samples it ran (the samples column), not on every held-out sample.",
+        ]
     if j.divergence is not None:
         d = j.divergence
         lines += [
@@ -454,6 +466,10 @@ def _htp_section(r: QuantizeReport) -> list[str]:
     elif j.float16:
         lines += ["", f"Kept: {len(j.float16)} tensor(s) in float16 (fp16 on the HTP)."]
     return lines
+
+
+def _samples(ran: int, requested: int) -> str:
+    return f"{ran} of {requested}" if requested > ran else str(ran or "-")
 
 
 SECTIONS = (
