@@ -770,3 +770,24 @@ def test_an_opset_11_qoperator_model_with_per_channel_weights_becomes_valid_qdq(
     assert {"Conv", "Softmax"} <= set(ops(converted))
     for x in inputs():
         assert np.abs(run(source, x) - run(converted, x)).max() <= 2 / 256 + 1e-6
+
+
+def test_a_dequantize_after_a_lookup_in_an_integer_table_moves_onto_the_table() -> None:
+    """onnxruntime's quantize_dynamic leaves DequantizeLinear after a Gather from an int8
+    table (word embeddings) or after a Transpose of it (T5's relative-position bias): with one
+    scale for the whole table, dequantizing the table first is exact, and the float model
+    behind the quantized one is complete (it had been 'cannot be removed completely')."""
+    b = Builder()
+    table = b.const(RNG.integers(-128, 128, (5, 8)).astype(np.int8), "table")
+    ids = b.const(np.array([0, 4, 2], np.int64), "ids")
+    picked = b.node("Transpose", [b.node("Gather", [table, ids])], perm=[1, 0])
+    scale, zero = b.const(np.float32(0.02)), b.const(np.int8(3))
+    floated = b.node("DequantizeLinear", [picked, scale, zero])
+    shaped = b.node("Reshape", [floated, b.const(np.array([1, 3, 8, 1], np.int64))])
+    source = b.model(b.node("Add", ["x", shaped]), out_shape=SHAPE)
+    assert pq.is_prequantized(source)
+    floated_model, change = pq.dequantize(source)
+    assert not pq.quantization_ops(floated_model)
+    assert any("moved onto" in d and "Transpose <- Gather" in d for d in change.details)
+    for x in inputs():
+        assert np.array_equal(run(source, x), run(floated_model, x))

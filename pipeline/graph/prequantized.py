@@ -1244,6 +1244,57 @@ def dynamic_to_float(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     return _finish(model, "dynamic_to_float", details)
 
 
+# Ops that only move or pick elements of their first input: a per-tensor DequantizeLinear
+# after them gives what it gives before them.
+_TABLE_MOVES = {"Gather", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
+
+
+def _dequantize_tables(graph: onnx.GraphProto) -> list[str]:
+    """A per-tensor DequantizeLinear after ops that pick or move elements of an integer
+    constant (onnxruntime's quantize_dynamic leaves ``DQ(Gather(table_int8, ids))`` for word
+    embeddings and ``DQ(Transpose(Gather(bias_table, ...)))`` for T5's relative-position bias)
+    -> those ops on the dequantized constant, and the DQ an Identity: exact (one scale and
+    zero point for every element), so the float model behind it is complete."""
+    view = _Graph(graph)
+    details = []
+    for node in graph.node:
+        if node.op_type != DEQUANTIZE or node.domain not in _QDQ_DOMAINS:
+            continue
+        params = [i for i in node.input[1:] if i]
+        if any(i not in view.inits or _array(view.inits, i).size != 1 for i in params):
+            continue
+        chain, name = [], node.input[0]
+        while name not in view.inits:
+            mover = view.producer.get(name)
+            if (
+                mover is None
+                or mover.op_type not in _TABLE_MOVES
+                or mover.domain not in _DEFAULT
+                or len(view.consumers.get(name, [])) != 1
+            ):
+                break
+            chain.append(mover)
+            name = mover.input[0]
+        if not chain or name not in view.inits or len(view.consumers.get(name, [])) != 1:
+            continue
+        table = numpy_helper.to_array(view.inits[name])
+        if table.dtype.kind not in "iu":
+            continue
+        probe = onnx.helper.make_node(DEQUANTIZE, [name, *node.input[1:]], ["_"])
+        floated = numpy_helper.from_array(_dq_value(probe, view.inits).astype(np.float32), name)
+        graph.initializer.remove(view.inits[name])
+        graph.initializer.append(floated)
+        node.op_type, node.domain = "Identity", ""
+        node.input[:] = [node.input[0]]
+        del node.attribute[:]
+        details.append(
+            f"{edit.node_label(node)}: DequantizeLinear moved onto {name!r} before "
+            + " <- ".join(m.op_type for m in chain)
+        )
+        view.refresh()
+    return details
+
+
 def dequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Remove a pre-quantized model's own quantization: the float model behind it.
 
@@ -1257,12 +1308,13 @@ def dequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     model, folded = fold_quantized_constants(model)
     model, casts = drop_noop_casts(model)
     graph = model.graph
+    moved = _dequantize_tables(graph)
     view = _Graph(graph)
     details = [
         f"{step}: {len(change.details)} edit(s)"
         for step, change in (("QLinear -> QDQ", first), ("Q of constants folded", folded))
         if change.details
-    ]
+    ] + moved
     details = list(dynamic.details) + details
     if casts.details:
         details.append(f"{len(casts.details) - 1} no-op Cast(s) removed")
@@ -1308,10 +1360,16 @@ def dequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     left = quantization_ops(model)
     if left:
         shown = ", ".join(f"{op} x{n}" for op, n in sorted(left.items()))
+        where = sorted(edit.node_label(n) for n in model.graph.node if n.op_type in left)[:3]
         raise ModelError(
             f"requantize: the model's own quantization cannot be removed completely ({shown} "
-            "left, e.g. integer graph inputs/outputs or QLinear ops without a float form).",
-            tip="Set requantize = false to build the model with its own quantization.",
+            f"left, e.g. {', '.join(where)}: integer graph inputs/outputs, QLinear ops without "
+            "a float form, or a DequantizeLinear after computed integers).",
+            tip="Set requantize = false to build the model with its own quantization."
+            if not dynamic.details
+            else "A dynamically quantized model (quantize_dynamic) is always rebuilt from the "
+            "float model behind it, so requantize = false does not apply: export the float "
+            "model instead, or report the model with the nodes named above.",
         )
     return _finish(model, "dequantize", details)
 
