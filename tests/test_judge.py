@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -284,6 +285,16 @@ def test_compile_reuses_the_judges_figures_for_the_same_ctx_and_only_then(tmp_pa
     assert timed.qdq_timed_by == "" and timed.qdq_s is not None and timed.qdq_s > 0
 
 
+def _cpu_judged_dilated(tmp_path: Path, seed: int) -> tuple[Any, list[Path]]:
+    """The dilated model quantized without the HTP judge: its bucket and held-out samples."""
+    rng = np.random.default_rng(seed)
+    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
+    config = load_config(_write(tmp_path, _dilated_model(rng), samples, 'judge = "cpu"\n'))
+    quantize_model(config, tmp_path / "artifacts", force=True)
+    bucket = ModelPaths.of(tmp_path / "artifacts", "m").bucket("static")
+    return bucket, sorted(bucket.heldout.glob("sample_*.npz"))
+
+
 # Sitecustomize for the probe's processes (tests/test_compile.py's way of making a hang or a
 # death real): the main child's first HTP run waits for a helper's claim, so a helper always
 # joins, whatever the speed; with "die" the helper then kills itself holding its claim.
@@ -330,12 +341,7 @@ def test_helpers_on_other_cores_measure_what_one_child_does_and_a_dead_one_costs
 
     from pipeline.htp import probe as probe_mod
 
-    rng = np.random.default_rng(5)
-    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
-    config = load_config(_write(tmp_path, _dilated_model(rng), samples, 'judge = "cpu"\n'))
-    quantize_model(config, tmp_path / "artifacts", force=True)
-    bucket = ModelPaths.of(tmp_path / "artifacts", "m").bucket("static")
-    heldout = sorted(bucket.heldout.glob("sample_*.npz"))
+    bucket, heldout = _cpu_judged_dilated(tmp_path, seed=5)
     assert len(heldout) == 4
 
     def run(work: str):
@@ -410,12 +416,7 @@ def test_probes_started_ahead_take_the_first_job_and_unused_ones_end(tmp_path: P
     their own; whatever was not taken ends with the block, its folder removed."""
     from pipeline.htp import probe as probe_mod
 
-    rng = np.random.default_rng(6)
-    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
-    config = load_config(_write(tmp_path, _dilated_model(rng), samples, 'judge = "cpu"\n'))
-    quantize_model(config, tmp_path / "artifacts", force=True)
-    bucket = ModelPaths.of(tmp_path / "artifacts", "m").bucket("static")
-    heldout = sorted(bucket.heldout.glob("sample_*.npz"))
+    bucket, heldout = _cpu_judged_dilated(tmp_path, seed=6)
 
     def run(work: str) -> probe_mod.ProbeResult:
         result = probe_mod.probe(
