@@ -523,3 +523,16 @@ def record_accuracy(stored: dict, like: dict) -> dict:
     value = parse(dict[str, Accuracy], stored, "", issues)
     assert not issues and set(value) == set(like)
     return value
+
+
+def test_samples_the_budget_left_out_stay_out(tmp_path: Path):
+    """When the main child stops for the budget it marks every unclaimed sample left out, so a
+    helper cannot take one after the child began waiting for the claimed ones (the comparison
+    would read an output that never came); claimed samples are still waited for."""
+    from pipeline.htp import probe as probe_mod
+
+    assert probe_mod._claim(tmp_path, 0) and probe_mod._claim(tmp_path, 3)
+    for index in range(5):
+        probe_mod._claim(tmp_path, index, probe_mod.SKIPPED)
+    assert not any(probe_mod._claim(tmp_path, index) for index in range(5))  # a late helper
+    assert probe_mod._claimed(tmp_path, 5) == [0, 3]

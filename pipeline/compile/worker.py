@@ -36,7 +36,7 @@ from qnn_ctx_runtime import qnn
 from ..core.cpu import cpu_session
 from ..core.dtypes import np_dtype, value_type_name
 from ..core.fileio import sha256_file
-from ..core.layout import HTP_MIN_SAMPLES, HTP_PROBE_CTX, STANDALONE_DIR
+from ..core.layout import HTP_MIN_SAMPLES, HTP_PROBE_CTX, STANDALONE_DIR, past_htp_budget
 from ..core.metrics import OutputComparison, worst_snr
 from ..core.records import (
     BucketOutcome,
@@ -387,6 +387,12 @@ def load_bucket(
     return session, coverage
 
 
+def _feed_count(job: CompileJob, bucket: BucketJob) -> int:
+    """How many feeds ``_feeds`` gives: held-out samples, else up to 4 random ones."""
+    held = len(bucket.heldout[: job.validate_samples or None])
+    return held or max(1, min(job.validate_samples or 4, 4))
+
+
 def _feeds(job: CompileJob, bucket: BucketJob, session: Any) -> Iterator[dict[str, np.ndarray]]:
     """Held-out samples from quantize, else seeded random feeds shaped like the inputs."""
     for path in bucket.heldout[: job.validate_samples or None]:
@@ -395,7 +401,7 @@ def _feeds(job: CompileJob, bucket: BucketJob, session: Any) -> Iterator[dict[st
     if bucket.heldout:
         return
     rng = np.random.default_rng(job.seed)
-    for _ in range(max(1, min(job.validate_samples or 4, 4))):
+    for _ in range(_feed_count(job, bucket)):
         feeds = {}
         for spec in session.get_inputs():
             shape = [d if isinstance(d, int) and d > 0 else 1 for d in spec.shape]
@@ -422,14 +428,10 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
         zip(names, float_names if set(names) - set(float_names) else names, strict=False)
     )
     vs_qdq, vs_float, qdq_vs_float = OutputComparison(), OutputComparison(), OutputComparison()
-    requested = len(bucket.heldout[: job.validate_samples or None]) or max(
-        1, min(job.validate_samples or 4, 4)
-    )
     on_htp = 0.0  # seconds the ctx ran: past the budget, no new sample (HTP_MIN_SAMPLES run)
     for feeds in _feeds(job, bucket, ctx_session):
         ran = vs_qdq.samples
-        budget = job.validate_budget_s
-        if budget > 0 and ran >= HTP_MIN_SAMPLES and on_htp + on_htp / ran > budget:
+        if ran >= HTP_MIN_SAMPLES and past_htp_budget(on_htp, ran, job.validate_budget_s):
             break
         started = time.perf_counter()
         got = dict(zip(names, ctx_session.run(names, feeds), strict=True))
@@ -453,7 +455,7 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
         samples_source="heldout" if bucket.heldout else "random",
         passed=passed,
         gate=gate,
-        requested=requested,
+        requested=_feed_count(job, bucket),
     )
 
 

@@ -49,6 +49,14 @@ VALIDATE_SAMPLES = 16
 # hours; the report says on how many of the samples the figures are, and why.
 HTP_BUDGET_S = 120.0
 HTP_MIN_SAMPLES = 2  # one per simulator process on two cores: run side by side, at no extra time
+
+
+def past_htp_budget(elapsed_s: float, ran: int, budget_s: float) -> bool:
+    """Whether one more sample, at the pace of the ``ran`` so far, would end past the budget
+    (never before a first sample, nor without a budget). The caller adds HTP_MIN_SAMPLES."""
+    return budget_s > 0 and ran > 0 and elapsed_s + elapsed_s / ran > budget_s
+
+
 HTP_PROBE_CTX = "htp_probe_ctx.onnx"  # beside htp_probe.json: the context the HTP judge ran
 STANDALONE_DIR = "standalone"
 # The gpu variant's folder beside the target chips' (ctx/<toolchain>/gpu/) and its manifest target.

@@ -42,7 +42,7 @@ from qnn_ctx_runtime.typed import parse, to_json_value
 
 from ..core.cpu import cpu_session
 from ..core.fileio import sha256_file
-from ..core.layout import HTP_MIN_SAMPLES
+from ..core.layout import HTP_MIN_SAMPLES, past_htp_budget
 from ..core.metrics import Accuracy, OutputComparison, comparable, worst_snr
 from .isolation import Finished, Started, die_with_parent, start_module, wait_for
 
@@ -272,13 +272,9 @@ class _Spares:
         """The main child and ``helpers`` helpers (extra ones are ended), once."""
         global _SPARES
         _SPARES = None
-        if self.main.proc.poll() is not None or any(
-            h.proc.poll() is not None for h in self.helpers
-        ):
+        died = any(child.proc.poll() is not None for child in [self.main, *self.helpers])
+        if died or helpers > len(self.helpers):
             self.close()  # one died waiting (QNN failed to load?): a cold start says how
-            return None
-        if helpers > len(self.helpers):
-            self.close()
             return None
         for extra in self.helpers[helpers:]:
             extra.kill()
@@ -325,14 +321,13 @@ def spare_probes(scratch: Path) -> Iterator[None]:
         start_module(MODULE, folder / f"helper{k}.json", folder / f"helper{k}.log", (AWAIT,))
         for k in range(1, len(cores))
     ]
-    spares = _spares = _Spares(folder, main, helpers)
-    _SPARES = spares
+    spares = _SPARES = _Spares(folder, main, helpers)
     try:
         yield
     finally:
         if _SPARES is spares:
             _SPARES = None
-        _spares.close()
+        spares.close()
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -443,14 +438,18 @@ def _stashed(stash: Path, index: int) -> Path:
     return stash / f"{index:04d}.npz"
 
 
-def _claim(stash: Path, index: int) -> bool:
-    """Take sample ``index`` for this process; False when another one has it."""
+SKIPPED = "skipped"  # a claim file's content for a sample the budget left out
+
+
+def _claim(stash: Path, index: int, mark: str = "") -> bool:
+    """Take sample ``index`` for this process (or mark it left out); False when another
+    process has it."""
     try:
         fd = os.open(stash / f"{index:04d}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return False
     with os.fdopen(fd, "w") as claim:
-        claim.write(str(os.getpid()))
+        claim.write(mark or str(os.getpid()))
     return True
 
 
@@ -537,6 +536,11 @@ def _run_on_htp(
             ran += 1
     if ran:
         result.seconds_per_sample = (time.monotonic() - started) / ran
+    if not job.helper:
+        # Whatever is unclaimed now is left out, for good: a helper claiming it after this
+        # would add a sample the comparison did not wait for.
+        for index in range(count):
+            _claim(stash, index, SKIPPED)
     while not job.helper:
         missing = [i for i in _claimed(stash, count) if not _stashed(stash, i).is_file()]
         if not missing:
@@ -552,17 +556,22 @@ def _run_on_htp(
 def _over_budget(job: ProbeJob, stash: Path, started: float, ran: int) -> bool:
     """Whether the next sample would end past the budget (at this process's pace so far),
     once ``min_samples`` are claimed by all processes together."""
-    if job.budget_s <= 0 or not ran:
-        return False
-    elapsed = time.monotonic() - started
-    if elapsed + elapsed / ran <= job.budget_s:
+    if not past_htp_budget(time.monotonic() - started, ran, job.budget_s):
         return False
     return len(list(stash.glob("*.claim"))) >= job.min_samples
 
 
 def _claimed(stash: Path, count: int) -> list[int]:
     """The samples some process took (all of them, unless the budget left some out)."""
-    return [i for i in range(count) if (stash / f"{i:04d}.claim").is_file()]
+    taken = []
+    for index in range(count):
+        try:
+            mark = (stash / f"{index:04d}.claim").read_text()
+        except OSError:
+            continue
+        if mark != SKIPPED:
+            taken.append(index)
+    return taken
 
 
 def _context_ready(job: ProbeJob, stash: Path) -> bool:
