@@ -417,14 +417,14 @@ def activation_statistics(
     kept = [o.name for o in graph.output] if feed_back is not None else []
     if feed_back is None:
         del graph.output[:]
+    # Each tensor's reductions run right after its producer (see _place_after_producers).
+    reductions: list[Any] = []
     for index, name in enumerate(wanted):
         squares, size = f"__rms_ss_{index}", f"__rms_n_{index}"
-        graph.node.extend(
-            [
-                helper.make_node("ReduceSumSquare", [name], [squares], keepdims=0),
-                helper.make_node("Size", [name], [size]),
-            ]
-        )
+        reductions += [
+            helper.make_node("ReduceSumSquare", [name], [squares], keepdims=0),
+            helper.make_node("Size", [name], [size]),
+        ]
         graph.output.extend(
             [
                 helper.make_tensor_value_info(squares, _FLOAT_TYPE, []),
@@ -434,18 +434,19 @@ def activation_statistics(
     for index, (name, axes) in enumerate(averaged.items()):
         axes_name, mean = f"__mean_axes_{index}", f"__mean_{index}"
         graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), axes_name))
-        graph.node.append(helper.make_node("ReduceMean", [name, axes_name], [mean], keepdims=0))
+        reductions.append(helper.make_node("ReduceMean", [name, axes_name], [mean], keepdims=0))
         graph.output.append(helper.make_tensor_value_info(mean, _FLOAT_TYPE, None))
     for index, name in enumerate(ranged):
         for op in ("ReduceMin", "ReduceMax"):
             out = f"__{op.lower()}_{index}"
-            graph.node.append(helper.make_node(op, [name], [out], keepdims=0))
+            reductions.append(helper.make_node(op, [name], [out], keepdims=0))
             graph.output.append(helper.make_tensor_value_info(out, types[name], []))
+    _place_after_producers(graph, reductions)
     if not wanted and not averaged and not ranged:
         return Statistics({}, {}, 0)
     # Ranges as onnxruntime's calibrator measures them: on the graph as written (its fusions
     # change activations in the last bits, and a calibration cache should not depend on them).
-    session = cpu_session(probe, optimize=not ranged)
+    session = cpu_session(probe, optimize=not ranged, in_node_order=True)
     outputs = [o.name for o in session.get_outputs()]
     total = dict.fromkeys(wanted, 0.0)
     count = dict.fromkeys(wanted, 0)
@@ -484,6 +485,28 @@ def activation_statistics(
         {n: (np.reshape(low[n], (1,)), np.reshape(high[n], (1,))) for n in low},
         seen if ranged else 0,
     )
+
+
+def _place_after_producers(graph: Any, reductions: list[Any]) -> None:
+    """Insert each reduction right after the node that produces its tensor.
+
+    onnxruntime keeps a tensor alive until its last reader has run. Appended at the end of
+    the graph, the reductions made every activation of a sample live at once (3.9 GB on a
+    1024x1024 U-Net whose plain inference peaks at 0.4 GB); next to their producers, and run
+    in node order (``cpu_session(in_node_order=True)``), each tensor is freed as in plain
+    inference.
+    """
+    after: dict[str, list[Any]] = {}
+    for node in reductions:
+        after.setdefault(node.input[0], []).append(node)
+    ordered = [n for name in [i.name for i in graph.input] for n in after.pop(name, [])]
+    for node in graph.node:
+        ordered.append(node)
+        for output in node.output:
+            ordered.extend(after.pop(output, []))
+    ordered.extend(n for nodes in after.values() for n in nodes)  # initializers, if any
+    del graph.node[:]
+    graph.node.extend(ordered)
 
 
 def activation_rms(

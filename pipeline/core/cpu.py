@@ -10,8 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 
-def cpu_session(model: Any, optimize: bool = True) -> Any:
-    """A CPU EP session on a model file or ``ModelProto``; errors only in the log."""
+def cpu_session(model: Any, optimize: bool = True, in_node_order: bool = False) -> Any:
+    """A CPU EP session on a model file or ``ModelProto``; errors only in the log.
+
+    ``in_node_order`` runs ready nodes in the order the graph lists them (onnxruntime's
+    priority-based order), so a graph can say when side computations run."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -19,5 +22,7 @@ def cpu_session(model: Any, optimize: bool = True) -> Any:
     options.enable_cpu_mem_arena = False
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    if in_node_order:
+        options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     payload = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
     return ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
