@@ -240,9 +240,59 @@ def test_mask_bias_added_to_scores_keeps_the_unmasked_range() -> None:
     assert ranges.mask_fill_ranges(model, raw)[2] == []
 
 
-def quantized_attention_snr(tmp_path: Path) -> float:
-    """QDQ vs float SNR of the prepared attention block, quantized by the pipeline's own
-    calibrate -> range rules -> quantize (no mixed precision, no HTP judge: the rule alone)."""
+def hf_masked_attention(shared: bool = False, form: str = "Mul") -> onnx.ModelProto:
+    """Transformers' forms: scores + (1 - float(mask)) * finfo(float32).min -> Softmax, or
+    (``form`` "Where") the inverted mask's ones filled with finfo.min (masked_fill).
+    ``shared``: the bias is also a model output (read by something other than an Add)."""
+    inits = [
+        const("one", 1.0),
+        const("lowest", np.finfo(np.float32).min),
+        const("v", RNG.standard_normal((1, 2, SEQ, 4))),
+    ]
+    nodes = [
+        oh.make_node("Cast", ["mask"], ["mask_float"], to=TensorProto.FLOAT),
+        oh.make_node("Sub", ["one", "mask_float"], ["inverted"]),
+        oh.make_node("Cast", ["inverted"], ["padded"], to=TensorProto.BOOL),
+        oh.make_node("Mul", ["inverted", "lowest"], ["bias"])
+        if form == "Mul"
+        else oh.make_node("Where", ["padded", "lowest", "inverted"], ["bias"]),
+        oh.make_node("Add", ["scores", "bias"], ["biased"]),
+        oh.make_node("Softmax", ["biased"], ["probs"], axis=-1),
+        oh.make_node("MatMul", ["probs", "v"], ["y"]),
+    ]
+    outputs = [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, SEQ, 4])]
+    if shared:
+        outputs.append(oh.make_tensor_value_info("bias", TensorProto.FLOAT, [1, 1, 1, SEQ]))
+    return model_of(
+        nodes,
+        [
+            oh.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 2, SEQ, SEQ]),
+            oh.make_tensor_value_info("mask", TensorProto.INT64, [1, 1, 1, SEQ]),
+        ],
+        outputs,
+        inits,
+    )
+
+
+@pytest.mark.parametrize("form", ["Mul", "Where"])
+def test_additive_lowest_float_mask_becomes_finite_with_the_same_result(form: str) -> None:
+    source = hf_masked_attention(form=form)
+    prepared, changes = prepare_model(source, NO_INPUTS)
+    (node,) = [n for n in prepared.graph.node if n.op_type == form]
+    inits = {i.name: numpy_helper.to_array(i) for i in prepared.graph.initializer}
+    assert float(inits[node.input[1]]) == attention.MASK_FILL
+    assert any(c.step == "finite_mask_fills" and c.changed for c in changes)
+    for _ in range(4):
+        feeds = attention_feeds(RNG)
+        np.testing.assert_array_equal(run(prepared, feeds)[0], run(source, feeds)[0])
+    _, change = attention.finite_mask_fills(hf_masked_attention(shared=True, form=form))
+    assert not change.changed
+
+
+def quantized_attention_snr(tmp_path: Path, prepared: onnx.ModelProto | None = None) -> float:
+    """QDQ vs float SNR of the prepared attention block (default: ``masked_attention``),
+    quantized by the pipeline's own calibrate -> range rules -> quantize (no mixed precision,
+    no HTP judge: the rules alone)."""
     from pipeline.quantize import quantizer
     from pipeline.quantize.evaluate import evaluate
 
@@ -254,7 +304,8 @@ def quantized_attention_snr(tmp_path: Path) -> float:
         '[calibration]\nkind = "random"\n'
     )
     config = load_config(tmp_path / "attention.toml")
-    prepared, _ = prepare_model(masked_attention(), NO_INPUTS)
+    if prepared is None:
+        prepared, _ = prepare_model(masked_attention(), NO_INPUTS)
     float_path = tmp_path / "float.onnx"
     onnx.save(prepared, str(float_path))
     rng = np.random.default_rng(5)
@@ -282,3 +333,35 @@ def test_masked_attention_quantizes_accurately(
     monkeypatch.setattr(ranges, "mask_fill_ranges", lambda model, r: (r, {}, []))
     bad = quantized_attention_snr(tmp_path / "no_rule")
     assert bad < good - 15.0
+
+
+def test_additive_lowest_float_mask_quantizes_accurately(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bias (1 - mask) * finfo.min and its scores keep the unmasked range; without the
+    range rule, the scores round to steps of ~15000."""
+    prepared = prepare_model(hf_masked_attention(), NO_INPUTS)[0]
+    good = quantized_attention_snr(tmp_path / "rule", prepared)
+    assert good > 40.0
+    monkeypatch.setattr(ranges, "mask_fill_ranges", lambda model, r: (r, {}, []))
+    bad = quantized_attention_snr(tmp_path / "no_rule", prepared)
+    assert bad < good - 15.0
+
+
+@pytest.mark.qnn
+def test_the_htp_computes_the_additive_mask_as_the_cpu_does(tmp_path: Path) -> None:
+    """The Mul's sentinel constant gets the bias's cut range as its weight range: left at
+    -1e9, the HTP multiplies the 0/1 mask into a 40-wide range and the ctx is 0.8 dB from
+    the CPU QDQ model."""
+    from pipeline.htp.probe import probe
+
+    prepared = prepare_model(hf_masked_attention(), NO_INPUTS)[0]
+    quantized_attention_snr(tmp_path, prepared)
+    rng = np.random.default_rng(9)
+    for index in range(3):
+        np.savez(tmp_path / f"sample_{index}.npz", **attention_feeds(rng))
+    samples = [tmp_path / f"sample_{index}.npz" for index in range(3)]
+    result = probe(tmp_path / "qdq.onnx", tmp_path / "float.onnx", samples, tmp_path / "p", 60, 73)
+    assert result.ok, result.error
+    assert result.partitions == 1 and result.cpu_nodes == 0
+    assert result.worst_ctx_vs_qdq > 40.0, result.worst_ctx_vs_qdq

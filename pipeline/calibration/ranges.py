@@ -680,8 +680,9 @@ def mask_fill_ranges(
     """
     from onnx import numpy_helper
 
-    from ..graph.attention import softmax_chains
+    from ..graph.attention import SHAPE_OPS, softmax_chains
 
+    carriers = SHAPE_OPS | {"Expand", "Cast"}  # carry a mask bias to its Adds unchanged
     consts: dict[str, float] = {}
     for init in model.graph.initializer:
         if int(np.prod(init.dims)) == 1:
@@ -717,12 +718,29 @@ def mask_fill_ranges(
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
     outputs = {o.name for o in model.graph.output}
+    producers = {o: n for n in model.graph.node for o in n.output}
     for bias, need in bias_low.items():
-        if readers.get(bias) == bias_readers[bias] and bias not in outputs:
-            cut = (max(need, ranges[bias][0]), 0.0)
-            if result[bias] != cut:
-                result[bias] = cut
-                changed.append(bias)
+        if readers.get(bias) != bias_readers[bias] or bias in outputs:
+            continue
+        cut = (max(need, ranges[bias][0]), 0.0)
+        # The bias and what makes it: shape ops back to the Mul/Where that scales or fills
+        # the mask with the sentinel; that constant is cut too (a weight range), so the HTP
+        # never multiplies a 0/1 mask by -1e9 into a range 40 wide (ctx vs QDQ 0.8 dB).
+        name, chain = bias, [bias]
+        while (node := producers.get(name)) is not None and node.op_type in carriers:
+            if readers.get(node.input[0]) != 1 or node.input[0] not in ranges:
+                break
+            name = node.input[0]
+            chain.append(name)
+        node = producers.get(name)
+        if node is not None and node.op_type in ("Mul", "Where"):
+            sentinels = [i for i in node.input if i in consts and consts[i] <= MASK_SENTINEL]
+            if len(sentinels) == 1 and readers.get(sentinels[0]) == 1:
+                weights[sentinels[0]] = cut
+        for name in chain:
+            if name in result and result[name] != cut:
+                result[name] = cut
+                changed.append(name)
     return result, weights, changed
 
 

@@ -12,6 +12,10 @@
   finite fill far below any score (``MASK_FILL``) gives the same Softmax in float32 (exp
   underflows to exactly 0 below -104); the range rule ``mask_fill_ranges`` of
   ``pipeline.calibration.ranges`` then keeps the masked positions from stretching the range.
+  The additive form of current transformers exports, ``scores + (1 - mask) * finfo.min``, has
+  the same problem in its constant: finfo.min's symmetric range overflows to an infinite
+  span (NaN zero points; QDQ vs float 0.2 dB on a small block). Its Mul constant gets the
+  same finite fill.
 """
 
 from __future__ import annotations
@@ -62,8 +66,49 @@ def softmax_chains(model: onnx.ModelProto, start: str) -> list[list[str]]:
     return chains if walk([start]) else []
 
 
+def _additive_mask(model: onnx.ModelProto, start: str) -> bool:
+    """True when every path from ``start`` is added to scores on their way to a Softmax:
+    through ``SHAPE_OPS``, then an Add whose result reaches Softmax (``softmax_chains``).
+    One bias may feed every layer's Add."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in model.graph.output}
+
+    def added(name: str) -> bool:
+        found = readers.get(name, [])
+        if not found or name in outputs:
+            return False
+        for node in found:
+            if node.domain not in _DEFAULT:
+                return False
+            if node.op_type in SHAPE_OPS and node.input[0] == name:
+                if not added(node.output[0]):
+                    return False
+            elif node.op_type != "Add" or not softmax_chains(model, node.output[0]):
+                return False
+        return True
+
+    return added(start)
+
+
+def _finite_fill(
+    graph: onnx.GraphProto, namer: edit.FreshNames, name: str, value: np.ndarray
+) -> str:
+    """A new initializer holding ``MASK_FILL`` in the shape and type of ``value``."""
+    fill = namer(f"{name}_finite_mask_fill")
+    graph.initializer.append(
+        numpy_helper.from_array(np.full(value.shape, MASK_FILL, value.dtype), fill)
+    )
+    return fill
+
+
 def finite_mask_fills(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """Where(c, -inf, x) / Where(c, x, -inf) feeding only Softmax -> the fill ``MASK_FILL``.
+    """A mask fill far below ``MASK_FILL`` (-inf, finfo.min) -> ``MASK_FILL``: the constant of
+    Where(c, fill, x) / Where(c, x, fill) feeding only Softmax, or only added to scores that
+    go to Softmax (masked_fill of a mask bias); the scalar c of Mul(m, c) only added to
+    scores that go to Softmax (``(1 - mask) * finfo.min``).
 
     Same function in float32 (exp of the fill underflows to exactly 0, as exp(-inf) does),
     except on a row where *every* position is masked: -inf gives NaN there, the finite fill a
@@ -83,16 +128,29 @@ def finite_mask_fills(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             if name not in inits:
                 continue
             value = numpy_helper.to_array(inits[name])
-            if value.size != 1 or value.dtype.kind != "f" or not np.isneginf(value).all():
+            if value.size != 1 or value.dtype.kind != "f" or not (value < MASK_FILL).all():
                 continue
-            if not softmax_chains(model, node.output[0]):
+            out = node.output[0]
+            if not softmax_chains(model, out) and not _additive_mask(model, out):
                 continue
-            fill = namer(f"{name}_finite_mask_fill")
-            graph.initializer.append(
-                numpy_helper.from_array(np.full(value.shape, MASK_FILL, value.dtype), fill)
+            node.input[slot] = _finite_fill(graph, namer, name, value)
+            details.append(f"{edit.node_label(node)}: mask fill {value.flat[0]:g} -> {MASK_FILL:g}")
+    for node in graph.node:
+        if node.op_type != "Mul" or node.domain not in _DEFAULT or len(node.input) != 2:
+            continue
+        for slot in (0, 1):
+            name = node.input[slot]
+            if name not in inits:
+                continue
+            value = numpy_helper.to_array(inits[name])
+            if value.size != 1 or value.dtype.kind != "f" or not (value < MASK_FILL).all():
+                continue
+            if not _additive_mask(model, node.output[0]):
+                continue
+            node.input[slot] = _finite_fill(graph, namer, name, value)
+            details.append(
+                f"{edit.node_label(node)}: additive mask scale {value.flat[0]:g} -> {MASK_FILL:g}"
             )
-            node.input[slot] = fill
-            details.append(f"{edit.node_label(node)}: mask fill -inf -> {MASK_FILL:g}")
     edit.remove_dead_nodes(graph)
     return edit.checked_change(model, "finite_mask_fills", details)
 

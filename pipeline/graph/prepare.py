@@ -58,7 +58,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         prequantized.fold_quantized_constants,  # Q(float weight) -> its integers (own Q/DQ kept)
         prequantized.drop_noop_casts,  # Q -> Cast(same type) -> DQ: QNN cannot group it
         legacy.fold_pad_into_pool,  # Pad(-FLT_MAX) -> MaxPool: the pad value blows the range
-        attention.finite_mask_fills,  # Where(mask, -inf, x) -> Softmax: an infinite scale
+        attention.finite_mask_fills,  # -inf / finfo.min mask fills: an infinite scale
         t.fold_batchnorm,
         legacy.batchnorm_to_affine,  # a BatchNormalization with no Conv before it
         recurrent.normalize_recurrent_ops,  # QNN refuses even default activations spelled out
