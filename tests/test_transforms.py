@@ -12,9 +12,11 @@ import pytest
 from compile_fixtures import build_whole_on_htp
 from onnx import TensorProto, numpy_helper
 
+from pipeline.core.config import InputsSection
 from pipeline.core.errors import ModelError
 from pipeline.graph import edit
 from pipeline.graph import transforms as t
+from pipeline.graph.prepare import prepare_model
 
 RNG = np.random.default_rng(0)
 
@@ -412,6 +414,22 @@ def test_float16_to_float32_everywhere() -> None:
     np.testing.assert_allclose(run(converted, {"x": x})[0], [2.5, 0.0, 3.25])
     _, noop = t.float16_to_float32(converted)
     assert not noop.changed
+
+
+def test_float16_model_with_float_io_keeps_no_cast() -> None:
+    """fp16 inside, fp32 at the edges: after float16_to_float32 its Casts are float -> float
+    and preparation removes them (quantized, each would be a requantization on the HTP)."""
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 13]> g (float[3] x) => (float[3] y) {'
+            " h = Cast<to = 10>(x) \n a = Add(h, w) \n y = Cast<to = 1>(a) }"
+        ),
+        ("w", np.array([1.5, -2.0, 0.25], np.float16)),
+    )
+    prepared, _ = prepare_model(model, InputsSection(dims={}, shapes={}, constants={}))
+    assert ops(prepared) == ["Add"]
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    np.testing.assert_allclose(run(prepared, {"x": x})[0], [2.5, 0.0, 3.25])
 
 
 def test_replace_legacy_image_scaler_then_upgrade() -> None:

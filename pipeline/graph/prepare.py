@@ -56,7 +56,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         t.fold_constants,
         t.lower_data_dependent_ifs,  # the QNN EP runs no control flow
         prequantized.fold_quantized_constants,  # Q(float weight) -> its integers (own Q/DQ kept)
-        prequantized.drop_noop_casts,  # Q -> Cast(same type) -> DQ: QNN cannot group it
+        prequantized.drop_noop_casts,  # Q -> Cast(same type) -> DQ; an fp16 model's float Casts
         legacy.fold_pad_into_pool,  # Pad(-FLT_MAX) -> MaxPool: the pad value blows the range
         attention.finite_mask_fills,  # -inf / finfo.min mask fills: an infinite scale
         t.fold_batchnorm,
