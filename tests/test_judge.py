@@ -195,6 +195,8 @@ def test_what_no_16_bit_grid_holds_goes_to_fp16_on_the_htp(tmp_path: Path):
     assert "float16" in htp["chosen"] or "fp16" in htp["chosen"]
     assert kept["ctx_vs_float_db"] >= 30 and kept["partitions"] == 1 and kept["cpu_nodes"] == 0
     assert "c1" in htp["float16"] or htp["whole_float16"]
+    if htp["whole_float16"]:  # nothing quantized: the gate judges what the HTP computes
+        assert float(report["worst_snr_db"]) == pytest.approx(kept["ctx_vs_float_db"])
     # The kept candidate ran on the validation samples too: its run is what compile reuses.
     from pipeline.core.fileio import sha256_file
     from pipeline.core.records import HtpProbeRecord, read_record

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from . import edit
@@ -19,3 +21,46 @@ def sort_nodes(model: Any) -> Any:
     for graph in edit.all_graphs(result.graph):
         edit.sort_graph(graph)
     return result
+
+
+@dataclass
+class SourceModel:
+    """The user's model, for the checks that compare with it after calibration.
+
+    A model read from a file is read again when needed (``load``) and run from the file
+    (``runnable``), so its weights are not held through calibration and quantization (a
+    1024x1024 U-Net's 176 MB, three times over in protobuf). One that only exists in memory
+    (the float model behind a pre-quantized one, or a file whose nodes had to be sorted)
+    is kept.
+    """
+
+    path: Path | None
+    model: Any = None
+    float16: bool = False
+
+    @classmethod
+    def of(cls, model: Any, path: Path | None = None) -> SourceModel:
+        """``path`` when ``model`` is that file as written, else ``model`` kept in memory."""
+        import onnx
+
+        f16 = onnx.TensorProto.FLOAT16
+        graph = model.graph
+        float16 = any(t.data_type == f16 for t in graph.initializer) or any(
+            v.type.tensor_type.elem_type == f16 for v in (*graph.input, *graph.output)
+        )
+        return cls(None if path is None else Path(path), None if path else model, float16)
+
+    def load(self) -> Any:
+        """The model (nodes in topological order)."""
+        import onnx
+
+        return self.model if self.model is not None else sort_nodes(onnx.load(str(self.path)))
+
+    def runnable(self) -> Any:
+        """What ``cpu_session`` takes: the file's path, or the model."""
+        return self.model if self.model is not None else str(self.path)
+
+
+def as_source(source: Any) -> SourceModel:
+    """A ``SourceModel`` as it is, or one holding a ``ModelProto``."""
+    return source if isinstance(source, SourceModel) else SourceModel.of(source)

@@ -56,7 +56,7 @@ from ..core.records import (
 from ..core.report import fmt
 from ..graph import prequantized
 from ..graph.buckets import BucketPlan
-from ..graph.source import sort_nodes
+from ..graph.source import SourceModel, sort_nodes
 from ..htp.probe import spare_probes
 from ..report_html import preload_plotting, write_html_reports
 from . import quantizer
@@ -183,10 +183,15 @@ def quantize_model(config: ModelConfig, artifacts: Path, force: bool = False) ->
             "current opset.",
         )
     if not report.passed:
+        fp16 = report.htp is not None and report.htp.whole_float16
+        figure = "whole-fp16 ctx vs float SNR (on the HTP)" if fp16 else "QDQ vs float SNR"
         raise GateError(
-            f"{config.model.name}: worst QDQ vs float SNR {fmt(report.worst_snr_db)} dB is below "
+            f"{config.model.name}: worst {figure} {fmt(report.worst_snr_db)} dB is below "
             f"quantization.min_snr_db = {config.quantization.min_snr_db} ({paths.report}).",
-            tip="Use 16-bit types or overrides for the worst tensors, or more calibration data.",
+            tip="Use 16-bit types or overrides for the worst tensors, or more calibration data."
+            if not fp16
+            else "No precision the judge tried reaches the gate on the HTP; the report's judge "
+            "rounds and divergence show where it is lost (fp16 overflows beyond 65504).",
         )
     return QuantizeResult(config.model.name, paths.root, False, record)
 
@@ -560,7 +565,7 @@ def _keep_own_quantization(
 class _State:
     """What the steps of one build have made so far."""
 
-    source: Any
+    source: SourceModel
     plan: BucketPlan
     prepared: dict[str, PreparedBucket]
     timings: dict[str, float]
@@ -591,7 +596,11 @@ def _prepare_all(config: ModelConfig, paths: ModelPaths, timings: dict[str, floa
             summary += " (dynamic: activations quantized at run time, so requantized)"
         source, removed = prequantized.dequantize(source)
         own = report_mod.OwnQuantization(False, summary, [], [], list(removed.details), {})
+        kept = SourceModel.of(source)
+    else:
+        kept = SourceModel.of(source, config.source_path)
     steps = prepare_buckets(config, source, lambda name: paths.bucket(name).float_model)
+    del source  # only ``kept`` from here on (see SourceModel)
     plan = next(steps)
     assert isinstance(plan, BucketPlan)
     prepared: dict[str, PreparedBucket] = {}
@@ -600,7 +609,7 @@ def _prepare_all(config: ModelConfig, paths: ModelPaths, timings: dict[str, floa
         prepared[item.bucket.name] = item
     _remove_stale_buckets(paths, plan)
     timings["prepare"] = time.perf_counter() - started
-    return _State(source, plan, prepared, timings, own=own)
+    return _State(kept, plan, prepared, timings, own=own)
 
 
 def _sample_all(config: ModelConfig, paths: ModelPaths, state: _State) -> dict[str, BucketSamples]:
@@ -676,9 +685,14 @@ def _steps(
     state.timings["check_preparation"] = time.perf_counter() - started
     worst_each = [worst_snr(v) for v in per_bucket.values() if v]
     worst = min(worst_each) if worst_each else float("nan")
+    if judgement is not None and judgement.whole_float16:
+        # No quantization: "QDQ vs float" compares the float model with itself (inf). What
+        # the gate must judge is what the HTP computes in fp16 (an fp16 overflow: -51.6 dB).
+        measured = judgement.ctx_vs_float_db
+        worst = float("nan") if measured is None else min(measured, worst)
     q = config.quantization
     kept = state.own is not None and state.own.kept
-    own_types = prequantized.summarize(state.source) if kept else None
+    own_types = prequantized.summarize(state.source.load()) if kept else None
     report = report_mod.QuantizeReport(
         model=config.model.name,
         version=config.model.version,

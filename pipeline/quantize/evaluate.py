@@ -164,9 +164,12 @@ def end_to_end(
     qdqs: dict[str, Path],
     heldout: Path,
 ) -> EndToEnd:
-    """Held-out samples at their true size through the buckets, vs the source model."""
+    """Held-out samples at their true size through the buckets, vs the source model (a
+    ``ModelProto`` or a ``pipeline.graph.source.SourceModel``)."""
+    from ..graph.source import as_source
+
     try:
-        reference = cpu_session(source)
+        reference = cpu_session(as_source(source).runnable())
     except Exception as exc:  # onnxruntime's own error types; the reason goes to the report
         return EndToEnd(0, error=f"the source model does not load on the CPU EP: {exc}"[:400])
     source_types = {i.name: i.type for i in reference.get_inputs()}

@@ -70,16 +70,6 @@ class PreparationCheck:
         )
 
 
-def _has_float16(model: Any) -> bool:
-    import onnx
-
-    f16 = onnx.TensorProto.FLOAT16
-    graph = model.graph
-    return any(t.data_type == f16 for t in graph.initializer) or any(
-        v.type.tensor_type.elem_type == f16 for v in (*graph.input, *graph.output)
-    )
-
-
 def _feeds_for(session: Any, feeds: Feeds, constants: dict[str, Any]) -> Feeds:
     """``feeds`` (+ baked constants) as ``session``'s inputs want them: names and dtypes."""
     result = {}
@@ -138,18 +128,21 @@ def check_preparation(
 ) -> PreparationCheck:
     """Prepared float vs source on ``heldout`` feeds (the bucket's own, padded as the prepared
     model takes them); per step when below the floor."""
+    from ..graph.source import as_source
+
+    source = as_source(source)
     samples = _limited(heldout, CHECK_SAMPLES)
-    reference, label, float16 = source, "source model", None
+    reference, label, float16 = source.runnable(), "source model", None
     try:
-        if _has_float16(source):
+        if source.float16:
             from ..graph.transforms import float16_to_float32
 
-            reference, _ = float16_to_float32(source)
+            reference, _ = float16_to_float32(source.load())
             label = "source model computed in float32"
         ref_session = cpu_session(reference)
         snr, count = compare(ref_session, prepared, samples, inputs.constants)
-        if reference is not source:
-            float16, _ = compare(source, prepared, samples, inputs.constants)
+        if source.float16:
+            float16, _ = compare(source.runnable(), prepared, samples, inputs.constants)
     except Exception as exc:  # onnxruntime's own error types: say why, do not fail the build
         return PreparationCheck(
             MIN_PREPARED_SNR_DB, None, 0, True, label, error=f"{type(exc).__name__}: {exc}"[:300]
@@ -161,7 +154,7 @@ def check_preparation(
         return PreparationCheck(
             MIN_PREPARED_SNR_DB, snr, count, True, label, float16_snr_db=float16
         )
-    steps = list(per_step(source, inputs, ref_session, samples[:STEP_SAMPLES]))
+    steps = list(per_step(source.load(), inputs, ref_session, samples[:STEP_SAMPLES]))
     return PreparationCheck(
         MIN_PREPARED_SNR_DB, snr, count, False, label, culprit(steps), steps, float16
     )

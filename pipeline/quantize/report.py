@@ -395,7 +395,9 @@ def _accuracy_section(r: QuantizeReport) -> list[str]:
     lines += [f"- {n}" for n in notes]
     verdict = "passed" if r.passed else "FAILED"
     if r.min_snr_db > 0:
-        lines += ["", f"Gate: min SNR {r.min_snr_db} dB (QDQ vs float) — {verdict}."]
+        fp16 = r.htp is not None and r.htp.whole_float16
+        judged = "whole-fp16 ctx vs float on the HTP" if fp16 else "QDQ vs float"
+        lines += ["", f"Gate: min SNR {r.min_snr_db} dB ({judged}) — {verdict}."]
     return lines
 
 
