@@ -101,6 +101,22 @@ def test_prepare_names_tensors_that_stay_dynamic_and_their_op() -> None:
         prepare_model(model, InputsSection())
 
 
+def test_a_data_dependent_loop_gets_a_tip_that_no_dims_can_fix() -> None:
+    """An autoregressive decoder's Loop: the tip says to cut before it, not to fix dims."""
+    model = onnx.parser.parse_model(
+        '<ir_version: 8, opset_import: ["": 13]> g (float[1, 4] x) => (float[?, 1, 4] y) {'
+        " s = ReduceSum<keepdims = 0>(x) \n n = Cast<to = 7>(s) \n"
+        " go = Constant<value = bool {1}>() \n"
+        " y = Loop(n, go) <body = step (int64 i, bool c) => (bool c_out, float[1, 4] v) {"
+        " c_out = Identity(c) \n v = Identity(x) }> }"
+    )
+    with pytest.raises(ModelError) as info:
+        prepare_model(model, InputsSection())
+    assert "'y' from Loop" in str(info.value)
+    tip = info.value.tip or ""
+    assert "data-dependent number of iterations" in tip and "Fix more dims" not in tip
+
+
 def test_prepare_inlines_if_on_baked_constant_and_converts_fp16() -> None:
     model = onnx.parser.parse_model(
         """<ir_version: 8, opset_import: ["": 13]>

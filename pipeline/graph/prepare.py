@@ -101,13 +101,25 @@ def prepare_model(
             for name, node in dynamic[:10]
         ]
         more = f" and {len(dynamic) - 10} more" if len(dynamic) > 10 else ""
+        tip = (
+            "The QNN HTP backend needs every shape static. Fix more dims in [inputs] "
+            "(dims/shapes/constants), or re-export the model without data-dependent shapes."
+        )
+        loops = [n for _, n in dynamic if n is not None and n.op_type in ("Loop", "Scan")]
+        if loops:  # no dims fix a trip count the data decides (an autoregressive decoder)
+            tip = (
+                f"{edit.node_label(loops[0])} runs a data-dependent number of iterations, so "
+                "what it and everything after it produce has no static shape, whatever the "
+                "dims: the HTP runs no such loop. Cut the model before it (for instance with "
+                "onnx.utils.extract_model, ending at the loop's inputs), build that part, and "
+                "run the loop on the CPU."
+            )
         raise ModelError(
             "After preparation these tensors still have no static shape: "
             + ", ".join(shown)
             + more
             + ".",
-            tip="The QNN HTP backend needs every shape static. Fix more dims in [inputs] "
-            "(dims/shapes/constants), or re-export the model without data-dependent shapes.",
+            tip=tip,
         )
     return model, changes
 
