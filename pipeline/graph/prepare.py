@@ -86,10 +86,13 @@ def prepare_model(
 ) -> tuple[onnx.ModelProto, list[Change]]:
     """Return a float32, fully static, NPU-friendly model and what each step changed."""
 
+    from ..core.memory import release_freed_memory
+
     changes: list[Change] = []
     for step in preparation_steps(inputs):
         model, change = step(model)
         changes.append(change)
+        release_freed_memory()  # each step copies the model: do not let copies pile up
     dynamic = edit.dynamic_outputs(model)
     if dynamic:  # a declared CPU tail (labels, score maps) needs no static shape
         tail = model_tail(model)

@@ -40,6 +40,7 @@ from ..core.errors import CalibrationError, ConfigError, GateError, ModelError, 
 from ..core.fileio import atomic_dir, atomic_path, link_or_copy, sha256_file
 from ..core.layout import BucketPaths, ModelPaths, sample_name, samples_in
 from ..core.lock import locked
+from ..core.memory import release_freed_memory
 from ..core.metrics import worst_snr
 from ..core.records import (
     BucketArtifacts,
@@ -401,6 +402,7 @@ def _quantize_all(
         ]
         merged, statistics = quantizer.merge_ranges(parts, paths.ranges)
     timings["calibrate"] = time.perf_counter() - t0
+    release_freed_memory()  # calibration's probe model and session
 
     t0 = time.perf_counter()
     overrides = dict(q.overrides.tensors)
@@ -652,6 +654,7 @@ def _steps(
     config: ModelConfig, paths: ModelPaths, inputs: BuildInputs, timings: dict[str, float]
 ) -> tuple[report_mod.QuantizeReport, QuantizeRecord]:
     state = _prepare_all(config, paths, timings)
+    release_freed_memory()  # the source and preparation's copies (see pipeline.core.memory)
     samples = _sample_all(config, paths, state)
     plan = state.plan
     state.own = _keep_own_quantization(config, paths, state) or state.own
@@ -662,6 +665,7 @@ def _steps(
         merged, changes, mixed, judgement = _quantize_all(
             config, paths, plan, state.prepared, samples, state.held_counts, state.timings
         )
+    release_freed_memory()
     qdqs = {n: paths.bucket(n).qdq for n in plan.names}
     floats = {n: state.prepared[n].float_path for n in plan.names}
     weights = _weight_sharing(qdqs)
