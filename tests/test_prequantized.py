@@ -685,6 +685,8 @@ def test_a_dynamically_quantized_model_is_built_from_its_float_model(tmp_path: P
     qdq = onnx.load(str(tmp_path / "a" / "build" / "pq" / "buckets" / "static" / "qdq.onnx"))
     assert "QuantizeLinear" in ops(qdq) and not {"ConvInteger", "MatMulInteger"} & set(ops(qdq))
     assert report["worst_snr_db"] > 20
+    text = (tmp_path / "a" / "build" / "pq" / "report.md").read_text()
+    assert "float model behind the pre-quantized source" in text  # not the user's file
 
 
 def test_an_integer_bias_added_before_the_cast_becomes_the_conv_bias() -> None:

@@ -380,7 +380,12 @@ def _accuracy_section(r: QuantizeReport) -> list[str]:
         + (" of the largest bucket" if r.multi else "")
         + ". vs source: "
         + ("padded into the bucket, run and cropped back, " if r.multi else "")
-        + "against the source model as the user exported it.",
+        + (
+            "against the float model behind the pre-quantized source (its quantization "
+            "removed), not the quantized file itself, whose own rounding is not in these figures."
+            if r.prequantized is not None and not r.prequantized.kept
+            else "against the source model as the user exported it."
+        ),
     ]
     notes = []
     how = comparison_note([largest, e2e.qdq_vs_source])
