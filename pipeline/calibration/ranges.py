@@ -377,6 +377,7 @@ def activation_statistics(
     max_samples: int = 8,
     range_names: Iterable[str] = (),
     on_sample: Callable[[], None] | None = None,
+    in_place: bool = False,
 ) -> Statistics:
     """RMS of each float tensor in ``rms_names`` and the mean of each tensor in ``mean_axes``
     over those axes, on the first ``max_samples`` samples; with ``range_names``, also the min and
@@ -384,15 +385,21 @@ def activation_statistics(
 
     The reductions run in the graph (ReduceSumSquare and Size, ReduceMean, ReduceMin/Max) and
     only their results leave it, so memory stays what one inference needs: fetching every
-    activation of a 1024x2048 segmenter would hold gigabytes at once.
+    activation of a 1024x2048 segmenter would hold gigabytes at once. ``in_place`` adds the
+    reductions to ``model`` itself, for a caller that has no further use for it (a large
+    model's weights are then not copied).
     """
     import onnx
     from onnx import helper, numpy_helper
 
     from ..core.cpu import cpu_session
+    from ..core.memory import release_freed_memory
 
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
+    if in_place:
+        probe = model
+    else:
+        probe = onnx.ModelProto()
+        probe.CopyFrom(model)
     graph = probe.graph
     types = {
         v.name: v.type.tensor_type.elem_type
@@ -447,6 +454,8 @@ def activation_statistics(
     # Ranges as onnxruntime's calibrator measures them: on the graph as written (its fusions
     # change activations in the last bits, and a calibration cache should not depend on them).
     session = cpu_session(probe, optimize=not ranged, in_node_order=True)
+    del probe, graph
+    release_freed_memory()  # the serialized model the session was made from
     outputs = [o.name for o in session.get_outputs()]
     total = dict.fromkeys(wanted, 0.0)
     count = dict.fromkeys(wanted, 0)

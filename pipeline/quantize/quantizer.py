@@ -109,6 +109,7 @@ def calibrate(
                 RMS_SAMPLES,
                 range_names=names,
                 on_sample=lambda: progress.update(1),
+                in_place=True,  # the shape-inferred copy is only for this
             )
         if not stats.range_samples:
             raise CalibrationError(f"{label}: no calibration sample reached the model.")
