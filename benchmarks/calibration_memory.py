@@ -32,10 +32,20 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED_MODEL = ROOT.parent / "shared" / "models" / "ultraface_rfb320.onnx"
 
 
+def _saved(graph: object, path: Path) -> Path:
+    """``graph`` as an opset-17 model file at ``path``."""
+    from onnx import helper, save
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    save(model, str(path))
+    return path
+
+
 def generated_model(folder: Path) -> Path:
     """A CNN whose activations are large enough to show memory growth (3x256x256 input)."""
     import numpy as np
-    from onnx import TensorProto, helper, numpy_helper, save
+    from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
     nodes, inits, current = [], [], "input"
@@ -54,18 +64,14 @@ def generated_model(folder: Path) -> Path:
         [helper.make_tensor_value_info(current, TensorProto.FLOAT, [1, 32, 256, 256])],
         inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 10
-    path = folder / "big_cnn.onnx"
-    save(model, str(path))
-    return path
+    return _saved(graph, folder / "big_cnn.onnx")
 
 
 def segmenter_model(folder: Path) -> Path:
     """An encoder (3 stride-2 convs) / bilinear decoder (x8 Resize) at 1x3x1024x2048, 19 classes:
     the activation sizes of a Cityscapes segmenter."""
     import numpy as np
-    from onnx import TensorProto, helper, numpy_helper, save
+    from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
     nodes, inits, current = [], [], "image"
@@ -109,11 +115,7 @@ def segmenter_model(folder: Path) -> Path:
         [helper.make_tensor_value_info("segmentation", TensorProto.FLOAT, [1, 19, 1024, 2048])],
         inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 10
-    path = folder / "segmenter_1024x2048.onnx"
-    save(model, str(path))
-    return path
+    return _saved(graph, folder / "segmenter_1024x2048.onnx")
 
 
 def unet_model(folder: Path) -> Path:
@@ -126,7 +128,7 @@ def unet_model(folder: Path) -> Path:
     to full resolution, beside the 19-class segmentation.
     """
     import numpy as np
-    from onnx import TensorProto, helper, numpy_helper, save
+    from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
     nodes: list = []
@@ -195,11 +197,7 @@ def unet_model(folder: Path) -> Path:
         ],
         inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 10
-    path = folder / "unet_1024x2048.onnx"
-    save(model, str(path))
-    return path
+    return _saved(graph, folder / "unet_1024x2048.onnx")
 
 
 def _tree_rss_mib(root: int) -> float:
@@ -294,6 +292,20 @@ def main() -> int:
     return 0 if ok else 1
 
 
+def quantize_argv(config: Path, tmp: Path) -> list[str]:
+    """A forced quantize run of ``config`` into ``tmp``/art."""
+    return [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "quantize",
+        str(config),
+        "--artifacts",
+        str(tmp / "art"),
+        "--force",
+    ]
+
+
 def large_rows(models: list[tuple[str, Path]], tmp: Path) -> bool:
     """The whole quantize stage (mixed precision and the HTP judge on) on each large model:
     16 calibration + 4 held-out samples; the peak must stay <= 1.5 GiB."""
@@ -310,19 +322,7 @@ def large_rows(models: list[tuple[str, Path]], tmp: Path) -> bool:
             '[calibration]\nkind = "random"\nsamples = 20\nheld_out = 0.2\n'
             "[quantization]\ntarget_snr_db = 25.0\n"
         )
-        rss, wall, summed = run_child(
-            [
-                sys.executable,
-                "-m",
-                "pipeline",
-                "quantize",
-                str(config),
-                "--artifacts",
-                str(tmp / "art"),
-                "--force",
-            ],
-            tree=True,
-        )
+        rss, wall, summed = run_child(quantize_argv(config, tmp), tree=True)
         print(f"| {label} | {rss:.0f} ({rss / 1024:.2f} GiB) | {summed:.0f} | {wall:.1f} |")
         ok &= rss <= 1.5 * 1024
     print("\nBound: the largest process <= 1.5 GiB (1536 MiB).")
@@ -340,18 +340,7 @@ def sample_count_rows(given: Path | None, tmp: Path) -> bool:
             f'[calibration]\nkind = "random"\nsamples = {count + count // 4}\n'
             "held_out = 0.2\n[quantization]\nauto_mixed_precision = false\n"
         )
-        ours = run_child(
-            [
-                sys.executable,
-                "-m",
-                "pipeline",
-                "quantize",
-                str(config),
-                "--artifacts",
-                str(tmp / "art"),
-                "--force",
-            ]
-        )
+        ours = run_child(quantize_argv(config, tmp))
         stock = run_child(
             [sys.executable, "-c", STOCK, str(model), str(count), str(tmp / f"stock{count}.onnx")]
         )

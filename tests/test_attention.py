@@ -148,6 +148,14 @@ def test_contrib_gelus_become_standard_gelu(op: str, bias: bool, approximate: st
 SEQ = 8
 
 
+def attention_inputs() -> list[onnx.ValueInfoProto]:
+    """scores [1, 2, SEQ, SEQ] and an int64 padding mask [1, 1, 1, SEQ] (1 = token)."""
+    return [
+        oh.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 2, SEQ, SEQ]),
+        oh.make_tensor_value_info("mask", TensorProto.INT64, [1, 1, 1, SEQ]),
+    ]
+
+
 def masked_attention(fill: float = -np.inf, extra_reader: bool = False) -> onnx.ModelProto:
     """scores [1,2,8,8] masked where mask == 0 by Where(., fill, scores) -> Softmax -> MatMul V."""
     inits = [
@@ -164,15 +172,7 @@ def masked_attention(fill: float = -np.inf, extra_reader: bool = False) -> onnx.
     outputs = [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, SEQ, 4])]
     if extra_reader:  # the filled scores are also a model output: not only Softmax reads them
         outputs.append(oh.make_tensor_value_info("filled", TensorProto.FLOAT, [1, 2, SEQ, SEQ]))
-    return model_of(
-        nodes,
-        [
-            oh.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 2, SEQ, SEQ]),
-            oh.make_tensor_value_info("mask", TensorProto.INT64, [1, 1, 1, SEQ]),
-        ],
-        outputs,
-        inits,
-    )
+    return model_of(nodes, attention_inputs(), outputs, inits)
 
 
 def attention_feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -263,15 +263,7 @@ def hf_masked_attention(shared: bool = False, form: str = "Mul") -> onnx.ModelPr
     outputs = [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, SEQ, 4])]
     if shared:
         outputs.append(oh.make_tensor_value_info("bias", TensorProto.FLOAT, [1, 1, 1, SEQ]))
-    return model_of(
-        nodes,
-        [
-            oh.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 2, SEQ, SEQ]),
-            oh.make_tensor_value_info("mask", TensorProto.INT64, [1, 1, 1, SEQ]),
-        ],
-        outputs,
-        inits,
-    )
+    return model_of(nodes, attention_inputs(), outputs, inits)
 
 
 @pytest.mark.parametrize("form", ["Mul", "Where"])

@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -36,24 +38,38 @@ _DEFAULT = ("", "ai.onnx")
 _MS = "com.microsoft"
 
 
-def softmax_chains(model: onnx.ModelProto, start: str) -> list[list[str]]:
-    """The tensors from ``start`` to each Softmax it reaches through ``SHAPE_OPS`` only
-    (``start`` first, the Softmax input last); [] when a reader is anything else."""
+def _plain_readers(
+    model: onnx.ModelProto,
+) -> Callable[[str], list[onnx.NodeProto] | None]:
+    """A lookup: the nodes reading a tensor, or None when it is a graph output, unread, or
+    read by an op outside the default domain (a walk over readers stops there)."""
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
     outputs = {o.name for o in model.graph.output}
+
+    def lookup(name: str) -> list[onnx.NodeProto] | None:
+        found = readers.get(name, [])
+        if not found or name in outputs or any(n.domain not in _DEFAULT for n in found):
+            return None
+        return found
+
+    return lookup
+
+
+def softmax_chains(model: onnx.ModelProto, start: str) -> list[list[str]]:
+    """The tensors from ``start`` to each Softmax it reaches through ``SHAPE_OPS`` only
+    (``start`` first, the Softmax input last); [] when a reader is anything else."""
+    plain_readers = _plain_readers(model)
     chains: list[list[str]] = []
 
     def walk(path: list[str]) -> bool:
         name = path[-1]
-        found = readers.get(name, [])
-        if not found or name in outputs:
+        found = plain_readers(name)
+        if found is None:
             return False
         for node in found:
-            if node.domain not in _DEFAULT:
-                return False
             if node.op_type == "Softmax" and node.input[0] == name:
                 chains.append(path)
             elif node.op_type in SHAPE_OPS and node.input[0] == name:
@@ -70,19 +86,13 @@ def _additive_mask(model: onnx.ModelProto, start: str) -> bool:
     """True when every path from ``start`` is added to scores on their way to a Softmax:
     through ``SHAPE_OPS``, then an Add whose result reaches Softmax (``softmax_chains``).
     One bias may feed every layer's Add."""
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    outputs = {o.name for o in model.graph.output}
+    plain_readers = _plain_readers(model)
 
     def added(name: str) -> bool:
-        found = readers.get(name, [])
-        if not found or name in outputs:
+        found = plain_readers(name)
+        if found is None:
             return False
         for node in found:
-            if node.domain not in _DEFAULT:
-                return False
             if node.op_type in SHAPE_OPS and node.input[0] == name:
                 if not added(node.output[0]):
                     return False
@@ -120,10 +130,15 @@ def finite_mask_fills(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     inits = edit.initializers_by_name(graph)
     namer = edit.FreshNames(model)
     details = []
+    # The fill's slots: Where(c, fill, x) / Where(c, x, fill); Mul(m, c) / Mul(c, m).
+    slots = {"Where": (3, (1, 2), "mask fill"), "Mul": (2, (0, 1), "additive mask scale")}
     for node in graph.node:
-        if node.op_type != "Where" or node.domain not in _DEFAULT or len(node.input) != 3:
+        if node.op_type not in slots or node.domain not in _DEFAULT:
             continue
-        for slot in (1, 2):
+        arity, candidates, what = slots[node.op_type]
+        if len(node.input) != arity:
+            continue
+        for slot in candidates:
             name = node.input[slot]
             if name not in inits:
                 continue
@@ -131,26 +146,11 @@ def finite_mask_fills(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             if value.size != 1 or value.dtype.kind != "f" or not (value < MASK_FILL).all():
                 continue
             out = node.output[0]
-            if not softmax_chains(model, out) and not _additive_mask(model, out):
+            into_softmax = node.op_type == "Where" and softmax_chains(model, out)
+            if not into_softmax and not _additive_mask(model, out):
                 continue
             node.input[slot] = _finite_fill(graph, namer, name, value)
-            details.append(f"{edit.node_label(node)}: mask fill {value.flat[0]:g} -> {MASK_FILL:g}")
-    for node in graph.node:
-        if node.op_type != "Mul" or node.domain not in _DEFAULT or len(node.input) != 2:
-            continue
-        for slot in (0, 1):
-            name = node.input[slot]
-            if name not in inits:
-                continue
-            value = numpy_helper.to_array(inits[name])
-            if value.size != 1 or value.dtype.kind != "f" or not (value < MASK_FILL).all():
-                continue
-            if not _additive_mask(model, node.output[0]):
-                continue
-            node.input[slot] = _finite_fill(graph, namer, name, value)
-            details.append(
-                f"{edit.node_label(node)}: additive mask scale {value.flat[0]:g} -> {MASK_FILL:g}"
-            )
+            details.append(f"{edit.node_label(node)}: {what} {value.flat[0]:g} -> {MASK_FILL:g}")
     edit.remove_dead_nodes(graph)
     return edit.checked_change(model, "finite_mask_fills", details)
 
