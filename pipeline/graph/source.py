@@ -29,9 +29,9 @@ class SourceModel:
 
     A model read from a file is read again when needed (``load``) and run from the file
     (``runnable``), so its weights are not held through calibration and quantization (a
-    1024x1024 U-Net's 176 MB, three times over in protobuf). One that only exists in memory
-    (the float model behind a pre-quantized one, or a file whose nodes had to be sorted)
-    is kept.
+    1024x1024 U-Net's 176 MB, three times over in protobuf). onnxruntime runs a file whose
+    nodes are out of order; ``load`` sorts them as ``load_source_model`` did. One that only
+    exists in memory (the float model behind a pre-quantized one) is kept.
     """
 
     path: Path | None
@@ -40,7 +40,7 @@ class SourceModel:
 
     @classmethod
     def of(cls, model: Any, path: Path | None = None) -> SourceModel:
-        """``path`` when ``model`` is that file as written, else ``model`` kept in memory."""
+        """``model``, read from the file at ``path`` (None: kept in memory)."""
         import onnx
 
         f16 = onnx.TensorProto.FLOAT16

@@ -185,9 +185,9 @@ def quantize_model(config: ModelConfig, artifacts: Path, force: bool = False) ->
         )
     if not report.passed:
         fp16 = report.htp is not None and report.htp.whole_float16
-        figure = "whole-fp16 ctx vs float SNR (on the HTP)" if fp16 else "QDQ vs float SNR"
         raise GateError(
-            f"{config.model.name}: worst {figure} {fmt(report.worst_snr_db)} dB is below "
+            f"{config.model.name}: worst {report_mod.gated_figure(report)} SNR "
+            f"{fmt(report.worst_snr_db)} dB is below "
             f"quantization.min_snr_db = {config.quantization.min_snr_db} ({paths.report}).",
             tip="Use 16-bit types or overrides for the worst tensors, or more calibration data."
             if not fp16

@@ -347,6 +347,14 @@ def _buckets_section(r: QuantizeReport) -> list[str]:
     ]
 
 
+def gated_figure(r: QuantizeReport) -> str:
+    """What the quantize gate judges: QDQ vs float, or for a model left whole in fp16 (nothing
+    quantized, so QDQ vs float would compare the float model with itself) the HTP's ctx."""
+    if r.htp is not None and r.htp.whole_float16:
+        return "whole-fp16 ctx vs float on the HTP"
+    return "QDQ vs float"
+
+
 def _accuracy_section(r: QuantizeReport) -> list[str]:
     e2e = r.end_to_end
     largest = r.buckets[-1].qdq_vs_float
@@ -400,9 +408,7 @@ def _accuracy_section(r: QuantizeReport) -> list[str]:
     lines += [f"- {n}" for n in notes]
     verdict = "passed" if r.passed else "FAILED"
     if r.min_snr_db > 0:
-        fp16 = r.htp is not None and r.htp.whole_float16
-        judged = "whole-fp16 ctx vs float on the HTP" if fp16 else "QDQ vs float"
-        lines += ["", f"Gate: min SNR {r.min_snr_db} dB ({judged}) — {verdict}."]
+        lines += ["", f"Gate: min SNR {r.min_snr_db} dB ({gated_figure(r)}) — {verdict}."]
     return lines
 
 
