@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +24,9 @@ print(grown, kept, rss())
 """
 
 
-@pytest.mark.skipif(memory._trim() is None, reason="this libc has no malloc_trim")
+@pytest.mark.skipif(
+    memory._libc_function("malloc_trim") is None, reason="this libc has no malloc_trim"
+)
 def test_freed_small_blocks_leave_the_process() -> None:
     """Freed heap blocks between live ones stay resident (glibc keeps them for reuse)
     until released."""
@@ -33,3 +36,101 @@ def test_freed_small_blocks_leave_the_process() -> None:
     grown, kept, released = (float(v) for v in done.stdout.split())
     assert kept > grown - 100  # freed, still resident: what piled up between phases
     assert released < kept - 150
+
+
+_LARGE_RUN = """
+import sys
+import numpy as np
+from pipeline.core.memory import adapt_heap_to
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+adapted = adapt_heap_to(int(sys.argv[1]))
+first = np.ones(16 << 18, np.float32)  # a 16 MiB activation, mapped and freed: glibc then
+del first                              # serves every block below 16 MiB from the heap
+before = rss()
+held, pins = [], []
+for _ in range(40):  # a run's 4 MiB activations, with small live objects between them
+    held.append(np.ones(1 << 20, np.float32))
+    pins.append(bytearray(200_000))
+del held
+print(adapted, before, rss())
+"""
+
+
+@pytest.mark.skipif(memory._libc_function("mallopt") is None, reason="this libc has no mallopt")
+@pytest.mark.parametrize("sample_bytes", [memory.LARGE_SAMPLE_BYTES, 64 << 10])
+def test_large_samples_free_their_activations_at_once(sample_bytes: int) -> None:
+    """After the first run, glibc keeps a large model's freed activations on its heap (here
+    160 MiB); for large samples each block of 1 MiB or more is mapped on its own instead."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LARGE_RUN, str(sample_bytes)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    adapted, before, after = done.stdout.split()
+    large = sample_bytes >= memory.LARGE_SAMPLE_BYTES
+    assert adapted == str(large)
+    if large:
+        assert float(after) < float(before) + 30  # only the 8 MiB of pins stay
+    else:
+        assert float(after) > float(before) + 120  # the default: freed, still resident
+
+
+_END_TO_END = """
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+from pipeline.graph.buckets import single_bucket
+from pipeline.graph.source import SourceModel
+from pipeline.quantize.evaluate import end_to_end
+
+folder = Path(sys.argv[1])
+shape = [1, 32, 1024, 1024]  # a 128 MiB output from a one-value input
+graph = helper.make_graph(
+    [
+        helper.make_node("Expand", ["x", "shape"], ["wide"]),
+        helper.make_node("Mul", ["wide", "one"], ["y"]),
+    ],
+    "wide_output",
+    [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 1, 1])],
+    [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+    [
+        helper.make_tensor("shape", TensorProto.INT64, [4], shape),
+        helper.make_tensor("one", TensorProto.FLOAT, [], [1.0]),
+    ],
+)
+model = folder / "wide.onnx"
+onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10), model)
+heldout = folder / "heldout"
+heldout.mkdir()
+for index in range(3):
+    np.savez(heldout / f"sample_{index:04d}.npz", x=np.full((1, 1, 1, 1), index + 1, np.float32))
+config = SimpleNamespace(inputs=SimpleNamespace(constants={}))
+plan = single_bucket({"x": [1, 1, 1, 1]})
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) / 1024
+before = status("VmRSS")
+result = end_to_end(config, SourceModel(model), plan, {plan.names[0]: model}, {plan.names[0]: model}, heldout)
+assert result.samples == 3, result
+print((status("VmHWM") - before) / 128)
+"""
+
+
+def test_end_to_end_holds_one_model_outputs_beside_the_source(tmp_path: Path) -> None:
+    """The end-to-end check runs the source, QDQ and float models on each held-out sample. A
+    19-class 1024x2048 map is 152 MiB a model: only the source's outputs and one other model's
+    may be alive at a time, not all three under the next sample's runs."""
+    done = subprocess.run(
+        [sys.executable, "-c", _END_TO_END, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    outputs_alive = float(done.stdout.split()[-1])
+    assert outputs_alive < 3.5, f"{outputs_alive:.1f} outputs of 128 MiB alive at the peak"

@@ -20,6 +20,10 @@ def cpu_session(model: Any, optimize: bool = True, in_node_order: bool = False) 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.enable_cpu_mem_arena = False
+    # Without the arena, the memory pattern allocates one block a run for the whole plan: a
+    # 1x3x1024x2048 U-Net's float run peaked at 1280 MiB with it, 952 MiB without (measured;
+    # no slower on fastestdet).
+    options.enable_mem_pattern = False
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     if in_node_order:

@@ -43,6 +43,7 @@ from qnn_ctx_runtime.typed import parse, to_json_value
 from ..core.cpu import cpu_session
 from ..core.fileio import sha256_file
 from ..core.layout import HTP_MIN_SAMPLES, past_htp_budget
+from ..core.memory import adapt_heap_to
 from ..core.metrics import Accuracy, OutputComparison, comparable, worst_snr
 from .isolation import Finished, Started, die_with_parent, start_module, wait_for
 
@@ -415,6 +416,8 @@ def _run(job: ProbeJob, result: ProbeResult, path: Path) -> None:
             result.status = "ok"
             stage("done")
             return  # the main child failed or ended, or it has every sample: nothing to help with
+    if job.samples:  # an uncompressed .npz: its size is the sample's
+        adapt_heap_to(Path(job.samples[0]).stat().st_size)
     model_path, exposed = _exposed(job.qdq, work) if job.locate else (Path(job.qdq), [])
     outputs = _output_names(job.float_model)
     names = outputs + [t for t, _, _ in exposed if t not in outputs]

@@ -40,7 +40,7 @@ from ..core.errors import CalibrationError, ConfigError, GateError, ModelError, 
 from ..core.fileio import atomic_dir, atomic_path, link_or_copy, sha256_file
 from ..core.layout import BucketPaths, ModelPaths, sample_name, samples_in
 from ..core.lock import locked
-from ..core.memory import release_freed_memory
+from ..core.memory import adapt_heap_to, release_freed_memory
 from ..core.metrics import worst_snr
 from ..core.records import (
     BucketArtifacts,
@@ -656,6 +656,7 @@ def _steps(
     state = _prepare_all(config, paths, timings)
     release_freed_memory()  # the source and preparation's copies (see pipeline.core.memory)
     samples = _sample_all(config, paths, state)
+    adapt_heap_to(sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in state.largest.specs))
     plan = state.plan
     state.own = _keep_own_quantization(config, paths, state) or state.own
     if state.own is not None and state.own.kept:  # no calibration, no second quantization
