@@ -43,7 +43,7 @@ from qnn_ctx_runtime.typed import parse, to_json_value
 from ..core.cpu import cpu_session
 from ..core.fileio import sha256_file
 from ..core.layout import HTP_MIN_SAMPLES, past_htp_budget
-from ..core.memory import adapt_heap_to
+from ..core.memory import adapt_heap_to, release_freed_memory
 from ..core.metrics import Accuracy, OutputComparison, comparable, worst_snr
 from .isolation import Finished, Started, die_with_parent, start_module, wait_for
 
@@ -554,6 +554,7 @@ def _run_on_htp(
                 _run_sample(ctx, job.samples[index], names, _stashed(stash, index))
         time.sleep(0.02)
     del ctx  # its session holds the simulator; the CPU models run next
+    release_freed_memory()
 
 
 def _over_budget(job: ProbeJob, stash: Path, started: float, ran: int) -> bool:
@@ -626,18 +627,21 @@ def _compare(
     result.requested = len(job.samples)
     result.sample_sha256 = [sha256_file(Path(job.samples[i])) for i in done]
     for index in done:
-        sample = job.samples[index]
-        with np.load(sample, allow_pickle=False) as data:
+        # The heavier QDQ run first with nothing else alive, the float run beside its outputs,
+        # and the HTP's outputs read from disk only then: at 1x3x1024x2048 a 19-class map is
+        # 152 MiB a set, and two sets under the QDQ run took this process to 1.7 GiB.
+        with np.load(job.samples[index], allow_pickle=False) as data:
             feeds = {k: data[k] for k in data.files}
+        ref_q = dict(zip(names, qdq.run(names, feeds), strict=True))
+        ref_f = dict(zip(outputs, flt.run(outputs, feeds), strict=True))
+        del feeds
+        q_vs_f.add(ref_f, {n: ref_q[n] for n in outputs})
         with np.load(_stashed(stash, index)) as saved:
             got = dict(zip(names, (saved[f"arr_{i}"] for i in range(len(names))), strict=True))
         _stashed(stash, index).unlink()
-        ref_f = dict(zip(outputs, flt.run(outputs, feeds), strict=True))
         vs_float.add(ref_f, {n: got[n] for n in outputs})
-        ref_q = dict(zip(names, qdq.run(names, feeds), strict=True))
-        vs_qdq.add({n: ref_q[n] for n in outputs}, {n: got[n] for n in outputs})
-        q_vs_f.add(ref_f, {n: ref_q[n] for n in outputs})
         del ref_f
+        vs_qdq.add({n: ref_q[n] for n in outputs}, {n: got[n] for n in outputs})
         if exposed:
             tensors.add({t: ref_q[t] for t, _, _ in exposed}, {t: got[t] for t, _, _ in exposed})
         del got, ref_q
