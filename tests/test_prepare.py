@@ -253,3 +253,38 @@ def test_real_model_prepares_static_with_same_outputs(name: str) -> None:
             np.testing.assert_array_equal(comparable(got)[1], want_values)
         else:  # the lossless bound of the pipeline's own check (pipeline.quantize.lossless)
             assert snr_db(want_values, comparable(got)[1]) >= 60.0
+
+
+def test_an_invalid_step_is_named_though_checks_are_deferred(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Preparation checks its end result once (the checker serializes the whole model each
+    time); when that fails, the steps run again, each checked, to name the one at fault."""
+    import pipeline.graph.prepare as prepare_mod
+    from pipeline.graph import edit
+
+    original = prepare_mod.preparation_steps
+
+    def dangling(model: onnx.ModelProto) -> tuple[onnx.ModelProto, edit.Change]:
+        model = edit.copy_model(model)
+        reader = next(n for n in model.graph.node if n.input)
+        reader.input[0] = "nothing_defines_this"
+        return edit.checked_change(model, "dangling_input", ["an input nothing defines"])
+
+    checked: list[str] = []
+    real_check = edit.check
+
+    def counted(model: onnx.ModelProto, step: str) -> None:
+        checked.append(step)
+        real_check(model, step)
+
+    monkeypatch.setattr(edit, "check", counted)
+    prepare_model(cnn(), CNN_INPUTS)
+    assert checked == ["preparation (the steps together)"]
+
+    steps = original(CNN_INPUTS)
+    monkeypatch.setattr(
+        prepare_mod, "preparation_steps", lambda inputs: [*steps[:3], dangling, *steps[3:]]
+    )
+    with pytest.raises(ModelError, match="'dangling_input' produced an invalid ONNX model"):
+        prepare_model(cnn(), CNN_INPUTS)

@@ -84,8 +84,24 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
 def prepare_model(
     model: onnx.ModelProto, inputs: InputsSection
 ) -> tuple[onnx.ModelProto, list[Change]]:
-    """Return a float32, fully static, NPU-friendly model and what each step changed."""
+    """Return a float32, fully static, NPU-friendly model and what each step changed.
 
+    The steps' models are checked once, at the end; on any failure the steps run again, each
+    checked, so that the error names the step that made the model invalid."""
+    try:
+        with edit.checks_deferred():
+            prepared, changes = _run_steps(model, inputs)
+        edit.check(prepared, "preparation (the steps together)")
+    except Exception:
+        _run_steps(model, inputs)  # raises at the step at fault, if a check finds one
+        raise
+    _require_static(prepared)
+    return prepared, changes
+
+
+def _run_steps(
+    model: onnx.ModelProto, inputs: InputsSection
+) -> tuple[onnx.ModelProto, list[Change]]:
     from ..core.memory import release_freed_memory
 
     changes: list[Change] = []
@@ -93,6 +109,11 @@ def prepare_model(
         model, change = step(model)
         changes.append(change)
         release_freed_memory()  # each step copies the model: do not let copies pile up
+    return model, changes
+
+
+def _require_static(model: onnx.ModelProto) -> None:
+    """A ModelError naming the tensors preparation left without a static shape."""
     dynamic = edit.dynamic_outputs(model)
     if dynamic:  # a declared CPU tail (labels, score maps) needs no static shape
         tail = model_tail(model)
@@ -124,7 +145,6 @@ def prepare_model(
             + ".",
             tip=tip,
         )
-    return model, changes
 
 
 # A float32 activation range this wide only comes from overflow (inf/NaN) during calibration.
