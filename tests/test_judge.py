@@ -538,3 +538,24 @@ def test_samples_the_budget_left_out_stay_out(tmp_path: Path):
         probe_mod._claim(tmp_path, index, probe_mod.SKIPPED)
     assert not any(probe_mod._claim(tmp_path, index) for index in range(5))  # a late helper
     assert probe_mod._claimed(tmp_path, 5) == [0, 3]
+
+
+def test_a_failed_round_shows_no_partition_figures() -> None:
+    """A round that timed out or crashed measured no partitioning: the report says "-", not
+    0 partitions and 0 CPU nodes (which read as a model the HTP ran whole)."""
+    from types import SimpleNamespace
+
+    from pipeline.quantize.judge import HtpJudgement, JudgeRound
+    from pipeline.quantize.report import _htp_section
+
+    failed = JudgeRound("as quantized", None, None, None, 0, 0, 900.0, "timed out after 900 s")
+    ran = JudgeRound("fp16", 31.0, 40.0, 33.0, 1, 0, 12.0, samples=4, requested=4)
+    judgement = HtpJudgement("htp", "judged", rounds=[failed, ran], chosen="fp16")
+    text = "\n".join(_htp_section(SimpleNamespace(htp=judgement)))
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    failed_row = next(line for line in rows if "as quantized" in line)
+    cells = [c.strip() for c in failed_row.strip("|").split("|")]
+    assert cells[4:6] == ["-", "-"], cells
+    assert "timed out after 900 s" in failed_row
+    ran_row = next(line for line in rows if line.startswith("| fp16"))
+    assert [c.strip() for c in ran_row.strip("|").split("|")][4:6] == ["1", "0"]

@@ -437,8 +437,8 @@ def _htp_section(r: QuantizeReport) -> list[str]:
             x.qdq_vs_float_db,
             x.ctx_vs_float_db,
             x.ctx_vs_qdq_db,
-            x.partitions,
-            x.cpu_nodes,
+            "-" if x.error else x.partitions,  # a failed round measured nothing
+            "-" if x.error else x.cpu_nodes,
             _samples(x.samples, x.requested),
             f"{x.seconds:.1f}",
             x.error or ("kept" if x.label == j.chosen else ""),
