@@ -1052,8 +1052,8 @@ def _judge_section(page: _Page) -> None:
                         r.get("qdq_vs_float_db"),
                         r.get("ctx_vs_float_db"),
                         r.get("ctx_vs_qdq_db"),
-                        r.get("partitions"),
-                        r.get("cpu_nodes"),
+                        "-" if r.get("error") else r.get("partitions"),  # it measured nothing
+                        "-" if r.get("error") else r.get("cpu_nodes"),
                         r.get("seconds"),
                         r.get("error") or ("kept" if r.get("label") == htp.get("chosen") else ""),
                     ]
