@@ -10,6 +10,7 @@ quantization. A figure that cannot be measured says why instead of vanishing.
 from __future__ import annotations
 
 import hashlib
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from ..core.cpu import cpu_session
 from ..core.dtypes import np_dtype
 from ..core.fileio import sha256_file
 from ..core.layout import samples_in
+from ..core.memory import release_freed_memory
 from ..core.metrics import Accuracy, OutputComparison
 from ..core.records import folder_digest
 from ..graph.buckets import BucketPlan
@@ -156,6 +158,39 @@ class EndToEnd:
     error: str = ""  # why nothing could be measured
 
 
+class SampleOutputs:
+    """Each held-out sample's reference outputs, so that one model's session runs at a time:
+    kept in memory up to ``budget`` bytes, the rest written to ``folder`` (a build folder's
+    temporary one). A heavy model's CPU session holds about three times its weights (a
+    1024x1024 U-Net's 176 MB: 495 MB), and the end-to-end check had three of them open."""
+
+    def __init__(self, folder: Path, budget: int = KEEP_BYTES) -> None:
+        self.folder = folder
+        self.budget = budget
+        self._kept: dict[int, Feeds] = {}
+        self._spilled: set[int] = set()
+        self._bytes = 0
+
+    def put(self, index: int, outputs: Feeds) -> None:
+        size = sum(np.asarray(v).nbytes for v in outputs.values())
+        storable = all(isinstance(v, np.ndarray) and v.dtype.kind != "O" for v in outputs.values())
+        if self._bytes + size <= self.budget or not storable:
+            self._kept[index] = outputs
+            self._bytes += size
+            return
+        np.savez(self.folder / f"{index:06d}.npz", **outputs)
+        self._spilled.add(index)
+
+    def __contains__(self, index: int) -> bool:
+        return index in self._kept or index in self._spilled
+
+    def get(self, index: int) -> Feeds:
+        if index in self._kept:
+            return self._kept[index]
+        with np.load(self.folder / f"{index:06d}.npz", allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+
+
 def end_to_end(
     config: ModelConfig,
     source: Any,
@@ -165,62 +200,26 @@ def end_to_end(
     heldout: Path,
 ) -> EndToEnd:
     """Held-out samples at their true size through the buckets, vs the source model (a
-    ``ModelProto`` or a ``pipeline.graph.source.SourceModel``)."""
+    ``ModelProto`` or a ``pipeline.graph.source.SourceModel``).
+
+    One model at a time: the source over every sample first (its outputs kept, or spilled to a
+    temporary folder beside ``heldout``), then the QDQ buckets, then the float ones, each
+    closed before the next opens."""
     from ..graph.source import as_source
 
-    try:
-        reference = cpu_session(as_source(source).runnable())
-    except Exception as exc:  # onnxruntime's own error types; the reason goes to the report
-        return EndToEnd(0, error=f"the source model does not load on the CPU EP: {exc}"[:400])
-    source_types = {i.name: i.type for i in reference.get_inputs()}
-    constants = {
-        name: np.asarray(value, dtype=np_dtype(source_types[name]))
-        for name, value in config.inputs.constants.items()
-        if name in source_types
-    }
-    qdq = {n: KeptRuns(p) for n, p in qdqs.items()}
-    flt = {n: KeptRuns(p) for n, p in floats.items()}
-    rules: dict[str, list[bk.PadRule]] = {}
-    for rule in plan.pads:
-        rules.setdefault(rule.input, []).append(rule)
-    names = [o.name for o in reference.get_outputs()]
-    vs_qdq, vs_float = OutputComparison(), OutputComparison()
-    failures = mismatched = 0
-    first_failure = ""
-    for own in iter_samples(heldout):
-        bucket = bk.choose_bucket(plan.buckets, plan.pads, {k: v.shape for k, v in own.items()})
-        types = {i.name: np_dtype(i.type) for i in qdq[bucket.name].get_inputs()}
-        feeds = {
-            name: bk.pad_input(own[name], shape, rules.get(name, []))[0]
-            if name in own
-            else np.zeros(shape, types.get(name, np.float32))
-            for name, shape in bucket.shapes.items()
-        }
-        source_feeds = {
-            name: value.astype(np_dtype(source_types[name]))
-            for name, value in own.items()
-            if name in source_types
-        }
+    with tempfile.TemporaryDirectory(prefix=".end-to-end-", dir=heldout.parent) as spill:
+        expected = SampleOutputs(Path(spill))
         try:
-            expected = dict(
-                zip(names, reference.run(names, {**source_feeds, **constants}), strict=True)
+            names, failures, first_failure = _source_outputs(
+                config, as_source(source).runnable(), heldout, expected
             )
-        except Exception as exc:  # e.g. the source needs an input the sample does not give
-            failures += 1
-            first_failure = first_failure or f"{type(exc).__name__}: {exc}"[:300]
-            continue
-        # One model's outputs at a time beside the source's: a 19-class 1024x2048 map is
-        # 152 MiB a model, and holding all three under the next run cost 450 MiB (measured).
-        for comparison, runs in ((vs_qdq, qdq), (vs_float, flt)):
-            got = bk.crop_outputs(
-                plan.pads, plan.crops, bucket, own, runs[bucket.name].run_named(names, feeds)
-            )
-            same = {n for n in names if np.shape(expected[n]) == np.shape(got[n])}
-            if comparison is vs_qdq:
-                mismatched += len(names) - len(same)
-            comparison.add({n: expected[n] for n in same}, {n: got[n] for n in same})
-            del got
-        del expected, feeds, own
+        except _SourceDoesNotLoad as exc:
+            return EndToEnd(0, error=f"the source model does not load on the CPU EP: {exc}"[:400])
+        release_freed_memory()  # the source's session
+        vs_qdq, vs_float = OutputComparison(), OutputComparison()
+        mismatched = _compare_buckets(plan, qdqs, heldout, names, expected, vs_qdq)
+        release_freed_memory()
+        _compare_buckets(plan, floats, heldout, names, expected, vs_float)
     return EndToEnd(
         samples=vs_qdq.samples,
         qdq_vs_source=vs_qdq.summary(),
@@ -229,6 +228,82 @@ def end_to_end(
         shape_mismatches=mismatched,
         error="" if vs_qdq.samples else (first_failure or "no held-out samples"),
     )
+
+
+class _SourceDoesNotLoad(Exception):
+    pass
+
+
+def _source_outputs(
+    config: ModelConfig, runnable: Any, heldout: Path, expected: SampleOutputs
+) -> tuple[list[str], int, str]:
+    """The source model's outputs on each held-out sample at its true size, into ``expected``;
+    its output names, how many samples it could not run, and the first such error."""
+    try:
+        reference = cpu_session(runnable)
+    except Exception as exc:  # onnxruntime's own error types; the reason goes to the report
+        raise _SourceDoesNotLoad(str(exc)) from exc
+    source_types = {i.name: i.type for i in reference.get_inputs()}
+    constants = {
+        name: np.asarray(value, dtype=np_dtype(source_types[name]))
+        for name, value in config.inputs.constants.items()
+        if name in source_types
+    }
+    names = [o.name for o in reference.get_outputs()]
+    failures, first_failure = 0, ""
+    for index, own in enumerate(iter_samples(heldout)):
+        source_feeds = {
+            name: value.astype(np_dtype(source_types[name]))
+            for name, value in own.items()
+            if name in source_types
+        }
+        try:
+            outputs = reference.run(names, {**source_feeds, **constants})
+        except Exception as exc:  # e.g. the source needs an input the sample does not give
+            failures += 1
+            first_failure = first_failure or f"{type(exc).__name__}: {exc}"[:300]
+            continue
+        expected.put(index, dict(zip(names, outputs, strict=True)))
+        del outputs, source_feeds, own
+    return names, failures, first_failure
+
+
+def _compare_buckets(
+    plan: BucketPlan,
+    models: dict[str, Path],
+    heldout: Path,
+    names: list[str],
+    expected: SampleOutputs,
+    comparison: OutputComparison,
+) -> int:
+    """Each held-out sample through its bucket's model (padded, run, cropped) against the
+    source's outputs; the number of outputs whose cropped shape differs."""
+    runs = {n: KeptRuns(p) for n, p in models.items()}
+    rules: dict[str, list[bk.PadRule]] = {}
+    for rule in plan.pads:
+        rules.setdefault(rule.input, []).append(rule)
+    mismatched = 0
+    for index, own in enumerate(iter_samples(heldout)):
+        if index not in expected:
+            continue
+        bucket = bk.choose_bucket(plan.buckets, plan.pads, {k: v.shape for k, v in own.items()})
+        types = {i.name: np_dtype(i.type) for i in runs[bucket.name].get_inputs()}
+        feeds = {
+            name: bk.pad_input(own[name], shape, rules.get(name, []))[0]
+            if name in own
+            else np.zeros(shape, types.get(name, np.float32))
+            for name, shape in bucket.shapes.items()
+        }
+        got = bk.crop_outputs(
+            plan.pads, plan.crops, bucket, own, runs[bucket.name].run_named(names, feeds)
+        )
+        del feeds
+        reference = expected.get(index)
+        same = {n for n in names if np.shape(reference[n]) == np.shape(got[n])}
+        mismatched += len(names) - len(same)
+        comparison.add({n: reference[n] for n in same}, {n: got[n] for n in same})
+        del got, reference, own
+    return mismatched
 
 
 def input_jitter(
