@@ -8,6 +8,7 @@ the HTP; without QNN the CPU decision stands and the report says so.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 from pathlib import Path
@@ -287,11 +288,14 @@ def test_compile_reuses_the_judges_figures_for_the_same_ctx_and_only_then(tmp_pa
     assert timed.qdq_timed_by == "" and timed.qdq_s is not None and timed.qdq_s > 0
 
 
-def _cpu_judged_dilated(tmp_path: Path, seed: int) -> tuple[Any, list[Path]]:
-    """The dilated model quantized without the HTP judge: its bucket and held-out samples."""
+def _cpu_judged_dilated(tmp_path: Path, seed: int, count: int = 16) -> tuple[Any, list[Path]]:
+    """The dilated model quantized without the HTP judge: its bucket and held-out samples (a
+    quarter of ``count``)."""
     rng = np.random.default_rng(seed)
-    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
-    config = load_config(_write(tmp_path, _dilated_model(rng), samples, 'judge = "cpu"\n'))
+    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(count)]
+    config_path = _write(tmp_path, _dilated_model(rng), samples, 'judge = "cpu"\n')
+    config_path.write_text(config_path.read_text().replace("samples = 16", f"samples = {count}"))
+    config = load_config(config_path)
     quantize_model(config, tmp_path / "artifacts", force=True)
     bucket = ModelPaths.of(tmp_path / "artifacts", "m").bucket("static")
     return bucket, sorted(bucket.heldout.glob("sample_*.npz"))
@@ -514,6 +518,119 @@ def test_the_simulators_time_budget_leaves_samples_out_and_says_so(tmp_path: Pat
     monkeypatch.setattr(compile_build, "HTP_BUDGET_S", 1e-6)
     own = compiled().validation
     assert own.measured_by == "" and (own.samples, own.requested) == (2, 10)
+
+
+def test_a_round_stops_once_enough_samples_are_well_above_the_target(tmp_path: Path):
+    """The dilated model is at ~41 dB on the HTP, the target 25: once 4 samples spread over
+    the held-out ones have each run 3 dB or more above it, no new one starts (a process that
+    finds the last of them running waits for it). The figures are exactly a run on those
+    samples alone; the report and compile's adopted validation say why fewer ran."""
+    from pipeline.compile.build import compile_model
+    from pipeline.core.fileio import sha256_file
+    from pipeline.core.layout import ENOUGH_SAMPLES
+    from pipeline.core.records import VariantRecord, read_record
+    from pipeline.htp import probe as probe_mod
+    from qnn_ctx_runtime import qnn
+    from qnn_ctx_runtime.toolchains import load_toolchains
+
+    rng = np.random.default_rng(7)
+    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(40)]
+    config_path = _write(tmp_path, _dilated_model(rng), samples, "")
+    config_path.write_text(config_path.read_text().replace("samples = 16", "samples = 40"))
+    config = load_config(config_path)
+    artifacts = tmp_path / "artifacts"
+    quantize_model(config, artifacts, force=True)
+    first = _report(tmp_path)["htp"]["rounds"][0]
+    assert first["cut_by"] == "evidence", first
+    assert (first["requested"], first["samples"]) == (10, ENOUGH_SAMPLES), first
+    assert first["ctx_vs_float_db"] >= 28.0
+    paths = ModelPaths.of(artifacts, "m")
+    assert "A round stops starting samples once 4" in paths.report.read_text()
+
+    bucket = paths.bucket("static")
+    record = json.loads(bucket.htp_probe.read_text())
+    assert record["cut_by"] == "evidence" and len(record["sample_sha256"]) == first["samples"]
+    heldout = sorted(bucket.heldout.glob("sample_*.npz"))
+    ran = [p for p in heldout if sha256_file(p) in record["sample_sha256"]]
+    # The same 4 whoever ran them: spread over the 10, first of every process's claim order.
+    assert ran == [heldout[i] for i in (0, 3, 6, 9)]
+    alone = probe_mod.probe(
+        bucket.qdq, bucket.float_model, ran, tmp_path / "alone", 60, 73, timeout_s=300
+    )
+    assert alone.ok and alone.cut_by == "" and alone.samples == len(ran)
+    assert alone.ctx_vs_float == record_accuracy(record["ctx_vs_float"], alone.ctx_vs_float)
+
+    table = load_toolchains()
+    toolchain = table.get(table.default)
+    compile_model(config, artifacts, table, toolchain, qnn.installed_qnn(), True, out=str)
+    folder = paths.variant(toolchain.onnxruntime_qnn, config.compile.targets[0])
+    variant, why = read_record(VariantRecord, folder.record)
+    assert variant is not None, why
+    adopted = variant.validation
+    assert adopted.measured_by.startswith("the quantize stage's HTP judge")
+    assert (adopted.samples, adopted.requested, adopted.cut_by) == (
+        first["samples"],
+        10,
+        "evidence",
+    )
+    assert "each of them reached the target SNR vs float" in paths.ctx_report.read_text()
+
+
+def test_every_sample_runs_while_one_is_short_of_the_margin(tmp_path: Path):
+    """Given the float outputs and a figure no sample reaches, every sample runs."""
+    from pipeline.htp import probe as probe_mod
+    from pipeline.quantize.evaluate import KeptRuns, kept_outputs
+
+    bucket, heldout = _cpu_judged_dilated(tmp_path, seed=3, count=24)
+    floats = KeptRuns(bucket.float_model)
+    for path in heldout:  # the float outputs this process keeps, as the judge finds them
+        with np.load(path) as data:
+            floats.run_named(floats.output_names(), {k: data[k] for k in data.files})
+    references = kept_outputs(bucket.float_model, heldout)
+    assert references is not None and len(references) == len(heldout) > 4
+    result = probe_mod.probe(
+        bucket.qdq,
+        bucket.float_model,
+        heldout,
+        tmp_path / "all",
+        60,
+        73,
+        timeout_s=300,
+        references=references,
+        enough_db=1000.0,
+    )
+    assert result.ok and result.cut_by == "" and result.samples == len(heldout), result
+
+
+def test_evidence_waits_for_running_samples_and_not_for_left_out_ones(tmp_path: Path):
+    """The verdict on the first samples of the claim order: pending while one of them runs in a
+    live process, short when one is below the figure, left out or unclaimed."""
+    import os
+
+    from pipeline.htp import probe as probe_mod
+
+    job = probe_mod.ProbeJob("q", "f", [f"s{i}" for i in range(10)], "", "", 60, 73)
+    job = dataclasses.replace(job, enough_db=28.0)
+    order = probe_mod._claim_order(job, 10)
+    assert order[:4] == [0, 3, 6, 9] and sorted(order) == list(range(10))
+    assert probe_mod._claim_order(dataclasses.replace(job, helper=True), 10) == order
+
+    def ran(index: int, db: float) -> None:
+        probe_mod._claim(tmp_path, index)
+        (tmp_path / f"{index:04d}.db").write_text(repr(db))
+
+    for index in (0, 3, 6):
+        ran(index, 31.0)
+    assert probe_mod._enough(job, tmp_path, order) == "short"  # 9: nobody runs it
+    (tmp_path / "0009.claim").write_text(str(os.getpid()))  # running, in a live process
+    assert probe_mod._enough(job, tmp_path, order) == "pending"
+    (tmp_path / "0009.db").write_text("30.0")
+    assert probe_mod._enough(job, tmp_path, order) == "enough"
+    (tmp_path / "0009.db").write_text("27.5")
+    assert probe_mod._enough(job, tmp_path, order) == "short"
+    (tmp_path / "0009.db").unlink()
+    (tmp_path / "0009.claim").write_text(probe_mod.SKIPPED)
+    assert probe_mod._enough(job, tmp_path, order) == "short"
 
 
 def record_accuracy(stored: dict, like: dict) -> dict:

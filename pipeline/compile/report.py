@@ -214,7 +214,13 @@ def _notes(rows: list[_Row]) -> list[str]:
         if r.validation is not None and r.validation.measured_by:
             notes.append(f"- **{where}** validation figures measured by {r.validation.measured_by}")
         v = r.validation
-        if v is not None and v.requested > v.samples:
+        if v is not None and v.requested > v.samples and v.cut_by == "evidence":
+            notes.append(
+                f"- **{where}** validated on {v.samples} of {v.requested} held-out samples: "
+                "each of them reached the target SNR vs float with the margin "
+                "(pipeline.core.layout.ENOUGH_MARGIN_DB) on the HTP, so the rest were not run"
+            )
+        elif v is not None and v.requested > v.samples:
             notes.append(
                 f"- **{where}** validated on {v.samples} of {v.requested} held-out samples: the "
                 "HTP simulator's time budget (pipeline.core.layout.HTP_BUDGET_S s) ran out "

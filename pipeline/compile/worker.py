@@ -544,6 +544,7 @@ def probe_validation(
         measured_by="the quantize stage's HTP judge: the same ctx bytes on the same held-out "
         "samples (sha256 of each checked)",
         requested=len(samples),
+        cut_by=record.cut_by if len(record.sample_sha256) < len(samples) else "",
     )
 
 
@@ -570,6 +571,9 @@ def combine_validation(per_bucket: dict[str, Validation]) -> Validation:
         gate=largest.gate,
         measured_by=largest.measured_by if len({s.measured_by for s in sections}) == 1 else "",
         requested=sum(s.requested or s.samples for s in sections),
+        cut_by=next(
+            (c for c in ("budget", "evidence") if any(s.cut_by == c for s in sections)), ""
+        ),
     )
 
 

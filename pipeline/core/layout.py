@@ -49,6 +49,11 @@ VALIDATE_SAMPLES = 16
 # hours; the report says on how many of the samples the figures are, and why.
 HTP_BUDGET_S = 120.0
 HTP_MIN_SAMPLES = 2  # one per simulator process on two cores: run side by side, at no extra time
+# A judge round needs no more samples once this many have each run on the HTP at least
+# ENOUGH_MARGIN_DB above the target SNR vs float: the figure over them is above it too (a pooled
+# SNR is at least its samples' lowest), and the choice it decides is made.
+ENOUGH_SAMPLES = 4
+ENOUGH_MARGIN_DB = 3.0
 
 
 def past_htp_budget(elapsed_s: float, ran: int, budget_s: float) -> bool:

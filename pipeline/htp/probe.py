@@ -42,7 +42,7 @@ from qnn_ctx_runtime.typed import parse, to_json_value
 
 from ..core.cpu import cpu_session
 from ..core.fileio import sha256_file
-from ..core.layout import HTP_MIN_SAMPLES, past_htp_budget
+from ..core.layout import ENOUGH_SAMPLES, HTP_MIN_SAMPLES, past_htp_budget
 from ..core.memory import adapt_heap_to, release_freed_memory
 from ..core.metrics import Accuracy, OutputComparison, comparable, worst_snr
 from .isolation import Finished, Started, die_with_parent, start_module, wait_for
@@ -73,6 +73,9 @@ class ProbeJob:
     run_core: int = -1  # the main child, helped: pin itself to this CPU when its run starts
     budget_s: float = 0.0  # no new sample after this many seconds of running (0: every sample)
     min_samples: int = HTP_MIN_SAMPLES  # ... once this many are claimed
+    references: str = ""  # a folder of <index>.npz: the float model's outputs on each sample
+    enough_db: float = 0.0  # no new sample once ``enough_samples`` ran at this SNR vs float each
+    enough_samples: int = ENOUGH_SAMPLES
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class ProbeResult:
     cpu_nodes: int = 0
     samples: int = 0  # compared: all of those asked for, or fewer when the budget ran out
     requested: int = 0  # asked for
+    cut_by: str = ""  # why fewer ran: "budget" (the simulator's time) or "evidence" (enough_db)
     seconds_per_sample: float = 0.0  # the simulator's, in one process
     ctx_vs_float: dict[str, Accuracy] = field(default_factory=dict)
     ctx_vs_qdq: dict[str, Accuracy] = field(default_factory=dict)
@@ -189,12 +193,24 @@ def probe(
     locate: bool = False,
     timeout_s: float = 900.0,
     budget_s: float = 0.0,
+    references: list[dict[str, np.ndarray]] | None = None,
+    enough_db: float = 0.0,
 ) -> ProbeResult:
     """Compile ``qdq`` for the HTP, run it there and compare; a dead child is a failed result.
     With ``budget_s``, the samples still unstarted after that many seconds of running are left
-    out (``HTP_MIN_SAMPLES`` at least run): ``samples`` < ``requested`` says so."""
+    out (``HTP_MIN_SAMPLES`` at least run): ``samples`` < ``requested`` says so. With
+    ``references`` (the float model's outputs on each sample) and ``enough_db``, so are those
+    still unstarted once ``ENOUGH_SAMPLES`` have each reached ``enough_db`` vs float."""
     work.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / STASH, ignore_errors=True)  # outputs and claims of an earlier probe
+    reference_folder = work / "references"
+    shutil.rmtree(reference_folder, ignore_errors=True)
+    if enough_db and not locate and references is not None and len(references) == len(samples):
+        reference_folder.mkdir()
+        for index, outputs in enumerate(references):
+            np.savez(reference_folder / f"{index:04d}.npz", **outputs)
+    else:
+        enough_db = 0.0
     for stale in [work / RESULT_NAME, work / CTX_NAME, *work.glob("probe_helper_*")]:
         stale.unlink(missing_ok=True)  # its stage or context must not pass for this probe's
     cores = _cores(len(samples), locate)
@@ -210,6 +226,8 @@ def probe(
         locate=locate,
         run_core=cores[0] if cores else -1,
         budget_s=budget_s,
+        references=str(reference_folder.resolve()) if enough_db else "",
+        enough_db=enough_db,
     )
     warm = _SPARES.take(len(cores[1:])) if _SPARES is not None else None
     if warm is not None:  # started ahead, QNN registered: the job is all they wait for
@@ -531,19 +549,22 @@ def _run_on_htp(
         _pin_threads(job.run_core)  # a helper has its own core: keep off it
     count = len(job.samples)
     started, ran = time.monotonic(), 0
-    for index in reversed(range(count)) if job.helper else range(count):
-        if _over_budget(job, stash, started, ran):
+    order = _claim_order(job, count)
+    for index in order:
+        if _over_budget(job, stash, started, ran) or _wait_for_evidence(job, stash, order):
             break  # the samples left unclaimed are left out, by every process alike
         if _claim(stash, index):
             _run_sample(ctx, job.samples[index], names, _stashed(stash, index))
+            _note_figure(job, stash, index, names)
             ran += 1
     if ran:
         result.seconds_per_sample = (time.monotonic() - started) / ran
     if not job.helper:
         # Whatever is unclaimed now is left out, for good: a helper claiming it after this
         # would add a sample the comparison did not wait for.
-        for index in range(count):
-            _claim(stash, index, SKIPPED)
+        left_out = [index for index in range(count) if _claim(stash, index, SKIPPED)]
+        if left_out:
+            result.cut_by = "evidence" if _enough(job, stash, order) == "enough" else "budget"
     while not job.helper:
         missing = [i for i in _claimed(stash, count) if not _stashed(stash, i).is_file()]
         if not missing:
@@ -563,6 +584,67 @@ def _over_budget(job: ProbeJob, stash: Path, started: float, ran: int) -> bool:
     if not past_htp_budget(time.monotonic() - started, ran, job.budget_s):
         return False
     return len(list(stash.glob("*.claim"))) >= job.min_samples
+
+
+def _claim_order(job: ProbeJob, count: int) -> list[int]:
+    """The order every process claims samples in. Without ``enough_db``, the main child from
+    the front and a helper from the back. With it, all of them in one order that starts with
+    ``enough_samples`` spread over the list: whether those are enough, and so which samples
+    the figures are on, is then the same however many processes ran and however fast."""
+    if job.enough_db <= 0 or count <= job.enough_samples:
+        return list(reversed(range(count))) if job.helper else list(range(count))
+    first = [round(i * (count - 1) / (job.enough_samples - 1)) for i in range(job.enough_samples)]
+    return first + [i for i in range(count) if i not in first]
+
+
+def _enough(job: ProbeJob, stash: Path, order: list[int]) -> str:
+    """Whether the first ``enough_samples`` of ``order`` ran at ``enough_db`` or more vs float
+    each: "enough", "short" (one did not, or cannot be waited for), or "pending" (the ones
+    not yet done are running in live processes)."""
+    if job.enough_db <= 0 or len(order) <= job.enough_samples:
+        return "short"
+    pending = False
+    for index in order[: job.enough_samples]:
+        try:
+            figure = float((stash / f"{index:04d}.db").read_text())
+        except (OSError, ValueError):  # not run yet, or being written
+            try:
+                mark = (stash / f"{index:04d}.claim").read_text()
+            except OSError:
+                return "short"  # nobody runs it
+            if mark == SKIPPED or not _claimer_alive(stash, index):
+                return "short"
+            pending = True
+            continue
+        if figure < job.enough_db:
+            return "short"
+    return "pending" if pending else "enough"
+
+
+def _wait_for_evidence(job: ProbeJob, stash: Path, order: list[int]) -> bool:
+    """True once the first samples are enough; while their last ones run elsewhere, wait for
+    them instead of starting a sample that would then not count."""
+    while True:
+        verdict = _enough(job, stash, order)
+        if verdict != "pending":
+            return verdict == "enough"
+        time.sleep(0.02)
+
+
+def _note_figure(job: ProbeJob, stash: Path, index: int, names: list[str]) -> None:
+    """Sample ``index``'s worst SNR vs float on the HTP (``<index>.db``), for ``_enough``."""
+    if job.enough_db <= 0:
+        return
+    with np.load(Path(job.references) / f"{index:04d}.npz", allow_pickle=False) as data:
+        expected = {k: data[k] for k in data.files}
+    with np.load(_stashed(stash, index)) as saved:
+        got = {n: saved[f"arr_{i}"] for i, n in enumerate(names) if n in expected}
+    comparison = OutputComparison()
+    comparison.add(expected, got)
+    figure = worst_snr(comparison.summary())
+    partial = stash / f".{index:04d}.{os.getpid()}.db"
+    partial.write_text(repr(figure if figure == figure else float("-inf")))
+    partial.replace(stash / f"{index:04d}.db")
 
 
 def _claimed(stash: Path, count: int) -> list[int]:

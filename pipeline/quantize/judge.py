@@ -37,11 +37,18 @@ from qnn_ctx_runtime.targets import Target, get_target
 
 from ..core.config import ModelConfig
 from ..core.fileio import atomic_path, sha256_file
-from ..core.layout import HTP_BUDGET_S, HTP_PROBE_CTX, VALIDATE_SAMPLES, spread
+from ..core.layout import (
+    ENOUGH_MARGIN_DB,
+    HTP_BUDGET_S,
+    HTP_PROBE_CTX,
+    VALIDATE_SAMPLES,
+    spread,
+)
 from ..core.metrics import worst_snr
 from ..core.progress import Progress
 from ..core.records import HtpProbeRecord, write_record
 from ..htp.probe import CTX_NAME, ProbeResult, probe, qnn_available
+from .evaluate import kept_outputs
 from .mixed_precision import EIGHT_BIT, SIXTEEN_BIT, measure
 
 HTP_GAP_DB = 3.0  # the HTP may lose this much against the CPU QDQ model before it is "diverging"
@@ -72,6 +79,7 @@ class JudgeRound:
     samples: int = 0  # held-out samples it ran on
     requested: int = 0  # asked for: more when the simulator's time budget ran out first
     seconds_per_sample: float = 0.0  # the simulator's pace, one process
+    cut_by: str = ""  # why fewer ran: "budget" or "evidence" (pipeline.htp.probe.ProbeResult)
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,7 @@ def _round(label: str, result: ProbeResult) -> JudgeRound:
         samples=result.samples,
         requested=result.requested,
         seconds_per_sample=result.seconds_per_sample,
+        cut_by=result.cut_by,
     )
 
 
@@ -195,6 +204,10 @@ def judge_on_htp(
     samples = spread(heldout, VALIDATE_SAMPLES)
     locate_samples = spread(heldout, LOCATE_SAMPLES)
     target_db = q.target_snr_db if decide else float("-inf")
+    # Enough samples once ENOUGH_SAMPLES are each ENOUGH_MARGIN_DB above the target: from the
+    # float outputs this process kept when it compared QDQ and float (none: every sample runs).
+    enough_db = target_db + ENOUGH_MARGIN_DB if decide else 0.0
+    references = kept_outputs(float_path, samples) if decide else None
     work = Path(tempfile.mkdtemp(prefix=".htp-judge-", dir=scratch))
     rounds: list[JudgeRound] = []
     ctx_of: dict[int, Path] = {}  # each probe's context file, by id of its result
@@ -216,6 +229,8 @@ def judge_on_htp(
                 chip.htp_arch,
                 locate=locate,
                 budget_s=HTP_BUDGET_S,
+                references=references if on is None else None,
+                enough_db=enough_db,
             )
             rounds.append(_round(shown, result))
             ctx_of[id(result)] = folder / CTX_NAME
@@ -414,6 +429,7 @@ def _write_probe_record(
         qnn_options={},
         sample_sha256=list(result.sample_sha256),
         requested=result.requested,
+        cut_by=result.cut_by,
         partitions=result.partitions,
         cpu_nodes=result.cpu_nodes,
         ctx_vs_qdq=result.ctx_vs_qdq,

@@ -8,7 +8,7 @@ from pathlib import Path
 from qnn_ctx_runtime.buckets import CropRule, PadRule
 
 from ..calibration.ranges import BiasFloor
-from ..core.layout import HTP_BUDGET_S
+from ..core.layout import ENOUGH_MARGIN_DB, ENOUGH_SAMPLES, HTP_BUDGET_S
 from ..core.metrics import Accuracy, comparison_note, figure, worst_snr
 from ..core.records import BuildInputs
 from ..core.report import fmt, table, write_report
@@ -457,7 +457,16 @@ def _htp_section(r: QuantizeReport) -> list[str]:
         "",
     ]
     lines += ["", table(headers, rows)]
-    short = [x for x in j.rounds if x.requested > x.samples > 0]
+    enough = [x for x in j.rounds if x.requested > x.samples > 0 and x.cut_by == "evidence"]
+    if enough:
+        lines += [
+            "",
+            f"A round stops starting samples once {ENOUGH_SAMPLES} have each run at "
+            f"{ENOUGH_MARGIN_DB:g} dB or more above the target SNR vs float on the HTP "
+            "(pipeline.core.layout.ENOUGH_SAMPLES): the figure over them is above it too, and "
+            "the round's choice is made. Its figures are on the samples it ran.",
+        ]
+    short = [x for x in j.rounds if x.requested > x.samples > 0 and x.cut_by != "evidence"]
     if short:
         pace = max(x.seconds_per_sample for x in short)
         lines += [
