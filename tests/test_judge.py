@@ -458,6 +458,15 @@ def test_probes_started_ahead_take_the_first_job_and_unused_ones_end(tmp_path: P
     assert not spares.folder.exists() and probe_mod._SPARES is None
 
 
+def _dilated_with_ten_heldout(tmp_path: Path) -> Any:
+    """The dilated model's config with 30 calibration and 10 held-out samples."""
+    rng = np.random.default_rng(7)
+    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(40)]
+    config_path = _write(tmp_path, _dilated_model(rng), samples, "")
+    config_path.write_text(config_path.read_text().replace("samples = 16", "samples = 40"))
+    return load_config(config_path)
+
+
 def test_the_simulators_time_budget_leaves_samples_out_and_says_so(tmp_path: Path, monkeypatch):
     """A model the simulator takes minutes a sample on (a 1024x1024 segmenter) cannot run 16
     samples: past the budget no new sample starts once two ran (one per process). The figures
@@ -472,11 +481,7 @@ def test_the_simulators_time_budget_leaves_samples_out_and_says_so(tmp_path: Pat
     from qnn_ctx_runtime import qnn
     from qnn_ctx_runtime.toolchains import load_toolchains
 
-    rng = np.random.default_rng(7)
-    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(40)]
-    config_path = _write(tmp_path, _dilated_model(rng), samples, "")
-    config_path.write_text(config_path.read_text().replace("samples = 16", "samples = 40"))
-    config = load_config(config_path)
+    config = _dilated_with_ten_heldout(tmp_path)
     artifacts = tmp_path / "artifacts"
     monkeypatch.setattr(judge_mod, "HTP_BUDGET_S", 1e-6)
     quantize_model(config, artifacts, force=True)
@@ -533,11 +538,7 @@ def test_a_round_stops_once_enough_samples_are_well_above_the_target(tmp_path: P
     from qnn_ctx_runtime import qnn
     from qnn_ctx_runtime.toolchains import load_toolchains
 
-    rng = np.random.default_rng(7)
-    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(40)]
-    config_path = _write(tmp_path, _dilated_model(rng), samples, "")
-    config_path.write_text(config_path.read_text().replace("samples = 16", "samples = 40"))
-    config = load_config(config_path)
+    config = _dilated_with_ten_heldout(tmp_path)
     artifacts = tmp_path / "artifacts"
     quantize_model(config, artifacts, force=True)
     first = _report(tmp_path)["htp"]["rounds"][0]

@@ -77,7 +77,22 @@ def test_large_samples_free_their_activations_at_once(sample_bytes: int) -> None
         assert float(after) > float(before) + 120  # the default: freed, still resident
 
 
-_END_TO_END = """
+_PEAK = """
+def _status_mib(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) / 1024
+def peak_from_here():
+    open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current RSS
+    return _status_mib("VmRSS")
+def peak_mib():
+    return _status_mib("VmHWM")
+"""
+
+
+_END_TO_END = (
+    _PEAK
+    + """
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -111,16 +126,12 @@ for index in range(3):
     np.savez(heldout / f"sample_{index:04d}.npz", x=np.full((1, 1, 1, 1), index + 1, np.float32))
 config = SimpleNamespace(inputs=SimpleNamespace(constants={}))
 plan = single_bucket({"x": [1, 1, 1, 1]})
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) / 1024
-open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
-before = status("VmRSS")
+before = peak_from_here()
 result = end_to_end(config, SourceModel(model), plan, {plan.names[0]: model}, {plan.names[0]: model}, heldout)
 assert result.samples == 3, result
-print((status("VmHWM") - before) / 128)
+print((peak_mib() - before) / 128)
 """
+)
 
 
 def test_end_to_end_holds_one_model_outputs_beside_the_source(tmp_path: Path) -> None:
@@ -137,7 +148,9 @@ def test_end_to_end_holds_one_model_outputs_beside_the_source(tmp_path: Path) ->
     assert outputs_alive < 2.8, f"{outputs_alive:.1f} outputs of 128 MiB alive at the peak"
 
 
-_HEAVY = """
+_HEAVY = (
+    _PEAK
+    + """
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -170,19 +183,15 @@ for index in range(3):
 config = SimpleNamespace(inputs=SimpleNamespace(constants={}))
 plan = single_bucket({"x": [1, 4096]})
 release_freed_memory()
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) / 1024
-open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
-before = status("VmRSS")
+before = peak_from_here()
 name = plan.names[0]
 result = end_to_end(
     config, SourceModel(paths[0]), plan, {name: paths[1]}, {name: paths[2]}, heldout
 )
 assert result.samples == 3, result
-print((status("VmHWM") - before) / 64)
+print((peak_mib() - before) / 64)
 """
+)
 
 
 def test_end_to_end_opens_one_session_at_a_time(tmp_path: Path) -> None:
