@@ -357,3 +357,24 @@ def test_the_htp_computes_the_additive_mask_as_the_cpu_does(tmp_path: Path) -> N
     assert result.ok, result.error
     assert result.partitions == 1 and result.cpu_nodes == 0
     assert result.worst_ctx_vs_qdq > 40.0, result.worst_ctx_vs_qdq
+
+
+@pytest.mark.parametrize("form", ["Mul", "Where"])
+def test_the_whole_model_in_fp16_keeps_the_finite_mask_fill(tmp_path: Path, form: str) -> None:
+    """The judge's last resort runs the float model in fp16 on the HTP, where MASK_FILL
+    (-1e9) is beyond fp16's range: the masked scores must still vanish in the Softmax, not
+    turn into NaN (0 x -inf) where the mask keeps a token."""
+    from pipeline.htp.probe import probe
+
+    prepared = prepare_model(hf_masked_attention(form=form), NO_INPUTS)[0]
+    onnx.save(prepared, tmp_path / "float.onnx")
+    rng = np.random.default_rng(9)
+    samples = []
+    for index in range(3):
+        samples.append(tmp_path / f"sample_{index}.npz")
+        np.savez(samples[-1], **attention_feeds(rng))
+    float_model = tmp_path / "float.onnx"
+    result = probe(float_model, float_model, samples, tmp_path / "p", 60, 73)
+    assert result.ok, result.error
+    assert result.partitions == 1 and result.cpu_nodes == 0
+    assert result.worst_ctx_vs_float > 45.0, result.worst_ctx_vs_float
