@@ -751,7 +751,8 @@ def main() -> int:
         "and run on the HTP simulator on the same held-out real inputs as ours, vs the float "
         "model on the CPU (its SNR column). Its wall time counts failed runs too.",
         "Ours: real calibration data; quantize also evaluates the QDQ model on held-out inputs "
-        "and runs it as a ctx on the HTP simulator (16 held-out samples: the HTP judge, which "
+        "and runs it as a ctx on the HTP simulator (up to 16 held-out samples, 4 when those are "
+        "well above the target: the HTP judge, which "
         "raises tensors or the whole model to 16 bit where the HTP needs it); compile reuses "
         "that run as its validation when the ctx bytes match (else it validates again, the SNR "
         "column) and benchmarks session loads. 'of which to a loaded ctx' stops the clock when "
