@@ -249,3 +249,31 @@ def test_a_fault_in_the_pipeline_keeps_its_traceback_in_the_report(
     assert "evaluate" in report["steps_done"] and "check_preparation" not in report["steps_done"]
     assert "a fault in the pipeline" in paths.report.read_text()
     assert not paths.record.exists()
+
+
+def test_held_out_samples_are_read_once_and_again_when_rewritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every check reads the held-out folder again: the feeds are kept (read-only, so no
+    check can change another's inputs), and a file written anew is read anew."""
+    from pipeline.quantize import evaluate
+
+    for index in range(3):
+        np.savez(tmp_path / f"sample_{index:04d}.npz", x=np.full((2, 2), index, np.float32))
+    reads: list[str] = []
+    real_load = np.load
+
+    def counted(path: object, *args: object, **kwargs: object) -> object:
+        reads.append(str(path))
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate.np, "load", counted)
+    first = [feeds["x"][0, 0] for feeds in evaluate.iter_samples(tmp_path)]
+    again = list(evaluate.iter_samples(tmp_path))
+    assert first == [0, 1, 2] and [f["x"][0, 0] for f in again] == [0, 1, 2]
+    assert len(reads) == 3
+    with pytest.raises(ValueError):
+        again[0]["x"][0, 0] = 7.0
+    np.savez(tmp_path / "sample_0001.npz", x=np.full((3, 3), 9, np.float32))
+    assert [f["x"][0, 0] for f in evaluate.iter_samples(tmp_path)] == [0, 9, 2]
+    assert len(reads) == 4
