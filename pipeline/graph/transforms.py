@@ -33,7 +33,6 @@ from .edit import (
     copy_model,
     defined_names,
     drop_nodes,
-    infer_shapes,
     inferred_values,
     initializers_by_name,
     min_ir_version,
@@ -47,6 +46,7 @@ from .edit import (
     subgraphs,
     used_names,
     value_shape,
+    with_inferred_shapes,
 )
 
 # onnxruntime 1.24+ loads IR <= 11 at least and the quantizer needs opset 21 (IR 10) for 16-bit
@@ -1492,7 +1492,7 @@ def store_inferred_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
     shapes that inference cannot justify hide real problems.
     """
     old = {o.name: value_shape(o) for o in model.graph.output}
-    inferred = infer_shapes(model)
+    inferred = with_inferred_shapes(model)
     # Outputs inference cannot give a shape (a label lookup, an op it has no schema for) keep
     # their stored type: a graph output needs one, and the static-shape check names them.
     stored = {o.name: o.type for o in model.graph.output}
