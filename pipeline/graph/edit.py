@@ -219,30 +219,51 @@ def _copy_fields(source: Any, target: Any, skip: tuple[str, ...] = ()) -> None:
             setattr(target, field.name, value)
 
 
-def _without_weight_data(model: onnx.ModelProto) -> onnx.ModelProto:
+def _is_weight(init: onnx.TensorProto) -> bool:
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE)
+    return init.data_type in floats and int(np.prod(init.dims)) > WEIGHT_ELEMENTS
+
+
+def without_weight_data(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy whose large float initializers keep their name, type and dims but no data.
 
-    Shape inference reads initializer data only for shape-like inputs (Reshape's shape, Slice's
-    starts, Resize's scales: small or integer tensors); the weights' bytes only cost. The onnx
-    call serializes the model, parses it in C++, and back: on a 176 MB U-Net one inference took
-    +680 MB and 0.7 s, without the weights +14 MB and 0.01 s, with the same shapes (checked on
-    the 19 dev models)."""
-    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE)
+    onnx's shape inference and version converter read initializer data only for shape-like
+    inputs (Reshape's shape, Slice's starts, Resize's scales: small or integer tensors); the
+    weights' bytes only cost, since each call serializes the model, parses it in C++, and back.
+    On a 176 MB U-Net one inference took +680 MB and 0.7 s, without the weights +14 MB and
+    0.01 s; the conversion to opset 21 +1152 MB (the quantize stage's peak), without them +32 MB.
+    The same shapes, and byte-identical conversions, on the 19 dev models."""
     bare = onnx.ModelProto()
     _copy_fields(model, bare, skip=("graph",))
     _copy_fields(model.graph, bare.graph, skip=("initializer",))
     for init in model.graph.initializer:
-        if init.data_type in floats and int(np.prod(init.dims)) > WEIGHT_ELEMENTS:
+        if _is_weight(init):
             bare.graph.initializer.add(name=init.name, data_type=init.data_type, dims=init.dims)
         else:
             bare.graph.initializer.add().CopyFrom(init)
     return bare
 
 
+def restore_weight_data(converted: onnx.ModelProto, source: onnx.ModelProto) -> bool:
+    """Put ``source``'s weights back into ``converted`` (made from ``without_weight_data``),
+    in place; False if the conversion changed one (its type or dims), which needs its data."""
+    weights = {init.name: init for init in source.graph.initializer if _is_weight(init)}
+    for init in converted.graph.initializer:
+        original = weights.get(init.name)
+        if original is None:
+            continue
+        if (init.data_type, list(init.dims)) != (original.data_type, list(original.dims)):
+            return False
+        if init.raw_data or init.float_data or init.double_data or init.int32_data:
+            return False
+        init.CopyFrom(original)
+    return True
+
+
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """Schema-only shape inference without stored shapes (the strict criterion), on a copy
-    of ``model`` without its weights' data (``_without_weight_data``): for the shapes only."""
-    bare = strip_shape_info(_without_weight_data(model))
+    of ``model`` without its weights' data (``without_weight_data``): for the shapes only."""
+    bare = strip_shape_info(without_weight_data(model))
     try:
         return onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=False)
     except onnx.shape_inference.InferenceError as exc:

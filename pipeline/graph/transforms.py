@@ -41,12 +41,14 @@ from .edit import (
     opset_version,
     remove_dead_nodes,
     rename_tensors,
+    restore_weight_data,
     set_nodes,
     sort_graph,
     subgraphs,
     used_names,
     value_shape,
     with_inferred_shapes,
+    without_weight_data,
 )
 
 # onnxruntime 1.24+ loads IR <= 11 at least and the quantizer needs opset 21 (IR 10) for 16-bit
@@ -1069,10 +1071,9 @@ def upgrade_opset(
     """
     from onnx import version_converter
 
-    model = copy_model(model)
     current = opset_version(model)
     if current >= target:
-        return checked_change(model, "upgrade_opset", [])
+        return checked_change(copy_model(model), "upgrade_opset", [])
     legacy = sorted(
         {n.op_type for g in all_graphs(model.graph) for n in g.node} & (_LEGACY_OPS | {"Crop"})
     )
@@ -1091,7 +1092,11 @@ def upgrade_opset(
             "the op to pipeline/graph/legacy.py.",
         )
     try:
-        converted = version_converter.convert_version(model, target)
+        # Without the weights' bytes (edit.without_weight_data): a 176 MB model cost +1152 MB
+        # here. An adapter that changed a weight needs its data: converted again with it.
+        converted = version_converter.convert_version(without_weight_data(model), target)
+        if not restore_weight_data(converted, model):
+            converted = version_converter.convert_version(model, target)
     except Exception as exc:  # the converter raises bare RuntimeErrors
         raise ModelError(
             f"The onnx version converter could not bring the model from opset {current} to "
