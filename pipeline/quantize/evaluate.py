@@ -177,12 +177,22 @@ def evaluate(reference_model: Path, test_model: Path, heldout: Path) -> dict[str
 
 
 def _evaluate(reference_model: Path, test_model: Path, heldout: Path) -> dict[str, Accuracy]:
-    ref = KeptRuns(reference_model)
-    test = KeptRuns(test_model)
-    names = ref.output_names()
-    comparison = OutputComparison()
-    for feeds in iter_samples(heldout):
-        comparison.add(ref.run_named(names, feeds), test.run_named(names, feeds))
+    """One session at a time (``SampleOutputs``): the reference over every sample, then the
+    test model."""
+    with tempfile.TemporaryDirectory(prefix=".evaluate-", dir=heldout.parent) as spill:
+        expected = SampleOutputs(Path(spill))
+        ref = KeptRuns(reference_model)
+        names = ref.output_names()
+        for index, feeds in enumerate(iter_samples(heldout)):
+            expected.put(index, ref.run_named(names, feeds))
+        del ref
+        release_freed_memory()  # the reference's session
+        test = KeptRuns(test_model)
+        comparison = OutputComparison()
+        for index, feeds in enumerate(iter_samples(heldout)):
+            got = test.run_named(names, feeds)
+            comparison.add(expected.get(index), got)
+            del got
     return comparison.summary()
 
 
