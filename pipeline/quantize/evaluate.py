@@ -211,8 +211,8 @@ class EndToEnd:
 class SampleOutputs:
     """Each held-out sample's reference outputs, so that one model's session runs at a time:
     kept in memory up to ``budget`` bytes, the rest written to ``folder`` (a build folder's
-    temporary one). A heavy model's CPU session holds about three times its weights (a
-    1024x1024 U-Net's 176 MB: 495 MB), and the end-to-end check had three of them open."""
+    temporary one). A CPU session holds its weights, and more once optimized (a 1024x1024
+    U-Net's 176 MB: 495 MB of process memory), and the end-to-end check had three open."""
 
     def __init__(self, folder: Path, budget: int = KEEP_BYTES) -> None:
         self.folder = folder
