@@ -90,6 +90,14 @@ def peak_mib():
 """
 
 
+def _figure_of(script: str, *args: str) -> float:
+    """The last figure ``script`` prints, run in a fresh interpreter (a peak of its own)."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, check=True
+    )
+    return float(done.stdout.split()[-1])
+
+
 _END_TO_END = (
     _PEAK
     + """
@@ -138,13 +146,7 @@ def test_end_to_end_holds_one_model_outputs_beside_the_source(tmp_path: Path) ->
     """The end-to-end check runs the source, QDQ and float models on each held-out sample. A
     19-class 1024x2048 map is 152 MiB a model: only the source's outputs and one other model's
     may be alive at a time, not all three under the next sample's runs."""
-    done = subprocess.run(
-        [sys.executable, "-c", _END_TO_END, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    outputs_alive = float(done.stdout.split()[-1])
+    outputs_alive = _figure_of(_END_TO_END, str(tmp_path))
     assert outputs_alive < 2.8, f"{outputs_alive:.1f} outputs of 128 MiB alive at the peak"
 
 
@@ -203,13 +205,7 @@ def test_checks_open_one_session_at_a_time(tmp_path: Path, check: str) -> None:
     """A heavy model's CPU session holds its weights (a 1024x1024 U-Net's: 495 MB): the
     end-to-end check's source, QDQ and float sessions, and the float and QDQ ones of the
     held-out evaluation, run one after another, not side by side."""
-    done = subprocess.run(
-        [sys.executable, "-c", _HEAVY, str(tmp_path), check],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    weights_alive = float(done.stdout.split()[-1])
+    weights_alive = _figure_of(_HEAVY, str(tmp_path), check)
     assert weights_alive < 3.0, f"{weights_alive:.1f} x 64 MiB of weights at the peak"
 
 
@@ -246,8 +242,5 @@ def test_the_opset_upgrade_does_not_copy_the_weights_through_cpp() -> None:
     """onnx's version converter serializes the model, parses it in C++ and back: with the
     weights' bytes that is several copies of them at once (the quantize stage's peak on a
     176 MB U-Net); without them, only the result's own copy."""
-    done = subprocess.run(
-        [sys.executable, "-c", _UPGRADE], capture_output=True, text=True, check=True
-    )
-    copies = float(done.stdout.split()[-1])
+    copies = _figure_of(_UPGRADE)
     assert copies < 1.6, f"{copies:.1f} x 64 MiB of weights at the peak"
