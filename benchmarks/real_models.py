@@ -44,6 +44,7 @@ SHORT_STEPS = {
     "constants_to_initializers": "const->init",
     "fold_constants": "fold",
     "fold_batchnorm": "fold-BN",
+    "fold_conv_affine": "fold-affine",
     "rewrite_for_htp": "htp-rewrites",
     "qnn_preprocess": "qnn-preprocess",
 }

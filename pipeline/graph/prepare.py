@@ -60,6 +60,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         legacy.fold_pad_into_pool,  # Pad(-FLT_MAX) -> MaxPool: the pad value blows the range
         attention.finite_mask_fills,  # -inf / finfo.min mask fills: an infinite scale
         t.fold_batchnorm,
+        t.fold_conv_affine,  # ConvTranspose -> Add(bias): the HTP drops the Add's zero point
         legacy.batchnorm_to_affine,  # a BatchNormalization with no Conv before it
         recurrent.normalize_recurrent_ops,  # QNN refuses even default activations spelled out
         recurrent.unroll_recurrent_ops,  # LSTM/GRU/RNN forms QNN refuses -> elementary ops
