@@ -183,6 +183,17 @@ def build_whole_on_htp(root: Path, name: str, model: onnx.ModelProto, samples: i
     assert record.validation is not None and record.validation.worst_snr_db > 30.0
 
 
+def ctx_vs_qdq_on_htp(qdq: Path, float_model: Path, sample: Path, work: Path) -> float:
+    """The judge's probe of ``qdq`` on one sample (Snapdragon X Elite: soc 60, HTP v73):
+    asserts it runs whole on the HTP and returns its ctx vs CPU QDQ SNR in dB."""
+    from pipeline.htp.probe import probe
+
+    result = probe(qdq, float_model, [sample], work, 60, 73)
+    assert result.ok, result.error
+    assert result.partitions == 1 and result.cpu_nodes == 0
+    return result.worst_ctx_vs_qdq
+
+
 def model_paths(root: Path, name: str) -> ModelPaths:
     return ModelPaths.of(root / "artifacts", name)
 

@@ -109,7 +109,7 @@ def test_other_gates_and_eight_bit_are_left_alone(
 @pytest.mark.qnn
 def test_the_htp_computes_the_split_silu_right(tmp_path: Path) -> None:
     """Left alone the ctx is ~2 dB from the CPU QDQ model at 12x12; split, it agrees."""
-    from pipeline.htp.probe import probe
+    from compile_fixtures import ctx_vs_qdq_on_htp
 
     model = gated_conv("Sigmoid")
     qdq = quantized(model, tmp_path, "uint16")
@@ -117,19 +117,15 @@ def test_the_htp_computes_the_split_silu_right(tmp_path: Path) -> None:
     np.savez(tmp_path / "sample.npz", x=x)
     split, _ = split_swish_input(qdq)
     onnx.save(split, str(tmp_path / "split.onnx"))
-    results = {}
-    for name in ("qdq", "split"):
-        result = probe(
+    results = {
+        name: ctx_vs_qdq_on_htp(
             tmp_path / f"{name}.onnx",
             tmp_path / "float.onnx",
-            [tmp_path / "sample.npz"],
+            tmp_path / "sample.npz",
             tmp_path / f"probe_{name}",
-            60,
-            73,
         )
-        assert result.ok, result.error
-        assert result.partitions == 1 and result.cpu_nodes == 0
-        results[name] = result.worst_ctx_vs_qdq
+        for name in ("qdq", "split")
+    }
     assert results["split"] > 60.0, results
     # If a new QNN SDK computes the fused SiLU right, this says so: the split may then go.
     assert results["qdq"] < 20.0, f"the HTP's 16-bit SiLU is right now: {results}"

@@ -475,9 +475,7 @@ def test_preparation_folds_a_bias_add_and_the_batchnorm_behind_it() -> None:
 def test_the_htp_computes_a_folded_conv_transpose_bias_right(tmp_path: Path) -> None:
     """Quantized apart, a ConvTranspose and its bias Add are fused by the HTP with the Add's
     zero point dropped (every output shifted by it); folded, the bias is the op's own."""
-    from compile_fixtures import _quantize_qnn
-
-    from pipeline.htp.probe import probe
+    from compile_fixtures import _quantize_qnn, ctx_vs_qdq_on_htp
 
     rng = np.random.default_rng(11)
     model = with_inits(
@@ -495,17 +493,12 @@ def test_the_htp_computes_a_folded_conv_transpose_bias_right(tmp_path: Path) -> 
     for name, float_model in (("apart", model), ("folded", t.fold_conv_affine(model)[0])):
         onnx.save(float_model, str(tmp_path / f"{name}.onnx"))
         _quantize_qnn(tmp_path / f"{name}.onnx", tmp_path / f"{name}_qdq.onnx", samples)
-        result = probe(
+        results[name] = ctx_vs_qdq_on_htp(
             tmp_path / f"{name}_qdq.onnx",
             tmp_path / f"{name}.onnx",
-            [tmp_path / "sample.npz"],
+            tmp_path / "sample.npz",
             tmp_path / f"probe_{name}",
-            60,
-            73,
         )
-        assert result.ok, result.error
-        assert result.partitions == 1 and result.cpu_nodes == 0
-        results[name] = result.worst_ctx_vs_qdq
     assert results["folded"] > 50.0, results
     # If a new QNN SDK keeps the zero point, this says so: the rule is then only a cleanup.
     assert results["apart"] < results["folded"] - 15.0, results
