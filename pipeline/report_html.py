@@ -1118,11 +1118,16 @@ def _buckets_section(page: _Page) -> None:
                 "shapes",
                 "calibration samples",
                 "padded from smaller",
-                "held-out",
+                "held-out run",
                 "worst QDQ vs float dB",
                 "QDQ bytes",
             ],
             rows,
+        ),
+        _p(
+            "held-out run: a bucket runs every held-out sample that fits it, padded, so each "
+            f"of the {q.get('heldout_samples', '-')} held-out samples counts in its own bucket "
+            "and in every larger one."
         ),
         _table(["padded dim", "axis", "value", "side"], pads) if pads else "",
         _table(["cropped output", "axis", "follows"], crops) if crops else "",

@@ -3,6 +3,7 @@ one weight-shared context, publish, and run through the runtime at several input
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -104,6 +105,14 @@ def test_quantized_once_every_bucket_has_the_same_weights_and_parameters(built: 
     # bucket had samples of its own.
     assert not any(b["calibrated_with_smaller"] for b in buckets)
     assert sum(b["calibration_samples"] for b in buckets) == report["calibration_samples"]
+    # Held-out samples each have one bucket of their own and are run in every bucket that holds
+    # them (padded): the report's column is that running count, and says so.
+    index = json.loads((paths(built).heldout / "index.json").read_text())
+    own = [sum(row["bucket"] == b["name"] for row in index) for b in buckets]
+    assert not any(b["heldout_from_calibration"] for b in buckets)
+    assert [b["heldout_samples"] for b in buckets] == list(itertools.accumulate(own))
+    markdown = (build_dir(built) / "report.md").read_text()
+    assert f"each of the {len(index)} held-out samples counts in its own bucket" in markdown
     assert build_dir(built) / "buckets" / "frames16" == paths(built).bucket("frames16").root
     models = {s: onnx.load(str(paths(built).bucket(f"frames{s}").qdq)) for s in SIZES}
     tensors = {

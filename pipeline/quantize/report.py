@@ -326,12 +326,16 @@ def _buckets_section(r: QuantizeReport) -> list[str]:
                 "shapes",
                 "calibration samples",
                 "fallback",
-                "held-out",
+                "held-out run",
                 "SNR QDQ vs float dB",
                 "QDQ bytes",
             ],
             rows,
         ),
+        "",
+        f"held-out run: a bucket runs every held-out sample that fits it, padded, so each of the "
+        f"{r.heldout_samples} held-out samples counts in its own bucket and in every larger one "
+        "(heldout/index.json names each sample's own bucket).",
         "",
         "Padding (into the bucket):",
         "",
