@@ -45,6 +45,7 @@ SHORT_STEPS = {
     "fold_constants": "fold",
     "fold_batchnorm": "fold-BN",
     "fold_conv_affine": "fold-affine",
+    "output_padding_to_pads": "output-padding",
     "rewrite_for_htp": "htp-rewrites",
     "qnn_preprocess": "qnn-preprocess",
 }

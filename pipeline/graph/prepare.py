@@ -66,6 +66,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         recurrent.unroll_recurrent_ops,  # LSTM/GRU/RNN forms QNN refuses -> elementary ops
         recurrent.lower_high_rank,  # rank > 5 (an unfold as Gather) -> rank <= 5
         recurrent.dilate_conv_transpose,  # QNN's TransposeConv2d takes dilation 1 only
+        recurrent.output_padding_to_pads,  # the HTP's depthwise ConvTranspose drops it
         t.split_computed_clips,  # the QNN EP takes Clip with constant bounds only
         t.rewrite_for_htp,
         resize.resize_for_htp,  # the HTP resizes by out/in, not by the scale given

@@ -812,3 +812,39 @@ def dilate_conv_transpose(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
             f"{grown}"
         )
     return edit.checked_change(model, "dilate_conv_transpose", details)
+
+
+def output_padding_to_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """ConvTranspose(output_padding p) -> ConvTranspose with each end pad lowered by p.
+
+    Exact wherever the end pad is at least p: output_padding uncrops the end of the full
+    transposed convolution by as many positions as a smaller end pad would. Why: the QNN HTP
+    computes a depthwise ConvTranspose (group = channels) with output padding wrongly, in 16
+    bit and in fp16 alike (0 dB on the simulator; the same op with the pads lowered: 44 dB),
+    and PyTorch's ConvTranspose2d(k=3, stride=2, padding=1, output_padding=1) is a common
+    2x upsampler in decoders.
+    """
+    model = edit.copy_model(model)
+    details = []
+    for node in model.graph.node:
+        if node.op_type != "ConvTranspose" or node.domain not in edit.DEFAULT_DOMAINS:
+            continue
+        attrs = _attrs(node)
+        extra = [int(p) for p in attrs.get("output_padding", [])]
+        pads = [int(p) for p in attrs.get("pads", [])]
+        if not any(extra) or "output_shape" in attrs or len(pads) != 2 * len(extra):
+            continue
+        if _text(attrs.get("auto_pad", "NOTSET")) != "NOTSET":
+            continue
+        rank = len(extra)
+        if any(pads[rank + i] < p for i, p in enumerate(extra)):
+            continue  # the extra positions lie past the full result: no pad can give them
+        lowered = pads[:rank] + [pads[rank + i] - p for i, p in enumerate(extra)]
+        kept = [a for a in node.attribute if a.name not in ("output_padding", "pads")]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        node.attribute.append(onnx.helper.make_attribute("pads", lowered))
+        details.append(
+            f"{edit.node_label(node)}: output_padding {extra} -> pads {pads} -> {lowered}"
+        )
+    return edit.checked_change(model, "output_padding_to_pads", details)
