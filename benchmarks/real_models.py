@@ -46,6 +46,7 @@ SHORT_STEPS = {
     "fold_batchnorm": "fold-BN",
     "fold_conv_affine": "fold-affine",
     "output_padding_to_pads": "output-padding",
+    "avg_pool_ceil_mode": "avgpool-floor",
     "rewrite_for_htp": "htp-rewrites",
     "qnn_preprocess": "qnn-preprocess",
 }

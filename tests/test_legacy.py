@@ -242,6 +242,77 @@ def test_pad_stays_when_folding_would_change_the_result(
     assert not change.changed
 
 
+# --- AveragePool in ceil mode --------------------------------------------------------------------
+
+
+def ceil_pool(kernel: int, stride: int, pads: int, counts: int, size: int = 15) -> onnx.ModelProto:
+    """AveragePool(ceil_mode = 1), as ResNet-D shortcuts and Caffe exports write it."""
+    pool = oh.make_node(
+        "AveragePool",
+        ["x"],
+        ["y"],
+        kernel_shape=[kernel, kernel],
+        strides=[stride, stride],
+        pads=[pads] * 4,
+        ceil_mode=1,
+        count_include_pad=counts,
+    )
+    model = model_of([pool], 21, in_shape=[1, 2, size, size])
+    model.ir_version = 10
+    return model
+
+
+@pytest.mark.parametrize(
+    ("kernel", "stride", "pads", "counts", "size", "ops"),
+    [
+        (2, 2, 0, 0, 15, ["AveragePool"]),  # ResNet-D's shortcut on an odd size
+        (3, 2, 0, 1, 16, ["AveragePool"]),  # counted pads, but none explicit
+        (3, 2, 1, 0, 16, ["AveragePool"]),
+        (3, 2, 1, 1, 16, ["Pad", "AveragePool"]),  # explicit pads that count
+        (3, 2, 1, 1, 7, ["AveragePool"]),  # no window overhangs: only the flag goes
+        (3, 3, 0, 1, 14, ["AveragePool"]),
+    ],
+)
+def test_ceil_mode_average_pool_becomes_floor_mode_with_the_same_numbers(
+    kernel: int, stride: int, pads: int, counts: int, size: int, ops: list[str]
+) -> None:
+    model = ceil_pool(kernel, stride, pads, counts, size)
+    rewritten, change = legacy.avg_pool_ceil_mode(model)
+    assert change.changed and [n.op_type for n in rewritten.graph.node] == ops
+    pool = rewritten.graph.node[-1]
+    assert not any(a.name == "ceil_mode" and a.i for a in pool.attribute)
+    x = RNG.standard_normal([1, 2, size, size]).astype(np.float32)
+    np.testing.assert_allclose(run(rewritten, x), run(model, x), rtol=1e-6, atol=1e-6)
+    assert [n.op_type for n in prepared(model).graph.node] == ops
+
+
+@pytest.mark.qnn
+def test_the_htp_computes_the_floor_mode_pool_right(tmp_path: Path) -> None:
+    """The HTP's ceil-mode AveragePool is wrong (whole model in fp16 on the simulator)."""
+    from pipeline.htp.probe import probe
+
+    model = ceil_pool(3, 2, 0, 0, 16)
+    # A Conv first: a graph of the pool alone on the input is refused by the QNN EP either way.
+    weight = numpy_helper.from_array(RNG.standard_normal((2, 2, 3, 3)).astype(np.float32), "w")
+    model.graph.initializer.append(weight)
+    model.graph.node.insert(0, oh.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]))
+    model.graph.node[1].input[0] = "c"
+    output = oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 8, 8])  # 16 -> 8, ceil
+    model.graph.output[0].CopyFrom(output)
+    np.savez(tmp_path / "sample.npz", x=RNG.standard_normal([1, 2, 16, 16]).astype(np.float32))
+    results = {}
+    for name, candidate in (("ceil", model), ("floor", legacy.avg_pool_ceil_mode(model)[0])):
+        onnx.save(candidate, str(tmp_path / f"{name}.onnx"))
+        path = tmp_path / f"{name}.onnx"
+        result = probe(path, path, [tmp_path / "sample.npz"], tmp_path / name, 60, 73)
+        assert result.ok, result.error
+        assert result.partitions == 1 and result.cpu_nodes == 0
+        results[name] = result.worst_ctx_vs_float
+    assert results["floor"] > 50.0, results
+    # If a new QNN SDK gets ceil mode right, this says so: the rewrite is then only exact.
+    assert results["ceil"] < 20.0, results
+
+
 # --- a BatchNormalization with nothing to fold into ----------------------------------------------
 
 

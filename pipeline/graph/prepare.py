@@ -70,6 +70,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         t.split_computed_clips,  # the QNN EP takes Clip with constant bounds only
         t.rewrite_for_htp,
         resize.resize_for_htp,  # the HTP resizes by out/in, not by the scale given
+        legacy.avg_pool_ceil_mode,  # the HTP's ceil-mode AveragePool is wrong
         t.rewrite_hypot,  # after Pow(x, 2) -> Mul(x, x)
         t.rewrite_reciprocal,
         numerics.rewrite_sqrt_of_sigmoids,  # sqrt(p * q) of probabilities: 1e-10 survives neither
