@@ -47,6 +47,7 @@ SHORT_STEPS = {
     "fold_conv_affine": "fold-affine",
     "output_padding_to_pads": "output-padding",
     "avg_pool_ceil_mode": "avgpool-floor",
+    "expand_function_ops": "expand-functions",
     "rewrite_for_htp": "htp-rewrites",
     "qnn_preprocess": "qnn-preprocess",
 }
