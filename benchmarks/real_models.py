@@ -48,6 +48,7 @@ SHORT_STEPS = {
     "output_padding_to_pads": "output-padding",
     "avg_pool_ceil_mode": "avgpool-floor",
     "expand_function_ops": "expand-functions",
+    "einsum_to_matmul": "einsum",
     "rewrite_for_htp": "htp-rewrites",
     "qnn_preprocess": "qnn-preprocess",
 }

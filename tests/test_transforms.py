@@ -558,6 +558,89 @@ def test_mish_is_refused_by_the_qnn_ep_and_its_definition_is_whole(tmp_path: Pat
         build_whole_on_htp(tmp_path / op, op.lower(), conv_then(op))
 
 
+def einsum_model(equation: str, shapes: list[tuple[int, ...]], out: list[int]) -> onnx.ModelProto:
+    inputs = [f"x{i}" for i in range(len(shapes))]
+    graph = oh.make_graph(
+        [oh.make_node("Einsum", inputs, ["y"], equation=equation)],
+        "einsum",
+        [
+            oh.make_tensor_value_info(n, TensorProto.FLOAT, s)
+            for n, s in zip(inputs, shapes, strict=True)
+        ],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, out)],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize(
+    ("equation", "shapes", "out"),
+    [
+        ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)], [2, 3, 4, 6]),
+        ("abc,cde->abde", [(2, 4, 6), (6, 3, 5)], [2, 4, 3, 5]),  # Keras MHA projection
+        ("aecd,abcd->acbe", [(2, 5, 3, 4), (2, 6, 3, 4)], [2, 3, 6, 5]),  # Keras MHA scores
+        ("bi,bi->b", [(3, 4), (3, 4)], [3]),
+        ("i,j", [(3,), (4,)], [3, 4]),  # implicit output: outer product
+        ("ijk,kl->jl", [(2, 3, 4), (4, 5)], [3, 5]),  # i summed on its own side first
+        ("bij->jb", [(2, 3, 4)], [3, 2]),
+    ],
+)
+def test_einsum_becomes_matmul_transpose_and_reshape(
+    equation: str, shapes: list[tuple[int, ...]], out: list[int]
+) -> None:
+    model = einsum_model(equation, shapes, out)
+    rewritten, change = t.einsum_to_matmul(model)
+    assert change.changed and "Einsum" not in ops(rewritten)
+    feeds = {f"x{i}": RNG.standard_normal(s).astype(np.float32) for i, s in enumerate(shapes)}
+    assert_same(model, rewritten, feeds)
+
+
+@pytest.mark.parametrize(
+    ("equation", "shapes", "out"),
+    [
+        ("...ij,...jk", [(2, 3, 4), (2, 4, 5)], [2, 3, 5]),  # ellipsis
+        ("ii->i", [(3, 3)], [3]),  # a diagonal
+        ("bij,bjk->bik", [(1, 3, 4), (2, 4, 5)], [2, 3, 5]),  # b broadcast from 1
+    ],
+)
+def test_einsum_this_rewrite_cannot_express_stays(
+    equation: str, shapes: list[tuple[int, ...]], out: list[int]
+) -> None:
+    assert not t.einsum_to_matmul(einsum_model(equation, shapes, out))[1].changed
+
+
+def keras_einsum_attention() -> onnx.ModelProto:
+    """Keras MultiHeadAttention's einsums (2 heads of 4 over 8 features, 6 tokens)."""
+    rng = np.random.default_rng(17)
+    nodes = [
+        oh.make_node("Einsum", ["x", name], [out], equation="abc,cde->abde")
+        for name, out in (("wq", "q"), ("wk", "k"), ("wv", "v"))
+    ]
+    nodes += [
+        oh.make_node("Einsum", ["k", "q"], ["scores"], equation="aecd,abcd->acbe"),
+        oh.make_node("Softmax", ["scores"], ["p"], axis=-1),
+        oh.make_node("Einsum", ["p", "v"], ["heads"], equation="acbe,aecd->abcd"),
+        oh.make_node("Einsum", ["heads", "wo"], ["y"], equation="abcd,cde->abe"),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "keras_attention",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6, 8])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, 8])],
+        weights(
+            *((n, rng.normal(0, 0.35, (8, 2, 4)).astype(np.float32)) for n in ("wq", "wk", "wv")),
+            ("wo", rng.normal(0, 0.35, (2, 4, 8)).astype(np.float32)),
+        ),
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.qnn
+def test_keras_einsum_attention_builds_whole_on_the_htp(tmp_path: Path) -> None:
+    model = keras_einsum_attention()
+    assert "Einsum" not in ops(prepare_model(model, InputsSection())[0])
+    build_whole_on_htp(tmp_path, "einsum_attention", model)
+
+
 # --- float16, legacy ops, opset -------------------------------------------------------------
 
 

@@ -69,6 +69,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         recurrent.dilate_conv_transpose,  # QNN's TransposeConv2d takes dilation 1 only
         recurrent.output_padding_to_pads,  # the HTP's depthwise ConvTranspose drops it
         t.split_computed_clips,  # the QNN EP takes Clip with constant bounds only
+        t.einsum_to_matmul,  # the QNN EP takes no Einsum (TF/Keras attention)
         t.rewrite_for_htp,
         resize.resize_for_htp,  # the HTP resizes by out/in, not by the scale given
         legacy.avg_pool_ceil_mode,  # the HTP's ceil-mode AveragePool is wrong

@@ -1707,3 +1707,144 @@ def _inlined(
         copy.attribute.extend(kept)
         inlined.append(copy)
     return inlined
+
+
+def _einsum_terms(equation: str, inputs: int) -> tuple[list[str], str] | None:
+    """The input terms and output term of an Einsum equation this rewrite takes: no ellipsis,
+    no index repeated within a term, the output made explicit (implicit mode: the indices that
+    appear once, in alphabetical order)."""
+    equation = equation.replace(" ", "")
+    if "..." in equation:
+        return None
+    left, _, right = equation.partition("->")
+    terms = left.split(",")
+    if len(terms) != inputs or any(len(set(term)) != len(term) for term in terms):
+        return None
+    if "->" not in equation:
+        letters = "".join(terms)
+        right = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    if len(set(right)) != len(right) or not set(right) <= set("".join(terms)):
+        return None
+    return terms, right
+
+
+def _einsum_nodes(
+    node: onnx.NodeProto,
+    terms: list[str],
+    out: str,
+    shapes: list[tuple[int, ...]],
+    names: FreshNames,
+    graph: onnx.GraphProto,
+) -> list[onnx.NodeProto] | None:
+    """Einsum as ReduceSum / Transpose / Reshape / MatMul over static shapes, or None."""
+    make = onnx.helper.make_node
+    base = node.name or node.output[0]
+    made: list[onnx.NodeProto] = []
+
+    def const(values: list[int], what: str) -> str:
+        name = names(f"{base}_{what}")
+        graph.initializer.append(numpy_helper.from_array(np.array(values, np.int64), name))
+        return name
+
+    def step(op: str, inputs: list[str], what: str, **attrs: Any) -> str:
+        name = names(f"{base}_{what}")
+        made.append(make(op, inputs, [name], name=names(f"{base}_{what}_op"), **attrs))
+        return name
+
+    def arrange(tensor: str, term: str, order: str) -> str:
+        return (
+            tensor
+            if term == order
+            else step("Transpose", [tensor], "t", perm=[term.index(c) for c in order])
+        )
+
+    sizes: dict[str, int] = {}
+    for term, shape in zip(terms, shapes, strict=True):
+        if len(term) != len(shape):
+            return None
+        for c, d in zip(term, shape, strict=True):
+            if sizes.setdefault(c, d) != d:
+                return None  # broadcasting a size-1 index: not this rewrite
+    current = list(node.input)
+    kept_terms = []
+    others = [set("".join(t for j, t in enumerate(terms) if j != i)) for i in range(len(terms))]
+    for i, term in enumerate(terms):  # indices only this operand has and the output drops
+        summed = [c for c in term if c not in others[i] and c not in out]
+        if summed:
+            axes = const([term.index(c) for c in summed], "axes")
+            current[i] = step("ReduceSum", [current[i], axes], "sum", keepdims=0)
+            term = "".join(c for c in term if c not in summed)
+        kept_terms.append(term)
+    if len(kept_terms) == 1:
+        result, order = current[0], kept_terms[0]
+    else:
+        a, b = kept_terms
+        batch = [c for c in a if c in b and c in out]
+        contract = [c for c in a if c in b and c not in out]
+        left = [c for c in a if c not in b]
+        right = [c for c in b if c not in a]
+
+        def dims(letters: list[str]) -> list[int]:
+            return [sizes[c] for c in letters]
+
+        def flat(letters: list[str]) -> int:
+            return int(np.prod(dims(letters), dtype=np.int64))
+
+        lhs = arrange(current[0], a, "".join(batch + left + contract))
+        lhs = step("Reshape", [lhs, const([*dims(batch), flat(left), flat(contract)], "ls")], "l")
+        rhs = arrange(current[1], b, "".join(batch + contract + right))
+        rhs = step("Reshape", [rhs, const([*dims(batch), flat(contract), flat(right)], "rs")], "r")
+        product = step("MatMul", [lhs, rhs], "mm")
+        result = step("Reshape", [product, const(dims(batch + left + right), "os")], "o")
+        order = "".join(batch + left + right)
+    if made and made[-1].output[0] == result and order == out:
+        made[-1].output[0] = node.output[0]
+        return made
+    final = arrange(result, order, out)
+    if final == result:
+        made.append(make("Identity", [result], [node.output[0]], name=names(f"{base}_id")))
+    else:
+        made[-1].output[0] = node.output[0]
+    return made
+
+
+def einsum_to_matmul(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Einsum with one or two operands -> ReduceSum / Transpose / Reshape / MatMul (exact up to
+    the order of float sums).
+
+    Why: the QNN EP takes no Einsum (it stays on the CPU and cuts the graph), and TF/Keras
+    exports write attention and projections as Einsum (Keras MultiHeadAttention: "abc,cde->abde",
+    "aecd,abcd->acbe"). Shared indices kept in the output are MatMul's batch, shared dropped
+    ones its contraction; equations with an ellipsis, a repeated index or a broadcast index
+    are left alone.
+    """
+    model = copy_model(model)
+    graph = model.graph
+    names = FreshNames(model)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+    nodes: list[onnx.NodeProto] = []
+    details = []
+    for node in graph.node:
+        attrs = {a.name: a for a in node.attribute}
+        parsed = None
+        if node.op_type == "Einsum" and node.domain in DEFAULT_DOMAINS and "equation" in attrs:
+            equation = onnx.helper.get_attribute_value(attrs["equation"]).decode()
+            parsed = _einsum_terms(equation, len(node.input)) if len(node.input) <= 2 else None
+        if parsed is None:
+            nodes.append(node)
+            continue
+        if values is None:
+            values = inferred_values(model)
+        shapes = [value_shape(values[n]) if n in values else None for n in node.input]
+        made = None
+        if all(s is not None for s in shapes):
+            made = _einsum_nodes(node, *parsed, shapes, names, graph)  # type: ignore[arg-type]
+        if made is None:
+            nodes.append(node)
+            continue
+        nodes += made
+        details.append(f"{node_label(node)} {equation!r} -> " + ", ".join(n.op_type for n in made))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    remove_dead_nodes(graph)
+    return checked_change(model, "einsum_to_matmul", details)
