@@ -107,7 +107,12 @@ def test_the_correction_undoes_the_rounded_weights_shift_for_a_constant_input(ma
     np.testing.assert_allclose(corrected, exact, atol=1e-4)
 
 
-def _qdq(model: onnx.ModelProto, samples: list[dict[str, np.ndarray]], tmp_path) -> onnx.ModelProto:
+def _qdq(
+    model: onnx.ModelProto,
+    samples: list[dict[str, np.ndarray]],
+    tmp_path,
+    per_channel: bool = True,
+) -> onnx.ModelProto:
     from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize_static
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
@@ -124,8 +129,8 @@ def _qdq(model: onnx.ModelProto, samples: list[dict[str, np.ndarray]], tmp_path)
         str(float_path),
         Reader(),
         activation_type=QuantType.QUInt16,
-        weight_type=QuantType.QInt8,
-        per_channel=True,
+        weight_type=QuantType.QInt8 if per_channel else QuantType.QUInt8,
+        per_channel=per_channel,
     )
     quantize_static(
         str(float_path),
@@ -170,3 +175,66 @@ def test_layers_left_in_float_are_not_touched(tmp_path):
     same, change = bc.correct_biases(model, model, means)  # a float model: no Q/DQ to read
     assert not change.changed
     assert same.SerializeToString() == model.SerializeToString()
+
+
+def _offset_samples(count: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(29)
+    return [
+        {"x": (6.0 + 0.3 * rng.standard_normal((1, 16, 8, 8))).astype(np.float32)}
+        for _ in range(count)
+    ]
+
+
+def _added_bias(model: onnx.ModelProto) -> onnx.NodeProto:
+    producer = {o: n for n in model.graph.node for o in n.output}
+    conv = next(n for n in model.graph.node if n.op_type == "Conv")
+    return producer[conv.input[2]]
+
+
+def test_an_added_bias_follows_a_per_tensor_weights_encoding(tmp_path) -> None:
+    """A per-tensor weight (uint8, one scale) gets a bias with one scale, no axis."""
+    model = _conv(16, 16, 1, bias=False)
+    samples = _offset_samples(8)
+    qdq = _qdq(model, samples, tmp_path, per_channel=False)
+    corrected, change = bc.correct_biases(qdq, model, bc.input_means(model, samples)[0])
+    assert change.changed
+    bias_dq = _added_bias(corrected)
+    scale = next(i for i in corrected.graph.initializer if i.name == bias_dq.input[1])
+    assert list(scale.dims) == [] and not any(a.name == "axis" for a in bias_dq.attribute)
+
+
+@pytest.mark.qnn
+def test_the_htp_computes_a_per_tensor_conv_with_its_added_bias(tmp_path) -> None:
+    """Beside a per-tensor weight, a bias DequantizeLinear with a vector of equal scales made
+    the HTP compute the Conv as garbage; with one scale it agrees with the CPU."""
+    from pipeline.htp.probe import probe
+
+    model = _conv(16, 16, 1, bias=False)
+    samples = _offset_samples(8)
+    qdq = _qdq(model, samples, tmp_path, per_channel=False)
+    corrected, _ = bc.correct_biases(qdq, model, bc.input_means(model, samples)[0])
+    vector = onnx.ModelProto()
+    vector.CopyFrom(corrected)
+    bias_dq = _added_bias(vector)
+    inits = {i.name: i for i in vector.graph.initializer}
+    for name in bias_dq.input[1:3]:
+        scalar = numpy_helper.to_array(inits[name])
+        inits[name].CopyFrom(numpy_helper.from_array(np.full(16, scalar, scalar.dtype), name))
+    bias_dq.attribute.append(helper.make_attribute("axis", 0))
+    np.savez(tmp_path / "sample.npz", **samples[0])
+    agreement = {}
+    for name, candidate in (("scalar", corrected), ("vector", vector)):
+        onnx.save(candidate, str(tmp_path / f"{name}.onnx"))
+        result = probe(
+            tmp_path / f"{name}.onnx",
+            tmp_path / "f.onnx",
+            [tmp_path / "sample.npz"],
+            tmp_path / f"p_{name}",
+            60,
+            73,
+        )
+        assert result.ok and result.partitions == 1 and result.cpu_nodes == 0, result.error
+        agreement[name] = result.worst_ctx_vs_qdq
+    assert agreement["scalar"] > 40.0, agreement
+    # If a new QNN SDK reads the vector form right, this says so.
+    assert agreement["vector"] < 10.0, agreement

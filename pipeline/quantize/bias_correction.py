@@ -235,16 +235,28 @@ def correct_biases(
             scale_name = fresh(f"{float_name}_bias_correction_scale")
             zero_name = fresh(f"{float_name}_bias_correction_zero_point")
             output = fresh(f"{float_name}_bias_correction")
+            # The bias's encoding follows the weight's: a per-tensor weight gets one bias scale.
+            # (With a vector of equal scales beside a per-tensor weight, the HTP computed that
+            # Conv as garbage: -18 dB against the CPU, 73 dB with the scalar.)
+            per_tensor = weight_scale.size == 1
             graph.initializer.extend(
                 [
                     numpy_helper.from_array(new, stored_name),
-                    numpy_helper.from_array(bias_scale.astype(np.float32), scale_name),
-                    numpy_helper.from_array(np.zeros(outputs, np.int32), zero_name),
+                    numpy_helper.from_array(
+                        np.float32(bias_scale[0]) if per_tensor else bias_scale.astype(np.float32),
+                        scale_name,
+                    ),
+                    numpy_helper.from_array(
+                        np.int32(0) if per_tensor else np.zeros(outputs, np.int32), zero_name
+                    ),
                 ]
             )
             graph.node.append(
                 helper.make_node(
-                    "DequantizeLinear", [stored_name, scale_name, zero_name], [output], axis=0
+                    "DequantizeLinear",
+                    [stored_name, scale_name, zero_name],
+                    [output],
+                    **({} if per_tensor else {"axis": 0}),
                 )
             )
             if len(node.input) == 2:
