@@ -316,6 +316,75 @@ def test_fill_live_only_for_16_bit_finite_and_affordable_ranges() -> None:
     assert ranges.fill_live({"sig": (-11.8, -11.8)}, live, bits)[0]["sig"] == (-11.8, 11.8)
 
 
+def test_narrow_16_bit_log_outputs_get_the_htps_smallest_log_scale() -> None:
+    model = _model(
+        [helper.make_node("Log", ["x"], ["small"]), helper.make_node("Log", ["x"], ["wide"])],
+        [_tensor("x", [1, 4])],
+        [_tensor("small", [1, 4]), _tensor("wide", [1, 4])],
+        [],
+    )
+    calibrated = {"small": (0.0, 2.3), "wide": (-9.0, 2.3)}
+    widened, names = ranges.widen_log_outputs(model, calibrated, dict.fromkeys(calibrated, 16))
+    span = ranges.HTP_LOG_MIN_SCALE * 65535
+    assert names == ["small"] and widened["small"] == pytest.approx((2.3 - span, 2.3))
+    assert widened["wide"] == (-9.0, 2.3)
+    eight_bit = ranges.widen_log_outputs(model, calibrated, dict.fromkeys(calibrated, 8))
+    assert eight_bit == (calibrated, [])
+
+
+def log1p_features() -> onnx.ModelProto:
+    """Conv -> log(|x| + 1) -> Conv: a log-compressed feature map, all of it >= 0."""
+    rng = np.random.default_rng(19)
+    return _model(
+        [
+            helper.make_node("Conv", ["x", "w0"], ["c"], pads=[1, 1, 1, 1]),
+            helper.make_node("Abs", ["c"], ["a"]),
+            helper.make_node("Add", ["a", "one"], ["a1"]),
+            helper.make_node("Log", ["a1"], ["lg"]),
+            helper.make_node("Conv", ["lg", "w1"], ["y"]),
+        ],
+        [_tensor("x", [1, 3, 16, 16])],
+        [_tensor("y", [1, 8, 16, 16])],
+        [
+            _init("w0", rng.normal(0, 0.5, (8, 3, 3, 3))),
+            _init("one", np.array(1.0)),
+            _init("w1", rng.normal(0, 0.5, (8, 8, 1, 1))),
+        ],
+    )
+
+
+@pytest.mark.qnn
+def test_the_htp_computes_a_log_at_its_smallest_scale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the calibrated scale of log(|x| + 1) (~3.6e-5) the HTP returns 0 for every element;
+    widened to 2^-14 the ctx agrees with the CPU QDQ model."""
+    from pipeline.htp.probe import probe
+
+    rng = np.random.default_rng(23)
+    samples = [rng.normal(0, 1, (1, 3, 16, 16)).astype(np.float32) for _ in range(8)]
+    np.savez(tmp_path / "sample.npz", x=samples[0])
+    agreement = {}
+    for name, floor in (("widened", ranges.HTP_LOG_MIN_SCALE), ("calibrated", 0.0)):
+        monkeypatch.setattr(ranges, "HTP_LOG_MIN_SCALE", floor)
+        (tmp_path / name).mkdir()
+        _build(tmp_path / name, log1p_features(), samples)
+        bucket = _paths(tmp_path / name).bucket(SINGLE_BUCKET)
+        result = probe(
+            bucket.qdq,
+            bucket.float_model,
+            [tmp_path / "sample.npz"],
+            tmp_path / f"p_{name}",
+            60,
+            73,
+        )
+        assert result.ok and result.partitions == 1 and result.cpu_nodes == 0, result.error
+        agreement[name] = result.worst_ctx_vs_qdq
+    assert agreement["widened"] > 40.0, agreement
+    # If a new QNN SDK computes the narrow Log, this says so: the rule then only costs bits.
+    assert agreement["calibrated"] < 10.0, agreement
+
+
 # --- margin for values calibration never saw ----------------------------------------------------
 
 

@@ -95,6 +95,7 @@ class RangeChanges:
     bias_corrections: int = 0  # layers whose bias absorbed their weight's mean rounding error
     filled: int = 0  # 16-bit inputs of saturating ops given their whole live range
     swish_splits: list[str] = field(default_factory=list)  # pipeline.graph.qdq_htp edits
+    log_outputs: list[str] = field(default_factory=list)  # Log outputs widened for the HTP
     # Weight -> (rmin, rmax) for onnxruntime's TensorQuantOverrides (not in the report).
     weight_ranges: dict[str, Interval] = field(default_factory=dict)
 
@@ -303,6 +304,38 @@ def fill_live(
         if filled != (low, high):
             result[name] = filled
             changed += 1
+    return result, changed
+
+
+# The QNN HTP's 16-bit Log computes nothing at an output scale of 2^-14 or below: every output
+# is the range's minimum (measured on the simulator: 5.95e-05 and exactly 2^-14 wrong,
+# 6.1036e-05 right, on three input ranges, widening either side). Log outputs get at least
+# this scale, 2% above it.
+HTP_LOG_MIN_SCALE = 2.0**-14 * 1.02
+
+
+def widen_log_outputs(
+    model: Any, ranges: dict[str, Interval], bits: dict[str, int]
+) -> tuple[dict[str, Interval], list[str]]:
+    """16-bit Log outputs whose span gives a scale under ``HTP_LOG_MIN_SCALE``, widened to it
+    downward (where a log goes when its input nears 0); returns them and their names.
+
+    Why: log(x + 1) of small positive features spans [0, 2.3]; quantized at that scale the
+    HTP returned 0 for every element (ctx vs QDQ 0 dB), just above 2^-14 it agrees at 51-55 dB.
+    """
+    result = dict(ranges)
+    changed = []
+    span = HTP_LOG_MIN_SCALE * QRANGE["uint16"]
+    for node in model.graph.node:
+        if node.op_type != "Log" or node.domain not in ("", "ai.onnx"):
+            continue
+        name = node.output[0]
+        if name not in result or bits.get(name, 8) < 16:
+            continue
+        low, high = result[name]
+        if high - low < span:
+            result[name] = (high - span, high)
+            changed.append(name)
     return result, changed
 
 
@@ -823,6 +856,7 @@ def tune(
     )
     ranges, changes.filled = fill_live(ranges, live, bits)
     ranges, fill_ranges, changes.mask_fills = mask_fill_ranges(model, ranges)
+    ranges, changes.log_outputs = widen_log_outputs(model, ranges, bits)
     floors, weight_ranges = bias_floor(model, ranges, activation_types, weight_types, per_channel)
     ranges = apply_bias_floor(ranges, floors)
     changes.bias_floor = [BiasFloor(**info) for _, info in floors.values()]

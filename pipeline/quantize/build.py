@@ -724,6 +724,7 @@ def _steps(
             changes.bias_corrections,
             changes.filled,
             changes.swish_splits or None,
+            changes.log_outputs or None,
         ),
         mixed_precision=mixed,
         htp=judgement,

@@ -35,6 +35,7 @@ class RangeRules:
     bias_corrections: int = 0  # layers whose bias absorbed their weight's mean rounding error
     filled: int = 0  # 16-bit inputs of saturating ops given their whole live range
     swish_splits: list[str] | None = None  # x * sigmoid(x) given a requantized copy of x
+    log_outputs: list[str] | None = None  # Log outputs widened to the HTP's smallest Log scale
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,12 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
             f"SiLU for the HTP: {len(rules.swish_splits)} x * sigmoid(x) read a requantized copy "
             "of x (the HTP's fused 16-bit SiLU is wrong for some shapes; "
             "pipeline/graph/qdq_htp.py)."
+        )
+    if rules.log_outputs:
+        lines.append(
+            f"Log for the HTP: {len(rules.log_outputs)} 16-bit Log output(s) widened to a scale "
+            "just above 2^-14, where the HTP's Log starts to compute (at or below it every "
+            "output is the range's minimum; pipeline/calibration/ranges.py)."
         )
     if rules.mask_fills:
         shown = ", ".join(f"`{n}`" for n in rules.mask_fills[:6])
