@@ -101,3 +101,59 @@ def test_off_scale_resize_agrees_on_the_htp(tmp_path: Path, mode: str) -> None:
     model.graph.node.insert(0, oh.make_node("Conv", ["x", "w"], ["c"]))
     model.graph.node[1].input[0] = "c"
     build_whole_on_htp(tmp_path, "resize", model)
+
+
+def sized_resize(shape: list[int], out: list[int], mode: str, coords: str) -> onnx.ModelProto:
+    """A Resize given its output sizes (PyTorch's interpolate(size=...))."""
+    node = oh.make_node(
+        "Resize", ["x", "", "", "sizes"], ["y"], mode=mode, coordinate_transformation_mode=coords
+    )
+    graph = oh.make_graph(
+        [node],
+        "sized",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, out)],
+        [numpy_helper.from_array(np.array(out, np.int64), "sizes")],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+@pytest.mark.parametrize(
+    ("model", "gathered"),
+    [
+        (resize_model([1, 2, 16, 16], [1, 1, 1.5, 1.5], "nearest", "half_pixel"), True),
+        (resize_model([1, 2, 16, 16], [1, 1, 0.5, 0.5], "nearest", "half_pixel"), True),
+        (resize_model([1, 2, 16, 16], [1, 1, 2.0, 2.0], "nearest", "asymmetric"), False),
+        (sized_resize([1, 2, 16, 16], [1, 2, 12, 12], "nearest", "half_pixel"), True),
+        (sized_resize([1, 2, 16, 16], [1, 2, 32, 32], "nearest", "asymmetric"), True),
+        (sized_resize([1, 2, 16, 16], [1, 2, 24, 24], "linear", "half_pixel"), False),
+    ],
+    ids=["x1.5", "x0.5", "x2-kept", "sizes-12", "sizes-32", "sizes-linear-kept"],
+)
+def test_nearest_resize_the_htp_gets_wrong_becomes_a_gather(
+    model: onnx.ModelProto, gathered: bool
+) -> None:
+    rewritten, change = resize_for_htp(model)
+    assert change.changed == gathered
+    if gathered:
+        assert "Resize" not in [n.op_type for n in rewritten.graph.node]
+    x = RNG.standard_normal([1, 2, 16, 16]).astype(np.float32)
+    np.testing.assert_array_equal(run(rewritten, x), run(model, x))
+
+
+@pytest.mark.qnn
+@pytest.mark.parametrize(
+    ("out", "coords"), [([1, 2, 24, 24], "half_pixel"), ([1, 2, 32, 32], "asymmetric")]
+)
+def test_sized_nearest_resize_builds_whole_and_right(
+    tmp_path: Path, out: list[int], coords: str
+) -> None:
+    """Left alone: 0 dB on the HTP (16 -> 24, half_pixel), on the CPU (16 -> 32, asymmetric)."""
+    model = sized_resize([1, 2, 16, 16], out, "nearest", coords)
+    w = numpy_helper.from_array((RNG.standard_normal((2, 2, 1, 1)) * 0.5).astype("f4"), "w")
+    model.graph.initializer.append(w)
+    model.graph.node.insert(0, oh.make_node("Conv", ["x", "w"], ["c"]))
+    model.graph.node[1].input[0] = "c"
+    build_whole_on_htp(tmp_path, "resize", model)

@@ -8,7 +8,10 @@ against the CPU QDQ model, nearest and linear alike; exact scale ratios are fine
 for a static input and constant scales:
 
 - nearest: each such axis becomes a Gather of the rows onnxruntime picks (taken from
-  onnxruntime itself on an index ramp, so every coordinate and rounding mode is matched);
+  onnxruntime itself on an index ramp, so every coordinate and rounding mode is matched); so
+  does every axis a nearest Resize changes by a ratio that is not whole, or by any ratio when
+  the model gives output sizes (PyTorch's interpolate(size=...)): the HTP gets those wrong
+  even where out / in is exact (0 dB), or leaves them to the CPU;
 - linear with asymmetric or half_pixel coordinates (the source coordinate does not depend on
   the input length): the axis is padded at its end by repeating the last row until
   (in + k) * s is an integer, resized, and sliced back to floor(in * s). Every output row
@@ -62,21 +65,49 @@ def _off_axes(shape: tuple[int, ...], scales: np.ndarray) -> list[int]:
     ]
 
 
-def _picks(size: int, scale: float, attrs: dict[str, Any]) -> np.ndarray:
-    """The input rows onnxruntime's nearest Resize reads along one axis of ``size``."""
+def _nearest(node: onnx.NodeProto) -> bool:
+    mode = next((a.s for a in node.attribute if a.name == "mode"), b"nearest")
+    return _text(mode, "nearest") == "nearest"
+
+
+def _gathered_axes(
+    shape: tuple[int, ...], scales: np.ndarray, sizes: np.ndarray | None
+) -> list[int]:
+    """Axes of a nearest Resize to take as a Gather: all it changes, except growth by a whole
+    factor given as a scale (the 2x upsampling the HTP is right on). Measured on the
+    simulator against the CPU: a ratio that is not whole, either way (16 -> 24, 16 -> 12),
+    0 dB even where out / in is the scale; given as sizes, even 16 -> 8 is wrong and 16 -> 32
+    asymmetric stays on the CPU."""
+    axes = []
+    for axis, size in enumerate(shape):
+        out = int(sizes[axis]) if sizes is not None else _out(size, float(scales[axis]))
+        if out == size:
+            continue
+        if sizes is not None or out < size or out % size:
+            axes.append(axis)
+    return axes
+
+
+def _picks(size: int, scale: float, attrs: dict[str, Any], length: int | None = None) -> np.ndarray:
+    """The input rows onnxruntime's nearest Resize reads along one axis of ``size`` (resized
+    by ``scale``, or to ``length`` rows when the model gives sizes)."""
     import onnxruntime as ort
 
     ramp = np.arange(size, dtype=np.float32).reshape(1, size)
     kwargs = {
         k: v for k, v in attrs.items() if k in ("coordinate_transformation_mode", "nearest_mode")
     }
-    node = onnx.helper.make_node("Resize", ["x", "", "s"], ["y"], mode="nearest", **kwargs)
+    if length is None:
+        inputs, target = ["x", "", "s"], np.array([1.0, scale], np.float32)
+    else:
+        inputs, target = ["x", "", "", "s"], np.array([1, length], np.int64)
+    node = onnx.helper.make_node("Resize", inputs, ["y"], mode="nearest", **kwargs)
     graph = onnx.helper.make_graph(
         [node],
         "picks",
         [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, size])],
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(np.array([1.0, scale], np.float32), "s")],
+        [numpy_helper.from_array(target, "s")],
     )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
     model.ir_version = t.DEFAULT_IR_VERSION
@@ -103,6 +134,7 @@ def _rewrite(
     off: list[int],
     new_init: Callable[[np.ndarray, str], str],
     fresh: Callable[[str], str],
+    sizes: np.ndarray | None = None,
 ) -> tuple[list[onnx.NodeProto], str] | None:
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     mode = _text(attrs.get("mode"), "nearest")
@@ -119,7 +151,9 @@ def _rewrite(
         for count, axis in enumerate(off):
             last = count == len(off) - 1 and not keep_resize
             target = y if last else fresh(f"{y}_rows{axis}")
-            rows = new_init(_picks(shape[axis], float(scales[axis]), attrs), f"{base}_rows{axis}")
+            length = None if sizes is None else int(sizes[axis])
+            picks = _picks(shape[axis], float(scales[axis]), attrs, length)
+            rows = new_init(picks, f"{base}_rows{axis}")
             name = base if last else fresh(f"{base}_gather{axis}")
             nodes.append(make("Gather", [current, rows], [target], name=name, axis=axis))
             current = target
@@ -127,10 +161,11 @@ def _rewrite(
             resize = onnx.NodeProto()
             resize.CopyFrom(node)
             resize.input[0] = current
-            resize.input[2] = new_init(rest.astype(np.float32), f"{base}_rest_scales")
+            if sizes is None:  # (sizes stay: the gathered axes already have their length)
+                resize.input[2] = new_init(rest.astype(np.float32), f"{base}_rest_scales")
             nodes.append(resize)
         return nodes, f"nearest: Gather of onnxruntime's rows on axes {off}"
-    if mode != "linear" or coords not in _PAD_FREE_MODES:
+    if mode != "linear" or coords not in _PAD_FREE_MODES or sizes is not None:
         return None
     pads = [0] * (2 * len(shape))
     for axis in off:
@@ -169,7 +204,8 @@ def _rewrite(
 
 
 def resize_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """Resize nodes whose in * scale is not an integer -> forms the HTP computes exactly."""
+    """Resize nodes the HTP computes wrongly (in * scale not an integer; nearest by a ratio
+    that is not whole, or by output sizes) -> forms it computes exactly."""
     model = edit.copy_model(model)
     graph = model.graph
     inits = edit.initializers_by_name(graph)
@@ -185,12 +221,12 @@ def resize_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
 
     for node in graph.node:
         rewritten = None
+        by_scales = len(node.input) >= 3 and node.input[2] in inits
+        by_sizes = len(node.input) >= 4 and node.input[3] in inits
         usable = (
             node.op_type == "Resize"
             and node.domain in _DEFAULT
-            and len(node.input) >= 3
-            and node.input[2] in inits
-            and (len(node.input) < 4 or not node.input[3])
+            and by_scales != by_sizes
             and not any(a.name in ("axes", "antialias") and a.i for a in node.attribute)
         )
         if usable:
@@ -198,17 +234,26 @@ def resize_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                 values = edit.inferred_values(model)
             value = values.get(node.input[0])
             shape = edit.value_shape(value) if value is not None else None
-            scales = numpy_helper.to_array(inits[node.input[2]]).astype(np.float32).reshape(-1)
+            sizes = None
+            if by_sizes:
+                sizes = numpy_helper.to_array(inits[node.input[3]]).astype(np.int64).reshape(-1)
+                scales = np.ones(sizes.size, np.float32)
+                if shape is not None and len(shape) == sizes.size:
+                    scales = (sizes / np.array(shape, np.float64)).astype(np.float32)
+            else:
+                scales = numpy_helper.to_array(inits[node.input[2]]).astype(np.float32).reshape(-1)
             if shape is not None and len(shape) == scales.size:
-                off = _off_axes(shape, scales)
+                off = [] if sizes is not None else _off_axes(shape, scales)
+                if _nearest(node):
+                    off = sorted({*off, *_gathered_axes(shape, scales, sizes)})
                 if off:
-                    rewritten = _rewrite(node, shape, scales, off, new_init, namer)
+                    rewritten = _rewrite(node, shape, scales, off, new_init, namer, sizes)
         if rewritten is None:
             nodes.append(node)
             continue
         replacement, what = rewritten
         nodes.extend(replacement)
-        details.append(f"{edit.node_label(node)}: in x scale not an integer; {what}")
+        details.append(f"{edit.node_label(node)}: a length the HTP gets wrong; {what}")
     if details:
         edit.set_nodes(graph, nodes)
     return edit.checked_change(model, "resize_for_htp", details)
