@@ -207,7 +207,7 @@ def test_an_added_bias_follows_a_per_tensor_weights_encoding(tmp_path) -> None:
 def test_the_htp_computes_a_per_tensor_conv_with_its_added_bias(tmp_path) -> None:
     """Beside a per-tensor weight, a bias DequantizeLinear with a vector of equal scales made
     the HTP compute the Conv as garbage; with one scale it agrees with the CPU."""
-    from pipeline.htp.probe import probe
+    from compile_fixtures import ctx_vs_qdq_on_htp
 
     model = _conv(16, 16, 1, bias=False)
     samples = _offset_samples(8)
@@ -225,16 +225,12 @@ def test_the_htp_computes_a_per_tensor_conv_with_its_added_bias(tmp_path) -> Non
     agreement = {}
     for name, candidate in (("scalar", corrected), ("vector", vector)):
         onnx.save(candidate, str(tmp_path / f"{name}.onnx"))
-        result = probe(
+        agreement[name] = ctx_vs_qdq_on_htp(
             tmp_path / f"{name}.onnx",
             tmp_path / "f.onnx",
-            [tmp_path / "sample.npz"],
+            tmp_path / "sample.npz",
             tmp_path / f"p_{name}",
-            60,
-            73,
         )
-        assert result.ok and result.partitions == 1 and result.cpu_nodes == 0, result.error
-        agreement[name] = result.worst_ctx_vs_qdq
     assert agreement["scalar"] > 40.0, agreement
     # If a new QNN SDK reads the vector form right, this says so.
     assert agreement["vector"] < 10.0, agreement

@@ -358,8 +358,8 @@ def test_the_htp_computes_a_log_at_its_smallest_scale(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At the calibrated scale of log(|x| + 1) (~3.6e-5) the HTP returns 0 for every element;
-    widened to 2^-14 the ctx agrees with the CPU QDQ model."""
-    from pipeline.htp.probe import probe
+    widened to just above 2^-14 the ctx agrees with the CPU QDQ model."""
+    from compile_fixtures import ctx_vs_qdq_on_htp
 
     rng = np.random.default_rng(23)
     samples = [rng.normal(0, 1, (1, 3, 16, 16)).astype(np.float32) for _ in range(8)]
@@ -370,16 +370,9 @@ def test_the_htp_computes_a_log_at_its_smallest_scale(
         (tmp_path / name).mkdir()
         _build(tmp_path / name, log1p_features(), samples)
         bucket = _paths(tmp_path / name).bucket(SINGLE_BUCKET)
-        result = probe(
-            bucket.qdq,
-            bucket.float_model,
-            [tmp_path / "sample.npz"],
-            tmp_path / f"p_{name}",
-            60,
-            73,
+        agreement[name] = ctx_vs_qdq_on_htp(
+            bucket.qdq, bucket.float_model, tmp_path / "sample.npz", tmp_path / f"p_{name}"
         )
-        assert result.ok and result.partitions == 1 and result.cpu_nodes == 0, result.error
-        agreement[name] = result.worst_ctx_vs_qdq
     assert agreement["widened"] > 40.0, agreement
     # If a new QNN SDK computes the narrow Log, this says so: the rule then only costs bits.
     assert agreement["calibrated"] < 10.0, agreement

@@ -105,18 +105,11 @@ def test_off_scale_resize_agrees_on_the_htp(tmp_path: Path, mode: str) -> None:
 
 def sized_resize(shape: list[int], out: list[int], mode: str, coords: str) -> onnx.ModelProto:
     """A Resize given its output sizes (PyTorch's interpolate(size=...))."""
-    node = oh.make_node(
-        "Resize", ["x", "", "", "sizes"], ["y"], mode=mode, coordinate_transformation_mode=coords
-    )
-    graph = oh.make_graph(
-        [node],
-        "sized",
-        [oh.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-        [oh.make_tensor_value_info("y", TensorProto.FLOAT, out)],
-        [numpy_helper.from_array(np.array(out, np.int64), "sizes")],
-    )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
-    model.ir_version = 10
+    model = resize_model(shape, [1.0] * len(shape), mode, coords)
+    resize = model.graph.node[0]
+    resize.input[:] = ["x", "", "", "sizes"]
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.array(out, np.int64), "sizes"))
+    model.graph.output[0].CopyFrom(oh.make_tensor_value_info("y", TensorProto.FLOAT, out))
     return model
 
 
