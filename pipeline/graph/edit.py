@@ -362,6 +362,14 @@ def rename_tensors(graph: onnx.GraphProto, mapping: Mapping[str, str]) -> None:
             init.name = mapping[init.name]
 
 
+def replace_attributes(node: onnx.NodeProto, dropped: tuple[str, ...], **new: Any) -> None:
+    """Drop ``dropped`` and set ``new`` on ``node`` (an attribute is replaced, not doubled)."""
+    kept = [a for a in node.attribute if a.name not in dropped and a.name not in new]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    node.attribute.extend(onnx.helper.make_attribute(k, v) for k, v in new.items())
+
+
 def set_nodes(graph: onnx.GraphProto, nodes: Sequence[onnx.NodeProto]) -> None:
     """Replace the node list; copies first, since ``nodes`` may be views into it."""
     copies = []

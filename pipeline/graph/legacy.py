@@ -457,17 +457,9 @@ def avg_pool_ceil_mode(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
         ends = [pads[spatial + i] + overhang[i] for i in range(spatial)]
         if any(any(overhang) and e >= k for e, k in zip(ends, kernel, strict=True)):
             continue
-        kept = [
-            a for a in node.attribute if a.name not in ("ceil_mode", "pads", "count_include_pad")
-        ]
-        del node.attribute[:]
-        node.attribute.extend(kept)
         if not any(overhang):  # ceil and floor agree here
-            node.attribute.extend(
-                [
-                    onnx.helper.make_attribute("pads", pads),
-                    onnx.helper.make_attribute("count_include_pad", int(counts_pads)),
-                ]
+            edit.replace_attributes(
+                node, ("ceil_mode",), pads=pads, count_include_pad=int(counts_pads)
             )
             details.append(f"{edit.node_label(node)}: ceil_mode 1 -> 0 (no window overhangs)")
             continue
@@ -486,16 +478,11 @@ def avg_pool_ceil_mode(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
             new_pads = [0] * spatial + overhang
         else:
             new_pads = pads[:spatial] + ends
-        node.attribute.extend(
-            [
-                onnx.helper.make_attribute("pads", new_pads),
-                onnx.helper.make_attribute("count_include_pad", 0),
-            ]
-        )
+        edit.replace_attributes(node, ("ceil_mode",), pads=new_pads, count_include_pad=0)
         details.append(
             f"{edit.node_label(node)}: ceil_mode 1 -> 0, pads {pads} -> {new_pads} that do not "
             "count" + (f", after a Pad of zeros {pads} that does" if counts_pads else "")
         )
-    del graph.node[:]
-    graph.node.extend(nodes)
+    if details:
+        edit.set_nodes(graph, nodes)
     return edit.checked_change(model, "avg_pool_ceil_mode", details)

@@ -772,14 +772,6 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
 # ConvTranspose with dilations
 
 
-def _replace_attributes(node: onnx.NodeProto, dropped: tuple[str, ...], **new: Any) -> None:
-    """Drop ``dropped`` and set ``new`` on ``node`` (an attribute is replaced, not doubled)."""
-    kept = [a for a in node.attribute if a.name not in dropped and a.name not in new]
-    del node.attribute[:]
-    node.attribute.extend(kept)
-    node.attribute.extend(onnx.helper.make_attribute(k, v) for k, v in new.items())
-
-
 def dilate_conv_transpose(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """ConvTranspose(dilations d > 1) -> ConvTranspose(dilations 1) with the dilated kernel.
 
@@ -811,7 +803,7 @@ def dilate_conv_transpose(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
             graph.initializer.append(numpy_helper.from_array(dilated, name))
         else:
             inits[name].CopyFrom(numpy_helper.from_array(dilated, name))
-        _replace_attributes(node, ("dilations",), kernel_shape=grown)
+        edit.replace_attributes(node, ("dilations",), kernel_shape=grown)
         details.append(
             f"{edit.node_label(node)}: dilations {dilations} -> dilated kernel {list(spatial)} -> "
             f"{grown}"
@@ -845,7 +837,7 @@ def output_padding_to_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Cha
         if any(pads[rank + i] < p for i, p in enumerate(extra)):
             continue  # the extra positions lie past the full result: no pad can give them
         lowered = pads[:rank] + [pads[rank + i] - p for i, p in enumerate(extra)]
-        _replace_attributes(node, ("output_padding",), pads=lowered)
+        edit.replace_attributes(node, ("output_padding",), pads=lowered)
         details.append(
             f"{edit.node_label(node)}: output_padding {extra} -> pads {pads} -> {lowered}"
         )

@@ -1665,8 +1665,8 @@ def expand_function_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
             continue
         nodes += _inlined(node, body, namer)
         details.append(f"{node_label(node)} -> its ONNX definition ({len(body.node)} ops)")
-    del graph.node[:]
-    graph.node.extend(nodes)
+    if details:
+        set_nodes(graph, nodes)
     return checked_change(model, "expand_function_ops", details)
 
 
@@ -1797,14 +1797,11 @@ def _einsum_nodes(
         product = step("MatMul", [lhs, rhs], "mm")
         result = step("Reshape", [product, const(dims(batch + left + right), "os")], "o")
         order = "".join(batch + left + right)
-    if made and made[-1].output[0] == result and order == out:
+    result = arrange(result, order, out)
+    if made and made[-1].output[0] == result:  # the last op writes the Einsum's output
         made[-1].output[0] = node.output[0]
-        return made
-    final = arrange(result, order, out)
-    if final == result:
+    else:  # nothing to compute (an identity equation)
         made.append(make("Identity", [result], [node.output[0]], name=names(f"{base}_id")))
-    else:
-        made[-1].output[0] = node.output[0]
     return made
 
 
@@ -1844,7 +1841,6 @@ def einsum_to_matmul(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             continue
         nodes += made
         details.append(f"{node_label(node)} {equation!r} -> " + ", ".join(n.op_type for n in made))
-    del graph.node[:]
-    graph.node.extend(nodes)
-    remove_dead_nodes(graph)
+    if details:
+        set_nodes(graph, nodes)
     return checked_change(model, "einsum_to_matmul", details)
