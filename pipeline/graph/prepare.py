@@ -60,6 +60,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         prequantized.drop_noop_casts,  # Q -> Cast(same type) -> DQ; an fp16 model's float Casts
         legacy.fold_pad_into_pool,  # Pad(-FLT_MAX) -> MaxPool: the pad value blows the range
         attention.finite_mask_fills,  # -inf / finfo.min mask fills: an infinite scale
+        attention.fuse_erf_gelu,  # PyTorch's Erf-GELU: the HTP takes no quantized Erf
         t.fold_batchnorm,
         t.fold_conv_affine,  # ConvTranspose -> Add(bias): the HTP drops the Add's zero point
         legacy.batchnorm_to_affine,  # a BatchNormalization with no Conv before it
