@@ -929,3 +929,79 @@ def test_the_opset_upgrade_converts_without_the_weights_bytes_to_the_same_model(
     assert not bare.graph.initializer[0].raw_data
     bare.graph.initializer[0].dims[0] = 16  # as if an adapter had reshaped it
     assert not edit.restore_weight_data(bare, model)
+
+
+@pytest.mark.parametrize(
+    ("data_shape", "index"),
+    [
+        ((2, 3, 4), [[1, 2], [0, -1], [1, 0]]),  # depth 2: rows of 4
+        ((2, 3, 4), [[[1], [0]]]),  # depth 1, indices of rank 3
+        ((2, 3, 4), [[1, 2, 3], [0, 0, -4]]),  # full depth: scalars
+    ],
+)
+def test_constant_gathernd_becomes_gather(data_shape: tuple[int, ...], index: list) -> None:
+    indices = np.array(index, np.int64)
+    out_rank = indices.ndim - 1 + len(data_shape) - indices.shape[-1]
+    model = oh.make_model(
+        oh.make_graph(
+            [oh.make_node("GatherND", ["x", "i"], ["y"], name="lookup")],
+            "g",
+            [oh.make_tensor_value_info("x", TensorProto.FLOAT, list(data_shape))],
+            [oh.make_tensor_value_info("y", TensorProto.FLOAT, [None] * out_rank)],
+            weights(("i", indices)),
+        ),
+        opset_imports=[oh.make_opsetid("", 13)],
+        ir_version=8,
+    )
+    rewritten, change = t.gathernd_to_gather(model)
+    assert change.changed and ops(rewritten) == ["Reshape", "Gather"]
+    feeds = {"x": RNG.standard_normal(data_shape).astype(np.float32)}
+    np.testing.assert_array_equal(run(rewritten, feeds)[0], run(model, feeds)[0])
+
+
+def test_gathernd_with_computed_indices_or_batch_dims_stays() -> None:
+    computed = parse(
+        '<ir_version: 8, opset_import: ["": 13]> g (float[2, 3] x, int64[2, 1] i) => '
+        "(float[2, 3] y) { y = GatherND(x, i) }"
+    )
+    assert not t.gathernd_to_gather(computed)[1].changed
+    batched = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 13]> g (float[2, 3] x) => (float[2] y) '
+            "{ y = GatherND <batch_dims = 1> (x, i) }"
+        ),
+        ("i", np.array([[1], [2]], np.int64)),
+    )
+    assert not t.gathernd_to_gather(batched)[1].changed
+
+
+def test_padding_mask_lookup_builds_whole_on_the_htp(tmp_path) -> None:
+    """transformers' vmap'd padding-mask lookup (int64 mask -> bool -> GatherND with constant
+    indices -> Where fill -> scores -> Softmax): the GatherND stayed on the CPU; as a Gather,
+    the block builds whole on the HTP."""
+    seq = 8
+    index = np.zeros((1, seq, seq, 2), np.int64)  # [0, q, k] -> (0, k): mask[0, k]
+    index[..., 1] = np.arange(seq)
+    text = f"""<ir_version: 8, opset_import: ["": 17]>
+    g (float[1, {seq}, 16] x, int64[1, {seq}] mask) => (float[1, {seq}, 16] y) {{
+      keep = Cast <to = 9> (mask)
+      picked = GatherND(keep, idx)
+      bias = Where(picked, zero, fill)
+      q = MatMul(x, wq)
+      k = MatMul(x, wk)
+      kt = Transpose <perm = [0, 2, 1]> (k)
+      s = MatMul(q, kt)
+      masked = Add(s, bias)
+      p = Softmax <axis = -1> (masked)
+      y = MatMul(p, x)
+    }}"""
+    rng = np.random.default_rng(5)
+    model = with_inits(
+        parse(text),
+        ("idx", index),
+        ("zero", np.array(0.0, np.float32)),
+        ("fill", np.array(-1e9, np.float32)),
+        ("wq", (rng.standard_normal((16, 16)) * 0.3).astype(np.float32)),
+        ("wk", (rng.standard_normal((16, 16)) * 0.3).astype(np.float32)),
+    )
+    build_whole_on_htp(tmp_path, "mask_lookup", model)

@@ -72,6 +72,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         t.split_computed_clips,  # the QNN EP takes Clip with constant bounds only
         t.einsum_to_matmul,  # the QNN EP takes no Einsum (TF/Keras attention)
         t.rewrite_for_htp,
+        t.gathernd_to_gather,  # the QNN EP takes no GatherND (transformers' mask lookups)
         resize.resize_for_htp,  # the HTP resizes by out/in, not by the scale given
         legacy.avg_pool_ceil_mode,  # the HTP's ceil-mode AveragePool is wrong
         t.rewrite_hypot,  # after Pow(x, 2) -> Mul(x, x)

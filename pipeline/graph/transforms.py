@@ -1372,6 +1372,61 @@ def rewrite_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     return checked_change(model, "rewrite_for_htp", details)
 
 
+def gathernd_to_gather(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """GatherND with constant indices (batch_dims 0) on a static tensor -> Reshape + Gather.
+
+    Each index tuple (i_0 .. i_q-1) picks row sum(i_k * stride_k) of the data flattened over
+    its first q axes, so a Gather of those rows gives the same elements in GatherND's output
+    shape. The QNN EP takes no GatherND: current transformers exports look their padding mask
+    up with one (``attention_mask[batch_idx, kv_idx]`` under vmap), which left a node on the
+    CPU of a MiniLM encoder.
+    """
+    model = copy_model(model)
+    graph = model.graph
+    inits = initializers_by_name(graph)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+    namer = FreshNames(model)
+    details = []
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        batch_dims = next((a.i for a in node.attribute if a.name == "batch_dims"), 0)
+        if node.op_type != "GatherND" or node.domain not in DEFAULT_DOMAINS or batch_dims:
+            nodes.append(node)
+            continue
+        data, indices = node.input
+        values = values if values is not None else inferred_values(model)
+        shape = value_shape(values[data]) if data in values else None
+        if indices not in inits or shape is None:
+            nodes.append(node)
+            continue
+        index = numpy_helper.to_array(inits[indices]).astype(np.int64)
+        depth = index.shape[-1] if index.ndim else 0
+        if not 0 < depth <= len(shape):
+            nodes.append(node)
+            continue
+        dims = np.array(shape[:depth], np.int64)
+        strides = np.array([int(np.prod(dims[k + 1 :])) for k in range(depth)], np.int64)
+        rows = (np.mod(index, dims) * strides).sum(axis=-1)  # negative indices count from the end
+        flat_shape = namer(f"{node.output[0]}_rows_shape")
+        flat, picked = namer(f"{data}_rows"), namer(f"{node.output[0]}_rows")
+        graph.initializer.append(
+            numpy_helper.from_array(np.array([-1, *shape[depth:]], np.int64), flat_shape)
+        )
+        graph.initializer.append(numpy_helper.from_array(rows, picked))
+        base = node.name or node.output[0]
+        nodes.append(
+            onnx.helper.make_node("Reshape", [data, flat_shape], [flat], name=f"{base}_rows")
+        )
+        nodes.append(
+            onnx.helper.make_node("Gather", [flat, picked], [node.output[0]], name=base, axis=0)
+        )
+        details.append(f"{node_label(node)} -> Reshape + Gather ({rows.size} constant rows)")
+    if details:
+        set_nodes(graph, nodes)
+        remove_dead_nodes(graph)
+    return checked_change(model, "gathernd_to_gather", details)
+
+
 HYPOT_EPS = 1e-12  # keeps max(|a|, |b|) = 0 from dividing 0 by 0 in the float model
 # sqrt(a*a + b*b + c) with 0 <= c <= this is taken as hypot(a, b): off by at most sqrt(c) = 1e-4
 # absolute (GTCRN adds 1e-12 to keep the gradient of its |STFT| finite).
