@@ -531,7 +531,7 @@ def test_mixed_precision_raises_what_hurts_the_output(tmp_path: Path) -> None:
     assert mixed["before_snr_db"] < 20
     assert mixed["after_snr_db"] >= 30 and _snr(report) == pytest.approx(mixed["after_snr_db"])
     assert [t["name"] for t in mixed["tensors"]] == ["A"]  # B is left at 8 bits
-    assert mixed["tensors"][0]["to"] == "int16"  # a MatMul weight: per tensor, as QNN takes it
+    assert mixed["tensors"][0]["to"] == "int16"  # per tensor here (_build: per_channel = false)
     assert mixed["measured"] == mixed["candidates"] > 0 and mixed["analysis_samples"] > 0
     # The QDQ model on disk is the chosen one: A at int16, B still 8-bit.
     found = {c.name: c for c in candidates(_qdq(tmp_path))}
