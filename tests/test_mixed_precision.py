@@ -680,12 +680,9 @@ def test_reciprocal_of_small_values_is_right_on_the_htp(
     assert _ctx_vs_float(tmp_path) < 10
 
 
-def test_int16_weights_compile_whole_on_the_htp(tmp_path: Path) -> None:
-    """What mixed precision produces (int16 symmetric Conv/Gemm/MatMul weights next to
-    uint16 activations) compiles into one QNN partition and matches the float model."""
-    pytest.importorskip("onnxruntime_qnn")
-    rng = np.random.default_rng(11)
-    model = _model(
+def _conv_gemm_matmul(rng: np.random.Generator) -> onnx.ModelProto:
+    """Conv (with bias) -> Relu -> Gemm -> MatMul: one weight of each kind."""
+    return _model(
         [
             helper.make_node("Conv", ["x", "wc", "bc"], ["c"], pads=[1, 1, 1, 1]),
             helper.make_node("Relu", ["c"], ["r"]),
@@ -703,6 +700,14 @@ def test_int16_weights_compile_whole_on_the_htp(tmp_path: Path) -> None:
             _init("wm", rng.normal(0, 0.3, (16, 10))),
         ],
     )
+
+
+def test_int16_weights_compile_whole_on_the_htp(tmp_path: Path) -> None:
+    """What mixed precision produces (int16 symmetric Conv/Gemm/MatMul weights next to
+    uint16 activations) compiles into one QNN partition and matches the float model."""
+    pytest.importorskip("onnxruntime_qnn")
+    rng = np.random.default_rng(11)
+    model = _conv_gemm_matmul(rng)
     samples = [rng.normal(0, 1, (1, 3, 8, 8)) for _ in range(8)]
     _build(tmp_path, model, samples)
     with (tmp_path / "m.toml").open("a") as config:
@@ -719,3 +724,34 @@ def test_int16_weights_compile_whole_on_the_htp(tmp_path: Path) -> None:
     coverage = json.loads(variant.read_text())["coverage"]
     assert coverage["qnn_partitions"] == 1 and not coverage["cpu_compute_nodes"]
     assert ctx_snr > 30
+
+
+def test_weights_are_measured_in_one_session_as_each_alone(tmp_path: Path) -> None:
+    """Each weight's output noise comes from one session that is fed the weight as the QDQ
+    model rounds it (and its layer's corrected bias): the same figures as a model built per
+    weight with only that weight quantized (what an activation still gets)."""
+    from pipeline.quantize import mixed_precision as mp
+    from pipeline.quantize.bias_correction import input_means
+
+    rng = np.random.default_rng(31)
+    model = _conv_gemm_matmul(rng)
+    samples = [rng.normal(0, 1, (1, 3, 8, 8)).astype(np.float32) for _ in range(8)]
+    _build(tmp_path, model, samples)
+    bucket = _paths(tmp_path).bucket(SINGLE_BUCKET)
+    feeds = [{"x": s} for s in samples]
+    float_model = onnx.load(str(bucket.float_model))
+    means, _ = input_means(float_model, feeds)
+    found, _, _, stats = mp.measure(bucket.float_model, bucket.qdq, feeds, means=means)
+    weights = [c for c in found if c.kind == "weight"]
+    assert {c.name for c in weights} == {"wc", "wg", "wm"} and stats["measured"] == len(found)
+    session = mp.cpu_session(float_model, optimize=False)
+    names = [o.name for o in session.get_outputs()]
+    refs = [
+        {n: np.asarray(v, np.float64) for n, v in zip(names, session.run(names, f), strict=True)}
+        for f in feeds
+    ]
+    for cand in weights:
+        alone = mp._session(mp._with_fake_quant(float_model, cand, means))
+        expected = mp._noise(alone, feeds, refs)
+        assert cand.noise == pytest.approx(expected, rel=1e-4), cand.name
+        assert cand.noise["y"] > 0
