@@ -194,6 +194,29 @@ def ctx_vs_qdq_on_htp(qdq: Path, float_model: Path, sample: Path, work: Path) ->
     return result.worst_ctx_vs_qdq
 
 
+def whole_ctx_vs_float(
+    work: Path, models: dict[str, onnx.ModelProto], samples: list[Feeds]
+) -> dict[str, float]:
+    """Each of ``models`` run unquantized on the HTP simulator (Snapdragon X Elite: soc 60,
+    HTP v73) over ``samples``, against the "float" one on the CPU: asserts each runs whole on
+    the HTP and returns its ctx vs float SNR in dB."""
+    from pipeline.htp.probe import probe
+
+    for name, model in models.items():
+        onnx.save(model, str(work / f"{name}.onnx"))
+    paths = []
+    for index, sample in enumerate(samples):
+        paths.append(work / f"sample_{index}.npz")
+        np.savez(paths[-1], **sample)
+    results = {}
+    for name in models:
+        result = probe(work / f"{name}.onnx", work / "float.onnx", paths, work / name, 60, 73)
+        assert result.ok, result.error
+        assert result.partitions == 1 and result.cpu_nodes == 0
+        results[name] = result.worst_ctx_vs_float
+    return results
+
+
 def model_paths(root: Path, name: str) -> ModelPaths:
     return ModelPaths.of(root / "artifacts", name)
 

@@ -17,10 +17,11 @@ RNG = np.random.default_rng(11)
 FRAMES, TAPS, BINS, MELS = 12, 64, 16, 8
 
 
-def log_power(gate: str = "") -> onnx.ModelProto:
+def log_power(gate: str = "", joined: bool = False) -> onnx.ModelProto:
     """Raw int16-scale audio -> STFT-like Conv (real, imag) -> power -> mel MatMul -> Clip ->
     10 log10: openWakeWord/torchaudio-style front ends. Also outputs the real part (degree 1),
-    which must come back unscaled. ``gate`` puts a non-homogeneous op on the input."""
+    which must come back unscaled. ``gate`` puts a non-homogeneous op on the input; ``joined``
+    also outputs the real part concatenated with the log spectrum (degrees 1 and 0 meet)."""
     real_w = (RNG.standard_normal((BINS, 1, TAPS)) / TAPS).astype(np.float32)
     imag_w = (RNG.standard_normal((BINS, 1, TAPS)) / TAPS).astype(np.float32)
     mel = np.abs(RNG.standard_normal((BINS, MELS))).astype(np.float32)
@@ -42,14 +43,19 @@ def log_power(gate: str = "") -> onnx.ModelProto:
         oh.make_node("Log", ["floored"], ["ln"]),
         oh.make_node("Mul", ["ln", "ten_over_ln10"], ["db"]),
     ]
+    outputs = [
+        oh.make_tensor_value_info("db", TensorProto.FLOAT, [1, FRAMES, MELS]),
+        oh.make_tensor_value_info("re", TensorProto.FLOAT, [1, BINS, FRAMES]),
+    ]
+    if joined:
+        nodes.append(oh.make_node("Transpose", ["re"], ["re_frames"], perm=[0, 2, 1]))
+        nodes.append(oh.make_node("Concat", ["re_frames", "db"], ["joined"], axis=2))
+        outputs.append(oh.make_tensor_value_info("joined", TensorProto.FLOAT, [1, FRAMES, 24]))
     graph = oh.make_graph(
         nodes,
         "log_power",
         [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, samples])],
-        [
-            oh.make_tensor_value_info("db", TensorProto.FLOAT, [1, FRAMES, MELS]),
-            oh.make_tensor_value_info("re", TensorProto.FLOAT, [1, BINS, FRAMES]),
-        ],
+        outputs,
         [
             numpy_helper.from_array(real_w, "wr"),
             numpy_helper.from_array(imag_w, "wi"),
@@ -111,6 +117,25 @@ def test_fit_float16_scales_the_input_and_computes_the_same() -> None:
         assert max(float(np.abs(v).max()) for v in inner) <= FLOAT16_TARGET
 
 
+def test_fit_float16_scales_back_a_tensor_that_meets_an_unscaled_one() -> None:
+    """The real part concatenated with the log spectrum (Silero VAD v4 joins its magnitude
+    and log spectrum so): the scaled operand is brought back (times 2^shift) before the
+    Concat, which was refused ("mixes tensors of different scale"); exact in float32."""
+    model = log_power(joined=True)
+    samples = [x / 4 for x in audio(6)]
+    peaks = peaks_of(model, samples)
+    assert peaks["melspec"] > 1e6 and peaks["re"] <= FLOAT16_TARGET
+    fitted, change = fit_float16(model, peaks)
+    assert fitted is not None, change.details
+    assert "1 operand(s) scaled back" in change.details[0]
+    for x in samples:
+        got, want = every_tensor(fitted, x), every_tensor(model, x)
+        np.testing.assert_allclose(got["joined"], want["joined"], rtol=1e-5, atol=1e-3)
+    peaks["re_frames"] = FLOAT16_TARGET * 2  # one too wide to come back is refused, and said
+    refused, change = fit_float16(model, peaks)
+    assert refused is None and "too wide" in change.details[0]
+
+
 def test_fit_float16_leaves_a_model_that_fits() -> None:
     model = log_power()
     quiet = [x / 1000 for x in audio(3)]
@@ -131,25 +156,13 @@ def test_fit_float16_refuses_a_non_homogeneous_front_end(gate: str) -> None:
 @pytest.mark.qnn
 def test_the_htp_runs_the_fitted_front_end_in_fp16(tmp_path: Path) -> None:
     """Measured: as it is, the fp16 ctx overflows (~0 dB vs float); fitted it agrees."""
-    from pipeline.htp.probe import probe
+    from compile_fixtures import whole_ctx_vs_float
 
     model = log_power()
     samples = audio(4)
-    onnx.save(model, str(tmp_path / "float.onnx"))
     fitted, _ = fit_float16(model, peaks_of(model, samples))
     assert fitted is not None
-    onnx.save(fitted, str(tmp_path / "fitted.onnx"))
-    paths = []
-    for index, x in enumerate(samples):
-        paths.append(tmp_path / f"sample_{index}.npz")
-        np.savez(paths[-1], x=x)
-    results = {}
-    for name in ("float", "fitted"):
-        result = probe(
-            tmp_path / f"{name}.onnx", tmp_path / "float.onnx", paths, tmp_path / name, 60, 73
-        )
-        assert result.ok, result.error
-        assert result.partitions == 1 and result.cpu_nodes == 0
-        results[name] = result.worst_ctx_vs_float
+    models = {"float": model, "fitted": fitted}
+    results = whole_ctx_vs_float(tmp_path, models, [{"x": x} for x in samples])
     assert results["fitted"] > 25.0, results
     assert results["float"] < 10.0, results

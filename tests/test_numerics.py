@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper
+import pytest
+from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.graph.numerics import rewrite_sqrt_of_sigmoids
+from pipeline.graph.numerics import log_of_large_gain, rewrite_sqrt_of_sigmoids
 
 RNG = np.random.default_rng(20261122)
 
@@ -75,3 +78,86 @@ def test_sqrt_rewrite_leaves_shared_factors_and_other_sqrts_alone():
     model = helper.make_model(plain, opset_imports=[helper.make_opsetid("", 21)])
     _, change = rewrite_sqrt_of_sigmoids(model)
     assert not change.details
+
+
+def _log_front_end(form: str, gain: float = 2.0**20, shared: bool = False) -> onnx.ModelProto:
+    """x [1, 1, 256] -> a 16-bin STFT-like Conv -> |.| -> log(1 + gain * m) (``form`` "offset",
+    either operand order) or log(gain * m) ("plain") -> a 1x1 Conv: Silero VAD v4's front end.
+    ``shared``: the magnitude times the gain is also a graph output."""
+    rng = np.random.default_rng(41)
+    gain_first = form == "offset_swapped"
+    nodes = [
+        helper.make_node("Conv", ["x", "basis"], ["spec"], strides=[16], name="stft"),
+        helper.make_node("Abs", ["spec"], ["mag"], name="abs"),
+        helper.make_node("Mul", ["gain", "mag"] if gain_first else ["mag", "gain"], ["scaled"]),
+    ]
+    if form == "plain":
+        nodes.append(helper.make_node("Log", ["scaled"], ["logs"], name="log"))
+    else:
+        operands = ["scaled", "one"] if gain_first else ["one", "scaled"]
+        nodes.append(helper.make_node("Add", operands, ["lifted"], name="lift"))
+        nodes.append(helper.make_node("Log", ["lifted"], ["logs"], name="log"))
+    nodes.append(helper.make_node("Conv", ["logs", "mix"], ["y"], name="mix"))
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16])]
+    if shared:
+        outputs.append(helper.make_tensor_value_info("scaled", TensorProto.FLOAT, [1, 16, 16]))
+    inits = [
+        numpy_helper.from_array(
+            (rng.standard_normal((16, 1, 16)) * 0.25).astype(np.float32), "basis"
+        ),
+        numpy_helper.from_array((rng.standard_normal((4, 16, 1)) * 0.2).astype(np.float32), "mix"),
+        numpy_helper.from_array(np.array(gain, np.float32), "gain"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "front",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 256])],
+        outputs,
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+def _quiet_and_loud(count: int) -> list[np.ndarray]:
+    """Frames from near silence (1e-6) to loud (1): the magnitudes span six decades."""
+    rng = np.random.default_rng(42)
+    return [
+        (rng.standard_normal((1, 1, 256)) * 10.0 ** rng.uniform(-6, 0)).astype(np.float32)
+        for _ in range(count)
+    ]
+
+
+@pytest.mark.parametrize("form", ["offset", "offset_swapped", "plain"])
+def test_a_large_gain_is_taken_out_of_the_log(form: str) -> None:
+    model = _log_front_end(form)
+    rewritten, change = log_of_large_gain(model)
+    assert change.changed
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert "Mul" not in ops and ops.count("Log") == 1
+    before, after = (
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        for m in (model, rewritten)
+    )
+    for x in _quiet_and_loud(4):
+        want, got = before.run(["y"], {"x": x})[0], after.run(["y"], {"x": x})[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_small_gain_or_a_shared_product_stays() -> None:
+    assert not log_of_large_gain(_log_front_end("offset", gain=100.0))[1].changed
+    assert not log_of_large_gain(_log_front_end("offset", shared=True))[1].changed
+
+
+def test_the_htp_runs_the_front_end_in_fp16_without_the_gain(tmp_path: Path) -> None:
+    """Measured: as it is, the whole-fp16 ctx overflows in the gain product (Silero VAD v4:
+    11.1 dB vs float); with the gain taken out of the Log it agrees."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = _log_front_end("offset")
+    models = {"float": model, "rewritten": log_of_large_gain(model)[0]}
+    results = whole_ctx_vs_float(tmp_path, models, [{"x": x} for x in _quiet_and_loud(6)])
+    assert results["rewritten"] > 30.0, results
+    assert results["float"] < 10.0, results

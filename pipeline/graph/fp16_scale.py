@@ -59,6 +59,9 @@ class _Plan:
         self.degree: dict[str, Fraction] = {}
         self.scale_inputs: list[tuple[onnx.NodeProto, int, Fraction]] = []  # constant -> c^d
         self.logs: list[tuple[onnx.NodeProto, Fraction]] = []  # Log of a degree-d tensor
+        # An operand brought back to its own scale (times c^-d) where tensors of different
+        # degrees meet (a magnitude concatenated with its log spectrum): exact, and it must fit.
+        self.unscale: list[tuple[onnx.NodeProto, int, Fraction]] = []
 
     def of(self, name: str) -> Fraction:
         return self.degree.get(name, Fraction(0)) if name else Fraction(0)
@@ -108,10 +111,15 @@ def input_degrees(model: onnx.ModelProto, scaled: str) -> _Plan | str:
         elif op == "Div":
             out = degrees[0] - degrees[1]
         elif op in _SAME_DEGREE:
-            out = next(d for d in degrees if d)
-            for index in range(len(node.input)):
-                if why := constant_to(node, index, out):
-                    return why
+            computed = {d for name, d in zip(node.input, degrees, strict=True) if name not in inits}
+            if len(computed) > 1:  # computed tensors of different scale meet: all back to 1
+                out = Fraction(0)
+                plan.unscale += [(node, i, d) for i, d in enumerate(degrees) if d]
+            else:
+                out = next(d for d in degrees if d)
+                for index in range(len(node.input)):
+                    if why := constant_to(node, index, out):
+                        return why
         elif op == "Pad":
             if any(degrees[1:2]) or any(degrees[3:]):
                 return f"{node_label(node)} takes scaled pads or axes"
@@ -176,6 +184,11 @@ def fit_float16(
         if stuck is not None:
             reasons.append(f"scaling {name!r} does not shrink {stuck!r}")
             continue
+        restored = [n.input[i] for n, i, _ in plan.unscale]
+        wide = next((t for t in restored if peaks.get(t, math.inf) > FLOAT16_TARGET), None)
+        if wide is not None:
+            reasons.append(f"scaling {name!r}: {wide!r} meets an unscaled tensor and is too wide")
+            continue
         for shift in range(1, 64):
             if _scaled_peak(plan, peaks, shift) <= FLOAT16_TARGET:
                 return _rescale(model, name, shift, plan, peaks[worst_name], worst_name)
@@ -213,6 +226,11 @@ def _rescale(
         node.input[index] = fresh(f"{node.input[index]}_scaled")
         graph.initializer.append(numpy_helper.from_array(value, node.input[index]))
     added: list[onnx.NodeProto] = []
+    for node, index, degree in plan.unscale:  # x = c^-d (c^d x), exact for c = 2^-shift
+        back = constant(factor ** -float(degree), f"{node.input[index]}_unscale")
+        restored = fresh(f"{node.input[index]}_restored")
+        added.append(helper.make_node("Mul", [node.input[index], back], [restored], name=back))
+        node.input[index] = restored
     for node, degree in plan.logs:  # log(x) = log(c^d x) + d k ln 2
         raw = fresh(f"{node.output[0]}_of_scaled")
         offset = constant(float(degree) * shift * math.log(2), f"{node.output[0]}_offset")
@@ -240,5 +258,6 @@ def _rescale(
         [
             f"input {scaled!r} scaled by 2^-{shift} so that {tensor!r} ({peak:.3g}) fits fp16; "
             f"{len(plan.logs)} Log(s) corrected, {len(plan.scale_inputs)} constant(s) scaled"
+            + (f", {len(plan.unscale)} operand(s) scaled back" if plan.unscale else "")
         ],
     )

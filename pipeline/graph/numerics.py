@@ -112,3 +112,88 @@ def _sigmoid_factors(
         logits += found
         nodes += inner
     return logits, nodes
+
+
+# A constant gain this large inside a Log is taken out of it (2^8: a power spectrum times it
+# nears fp16's 65504 long before the Log's output, which is only ~ln(65504) = 11, does).
+LOG_GAIN = 256.0
+
+
+def _gain(name: str, inits: dict[str, onnx.TensorProto]) -> float | None:
+    """The value of a constant whose elements all equal one value >= ``LOG_GAIN``."""
+    if name not in inits:
+        return None
+    value = numpy_helper.to_array(inits[name])
+    if value.size == 0 or value.dtype.kind != "f" or not (value == value.flat[0]).all():
+        return None
+    return float(value.flat[0]) if value.flat[0] >= LOG_GAIN else None
+
+
+def log_of_large_gain(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Log(a + c * x) -> Log(x + a / c) + log(c), and Log(c * x) -> Log(x) + log(c), for a
+    constant gain c >= ``LOG_GAIN``.
+
+    Exact for c > 0. An audio front end's ``log(1 + 2^20 * magnitude)`` (Silero VAD v4) makes
+    a tensor of ~3.6e7 on the way: in fp16 it overflows to inf, and scaling the input to fit
+    flushes the quiet frames' magnitudes to zero (whole fp16 on the HTP: 11.1 dB vs float, or
+    15.7 dB scaled); taken out of the Log, the largest tensor is the magnitude itself (37.1 dB).
+    Only chains whose intermediate tensors nothing else reads are rewritten.
+    """
+    model = copy_model(model)
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    producer = _producers(graph)
+    uses = _consumers(graph)
+    fresh = FreshNames(model)
+    replaced: dict[int, list[onnx.NodeProto]] = {}  # node index -> what takes its place
+    index_of = {id(node): i for i, node in enumerate(graph.node)}
+    details = []
+    for node in graph.node:
+        if node.op_type != "Log" or node.domain not in ("", "ai.onnx"):
+            continue
+        inner = producer.get(node.input[0])
+        if inner is None or uses.get(node.input[0]) != 1 or id(inner) in replaced:
+            continue
+        offset = None  # the constant a of a + c * x
+        mul = inner
+        if inner.op_type == "Add" and len(inner.input) == 2:
+            const = [i for i in inner.input if i in inits]
+            other = [i for i in inner.input if i not in inits]
+            if len(const) != 1 or len(other) != 1 or uses.get(other[0]) != 1:
+                continue
+            offset, mul = const[0], producer.get(other[0])
+        if mul is None or mul.op_type != "Mul" or len(mul.input) != 2:
+            continue
+        gains = [(i, _gain(n, inits)) for i, n in enumerate(mul.input)]
+        found = [(i, g) for i, g in gains if g is not None and mul.input[1 - i] not in inits]
+        if not found:
+            continue
+        slot, gain = found[0]
+        x = mul.input[1 - slot]
+        base = node.name or node.output[0]
+        log_c = fresh(f"{base}_log_gain")
+        graph.initializer.append(numpy_helper.from_array(np.array(np.log(gain), np.float32), log_c))
+        raw = fresh(f"{base}_without_gain")
+        nodes = []
+        if offset is not None:
+            shifted_value = numpy_helper.to_array(inits[offset]).astype(np.float64) / gain
+            shifted = fresh(f"{offset}_over_gain")
+            graph.initializer.append(
+                numpy_helper.from_array(shifted_value.astype(np.float32), shifted)
+            )
+            summed = fresh(f"{base}_shifted")
+            nodes.append(helper.make_node("Add", [x, shifted], [summed], name=summed))
+            x = summed
+        nodes.append(helper.make_node("Log", [x], [raw], name=raw))
+        nodes.append(helper.make_node("Add", [raw, log_c], [node.output[0]], name=log_c))
+        replaced[index_of[id(node)]] = nodes
+        replaced[index_of[id(mul)]] = []
+        if inner is not mul:
+            replaced[index_of[id(inner)]] = []
+        form = "Log(a + c*x)" if offset is not None else "Log(c*x)"
+        details.append(f"{node_label(node)}: {form} with c = {gain:g} -> log of x, plus log(c)")
+    if details:
+        nodes = [n for i, node in enumerate(graph.node) for n in replaced.get(i, [node])]
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return checked_change(model, "log_of_large_gain", details)
