@@ -755,3 +755,41 @@ def test_weights_are_measured_in_one_session_as_each_alone(tmp_path: Path) -> No
         expected = mp._noise(alone, feeds, refs)
         assert cand.noise == pytest.approx(expected, rel=1e-4), cand.name
         assert cand.noise["y"] > 0
+
+
+def test_outlier_channels_name_the_tensor_channel_and_ratio(tmp_path: Path) -> None:
+    """One Conv output channel 200x the others (PP-PicoDet's LCNet has one at nearly every
+    pointwise Conv): found, with its peak and the median channel's; a model without one gives
+    nothing. The report says it where 16 bits did not help."""
+    from pipeline.quantize.mixed_precision import MixedPrecision, outlier_channels
+    from pipeline.quantize.report import _outlier_lines
+
+    rng = np.random.default_rng(51)
+    found = {}
+    for boost in (200.0, 1.0):
+        weight = rng.normal(0, 0.3, (16, 3, 3, 3))
+        weight[5] *= boost
+        model = _model(
+            [
+                helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+                helper.make_node("HardSwish", ["c"], ["y"], name="act"),
+            ],
+            [_tensor("x", [1, 3, 8, 8])],
+            [_tensor("y", [1, 16, 8, 8])],
+            [_init("w", weight)],
+        )
+        inferred = onnx.shape_inference.infer_shapes(model)
+        path = tmp_path / f"boost_{boost:g}.onnx"
+        onnx.save(inferred, str(path))
+        samples = [{"x": rng.normal(0, 1, (1, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
+        found[boost] = outlier_channels(path, samples)
+    assert found[1.0] == []
+    assert {(o.tensor, o.op, o.channel) for o in found[200.0]} == {
+        ("c", "Conv", 5),
+        ("y", "HardSwish", 5),
+    }
+    worst = found[200.0][0]
+    assert worst.peak / worst.median_peak > 32
+    summary = MixedPrecision(25.0, 1.0, 1.0, ceiling_snr_db=1.5, outlier_channels=found[200.0])
+    (line,) = _outlier_lines(summary)
+    assert "channel 5 peaks at" in line and "`c` (Conv)" in line

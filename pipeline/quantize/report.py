@@ -279,6 +279,20 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
     return lines
 
 
+def _outlier_lines(mixed: MixedPrecision) -> list[str]:
+    if not mixed.outlier_channels:
+        return []
+    shown = "; ".join(
+        f"`{o.tensor}` ({o.op}) channel {o.channel} peaks at {o.peak:.4g} where the median "
+        f"channel peaks at {o.median_peak:.4g} ({o.peak / o.median_peak:.0f}x)"
+        for o in mixed.outlier_channels
+    )
+    return [
+        f"Outlier channels: {shown}. With one scale per tensor the other channels keep few "
+        "steps at any bit width; the HTP judge's fp16 candidates do not quantize them."
+    ]
+
+
 def _mixed_section(r: QuantizeReport) -> list[str]:
     mixed = r.mixed_precision
     if mixed is not None and not mixed.tensors and mixed.ceiling_snr_db is not None:
@@ -287,6 +301,7 @@ def _mixed_section(r: QuantizeReport) -> list[str]:
             f"Mixed precision: not used. With every 8-bit tensor at 16 bits the worst SNR is "
             f"{fmt(mixed.ceiling_snr_db)} dB (8 bits: {fmt(mixed.before_snr_db)} dB, target "
             f"{fmt(mixed.target_snr_db)} dB): what is short is not 8-bit rounding.",
+            *_outlier_lines(mixed),
         ]
     if mixed is None or not mixed.tensors:
         return []
