@@ -51,6 +51,9 @@ SHORT_STEPS = {
     "einsum_to_matmul": "einsum",
     "rewrite_for_htp": "htp-rewrites",
     "qnn_preprocess": "qnn-preprocess",
+    "fuse_erf_gelu": "erf-gelu",
+    "gathernd_to_gather": "gathernd",
+    "log_of_large_gain": "log-gain",
 }
 
 

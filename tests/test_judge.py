@@ -574,7 +574,7 @@ def test_a_round_stops_once_enough_samples_are_well_above_the_target(tmp_path: P
         10,
         "evidence",
     )
-    assert "each of them reached the target SNR vs float" in paths.ctx_report.read_text()
+    assert "pooled, they reached the target SNR vs float" in paths.ctx_report.read_text()
 
 
 def test_every_sample_runs_while_one_is_short_of_the_margin(tmp_path: Path):
@@ -605,29 +605,39 @@ def test_every_sample_runs_while_one_is_short_of_the_margin(tmp_path: Path):
 
 def test_evidence_waits_for_running_samples_and_not_for_left_out_ones(tmp_path: Path):
     """The verdict on the first samples of the claim order: pending while one of them runs in a
-    live process, short when one is below the figure, left out or unclaimed."""
+    live process; enough when their pooled figure reaches the margin and each the target (one
+    sample under the margin but over the target is outweighed by the others); short when the
+    pooled figure is below the margin, one sample below the target, left out or unclaimed."""
     import os
 
     from pipeline.htp import probe as probe_mod
 
     job = probe_mod.ProbeJob("q", "f", [f"s{i}" for i in range(10)], "", "", 60, 73)
-    job = dataclasses.replace(job, enough_db=28.0)
+    job = dataclasses.replace(job, enough_db=28.0, enough_floor_db=25.0)
     order = probe_mod._claim_order(job, 10)
     assert order[:4] == [0, 3, 6, 9] and sorted(order) == list(range(10))
     assert probe_mod._claim_order(dataclasses.replace(job, helper=True), 10) == order
 
+    def noted(db: float, signal: float = 1.0) -> str:
+        """A sample's figure as _note_figure writes it: one output, this signal power."""
+        return json.dumps({"worst": db, "powers": {"y": [signal, signal / 10 ** (db / 10)]}})
+
     def ran(index: int, db: float) -> None:
         probe_mod._claim(tmp_path, index)
-        (tmp_path / f"{index:04d}.db").write_text(repr(db))
+        (tmp_path / f"{index:04d}.db").write_text(noted(db))
 
     for index in (0, 3, 6):
-        ran(index, 31.0)
+        ran(index, 40.0)
     assert probe_mod._enough(job, tmp_path, order) == "short"  # 9: nobody runs it
     (tmp_path / "0009.claim").write_text(str(os.getpid()))  # running, in a live process
     assert probe_mod._enough(job, tmp_path, order) == "pending"
-    (tmp_path / "0009.db").write_text("30.0")
+    (tmp_path / "0009.db").write_text(noted(30.0))
     assert probe_mod._enough(job, tmp_path, order) == "enough"
-    (tmp_path / "0009.db").write_text("27.5")
+    (tmp_path / "0009.db").write_text(noted(26.0))  # under the margin, over the target
+    assert probe_mod._enough(job, tmp_path, order) == "enough"  # pooled: 31.5 dB
+    (tmp_path / "0009.db").write_text(noted(26.0, signal=100.0))  # the loudest sample
+    assert probe_mod._enough(job, tmp_path, order) == "short"  # pooled: 26.1 dB
+    (tmp_path / "0009.db").write_text(noted(24.5))  # below the target itself
     assert probe_mod._enough(job, tmp_path, order) == "short"
     (tmp_path / "0009.db").unlink()
     (tmp_path / "0009.claim").write_text(probe_mod.SKIPPED)

@@ -217,8 +217,9 @@ def _notes(rows: list[_Row]) -> list[str]:
         if v is not None and v.requested > v.samples and v.cut_by == "evidence":
             notes.append(
                 f"- **{where}** validated on {v.samples} of {v.requested} held-out samples: "
-                "each of them reached the target SNR vs float with the margin "
-                "(pipeline.core.layout.ENOUGH_MARGIN_DB) on the HTP, so the rest were not run"
+                "pooled, they reached the target SNR vs float with the margin "
+                "(pipeline.core.layout.ENOUGH_MARGIN_DB) on the HTP, each of them the target, "
+                "so the rest were not run"
             )
         elif v is not None and v.requested > v.samples:
             notes.append(

@@ -158,6 +158,11 @@ class OutputComparison:
         self._norm_ref[name] = self._norm_ref.get(name, 0.0) + signal
         self._norm_test[name] = self._norm_test.get(name, 0.0) + test_power
 
+    def powers(self) -> dict[str, tuple[float, float]]:
+        """Per numeric output: (signal, noise) power summed over the samples added, so that
+        figures of separate samples can be pooled later."""
+        return {name: (self._signal[name], self._noise[name]) for name in self._signal}
+
     def summary(self) -> dict[str, Accuracy]:
         """Per output: SNR, max abs error and cosine, pooled over the samples added."""
         result = {}

@@ -25,6 +25,7 @@ start-up ran on the other core.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -74,7 +75,8 @@ class ProbeJob:
     budget_s: float = 0.0  # no new sample after this many seconds of running (0: every sample)
     min_samples: int = HTP_MIN_SAMPLES  # ... once this many are claimed
     references: str = ""  # a folder of <index>.npz: the float model's outputs on each sample
-    enough_db: float = 0.0  # no new sample once ``enough_samples`` ran at this SNR vs float each
+    enough_db: float = 0.0  # no new sample once ``enough_samples`` ran at this SNR vs float, pooled
+    enough_floor_db: float = 0.0  # ... and each of them at this one at least (0: ``enough_db``)
     enough_samples: int = ENOUGH_SAMPLES
 
 
@@ -195,12 +197,14 @@ def probe(
     budget_s: float = 0.0,
     references: list[dict[str, np.ndarray]] | None = None,
     enough_db: float = 0.0,
+    enough_floor_db: float = 0.0,
 ) -> ProbeResult:
     """Compile ``qdq`` for the HTP, run it there and compare; a dead child is a failed result.
     With ``budget_s``, the samples still unstarted after that many seconds of running are left
     out (``HTP_MIN_SAMPLES`` at least run): ``samples`` < ``requested`` says so. With
     ``references`` (the float model's outputs on each sample) and ``enough_db``, so are those
-    still unstarted once ``ENOUGH_SAMPLES`` have each reached ``enough_db`` vs float."""
+    still unstarted once ``ENOUGH_SAMPLES`` have run at ``enough_db`` vs float pooled, each of
+    them at ``enough_floor_db`` at least (0: ``enough_db`` each)."""
     work.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / STASH, ignore_errors=True)  # outputs and claims of an earlier probe
     reference_folder = work / "references"
@@ -228,6 +232,7 @@ def probe(
         budget_s=budget_s,
         references=str(reference_folder.resolve()) if enough_db else "",
         enough_db=enough_db,
+        enough_floor_db=enough_floor_db,
     )
     warm = _SPARES.take(len(cores[1:])) if _SPARES is not None else None
     if warm is not None:  # started ahead, QNN registered: the job is all they wait for
@@ -599,15 +604,21 @@ def _claim_order(job: ProbeJob, count: int) -> list[int]:
 
 def _enough(job: ProbeJob, stash: Path, order: list[int]) -> str:
     """Whether the first ``enough_samples`` of ``order`` ran at ``enough_db`` or more vs float
-    each: "enough", "short" (one did not, or cannot be waited for), or "pending" (the ones
-    not yet done are running in live processes)."""
+    pooled (per output: their signal powers summed over their noise powers summed; the worst
+    output), each of them at ``enough_floor_db`` at least: "enough", "short" (they did not,
+    or one cannot be waited for), or "pending" (the ones not yet done are running in live
+    processes). Per-sample figures vary by tens of dB on a classifier's probabilities (a
+    file-type model: 26 to 112 dB), so requiring the margin of every sample ran every one."""
     if job.enough_db <= 0 or len(order) <= job.enough_samples:
         return "short"
+    floor = job.enough_floor_db or job.enough_db
     pending = False
+    pooled: dict[str, list[float]] = {}
     for index in order[: job.enough_samples]:
         try:
-            figure = float((stash / f"{index:04d}.db").read_text())
-        except (OSError, ValueError):  # not run yet, or being written
+            noted = json.loads((stash / f"{index:04d}.db").read_text())
+            figure = float(noted["worst"])
+        except (OSError, ValueError, KeyError, TypeError):  # not run yet, or being written
             try:
                 mark = (stash / f"{index:04d}.claim").read_text()
             except OSError:
@@ -616,9 +627,22 @@ def _enough(job: ProbeJob, stash: Path, order: list[int]) -> str:
                 return "short"
             pending = True
             continue
-        if figure < job.enough_db:
+        if figure < floor:
             return "short"
-    return "pending" if pending else "enough"
+        for name, (signal, noise) in noted["powers"].items():
+            total = pooled.setdefault(name, [0.0, 0.0])
+            total[0] += signal
+            total[1] += noise
+    if pending:
+        return "pending"
+    worst = min(
+        (
+            10.0 * math.log10(max(s, 1e-30) / n) if n > 1e-30 else math.inf
+            for s, n in pooled.values()
+        ),
+        default=math.inf,
+    )
+    return "enough" if worst >= job.enough_db else "short"
 
 
 def _wait_for_evidence(job: ProbeJob, stash: Path, order: list[int]) -> bool:
@@ -642,8 +666,9 @@ def _note_figure(job: ProbeJob, stash: Path, index: int, names: list[str]) -> No
     comparison = OutputComparison()
     comparison.add(expected, got)
     figure = worst_snr(comparison.summary())
+    noted = {"worst": figure if figure == figure else float("-inf"), "powers": comparison.powers()}
     partial = stash / f".{index:04d}.{os.getpid()}.db"
-    partial.write_text(repr(figure if figure == figure else float("-inf")))
+    partial.write_text(json.dumps(noted))
     partial.replace(stash / f"{index:04d}.db")
 
 

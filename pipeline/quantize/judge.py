@@ -204,8 +204,9 @@ def judge_on_htp(
     samples = spread(heldout, VALIDATE_SAMPLES)
     locate_samples = spread(heldout, LOCATE_SAMPLES)
     target_db = q.target_snr_db if decide else float("-inf")
-    # Enough samples once ENOUGH_SAMPLES are each ENOUGH_MARGIN_DB above the target: from the
-    # float outputs this process kept when it compared QDQ and float (none: every sample runs).
+    # Enough samples once ENOUGH_SAMPLES are ENOUGH_MARGIN_DB above the target pooled, each at
+    # the target at least: from the float outputs this process kept when it compared QDQ and
+    # float (none: every sample runs).
     enough_db = target_db + ENOUGH_MARGIN_DB if decide else 0.0
     references = kept_outputs(float_path, samples) if decide else None
     work = Path(tempfile.mkdtemp(prefix=".htp-judge-", dir=scratch))
@@ -231,6 +232,7 @@ def judge_on_htp(
                 budget_s=HTP_BUDGET_S,
                 references=references if on is None else None,
                 enough_db=enough_db,
+                enough_floor_db=target_db if decide else 0.0,
             )
             rounds.append(_round(shown, result))
             ctx_of[id(result)] = folder / CTX_NAME

@@ -487,10 +487,11 @@ def _htp_section(r: QuantizeReport) -> list[str]:
     if enough:
         lines += [
             "",
-            f"A round stops starting samples once {ENOUGH_SAMPLES} have each run at "
-            f"{ENOUGH_MARGIN_DB:g} dB or more above the target SNR vs float on the HTP "
-            "(pipeline.core.layout.ENOUGH_SAMPLES): the figure over them is above it too, and "
-            "the round's choice is made. Its figures are on the samples it ran.",
+            f"A round stops starting samples once {ENOUGH_SAMPLES} have run at "
+            f"{ENOUGH_MARGIN_DB:g} dB or more above the target SNR vs float on the HTP, pooled "
+            "over them, each of them at the target at least (pipeline.core.layout."
+            "ENOUGH_SAMPLES): the figure over them is above it, and the round's choice is "
+            "made. Its figures are on the samples it ran.",
         ]
     short = [x for x in j.rounds if x.requested > x.samples > 0 and x.cut_by != "evidence"]
     if short:
