@@ -1005,3 +1005,37 @@ def test_padding_mask_lookup_builds_whole_on_the_htp(tmp_path) -> None:
         ("wk", (rng.standard_normal((16, 16)) * 0.3).astype(np.float32)),
     )
     build_whole_on_htp(tmp_path, "mask_lookup", model)
+
+
+@pytest.mark.parametrize("mode", [True, False])
+def test_a_model_exported_in_training_mode_is_refused(mode: bool) -> None:
+    """Dropout with training_mode = true (a wrapper left in training mode when exported): a
+    clear error that names the node and the fix; in inference mode it prepares as usual."""
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 17]> g (float[1, 8] x) => (float[1, 8] y) '
+            "{ h = MatMul(x, w) \n y = Dropout(h, ratio, training) }"
+        ),
+        ("w", RNG.standard_normal((8, 8)).astype(np.float32)),
+        ("ratio", np.array(0.1, np.float32)),
+        ("training", np.array(mode)),
+    )
+    if not mode:
+        prepare_model(model, InputsSection(dims={}, shapes={}, constants={}))
+        return
+    with pytest.raises(ModelError) as caught:
+        prepare_model(model, InputsSection(dims={}, shapes={}, constants={}))
+    assert "training mode" in str(caught.value) and "Dropout" in str(caught.value)
+    assert "model.eval()" in (caught.value.tip or "")
+
+
+def test_a_batchnorm_in_training_mode_is_refused() -> None:
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 15]> g (float[1, 4, 3, 3] x) => '
+            "(float[1, 4, 3, 3] y) { y = BatchNormalization <training_mode = 1> (x, s, b, m, v) }"
+        ),
+        *[(n, np.ones(4, np.float32)) for n in ("s", "b", "m", "v")],
+    )
+    with pytest.raises(ModelError, match="training mode"):
+        t.refuse_training_mode(model)

@@ -55,6 +55,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         t.expand_function_ops,  # Mish, GroupNormalization: the QNN EP compiles neither
         t.constants_to_initializers,  # the converter may add Constant nodes
         t.fold_constants,
+        t.refuse_training_mode,  # a Dropout or BatchNorm still in training mode: random outputs
         t.lower_data_dependent_ifs,  # the QNN EP runs no control flow
         prequantized.fold_quantized_constants,  # Q(float weight) -> its integers (own Q/DQ kept)
         prequantized.drop_noop_casts,  # Q -> Cast(same type) -> DQ; an fp16 model's float Casts
