@@ -68,15 +68,18 @@ def comparable(value: Any) -> tuple[str | None, np.ndarray]:
     return LABELS, array
 
 
+def power_snr_db(signal: float, noise: float) -> float:
+    """10 log10(signal / noise) of summed powers; inf when there is no noise."""
+    if noise <= _TINY:
+        return float("inf")
+    return 10.0 * float(np.log10(max(signal, _TINY) / noise))
+
+
 def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
     """Signal-to-noise ratio of ``test`` against ``reference``; inf when they are identical."""
     ref = np.asarray(reference, dtype=np.float64).ravel()
     err = ref - np.asarray(test, dtype=np.float64).ravel()
-    noise = float(np.sum(err * err))
-    signal = float(np.sum(ref * ref))
-    if noise <= _TINY:
-        return float("inf")
-    return 10.0 * np.log10(max(signal, _TINY) / noise)
+    return power_snr_db(float(np.sum(ref * ref)), float(np.sum(err * err)))
 
 
 def max_abs(reference: np.ndarray, test: np.ndarray) -> float:
@@ -170,12 +173,7 @@ class OutputComparison:
             share = self._agree[name] / count
             result[name] = Accuracy(float("nan"), float("nan"), float("nan"), LABELS, share)
         for name in self._signal:
-            noise = self._noise[name]
-            snr = (
-                float("inf")
-                if noise <= _TINY
-                else 10.0 * float(np.log10(max(self._signal[name], _TINY) / noise))
-            )
+            snr = power_snr_db(self._signal[name], self._noise[name])
             denom = float(np.sqrt(self._norm_ref[name] * self._norm_test[name]))
             cos = self._dot[name] / denom if denom > _TINY else 1.0
             result[name] = Accuracy(snr, self._max_abs[name], cos, self._kind.get(name))

@@ -226,15 +226,11 @@ def fuse_erf_gelu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     graph = model.graph
     inits = edit.initializers_by_name(graph)
     producers = {o: n for n in graph.node for o in n.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    outputs = {o.name for o in graph.output}
+    plain_readers = _plain_readers(model)
 
     def only_reader(name: str) -> onnx.NodeProto | None:
-        found = readers.get(name, [])
-        return found[0] if len(found) == 1 and name not in outputs else None
+        found = plain_readers(name)
+        return found[0] if found is not None and len(found) == 1 else None
 
     def scalar(name: str) -> float | None:
         if name not in inits:

@@ -14,8 +14,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .edit import Change, FreshNames, checked_change, copy_model, node_label
-from .transforms import topological_sort
+from .edit import Change, FreshNames, checked_change, copy_model, node_label, set_nodes
+from .transforms import scalar_const, topological_sort
 
 
 def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
@@ -121,12 +121,8 @@ LOG_GAIN = 256.0
 
 def _gain(name: str, inits: dict[str, onnx.TensorProto]) -> float | None:
     """The value of a constant whose elements all equal one value >= ``LOG_GAIN``."""
-    if name not in inits:
-        return None
-    value = numpy_helper.to_array(inits[name])
-    if value.size == 0 or value.dtype.kind != "f" or not (value == value.flat[0]).all():
-        return None
-    return float(value.flat[0]) if value.flat[0] >= LOG_GAIN else None
+    value = scalar_const(inits, name)
+    return value if value is not None and value >= LOG_GAIN else None
 
 
 def log_of_large_gain(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -193,7 +189,5 @@ def log_of_large_gain(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         form = "Log(a + c*x)" if offset is not None else "Log(c*x)"
         details.append(f"{node_label(node)}: {form} with c = {gain:g} -> log of x, plus log(c)")
     if details:
-        nodes = [n for i, node in enumerate(graph.node) for n in replaced.get(i, [node])]
-        del graph.node[:]
-        graph.node.extend(nodes)
+        set_nodes(graph, [n for i, node in enumerate(graph.node) for n in replaced.get(i, [node])])
     return checked_change(model, "log_of_large_gain", details)

@@ -1238,7 +1238,7 @@ def upgrade_opset(
 # 6. HTP-friendly rewrites
 
 
-def _scalar_const(inits: Mapping[str, onnx.TensorProto], name: str) -> float | None:
+def scalar_const(inits: Mapping[str, onnx.TensorProto], name: str) -> float | None:
     """The value of a constant whose elements are all equal, else None."""
     if name not in inits:
         return None
@@ -1255,7 +1255,7 @@ def _htp_rewrite(
     each rewrite keeps the output shape (checked against the input it keeps)."""
     same_shape = shape(node.output[0]) is not None
     if node.op_type == "Pow" and len(node.input) == 2:
-        power = _scalar_const(inits, node.input[1])
+        power = scalar_const(inits, node.input[1])
         x = node.input[0]
         if power is None or not same_shape or shape(x) != shape(node.output[0]):
             return None
@@ -1269,7 +1269,7 @@ def _htp_rewrite(
         neutral = (lambda v: v <= -limit) if node.op_type == "Max" else (lambda v: v >= limit)
         keep = []
         for name in node.input:
-            value = _scalar_const(inits, name)
+            value = scalar_const(inits, name)
             if value is None or not neutral(value):
                 keep.append(name)
         if keep and len(keep) < len(node.input):
@@ -1278,7 +1278,7 @@ def _htp_rewrite(
             if len(keep) > 1:
                 return node.op_type, keep, "drops a no-op ±inf operand"
         if node.op_type == "Max" and len(node.input) == 2:
-            zero = [i for i, n in enumerate(node.input) if _scalar_const(inits, n) == 0.0]
+            zero = [i for i, n in enumerate(node.input) if scalar_const(inits, n) == 0.0]
             if len(zero) == 1:
                 x = node.input[1 - zero[0]]
                 if same_shape and shape(x) == shape(node.output[0]):
@@ -1467,7 +1467,7 @@ HYPOT_MAX_FLOOR = 1e-8
 def _hypot_floor(add: onnx.NodeProto, inits: Mapping[str, onnx.TensorProto]) -> str | None:
     """The other operand of ``add`` when one operand is a tiny constant c (0 <= c <= 1e-8)."""
     for index in (0, 1):
-        value = _scalar_const(inits, add.input[index])
+        value = scalar_const(inits, add.input[index])
         if value is not None and 0.0 <= value <= HYPOT_MAX_FLOOR:
             return add.input[1 - index]
     return None

@@ -45,7 +45,7 @@ from ..core.cpu import cpu_session
 from ..core.fileio import sha256_file
 from ..core.layout import ENOUGH_SAMPLES, HTP_MIN_SAMPLES, past_htp_budget
 from ..core.memory import adapt_heap_to, release_freed_memory
-from ..core.metrics import Accuracy, OutputComparison, comparable, worst_snr
+from ..core.metrics import Accuracy, OutputComparison, comparable, power_snr_db, worst_snr
 from .isolation import Finished, Started, die_with_parent, start_module, wait_for
 
 MODULE = "pipeline.htp.probe"
@@ -635,13 +635,7 @@ def _enough(job: ProbeJob, stash: Path, order: list[int]) -> str:
             total[1] += noise
     if pending:
         return "pending"
-    worst = min(
-        (
-            10.0 * math.log10(max(s, 1e-30) / n) if n > 1e-30 else math.inf
-            for s, n in pooled.values()
-        ),
-        default=math.inf,
-    )
+    worst = min((power_snr_db(s, n) for s, n in pooled.values()), default=math.inf)
     return "enough" if worst >= job.enough_db else "short"
 
 
