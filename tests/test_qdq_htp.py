@@ -1,4 +1,5 @@
-"""pipeline.graph.qdq_htp: the HTP's fused 16-bit SiLU, and the split that avoids it."""
+"""pipeline.graph.qdq_htp: the HTP's fused 16-bit SiLU and the split that avoids it; its 16 x 16-bit
+MatMul of two activations and the int16 output that keeps its precision."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from pipeline.graph.qdq_htp import split_swish_input
+from pipeline.graph.qdq_htp import signed_activation_products, split_swish_input
 
 RNG_SEED = 7
 
@@ -129,3 +130,52 @@ def test_the_htp_computes_the_split_silu_right(tmp_path: Path) -> None:
     assert results["split"] > 60.0, results
     # If a new QNN SDK computes the fused SiLU right, this says so: the split may then go.
     assert results["qdq"] < 20.0, f"the HTP's 16-bit SiLU is right now: {results}"
+
+
+def self_attention(size: int = 16, width: int = 8) -> onnx.ModelProto:
+    """softmax(x x^T) x W: two MatMuls of two activations and one of an activation and a weight."""
+    rng = np.random.default_rng(RNG_SEED)
+    w = rng.normal(0, 1, (width, width)).astype(np.float32)
+    nodes = [
+        oh.make_node("Transpose", ["x"], ["xt"], perm=[0, 1, 3, 2]),
+        oh.make_node("MatMul", ["x", "xt"], ["scores"], name="scores"),
+        oh.make_node("Softmax", ["scores"], ["probs"]),
+        oh.make_node("MatMul", ["probs", "x"], ["context"], name="context"),
+        oh.make_node("MatMul", ["context", "w"], ["y"], name="projection"),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "attention",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, size, width])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, size, width])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+@pytest.mark.parametrize("activations", ["uint16", "uint8"])
+def test_products_of_two_activations_are_reencoded_exactly(
+    tmp_path: Path, activations: str
+) -> None:
+    """uint16 outputs of activation x activation MatMuls become int16 and back: the CPU computes
+    the very same values; 8-bit ones and activation x weight products are left alone."""
+    qdq = quantized(self_attention(), tmp_path, activations)
+    signed, change = signed_activation_products(qdq)
+    if activations == "uint8":
+        assert change.changed is False
+        return
+    assert sorted(d.split("'")[1] for d in change.details) == ["context", "scores"]
+    zero_types = {i.name: i.data_type for i in signed.graph.initializer}
+    quantized_as = {
+        n.input[0]: zero_types[n.input[2]]
+        for n in signed.graph.node
+        if n.op_type == "QuantizeLinear"
+    }
+    assert quantized_as["scores"] == quantized_as["context"] == TensorProto.INT16
+    projection = next(n for n in signed.graph.node if n.name == "projection")
+    assert quantized_as[projection.output[0]] == TensorProto.UINT16
+    x = np.random.default_rng(3).normal(0, 1, (1, 2, 16, 8)).astype(np.float32)
+    np.testing.assert_array_equal(cpu_run(qdq, x), cpu_run(signed, x))
+    assert signed_activation_products(signed)[1].changed is False  # nothing left to re-encode

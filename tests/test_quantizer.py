@@ -190,3 +190,55 @@ def test_matmul_weights_go_per_channel_and_stay_whole_on_the_htp(tmp_path: Path)
     assert inits[dq.input[1]].shape == (8,) and inits["w_quantized"].dtype == np.int8
     variant = next(model_paths(tmp_path, "columns").ctx.glob("*/*/variant.json"))
     assert json.loads(variant.read_text())["validation"]["worst_snr_vs_float_db"] > 30
+
+
+def test_a_product_of_two_activations_keeps_16_bits_on_the_htp(tmp_path: Path) -> None:
+    """Attention's probs @ V: the HTP computes a MatMul of two uint16 activations into a uint16
+    output as if V had 8 bits (~45 dB from the CPU QDQ model here); re-encoded as int16 (then
+    converted back for its readers) it keeps all 16 (~64 dB). A MatMul of an activation and a
+    weight is left as it is."""
+    from compile_fixtures import build_whole_on_htp, ctx_vs_qdq_on_htp, model_paths
+
+    rng = np.random.default_rng(5)
+    model = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("Mul", ["scores", "gain"], ["logits"]),
+                helper.make_node("Softmax", ["logits"], ["probs"]),
+                helper.make_node("MatMul", ["probs", "v"], ["context"], name="probs_v"),
+                helper.make_node("MatMul", ["context", "w"], ["y"], name="projection"),
+            ],
+            "attention",
+            [
+                helper.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 4, 64, 64]),
+                helper.make_tensor_value_info("v", TensorProto.FLOAT, [1, 4, 64, 32]),
+            ],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 64, 32])],
+            [
+                numpy_helper.from_array(np.array(3.0, np.float32), "gain"),
+                numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32), "w"),
+            ],
+        ),
+        opset_imports=[helper.make_opsetid("", 21)],
+        ir_version=10,
+    )
+    build_whole_on_htp(tmp_path, "attention", model)
+    paths = model_paths(tmp_path, "attention")
+    qdq_path = paths.bucket("static").qdq
+    qdq = onnx.load(str(qdq_path))
+    zero_types = {i.name: i.data_type for i in qdq.graph.initializer}
+    quantized = {
+        n.input[0]: zero_types[n.input[2]] for n in qdq.graph.node if n.op_type == "QuantizeLinear"
+    }
+    assert quantized["context"] == TensorProto.INT16  # the product, re-encoded
+    projection = next(n for n in qdq.graph.node if n.name == "projection")
+    assert quantized[projection.output[0]] == TensorProto.UINT16  # activation x weight
+    sample = tmp_path / "sample.npz"
+    np.savez(
+        sample,
+        scores=rng.standard_normal((1, 4, 64, 64)).astype(np.float32),
+        v=rng.standard_normal((1, 4, 64, 32)).astype(np.float32),
+    )
+    assert (
+        ctx_vs_qdq_on_htp(qdq_path, paths.bucket("static").float_model, sample, tmp_path / "p") > 55
+    )

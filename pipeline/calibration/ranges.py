@@ -95,6 +95,7 @@ class RangeChanges:
     bias_corrections: int = 0  # layers whose bias absorbed their weight's mean rounding error
     filled: int = 0  # 16-bit inputs of saturating ops given their whole live range
     swish_splits: list[str] = field(default_factory=list)  # pipeline.graph.qdq_htp edits
+    signed_products: list[str] = field(default_factory=list)  # likewise
     log_outputs: list[str] = field(default_factory=list)  # Log outputs widened for the HTP
     # Weight -> (rmin, rmax) for onnxruntime's TensorQuantOverrides (not in the report).
     weight_ranges: dict[str, Interval] = field(default_factory=dict)

@@ -13,6 +13,12 @@ direct factor gets its own QuantizeLinear/DequantizeLinear pair with a scale lar
 ``SPLIT_SCALE`` (a requantization the HTP runs as a Convert; it adds at most half a 16-bit step
 of rounding, ~90 dB below the signal), so the HTP no longer sees one tensor on both sides.
 tests/test_qdq_htp.py builds the failing case and checks both the rewrite and the HTP's result.
+
+``signed_activation_products``: the HTP computes a MatMul of two uint16 activations into a uint16
+output as if its second operand had 8 bits (attention's probs @ V: 39.9 dB from float where the
+CPU QDQ model is at 75 dB, the very figure of an 8-bit V); with a signed 16-bit output it keeps
+all 16 (67.9 dB). The rewrite re-encodes that output's uint16 grid as int16 (zero point - 32768,
+same scale): the same values on the CPU, exactly.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ SIXTEEN_BIT = (onnx.TensorProto.UINT16, onnx.TensorProto.INT16)
 # The copy's scale: larger, so nothing clips, and different enough that the QNN EP does not drop
 # the requantization as a no-op.
 SPLIT_SCALE = 1.0 + 2.0**-10
+UINT16_TO_INT16 = 32768  # an int16 grid holds a uint16 one shifted by this, same scale
 
 
 def split_swish_input(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -107,3 +114,66 @@ def split_swish_input(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     graph.node.extend(added)
     sort_graph(graph)
     return checked_change(out, "split_swish_input", details)
+
+
+def signed_activation_products(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Re-encode as int16 the uint16 output of every MatMul of two activations (exact)."""
+    out = copy_model(model)
+    graph = out.graph
+    inits = {i.name: i for i in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output if o}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    fresh = FreshNames(out)
+    added: list[onnx.NodeProto] = []
+
+    def activation(tensor: str) -> bool:
+        """Dequantized at run time from a quantized activation, not from a stored weight."""
+        node = producer.get(tensor)
+        return (
+            node is not None and node.op_type == "DequantizeLinear" and node.input[0] not in inits
+        )
+
+    details: list[str] = []
+    for node in graph.node:
+        if node.op_type != "MatMul" or not all(activation(name) for name in node.input[:2]):
+            continue
+        quantizers = readers.get(node.output[0], [])
+        if len(quantizers) != 1 or quantizers[0].op_type != "QuantizeLinear":
+            continue
+        q = quantizers[0]
+        zero = inits.get(q.input[2]) if len(q.input) > 2 else None
+        if zero is None or zero.data_type != onnx.TensorProto.UINT16 or q.input[1] not in inits:
+            continue
+        signed = numpy_helper.to_array(zero).astype("int32") - UINT16_TO_INT16
+        zero_name = fresh(f"{q.input[2]}_int16")
+        graph.initializer.append(numpy_helper.from_array(signed.astype("int16"), zero_name))
+        coded, decoded = fresh(f"{node.output[0]}_int16"), fresh(f"{node.output[0]}_from_int16")
+        added.append(
+            onnx.helper.make_node(
+                "QuantizeLinear",
+                [node.output[0], q.input[1], zero_name],
+                [coded],
+                name=fresh(f"{coded}_QuantizeLinear"),
+            )
+        )
+        added.append(
+            onnx.helper.make_node(
+                "DequantizeLinear",
+                [coded, q.input[1], zero_name],
+                [decoded],
+                name=fresh(f"{decoded}_DequantizeLinear"),
+            )
+        )
+        q.input[0] = decoded  # consumers read the uint16 grid as before (a Convert on the HTP)
+        details.append(
+            f"MatMul {node.name or node.output[0]!r}: its uint16 output {node.output[0]!r} "
+            "re-encoded as int16 (the HTP keeps 16 bits of both operands only then)"
+        )
+    if not details:
+        return model, Change("signed_activation_products")
+    graph.node.extend(added)
+    sort_graph(graph)
+    return checked_change(out, "signed_activation_products", details)

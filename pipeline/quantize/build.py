@@ -725,6 +725,7 @@ def _steps(
             changes.filled,
             changes.swish_splits or None,
             changes.log_outputs or None,
+            changes.signed_products or None,
         ),
         mixed_precision=mixed,
         htp=judgement,

@@ -274,6 +274,9 @@ def quantize(
     qdq, change = qdq_htp.split_swish_input(qdq)
     edited |= change.changed
     changes = dataclasses.replace(changes, swish_splits=list(change.details))
+    qdq, change = qdq_htp.signed_activation_products(qdq)
+    edited |= change.changed
+    changes = dataclasses.replace(changes, signed_products=list(change.details))
     if edited:
         with atomic_path(qdq_path) as tmp:
             onnx.save(qdq, str(tmp))

@@ -36,6 +36,7 @@ class RangeRules:
     filled: int = 0  # 16-bit inputs of saturating ops given their whole live range
     swish_splits: list[str] | None = None  # x * sigmoid(x) given a requantized copy of x
     log_outputs: list[str] | None = None  # Log outputs widened to the HTP's smallest Log scale
+    signed_products: list[str] | None = None  # act x act MatMul outputs re-encoded as int16
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,13 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
         lines.append(
             f"SiLU for the HTP: {len(rules.swish_splits)} x * sigmoid(x) read a requantized copy "
             "of x (the HTP's fused 16-bit SiLU is wrong for some shapes; "
+            "pipeline/graph/qdq_htp.py)."
+        )
+    if rules.signed_products:
+        lines.append(
+            f"Products of two activations for the HTP: {len(rules.signed_products)} MatMul "
+            "output(s) re-encoded from uint16 to int16, the same values (the HTP computes a "
+            "uint16 x uint16 -> uint16 MatMul with 8 bits of its second operand; "
             "pipeline/graph/qdq_htp.py)."
         )
     if rules.log_outputs:
