@@ -484,6 +484,7 @@ def test_the_simulators_time_budget_leaves_samples_out_and_says_so(tmp_path: Pat
     config = _dilated_with_ten_heldout(tmp_path)
     artifacts = tmp_path / "artifacts"
     monkeypatch.setattr(judge_mod, "HTP_BUDGET_S", 1e-6)
+    monkeypatch.setattr(judge_mod, "AGREE_MARGIN_DB", 1000.0)  # no stop on agreement
     quantize_model(config, artifacts, force=True)
     first = _report(tmp_path)["htp"]["rounds"][0]
     assert first["requested"] == 10 and 2 <= first["samples"] < 10, first
@@ -525,36 +526,49 @@ def test_the_simulators_time_budget_leaves_samples_out_and_says_so(tmp_path: Pat
     assert own.measured_by == "" and (own.samples, own.requested) == (2, 10)
 
 
-def test_a_round_stops_once_enough_samples_are_well_above_the_target(tmp_path: Path):
+@pytest.mark.parametrize("stop", ["evidence", "agreement"])
+def test_a_round_stops_once_enough_samples_are_well_above_the_target(
+    tmp_path: Path, monkeypatch, stop: str
+):
     """The dilated model is at ~41 dB on the HTP, the target 25: once 4 samples spread over
     the held-out ones have each run 3 dB or more above it, no new one starts (a process that
-    finds the last of them running waits for it). The figures are exactly a run on those
+    finds the last of them running waits for it). Its ctx is ~75 dB from the CPU QDQ model,
+    which is ~41 dB from float on every held-out sample: 2 samples then suffice (agreement;
+    without it, evidence: a margin no ctx reaches). The figures are exactly a run on those
     samples alone; the report and compile's adopted validation say why fewer ran."""
     from pipeline.compile.build import compile_model
     from pipeline.core.fileio import sha256_file
-    from pipeline.core.layout import ENOUGH_SAMPLES
+    from pipeline.core.layout import AGREE_SAMPLES, ENOUGH_SAMPLES
     from pipeline.core.records import VariantRecord, read_record
     from pipeline.htp import probe as probe_mod
+    from pipeline.quantize import judge as judge_mod
     from qnn_ctx_runtime import qnn
     from qnn_ctx_runtime.toolchains import load_toolchains
 
+    if stop == "evidence":
+        monkeypatch.setattr(judge_mod, "AGREE_MARGIN_DB", 1000.0)
+    count = ENOUGH_SAMPLES if stop == "evidence" else AGREE_SAMPLES
     config = _dilated_with_ten_heldout(tmp_path)
     artifacts = tmp_path / "artifacts"
     quantize_model(config, artifacts, force=True)
     first = _report(tmp_path)["htp"]["rounds"][0]
-    assert first["cut_by"] == "evidence", first
-    assert (first["requested"], first["samples"]) == (10, ENOUGH_SAMPLES), first
+    assert first["cut_by"] == stop, first
+    assert (first["requested"], first["samples"]) == (10, count), first
     assert first["ctx_vs_float_db"] >= 28.0
     paths = ModelPaths.of(artifacts, "m")
-    assert "A round stops starting samples once 4" in paths.report.read_text()
+    told = {
+        "evidence": "A round stops starting samples once 4",
+        "agreement": "The first round stopped after 2 samples",
+    }
+    assert told[stop] in paths.report.read_text()
 
     bucket = paths.bucket("static")
     record = json.loads(bucket.htp_probe.read_text())
-    assert record["cut_by"] == "evidence" and len(record["sample_sha256"]) == first["samples"]
+    assert record["cut_by"] == stop and len(record["sample_sha256"]) == first["samples"]
     heldout = sorted(bucket.heldout.glob("sample_*.npz"))
     ran = [p for p in heldout if sha256_file(p) in record["sample_sha256"]]
-    # The same 4 whoever ran them: spread over the 10, first of every process's claim order.
-    assert ran == [heldout[i] for i in (0, 3, 6, 9)]
+    # The same ones whoever ran them: spread over the 10, first of every process's claim order.
+    assert ran == [heldout[i] for i in (0, 3, 6, 9)[:count]]
     alone = probe_mod.probe(
         bucket.qdq, bucket.float_model, ran, tmp_path / "alone", 60, 73, timeout_s=300
     )
@@ -569,12 +583,12 @@ def test_a_round_stops_once_enough_samples_are_well_above_the_target(tmp_path: P
     assert variant is not None, why
     adopted = variant.validation
     assert adopted.measured_by.startswith("the quantize stage's HTP judge")
-    assert (adopted.samples, adopted.requested, adopted.cut_by) == (
-        first["samples"],
-        10,
-        "evidence",
-    )
-    assert "pooled, they reached the target SNR vs float" in paths.ctx_report.read_text()
+    assert (adopted.samples, adopted.requested, adopted.cut_by) == (first["samples"], 10, stop)
+    noted = {
+        "evidence": "pooled, they reached the target SNR vs float",
+        "agreement": "the HTP agreed with the CPU QDQ model",
+    }
+    assert noted[stop] in paths.ctx_report.read_text()
 
 
 def test_every_sample_runs_while_one_is_short_of_the_margin(tmp_path: Path):
@@ -642,6 +656,40 @@ def test_evidence_waits_for_running_samples_and_not_for_left_out_ones(tmp_path: 
     (tmp_path / "0009.db").unlink()
     (tmp_path / "0009.claim").write_text(probe_mod.SKIPPED)
     assert probe_mod._enough(job, tmp_path, order) == "short"
+
+
+def test_two_samples_suffice_when_the_htp_agrees_with_the_cpu(tmp_path: Path):
+    """With ``agree_db``: the first 2 of the claim order are enough when they are at the
+    margin vs float (pooled, each at the target) and at ``agree_db`` vs the CPU QDQ model
+    pooled; short of that agreement, the 4-sample rule decides as before."""
+    from pipeline.htp import probe as probe_mod
+
+    job = probe_mod.ProbeJob("q", "f", [f"s{i}" for i in range(10)], "", "", 60, 73)
+    job = dataclasses.replace(job, enough_db=28.0, enough_floor_db=25.0, agree_db=50.0)
+    order = probe_mod._claim_order(job, 10)
+
+    def ran(index: int, db: float, vs_qdq: float) -> None:
+        probe_mod._claim(tmp_path, index)
+        noted = {
+            "worst": db,
+            "powers": {"y": [1.0, 10 ** (-db / 10)]},
+            "qdq_powers": {"y": [1.0, 10 ** (-vs_qdq / 10)]},
+        }
+        (tmp_path / f"{index:04d}.db").write_text(json.dumps(noted))
+
+    ran(0, 35.0, 60.0)
+    assert probe_mod._enough(job, tmp_path, order) == "short"  # 3: nobody runs it
+    ran(3, 33.0, 55.0)
+    assert probe_mod._enough(job, tmp_path, order) == "enough"
+    assert probe_mod._cut_by(job, tmp_path, order) == "agreement"
+    ran(3, 33.0, 45.0)  # the HTP adds more than a tenth of the quantization's noise
+    assert probe_mod._enough(job, tmp_path, order) == "short"
+    for index in (6, 9):
+        ran(index, 35.0, 45.0)
+    assert probe_mod._enough(job, tmp_path, order) == "enough"  # the 4-sample rule
+    assert probe_mod._cut_by(job, tmp_path, order) == "evidence"
+    ran(3, 24.0, 60.0)  # one of the two below the target: agreement does not help
+    assert probe_mod._pooled_verdict(job, tmp_path, order[:2], True) == "short"
 
 
 def record_accuracy(stored: dict, like: dict) -> dict:

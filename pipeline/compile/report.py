@@ -221,6 +221,13 @@ def _notes(rows: list[_Row]) -> list[str]:
                 "(pipeline.core.layout.ENOUGH_MARGIN_DB) on the HTP, each of them the target, "
                 "so the rest were not run"
             )
+        elif v is not None and v.requested > v.samples and v.cut_by == "agreement":
+            notes.append(
+                f"- **{where}** validated on {v.samples} of {v.requested} held-out samples: "
+                "at the target with the margin, the HTP agreed with the CPU QDQ model "
+                "(pipeline.core.layout.AGREE_MARGIN_DB closer than that model is to float on "
+                "every held-out sample), so the rest were not run"
+            )
         elif v is not None and v.requested > v.samples:
             notes.append(
                 f"- **{where}** validated on {v.samples} of {v.requested} held-out samples: the "

@@ -572,7 +572,12 @@ def combine_validation(per_bucket: dict[str, Validation]) -> Validation:
         measured_by=largest.measured_by if len({s.measured_by for s in sections}) == 1 else "",
         requested=sum(s.requested or s.samples for s in sections),
         cut_by=next(
-            (c for c in ("budget", "evidence") if any(s.cut_by == c for s in sections)), ""
+            (
+                c
+                for c in ("budget", "evidence", "agreement")
+                if any(s.cut_by == c for s in sections)
+            ),
+            "",
         ),
     )
 

@@ -220,7 +220,7 @@ class Validation:
     # held-out samples there were to run; more than ``samples`` when the simulator's time
     # budget (pipeline.core.layout.HTP_BUDGET_S) left the rest out. 0: not recorded.
     requested: int = 0
-    cut_by: str = ""  # why fewer ran: "budget" or "evidence" (HtpProbeRecord)
+    cut_by: str = ""  # why fewer ran: "budget", "evidence" or "agreement" (HtpProbeRecord)
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,7 @@ class HtpProbeRecord:
     compile_s: float | None = None  # its offline compile of the QDQ model, in the probe child
     # the samples asked for; more than ran when the simulator's time budget left some out
     requested: int = 0
-    cut_by: str = ""  # why fewer ran: "budget" or "evidence" (enough samples well above target)
+    cut_by: str = ""  # why fewer ran: "budget", "evidence" or "agreement" (pipeline.htp.probe)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from qnn_ctx_runtime.typed import parse, to_json_value
 
 from ..core.cpu import cpu_session
 from ..core.fileio import sha256_file
-from ..core.layout import ENOUGH_SAMPLES, HTP_MIN_SAMPLES, past_htp_budget
+from ..core.layout import AGREE_SAMPLES, ENOUGH_SAMPLES, HTP_MIN_SAMPLES, past_htp_budget
 from ..core.memory import adapt_heap_to, release_freed_memory
 from ..core.metrics import Accuracy, OutputComparison, comparable, power_snr_db, worst_snr
 from .isolation import Finished, Started, die_with_parent, start_module, wait_for
@@ -78,6 +78,11 @@ class ProbeJob:
     enough_db: float = 0.0  # no new sample once ``enough_samples`` ran at this SNR vs float, pooled
     enough_floor_db: float = 0.0  # ... and each of them at this one at least (0: ``enough_db``)
     enough_samples: int = ENOUGH_SAMPLES
+    # ... or once ``agree_samples`` are enough so and the ctx is at ``agree_db`` vs the CPU QDQ
+    # model pooled (the CPU QDQ model's outputs on each sample: ``qdq_references``)
+    qdq_references: str = ""
+    agree_db: float = 0.0
+    agree_samples: int = AGREE_SAMPLES
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,9 @@ class ProbeResult:
     cpu_nodes: int = 0
     samples: int = 0  # compared: all of those asked for, or fewer when the budget ran out
     requested: int = 0  # asked for
-    cut_by: str = ""  # why fewer ran: "budget" (the simulator's time) or "evidence" (enough_db)
+    # why fewer ran: "budget" (the simulator's time), "evidence" (enough_db) or "agreement"
+    # (agree_db: the HTP agreed with the CPU QDQ model)
+    cut_by: str = ""
     seconds_per_sample: float = 0.0  # the simulator's, in one process
     ctx_vs_float: dict[str, Accuracy] = field(default_factory=dict)
     ctx_vs_qdq: dict[str, Accuracy] = field(default_factory=dict)
@@ -198,13 +205,17 @@ def probe(
     references: list[dict[str, np.ndarray]] | None = None,
     enough_db: float = 0.0,
     enough_floor_db: float = 0.0,
+    qdq_references: list[dict[str, np.ndarray]] | None = None,
+    agree_db: float = 0.0,
 ) -> ProbeResult:
     """Compile ``qdq`` for the HTP, run it there and compare; a dead child is a failed result.
     With ``budget_s``, the samples still unstarted after that many seconds of running are left
     out (``HTP_MIN_SAMPLES`` at least run): ``samples`` < ``requested`` says so. With
     ``references`` (the float model's outputs on each sample) and ``enough_db``, so are those
     still unstarted once ``ENOUGH_SAMPLES`` have run at ``enough_db`` vs float pooled, each of
-    them at ``enough_floor_db`` at least (0: ``enough_db`` each)."""
+    them at ``enough_floor_db`` at least (0: ``enough_db`` each); with ``qdq_references`` (the
+    CPU QDQ model's outputs on each sample) and ``agree_db``, once ``AGREE_SAMPLES`` are so and
+    at ``agree_db`` vs the CPU QDQ model, pooled."""
     work.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / STASH, ignore_errors=True)  # outputs and claims of an earlier probe
     reference_folder = work / "references"
@@ -215,6 +226,14 @@ def probe(
             np.savez(reference_folder / f"{index:04d}.npz", **outputs)
     else:
         enough_db = 0.0
+    qdq_folder = work / "qdq_references"
+    shutil.rmtree(qdq_folder, ignore_errors=True)
+    if enough_db and agree_db and qdq_references is not None:
+        qdq_folder.mkdir()
+        for index, outputs in enumerate(qdq_references):
+            np.savez(qdq_folder / f"{index:04d}.npz", **outputs)
+    else:
+        agree_db = 0.0
     for stale in [work / RESULT_NAME, work / CTX_NAME, *work.glob("probe_helper_*")]:
         stale.unlink(missing_ok=True)  # its stage or context must not pass for this probe's
     cores = _cores(len(samples), locate)
@@ -233,6 +252,8 @@ def probe(
         references=str(reference_folder.resolve()) if enough_db else "",
         enough_db=enough_db,
         enough_floor_db=enough_floor_db,
+        qdq_references=str(qdq_folder.resolve()) if agree_db else "",
+        agree_db=agree_db,
     )
     warm = _SPARES.take(len(cores[1:])) if _SPARES is not None else None
     if warm is not None:  # started ahead, QNN registered: the job is all they wait for
@@ -569,7 +590,7 @@ def _run_on_htp(
         # would add a sample the comparison did not wait for.
         left_out = [index for index in range(count) if _claim(stash, index, SKIPPED)]
         if left_out:
-            result.cut_by = "evidence" if _enough(job, stash, order) == "enough" else "budget"
+            result.cut_by = _cut_by(job, stash, order)
     while not job.helper:
         missing = [i for i in _claimed(stash, count) if not _stashed(stash, i).is_file()]
         if not missing:
@@ -605,16 +626,35 @@ def _claim_order(job: ProbeJob, count: int) -> list[int]:
 def _enough(job: ProbeJob, stash: Path, order: list[int]) -> str:
     """Whether the first ``enough_samples`` of ``order`` ran at ``enough_db`` or more vs float
     pooled (per output: their signal powers summed over their noise powers summed; the worst
-    output), each of them at ``enough_floor_db`` at least: "enough", "short" (they did not,
-    or one cannot be waited for), or "pending" (the ones not yet done are running in live
+    output), each of them at ``enough_floor_db`` at least, or the first ``agree_samples`` did
+    and also agree with the CPU QDQ model at ``agree_db`` pooled: "enough", "short" (they did
+    not, or one cannot be waited for), or "pending" (the ones not yet done are running in live
     processes). Per-sample figures vary by tens of dB on a classifier's probabilities (a
     file-type model: 26 to 112 dB), so requiring the margin of every sample ran every one."""
     if job.enough_db <= 0 or len(order) <= job.enough_samples:
         return "short"
+    if job.agree_db > 0:
+        verdict = _pooled_verdict(job, stash, order[: job.agree_samples], agree=True)
+        if verdict != "short":  # enough, or wait for them: the figures must not depend on pace
+            return verdict
+    return _pooled_verdict(job, stash, order[: job.enough_samples], agree=False)
+
+
+def _cut_by(job: ProbeJob, stash: Path, order: list[int]) -> str:
+    """Why samples were left out: "agreement" (two sufficed, the HTP agreeing with the CPU QDQ
+    model), "evidence" (``enough_samples`` sufficed) or "budget" (the simulator's time)."""
+    agreed = job.agree_db > 0 and _pooled_verdict(job, stash, order[: job.agree_samples], True)
+    if agreed == "enough":
+        return "agreement"
+    return "evidence" if _enough(job, stash, order) == "enough" else "budget"
+
+
+def _pooled_verdict(job: ProbeJob, stash: Path, indices: list[int], agree: bool) -> str:
+    """``_enough`` for these samples; ``agree``: vs the CPU QDQ model at ``agree_db`` too."""
     floor = job.enough_floor_db or job.enough_db
     pending = False
-    pooled: dict[str, list[float]] = {}
-    for index in order[: job.enough_samples]:
+    pooled: dict[str, dict[str, list[float]]] = {"powers": {}, "qdq_powers": {}}
+    for index in indices:
         try:
             noted = json.loads((stash / f"{index:04d}.db").read_text())
             figure = float(noted["worst"])
@@ -629,14 +669,23 @@ def _enough(job: ProbeJob, stash: Path, order: list[int]) -> str:
             continue
         if figure < floor:
             return "short"
-        for name, (signal, noise) in noted["powers"].items():
-            total = pooled.setdefault(name, [0.0, 0.0])
-            total[0] += signal
-            total[1] += noise
+        for kind, totals in pooled.items():
+            for name, (signal, noise) in noted.get(kind, {}).items():
+                total = totals.setdefault(name, [0.0, 0.0])
+                total[0] += signal
+                total[1] += noise
     if pending:
         return "pending"
-    worst = min((power_snr_db(s, n) for s, n in pooled.values()), default=math.inf)
-    return "enough" if worst >= job.enough_db else "short"
+
+    def worst(kind: str) -> float:
+        values = pooled[kind].values()
+        return min((power_snr_db(s, n) for s, n in values), default=math.inf)
+
+    if worst("powers") < job.enough_db:
+        return "short"
+    if agree and (not pooled["qdq_powers"] or worst("qdq_powers") < job.agree_db):
+        return "short"
+    return "enough"
 
 
 def _wait_for_evidence(job: ProbeJob, stash: Path, order: list[int]) -> bool:
@@ -661,6 +710,12 @@ def _note_figure(job: ProbeJob, stash: Path, index: int, names: list[str]) -> No
     comparison.add(expected, got)
     figure = worst_snr(comparison.summary())
     noted = {"worst": figure if figure == figure else float("-inf"), "powers": comparison.powers()}
+    if job.agree_db > 0:
+        with np.load(Path(job.qdq_references) / f"{index:04d}.npz", allow_pickle=False) as data:
+            on_cpu = {k: data[k] for k in data.files if k in got}
+        versus_qdq = OutputComparison()
+        versus_qdq.add(on_cpu, {k: got[k] for k in on_cpu})
+        noted["qdq_powers"] = versus_qdq.powers()
     partial = stash / f".{index:04d}.{os.getpid()}.db"
     partial.write_text(json.dumps(noted))
     partial.replace(stash / f"{index:04d}.db")

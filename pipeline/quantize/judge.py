@@ -38,6 +38,7 @@ from qnn_ctx_runtime.targets import Target, get_target
 from ..core.config import ModelConfig
 from ..core.fileio import atomic_path, sha256_file
 from ..core.layout import (
+    AGREE_MARGIN_DB,
     ENOUGH_MARGIN_DB,
     HTP_BUDGET_S,
     HTP_PROBE_CTX,
@@ -217,8 +218,17 @@ def judge_on_htp(
     progress = Progress(MAX_REMEDIES + 3, f"HTP judge ({chip.name})", "round")
     try:
 
-        def run(label: str, locate: bool = False, on: list[Path] | None = None) -> ProbeResult:
+        def run(
+            label: str, locate: bool = False, on: list[Path] | None = None, agree: bool = False
+        ) -> ProbeResult:
+            """``agree``: the QDQ model on disk is the one ``cpu_snr_db`` measured; at the
+            target with the margin there, two samples suffice if the HTP agrees with it."""
             shown = label + (" (locate)" if locate else "")
+            agree_db, on_cpu = 0.0, None
+            measured = cpu_snr_db if agree and decide and on is None else None
+            if measured is not None and measured >= target_db + ENOUGH_MARGIN_DB:
+                on_cpu = kept_outputs(qdq_path, samples)
+                agree_db = measured + AGREE_MARGIN_DB
             progress.status(f"round {len(rounds) + 1}: {shown}: compile and run on the HTP")
             folder = work / f"p{len(rounds)}"
             result = probe(
@@ -233,6 +243,8 @@ def judge_on_htp(
                 references=references if on is None else None,
                 enough_db=enough_db,
                 enough_floor_db=target_db if decide else 0.0,
+                qdq_references=on_cpu,
+                agree_db=agree_db,
             )
             rounds.append(_round(shown, result))
             ctx_of[id(result)] = folder / CTX_NAME
@@ -262,7 +274,7 @@ def judge_on_htp(
         else:
             if early is not None:
                 builder.build(current)  # back to the quantized model, judged as usual
-            first = run(current.label)
+            first = run(current.label, agree=early is None)
             first_sha = sha256_file(qdq_path)
             if not first.ok and early is not None and early[1].ok:
                 current, first, first_sha = early  # fp16 ran where the quantized model did not

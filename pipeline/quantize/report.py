@@ -8,7 +8,13 @@ from pathlib import Path
 from qnn_ctx_runtime.buckets import CropRule, PadRule
 
 from ..calibration.ranges import BiasFloor
-from ..core.layout import ENOUGH_MARGIN_DB, ENOUGH_SAMPLES, HTP_BUDGET_S
+from ..core.layout import (
+    AGREE_MARGIN_DB,
+    AGREE_SAMPLES,
+    ENOUGH_MARGIN_DB,
+    ENOUGH_SAMPLES,
+    HTP_BUDGET_S,
+)
 from ..core.metrics import Accuracy, comparison_note, figure, worst_snr
 from ..core.records import BuildInputs
 from ..core.report import fmt, table, write_report
@@ -501,7 +507,21 @@ def _htp_section(r: QuantizeReport) -> list[str]:
             "ENOUGH_SAMPLES): the figure over them is above it, and the round's choice is "
             "made. Its figures are on the samples it ran.",
         ]
-    short = [x for x in j.rounds if x.requested > x.samples > 0 and x.cut_by != "evidence"]
+    if any(x.requested > x.samples > 0 and x.cut_by == "agreement" for x in j.rounds):
+        lines += [
+            "",
+            f"The first round stopped after {AGREE_SAMPLES} samples: at the target with the "
+            "margin on the HTP, pooled, its ctx was "
+            f"{AGREE_MARGIN_DB:g} dB or more closer to the CPU QDQ model than that model is "
+            "to float over every held-out sample (measured on the CPU, above the target with "
+            "the margin). The HTP's own noise is then a tenth of the quantization's at most, "
+            "and the ctx within 2.4 dB of the CPU figure (pipeline.core.layout.AGREE_SAMPLES).",
+        ]
+    short = [
+        x
+        for x in j.rounds
+        if x.requested > x.samples > 0 and x.cut_by not in ("evidence", "agreement")
+    ]
     if short:
         pace = max(x.seconds_per_sample for x in short)
         lines += [
