@@ -752,7 +752,8 @@ def main() -> int:
         "model on the CPU (its SNR column). Its wall time counts failed runs too.",
         "Ours: real calibration data; quantize also evaluates the QDQ model on held-out inputs "
         "and runs it as a ctx on the HTP simulator (up to 16 held-out samples, 4 when those are "
-        "well above the target: the HTP judge, which "
+        "well above the target, 2 when the HTP also agrees with the CPU QDQ model: the HTP "
+        "judge, which "
         "raises tensors or the whole model to 16 bit where the HTP needs it); compile reuses "
         "that run as its validation when the ctx bytes match (else it validates again, the SNR "
         "column) and benchmarks session loads. 'of which to a loaded ctx' stops the clock when "

@@ -515,7 +515,9 @@ def _htp_section(r: QuantizeReport) -> list[str]:
             f"{AGREE_MARGIN_DB:g} dB or more closer to the CPU QDQ model than that model is "
             "to float over every held-out sample (measured on the CPU, above the target with "
             "the margin). The HTP's own noise is then a tenth of the quantization's at most, "
-            "and the ctx within 2.4 dB of the CPU figure (pipeline.core.layout.AGREE_SAMPLES).",
+            "and the ctx within 2.4 dB of the CPU figure (pipeline.core.layout.AGREE_SAMPLES): "
+            f"over all held-out samples, ctx vs float ≥ {fmt(r.worst_snr_db - 2.4)} dB. Its "
+            f"figures in the table are on those {AGREE_SAMPLES} samples.",
         ]
     short = [
         x
