@@ -762,7 +762,7 @@ def test_outlier_channels_name_the_tensor_channel_and_ratio(tmp_path: Path) -> N
     pointwise Conv): found, with its peak and the median channel's; a model without one gives
     nothing. The report says it where 16 bits did not help."""
     from pipeline.quantize.mixed_precision import MixedPrecision, outlier_channels
-    from pipeline.quantize.report import _outlier_lines
+    from pipeline.quantize.report import _ceiling_diagnosis
 
     rng = np.random.default_rng(51)
     found = {}
@@ -791,5 +791,102 @@ def test_outlier_channels_name_the_tensor_channel_and_ratio(tmp_path: Path) -> N
     worst = found[200.0][0]
     assert worst.peak / worst.median_peak > 32
     summary = MixedPrecision(25.0, 1.0, 1.0, ceiling_snr_db=1.5, outlier_channels=found[200.0])
-    (line,) = _outlier_lines(summary)
+    (line,) = _ceiling_diagnosis(summary)
     assert "channel 5 peaks at" in line and "`c` (Conv)" in line
+
+
+def test_a_where_output_covers_both_inputs_grids() -> None:
+    """A lowered If's Where: calibration saw only the branch its condition picked (a wake-word
+    score that never passed 0.5), so the output's calibrated range is that branch's few values.
+    It takes the union of both inputs' grids: [0, 1] for a 16-bit Sigmoid output (QNN's fixed
+    1/65536 scale), the tuned range otherwise."""
+    nodes = [
+        helper.make_node("Sigmoid", ["x"], ["score"]),
+        helper.make_node("Sigmoid", ["v"], ["verified"]),
+        helper.make_node("Relu", ["v"], ["other"]),
+        helper.make_node("GreaterOrEqual", ["score", "half"], ["passed"]),
+        helper.make_node("Where", ["passed", "verified", "score"], ["picked"]),
+        helper.make_node("Where", ["passed", "other", "score"], ["picked_relu"]),
+    ]
+    tensor = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        nodes,
+        "head",
+        [tensor("x", TensorProto.FLOAT, [1, 1]), tensor("v", TensorProto.FLOAT, [1, 1])],
+        [
+            tensor("picked", TensorProto.FLOAT, [1, 1]),
+            tensor("picked_relu", TensorProto.FLOAT, [1, 1]),
+        ],
+        [numpy_helper.from_array(np.array(0.5, np.float32), "half")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    calibrated = {
+        "score": (0.0, 4.8e-4),
+        "verified": (0.0, 2e-3),
+        "other": (0.0, 3.0),
+        "picked": (0.0, 4.8e-4),
+        "picked_relu": (0.0, 4.8e-4),
+    }
+    sixteen = {name: 16 for name in calibrated}
+    widened, names = ranges.widen_selections(model, calibrated, sixteen)
+    assert widened["picked"] == (0.0, 1.0) and widened["picked_relu"] == (0.0, 3.0)
+    assert names == ["picked", "picked_relu"]
+    eight = {name: 8 for name in calibrated}  # 8-bit Sigmoid outputs keep their own ranges
+    assert ranges.widen_selections(model, calibrated, eight)[0]["picked"] == (0.0, 2e-3)
+    assert ranges.widen_selections(model, widened, sixteen)[1] == []  # nothing left to widen
+
+
+def test_an_output_too_small_for_its_own_grid_is_named(tmp_path: Path) -> None:
+    """Rounding the float outputs to the QDQ model's output grid alone is the floor of any
+    precision choice: an output whose values sit a few steps up (or past its range) is named
+    with that floor; one whose grid holds it is not."""
+    from pipeline.quantize.mixed_precision import output_grids
+
+    tensor = helper.make_tensor_value_info
+    ins = [tensor("x", TensorProto.FLOAT, [1, 64])]
+    outs = [tensor("small", TensorProto.FLOAT, [1, 64]), tensor("fine", TensorProto.FLOAT, [1, 64])]
+    float_model = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("Identity", ["x"], ["small"]),
+                helper.make_node("Neg", ["x"], ["fine"]),
+            ],
+            "f",
+            ins,
+            outs,
+        ),
+        opset_imports=[helper.make_opsetid("", 21)],
+        ir_version=10,
+    )
+    qdq_nodes, inits = [], []
+    for name, source, op, scale in (("small", "x", "Identity", 1e-6), ("fine", "x", "Neg", 1e-5)):
+        inits += [
+            numpy_helper.from_array(np.array(scale, np.float32), f"{name}_scale"),
+            helper.make_tensor(f"{name}_zero", TensorProto.UINT16, [], [32768]),
+        ]
+        qdq_nodes += [
+            helper.make_node(op, [source], [f"{name}_raw"]),
+            helper.make_node(
+                "QuantizeLinear", [f"{name}_raw", f"{name}_scale", f"{name}_zero"], [f"{name}_q"]
+            ),
+            helper.make_node(
+                "DequantizeLinear", [f"{name}_q", f"{name}_scale", f"{name}_zero"], [name]
+            ),
+        ]
+    qdq_model = helper.make_model(
+        helper.make_graph(qdq_nodes, "q", ins, outs, inits),
+        opset_imports=[helper.make_opsetid("", 21)],
+        ir_version=10,
+    )
+    onnx.save(float_model, str(tmp_path / "float.onnx"))
+    onnx.save(qdq_model, str(tmp_path / "qdq.onnx"))
+    heldout = tmp_path / "heldout"
+    heldout.mkdir()
+    rng = np.random.default_rng(2)
+    for index in range(3):  # |x| up to ~0.3: past the small grid's ±0.033, inside the fine's
+        x = (rng.normal(size=(1, 64)) * 0.1).astype(np.float32)
+        np.savez(heldout / f"sample_{index:04d}.npz", x=x)
+    found = output_grids(tmp_path / "float.onnx", tmp_path / "qdq.onnx", heldout, 25.0)
+    assert [g.output for g in found] == ["small"]
+    assert found[0].snr_db < 25.0 and found[0].scale == pytest.approx(1e-6)
+    assert found[0].rms == pytest.approx(0.1, rel=0.2)

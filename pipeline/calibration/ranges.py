@@ -96,6 +96,7 @@ class RangeChanges:
     filled: int = 0  # 16-bit inputs of saturating ops given their whole live range
     swish_splits: list[str] = field(default_factory=list)  # pipeline.graph.qdq_htp edits
     signed_products: list[str] = field(default_factory=list)  # likewise
+    selections: list[str] = field(default_factory=list)  # Where outputs given both inputs' grids
     log_outputs: list[str] = field(default_factory=list)  # Log outputs widened for the HTP
     # Weight -> (rmin, rmax) for onnxruntime's TensorQuantOverrides (not in the report).
     weight_ranges: dict[str, Interval] = field(default_factory=dict)
@@ -306,6 +307,40 @@ def fill_live(
             result[name] = filled
             changed += 1
     return result, changed
+
+
+def widen_selections(
+    model: Any, ranges: dict[str, Interval], bits: dict[str, int]
+) -> tuple[dict[str, Interval], list[str]]:
+    """A Where's output range, widened to the union of its two data inputs' grids.
+
+    Calibration only sees the branch its condition picked on the calibration samples: a lowered
+    data-dependent If (a wake-word head's "verify when the score passes 0.5") never passes on
+    speech without the word, and its output range was the first score's calibrated values,
+    up to 4.8e-4, where held-out scores reached 5e-3 (0.9 dB). Each input's grid is its
+    range, or [0, 1] for a 16-bit Sigmoid output (QNN fixes its scale to 1/65536)."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+
+    def grid(name: str) -> Interval | None:
+        node = producer.get(name)
+        if node is not None and node.op_type == "Sigmoid" and bits.get(name, 8) >= 16:
+            return _UNIT
+        return result.get(name)
+
+    result = dict(ranges)
+    widened = []
+    for node in model.graph.node:  # in graph order: a Where of Wheres sees its inputs' unions
+        if node.op_type != "Where" or node.output[0] not in result:
+            continue
+        sides = [grid(name) for name in node.input[1:3]]
+        if any(side is None for side in sides):
+            continue
+        low, high = result[node.output[0]]
+        union = (min(low, *(s[0] for s in sides)), max(high, *(s[1] for s in sides)))
+        if union != (low, high):
+            result[node.output[0]] = union
+            widened.append(node.output[0])
+    return result, widened
 
 
 # The QNN HTP's 16-bit Log computes nothing at an output scale of 2^-14 or below: every output
@@ -856,6 +891,7 @@ def tune(
         1 for n, (lo, hi) in raw.items() if ranges[n][0] > lo or ranges[n][1] < hi
     )
     ranges, changes.filled = fill_live(ranges, live, bits)
+    ranges, changes.selections = widen_selections(model, ranges, bits)
     ranges, fill_ranges, changes.mask_fills = mask_fill_ranges(model, ranges)
     ranges, changes.log_outputs = widen_log_outputs(model, ranges, bits)
     floors, weight_ranges = bias_floor(model, ranges, activation_types, weight_types, per_channel)

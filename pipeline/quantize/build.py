@@ -726,6 +726,7 @@ def _steps(
             changes.swish_splits or None,
             changes.log_outputs or None,
             changes.signed_products or None,
+            changes.selections or None,
         ),
         mixed_precision=mixed,
         htp=judgement,

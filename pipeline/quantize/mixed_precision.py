@@ -81,6 +81,18 @@ class OutlierChannel:
 
 
 @dataclass(frozen=True)
+class OutputGrid:
+    """An output whose own 16-bit grid is already short of the target: rounding the float
+    outputs to it (its QuantizeLinear's scale) is that far from them, whatever the model
+    computes inside (a wake-word score near 1e-6 on QNN's fixed 1/65536 Sigmoid scale)."""
+
+    output: str
+    scale: float
+    snr_db: float  # the float outputs vs themselves rounded to the grid, pooled
+    rms: float  # the float outputs' root mean square
+
+
+@dataclass(frozen=True)
 class Round:
     tensors: int
     snr_db: float
@@ -101,8 +113,10 @@ class MixedPrecision:
     analysis_s: float = 0.0
     bucket: str = ""  # the bucket it was measured on (applied to all)
     ceiling_snr_db: float | None = None  # every 8-bit tensor at 16 bits (when it was measured)
-    # Why 16 bits did not help, where it is outlier channels (the ceiling's diagnosis).
+    # Why 16 bits did not help, where it is outlier channels (the ceiling's diagnosis) ...
     outlier_channels: list[OutlierChannel] = field(default_factory=list)
+    # ... or outputs whose own grid cannot hold them to the target
+    output_grids: list[OutputGrid] = field(default_factory=list)
 
     @property
     def overrides(self) -> dict[str, str]:
@@ -403,7 +417,8 @@ def raise_precision(
         summary = dataclasses.replace(summary, ceiling_snr_db=ceiling)
         if ceiling < target and ceiling < before + CEILING_GAIN_DB:
             outliers = outlier_channels(float_path, calibration)
-            return dataclasses.replace(summary, outlier_channels=outliers)
+            grids = output_grids(float_path, qdq_path, heldout, target)
+            return dataclasses.replace(summary, outlier_channels=outliers, output_grids=grids)
     found, signal, _, stats = measure(float_path, qdq_path, calibration, means=means)
     summary = dataclasses.replace(
         summary,
@@ -462,6 +477,54 @@ def raise_precision(
 
 OUTLIER_RATIO = 32.0  # a channel peaking this many times the median channel is an outlier
 OUTLIER_SAMPLES = 2
+
+
+def output_grids(
+    float_path: Path, qdq_path: Path, heldout: Path, target_db: float
+) -> list[OutputGrid]:
+    """The outputs of the QDQ model whose per-tensor grid alone (the float outputs on the
+    held-out samples rounded to it) is below ``target_db``: no precision inside can help."""
+    import onnx
+    from onnx import numpy_helper
+
+    from ..core.metrics import power_snr_db
+    from .evaluate import KeptRuns, iter_samples
+
+    model = onnx.load(str(qdq_path), load_external_data=False)
+    inits = {i.name: i for i in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    grids: dict[str, tuple[float, int, np.dtype]] = {}
+    for output in model.graph.output:
+        dq = producer.get(output.name)
+        if dq is None or dq.op_type != "DequantizeLinear" or len(dq.input) < 3:
+            continue
+        scale, zero = inits.get(dq.input[1]), inits.get(dq.input[2])
+        if scale is None or zero is None:
+            continue
+        scale_value, zero_value = numpy_helper.to_array(scale), numpy_helper.to_array(zero)
+        if scale_value.size == 1:
+            grids[output.name] = (float(scale_value), int(zero_value), zero_value.dtype)
+    if not grids:
+        return []
+    runs = KeptRuns(float_path)
+    names = [n for n in runs.output_names() if n in grids]
+    powers = {n: [0.0, 0.0, 0] for n in names}
+    for feeds in iter_samples(heldout):
+        for name, value in runs.run_named(names, feeds).items():
+            scale, zero, dtype = grids[name]
+            info = np.iinfo(dtype)
+            exact = np.asarray(value, np.float64)
+            steps = np.clip(np.round(exact / scale) + zero, info.min, info.max)
+            total = powers[name]
+            total[0] += float(np.sum(exact**2))
+            total[1] += float(np.sum(((steps - zero) * scale - exact) ** 2))
+            total[2] += exact.size
+    found = []
+    for name, (signal, noise, count) in powers.items():
+        db = power_snr_db(signal, noise)
+        if count and db < target_db:
+            found.append(OutputGrid(name, grids[name][0], db, float(np.sqrt(signal / count))))
+    return found
 
 
 def outlier_channels(

@@ -43,6 +43,7 @@ class RangeRules:
     swish_splits: list[str] | None = None  # x * sigmoid(x) given a requantized copy of x
     log_outputs: list[str] | None = None  # Log outputs widened to the HTP's smallest Log scale
     signed_products: list[str] | None = None  # act x act MatMul outputs re-encoded as int16
+    selections: list[str] | None = None  # Where outputs widened to both inputs' grids
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,11 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
             "of x (the HTP's fused 16-bit SiLU is wrong for some shapes; "
             "pipeline/graph/qdq_htp.py)."
         )
+    if rules.selections:
+        lines.append(
+            f"Selections: {len(rules.selections)} Where output(s) cover both inputs' grids, "
+            "whichever branch calibration saw picked (pipeline/calibration/ranges.py)."
+        )
     if rules.signed_products:
         lines.append(
             f"Products of two activations for the HTP: {len(rules.signed_products)} MatMul "
@@ -293,18 +299,31 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
     return lines
 
 
-def _outlier_lines(mixed: MixedPrecision) -> list[str]:
-    if not mixed.outlier_channels:
-        return []
-    shown = "; ".join(
-        f"`{o.tensor}` ({o.op}) channel {o.channel} peaks at {o.peak:.4g} where the median "
-        f"channel peaks at {o.median_peak:.4g} ({o.peak / o.median_peak:.0f}x)"
-        for o in mixed.outlier_channels
-    )
-    return [
-        f"Outlier channels: {shown}. With one scale per tensor the other channels keep few "
-        "steps at any bit width; the HTP judge's fp16 candidates do not quantize them."
-    ]
+def _ceiling_diagnosis(mixed: MixedPrecision) -> list[str]:
+    """Why 16 bits did not help: outlier channels, outputs their own grid cannot hold."""
+    lines = []
+    if mixed.outlier_channels:
+        shown = "; ".join(
+            f"`{o.tensor}` ({o.op}) channel {o.channel} peaks at {o.peak:.4g} where the median "
+            f"channel peaks at {o.median_peak:.4g} ({o.peak / o.median_peak:.0f}x)"
+            for o in mixed.outlier_channels
+        )
+        lines.append(
+            f"Outlier channels: {shown}. With one scale per tensor the other channels keep few "
+            "steps at any bit width; the HTP judge's fp16 candidates do not quantize them."
+        )
+    if mixed.output_grids:
+        shown = "; ".join(
+            f"`{g.output}`: its grid (scale {g.scale:.3g}) alone is {fmt(g.snr_db)} dB from "
+            f"the float outputs, whose RMS is {g.rms:.3g}"
+            for g in mixed.output_grids
+        )
+        lines.append(
+            f"Output grids: {shown}. Values a few steps of their output's 16-bit grid or "
+            "smaller (QNN fixes a 16-bit Sigmoid's to 1/65536) cannot be held to the target by "
+            "any precision inside the model; fp16 flushes values under 6.1e-5 on the HTP."
+        )
+    return lines
 
 
 def _mixed_section(r: QuantizeReport) -> list[str]:
@@ -315,7 +334,7 @@ def _mixed_section(r: QuantizeReport) -> list[str]:
             f"Mixed precision: not used. With every 8-bit tensor at 16 bits the worst SNR is "
             f"{fmt(mixed.ceiling_snr_db)} dB (8 bits: {fmt(mixed.before_snr_db)} dB, target "
             f"{fmt(mixed.target_snr_db)} dB): what is short is not 8-bit rounding.",
-            *_outlier_lines(mixed),
+            *_ceiling_diagnosis(mixed),
         ]
     if mixed is None or not mixed.tensors:
         return []
