@@ -735,3 +735,24 @@ def test_a_failed_round_shows_no_partition_figures() -> None:
     assert "timed out after 900 s" in failed_row
     ran_row = next(line for line in rows if line.startswith("| fp16"))
     assert [c.strip() for c in ran_row.strip("|").split("|")][4:6] == ["1", "0"]
+
+
+def test_the_divergence_named_is_one_that_explains_the_output():
+    """The locator's tensor is the first, in graph order, that parts from the CPU QDQ model as
+    far as the worst output does (within 3 dB): an earlier, milder one (a Where's unselected
+    branch) is passed over; with no output figure, the first under 30 dB."""
+    from pipeline.core.metrics import Accuracy
+    from pipeline.htp.probe import ProbeResult, TensorAgreement
+
+    tensors = [
+        TensorAgreement("logits", "Gemm", "n1", 82.6),
+        TensorAgreement("verified", "Sigmoid", "n2", 28.5),
+        TensorAgreement("score", "Sigmoid", "n3", 23.8),
+        TensorAgreement("picked", "Where", "n4", 23.8),
+    ]
+    result = ProbeResult(tensors=tensors)
+    assert result.first_divergence().name == "verified"  # no output compared: the first < 30
+    result.ctx_vs_qdq = {"picked": Accuracy(23.8, 1e-3, 0.99)}
+    assert result.first_divergence().name == "score"
+    result.ctx_vs_qdq = {"picked": Accuracy(29.0, 1e-3, 0.99)}
+    assert result.first_divergence().name == "verified"

@@ -50,6 +50,7 @@ from .isolation import Finished, Started, die_with_parent, start_module, wait_fo
 
 MODULE = "pipeline.htp.probe"
 DIVERGENCE_DB = 30.0  # HTP vs CPU QDQ below this at one tensor: they compute it differently
+EXPLAINS_DB = 3.0  # ... and at most this much above the worst output's: it explains the output
 CTX_NAME = "probe_ctx.onnx"
 RESULT_NAME = "probe_result.json"  # the main child's result, which its helpers watch
 # The CPUs this process may use when it starts, before it pins itself to one for its run.
@@ -132,7 +133,14 @@ class ProbeResult:
         return worst_snr(self.ctx_vs_qdq)
 
     def first_divergence(self, threshold: float = DIVERGENCE_DB) -> TensorAgreement | None:
-        """The first tensor, in graph order, where the HTP and the CPU QDQ model part ways."""
+        """The first tensor, in graph order, where the HTP and the CPU QDQ model part ways as
+        far as at the worst output (within ``EXPLAINS_DB``): a milder divergence earlier (an
+        unselected branch of a Where, a tensor whose error later ops absorb) is not what the
+        output is short by, and leaving it in fp16 moves nothing (a wake-word head: its
+        verifier's Sigmoid at 19.9 dB came first, the score's at 0 dB was the output's)."""
+        outputs = self.worst_ctx_vs_qdq
+        if outputs == outputs:  # not NaN: some output compared
+            threshold = min(threshold, outputs + EXPLAINS_DB)
         return next((t for t in self.tensors if t.snr_db < threshold), None)
 
 
