@@ -443,15 +443,18 @@ def _quantize_all(
     def use_float(name: str) -> None:  # the whole model in fp16 on the HTP: no quantization
         import onnx
 
-        from ..graph.fp16_scale import fit_float16
+        from ..graph.fp16_scale import exact_output_sigmoids, fit_float16
 
-        model, change = fit_float16(onnx.load(str(prepared[name].float_path)), calibrated_peaks())
-        if change.changed:  # reported with the preparation steps (once: a rebuild replaces it)
-            prepared[name].changes[:] = [
-                c for c in prepared[name].changes if c.step != change.step
-            ] + [change]
+        source = onnx.load(str(prepared[name].float_path))
+        model, change = fit_float16(source, calibrated_peaks())
+        model, sigmoids = exact_output_sigmoids(source if model is None else model)
+        for step in (change, sigmoids):
+            if step.changed:  # reported with the preparation steps (once: a rebuild replaces it)
+                prepared[name].changes[:] = [
+                    c for c in prepared[name].changes if c.step != step.step
+                ] + [step]
         with atomic_path(paths.bucket(name).qdq) as tmp:
-            if model is None:
+            if model is source:
                 shutil.copyfile(prepared[name].float_path, tmp)
             else:
                 onnx.save(model, str(tmp))
