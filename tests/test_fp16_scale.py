@@ -232,3 +232,28 @@ def test_the_htp_computes_small_scores_right_from_exp(tmp_path: Path) -> None:
     results = whole_ctx_vs_float(tmp_path, {"float": model, "exact": exact}, samples)
     assert results["exact"] > 50.0, results
     assert results["float"] < results["exact"] - 10.0, results
+
+
+def test_a_sigmoid_picked_by_a_where_is_an_outputs_too() -> None:
+    """A wake-word head: score = sigmoid(x), output = score unless it passes 0.5 (then a
+    verifier's). The score reaches the output through the Where's picked value, and its
+    comparison with 0.5 reads the same function; the verifier's Sigmoid likewise."""
+    half = numpy_helper.from_array(np.array(0.5, np.float32), "half")
+    nodes = [
+        oh.make_node("Sigmoid", ["x"], ["score"]),
+        oh.make_node("GreaterOrEqual", ["score", "half"], ["passed"]),
+        oh.make_node("Sigmoid", ["v"], ["verified"]),
+        oh.make_node("Where", ["passed", "verified", "score"], ["y"]),
+    ]
+    tensor = oh.make_tensor_value_info
+    graph = oh.make_graph(
+        nodes,
+        "head",
+        [tensor("x", TensorProto.FLOAT, [1, 1]), tensor("v", TensorProto.FLOAT, [1, 1])],
+        [tensor("y", TensorProto.FLOAT, [1, 1])],
+        [half],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+    exact, change = exact_output_sigmoids(model)
+    assert len(change.details) == 2
+    assert [n.op_type for n in exact.graph.node].count("Sigmoid") == 0

@@ -274,7 +274,7 @@ SIGMOID_EXP_CAP = 11.0
 
 def exact_output_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """In a model the HTP runs in fp16: a Sigmoid whose values reach a graph output through
-    layout ops only is computed as e / (1 + e), e = exp(min(x, 11)).
+    layout ops (or a Where that picks them) is computed as e / (1 + e), e = exp(min(x, 11)).
 
     The HTP's fp16 Sigmoid errs by ~1e-3 in absolute terms: a detector's score map is mostly
     scores near 0 (a document layout model: 21.9 dB on its largest map), and e / (1 + e) keeps
@@ -291,18 +291,21 @@ def exact_output_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
     outputs = {o.name for o in graph.output}
 
     def reaches_output(name: str, seen: set[str]) -> bool:
-        """Only through layout ops, and to a graph output."""
+        """Through layout ops (or as a Where's picked value) to a graph output."""
         if name in seen:
             return False
         seen.add(name)
         if name in outputs:
             return True
-        users = readers.get(name, [])
-        return bool(users) and all(
-            u.op_type in _LAYOUT_OPS and u.domain in DEFAULT_DOMAINS
-            and all(reaches_output(o, seen) for o in u.output if o)
-            for u in users
-        )  # fmt: skip
+        for user in readers.get(name, []):
+            if user.domain not in DEFAULT_DOMAINS:
+                continue
+            passes = user.op_type in _LAYOUT_OPS or (
+                user.op_type == "Where" and name in user.input[1:3]
+            )
+            if passes and any(reaches_output(o, seen) for o in user.output if o):
+                return True
+        return False
 
     fresh = FreshNames(out)
     cap, one = fresh("sigmoid_exp_cap"), fresh("sigmoid_one")

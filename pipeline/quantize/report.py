@@ -321,7 +321,7 @@ def _ceiling_diagnosis(mixed: MixedPrecision) -> list[str]:
         lines.append(
             f"Output grids: {shown}. Values a few steps of their output's 16-bit grid or "
             "smaller (QNN fixes a 16-bit Sigmoid's to 1/65536) cannot be held to the target by "
-            "any precision inside the model; fp16 flushes values under 6.1e-5 on the HTP."
+            "any precision inside the model; the HTP judge's fp16 candidates have no grid."
         )
     return lines
 
