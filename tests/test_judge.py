@@ -756,3 +756,18 @@ def test_the_divergence_named_is_one_that_explains_the_output():
     assert result.first_divergence().name == "score"
     result.ctx_vs_qdq = {"picked": Accuracy(29.0, 1e-3, 0.99)}
     assert result.first_divergence().name == "verified"
+
+
+def test_a_slow_simulator_goes_to_fp16_once_the_cpu_is_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The quantized model short of the target on the CPU (77.6 dB for a target of 80) and a
+    simulator counted as slow (SLOW_SAMPLE_S = 0: any pace is slow, whatever this machine's
+    speed): the round after the first is the whole model in fp16, not a locate."""
+    from pipeline.quantize import judge as judge_mod
+
+    monkeypatch.setattr(judge_mod, "SLOW_SAMPLE_S", 0.0)
+    htp = _build_dilated_int16(tmp_path, 80.0)["htp"]
+    labels = [r["label"] for r in htp["rounds"]]
+    assert labels == ["as quantized", "whole model in fp16"], labels
+    assert any("s a sample" in remedy for remedy in htp["remedies"]), htp["remedies"]

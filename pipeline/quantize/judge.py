@@ -16,7 +16,8 @@ HTP (``pipeline.htp.probe``), and its context-vs-float SNR decides. While it is 
 3. the whole model in fp16 on the HTP: straight away when the quantized model is already
    ``HOPELESS_DB`` short of the target on the CPU (one tensor range spanning channels whose
    scales differ by 10^4, as in PP-PicoDet's first convolutions, leaves no 16-bit scale that
-   serves them all), and always before the judge gives up short of the target.
+   serves them all), next when it is short there at all and the simulator takes
+   ``SLOW_SAMPLE_S`` or more a sample, and always before the judge gives up short of it.
 
 Each candidate is compiled and measured; the best one by context-vs-float SNR is kept, and every
 round is reported. Without onnxruntime-qnn in this environment the CPU decision stands and the
@@ -63,6 +64,11 @@ HOPELESS_DB = 10.0
 # (whose exposed outputs change what the HTP fuses) did not find the cause, so the next round is
 # the whole model in fp16 instead of another locate (PP-OCRv4's detector: 3 rounds at 17.4 dB).
 STALLED_DB = 0.5
+# A simulator this slow (seconds a sample, one process) makes each per-tensor round minutes:
+# with the quantized model short of the target on the CPU already, the whole model in fp16 is
+# the next round (a 800x608 layout detector at 55 s a sample: 5 rounds, 12 minutes, before the
+# fp16 candidate that passed).
+SLOW_SAMPLE_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -323,6 +329,15 @@ def judge_on_htp(
                 # model is still far off: per-tensor remedies will not close that gap.
                 result = attempt(
                     whole_float16(f"the quantized model is {short_on_cpu:.0f} dB short on the CPU")
+                )
+                continue
+            if short_on_cpu > 0 and result.seconds_per_sample >= SLOW_SAMPLE_S:
+                result = attempt(
+                    whole_float16(
+                        f"the quantized model is {short_on_cpu:.1f} dB short on the CPU and the "
+                        f"simulator takes {result.seconds_per_sample:.0f} s a sample: a "
+                        "per-tensor round would cost minutes"
+                    )
                 )
                 continue
             candidate: Candidate | None = None
