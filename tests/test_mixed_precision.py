@@ -795,44 +795,50 @@ def test_outlier_channels_name_the_tensor_channel_and_ratio(tmp_path: Path) -> N
     assert "channel 5 peaks at" in line and "`c` (Conv)" in line
 
 
-def test_a_where_output_covers_both_inputs_grids() -> None:
+def test_a_where_output_covers_its_bounded_inputs() -> None:
     """A lowered If's Where: calibration saw only the branch its condition picked (a wake-word
     score that never passed 0.5), so the output's calibrated range is that branch's few values.
-    It takes the union of both inputs' grids: [0, 1] for a 16-bit Sigmoid output (QNN's fixed
-    1/65536 scale), the tuned range otherwise."""
+    It covers what bounds its inputs: [0, 1] for a 16-bit Sigmoid output (QNN's fixed 1/65536
+    scale), a constant Clip's bounds; an unbounded branch (a Relu, a guarded 1 / x) does not
+    widen it."""
+    six = numpy_helper.from_array(np.array(6.0, np.float32), "six")
+    zero = numpy_helper.from_array(np.array(0.0, np.float32), "zero")
     nodes = [
         helper.make_node("Sigmoid", ["x"], ["score"]),
         helper.make_node("Sigmoid", ["v"], ["verified"]),
+        helper.make_node("Clip", ["v", "zero", "six"], ["clipped"]),
         helper.make_node("Relu", ["v"], ["other"]),
         helper.make_node("GreaterOrEqual", ["score", "half"], ["passed"]),
         helper.make_node("Where", ["passed", "verified", "score"], ["picked"]),
+        helper.make_node("Where", ["passed", "clipped", "score"], ["picked_clip"]),
         helper.make_node("Where", ["passed", "other", "score"], ["picked_relu"]),
     ]
     tensor = helper.make_tensor_value_info
+    outputs = ["picked", "picked_clip", "picked_relu"]
     graph = helper.make_graph(
         nodes,
         "head",
         [tensor("x", TensorProto.FLOAT, [1, 1]), tensor("v", TensorProto.FLOAT, [1, 1])],
-        [
-            tensor("picked", TensorProto.FLOAT, [1, 1]),
-            tensor("picked_relu", TensorProto.FLOAT, [1, 1]),
-        ],
-        [numpy_helper.from_array(np.array(0.5, np.float32), "half")],
+        [tensor(name, TensorProto.FLOAT, [1, 1]) for name in outputs],
+        [numpy_helper.from_array(np.array(0.5, np.float32), "half"), six, zero],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     calibrated = {
         "score": (0.0, 4.8e-4),
         "verified": (0.0, 2e-3),
-        "other": (0.0, 3.0),
+        "clipped": (0.0, 2.0),
+        "other": (0.0, 3.0e4),
         "picked": (0.0, 4.8e-4),
+        "picked_clip": (0.0, 4.8e-4),
         "picked_relu": (0.0, 4.8e-4),
     }
     sixteen = {name: 16 for name in calibrated}
     widened, names = ranges.widen_selections(model, calibrated, sixteen)
-    assert widened["picked"] == (0.0, 1.0) and widened["picked_relu"] == (0.0, 3.0)
-    assert names == ["picked", "picked_relu"]
-    eight = {name: 8 for name in calibrated}  # 8-bit Sigmoid outputs keep their own ranges
-    assert ranges.widen_selections(model, calibrated, eight)[0]["picked"] == (0.0, 2e-3)
+    assert widened["picked"] == (0.0, 1.0) and widened["picked_clip"] == (0.0, 6.0)
+    assert widened["picked_relu"] == (0.0, 1.0)  # the Sigmoid side; not the Relu's 3e4
+    assert names == outputs
+    eight = {name: 8 for name in calibrated}  # an 8-bit Sigmoid: its bounds, [0, 1] too
+    assert ranges.widen_selections(model, calibrated, eight)[0]["picked"] == (0.0, 1.0)
     assert ranges.widen_selections(model, widened, sixteen)[1] == []  # nothing left to widen
 
 

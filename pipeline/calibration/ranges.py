@@ -312,28 +312,34 @@ def fill_live(
 def widen_selections(
     model: Any, ranges: dict[str, Interval], bits: dict[str, int]
 ) -> tuple[dict[str, Interval], list[str]]:
-    """A Where's output range, widened to the union of its two data inputs' grids.
+    """A Where's output range, widened to cover what its data inputs' producers bound them to.
 
     Calibration only sees the branch its condition picked on the calibration samples: a lowered
     data-dependent If (a wake-word head's "verify when the score passes 0.5") never passes on
     speech without the word, and its output range was the first score's calibrated values,
-    up to 4.8e-4, where held-out scores reached 5e-3 (0.9 dB). Each input's grid is its
-    range, or [0, 1] for a 16-bit Sigmoid output (QNN fixes its scale to 1/65536)."""
+    up to 4.8e-4, where held-out scores reached 5e-3 (0.9 dB). Only bounded inputs widen it
+    (Sigmoid [0, 1], on QNN's fixed 1/65536 grid at 16 bits; Tanh; Clip with constant
+    bounds...): an unbounded branch that is never picked (a guarded 1 / x) would otherwise
+    spread the output's range over values it never takes."""
     producer = {o: n for n in model.graph.node for o in n.output}
+    bounds = _bounds(model)
 
     def grid(name: str) -> Interval | None:
         node = producer.get(name)
         if node is not None and node.op_type == "Sigmoid" and bits.get(name, 8) >= 16:
             return _UNIT
-        return result.get(name)
+        low, high = bounds.get(name, (None, None))
+        if low is None or high is None or name not in result:
+            return None
+        return (float(low), float(high))
 
     result = dict(ranges)
     widened = []
     for node in model.graph.node:  # in graph order: a Where of Wheres sees its inputs' unions
         if node.op_type != "Where" or node.output[0] not in result:
             continue
-        sides = [grid(name) for name in node.input[1:3]]
-        if any(side is None for side in sides):
+        sides = [side for side in (grid(n) for n in node.input[1:3]) if side is not None]
+        if not sides:
             continue
         low, high = result[node.output[0]]
         union = (min(low, *(s[0] for s in sides)), max(high, *(s[1] for s in sides)))

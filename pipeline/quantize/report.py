@@ -266,8 +266,9 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
         )
     if rules.selections:
         lines.append(
-            f"Selections: {len(rules.selections)} Where output(s) cover both inputs' grids, "
-            "whichever branch calibration saw picked (pipeline/calibration/ranges.py)."
+            f"Selections: {len(rules.selections)} Where output(s) cover what bounds their "
+            "inputs (a Sigmoid's [0, 1], a Clip's limits), whichever branch calibration saw "
+            "picked (pipeline/calibration/ranges.py)."
         )
     if rules.signed_products:
         lines.append(
