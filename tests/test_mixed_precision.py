@@ -832,14 +832,11 @@ def test_a_where_output_covers_its_bounded_inputs() -> None:
         "picked_clip": (0.0, 4.8e-4),
         "picked_relu": (0.0, 4.8e-4),
     }
-    sixteen = {name: 16 for name in calibrated}
-    widened, names = ranges.widen_selections(model, calibrated, sixteen)
+    widened, names = ranges.widen_selections(model, calibrated)
     assert widened["picked"] == (0.0, 1.0) and widened["picked_clip"] == (0.0, 6.0)
     assert widened["picked_relu"] == (0.0, 1.0)  # the Sigmoid side; not the Relu's 3e4
     assert names == outputs
-    eight = {name: 8 for name in calibrated}  # an 8-bit Sigmoid: its bounds, [0, 1] too
-    assert ranges.widen_selections(model, calibrated, eight)[0]["picked"] == (0.0, 1.0)
-    assert ranges.widen_selections(model, widened, sixteen)[1] == []  # nothing left to widen
+    assert ranges.widen_selections(model, widened)[1] == []  # nothing left to widen
 
 
 def test_an_output_too_small_for_its_own_grid_is_named(tmp_path: Path) -> None:

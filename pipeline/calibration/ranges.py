@@ -310,7 +310,7 @@ def fill_live(
 
 
 def widen_selections(
-    model: Any, ranges: dict[str, Interval], bits: dict[str, int]
+    model: Any, ranges: dict[str, Interval]
 ) -> tuple[dict[str, Interval], list[str]]:
     """A Where's output range, widened to cover what its data inputs' producers bound them to.
 
@@ -321,17 +321,11 @@ def widen_selections(
     (Sigmoid [0, 1], on QNN's fixed 1/65536 grid at 16 bits; Tanh; Clip with constant
     bounds...): an unbounded branch that is never picked (a guarded 1 / x) would otherwise
     spread the output's range over values it never takes."""
-    producer = {o: n for n in model.graph.node for o in n.output}
     bounds = _bounds(model)
 
     def grid(name: str) -> Interval | None:
-        node = producer.get(name)
-        if node is not None and node.op_type == "Sigmoid" and bits.get(name, 8) >= 16:
-            return _UNIT
         low, high = bounds.get(name, (None, None))
-        if low is None or high is None or name not in result:
-            return None
-        return (float(low), float(high))
+        return None if low is None or high is None else (float(low), float(high))
 
     result = dict(ranges)
     widened = []
@@ -897,7 +891,7 @@ def tune(
         1 for n, (lo, hi) in raw.items() if ranges[n][0] > lo or ranges[n][1] < hi
     )
     ranges, changes.filled = fill_live(ranges, live, bits)
-    ranges, changes.selections = widen_selections(model, ranges, bits)
+    ranges, changes.selections = widen_selections(model, ranges)
     ranges, fill_ranges, changes.mask_fills = mask_fill_ranges(model, ranges)
     ranges, changes.log_outputs = widen_log_outputs(model, ranges, bits)
     floors, weight_ranges = bias_floor(model, ranges, activation_types, weight_types, per_channel)

@@ -48,10 +48,7 @@ def _plain_readers(
 ) -> Callable[[str], list[onnx.NodeProto] | None]:
     """A lookup: the nodes reading a tensor, or None when it is a graph output, unread, or
     read by an op outside the default domain (a walk over readers stops there)."""
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    readers = edit.readers_by_tensor(model.graph)
     outputs = {o.name for o in model.graph.output}
 
     def lookup(name: str) -> list[onnx.NodeProto] | None:

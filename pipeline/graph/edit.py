@@ -163,6 +163,15 @@ class FreshNames:
         return name
 
 
+def readers_by_tensor(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    """Tensor name -> the nodes of ``graph`` that read it (once per input slot), in order."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    return readers
+
+
 def opset_version(model: onnx.ModelProto, domain: str = "") -> int:
     for op in model.opset_import:
         if op.domain in ((domain, "ai.onnx") if domain == "" else (domain,)):

@@ -29,6 +29,8 @@ from .edit import (
     copy_model,
     initializers_by_name,
     node_label,
+    readers_by_tensor,
+    set_nodes,
     sort_graph,
     subgraphs,
 )
@@ -284,10 +286,7 @@ def exact_output_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
     """
     out = copy_model(model)
     graph = out.graph
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    readers = readers_by_tensor(graph)
     outputs = {o.name for o in graph.output}
 
     def reaches_output(name: str, seen: set[str]) -> bool:
@@ -336,6 +335,5 @@ def exact_output_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
             numpy_helper.from_array(np.array(1.0, np.float32), one),
         ]
     )
-    del graph.node[:]
-    graph.node.extend(nodes)
+    set_nodes(graph, nodes)
     return checked_change(out, "exact_output_sigmoids", details)

@@ -26,7 +26,14 @@ from __future__ import annotations
 import onnx
 from onnx import numpy_helper
 
-from .edit import Change, FreshNames, checked_change, copy_model, sort_graph
+from .edit import (
+    Change,
+    FreshNames,
+    checked_change,
+    copy_model,
+    readers_by_tensor,
+    sort_graph,
+)
 
 # Activations the HTP gates a tensor with itself through (x * f(x)); measured wrong: Sigmoid.
 SELF_GATES = ("Sigmoid",)
@@ -122,10 +129,7 @@ def signed_activation_products(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
     graph = out.graph
     inits = {i.name: i for i in graph.initializer}
     producer = {o: n for n in graph.node for o in n.output if o}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    readers = readers_by_tensor(graph)
     fresh = FreshNames(out)
     added: list[onnx.NodeProto] = []
 

@@ -229,17 +229,13 @@ def probe(
     reference_folder = work / "references"
     shutil.rmtree(reference_folder, ignore_errors=True)
     if enough_db and not locate and references is not None and len(references) == len(samples):
-        reference_folder.mkdir()
-        for index, outputs in enumerate(references):
-            np.savez(reference_folder / f"{index:04d}.npz", **outputs)
+        _write_outputs(reference_folder, references)
     else:
         enough_db = 0.0
     qdq_folder = work / "qdq_references"
     shutil.rmtree(qdq_folder, ignore_errors=True)
     if enough_db and agree_db and qdq_references is not None:
-        qdq_folder.mkdir()
-        for index, outputs in enumerate(qdq_references):
-            np.savez(qdq_folder / f"{index:04d}.npz", **outputs)
+        _write_outputs(qdq_folder, qdq_references)
     else:
         agree_db = 0.0
     for stale in [work / RESULT_NAME, work / CTX_NAME, *work.glob("probe_helper_*")]:
@@ -282,6 +278,13 @@ def probe(
                 helper.kill()
             helper.finish()
     return _outcome(job, done, timeout_s)
+
+
+def _write_outputs(folder: Path, outputs: list[dict[str, np.ndarray]]) -> None:
+    """One ``<index>.npz`` per sample: a model's outputs there, for the children to read."""
+    folder.mkdir()
+    for index, named in enumerate(outputs):
+        np.savez(folder / f"{index:04d}.npz", **named)
 
 
 def _helper_job(job: ProbeJob, work: Path, k: int, core: int) -> ProbeJob:
