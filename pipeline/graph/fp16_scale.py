@@ -270,18 +270,23 @@ _LAYOUT_OPS = {
     "Concat", "Flatten", "Gather", "Identity", "Reshape", "Slice", "Split", "Squeeze",
     "Transpose", "Unsqueeze",
 }  # fmt: skip
-# exp(min(x, cap)): e^11 ~ 59874 stays under fp16's 65504; sigmoid(11) is 1 - 1.7e-5.
-SIGMOID_EXP_CAP = 11.0
+# The HTP's fp16 Exp returns garbage (-131008) below -88, where float32's exp underflows; a
+# logit past +-80 is 0 or 1 to float32's precision anyway (e^-80 = 1.8e-35).
+SIGMOID_LOGIT_LIMIT = 80.0
 
 
 def exact_output_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """In a model the HTP runs in fp16: a Sigmoid whose values reach a graph output through
-    layout ops (or a Where that picks them) is computed as e / (1 + e), e = exp(min(x, 11)).
+    layout ops (or a Where that picks them) is computed as exp(min(x, 0)) / (1 + exp(-|x|)),
+    x clipped to +-80.
 
     The HTP's fp16 Sigmoid errs by ~1e-3 in absolute terms: a detector's score map is mostly
-    scores near 0 (a document layout model: 21.9 dB on its largest map), and e / (1 + e) keeps
-    fp16's relative precision there (43.4 dB; logits N(-7, 2) alone: 40.6 -> 63.9 dB). The same
-    function in float32 up to the cap (at most 1.7e-5 below 1). Sigmoids inside the model
+    scores near 0 (a document layout model: 21.9 dB on its largest map), and e^x / (1 + e^x)
+    keeps fp16's relative precision there (43.4 dB; logits N(-7, 2) alone: 40.6 -> 63.9 dB).
+    Large logits take the other side, 1 / (1 + e^-x): the HTP divides in fp16 through the
+    reciprocal of the denominator, which for e^x / (1 + e^x) at x > 9.7 is below fp16's
+    smallest normal and flushes to 0 (a text detector's map, logits up to 80: 0.9 dB). Here the
+    denominator stays in [1, 2]. The same function in float32. Sigmoids inside the model
     (gates, SiLU) keep the one op: their error is small against what they multiply.
     """
     out = copy_model(model)
@@ -307,7 +312,8 @@ def exact_output_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
         return False
 
     fresh = FreshNames(out)
-    cap, one = fresh("sigmoid_exp_cap"), fresh("sigmoid_one")
+    zero, one = fresh("sigmoid_zero"), fresh("sigmoid_one")
+    low_limit, high_limit = fresh("sigmoid_low_limit"), fresh("sigmoid_high_limit")
     nodes: list[onnx.NodeProto] = []
     details = []
     for node in graph.node:
@@ -318,21 +324,33 @@ def exact_output_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
             nodes.append(node)
             continue
         x, y = node.input[0], node.output[0]
-        capped, e, total = fresh(f"{y}_capped"), fresh(f"{y}_exp"), fresh(f"{y}_1p_exp")
         base = node.name or y
+        clipped, low, numerator = fresh(f"{y}_clip"), fresh(f"{y}_min0"), fresh(f"{y}_num")
+        size, negative, tail = fresh(f"{y}_abs"), fresh(f"{y}_neg"), fresh(f"{y}_tail")
+        denominator = fresh(f"{y}_den")
         nodes += [
-            helper.make_node("Min", [x, cap], [capped], name=fresh(f"{base}_cap")),
-            helper.make_node("Exp", [capped], [e], name=fresh(f"{base}_exp")),
-            helper.make_node("Add", [e, one], [total], name=fresh(f"{base}_1p")),
-            helper.make_node("Div", [e, total], [y], name=fresh(f"{base}_div")),
+            helper.make_node(
+                "Clip", [x, low_limit, high_limit], [clipped], name=fresh(f"{base}_clip")
+            ),
+            helper.make_node("Min", [clipped, zero], [low], name=fresh(f"{base}_min0")),
+            helper.make_node("Exp", [low], [numerator], name=fresh(f"{base}_num")),
+            helper.make_node("Abs", [clipped], [size], name=fresh(f"{base}_abs")),
+            helper.make_node("Neg", [size], [negative], name=fresh(f"{base}_neg")),
+            helper.make_node("Exp", [negative], [tail], name=fresh(f"{base}_tail")),
+            helper.make_node("Add", [tail, one], [denominator], name=fresh(f"{base}_den")),
+            helper.make_node("Div", [numerator, denominator], [y], name=fresh(f"{base}_div")),
         ]
-        details.append(f"{node_label(node)}: sigmoid(x) = e / (1 + e), e = exp(min(x, 11))")
+        details.append(
+            f"{node_label(node)}: sigmoid(x) = exp(min(x, 0)) / (1 + exp(-|x|)), |x| <= 80"
+        )
     if not details:
         return model, Change("exact_output_sigmoids")
     graph.initializer.extend(
         [
-            numpy_helper.from_array(np.array(SIGMOID_EXP_CAP, np.float32), cap),
+            numpy_helper.from_array(np.array(0.0, np.float32), zero),
             numpy_helper.from_array(np.array(1.0, np.float32), one),
+            numpy_helper.from_array(np.array(-SIGMOID_LOGIT_LIMIT, np.float32), low_limit),
+            numpy_helper.from_array(np.array(SIGMOID_LOGIT_LIMIT, np.float32), high_limit),
         ]
     )
     set_nodes(graph, nodes)
