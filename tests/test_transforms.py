@@ -700,6 +700,72 @@ def test_replace_legacy_image_scaler_then_upgrade() -> None:
 
 # --- HTP rewrites, qnn_preprocess, order, shapes ---------------------------------------------
 
+
+def hardswish_pair(order: str = "x, s", alpha: float = 1 / 6) -> onnx.ModelProto:
+    """x * HardSigmoid(x; alpha, 1/2) with named nodes, as qnn_preprocess writes a HardSwish."""
+    nodes = [
+        oh.make_node("HardSigmoid", ["x"], ["s"], name="gate", alpha=alpha, beta=0.5),
+        oh.make_node("Mul", [a.strip() for a in order.split(",")], ["y"], name="swish"),
+    ]
+    shape = [1, 16, 40, 40]
+    graph = oh.make_graph(
+        nodes,
+        "g",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize("order", ["x, s", "s, x"])
+def test_fuse_hardswish_rejoins_the_pair(order: str) -> None:
+    model = hardswish_pair(order)
+    fused, change = t.fuse_hardswish(model)
+    assert ops(fused) == ["HardSwish"] and change.changed
+    x = np.random.default_rng(0).normal(0, 30, (1, 16, 40, 40)).astype(np.float32)
+    np.testing.assert_allclose(run(fused, {"x": x})[0], run(model, {"x": x})[0], atol=1e-5)
+
+
+def test_fuse_hardswish_leaves_other_pairs() -> None:
+    """Another slope is not HardSwish; a gate read twice stays where it is."""
+    _, change = t.fuse_hardswish(hardswish_pair(alpha=0.2))
+    assert not change.changed
+    twice = hardswish_pair()
+    twice.graph.output.append(oh.make_tensor_value_info("s", TensorProto.FLOAT, [1, 16, 40, 40]))
+    _, change = t.fuse_hardswish(twice)
+    assert not change.changed
+
+
+def test_preparation_keeps_a_hardswish_whole() -> None:
+    """qnn_preprocess splits HardSwish into the pair; preparation ends with one op again."""
+    model = oh.make_model(
+        oh.make_graph(
+            [oh.make_node("HardSwish", ["x"], ["y"])],
+            "g",
+            [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+            [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
+        ),
+        opset_imports=[oh.make_opsetid("", 21)],
+        ir_version=10,
+    )
+    prepared, _ = prepare_model(model, InputsSection())
+    assert ops(prepared) == ["HardSwish"]
+
+
+@pytest.mark.qnn
+def test_the_htp_computes_the_pair_wrong_in_fp16_and_hardswish_right(tmp_path: Path) -> None:
+    """Measured: the QNN EP's own fusion of x * HardSigmoid(x) computes x * x above 3 in fp16
+    (-30.6 dB); HardSwish itself is right."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    pair = hardswish_pair()
+    fused, _ = t.fuse_hardswish(pair)
+    rng = np.random.default_rng(1)
+    samples = [{"x": rng.normal(0, 30, (1, 16, 40, 40)).astype(np.float32)} for _ in range(2)]
+    results = whole_ctx_vs_float(tmp_path, {"float": pair, "fused": fused}, samples)
+    assert results["fused"] > 60.0, results
+    assert results["float"] < 0.0, results
+
 POW = """<ir_version: 8, opset_import: ["": 13]>
 g (float[4] x) => (float[4] y) { y = Pow(x, p) }"""
 
