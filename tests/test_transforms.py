@@ -766,6 +766,7 @@ def test_the_htp_computes_the_pair_wrong_in_fp16_and_hardswish_right(tmp_path: P
     assert results["fused"] > 60.0, results
     assert results["float"] < 0.0, results
 
+
 POW = """<ir_version: 8, opset_import: ["": 13]>
 g (float[4] x) => (float[4] y) { y = Pow(x, p) }"""
 
