@@ -164,6 +164,36 @@ def test_outputs_are_compared_by_kind() -> None:
     assert worst_snr(summary) == summary["scores"].snr_db  # labels carry no SNR
 
 
+def test_the_judge_keeps_a_classifiers_outputs_as_references(tmp_path: Path) -> None:
+    """The float outputs the quantize stage kept are the HTP judge's references for its early
+    stops: a ZipMap's scores (values in key order) and a string label are kept too, as arrays
+    a file holds without pickle (before, such a model had none and ran every sample)."""
+    from pipeline.quantize.evaluate import KeptRuns, kept_outputs
+
+    path = tmp_path / "classifier.onnx"
+    onnx.save(classifier(), str(path))
+    samples = []
+    floats = KeptRuns(path)
+    for index in range(3):
+        x = RNG.standard_normal((1, 3, 8, 8)).astype("f4")
+        samples.append(tmp_path / f"sample_{index}.npz")
+        np.savez(samples[-1], x=x)
+        floats.run_named(floats.output_names(), {"x": x})
+    references = kept_outputs(path, samples)
+    assert references is not None and len(references) == 3
+    for reference, sample in zip(references, samples, strict=True):
+        assert set(reference) == {"label", "scores"}
+        assert reference["scores"].dtype == np.float64 and reference["scores"].shape == (1, 3)
+        assert reference["label"].dtype.kind == "U"
+        label, scores = run(str(path), np.load(sample)["x"])
+        np.testing.assert_allclose(
+            reference["scores"][0], [scores[0][k] for k in sorted(LABEL_NAMES)]
+        )
+        np.savez(tmp_path / "stored.npz", **reference)
+        with np.load(tmp_path / "stored.npz", allow_pickle=False) as stored:
+            assert stored["label"].tolist() == np.asarray(label).astype(str).tolist()
+
+
 def test_coverage_reports_the_tail_apart_from_the_gate() -> None:
     N = qnn.NodeInfo
     nodes = [

@@ -68,6 +68,14 @@ def comparable(value: Any) -> tuple[str | None, np.ndarray]:
     return LABELS, array
 
 
+def storable(value: Any) -> np.ndarray:
+    """An output as an array ``np.load`` reads without pickle and that compares as the output
+    itself (``comparable``): a ZipMap's sequence of maps as its values in key order, a string
+    tensor (onnxruntime's object array) as a unicode one."""
+    _, array = comparable(value)
+    return array.astype(str) if array.dtype.kind == "O" else array
+
+
 def power_snr_db(signal: float, noise: float) -> float:
     """10 log10(signal / noise) of summed powers; inf when there is no noise."""
     if noise <= _TINY:

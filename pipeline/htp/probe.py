@@ -45,7 +45,7 @@ from ..core.cpu import cpu_session
 from ..core.fileio import sha256_file
 from ..core.layout import AGREE_SAMPLES, ENOUGH_SAMPLES, HTP_MIN_SAMPLES, past_htp_budget
 from ..core.memory import adapt_heap_to, release_freed_memory
-from ..core.metrics import Accuracy, OutputComparison, comparable, power_snr_db, worst_snr
+from ..core.metrics import Accuracy, OutputComparison, power_snr_db, storable, worst_snr
 from .isolation import Finished, Started, die_with_parent, start_module, wait_for
 
 MODULE = "pipeline.htp.probe"
@@ -766,16 +766,8 @@ def _run_sample(session: Any, sample: str, names: list[str], target: Path) -> No
     with np.load(sample, allow_pickle=False) as data:
         feeds = {k: data[k] for k in data.files}
     partial = target.with_name(f".{target.stem}.{os.getpid()}.partial.npz")
-    np.savez(partial, *(_storable(value) for value in session.run(names, feeds)))
+    np.savez(partial, *(storable(value) for value in session.run(names, feeds)))
     partial.replace(target)
-
-
-def _storable(value: Any) -> np.ndarray:
-    """An output as an array ``np.load`` reads without pickle and that compares as the output
-    itself (``comparable``): a ZipMap's sequence of maps as its values in key order, a string
-    tensor (onnxruntime's object array) as a unicode one."""
-    _, array = comparable(value)
-    return array.astype(str) if array.dtype.kind == "O" else array
 
 
 def _compare(

@@ -26,7 +26,7 @@ from ..core.dtypes import np_dtype
 from ..core.fileio import sha256_file
 from ..core.layout import samples_in
 from ..core.memory import release_freed_memory
-from ..core.metrics import Accuracy, OutputComparison
+from ..core.metrics import Accuracy, OutputComparison, storable
 from ..core.records import folder_digest
 from ..graph.buckets import BucketPlan
 
@@ -121,10 +121,8 @@ class KeptRuns:
         values = _KEPT.get(key)
         if values is None:
             values = self._open().run(None, feeds)
-            size = sum(v.nbytes for v in values if isinstance(v, np.ndarray))
-            if all(isinstance(v, np.ndarray) for v in values) and (
-                _KEPT_BYTES[0] + size <= KEEP_BYTES
-            ):
+            size = sum(storable(v).nbytes for v in values)
+            if _KEPT_BYTES[0] + size <= KEEP_BYTES:
                 _KEPT[key] = values
                 _KEPT_BYTES[0] += size
         by_name = dict(zip(self.output_names(), values, strict=True))
@@ -135,7 +133,8 @@ class KeptRuns:
 
 def kept_outputs(model: Path, samples: list[Path]) -> list[Feeds] | None:
     """``model``'s outputs on each sample file, if this process kept them all (``KeptRuns``),
-    else None: nothing is run for them."""
+    else None: nothing is run for them. Each as ``storable`` makes it (a classifier's ZipMap
+    and label too), so the HTP judge's early stops hold for such models as well."""
     digest = sha256_file(model)
     if digest not in _META:
         return None
@@ -145,9 +144,9 @@ def kept_outputs(model: Path, samples: list[Path]) -> list[Feeds] | None:
         with np.load(path, allow_pickle=False) as data:
             feeds = {k: data[k] for k in data.files}
         values = _KEPT.get((digest, _feeds_digest(feeds)))
-        if values is None or any(v.dtype.kind == "O" for v in values):
+        if values is None:
             return None
-        found.append(dict(zip(names, values, strict=True)))
+        found.append({n: storable(v) for n, v in zip(names, values, strict=True)})
     return found
 
 
