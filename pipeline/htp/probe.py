@@ -637,8 +637,9 @@ def _claim_order(job: ProbeJob, count: int) -> list[int]:
 def _enough(job: ProbeJob, stash: Path, order: list[int]) -> str:
     """Whether the first ``enough_samples`` of ``order`` ran at ``enough_db`` or more vs float
     pooled (per output: their signal powers summed over their noise powers summed; the worst
-    output), each of them at ``enough_floor_db`` at least, or the first ``agree_samples`` did
-    and also agree with the CPU QDQ model at ``agree_db`` pooled: "enough", "short" (they did
+    output), each of them at ``enough_floor_db`` at least, or the first ``agree_samples`` are
+    at ``enough_floor_db`` (each and pooled) and agree with the CPU QDQ model at ``agree_db``
+    pooled: "enough", "short" (they did
     not, or one cannot be waited for), or "pending" (the ones not yet done are running in live
     processes). Per-sample figures vary by tens of dB on a classifier's probabilities (a
     file-type model: 26 to 112 dB), so requiring the margin of every sample ran every one."""
@@ -692,7 +693,9 @@ def _pooled_verdict(job: ProbeJob, stash: Path, indices: list[int], agree: bool)
         values = pooled[kind].values()
         return min((power_snr_db(s, n) for s, n in values), default=math.inf)
 
-    if worst("powers") < job.enough_db:
+    # Agreeing, the CPU QDQ model's figure over every held-out sample carries the statement
+    # (pipeline.core.layout.AGREE_SAMPLES): these samples need only be at the target, pooled.
+    if worst("powers") < (floor if agree else job.enough_db):
         return "short"
     if agree and (not pooled["qdq_powers"] or worst("qdq_powers") < job.agree_db):
         return "short"

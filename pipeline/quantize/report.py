@@ -530,8 +530,8 @@ def _htp_section(r: QuantizeReport) -> list[str]:
     if any(x.requested > x.samples > 0 and x.cut_by == "agreement" for x in j.rounds):
         lines += [
             "",
-            f"The first round stopped after {AGREE_SAMPLES} samples: at the target with the "
-            "margin on the HTP, pooled, its ctx was "
+            f"The first round stopped after {AGREE_SAMPLES} samples: at the target on the "
+            "HTP, each and pooled, its ctx was "
             f"{AGREE_MARGIN_DB:g} dB or more closer to the CPU QDQ model than that model is "
             "to float over every held-out sample (measured on the CPU, above the target with "
             "the margin). The HTP's own noise is then a tenth of the quantization's at most, "
