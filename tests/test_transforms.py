@@ -504,31 +504,37 @@ def test_the_htp_computes_a_folded_conv_transpose_bias_right(tmp_path: Path) -> 
     assert results["apart"] < results["folded"] - 15.0, results
 
 
+REDUCE_FUNCTIONS = ["ReduceSumSquare", "ReduceL1", "ReduceLogSum"]
+
+
 def conv_then(op: str, channels: int = 8) -> onnx.ModelProto:
-    """Conv -> ``op``: Mish (YOLOv4-style activations) or a 2-group GroupNormalization."""
+    """Conv -> ``op``: Mish (YOLOv4-style activations), a 2-group GroupNormalization, or a
+    reduction over the channels of |Conv| (an audio front end's power: re^2 + im^2)."""
     rng = np.random.default_rng(13)
     inits = [("w", rng.normal(0, 0.5, (channels, 3, 3, 3)).astype(np.float32))]
-    inputs, attrs = ["c"], {}
+    inputs, attrs, out_channels = ["c"], {}, channels
     if op == "GroupNormalization":
         inits += [
             ("g", rng.uniform(0.5, 1.5, channels).astype(np.float32)),
             ("b", rng.normal(0, 1, channels).astype(np.float32)),
         ]
         inputs, attrs = ["c", "g", "b"], {"num_groups": 2}
+    nodes = [oh.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1])]
+    if op in REDUCE_FUNCTIONS:
+        inits.append(("axes", np.array([1], np.int64)))
+        nodes.append(oh.make_node("Abs", ["c"], ["a"]))
+        inputs, out_channels = ["a", "axes"], 1
     graph = oh.make_graph(
-        [
-            oh.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
-            oh.make_node(op, inputs, ["y"], **attrs),
-        ],
+        [*nodes, oh.make_node(op, inputs, ["y"], **attrs)],
         "g",
         [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
-        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, channels, 16, 16])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, out_channels, 16, 16])],
         weights(*inits),
     )
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
 
 
-@pytest.mark.parametrize("op", ["Mish", "GroupNormalization"])
+@pytest.mark.parametrize("op", ["Mish", "GroupNormalization", *REDUCE_FUNCTIONS])
 def test_function_ops_the_qnn_ep_refuses_become_their_onnx_definition(op: str) -> None:
     model = conv_then(op)
     expanded, change = t.expand_function_ops(model)
@@ -543,7 +549,8 @@ def test_function_ops_the_qnn_ep_refuses_become_their_onnx_definition(op: str) -
 @pytest.mark.qnn
 def test_mish_is_refused_by_the_qnn_ep_and_its_definition_is_whole(tmp_path: Path) -> None:
     """Mish itself does not compile for the HTP; expanded, the real stages build it whole and
-    accurate (as GroupNormalization, whose own layout transform the EP refuses)."""
+    accurate (as GroupNormalization, whose own layout transform the EP refuses, and the
+    reductions it leaves on the CPU)."""
     from pipeline.htp.probe import probe
 
     model = conv_then("Mish")
@@ -553,7 +560,7 @@ def test_mish_is_refused_by_the_qnn_ep_and_its_definition_is_whole(tmp_path: Pat
     result = probe(path, path, [tmp_path / "sample.npz"], tmp_path / "as_is", 60, 73)
     # If a new QNN SDK compiles Mish, this says so: the expansion is then only exact.
     assert not result.ok and "invalid node" in result.error, result
-    for op in ("Mish", "GroupNormalization"):
+    for op in ("Mish", "GroupNormalization", *REDUCE_FUNCTIONS):
         (tmp_path / op).mkdir()
         build_whole_on_htp(tmp_path / op, op.lower(), conv_then(op))
 

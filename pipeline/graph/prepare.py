@@ -52,7 +52,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         prequantized.qoperator_to_qdq,  # QLinear* ops -> DQ, float op, Q (what QNN groups)
         prequantized.upgrade_opset,  # t.upgrade_opset; a pre-quantized model keeps its opset
         legacy.restore_pinned_ops,
-        t.expand_function_ops,  # Mish, GroupNormalization: the QNN EP compiles neither
+        t.expand_function_ops,  # Mish, GroupNormalization, 3 Reduce ops: the QNN EP takes none
         t.constants_to_initializers,  # the converter may add Constant nodes
         t.fold_constants,
         t.refuse_training_mode,  # a Dropout or BatchNorm still in training mode: random outputs

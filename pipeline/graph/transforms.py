@@ -1754,8 +1754,12 @@ def store_inferred_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
 
 # Ops that ONNX defines as a function of simpler ops and that the QNN EP cannot compile, measured
 # on the simulator: Mish-18 ("Encountered an invalid node while compiling"; x * tanh(softplus(x))
-# is whole and 49 dB in fp16), GroupNormalization-21 (its layout transform is refused).
-EXPANDED_FUNCTION_OPS = frozenset({"Mish", "GroupNormalization"})
+# is whole and 49 dB in fp16), GroupNormalization-21 (its layout transform is refused), and
+# ReduceSumSquare, ReduceL1, ReduceLogSum-18 (left on the CPU: an audio front end's power
+# spectrum, re^2 + im^2 over one axis, cut a log-mel extractor in two partitions).
+EXPANDED_FUNCTION_OPS = frozenset(
+    {"Mish", "GroupNormalization", "ReduceSumSquare", "ReduceL1", "ReduceLogSum"}
+)
 
 
 def _function_body(
