@@ -11,7 +11,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from pipeline.graph.fp16_scale import FLOAT16_TARGET, exact_output_sigmoids, fit_float16
+from pipeline.graph.fp16_scale import (
+    FLOAT16_TARGET,
+    exact_output_sigmoids,
+    finite_float16_logs,
+    fit_float16,
+)
 
 RNG = np.random.default_rng(11)
 FRAMES, TAPS, BINS, MELS = 12, 64, 16, 8
@@ -273,3 +278,82 @@ def test_a_sigmoid_picked_by_a_where_is_an_outputs_too() -> None:
     exact, change = exact_output_sigmoids(model)
     assert len(change.details) == 2
     assert [n.op_type for n in exact.graph.node].count("Sigmoid") == 0
+
+
+def floored_log(floor_op: str) -> onnx.ModelProto:
+    """A log-mel's last steps: power [1, 8, 256] -> a floor of 1e-10 (``floor_op``: Clip's min,
+    Max or Add with it, or none) -> Log -> / ln 10."""
+    nodes = []
+    source = "p"
+    if floor_op:
+        nodes.append(oh.make_node(floor_op, ["p", "eps"], ["floored"]))
+        source = "floored"
+    nodes += [oh.make_node("Log", [source], ["l"]), oh.make_node("Div", ["l", "ln10"], ["y"])]
+    graph = oh.make_graph(
+        nodes,
+        "floored_log",
+        [oh.make_tensor_value_info("p", TensorProto.FLOAT, [1, 8, 256])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 256])],
+        [
+            numpy_helper.from_array(np.array(1e-10, np.float32), "eps"),
+            numpy_helper.from_array(np.array(np.log(10.0), np.float32), "ln10"),
+        ],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def silent_power(seed: int) -> np.ndarray:
+    """A power spectrum with silent frames (exact zeros) and quiet bins down to 1e-7."""
+    rng = np.random.default_rng(seed)
+    power = (10.0 ** rng.uniform(-7, 2, (1, 8, 256))).astype(np.float32)
+    power[..., 128:] = 0.0  # padding, as whisper pads to 30 s
+    return power
+
+
+@pytest.mark.parametrize("floor_op", ["Clip", "Max", "Add"])
+def test_a_floor_under_fp16s_smallest_value_gives_its_own_log(floor_op: str) -> None:
+    """Where fp16 holds only 0 the Log gives log(floor), as float32 does; elsewhere its own."""
+    model = floored_log(floor_op)
+    finite, change = finite_float16_logs(model)
+    assert change.changed and "1e-10" in change.details[0]
+    power = silent_power(1)
+    power[0, 0, :4] = [2.0**-24, 2.0**-23, 1.0, 3e-8]  # at the edge, and one fp16 cannot hold
+    before, after = (
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"p": power}
+        )[0]
+        for m in (model, finite)
+    )
+    held = power >= 2.0**-24
+    np.testing.assert_allclose(after[held], before[held], rtol=1e-6)
+    np.testing.assert_allclose(after[power == 0], -10.0, rtol=1e-6)
+    assert not finite_float16_logs(finite)[1].changed  # its own Max(x, 2^-24) is a floor fp16 holds
+
+
+def test_a_floor_fp16_holds_is_left_alone_and_a_bare_log_is_kept_finite() -> None:
+    model = floored_log("Clip")
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.array(1e-4, np.float32), "eps"))
+    same, change = finite_float16_logs(model)
+    assert not change.changed and same is model
+    bare, change = finite_float16_logs(floored_log(""))
+    assert change.changed and "Max(x, 2^-24)" in change.details[0]
+    power = silent_power(4)
+    (got,) = ort.InferenceSession(bare.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"p": power}
+    )
+    np.testing.assert_allclose(got[power == 0], -24 * np.log10(2.0), rtol=1e-6)
+    held = power >= 2.0**-24
+    np.testing.assert_allclose(got[held], np.log10(power[held]), rtol=1e-5)
+
+
+def test_the_htp_gives_a_silent_frame_its_floor(tmp_path: Path) -> None:
+    """Measured: the HTP's fp16 Log of 0 is -7.625, so clamp(min=1e-10) -> log10 turned every
+    silent frame into -3.3 instead of -10 (a whisper log-mel: -2.0 dB whole fp16)."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = floored_log("Clip")
+    finite, _ = finite_float16_logs(model)
+    samples = [{"p": silent_power(seed)} for seed in (2, 3)]
+    results = whole_ctx_vs_float(tmp_path, {"float": model, "finite": finite}, samples)
+    assert results["finite"] > 50.0, results
+    assert results["float"] < 20.0, results

@@ -355,3 +355,84 @@ def exact_output_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
     )
     set_nodes(graph, nodes)
     return checked_change(out, "exact_output_sigmoids", details)
+
+
+# fp16's smallest positive value (a subnormal): the HTP's fp16 Log is right from here up and
+# returns -7.625 for 0 (measured), where float32 gives -inf or the log of the model's floor.
+FLOAT16_TINY = 2.0**-24
+
+
+def _log_floor(producer: onnx.NodeProto | None, inits: Mapping[str, onnx.TensorProto]) -> float:
+    """The constant floor a Log's input has, 0 when none: Clip's min, Max with a constant, or
+    x + eps (a non-negative x, as a power)."""
+    if producer is None or producer.domain not in DEFAULT_DOMAINS:
+        return 0.0
+    if producer.op_type == "Clip":
+        candidates = producer.input[1:2]
+    elif producer.op_type in ("Max", "Add"):
+        candidates = producer.input
+    else:
+        return 0.0
+    for name in candidates:
+        if name in inits:
+            value = numpy_helper.to_array(inits[name])
+            if value.size == 1 and float(value.reshape(-1)[0]) > 0:
+                return float(value.reshape(-1)[0])
+    return 0.0
+
+
+def finite_float16_logs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """In a model the HTP runs in fp16: Log(x) -> Where(x < 2^-24, log(floor), Log(Max(x,
+    2^-24))), floor the model's own (Clip's min, Max or Add with a small constant) when it lies
+    below 2^-24, else Log(Max(x, 2^-24)).
+
+    A floor such as clamp(min=1e-10) before log10 (a log-mel front end) rounds to 0 in fp16, and
+    the HTP's fp16 Log of 0 is -7.625, not -inf: every silent frame of a whisper log-mel came
+    out as a loud one (whole fp16: -2.0 dB). Values at or above 2^-24 keep their own Log; below
+    it fp16 holds nothing but 0, which now gives the log of the model's own floor, as in
+    float32. A floor at or above 2^-24 is left alone.
+    """
+    out = copy_model(model)
+    graph = out.graph
+    inits = initializers_by_name(graph)
+    producers = {o: n for n in graph.node for o in n.output if o}
+    fresh = FreshNames(out)
+    tiny = fresh("log_fp16_tiny")
+    nodes: list[onnx.NodeProto] = []
+    constants: list[onnx.TensorProto] = []
+    details = []
+    for node in graph.node:
+        if node.op_type != "Log" or node.domain not in DEFAULT_DOMAINS:
+            nodes.append(node)
+            continue
+        floor = _log_floor(producers.get(node.input[0]), inits)
+        if floor >= FLOAT16_TINY:
+            nodes.append(node)
+            continue
+        x, y = node.input[0], node.output[0]
+        base = node.name or y
+        kept = fresh(f"{x}_fp16_kept")
+        nodes.append(helper.make_node("Max", [x, tiny], [kept], name=fresh(f"{base}_kept")))
+        if not floor:
+            nodes.append(helper.make_node("Log", [kept], [y], name=base))
+            details.append(f"{node_label(node)}: Log(Max(x, 2^-24))")
+            continue
+        logged, below = fresh(f"{y}_of_kept"), fresh(f"{x}_below_fp16")
+        at_floor = fresh(f"{y}_at_floor")
+        constants.append(numpy_helper.from_array(np.array(math.log(floor), np.float32), at_floor))
+        nodes += [
+            helper.make_node("Log", [kept], [logged], name=base),
+            helper.make_node("Less", [x, tiny], [below], name=fresh(f"{base}_below")),
+            helper.make_node("Where", [below, at_floor, logged], [y], name=fresh(f"{base}_floor")),
+        ]
+        details.append(
+            f"{node_label(node)}: its floor {floor:.3g} is 0 in fp16; below 2^-24 it gives "
+            f"log({floor:.3g})"
+        )
+    if not details:
+        return model, Change("finite_float16_logs")
+    graph.initializer.extend(
+        [numpy_helper.from_array(np.array(FLOAT16_TINY, np.float32), tiny), *constants]
+    )
+    set_nodes(graph, nodes)
+    return checked_change(out, "finite_float16_logs", details)
