@@ -724,6 +724,66 @@ def hardswish_pair(order: str = "x, s", alpha: float = 1 / 6) -> onnx.ModelProto
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
 
 
+def shared_bias_convs() -> onnx.ModelProto:
+    """Two Convs sharing their bias ``b``, the first one's output named ``b0``: the name
+    onnxruntime's quantizer gives its copy of ``b`` (TensorFlow exports name tensors so:
+    basic-pitch's ``conv1d_25`` bias, shared by 5 Convs, and ``conv1d_252`` output)."""
+    rng = np.random.default_rng(21)
+    graph = oh.make_graph(
+        [
+            oh.make_node("Conv", ["x", "w1", "b"], ["b0"], name="first", pads=[1, 1, 1, 1]),
+            oh.make_node("Neg", ["b0"], ["n"], name="neg"),
+            oh.make_node("Conv", ["n", "w2", "b"], ["y"], name="second", pads=[1, 1, 1, 1]),
+        ],
+        "g",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+        weights(
+            ("w1", rng.normal(0, 0.5, (4, 4, 3, 3)).astype(np.float32)),
+            ("w2", rng.normal(0, 0.5, (4, 4, 3, 3)).astype(np.float32)),
+            ("b", rng.normal(0, 0.5, 4).astype(np.float32)),
+        ),
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def _quantized_loads(model: onnx.ModelProto, folder: Path) -> bool:
+    """Whether onnxruntime's own QDQ quantizer writes a model of ``model`` that loads."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.samples = iter([{"x": RNG.standard_normal((1, 4, 8, 8)).astype(np.float32)}])
+
+        def get_next(self) -> dict | None:
+            return next(self.samples, None)
+
+    onnx.save(model, str(folder / "float.onnx"))
+    quantize_static(folder / "float.onnx", folder / "qdq.onnx", Reader(), QuantFormat.QDQ)
+    try:
+        ort.InferenceSession(str(folder / "qdq.onnx"), providers=["CPUExecutionProvider"])
+    except Exception:  # onnxruntime's load errors are untyped
+        return False
+    return True
+
+
+def test_unshare_biases_gives_each_conv_its_own_and_the_quantizer_a_loadable_model(
+    tmp_path: Path,
+) -> None:
+    model = shared_bias_convs()
+    unshared, change = t.unshare_biases(model)
+    assert len(change.details) == 1 and "second" in change.details[0]
+    assert len({n.input[2] for n in unshared.graph.node if n.op_type == "Conv"}) == 2
+    feeds = {"x": RNG.standard_normal((1, 4, 8, 8)).astype(np.float32)}
+    assert_same(model, unshared, feeds)
+    assert not t.unshare_biases(unshared)[1].changed
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "own").mkdir()
+    # If onnxruntime names its copies apart from other tensors, this says so.
+    assert not _quantized_loads(model, tmp_path / "shared")
+    assert _quantized_loads(unshared, tmp_path / "own")
+
+
 @pytest.mark.parametrize("order", ["x, s", "s, x"])
 def test_fuse_hardswish_rejoins_the_pair(order: str) -> None:
     model = hardswish_pair(order)

@@ -82,6 +82,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         numerics.log_of_large_gain,  # log(1 + 2^20 * magnitude): the product overflows fp16
         t.qnn_preprocess,
         t.fuse_hardswish,  # qnn_preprocess splits HardSwish; the QNN EP's fp16 fusion is wrong
+        t.unshare_biases,  # onnxruntime's quantizer names its copies into other tensors
         attention.standard_gelu,  # qnn_preprocess fuses TF/Keras GELU into com.microsoft Gelu
         t.fold_constants,  # fusions can leave constant subexpressions behind
         t.topological_sort,

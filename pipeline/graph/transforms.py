@@ -1657,6 +1657,40 @@ def qnn_preprocess(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     return checked_change(result, "qnn_preprocess", details)
 
 
+def unshare_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Give every Conv, ConvTranspose and Gemm its own bias initializer.
+
+    onnxruntime's QDQ quantizer copies a bias that several nodes share (each gets its own
+    scale) and names the copy ``<bias><n>`` after the initializers only: TensorFlow exports
+    name a Conv's output ``<bias>2`` (``conv1d_25`` and ``conv1d_252`` in Spotify's
+    basic-pitch), the copy takes that name, the graph is rewired to it and the QDQ model does
+    not load ("Invalid attribute perm {0, 2, 3, 1}, input shape = {36}"). A copy named here
+    collides with nothing; the values are the same.
+    """
+    model = copy_model(model)
+    graph = model.graph
+    inits = initializers_by_name(graph)
+    fresh = FreshNames(model)
+    seen: set[str] = set()
+    details = []
+    for node in graph.node:
+        if node.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(node.input) < 3:
+            continue
+        bias = node.input[2]
+        if node.domain not in DEFAULT_DOMAINS or bias not in inits:
+            continue
+        if bias not in seen:
+            seen.add(bias)
+            continue
+        copy = onnx.TensorProto()
+        copy.CopyFrom(inits[bias])
+        copy.name = fresh(f"{bias}_{node.name or node.output[0]}")
+        graph.initializer.append(copy)
+        node.input[2] = copy.name
+        details.append(f"{node_label(node)}: its own copy of the bias {bias!r}")
+    return checked_change(model, "unshare_biases", details)
+
+
 def fuse_hardswish(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """x * HardSigmoid(x; alpha 1/6, beta 1/2) -> HardSwish(x) (opset >= 14), the same function
     by ONNX's definition of HardSwish.
