@@ -16,6 +16,7 @@ from pipeline.graph.fp16_scale import (
     exact_output_sigmoids,
     finite_float16_logs,
     fit_float16,
+    max_for_small_clip_floors,
 )
 
 RNG = np.random.default_rng(11)
@@ -357,3 +358,63 @@ def test_the_htp_gives_a_silent_frame_its_floor(tmp_path: Path) -> None:
     results = whole_ctx_vs_float(tmp_path, {"float": model, "finite": finite}, samples)
     assert results["finite"] > 50.0, results
     assert results["float"] < 20.0, results
+
+
+def mel_floor_log(with_max: bool = False) -> onnx.ModelProto:
+    """A Kaldi fbank's end: power [1, 100, 64] -> mel MatMul -> Clip(float32 eps) -> Log."""
+    weights = np.abs(np.random.default_rng(5).normal(0, 0.1, (64, 32))).astype(np.float32)
+    clip_inputs = ["mel", "eps", "top"] if with_max else ["mel", "eps"]
+    graph = oh.make_graph(
+        [
+            oh.make_node("MatMul", ["p", "w"], ["mel"]),
+            oh.make_node("Clip", clip_inputs, ["floored"], name="floor"),
+            oh.make_node("Log", ["floored"], ["y"]),
+        ],
+        "mel_floor_log",
+        [oh.make_tensor_value_info("p", TensorProto.FLOAT, [1, 100, 64])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 100, 32])],
+        [
+            numpy_helper.from_array(weights, "w"),
+            numpy_helper.from_array(np.array(np.finfo(np.float32).eps, np.float32), "eps"),
+            numpy_helper.from_array(np.array(50.0, np.float32), "top"),
+        ],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def quiet_power(seed: int) -> np.ndarray:
+    """Frames from silence to speech: mel powers from under 1e-7 to ~1e-2."""
+    rng = np.random.default_rng(seed)
+    power = 10.0 ** rng.uniform(-10, -4, (1, 100, 64)) * 10.0 ** rng.uniform(-3, 2, (1, 100, 1))
+    return power.astype(np.float32)
+
+
+@pytest.mark.parametrize("with_max", [False, True])
+def test_a_clip_floor_in_fp16s_subnormals_becomes_max(with_max: bool) -> None:
+    model = mel_floor_log(with_max)
+    floored, change = max_for_small_clip_floors(model)
+    assert change.changed and "Clip 'floor'" in change.details[0]
+    assert "Clip" not in [n.op_type for n in floored.graph.node]
+    power = quiet_power(1)
+    power[0, :3] *= 1e6  # mels over the Clip's max too
+    before, after = (
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"p": power}
+        )[0]
+        for m in (model, floored)
+    )
+    np.testing.assert_array_equal(after, before)
+    normal = mel_floor_log()
+    normal.graph.initializer[1].CopyFrom(numpy_helper.from_array(np.array(1e-4, "f4"), "eps"))
+    assert not max_for_small_clip_floors(normal)[1].changed
+
+
+def test_the_htp_floors_a_fused_clip_wrong_and_a_max_right(tmp_path: Path) -> None:
+    """Measured: the HTP fuses the Clip into the MatMul in fp16 and floors at ~3e-5 there."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = mel_floor_log()
+    floored, _ = max_for_small_clip_floors(model)
+    samples = [{"p": quiet_power(seed)} for seed in (2, 3)]
+    results = whole_ctx_vs_float(tmp_path, {"float": model, "floored": floored}, samples)
+    assert results["floored"] > results["float"] + 10.0, results

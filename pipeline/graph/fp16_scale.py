@@ -357,6 +357,50 @@ def exact_output_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
     return checked_change(out, "exact_output_sigmoids", details)
 
 
+# fp16's smallest normal value: below it fp16 keeps fewer bits (subnormals), down to 2^-24.
+FLOAT16_NORMAL = 2.0**-14
+
+
+def max_for_small_clip_floors(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """In a model the HTP runs in fp16: Clip(x, min) with a constant min in (0, 2^-14), fp16's
+    subnormal range -> Max(x, min) (and Min(., max) for a max): the same function.
+
+    The HTP fuses such a Clip into the MatMul before it and the fused op floors at ~3e-5 instead
+    (measured: a Kaldi fbank's mel MatMul -> Clip(float32 eps) -> Log; on a quiet window every
+    mel power under 3e-5 was raised to it: 17.7 dB, 55.5 dB as Max). Max is not fused so.
+    """
+    out = copy_model(model)
+    graph = out.graph
+    inits = initializers_by_name(graph)
+    fresh = FreshNames(out)
+    nodes: list[onnx.NodeProto] = []
+    details = []
+    for node in graph.node:
+        low = node.input[1] if node.op_type == "Clip" and len(node.input) > 1 else ""
+        if node.domain not in DEFAULT_DOMAINS or low not in inits:
+            nodes.append(node)
+            continue
+        value = numpy_helper.to_array(inits[low])
+        if value.size != 1 or not 0 < float(value.reshape(-1)[0]) < FLOAT16_NORMAL:
+            nodes.append(node)
+            continue
+        high = node.input[2] if len(node.input) > 2 else ""
+        base = node.name or node.output[0]
+        floored = fresh(f"{node.output[0]}_floored") if high else node.output[0]
+        nodes.append(helper.make_node("Max", [node.input[0], low], [floored], name=base))
+        if high:
+            nodes.append(
+                helper.make_node(
+                    "Min", [floored, high], [node.output[0]], name=fresh(f"{base}_ceiling")
+                )
+            )
+        details.append(f"{node_label(node)}: min {float(value.reshape(-1)[0]):.3g} -> Max")
+    if not details:
+        return model, Change("max_for_small_clip_floors")
+    set_nodes(graph, nodes)
+    return checked_change(out, "max_for_small_clip_floors", details)
+
+
 # fp16's smallest positive value (a subnormal): the HTP's fp16 Log is right from here up and
 # returns -7.625 for 0 (measured), where float32 gives -inf or the log of the model's floor.
 FLOAT16_TINY = 2.0**-24

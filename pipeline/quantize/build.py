@@ -443,13 +443,19 @@ def _quantize_all(
     def use_float(name: str) -> None:  # the whole model in fp16 on the HTP: no quantization
         import onnx
 
-        from ..graph.fp16_scale import exact_output_sigmoids, finite_float16_logs, fit_float16
+        from ..graph.fp16_scale import (
+            exact_output_sigmoids,
+            finite_float16_logs,
+            fit_float16,
+            max_for_small_clip_floors,
+        )
 
         source = onnx.load(str(prepared[name].float_path))
         model, change = fit_float16(source, calibrated_peaks())
         model, sigmoids = exact_output_sigmoids(source if model is None else model)
+        model, clips = max_for_small_clip_floors(model)
         model, logs = finite_float16_logs(model)
-        for step in (change, sigmoids, logs):
+        for step in (change, sigmoids, clips, logs):
             if step.changed:  # reported with the preparation steps (once: a rebuild replaces it)
                 prepared[name].changes[:] = [
                     c for c in prepared[name].changes if c.step != step.step
