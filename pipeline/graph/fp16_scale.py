@@ -9,6 +9,10 @@ degree (1 after a Conv, 2 after squaring, 0 after the Log once log(c^d) is added
 that holds up to the first scale-free tensors, the model with its input scaled by c = 2^-k
 (constants scaled to match, ``d * k * ln 2`` added after each Log, outputs scaled back) computes
 the same function in float32 and stays within fp16's range on the HTP.
+
+The other rewrites here apply to that whole-fp16 model too, each for an op the HTP computes
+wrongly in fp16 (measured on the simulator): an output's Sigmoid, a Log of 0, a Clip floor in
+fp16's subnormals.
 """
 
 from __future__ import annotations
