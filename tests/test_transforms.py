@@ -122,6 +122,18 @@ def test_fix_input_shapes_by_dim_param_and_by_shape() -> None:
     assert not noop.changed
 
 
+def test_a_negative_size_is_dynamic() -> None:
+    """Older paddle2onnx writes a dynamic size as -1 (PP-OCRv2's recognizer: [-1, 3, ?, ?])."""
+    model = parse(DYNAMIC)
+    model.graph.input[0].type.tensor_type.shape.dim[0].Clear()
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = -1
+    fixed, change = t.fix_input_shapes(model, {}, {"x": [3, 4]})
+    assert edit.value_shape(fixed.graph.input[0]) == (3, 4)
+    assert change.details == ("input 'x': ['?', 4] -> [3, 4]",)
+    with pytest.raises(ModelError, match=r"dim 0 .* is dynamic"):
+        t.fix_input_shapes(model, {}, {})
+
+
 def test_fix_input_shapes_names_input_dim_and_config_key() -> None:
     with pytest.raises(ModelError) as info:
         t.fix_input_shapes(parse(DYNAMIC), {}, {})

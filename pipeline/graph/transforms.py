@@ -215,7 +215,9 @@ def bake_constant_inputs(
             ) from None
         if tensor_type.HasField("shape"):
             dims = tensor_type.shape.dim
-            static = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+            static = [
+                d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None for d in dims
+            ]
             if None not in static and array.size == math.prod(static):
                 array = array.reshape(static)
             if array.ndim != len(static) or any(
@@ -330,7 +332,8 @@ def fix_input_shapes(
         old = [
             d.dim_param
             if d.HasField("dim_param")
-            else (d.dim_value if d.HasField("dim_value") else "?")
+            # A negative size is how some exporters (older paddle2onnx) write a dynamic one.
+            else (d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else "?")
             for d in tensor_type.shape.dim
         ]
         new = _static_shape(value, old, dims, shapes, issues)
