@@ -1708,17 +1708,20 @@ def fuse_hardswish(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     graph = model.graph
     if opset_version(model) < 14:
         return checked_change(model, "fuse_hardswish", [])
-    producers = {o: n for n in graph.node for o in n.output}
+    # Indices, not the node wrappers: protobuf may hand out fresh ones for the same node.
+    nodes = list(graph.node)
+    producers = {o: i for i, n in enumerate(nodes) for o in n.output}
     readers = readers_by_tensor(graph)
     outputs = {o.name for o in graph.output}
     dropped: set[int] = set()
     replaced: dict[int, onnx.NodeProto] = {}
     details = []
-    for node in graph.node:
+    for position, node in enumerate(nodes):
         if node.op_type != "Mul" or node.domain not in DEFAULT_DOMAINS or len(node.input) != 2:
             continue
         for gate_name, x in (node.input, node.input[::-1]):
-            gate = producers.get(gate_name)
+            at = producers.get(gate_name)
+            gate = nodes[at] if at is not None else None
             if (
                 gate is None
                 or gate.op_type != "HardSigmoid"
@@ -1726,7 +1729,7 @@ def fuse_hardswish(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                 or gate.input[0] != x
                 or gate_name in outputs
                 or len(readers.get(gate_name, [])) != 1
-                or id(gate) in dropped
+                or at in dropped
             ):
                 continue
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gate.attribute}
@@ -1735,17 +1738,14 @@ def fuse_hardswish(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                 or abs(attrs.get("beta", 0.5) - 0.5) > 1e-6
             ):
                 continue
-            dropped.add(id(gate))
-            replaced[id(node)] = onnx.helper.make_node(
+            dropped.add(at)
+            replaced[position] = onnx.helper.make_node(
                 "HardSwish", [x], [node.output[0]], name=node.name or gate.name
             )
             details.append(f"{node_label(node)} * {node_label(gate)} -> HardSwish")
             break
     if details:
-        set_nodes(
-            graph,
-            [replaced.get(id(n), n) for n in graph.node if id(n) not in dropped],
-        )
+        set_nodes(graph, [replaced.get(i, n) for i, n in enumerate(nodes) if i not in dropped])
     return checked_change(model, "fuse_hardswish", details)
 
 
