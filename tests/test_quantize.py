@@ -110,6 +110,35 @@ def test_truncated_model(example: Path, capsys: pytest.CaptureFixture) -> None:
     assert not bad.bucket(SINGLE_BUCKET).qdq.exists() and not bad.record.exists()
 
 
+def test_a_model_onnxruntime_refuses_names_itself(tmp_path: Path) -> None:
+    """Any model the stages open on the CPU and onnxruntime refuses: a ModelError that names
+    the file and says whose fault it is, not a raw traceback."""
+    from onnx import TensorProto
+    from onnx import helper as oh
+
+    from pipeline.core.cpu import cpu_session
+    from pipeline.core.errors import ModelError
+
+    bad = oh.make_model(
+        oh.make_graph(
+            [oh.make_node("Transpose", ["x"], ["y"], perm=[0, 2, 3, 1])],
+            "g",
+            [oh.make_tensor_value_info("x", TensorProto.FLOAT, [36])],
+            [oh.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        ),
+        opset_imports=[oh.make_opsetid("", 21)],
+        ir_version=10,
+    )
+    path = tmp_path / "qdq.onnx"
+    onnx.save(bad, str(path))
+    with pytest.raises(ModelError) as info:
+        cpu_session(path)
+    assert str(path) in str(info.value) and "perm" in str(info.value)
+    assert "pipeline bug" in info.value.tip
+    with pytest.raises(ModelError, match="model 'g' does not load"):
+        cpu_session(bad)
+
+
 def test_missing_model(example: Path, capsys: pytest.CaptureFixture) -> None:
     assert run(example, str(write_config(example, "absent.onnx"))) == 1
     assert "absent.onnx does not exist" in capsys.readouterr().err

@@ -29,4 +29,15 @@ def cpu_session(model: Any, optimize: bool = True, in_node_order: bool = False) 
     if in_node_order:
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     payload = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
-    return ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
+    try:
+        return ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime's error types are not public
+        from .errors import ModelError
+
+        what = str(model) if isinstance(payload, str) else f"model {model.graph.name!r}"
+        raise ModelError(
+            f"{what} does not load in onnxruntime on the CPU: {exc}",
+            tip="A source model must load in onnxruntime as it is; a model the pipeline wrote "
+            "(under the artifacts folder) that does not load is a pipeline bug: report it "
+            "with the source model and config.",
+        ) from exc
