@@ -224,9 +224,10 @@ def _notes(rows: list[_Row]) -> list[str]:
         elif v is not None and v.requested > v.samples and v.cut_by == "agreement":
             notes.append(
                 f"- **{where}** validated on {v.samples} of {v.requested} held-out samples: "
-                "at the target with the margin, the HTP agreed with the CPU QDQ model "
+                "at the target, the HTP agreed with the CPU QDQ model "
                 "(pipeline.core.layout.AGREE_MARGIN_DB closer than that model is to float on "
-                "every held-out sample), so the rest were not run"
+                "every held-out sample, where it is above the target with the margin), so the "
+                "rest were not run"
             )
         elif v is not None and v.requested > v.samples:
             notes.append(

@@ -25,6 +25,7 @@ so nothing is ever written outside ``<artifacts>``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,7 @@ ENOUGH_MARGIN_DB = 3.0
 # figure, not the two samples', carries the statement: they need not reach the margin).
 AGREE_SAMPLES = 2
 AGREE_MARGIN_DB = 10.0
+AGREE_BOUND_DB = 20 * math.log10(1 + 10 ** (-AGREE_MARGIN_DB / 20))  # 2.4 dB
 
 
 def past_htp_budget(elapsed_s: float, ran: int, budget_s: float) -> bool:

@@ -639,9 +639,8 @@ def _enough(job: ProbeJob, stash: Path, order: list[int]) -> str:
     pooled (per output: their signal powers summed over their noise powers summed; the worst
     output), each of them at ``enough_floor_db`` at least, or the first ``agree_samples`` are
     at ``enough_floor_db`` (each and pooled) and agree with the CPU QDQ model at ``agree_db``
-    pooled: "enough", "short" (they did
-    not, or one cannot be waited for), or "pending" (the ones not yet done are running in live
-    processes). Per-sample figures vary by tens of dB on a classifier's probabilities (a
+    pooled: "enough", "short" (they did not, or one cannot be waited for), or "pending" (the
+    ones not yet done are running in live processes). Per-sample figures vary by tens of dB on a classifier's probabilities (a
     file-type model: 26 to 112 dB), so requiring the margin of every sample ran every one."""
     if job.enough_db <= 0 or len(order) <= job.enough_samples:
         return "short"

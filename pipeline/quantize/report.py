@@ -9,6 +9,7 @@ from qnn_ctx_runtime.buckets import CropRule, PadRule
 
 from ..calibration.ranges import BiasFloor
 from ..core.layout import (
+    AGREE_BOUND_DB,
     AGREE_MARGIN_DB,
     AGREE_SAMPLES,
     ENOUGH_MARGIN_DB,
@@ -535,8 +536,9 @@ def _htp_section(r: QuantizeReport) -> list[str]:
             f"{AGREE_MARGIN_DB:g} dB or more closer to the CPU QDQ model than that model is "
             "to float over every held-out sample (measured on the CPU, above the target with "
             "the margin). The HTP's own noise is then a tenth of the quantization's at most, "
-            "and the ctx within 2.4 dB of the CPU figure (pipeline.core.layout.AGREE_SAMPLES): "
-            f"over all held-out samples, ctx vs float ≥ {fmt(r.worst_snr_db - 2.4)} dB. Its "
+            f"and the ctx within {AGREE_BOUND_DB:.1f} dB of the CPU figure "
+            "(pipeline.core.layout.AGREE_SAMPLES): over all held-out samples, ctx vs float "
+            f"≥ {fmt(r.worst_snr_db - AGREE_BOUND_DB)} dB. Its "
             f"figures in the table are on those {AGREE_SAMPLES} samples.",
         ]
     short = [
