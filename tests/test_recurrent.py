@@ -524,3 +524,157 @@ def test_grouped_conv_transpose_weight_stays_per_tensor(tmp_path) -> None:
         per_channel=True,
         extra_options={"TensorQuantOverrides": overrides.tensors},
     )
+
+
+# -- loops with a trip count the shapes decide ----------------------------------------------------
+
+
+def while_loop_rnn(steps: int | str = "T", *, data_dependent: bool = False) -> onnx.ModelProto:
+    """A TensorFlow while loop as tf2onnx writes a Keras RNN: no trip count, a condition
+    ``time < length`` (the length from the input's Shape), the time as a carried counter, the
+    step's input read with Gather, weights from the outer scope, the outputs as a scan output.
+    ``data_dependent`` stops instead when the state's sum passes a threshold."""
+    rng = np.random.default_rng(3)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w")
+    u = numpy_helper.from_array(0.5 * rng.standard_normal((3, 3)).astype(np.float32), "u")
+    one = numpy_helper.from_array(np.array(1, np.int64), "one")
+    axis1 = numpy_helper.from_array(np.array([1], np.int64), "axis1")
+    end2 = numpy_helper.from_array(np.array([2], np.int64), "end2")
+    time_major = oh.make_node("Transpose", ["x"], ["x_t"], perm=[1, 0, 2])  # [T, 1, 4]
+    body_nodes = [
+        oh.make_node("Gather", ["x_t", "time_in"], ["x_step"], axis=0),
+        oh.make_node("MatMul", ["x_step", "w"], ["xw"]),
+        oh.make_node("MatMul", ["h_in", "u"], ["hu"]),
+        oh.make_node("Add", ["xw", "hu"], ["pre"]),
+        oh.make_node("Tanh", ["pre"], ["h_out"]),
+        oh.make_node("Add", ["time_in", "step_one"], ["time_out"]),
+        oh.make_node("Identity", ["h_out"], ["h_scan"]),
+    ]
+    if data_dependent:
+        body_nodes += [
+            oh.make_node("ReduceSum", ["h_out"], ["total"], keepdims=0),
+            oh.make_node("Less", ["total", "limit"], ["cond_out"]),
+        ]
+        limit = [numpy_helper.from_array(np.array(0.5, np.float32), "limit")]
+    else:
+        body_nodes += [
+            oh.make_node("Cast", ["time_out"], ["time_f"], to=TensorProto.INT32),
+            oh.make_node("Cast", ["length_in"], ["length_f"], to=TensorProto.INT32),
+            oh.make_node("Less", ["time_f", "length_f"], ["cond_out"]),
+        ]
+        limit = []
+    scalar = oh.make_tensor_value_info
+    body = oh.make_graph(
+        body_nodes,
+        "body",
+        [
+            scalar("i", TensorProto.INT64, []),
+            scalar("cond_in", TensorProto.BOOL, []),
+            scalar("time_in", TensorProto.INT64, []),
+            scalar("h_in", TensorProto.FLOAT, [1, 3]),
+            scalar("length_in", TensorProto.INT64, []),
+        ],
+        [
+            scalar("cond_out", TensorProto.BOOL, []),
+            scalar("time_out", TensorProto.INT64, []),
+            scalar("h_out", TensorProto.FLOAT, [1, 3]),
+            scalar("length_in", TensorProto.INT64, []),
+            scalar("h_scan", TensorProto.FLOAT, [1, 3]),
+        ],
+        [numpy_helper.from_array(np.array(1, np.int64), "step_one"), *limit],
+    )
+    nodes = [
+        time_major,
+        oh.make_node("Shape", ["x"], ["x_shape"]),
+        oh.make_node("Slice", ["x_shape", "axis1", "end2"], ["length_1"]),
+        oh.make_node("Squeeze", ["length_1"], ["length"]),
+        oh.make_node("Less", ["zero_time", "length"], ["go"]),
+        oh.make_node(
+            "Loop",
+            ["", "go", "zero_time", "h0", "length"],
+            ["time_end", "h_end", "length_end", "hs"],
+            body=body,
+        ),
+        oh.make_node("Transpose", ["hs"], ["y"], perm=[1, 0, 2]),  # [1, T, 3]
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "while_rnn",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, steps, 4])],
+        [
+            oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, steps, 3]),
+            oh.make_tensor_value_info("h_end", TensorProto.FLOAT, [1, 3]),
+        ],
+        [
+            w,
+            u,
+            one,
+            axis1,
+            end2,
+            numpy_helper.from_array(np.array(0, np.int64), "zero_time"),
+            numpy_helper.from_array(np.zeros((1, 3), np.float32), "h0"),
+        ],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_a_while_loop_unrolls_once_the_length_is_fixed() -> None:
+    """Fixed to 6 steps, the loop's condition folds iteration by iteration: 6 copies of the
+    body, no Loop left, every shape static, and the same outputs as onnxruntime's Loop."""
+    model = while_loop_rnn()
+    ready, changes = prepare_model(
+        model, InputsSection(dims={}, shapes={"x": [1, 6, 4]}, constants={})
+    )
+    assert not [n for n in ready.graph.node if n.op_type == "Loop"]
+    assert not edit.dynamic_outputs(ready)
+    unrolled = next(c for c in changes if c.step == "unroll_static_loops")
+    assert any("6 iterations" in d for d in unrolled.details), unrolled.details
+    feeds = random_feeds(ready, seed=1)
+    expected = run(model, feeds)
+    for name, value in run(ready, feeds).items():
+        np.testing.assert_allclose(value, expected[name], atol=ATOL)
+
+
+def test_a_loop_with_a_trip_count_unrolls_and_stacks_its_scan_outputs() -> None:
+    """A Loop given a constant trip count (as PyTorch scripts write ``for t in range(n)``)."""
+    model = while_loop_rnn(5)
+    loop = next(n for n in model.graph.node if n.op_type == "Loop")
+    loop.input[0] = "trips"
+    loop.input[1] = ""  # no condition: the trip count alone decides
+    model.graph.initializer.append(numpy_helper.from_array(np.array(3, np.int64), "trips"))
+    model.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 3
+    unrolled, change = rc.unroll_static_loops(model)
+    assert any("3 iterations" in d for d in change.details), change.details
+    assert not [n for n in unrolled.graph.node if n.op_type == "Loop"]
+    feeds = random_feeds(unrolled, seed=2)
+    expected = run(model, feeds)
+    for name, value in run(unrolled, feeds).items():
+        assert value.shape == expected[name].shape
+        np.testing.assert_allclose(value, expected[name], atol=ATOL)
+
+
+def test_a_loop_the_data_stops_is_kept_and_named() -> None:
+    """When the condition reads the data, no number of copies is right: the loop stays, and the
+    step says why (preparation then fails naming it, as before)."""
+    model = t.fold_constants(while_loop_rnn(6, data_dependent=True))[0]
+    kept, change = rc.unroll_static_loops(model)
+    assert [n.op_type for n in kept.graph.node].count("Loop") == 1
+    assert any("depends on the data" in d for d in change.details), change.details
+
+
+@pytest.mark.qnn
+def test_the_unrolled_while_loop_runs_whole_on_the_htp(tmp_path) -> None:
+    """What the unrolling is for: the QNN EP takes the copies, not the Loop."""
+    from pipeline.htp.probe import probe
+
+    model = while_loop_rnn()
+    ready, _ = prepare_model(model, InputsSection(dims={}, shapes={"x": [1, 6, 4]}, constants={}))
+    np.savez(tmp_path / "sample.npz", **random_feeds(ready, seed=4))
+    path = tmp_path / "unrolled.onnx"
+    onnx.save(ready, str(path))
+    result = probe(path, path, [tmp_path / "sample.npz"], tmp_path / "probe", 60, 73)
+    assert result.ok, result.error
+    assert result.partitions == 1 and result.cpu_nodes == 0
+    assert result.worst_ctx_vs_float > 40.0

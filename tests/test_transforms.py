@@ -1185,3 +1185,116 @@ def test_a_batchnorm_in_training_mode_is_refused() -> None:
     )
     with pytest.raises(ModelError, match="training mode"):
         t.refuse_training_mode(model)
+
+
+def gemm_with_bias(bias_shape: list[int], trans_b: int = 0) -> onnx.ModelProto:
+    """x [2, 4] @ W + C, C broadcast from ``bias_shape`` (what qnn_preprocess fuses MatMul+Add to)."""
+    rng = np.random.default_rng(5)
+    weight = rng.standard_normal((6, 4) if trans_b else (4, 6)).astype(np.float32)
+    bias = rng.standard_normal(bias_shape).astype(np.float32)
+    graph = oh.make_graph(
+        [oh.make_node("Gemm", ["x", "w", "c"], ["y"], transB=trans_b)],
+        "g",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, 6])],
+        [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(bias, "c")],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize(("bias_shape", "trans_b"), [([1, 6], 0), ([1, 6], 1), ([1], 0), ([], 1)])
+def test_flatten_gemm_biases_gives_one_value_per_column(
+    bias_shape: list[int], trans_b: int
+) -> None:
+    model = gemm_with_bias(bias_shape, trans_b)
+    flat, change = t.flatten_gemm_biases(model)
+    assert change.changed
+    bias = {i.name: i for i in flat.graph.initializer}[flat.graph.node[0].input[2]]
+    assert list(bias.dims) == [6]
+    assert_same(model, flat, {"x": RNG.standard_normal((2, 4)).astype(np.float32)})
+    assert not t.flatten_gemm_biases(flat)[1].changed
+
+
+def test_a_gemm_bias_per_row_is_left_alone() -> None:
+    model = gemm_with_bias([1, 6])
+    model.graph.initializer[1].CopyFrom(numpy_helper.from_array(np.ones((2, 6), np.float32), "c"))
+    assert not t.flatten_gemm_biases(model)[1].changed
+
+
+def test_onnxruntime_quantizes_a_flattened_gemm_bias_per_channel(tmp_path: Path) -> None:
+    """Why the step exists: int8 per-column weights index the bias by column."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.samples = iter([{"x": RNG.standard_normal((2, 4)).astype(np.float32)}])
+
+        def get_next(self) -> dict | None:
+            return next(self.samples, None)
+
+    def quantize(model: onnx.ModelProto, name: str) -> None:
+        onnx.save(model, str(tmp_path / f"{name}.onnx"))
+        quantize_static(
+            tmp_path / f"{name}.onnx",
+            tmp_path / f"{name}_qdq.onnx",
+            Reader(),
+            per_channel=True,
+            weight_type=QuantType.QInt8,
+            activation_type=QuantType.QUInt16,
+            extra_options={"WeightSymmetric": True},
+        )
+
+    model = gemm_with_bias([1, 6])
+    # If onnxruntime learns to read a broadcast bias, this says so: the step is then only tidy.
+    with pytest.raises(ValueError, match="ambiguous"):
+        quantize(model, "broadcast")
+    quantize(t.flatten_gemm_biases(model)[0], "flat")
+    ort.InferenceSession(str(tmp_path / "flat_qdq.onnx"), providers=["CPUExecutionProvider"])
+
+
+def reverse_sequence(lengths: list[int], time_axis: int = 0) -> onnx.ModelProto:
+    """ReverseSequence of x [5, 2, 3] (time major) or [2, 5, 3], then a Conv-free Mul."""
+    shape = [5, 2, 3] if time_axis == 0 else [2, 5, 3]
+    graph = oh.make_graph(
+        [
+            oh.make_node(
+                "ReverseSequence",
+                ["x", "lens"],
+                ["r"],
+                time_axis=time_axis,
+                batch_axis=1 - time_axis,
+            ),
+            oh.make_node("Mul", ["r", "two"], ["y"]),
+        ],
+        "g",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+        [
+            numpy_helper.from_array(np.array(lengths, np.int64), "lens"),
+            numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+        ],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "time_axis"), [([5, 5], 0), ([3, 3], 0), ([5, 5], 1), ([2, 2], 1)]
+)
+def test_reverse_sequence_of_equal_lengths_becomes_a_gather(
+    lengths: list[int], time_axis: int
+) -> None:
+    model = reverse_sequence(lengths, time_axis)
+    gathered, change = t.reverse_sequence_to_gather(model)
+    assert ops(gathered) == ["Gather", "Mul"] and change.changed
+    shape = [5, 2, 3] if time_axis == 0 else [2, 5, 3]
+    assert_same(model, gathered, {"x": RNG.standard_normal(shape).astype(np.float32)})
+
+
+def test_reverse_sequence_of_unequal_lengths_is_kept() -> None:
+    assert not t.reverse_sequence_to_gather(reverse_sequence([5, 3]))[1].changed
+
+
+@pytest.mark.qnn
+def test_a_reversed_sequence_runs_whole_on_the_htp(tmp_path: Path) -> None:
+    """The QNN EP takes no ReverseSequence (tf2onnx's TensorFlow reverse); the Gather it is."""
+    build_whole_on_htp(tmp_path, "reversed", reverse_sequence([5, 5]))

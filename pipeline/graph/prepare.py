@@ -55,6 +55,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         t.expand_function_ops,  # Mish, GroupNormalization, 3 Reduce ops: the QNN EP takes none
         t.constants_to_initializers,  # the converter may add Constant nodes
         t.fold_constants,
+        recurrent.unroll_static_loops,  # a while loop's count is constant once shapes are fixed
         t.refuse_training_mode,  # a Dropout or BatchNorm still in training mode: random outputs
         t.lower_data_dependent_ifs,  # the QNN EP runs no control flow
         prequantized.fold_quantized_constants,  # Q(float weight) -> its integers (own Q/DQ kept)
@@ -74,6 +75,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         t.einsum_to_matmul,  # the QNN EP takes no Einsum (TF/Keras attention)
         t.rewrite_for_htp,
         t.gathernd_to_gather,  # the QNN EP takes no GatherND (transformers' mask lookups)
+        t.reverse_sequence_to_gather,  # nor ReverseSequence (tf2onnx's reverse)
         resize.resize_for_htp,  # the HTP resizes by out/in, not by the scale given
         legacy.avg_pool_ceil_mode,  # the HTP's ceil-mode AveragePool is wrong
         t.rewrite_hypot,  # after Pow(x, 2) -> Mul(x, x)
@@ -83,6 +85,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         t.qnn_preprocess,
         t.fuse_hardswish,  # qnn_preprocess splits HardSwish; the QNN EP's fp16 fusion is wrong
         t.unshare_biases,  # onnxruntime's quantizer names its copies into other tensors
+        t.flatten_gemm_biases,  # ... and reads a Gemm's bias as one value per column
         attention.standard_gelu,  # qnn_preprocess fuses TF/Keras GELU into com.microsoft Gelu
         t.fold_constants,  # fusions can leave constant subexpressions behind
         t.topological_sort,

@@ -842,3 +842,202 @@ def output_padding_to_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Cha
             f"{edit.node_label(node)}: output_padding {extra} -> pads {pads} -> {lowered}"
         )
     return edit.checked_change(model, "output_padding_to_pads", details)
+
+
+# --------------------------------------------------------------------------------------------
+# Loops whose trip count is known once the shapes are static
+
+# Past this many iterations (or unrolled nodes) a loop is kept: the graph would be too big.
+MAX_UNROLLED_ITERATIONS = 2048
+MAX_UNROLLED_NODES = 200_000
+# Only small constants (counters, lengths, shapes) are evaluated to decide a loop's condition.
+_SMALL_CONSTANT = 4096
+
+
+def _loop_parts(node: onnx.NodeProto) -> tuple[onnx.GraphProto, str, str, list[str]]:
+    """(body, trip count name, condition name, loop-carried initial values) of a Loop."""
+    inputs = list(node.input) + [""] * max(0, 2 - len(node.input))
+    body = next(a.g for a in node.attribute if a.name == "body")
+    return body, inputs[0], inputs[1], inputs[2:]
+
+
+class _KnownValues:
+    """Small constant values by name: the graph's initializers and what is computed from them."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.model = model
+        self.inits = edit.initializers_by_name(model.graph)
+        self.values: dict[str, np.ndarray] = {}
+
+    def get(self, name: str) -> np.ndarray | None:
+        if name in self.values:
+            return self.values[name]
+        init = self.inits.get(name)
+        if init is None or np.prod(init.dims, dtype=np.int64) > _SMALL_CONSTANT:
+            return None
+        value = numpy_helper.to_array(init)
+        self.values[name] = value
+        return value
+
+    def propagate(self, nodes: list[onnx.NodeProto]) -> None:
+        """Evaluate, in order, the nodes whose inputs are all known small constants."""
+        from .transforms import run_nodes
+
+        for node in nodes:
+            if any(True for _ in edit.subgraphs(node)):
+                continue
+            if node.domain not in ("", "ai.onnx") or not node.input:
+                continue
+            feeds = {name: self.get(name) for name in node.input if name}
+            if any(value is None for value in feeds.values()):
+                continue
+            results = run_nodes([node], feeds, self.model)  # type: ignore[arg-type]
+            self.values.update((k, v) for k, v in results.items() if np.size(v) <= _SMALL_CONSTANT)
+
+
+def _unroll_loop(
+    model: onnx.ModelProto, index: int, namer: edit.FreshNames
+) -> tuple[list[onnx.NodeProto], int] | str:
+    """(Nodes computing Loop ``index`` iteration by iteration, iterations), or why not."""
+    node = model.graph.node[index]
+    body, trip_name, cond_name, initial = _loop_parts(node)
+    if any(True for n in body.node for _ in edit.subgraphs(n)):
+        return "its body holds control flow of its own"
+    known = _KnownValues(model)
+    trip = known.get(trip_name) if trip_name else None
+    if trip_name and trip is None:
+        return f"its trip count {trip_name!r} is not a constant"
+    cond = known.get(cond_name) if cond_name else np.array(True)
+    if cond is None:
+        return f"its condition {cond_name!r} is not a constant"
+    if trip is None and not cond_name:
+        return "it has neither a trip count nor a condition"
+    limit = int(trip.reshape(())) if trip is not None else MAX_UNROLLED_ITERATIONS + 1
+    body_inputs = [i.name for i in body.input]
+    body_outputs = [o.name for o in body.output]
+    carried_count = len(initial)
+    scan_count = len(body_outputs) - 1 - carried_count
+    local = {o for n in body.node for o in n.output if o}
+    hoisted = {i.name: namer(i.name) for i in body.initializer}  # constants: once for all
+    for init in body.initializer:
+        copy = onnx.TensorProto()
+        copy.CopyFrom(init)
+        copy.name = hoisted[init.name]
+        model.graph.initializer.append(copy)
+        known.inits[copy.name] = copy
+    node_names = edit.FreshNames(model)
+    node_names.taken = {n.name for n in model.graph.node if n.name}
+    nodes: list[onnx.NodeProto] = []
+    carried = list(initial)
+    cond_value = cond_name or ""
+    scans: list[list[str]] = [[] for _ in range(scan_count)]
+    iteration = 0
+    while iteration < limit and bool(np.asarray(cond).reshape(())):
+        if iteration >= MAX_UNROLLED_ITERATIONS or len(nodes) > MAX_UNROLLED_NODES:
+            return f"it runs more than {iteration} iterations ({len(nodes)} nodes unrolled)"
+        counter = namer(f"{node.name or 'loop'}_iteration_{iteration}")
+        model.graph.initializer.append(
+            numpy_helper.from_array(np.array(iteration, dtype=np.int64), counter)
+        )
+        known.inits[counter] = model.graph.initializer[-1]
+        if not cond_value:  # no condition given: the body's first input reads "true"
+            cond_value = namer(f"{node.name or 'loop'}_true")
+            model.graph.initializer.append(numpy_helper.from_array(np.array(True), cond_value))
+            known.inits[cond_value] = model.graph.initializer[-1]
+        mapping = dict(zip(body_inputs, [counter, cond_value, *carried], strict=True))
+        mapping.update(hoisted)
+        mapping.update({name: namer(f"{name}__it{iteration}") for name in local})
+        step = onnx.GraphProto()
+        step.node.extend(body.node)
+        edit.rename_tensors(step, mapping)
+        for copied in step.node:
+            if copied.name:  # onnxruntime refuses two nodes of one name
+                copied.name = node_names(f"{copied.name}__it{iteration}")
+        nodes.extend(step.node)
+        resolved = [mapping.get(name, name) for name in body_outputs]
+        known.propagate(list(step.node))
+        cond_value, carried = resolved[0], resolved[1 : 1 + carried_count]
+        for k, name in enumerate(resolved[1 + carried_count :]):
+            scans[k].append(name)
+        if not cond_name:  # a for loop: the body's condition is passed on, never read
+            iteration += 1
+            continue
+        cond = known.get(cond_value)
+        if cond is None:
+            return (
+                f"whether it goes on after iteration {iteration} depends on the data "
+                f"(its condition {body_outputs[0]!r})"
+            )
+        iteration += 1
+    if iteration == 0:
+        return "it runs no iteration (its scan outputs would be empty)"
+    for final, out in zip(carried, node.output[:carried_count], strict=True):
+        if out:
+            nodes.append(onnx.helper.make_node("Identity", [final], [out]))
+    axes = namer(f"{node.name or 'loop'}_scan_axis")
+    model.graph.initializer.append(numpy_helper.from_array(np.array([0], np.int64), axes))
+    for names, out in zip(scans, node.output[carried_count:], strict=True):
+        if not out:
+            continue
+        stacked = []
+        for name in names:
+            stacked.append(namer(f"{name}_stacked"))
+            nodes.append(onnx.helper.make_node("Unsqueeze", [name, axes], [stacked[-1]]))
+        nodes.append(onnx.helper.make_node("Concat", stacked, [out], axis=0))
+    return nodes, iteration
+
+
+def unroll_static_loops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A Loop whose iteration count the constants decide -> its body, once per iteration.
+
+    Why: the QNN EP runs no control flow, so a Loop stays on the CPU with everything after it,
+    and its outputs have no static shape. TensorFlow while loops (Keras RNNs that tf2onnx did
+    not turn into LSTM ops, bidirectional or masked ones) and scripted PyTorch loops run a
+    fixed number of iterations once the input shapes are fixed: the trip count or the
+    condition then folds to a constant, iteration by iteration. Unrolled, each step's nodes
+    are ordinary ops (the counter a constant), and scan outputs are the steps' values stacked
+    on a new first axis, as Loop defines them. A loop whose condition depends on the data (an
+    autoregressive decoder's end token) is kept and named.
+    """
+    from .transforms import fold_constants
+
+    model = edit.copy_model(model)
+    details: list[str] = []
+    reasons: dict[tuple[str, ...], str] = {}  # loops kept in the last round, and why
+    while True:  # a loop fed by an unrolled one gets its constants only after the folding
+        unrolled_any = False
+        reasons = {}
+        while True:
+            index = next(
+                (
+                    i
+                    for i, n in enumerate(model.graph.node)
+                    if n.op_type == "Loop"
+                    and n.domain in ("", "ai.onnx")
+                    and tuple(n.output) not in reasons
+                ),
+                None,
+            )
+            if index is None:
+                break
+            node = model.graph.node[index]
+            candidate = edit.copy_model(model)
+            unrolled = _unroll_loop(candidate, index, edit.FreshNames(candidate))
+            if isinstance(unrolled, str):
+                reasons[tuple(node.output)] = f"kept {edit.node_label(node)}: {unrolled}"
+                continue
+            unrolled_nodes, iterations = unrolled
+            nodes = list(candidate.graph.node)
+            edit.set_nodes(candidate.graph, [*nodes[:index], *unrolled_nodes, *nodes[index + 1 :]])
+            details.append(
+                f"unrolled {edit.node_label(node)}: {iterations} iterations, "
+                f"{len(unrolled_nodes)} nodes"
+            )
+            model = candidate
+            unrolled_any = True
+        if not unrolled_any:
+            break
+        model, folded = fold_constants(model)  # the counters' arithmetic folds away
+        details.append(f"folded constants after unrolling ({len(folded.details)} edit(s))")
+    details.extend(reasons.values())
+    return edit.checked_change(model, "unroll_static_loops", details)

@@ -1407,6 +1407,55 @@ def rewrite_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     return checked_change(model, "rewrite_for_htp", details)
 
 
+def reverse_sequence_to_gather(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """ReverseSequence with constant, equal lengths -> Gather of constant time indices.
+
+    Why: the QNN EP has no ReverseSequence, and tf2onnx writes one for every TensorFlow
+    ``reverse`` (a Keras bidirectional RNN's backward half reverses its input and its outputs,
+    with the sequence length as every batch entry's length): each stays on the CPU and cuts
+    the graph. With the lengths constant and equal, the reversal is a fixed permutation of the
+    time axis: reversed up to the length, unchanged after it.
+    """
+    model = copy_model(model)
+    graph = model.graph
+    inits = initializers_by_name(graph)
+    fresh = FreshNames(model)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+    details = []
+    for index, node in enumerate(graph.node):
+        if node.op_type != "ReverseSequence" or node.domain not in DEFAULT_DOMAINS:
+            continue
+        lengths = inits.get(node.input[1])
+        if lengths is None:
+            continue
+        lens = numpy_helper.to_array(lengths).reshape(-1)
+        values = values if values is not None else inferred_values(model)
+        shape = value_shape(values[node.input[0]]) if node.input[0] in values else None
+        attrs = {a.name: a.i for a in node.attribute}
+        time_axis = attrs.get("time_axis", 0)
+        if shape is None or lens.size == 0 or np.any(lens != lens[0]):
+            continue
+        steps, length = shape[time_axis], int(lens[0])
+        if not 0 <= length <= steps:
+            continue
+        order = np.concatenate([np.arange(length)[::-1], np.arange(length, steps)]).astype(np.int64)
+        indices = numpy_helper.from_array(order, fresh(f"{node.output[0]}_time_order"))
+        graph.initializer.append(indices)
+        graph.node[index].CopyFrom(
+            onnx.helper.make_node(
+                "Gather",
+                [node.input[0], indices.name],
+                list(node.output),
+                name=node.name,
+                axis=time_axis,
+            )
+        )
+        details.append(
+            f"{node_label(node)}: reversed the first {length} of {steps} steps by Gather"
+        )
+    return checked_change(model, "reverse_sequence_to_gather", details)
+
+
 def gathernd_to_gather(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """GatherND with constant indices (batch_dims 0) on a static tensor -> Reshape + Gather.
 
@@ -1692,6 +1741,45 @@ def unshare_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         node.input[2] = copy.name
         details.append(f"{node_label(node)}: its own copy of the bias {bias!r}")
     return checked_change(model, "unshare_biases", details)
+
+
+def flatten_gemm_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A Gemm's broadcast bias ([1, N], [1, 1], [1] or a scalar) -> one value per column, [N].
+
+    onnxruntime's quantizer reads a Gemm's C as one bias value per output channel: with int8
+    per-column weights it indexes C by column and fails on any other shape ("The truth value
+    of an array with more than one element is ambiguous"; a Keras LSTM step's MatMul + Add,
+    fused into Gemm by qnn_preprocess_model, has a [1, 4 * units] bias). Gemm broadcasts C to
+    [M, N], so [N] computes the same.
+    """
+    model = copy_model(model)
+    graph = model.graph
+    inits = initializers_by_name(graph)
+    fresh = FreshNames(model)
+    details = []
+    for node in graph.node:
+        if node.op_type != "Gemm" or node.domain not in DEFAULT_DOMAINS or len(node.input) < 3:
+            continue
+        weight, bias = inits.get(node.input[1]), inits.get(node.input[2])
+        if weight is None or bias is None or len(weight.dims) != 2:
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        columns = weight.dims[0] if attrs.get("transB", 0) else weight.dims[1]
+        dims = list(bias.dims)
+        if (
+            dims == [columns]
+            or math.prod(dims) not in (1, columns)
+            or any(d != 1 for d in dims[:-1])
+        ):
+            continue
+        value = numpy_helper.to_array(bias).reshape(-1)
+        flat = numpy_helper.from_array(
+            np.broadcast_to(value, (columns,)).copy(), fresh(f"{bias.name}_per_column")
+        )
+        graph.initializer.append(flat)
+        node.input[2] = flat.name
+        details.append(f"{node_label(node)}: bias {bias.name!r} {dims} -> [{columns}]")
+    return checked_change(model, "flatten_gemm_biases", details)
 
 
 def fuse_hardswish(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
