@@ -242,3 +242,52 @@ def test_a_product_of_two_activations_keeps_16_bits_on_the_htp(tmp_path: Path) -
     assert (
         ctx_vs_qdq_on_htp(qdq_path, paths.bucket("static").float_model, sample, tmp_path / "p") > 55
     )
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_the_quantizer_with_indexed_renames_writes_the_same_model(
+    tmp_path: Path, mixed: bool
+) -> None:
+    """``_indexed_renames`` changes how fast onnxruntime renames, not what it writes: the
+    same bytes as onnxruntime alone (the net's output is quantized too, the output rename), and
+    onnxruntime's own methods are back afterwards."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize_static
+    from onnxruntime.quantization.onnx_model import ONNXModel
+
+    onnx.save(small_net(), str(tmp_path / "net.onnx"))
+    samples = [{"x": RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.samples = iter(samples)
+
+        def get_next(self) -> dict | None:
+            return next(self.samples, None)
+
+    # A tensor at 8 bits among 16-bit ones: onnxruntime converts between them (more renames).
+    overrides = {"TensorQuantOverrides": {"gate": [{"quant_type": QuantType.QUInt8}]}}
+
+    def quantize(name: str) -> bytes:
+        quantize_static(
+            tmp_path / "net.onnx",
+            tmp_path / name,
+            Reader(),
+            per_channel=True,
+            activation_type=QuantType.QUInt16,
+            weight_type=QuantType.QInt8,
+            extra_options=overrides if mixed else {},
+        )
+        return (tmp_path / name).read_bytes()
+
+    originals = (ONNXModel.replace_input_of_all_nodes, ONNXModel.replace_output_of_all_nodes)
+    theirs = quantize("theirs.onnx")
+    with quantizer._indexed_renames():
+        assert ONNXModel.replace_input_of_all_nodes is not originals[0]
+        ours = quantize("ours.onnx")
+    assert ours == theirs
+    assert (
+        ONNXModel.replace_input_of_all_nodes,
+        ONNXModel.replace_output_of_all_nodes,
+    ) == originals
+    qdq = onnx.load(str(tmp_path / "ours.onnx"))
+    assert any(n.op_type == "QuantizeLinear" and "probs" in n.input[0] for n in qdq.graph.node)

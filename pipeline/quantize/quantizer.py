@@ -10,6 +10,7 @@ range per tensor in every bucket, so their weights and scales stay byte-identica
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Iterable, Iterator
@@ -341,7 +342,7 @@ def _run_quantizer(
         qconfig = _qnn_config(config, float_path, model, reader, tensor_overrides, weight_ranges)
         extra = dict(qconfig.extra_options)
         extra["CalibStridedMinMax"] = CALIBRATION_CHUNK
-        with atomic_path(qdq_path) as tmp:
+        with atomic_path(qdq_path) as tmp, _indexed_renames():
             quantize_static(
                 str(float_path),
                 str(tmp),
@@ -367,6 +368,129 @@ def _run_quantizer(
         ) from exc
     finally:
         root_logger.setLevel(previous_level)
+
+
+class _TensorIndex:
+    """Which nodes read and write each tensor of the graph onnxruntime's quantizer is editing.
+
+    Kept in step through the ONNXModel methods the QDQ quantizer edits the graph with (add a
+    node, rename a node's input or output); any other change to the node list (a removal, a
+    topological sort that rebuilds it) changes its length or its end nodes, and the index is
+    rebuilt. Entries are candidates: each is checked against the node before it is renamed.
+    """
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.mark: tuple[int, Any, Any] | None = None
+        self.readers: dict[str, list[Any]] = {}
+        self.writers: dict[str, list[Any]] = {}
+
+    @staticmethod
+    def _mark(model: Any) -> tuple[int, Any, Any]:
+        nodes = model.graph.node
+        return (len(nodes), nodes[0], nodes[-1]) if len(nodes) else (0, None, None)
+
+    def _current(self, model: Any) -> bool:
+        mark = self._mark(model)
+        return (
+            model is self.model
+            and self.mark is not None
+            and mark[0] == self.mark[0]
+            and mark[1] is self.mark[1]
+            and mark[2] is self.mark[2]
+        )
+
+    def sync(self, model: Any) -> None:
+        if self._current(model):
+            return
+        self.model, self.readers, self.writers = model, {}, {}
+        for node in model.graph.node:
+            self._add(node)
+        self.mark = self._mark(model)
+
+    def _add(self, node: Any) -> None:
+        for name in node.input:
+            self.readers.setdefault(name, []).append(node)
+        for name in node.output:
+            self.writers.setdefault(name, []).append(node)
+
+    def appended(self, model: Any, was_current: bool) -> None:
+        """After a node was appended: index it, if the index held the graph before."""
+        if was_current:
+            self._add(model.graph.node[-1])
+            self.mark = self._mark(model)
+
+
+@contextlib.contextmanager
+def _indexed_renames() -> Iterator[None]:
+    """onnxruntime's quantizer renaming a tensor on the nodes an index names, not on all.
+
+    Why: the QDQ quantizer renames each tensor it quantizes by calling a Python function on
+    every node of the graph: quadratic, 0.4 s of a 400-node detector's quantization and over
+    ten minutes for an unrolled 64-step BiLSTM (6,400 nodes). Same edits, same order
+    (tests/test_quantizer.py compares the bytes); onnxruntime's methods are restored after.
+    """
+    from onnxruntime.quantization.onnx_model import ONNXModel
+
+    names = (
+        "add_node",
+        "replace_node_input",
+        "replace_node_output",
+        "replace_input_of_all_nodes",
+        "replace_output_of_all_nodes",
+    )
+    saved = {name: ONNXModel.__dict__[name] for name in names}
+    add_node = saved["add_node"]
+    replace_input = saved["replace_node_input"].__func__
+    replace_output = saved["replace_node_output"].__func__
+    index = _TensorIndex()
+
+    def indexed_add_node(self: Any, node: Any) -> None:
+        was_current = index._current(self.model)
+        add_node(self, node)
+        index.appended(self.model, was_current)
+
+    def indexed_replace_node_input(node: Any, old: str, new: str) -> None:
+        replace_input(node, old, new)
+        index.readers.setdefault(new, []).append(node)
+
+    def indexed_replace_node_output(node: Any, old: str, new: str) -> None:
+        replace_output(node, old, new)
+        index.writers.setdefault(new, []).append(node)
+
+    def replace_input_of_all_nodes(self: Any, old: str, new: str) -> None:
+        index.sync(self.model)
+        for node in _distinct(index.readers.pop(old, [])):
+            if old in node.input:
+                indexed_replace_node_input(node, old, new)
+
+    def replace_output_of_all_nodes(self: Any, old: str, new: str) -> None:
+        index.sync(self.model)
+        for node in _distinct(index.writers.pop(old, [])):
+            if old in node.output:
+                indexed_replace_node_output(node, old, new)
+
+    ONNXModel.add_node = indexed_add_node  # type: ignore[method-assign]
+    ONNXModel.replace_node_input = staticmethod(indexed_replace_node_input)  # type: ignore[method-assign,assignment]
+    ONNXModel.replace_node_output = staticmethod(indexed_replace_node_output)  # type: ignore[method-assign,assignment]
+    ONNXModel.replace_input_of_all_nodes = replace_input_of_all_nodes  # type: ignore[method-assign]
+    ONNXModel.replace_output_of_all_nodes = replace_output_of_all_nodes  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(ONNXModel, name, method)
+
+
+def _distinct(nodes: list[Any]) -> list[Any]:
+    """The candidates once each (a node renamed twice is listed twice), first listed first."""
+    seen: set[int] = set()
+    distinct = []
+    for node in nodes:
+        if id(node) not in seen:
+            seen.add(id(node))
+            distinct.append(node)
+    return distinct
 
 
 @dataclass(frozen=True)
