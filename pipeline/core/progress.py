@@ -10,6 +10,9 @@ import sys
 import time
 from typing import Any, TextIO
 
+# In a log (no terminal), counting progress prints a line at most this often.
+LOG_EVERY_S = 10.0
+
 
 class Progress:
     """Counts ``total`` units of work and shows a status; ``with`` closes it."""
@@ -17,10 +20,12 @@ class Progress:
     def __init__(self, total: int, desc: str, unit: str = "item", stream: TextIO | None = None):
         self.stream = stream or sys.stderr
         self.desc = desc
+        self.unit = unit
         self.total = total
         self.done = 0
         self.started = time.monotonic()
         self.last_status = ""
+        self.last_line = self.started
         self.bar: Any = None
         if self.stream.isatty():
             try:
@@ -34,6 +39,16 @@ class Progress:
         self.done += count
         if self.bar is not None:
             self.bar.update(count)
+            return
+        now = time.monotonic()
+        if now - self.last_line >= LOG_EVERY_S:  # a log hears of long counting work too
+            self.last_line = now
+            print(
+                f"  {self.desc}: {self.done} of {self.total} {self.unit}s "
+                f"({now - self.started:.0f} s)",
+                file=self.stream,
+                flush=True,
+            )
 
     def status(self, text: str, seconds: float | None = None) -> None:
         """What is being done now (and for how long); in a log, printed once per change."""
@@ -43,7 +58,13 @@ class Progress:
         elif text != self.last_status:
             elapsed = time.monotonic() - self.started
             print(f"  {self.desc}: {text} ({elapsed:.0f} s)", file=self.stream, flush=True)
+            self.last_line = time.monotonic()
         self.last_status = text
+
+    def note(self, text: str) -> None:
+        """A passing detail (the step now running): on the bar only, never a log line."""
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=True)
 
     def write(self, text: str) -> None:
         """A finished line of output (stdout), printed above the bar."""

@@ -96,15 +96,18 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
 
 
 def prepare_model(
-    model: onnx.ModelProto, inputs: InputsSection
+    model: onnx.ModelProto,
+    inputs: InputsSection,
+    on_step: Callable[[str], None] | None = None,
 ) -> tuple[onnx.ModelProto, list[Change]]:
     """Return a float32, fully static, NPU-friendly model and what each step changed.
 
     The steps' models are checked once, at the end; on any failure the steps run again, each
-    checked, so that the error names the step that made the model invalid."""
+    checked, so that the error names the step that made the model invalid. ``on_step`` hears
+    each step's name as it starts (progress)."""
     try:
         with edit.checks_deferred():
-            prepared, changes = _run_steps(model, inputs)
+            prepared, changes = _run_steps(model, inputs, on_step)
         edit.check(prepared, "preparation (the steps together)")
     except Exception:
         _run_steps(model, inputs)  # raises at the step at fault, if a check finds one
@@ -114,12 +117,16 @@ def prepare_model(
 
 
 def _run_steps(
-    model: onnx.ModelProto, inputs: InputsSection
+    model: onnx.ModelProto,
+    inputs: InputsSection,
+    on_step: Callable[[str], None] | None = None,
 ) -> tuple[onnx.ModelProto, list[Change]]:
     from ..core.memory import release_freed_memory
 
     changes: list[Change] = []
     for step in preparation_steps(inputs):
+        if on_step is not None:
+            on_step(getattr(step, "__name__", "step").replace("<lambda>", "inputs"))
         model, change = step(model)
         changes.append(change)
         release_freed_memory()  # each step copies the model: do not let copies pile up

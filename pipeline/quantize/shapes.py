@@ -24,6 +24,7 @@ from ..core.cpu import cpu_session
 from ..core.dtypes import np_dtype
 from ..core.errors import ModelError, PipelineError
 from ..core.fileio import atomic_path
+from ..core.progress import Progress
 from ..graph import buckets as plans
 from ..graph.prepare import prepare_model
 from ..graph.transforms import Change
@@ -73,8 +74,17 @@ def signatures(model: Any, constants: dict[str, Any]) -> tuple[plans.Signature, 
 
 
 def _prepare(source: Any, inputs: InputsSection, what: str) -> tuple[Any, list[Change]]:
+    from ..graph.prepare import preparation_steps
+
+    steps = len(preparation_steps(inputs))
     try:
-        return prepare_model(source, inputs)
+        with Progress(steps, f"prepare {what}", "step") as progress:
+
+            def on_step(name: str) -> None:  # counts the steps started
+                progress.update()
+                progress.note(name)
+
+            return prepare_model(source, inputs, on_step)
     except PipelineError as exc:
         raise type(exc)(f"{what}: {exc.message}", exc.tip) from None
     except Exception as exc:  # a transform hit a graph it does not know; name the model
