@@ -90,6 +90,55 @@ def test_rerun_is_skipped_and_change_rebuilds(example: Path, capsys: pytest.Capt
     assert "QDQ written" in capsys.readouterr().out
 
 
+def test_a_model_with_external_data_rebuilds_when_its_weights_change(
+    example: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The weights of a model saved with external data are not in its .onnx file: the build
+    records their digest and is not "up to date" once they change."""
+    source = onnx.load(str(example / "artifacts" / "example" / "example_cnn.onnx"))
+    folder = example / "external"
+    folder.mkdir()
+
+    def save(model: onnx.ModelProto, name: str) -> None:
+        onnx.save(
+            model,
+            str(folder / name),
+            save_as_external_data=True,
+            location="cnn.weights",
+            size_threshold=0,
+        )
+
+    save(source, "cnn.onnx")
+    config = example / "configs" / "external.toml"
+    text = (example / "configs" / "example.toml").read_text()
+    config.write_text(
+        text.replace('name = "example_cnn"', 'name = "external_cnn"').replace(
+            "../artifacts/example/example_cnn.onnx", "../external/cnn.onnx"
+        )
+    )
+    assert "../external/cnn.onnx" in config.read_text()
+    assert run(example, str(config)) == 0
+    record, _ = read_record(
+        QuantizeRecord, ModelPaths.of(example / "artifacts", "external_cnn").record
+    )
+    assert record is not None
+    assert record.inputs.source_data == {"cnn.weights": sha256_file(folder / "cnn.weights")}
+    capsys.readouterr()
+    assert run(example, str(config)) == 0
+    assert "up to date" in capsys.readouterr().out
+    scaled = onnx.load(str(folder / "cnn.onnx"))  # the same .onnx file, other weights
+    weight = next(i for i in scaled.graph.initializer if len(i.dims) == 4)
+    values = onnx.numpy_helper.to_array(weight) * 1.5
+    weight.CopyFrom(onnx.numpy_helper.from_array(values, weight.name))
+    (folder / "cnn.weights").unlink()  # onnx appends to a data file that exists
+    save(scaled, "new.onnx")
+    reread = onnx.load(str(folder / "cnn.onnx"))  # the old .onnx reads the new weights
+    changed = next(i for i in reread.graph.initializer if i.name == weight.name)
+    np.testing.assert_array_equal(onnx.numpy_helper.to_array(changed), values)
+    assert run(example, str(config)) == 0
+    assert "QDQ written" in capsys.readouterr().out
+
+
 def write_config(root: Path, source: str, calibration: str = "") -> Path:
     calibration = calibration or 'kind = "random"\nsamples = 4'
     path = root / "bad.toml"

@@ -118,6 +118,8 @@ class BuildInputs:
     reader_digest: str
     code: str
     tools: dict[str, str]
+    # The external data files of a model saved with them (location -> SHA-256): its weights.
+    source_data: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from ..core.records import (
 from ..core.report import fmt
 from ..graph import prequantized
 from ..graph.buckets import BucketPlan
-from ..graph.source import SourceModel, sort_nodes
+from ..graph.source import SourceModel, external_data_digests, sort_nodes
 from ..htp.probe import spare_probes
 from ..report_html import preload_plotting, write_html_reports
 from . import quantizer
@@ -106,6 +106,7 @@ def build_inputs(config: ModelConfig) -> BuildInputs:
         reader_digest=reader_digest,
         code=code_digest(*CODE),
         tools=tool_versions(*TOOLS),
+        source_data=external_data_digests(source) if source.is_file() else {},
     )
 
 

@@ -136,7 +136,11 @@ def _header(r: QuantizeReport) -> list[str]:
     return [
         f"# Quantization report: {r.model} {r.version}{shapes}",
         "",
-        f"Source: `{r.inputs.source}` (sha256 `{r.inputs.source_sha256[:16]}…`)",
+        f"Source: `{r.inputs.source}` (sha256 `{r.inputs.source_sha256[:16]}…`)"
+        + "".join(
+            f", its data `{name}` (sha256 `{digest[:16]}…`)"
+            for name, digest in r.inputs.source_data.items()
+        ),
         f"Config: `{r.config}`",
         f"Inputs: {'; '.join(r.graph_inputs)}",
     ]
