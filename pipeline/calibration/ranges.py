@@ -96,6 +96,7 @@ class RangeChanges:
     filled: int = 0  # 16-bit inputs of saturating ops given their whole live range
     swish_splits: list[str] = field(default_factory=list)  # pipeline.graph.qdq_htp edits
     signed_products: list[str] = field(default_factory=list)  # likewise
+    coarse_sums: list[str] = field(default_factory=list)  # likewise
     selections: list[str] = field(default_factory=list)  # Where outputs given both inputs' grids
     log_outputs: list[str] = field(default_factory=list)  # Log outputs widened for the HTP
     # Weight -> (rmin, rmax) for onnxruntime's TensorQuantOverrides (not in the report).

@@ -23,6 +23,7 @@ same scale): the same values on the CPU, exactly.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import numpy_helper
 
@@ -181,3 +182,98 @@ def signed_activation_products(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
     graph.node.extend(added)
     sort_graph(graph)
     return checked_change(out, "signed_activation_products", details)
+
+
+def clipped_outputs(float_model: onnx.ModelProto) -> set[str]:
+    """Outputs of the float model's Clips with an upper bound: onnxruntime folds such a Clip
+    into the quantized range of the tensor it reads (the range's ends are then its bounds)."""
+    clipped = set()
+    for node in float_model.graph.node:
+        if node.op_type == "Clip" and (
+            (len(node.input) > 2 and node.input[2]) or any(a.name == "max" for a in node.attribute)
+        ):
+            clipped.add(node.output[0])
+    return clipped
+
+
+def sums_no_finer_than_inputs(
+    model: onnx.ModelProto,
+    clipped: set[str] = frozenset(),  # type: ignore[assignment]
+) -> tuple[onnx.ModelProto, Change]:
+    """Give a 16-bit Add/Sub of an activation and a constant an output scale no finer than its
+    coarsest input's.
+
+    Why: the HTP computes a 16-bit Add or Sub wrongly when its output scale is finer than an
+    input's: measured on ``Relu(x - 1)`` (onnxruntime folds the Relu into the Sub's output range,
+    [0, max] with zero point 0, 58 times finer than x's), the ctx agreed with the CPU QDQ model
+    at 11 dB; with the output scale equal to x's at 72 dB, and already at 5 dB with it twice as
+    fine (zero point 0; a centred zero point held to 2x, not 16x). The result of an Add or Sub
+    of two quantized values carries their rounding anyway, so a finer grid only narrows the
+    range: the coarser one loses nothing the inputs had. The zero point moves so that the old
+    range's low end stays on the grid (0 for a folded Relu). Sums of two activations are left
+    alone: PP-OCR's residual adds, up to 17x finer than an input, agree with the CPU at 40 dB;
+    so is a sum whose range ends at a folded Clip's bound (``clipped``: a wider grid would drop
+    the clamp), which the HTP computed right on PP-OCR (HardSwish's ``relu6(x + 3)``).
+    """
+    out = copy_model(model)
+    graph = out.graph
+    inits = {i.name: i for i in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output if o}
+    readers = readers_by_tensor(graph)
+    fresh = FreshNames(out)
+
+    def per_tensor_scale(node: onnx.NodeProto | None, sixteen_bit: bool = True) -> float | None:
+        if node is None or node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            return None
+        scale = inits.get(node.input[1])
+        zero = inits.get(node.input[2]) if len(node.input) > 2 else None
+        if scale is None or zero is None or (sixteen_bit and zero.data_type not in SIXTEEN_BIT):
+            return None
+        value = numpy_helper.to_array(scale)
+        return float(value) if value.size == 1 else None
+
+    details: list[str] = []
+    for node in graph.node:
+        if node.op_type not in ("Add", "Sub") or len(node.input) != 2:
+            continue
+        # The constant's own grid may be 8-bit (quantized as a weight): only its scale counts.
+        inputs = [per_tensor_scale(producer.get(name), sixteen_bit=False) for name in node.input]
+        quantizers = readers.get(node.output[0], [])
+        if any(s is None for s in inputs) or len(quantizers) != 1:
+            continue
+        if not any(producer[name].input[0] in inits for name in node.input):
+            continue  # two activations: measured right at 17x finer (PP-OCR's residual adds)
+        if node.output[0] in clipped:
+            continue  # a folded Clip: the range's top is its bound (HardSwish's relu6(x + 3))
+        q = quantizers[0]
+        old = per_tensor_scale(q)
+        coarsest = max(s for s in inputs if s is not None)
+        if old is None or old >= coarsest:
+            continue
+        zero = inits[q.input[2]]
+        info = np.iinfo(numpy_helper.to_array(zero).dtype)
+        low = (info.min - float(numpy_helper.to_array(zero))) * old  # the old range's low end
+        new_zero = int(np.clip(np.round(info.min - low / coarsest), info.min, info.max))
+        scale_name, zero_name = fresh(f"{q.input[1]}_coarse"), fresh(f"{q.input[2]}_coarse")
+        graph.initializer.append(
+            numpy_helper.from_array(np.array(coarsest, np.float32), scale_name)
+        )
+        graph.initializer.append(
+            numpy_helper.from_array(
+                np.array(new_zero, dtype=numpy_helper.to_array(zero).dtype), zero_name
+            )
+        )
+        params = list(q.input[1:3])
+        for coder in [q, *readers.get(q.output[0], [])]:  # its Q and the DQs of what it wrote
+            if (
+                coder.op_type in ("QuantizeLinear", "DequantizeLinear")
+                and coder.input[1:3] == params
+            ):
+                coder.input[1], coder.input[2] = scale_name, zero_name
+        details.append(
+            f"{node.op_type} {node.name or node.output[0]!r}: output scale {old:.3g} -> "
+            f"{coarsest:.3g} (its coarsest input's; {coarsest / old:.1f}x)"
+        )
+    if not details:
+        return model, Change("sums_no_finer_than_inputs")
+    return checked_change(out, "sums_no_finer_than_inputs", details)

@@ -738,6 +738,7 @@ def _steps(
             changes.log_outputs or None,
             changes.signed_products or None,
             changes.selections or None,
+            changes.coarse_sums or None,
         ),
         mixed_precision=mixed,
         htp=judgement,

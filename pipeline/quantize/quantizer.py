@@ -278,6 +278,9 @@ def quantize(
     qdq, change = qdq_htp.signed_activation_products(qdq)
     edited |= change.changed
     changes = dataclasses.replace(changes, signed_products=list(change.details))
+    qdq, change = qdq_htp.sums_no_finer_than_inputs(qdq, qdq_htp.clipped_outputs(model))
+    edited |= change.changed
+    changes = dataclasses.replace(changes, coarse_sums=list(change.details))
     if edited:
         with atomic_path(qdq_path) as tmp:
             onnx.save(qdq, str(tmp))

@@ -45,6 +45,7 @@ class RangeRules:
     log_outputs: list[str] | None = None  # Log outputs widened to the HTP's smallest Log scale
     signed_products: list[str] | None = None  # act x act MatMul outputs re-encoded as int16
     selections: list[str] | None = None  # Where outputs widened to both inputs' grids
+    coarse_sums: list[str] | None = None  # Add/Sub outputs no finer than their inputs
 
 
 @dataclass(frozen=True)
@@ -281,6 +282,12 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
             "output(s) re-encoded from uint16 to int16, the same values (the HTP computes a "
             "uint16 x uint16 -> uint16 MatMul with 8 bits of its second operand; "
             "pipeline/graph/qdq_htp.py)."
+        )
+    if rules.coarse_sums:
+        lines.append(
+            f"Sums for the HTP: {len(rules.coarse_sums)} 16-bit Add/Sub of an activation and a "
+            "constant given an output scale no finer than its inputs' (the HTP computes a "
+            "finer one wrongly; pipeline/graph/qdq_htp.py)."
         )
     if rules.log_outputs:
         lines.append(
