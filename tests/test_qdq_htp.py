@@ -89,6 +89,22 @@ def snr_db(reference: np.ndarray, other: np.ndarray) -> float:
     return 10 * np.log10(float(np.sum(reference.astype(np.float64) ** 2)) / max(noise, 1e-30))
 
 
+def agreement_on_htp(tmp_path: Path, names: tuple[str, ...]) -> dict[str, float]:
+    """ctx vs its own QDQ model on the HTP simulator for each ``<name>.onnx`` in ``tmp_path``
+    (with ``float.onnx`` and ``sample.npz`` beside them)."""
+    from compile_fixtures import ctx_vs_qdq_on_htp
+
+    return {
+        name: ctx_vs_qdq_on_htp(
+            tmp_path / f"{name}.onnx",
+            tmp_path / "float.onnx",
+            tmp_path / "sample.npz",
+            tmp_path / f"probe_{name}",
+        )
+        for name in names
+    }
+
+
 def test_sixteen_bit_silu_gets_a_requantized_copy_and_computes_the_same(tmp_path: Path) -> None:
     qdq = quantized(gated_conv("Sigmoid"), tmp_path, "uint16")
     split, change = split_swish_input(qdq)
@@ -119,23 +135,13 @@ def test_other_gates_and_eight_bit_are_left_alone(
 @pytest.mark.qnn
 def test_the_htp_computes_the_split_silu_right(tmp_path: Path) -> None:
     """Left alone the ctx is ~2 dB from the CPU QDQ model at 12x12; split, it agrees."""
-    from compile_fixtures import ctx_vs_qdq_on_htp
-
     model = gated_conv("Sigmoid")
     qdq = quantized(model, tmp_path, "uint16")
     x = np.random.default_rng(3).normal(0, 1, (1, 3, 12, 12)).astype(np.float32)
     np.savez(tmp_path / "sample.npz", x=x)
     split, _ = split_swish_input(qdq)
     onnx.save(split, str(tmp_path / "split.onnx"))
-    results = {
-        name: ctx_vs_qdq_on_htp(
-            tmp_path / f"{name}.onnx",
-            tmp_path / "float.onnx",
-            tmp_path / "sample.npz",
-            tmp_path / f"probe_{name}",
-        )
-        for name in ("qdq", "split")
-    }
+    results = agreement_on_htp(tmp_path, ("qdq", "split"))
     assert results["split"] > 60.0, results
     # If a new QNN SDK computes the fused SiLU right, this says so: the split may then go.
     assert results["qdq"] < 20.0, f"the HTP's 16-bit SiLU is right now: {results}"
@@ -268,21 +274,11 @@ def test_a_sum_whose_range_ends_at_a_folded_clip_is_left_alone(tmp_path: Path) -
 def test_the_htp_computes_a_sum_at_its_inputs_scale_right(tmp_path: Path) -> None:
     """Relu(c - 1) folded into a 23x finer grid: the ctx ~11 dB from the CPU QDQ model; at the
     input's scale it agrees."""
-    from compile_fixtures import ctx_vs_qdq_on_htp
-
     qdq = quantized(thresholded_conv(), tmp_path, "uint16", every_op=True)
     x = np.random.default_rng(3).normal(0, 1, (1, 3, 32, 32)).astype(np.float32)
     np.savez(tmp_path / "sample.npz", x=x)
     onnx.save(sums_no_finer_than_inputs(qdq)[0], str(tmp_path / "coarse.onnx"))
-    results = {
-        name: ctx_vs_qdq_on_htp(
-            tmp_path / f"{name}.onnx",
-            tmp_path / "float.onnx",
-            tmp_path / "sample.npz",
-            tmp_path / f"probe_{name}",
-        )
-        for name in ("qdq", "coarse")
-    }
+    results = agreement_on_htp(tmp_path, ("qdq", "coarse"))
     assert results["coarse"] > 50.0, results
     # If a new QNN SDK computes the finer grid right, this says so: the rule may then go.
     assert results["qdq"] < 25.0, f"the HTP's fine-grid Sub is right now: {results}"

@@ -23,6 +23,8 @@ same scale): the same values on the CPU, exactly.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -43,6 +45,15 @@ SIXTEEN_BIT = (onnx.TensorProto.UINT16, onnx.TensorProto.INT16)
 # the requantization as a no-op.
 SPLIT_SCALE = 1.0 + 2.0**-10
 UINT16_TO_INT16 = 32768  # an int16 grid holds a uint16 one shifted by this, same scale
+
+
+def _editable(model: onnx.ModelProto) -> tuple[Any, Any, dict[str, Any], dict[str, Any], Any, Any]:
+    """A copy to edit and its lookups: graph, initializers, producers, readers, fresh names."""
+    out = copy_model(model)
+    graph = out.graph
+    inits = {i.name: i for i in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output if o}
+    return out, graph, inits, producer, readers_by_tensor(graph), FreshNames(out)
 
 
 def split_swish_input(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -126,12 +137,7 @@ def split_swish_input(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
 
 def signed_activation_products(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Re-encode as int16 the uint16 output of every MatMul of two activations (exact)."""
-    out = copy_model(model)
-    graph = out.graph
-    inits = {i.name: i for i in graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output if o}
-    readers = readers_by_tensor(graph)
-    fresh = FreshNames(out)
+    out, graph, inits, producer, readers, fresh = _editable(model)
     added: list[onnx.NodeProto] = []
 
     def activation(tensor: str) -> bool:
@@ -215,12 +221,7 @@ def sums_no_finer_than_inputs(
     so is a sum whose range ends at a folded Clip's bound (``clipped``: a wider grid would drop
     the clamp), which the HTP computed right on PP-OCR (HardSwish's ``relu6(x + 3)``).
     """
-    out = copy_model(model)
-    graph = out.graph
-    inits = {i.name: i for i in graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output if o}
-    readers = readers_by_tensor(graph)
-    fresh = FreshNames(out)
+    out, graph, inits, producer, readers, fresh = _editable(model)
 
     def per_tensor_scale(node: onnx.NodeProto | None, sixteen_bit: bool = True) -> float | None:
         if node is None or node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
