@@ -664,6 +664,15 @@ def test_a_loop_the_data_stops_is_kept_and_named() -> None:
     assert any("depends on the data" in d for d in change.details), change.details
 
 
+def test_a_loop_too_big_to_unroll_is_kept_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model the unrolling would make too big to quantize and compile keeps its loop."""
+    monkeypatch.setattr(rc, "MAX_UNROLLED_NODES", 30)
+    model = t.fold_constants(while_loop_rnn(6))[0]
+    kept, change = rc.unroll_static_loops(model)
+    assert [n.op_type for n in kept.graph.node].count("Loop") == 1
+    assert any("would pass 30 nodes" in d for d in change.details), change.details
+
+
 @pytest.mark.qnn
 def test_the_unrolled_while_loop_runs_whole_on_the_htp(tmp_path) -> None:
     """What the unrolling is for: the QNN EP takes the copies, not the Loop."""
