@@ -449,6 +449,7 @@ def _quantize_all(
             finite_float16_logs,
             fit_float16,
             max_for_small_clip_floors,
+            normal_float16_weights,
         )
 
         source = onnx.load(str(prepared[name].float_path))
@@ -456,7 +457,8 @@ def _quantize_all(
         model, sigmoids = exact_output_sigmoids(source if model is None else model)
         model, clips = max_for_small_clip_floors(model)
         model, logs = finite_float16_logs(model)
-        for step in (change, sigmoids, clips, logs):
+        model, weights = normal_float16_weights(model, calibrated_peaks())
+        for step in (change, sigmoids, clips, logs, weights):
             if step.changed:  # reported with the preparation steps (once: a rebuild replaces it)
                 prepared[name].changes[:] = [
                     c for c in prepared[name].changes if c.step != step.step
