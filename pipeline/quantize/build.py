@@ -741,6 +741,7 @@ def _steps(
             changes.signed_products or None,
             changes.selections or None,
             changes.coarse_sums or None,
+            changes.integer_inputs or None,
         ),
         mixed_precision=mixed,
         htp=judgement,

@@ -46,6 +46,7 @@ class RangeRules:
     signed_products: list[str] | None = None  # act x act MatMul outputs re-encoded as int16
     selections: list[str] | None = None  # Where outputs widened to both inputs' grids
     coarse_sums: list[str] | None = None  # Add/Sub outputs no finer than their inputs
+    integer_inputs: list[str] | None = None  # float ids on an integer grid (scale 1)
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,12 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
             f"Sums for the HTP: {len(rules.coarse_sums)} 16-bit Add/Sub of an activation and a "
             "constant given an output scale no finer than its inputs' (the HTP computes a "
             "finer one wrongly; pipeline/graph/qdq_htp.py)."
+        )
+    if rules.integer_inputs:
+        lines.append(
+            f"Ids: {len(rules.integer_inputs)} float input(s) that a Cast turns into integers "
+            "quantized on an integer grid (scale 1), so every id is exact "
+            "(pipeline/calibration/ranges.py)."
         )
     if rules.log_outputs:
         lines.append(

@@ -1,0 +1,86 @@
+"""Float ids a Cast turns into integers (a Keras Embedding's input) keep every id exact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+from onnx import TensorProto, numpy_helper
+
+from pipeline.__main__ import main
+from pipeline.calibration.ranges import integer_inputs
+
+VOCABULARY = 41  # ids 0..40, as Nakdimon's characters
+
+
+def embedding_model() -> onnx.ModelProto:
+    """float ids [1, 16] -> Cast(int32) -> Gather(embedding) -> MatMul, masked where id == 0:
+    tf2onnx's Embedding with ``mask_zero`` (the Equal makes the quantizer quantize the ids)."""
+    rng = np.random.default_rng(2)
+    table = rng.standard_normal((VOCABULARY, 8)).astype(np.float32)
+    dense = rng.standard_normal((8, 4)).astype(np.float32)
+    graph = oh.make_graph(
+        [
+            oh.make_node("Cast", ["ids"], ["ids_int"], to=TensorProto.INT32),
+            oh.make_node("Gather", ["table", "ids_int"], ["vectors"]),
+            oh.make_node("MatMul", ["vectors", "dense"], ["projected"]),
+            oh.make_node("Equal", ["ids", "zero"], ["padding"]),
+            oh.make_node("Not", ["padding"], ["kept"]),
+            oh.make_node("Cast", ["kept"], ["kept_float"], to=TensorProto.FLOAT),
+            oh.make_node("Unsqueeze", ["kept_float", "last"], ["mask"]),
+            oh.make_node("Mul", ["projected", "mask"], ["y"]),
+        ],
+        "embedding",
+        [oh.make_tensor_value_info("ids", TensorProto.FLOAT, [1, 16])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 4])],
+        [
+            numpy_helper.from_array(table, "table"),
+            numpy_helper.from_array(dense, "dense"),
+            numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+            numpy_helper.from_array(np.array([-1], np.int64), "last"),
+        ],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def test_a_graph_input_cast_to_integers_gets_scale_one() -> None:
+    model = embedding_model()
+    ranges, changed = integer_inputs(model, {"ids": (0.0, 40.0), "vectors": (-3.0, 3.0)}, {})
+    assert changed == ["ids"] and ranges["ids"] == (0.0, 255.0)
+    assert ranges["vectors"] == (-3.0, 3.0)
+    ranges, _ = integer_inputs(model, {"ids": (-3.0, 40.0)}, {"ids": 65535})
+    assert ranges["ids"] == (-32768.0, 32767.0)  # centred: scale 1, zero point 32768
+    # Out of the grid's reach, or cast to a float type: left alone.
+    assert integer_inputs(model, {"ids": (0.0, 70000.0)}, {"ids": 65535})[1] == []
+    model.graph.node[0].attribute[0].i = TensorProto.FLOAT16
+    assert integer_inputs(model, {"ids": (0.0, 40.0)}, {})[1] == []
+
+
+def test_quantized_ids_look_up_their_own_rows(tmp_path: Path) -> None:
+    """On the calibrated range's grid, 17 came back as 16.9998 and the Cast made it 16."""
+    onnx.save(embedding_model(), str(tmp_path / "embedding.onnx"))
+    (tmp_path / "ids.py").write_text(
+        "import numpy as np\n"
+        "def read(path, specs):\n"
+        "    rng = np.random.default_rng(5)\n"
+        "    for _ in range(12):\n"
+        f"        ids = rng.integers(0, {VOCABULARY}, (1, 16)).astype(np.float32)\n"
+        f"        ids[0, :2] = [0, {VOCABULARY - 1}]  # the whole range in every sample\n"
+        "        yield {specs[0].name: ids}\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "embedding.toml").write_text(
+        '[model]\nname = "embedding"\nversion = "1.0.0"\nsource = "embedding.onnx"\n'
+        '[calibration]\nkind = "python"\nreader = "ids.py:read"\nsamples = 12\n'
+        '[quantization]\njudge = "cpu"\n',
+        encoding="utf-8",
+    )
+    artifacts = tmp_path / "artifacts"
+    assert main(["quantize", "--artifacts", str(artifacts), str(tmp_path / "embedding.toml")]) == 0
+    report = json.loads((artifacts / "build" / "embedding" / "report.json").read_text())
+    assert report["range_rules"]["integer_inputs"] == ["ids"]
+    # Every id looks up its own row: only the table's and the product's rounding remain.
+    assert float(report["worst_snr_db"]) > 40.0, report["worst_snr_db"]
