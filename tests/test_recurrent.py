@@ -687,3 +687,24 @@ def test_the_unrolled_while_loop_runs_whole_on_the_htp(tmp_path) -> None:
     assert result.ok, result.error
     assert result.partitions == 1 and result.cpu_nodes == 0
     assert result.worst_ctx_vs_float > 40.0
+
+
+def test_the_iterations_of_an_unrolled_loop_share_one_range() -> None:
+    """Each copy of a body tensor gets the union of the copies' calibrated ranges (a time step
+    calibration only saw padding at is quantized as the Loop's one body tensor was); copies of
+    another loop's body (FreshNames' "_1") and other tensors keep theirs."""
+    from pipeline.calibration.ranges import unrolled_loop_ranges
+
+    calibrated = {
+        "h__it0": (-1.0, 0.5),
+        "h__it1": (-0.2, 2.0),
+        "h__it2": (0.0, 0.0),  # a step calibration only saw padding at
+        "h__it0_1": (-5.0, 5.0),
+        "h__it1_1": (-4.0, 6.0),
+        "x": (0.0, 1.0),
+    }
+    ranges, shared = unrolled_loop_ranges(calibrated)
+    assert shared == 5
+    assert ranges["h__it0"] == ranges["h__it1"] == ranges["h__it2"] == (-1.0, 2.0)
+    assert ranges["h__it0_1"] == ranges["h__it1_1"] == (-5.0, 6.0)
+    assert ranges["x"] == (0.0, 1.0)

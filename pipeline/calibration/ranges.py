@@ -31,6 +31,7 @@ real models; each is fixed here, on the ranges, before onnxruntime picks scales:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +99,8 @@ class RangeChanges:
     signed_products: list[str] = field(default_factory=list)  # likewise
     coarse_sums: list[str] = field(default_factory=list)  # likewise
     integer_inputs: list[str] = field(default_factory=list)  # ids on an integer grid
+    unseen_ranges: list[str] = field(default_factory=list)  # flat ranges from inputs'
+    loop_shared: int = 0  # tensors of unrolled loop iterations given one range
     selections: list[str] = field(default_factory=list)  # Where outputs given both inputs' grids
     log_outputs: list[str] = field(default_factory=list)  # Log outputs widened for the HTP
     # Weight -> (rmin, rmax) for onnxruntime's TensorQuantOverrides (not in the report).
@@ -416,6 +419,93 @@ def integer_inputs(
         if result[name] != grid:
             result[name] = grid
             changed.append(name)
+    return result, changed
+
+
+# The name pattern graph.recurrent.unroll_static_loops gives a Loop body's tensor in
+# iteration k (FreshNames may add "_n" after it for the second loop with the same body names).
+_ITERATION = re.compile(r"__it\d+")
+
+
+def unrolled_loop_ranges(ranges: dict[str, Interval]) -> tuple[dict[str, Interval], int]:
+    """The copies of one Loop body tensor, one per unrolled iteration, share one range: the
+    union of theirs, as the Loop's one body tensor had.
+
+    Why: unrolled, each time step's tensors are calibrated on what that position saw only.
+    Nakdimon's backward LSTM saw padding at position 41 in every calibration text (all shorter),
+    so that step's input projection was calibrated on the padding's constant vector; a longer
+    held-out text at 3 dB there (its other samples at 48-53 dB).
+    """
+    groups: dict[str, list[str]] = {}
+    for name in ranges:
+        if _ITERATION.search(name):
+            groups.setdefault(_ITERATION.sub("", name), []).append(name)
+    result = dict(ranges)
+    shared = 0
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        low = min(ranges[n][0] for n in names)
+        high = max(ranges[n][1] for n in names)
+        for name in names:
+            result[name] = (low, high)
+        shared += len(names)
+    return result, shared
+
+
+def unseen_ranges(model: Any, ranges: dict[str, Interval]) -> tuple[dict[str, Interval], list[str]]:
+    """Tensors calibration saw at a single value get the range their producer can reach: a
+    Cast of a boolean [0, 1]; a Mul, Add or Sub the interval product, sum or difference of its
+    inputs' ranges (in graph order, so a chain of them follows).
+
+    Why: a mask the calibration data never flipped at some position leaves every tensor it
+    gates there at one value (0): quantized on a range of span 0, a held-out sample that does
+    flip it comes out as that value. Nakdimon unrolled over 64 characters: calibration texts all
+    longer than 27, the Cast(Not(mask)) and the products it gates at positions 27 onward were
+    0 in calibration, and a shorter held-out text lost its state there (0 dB on those tensors).
+    """
+    from onnx import numpy_helper
+
+    from ..graph.edit import inferred_values
+
+    result = dict(ranges)
+    consts: dict[str, Interval] = {}
+    for init in model.graph.initializer:
+        if init.data_type in (1, 10, 11) and int(np.prod(init.dims)) <= 4096:
+            value = numpy_helper.to_array(init)
+            if value.size:
+                consts[init.name] = (float(value.min()), float(value.max()))
+    values: dict[str, Any] | None = None
+    changed = []
+
+    def known(name: str) -> Interval | None:
+        return result.get(name) or consts.get(name)
+
+    for node in model.graph.node:
+        out = node.output[0] if node.output else ""
+        if out not in result or result[out][0] != result[out][1]:
+            continue
+        reach: Interval | None = None
+        if node.op_type == "Cast":
+            values = values if values is not None else inferred_values(model)
+            source = values.get(node.input[0])
+            if source is not None and source.type.tensor_type.elem_type == 9:  # BOOL
+                reach = (0.0, 1.0)
+        elif node.op_type in ("Mul", "Add", "Sub") and len(node.input) == 2:
+            a, b = known(node.input[0]), known(node.input[1])
+            if a is not None and b is not None:
+                if node.op_type == "Mul":
+                    corners = [x * y for x in a for y in b]
+                elif node.op_type == "Add":
+                    corners = [a[0] + b[0], a[1] + b[1]]
+                else:
+                    corners = [a[0] - b[1], a[1] - b[0]]
+                reach = (min(corners), max(corners))
+        if reach is None or reach[0] == reach[1]:
+            continue
+        seen = result[out][0]
+        result[out] = (min(reach[0], seen, 0.0), max(reach[1], seen, 0.0))
+        changed.append(out)
     return result, changed
 
 
@@ -909,6 +999,7 @@ def tune(
     square on calibration samples (``activation_rms``).
     """
     data, raw = read_cache(raw_cache)
+    raw, shared = unrolled_loop_ranges(raw)
     inits = {i.name for i in model.graph.initializer}
     activation_types = {name: tensor_types.get(name, activation_type) for name in raw}
     weight_types = {name: tensor_types.get(name, weight_type) for name in inits}
@@ -938,6 +1029,8 @@ def tune(
     ranges, changes.selections = widen_selections(model, ranges)
     ranges, fill_ranges, changes.mask_fills = mask_fill_ranges(model, ranges)
     ranges, changes.log_outputs = widen_log_outputs(model, ranges, bits)
+    ranges, changes.unseen_ranges = unseen_ranges(model, ranges)
+    changes.loop_shared = shared
     ranges, changes.integer_inputs = integer_inputs(model, ranges, levels)
     floors, weight_ranges = bias_floor(model, ranges, activation_types, weight_types, per_channel)
     ranges = apply_bias_floor(ranges, floors)

@@ -742,6 +742,8 @@ def _steps(
             changes.selections or None,
             changes.coarse_sums or None,
             changes.integer_inputs or None,
+            changes.unseen_ranges or None,
+            changes.loop_shared,
         ),
         mixed_precision=mixed,
         htp=judgement,

@@ -47,6 +47,8 @@ class RangeRules:
     selections: list[str] | None = None  # Where outputs widened to both inputs' grids
     coarse_sums: list[str] | None = None  # Add/Sub outputs no finer than their inputs
     integer_inputs: list[str] | None = None  # float ids on an integer grid (scale 1)
+    unseen_ranges: list[str] | None = None  # flat calibrated ranges given their reach
+    loop_shared: int = 0  # tensors of unrolled loop iterations given one range
 
 
 @dataclass(frozen=True)
@@ -289,6 +291,17 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
             f"Sums for the HTP: {len(rules.coarse_sums)} 16-bit Add/Sub of an activation and a "
             "constant given an output scale no finer than its inputs' (the HTP computes a "
             "finer one wrongly; pipeline/graph/qdq_htp.py)."
+        )
+    if rules.loop_shared:
+        lines.append(
+            f"Unrolled loops: {rules.loop_shared} tensor(s) share the range of their Loop body "
+            "tensor over every iteration (pipeline/calibration/ranges.py)."
+        )
+    if rules.unseen_ranges:
+        lines.append(
+            f"Unseen values: {len(rules.unseen_ranges)} tensor(s) calibration saw at one value "
+            "(a mask it never flipped there) quantized over what their producer can reach "
+            "(pipeline/calibration/ranges.py)."
         )
     if rules.integer_inputs:
         lines.append(

@@ -1,4 +1,5 @@
-"""Float ids a Cast turns into integers (a Keras Embedding's input) keep every id exact."""
+"""Float ids a Cast turns into integers (a Keras Embedding's input) keep every id exact, and a mask
+calibration never flipped still gets the range it can take."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import onnx.helper as oh
 from onnx import TensorProto, numpy_helper
 
 from pipeline.__main__ import main
-from pipeline.calibration.ranges import integer_inputs
+from pipeline.calibration.ranges import integer_inputs, unseen_ranges
 
 VOCABULARY = 41  # ids 0..40, as Nakdimon's characters
 
@@ -84,3 +85,48 @@ def test_quantized_ids_look_up_their_own_rows(tmp_path: Path) -> None:
     assert report["range_rules"]["integer_inputs"] == ["ids"]
     # Every id looks up its own row: only the table's and the product's rounding remain.
     assert float(report["worst_snr_db"]) > 40.0, report["worst_snr_db"]
+
+
+def masked_state() -> onnx.ModelProto:
+    """A recurrent step's masked update as tf2onnx writes Keras' SelectV2: h = m * new + (1 - m)
+    * old, m = Cast(ids != 0), with ``old`` a state and ``new`` its update."""
+    graph = oh.make_graph(
+        [
+            oh.make_node("Equal", ["ids", "zero"], ["padding"]),
+            oh.make_node("Not", ["padding"], ["real"]),
+            oh.make_node("Cast", ["real"], ["m"], to=TensorProto.FLOAT),
+            oh.make_node("Cast", ["padding"], ["not_m"], to=TensorProto.FLOAT),
+            oh.make_node("Tanh", ["old"], ["new"]),
+            oh.make_node("Mul", ["m", "new"], ["kept_new"]),
+            oh.make_node("Mul", ["not_m", "old"], ["kept_old"]),
+            oh.make_node("Add", ["kept_new", "kept_old"], ["h"]),
+        ],
+        "masked",
+        [
+            oh.make_tensor_value_info("ids", TensorProto.FLOAT, [1, 4]),
+            oh.make_tensor_value_info("old", TensorProto.FLOAT, [1, 4]),
+        ],
+        [oh.make_tensor_value_info("h", TensorProto.FLOAT, [1, 4])],
+        [numpy_helper.from_array(np.array(0.0, np.float32), "zero")],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def test_a_mask_calibration_never_flipped_gets_its_reach() -> None:
+    """Calibration never padded: not_m and kept_old were 0; their ranges come from their
+    producers (a boolean's [0, 1], then old's range times it), the rest stays as calibrated."""
+    calibrated = {
+        "ids": (1.0, 40.0),
+        "old": (-2.0, 3.0),
+        "m": (1.0, 1.0),
+        "not_m": (0.0, 0.0),
+        "new": (-0.96, 0.99),
+        "kept_new": (-0.96, 0.99),
+        "kept_old": (0.0, 0.0),
+        "h": (-0.96, 0.99),
+    }
+    ranges, changed = unseen_ranges(masked_state(), calibrated)
+    assert changed == ["m", "not_m", "kept_old"]
+    assert ranges["m"] == (0.0, 1.0) and ranges["not_m"] == (0.0, 1.0)
+    assert ranges["kept_old"] == (-2.0, 3.0)
+    assert ranges["h"] == calibrated["h"] and ranges["new"] == calibrated["new"]
