@@ -776,3 +776,55 @@ def test_a_slow_simulator_goes_to_fp16_once_the_cpu_is_short(
     labels = [r["label"] for r in htp["rounds"]]
     assert labels == ["as quantized", "whole model in fp16"], labels
     assert any("s a sample" in remedy for remedy in htp["remedies"]), htp["remedies"]
+
+
+# Sitecustomize for the probe's processes: QNN "refuses" every quantized model (a real failure
+# of the compile in the child, as "Failed to compose Qnn graph" is), fp16 models compile as usual.
+REFUSE_QUANTIZED = """\
+import onnxruntime
+
+_init = onnxruntime.ModelCompiler.__init__
+_compile = onnxruntime.ModelCompiler.compile_to_file
+
+
+def _remember(self, options, model, *args, **kwargs):
+    self._source = model
+    _init(self, options, model, *args, **kwargs)
+
+
+def _refuse(self, *args, **kwargs):
+    import onnx
+
+    graph = onnx.load(str(self._source), load_external_data=False).graph
+    if any(n.op_type == "QuantizeLinear" for n in graph.node):
+        raise RuntimeError("Failed to compose Qnn graph. (injected: the quantized model)")
+    return _compile(self, *args, **kwargs)
+
+
+onnxruntime.ModelCompiler.__init__ = _remember
+onnxruntime.ModelCompiler.compile_to_file = _refuse
+"""
+
+
+def test_a_quantized_model_the_htp_refuses_runs_in_fp16(tmp_path: Path, monkeypatch) -> None:
+    """QNN refusing the quantized model no longer leaves the CPU's decision (a QDQ the compile
+    stage then fails on): the whole model in fp16 runs, and is kept when it does."""
+    import os
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(REFUSE_QUANTIZED)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p)
+    )
+    rng = np.random.default_rng(3)
+    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
+    config = _write(tmp_path, _dilated_model(rng), samples, "")
+    quantize_model(load_config(config), tmp_path / "artifacts", force=True)
+    htp = _report(tmp_path)["htp"]
+    assert htp["judge"] == "htp", htp["reason"]
+    assert [r["label"] for r in htp["rounds"]][:2] == ["as quantized", "whole model in fp16"]
+    assert "Failed to compose" in htp["rounds"][0]["error"]
+    assert htp["whole_float16"] and any("failed on the HTP" in r for r in htp["remedies"])
+    qdq = ModelPaths.of(tmp_path / "artifacts", "m").bucket("static").qdq
+    assert not any(n.op_type == "QuantizeLinear" for n in onnx.load(str(qdq)).graph.node)

@@ -286,6 +286,20 @@ def judge_on_htp(
             if not first.ok and early is not None and early[1].ok:
                 current, first, first_sha = early  # fp16 ran where the quantized model did not
                 builder.build(current)
+            elif not first.ok and early is None:  # QNN refused or crashed on the quantized model
+                quantized = current
+                fp16 = whole_float16(
+                    f"the quantized model failed on the HTP ({first.error.splitlines()[0][:160]})"
+                    if first.error
+                    else "the quantized model failed on the HTP"
+                )
+                builder.build(fp16)
+                early = (fp16, run(fp16.label), sha256_file(qdq_path))
+                if early[1].ok:
+                    current, first, first_sha = early
+                else:
+                    builder.build(quantized)  # neither ran: the CPU's judgement, as before
+                    current = quantized
         if not first.ok:
             return (
                 HtpJudgement(
