@@ -31,7 +31,6 @@ real models; each is fixed here, on the ranges, before onnxruntime picks scales:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -422,11 +421,6 @@ def integer_inputs(
     return result, changed
 
 
-# The name pattern graph.recurrent.unroll_static_loops gives a Loop body's tensor in
-# iteration k (FreshNames may add "_n" after it for the second loop with the same body names).
-_ITERATION = re.compile(r"__it\d+")
-
-
 def unrolled_loop_ranges(ranges: dict[str, Interval]) -> tuple[dict[str, Interval], int]:
     """The copies of one Loop body tensor, one per unrolled iteration, share one range: the
     union of theirs, as the Loop's one body tensor had.
@@ -436,10 +430,12 @@ def unrolled_loop_ranges(ranges: dict[str, Interval]) -> tuple[dict[str, Interva
     so that step's input projection was calibrated on the padding's constant vector; a longer
     held-out text at 3 dB there (its other samples at 48-53 dB).
     """
+    from ..graph.recurrent import ITERATION_SUFFIX
+
     groups: dict[str, list[str]] = {}
     for name in ranges:
-        if _ITERATION.search(name):
-            groups.setdefault(_ITERATION.sub("", name), []).append(name)
+        if ITERATION_SUFFIX.search(name):
+            groups.setdefault(ITERATION_SUFFIX.sub("", name), []).append(name)
     result = dict(ranges)
     shared = 0
     for names in groups.values():

@@ -36,6 +36,7 @@ Two more patterns split streaming models into partitions, both rewritten exactly
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -854,6 +855,14 @@ MAX_UNROLLED_ITERATIONS = 2048
 MAX_UNROLLED_NODES = 40_000
 # Only small constants (counters, lengths, shapes) are evaluated to decide a loop's condition.
 _SMALL_CONSTANT = 4096
+# A body tensor's copy in iteration k is named "<name>__it<k>" (FreshNames may add "_n" after
+# it for a second loop with the same body names): calibration shares one range per body tensor.
+ITERATION_SUFFIX = re.compile(r"__it\d+")
+
+
+def iteration_name(name: str, iteration: int) -> str:
+    """The name of a Loop body's tensor (or node) in unrolled iteration ``iteration``."""
+    return f"{name}__it{iteration}"
 
 
 def _loop_parts(node: onnx.NodeProto) -> tuple[onnx.GraphProto, str, str, list[str]]:
@@ -870,6 +879,12 @@ class _KnownValues:
         self.model = model
         self.inits = edit.initializers_by_name(model.graph)
         self.values: dict[str, np.ndarray] = {}
+
+    def add(self, tensor: onnx.TensorProto) -> str:
+        """Append ``tensor`` to the graph's initializers, known from now on; its name."""
+        self.model.graph.initializer.append(tensor)
+        self.inits[tensor.name] = self.model.graph.initializer[-1]
+        return tensor.name
 
     def get(self, name: str) -> np.ndarray | None:
         if name in self.values:
@@ -888,7 +903,7 @@ class _KnownValues:
         for node in nodes:
             if any(True for _ in edit.subgraphs(node)):
                 continue
-            if node.domain not in ("", "ai.onnx") or not node.input:
+            if node.domain not in edit.DEFAULT_DOMAINS or not node.input:
                 continue
             feeds = {name: self.get(name) for name in node.input if name}
             if any(value is None for value in feeds.values()):
@@ -925,8 +940,7 @@ def _unroll_loop(
         copy = onnx.TensorProto()
         copy.CopyFrom(init)
         copy.name = hoisted[init.name]
-        model.graph.initializer.append(copy)
-        known.inits[copy.name] = copy
+        known.add(copy)
     node_names = edit.FreshNames(model)
     node_names.taken = {n.name for n in model.graph.node if n.name}
     nodes: list[onnx.NodeProto] = []
@@ -942,24 +956,25 @@ def _unroll_loop(
                 f"unrolled, the model would pass {MAX_UNROLLED_NODES} nodes "
                 f"(after {iteration} of its iterations)"
             )
-        counter = namer(f"{node.name or 'loop'}_iteration_{iteration}")
-        model.graph.initializer.append(
-            numpy_helper.from_array(np.array(iteration, dtype=np.int64), counter)
+        counter = known.add(
+            numpy_helper.from_array(
+                np.array(iteration, dtype=np.int64),
+                namer(f"{node.name or 'loop'}_iteration_{iteration}"),
+            )
         )
-        known.inits[counter] = model.graph.initializer[-1]
         if not cond_value:  # no condition given: the body's first input reads "true"
-            cond_value = namer(f"{node.name or 'loop'}_true")
-            model.graph.initializer.append(numpy_helper.from_array(np.array(True), cond_value))
-            known.inits[cond_value] = model.graph.initializer[-1]
+            cond_value = known.add(
+                numpy_helper.from_array(np.array(True), namer(f"{node.name or 'loop'}_true"))
+            )
         mapping = dict(zip(body_inputs, [counter, cond_value, *carried], strict=True))
         mapping.update(hoisted)
-        mapping.update({name: namer(f"{name}__it{iteration}") for name in local})
+        mapping.update({name: namer(iteration_name(name, iteration)) for name in local})
         step = onnx.GraphProto()
         step.node.extend(body.node)
         edit.rename_tensors(step, mapping)
         for copied in step.node:
             if copied.name:  # onnxruntime refuses two nodes of one name
-                copied.name = node_names(f"{copied.name}__it{iteration}")
+                copied.name = node_names(iteration_name(copied.name, iteration))
         nodes.extend(step.node)
         resolved = [mapping.get(name, name) for name in body_outputs]
         known.propagate(list(step.node))
@@ -1020,7 +1035,7 @@ def unroll_static_loops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
                     i
                     for i, n in enumerate(model.graph.node)
                     if n.op_type == "Loop"
-                    and n.domain in ("", "ai.onnx")
+                    and n.domain in edit.DEFAULT_DOMAINS
                     and tuple(n.output) not in reasons
                 ),
                 None,
