@@ -263,6 +263,47 @@ def test_source_changed_since_build_is_refused(build: Build):
         publish(build)
 
 
+def test_external_data_of_the_source_is_recorded_and_checked(build: Build):
+    """A source saved with external data keeps its weights outside the .onnx: the manifest
+    records their digest beside the model's, and new weights behind the same .onnx are refused
+    like a changed model."""
+    import onnx
+
+    source = build.root / "models" / f"{MODEL}.onnx"
+    onnx.save(
+        onnx.load(str(source)),
+        str(source),
+        save_as_external_data=True,
+        location="tiny.weights",
+        size_threshold=0,
+    )
+    weights = source.with_name("tiny.weights")
+    recorded = {"tiny.weights": sha256_file(weights)}
+    # What quantize records for such a source (test_quantize proves it does); the variants name
+    # the source they were compiled from.
+    path = build.paths.record
+    data = json.loads(path.read_text("utf-8"))
+    _merge(data, {"inputs": {"source_sha256": sha256_file(source), "source_data": recorded}})
+    path.write_text(json.dumps(data), "utf-8")
+    for target in (X_ELITE, GEN3):
+        edit_variant(build, target, built_from={"source_sha256": sha256_file(source)})
+
+    publish(build)
+    manifest = Manifest.read(build.release() / MANIFEST_FILE)
+    assert manifest.source_sha256 == sha256_file(source)
+    assert manifest.source_data_sha256 == recorded
+    # New weights, the same .onnx: refused, naming the data file; no second release written.
+    weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")
+    with pytest.raises(PublishError, match=r"tiny\.weights, the external data of tiny\.onnx"):
+        publish(build)
+
+
+def test_a_manifest_without_external_data_leaves_the_field_out(build: Build):
+    publish(build)
+    data = json.loads((build.release() / MANIFEST_FILE).read_text("utf-8"))
+    assert "source_data_sha256" not in data
+
+
 def test_no_quantize_record_is_refused(build: Build):
     build.paths.record.unlink()
     with pytest.raises(PublishError, match="No successful quantize build"):

@@ -116,6 +116,28 @@ def read_ctx_facts(path: Path) -> CtxFileFacts:
 # -- the chain: source -> config -> QDQ -> ctx --------------------------------------------------
 
 
+def source_changes(source: Path, record: QuantizeRecord) -> str | None:
+    """The source file that differs from the one ``record`` was built from, with its digests.
+
+    Why: a release records the digests of what it was built from, the source's external data
+    files (its weights) included; publishing after either changed would stamp a release with
+    digests of files it was not built from. A source that is not on this machine (a release
+    assembled from shards) is taken as recorded.
+    """
+    if not source.is_file():
+        return None
+    current = sha256_file(source)
+    if current != record.inputs.source_sha256:
+        return f"{source} (sha256 {current[:16]}…, recorded {record.inputs.source_sha256[:16]}…)"
+    for location, digest in sorted(record.inputs.source_data.items()):
+        data = source.parent / location
+        now = sha256_file(data) if data.is_file() else None
+        if now != digest:
+            state = "missing" if now is None else f"sha256 {now[:16]}…"
+            return f"{data}, the external data of {source.name} ({state}, recorded {digest[:16]}…)"
+    return None
+
+
 def check_quantize_chain(config: ModelConfig, paths: ModelPaths) -> QuantizeRecord:
     """The quantize record, proven to match the source model, the config and the QDQ files."""
     record, why = read_record(QuantizeRecord, paths.record)
@@ -127,15 +149,12 @@ def check_quantize_chain(config: ModelConfig, paths: ModelPaths) -> QuantizeReco
             f"No successful quantize build of {config.model.name} is recorded ({reason}).",
             tip="Run `nox -s quantize compile_ctx` for this config first.",
         )
-    source = config.source_path
-    if source.is_file():
-        current = sha256_file(source)
-        if current != record.inputs.source_sha256:
-            raise PublishError(
-                f"{source} changed since {config.model.name} was built (sha256 {current[:16]}… "
-                f"!= {record.inputs.source_sha256[:16]}… in {paths.record}).",
-                tip=REBUILD,
-            )
+    changed = source_changes(config.source_path, record)
+    if changed:
+        raise PublishError(
+            f"{changed} changed since {config.model.name} was built (as {paths.record} says).",
+            tip=REBUILD,
+        )
     if record.inputs.config_digest != config.quantize_digest():
         raise PublishError(
             f"{config.path} changed since {config.model.name} was quantized (the settings "
@@ -551,6 +570,7 @@ def build_manifest(
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         generator=f"qnn-ctx-pipeline {__version__}",
         source_sha256=quantize.inputs.source_sha256,
+        source_data_sha256=dict(sorted(quantize.inputs.source_data.items())) or None,
         config_digest=config.digest(),
         quantization=finite(quantize.summary),
         variants=variants,

@@ -30,6 +30,7 @@ from ..core.fileio import link_or_copy, sha256_file
 from ..core.layout import BUILD_DIR, VARIANT_FILE, ModelPaths
 from ..core.lock import model_lock
 from ..core.records import QuantizeRecord, VariantRecord, folder_digest, read_record
+from .collect import source_changes
 from .release import PublishResult, publish_model
 
 REQUANTIZE = "Run the model's quantize job again and the compile jobs after it (same commit)."
@@ -147,12 +148,10 @@ def _check_quantize(config: ModelConfig, shard: QuantizeShard) -> None:
             f"{_short(config.quantize_digest())}).",
             tip="Publish from the commit the shards were built from, or " + REQUANTIZE.lower(),
         )
-    source = config.source_path
-    if source.is_file() and sha256_file(source) != record.inputs.source_sha256:
+    changed = source_changes(config.source_path, record)
+    if changed:
         raise PublishError(
-            f"{where} was built from another source model than {source} (sha256 "
-            f"{_short(record.inputs.source_sha256)}, the file's is {_short(sha256_file(source))}).",
-            tip=REQUANTIZE,
+            f"{where} was built from another source model: {changed} differs.", tip=REQUANTIZE
         )
     for bucket in record.buckets:
         qdq = shard.paths.bucket(bucket.name).qdq

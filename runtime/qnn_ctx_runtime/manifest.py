@@ -270,6 +270,14 @@ class Manifest:
     variants: list[Variant] = field(metadata=_doc("Compiled variants, best first is not implied."))
     cpu_fallback: CpuModel | None = field(metadata=_doc("CPU-runnable model, or null."))
     excluded: list[Excluded] = field(metadata=_doc("Configured variants left out of the release."))
+    source_data_sha256: dict[str, str] | None = field(
+        default=None,
+        metadata=_doc(
+            "SHA-256 of each external data file of the float source model (its location, "
+            "relative to the model, -> digest): a model saved with external data keeps its "
+            "weights there, not in the file source_sha256 covers. Absent when it has none."
+        ),
+    )
 
     # -- reading --------------------------------------------------------------------------------
 
