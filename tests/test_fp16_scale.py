@@ -13,7 +13,7 @@ from onnx import TensorProto, numpy_helper
 
 from pipeline.graph.fp16_scale import (
     FLOAT16_TARGET,
-    exact_output_sigmoids,
+    exact_sigmoids,
     finite_float16_logs,
     fit_float16,
     max_for_small_clip_floors,
@@ -206,14 +206,14 @@ def score_head() -> onnx.ModelProto:
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
 
 
-def test_an_output_sigmoid_is_computed_from_exp_and_the_same() -> None:
-    """The score map's Sigmoid (read through Reshape and Transpose) is computed from Exp; the
-    gate inside keeps its op; float32 outputs agree to rounding."""
+def test_every_sigmoid_is_computed_from_exp_and_the_same() -> None:
+    """The score map's Sigmoid (read through Reshape and Transpose) and the gate inside are
+    computed from Exp; float32 outputs agree to rounding."""
     model = score_head()
-    exact, change = exact_output_sigmoids(model)
-    assert len(change.details) == 1 and "Sigmoid" in change.details[0]
+    exact, change = exact_sigmoids(model)
+    assert len(change.details) == 2 and all("Sigmoid" in d for d in change.details)
     ops = [n.op_type for n in exact.graph.node]
-    assert ops.count("Sigmoid") == 1 and ops.count("Exp") == 2
+    assert ops.count("Sigmoid") == 0 and ops.count("Exp") == 4
     x = np.random.default_rng(1).normal(0, 2, (1, 8, 32, 32)).astype(np.float32)
     before, after = (
         ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
@@ -222,8 +222,8 @@ def test_an_output_sigmoid_is_computed_from_exp_and_the_same() -> None:
         for m in (model, exact)
     )
     for expected, got in zip(before, after, strict=True):
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
-    assert exact_output_sigmoids(exact)[1].changed is False
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert exact_sigmoids(exact)[1].changed is False
 
 
 def test_the_htp_computes_small_scores_right_from_exp(tmp_path: Path) -> None:
@@ -233,7 +233,7 @@ def test_the_htp_computes_small_scores_right_from_exp(tmp_path: Path) -> None:
 
     model = score_head()
     model.graph.output.pop()  # the score map alone
-    exact, _ = exact_output_sigmoids(model)
+    exact, _ = exact_sigmoids(model)
     rng = np.random.default_rng(2)
     samples = [{"x": rng.normal(0, 2, (1, 8, 32, 32)).astype(np.float32)} for _ in range(2)]
     results = whole_ctx_vs_float(tmp_path, {"float": model, "exact": exact}, samples)
@@ -250,14 +250,59 @@ def test_the_htp_computes_large_scores_right_too(tmp_path: Path) -> None:
 
     model = score_head()
     model.graph.output.pop()
-    exact, _ = exact_output_sigmoids(model)
+    exact, _ = exact_sigmoids(model)
     rng = np.random.default_rng(3)
     samples = [{"x": rng.normal(0, 25, (1, 8, 32, 32)).astype(np.float32)} for _ in range(2)]
     results = whole_ctx_vs_float(tmp_path, {"float": model, "exact": exact}, samples)
     assert results["exact"] > 45.0, results
 
 
-def test_a_sigmoid_picked_by_a_where_is_an_outputs_too() -> None:
+def silu_stack(layers: int = 10, channels: int = 16, gain: float = 1.6) -> onnx.ModelProto:
+    """``layers`` x (1x1 Conv -> x * sigmoid(x)): a YOLOX-style network of SiLUs, seeded."""
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [], "x"
+    for k in range(layers):
+        w = rng.normal(0, gain / np.sqrt(channels), (channels, channels, 1, 1))
+        inits += [
+            numpy_helper.from_array(w.astype(np.float32), f"w{k}"),
+            numpy_helper.from_array(rng.normal(0, 0.5, channels).astype(np.float32), f"b{k}"),
+        ]
+        y = "y" if k == layers - 1 else f"y{k}"
+        nodes += [
+            oh.make_node("Conv", [x, f"w{k}", f"b{k}"], [f"c{k}"]),
+            oh.make_node("Sigmoid", [f"c{k}"], [f"s{k}"]),
+            oh.make_node("Mul", [f"c{k}", f"s{k}"], [y]),
+        ]
+        x = y
+    shape = [1, channels, 32, 32]
+    graph = oh.make_graph(
+        nodes,
+        "silu_stack",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+        inits,
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def test_the_htp_computes_a_network_of_silus_right_from_exp(tmp_path: Path) -> None:
+    """Measured: 10 Conv + SiLU layers whole in fp16 on the HTP, 35.7 dB from float with the
+    Sigmoid op (its ~1e-3 error at every layer), 47.8 dB from exp (a real YOLOX-nano: 20.9 ->
+    33.2 dB). If a new QNN SDK makes the op exact, both pass the first bound and the second
+    fails: the rewrite may then go."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = silu_stack()
+    exact, change = exact_sigmoids(model)
+    assert len(change.details) == 10
+    rng = np.random.default_rng(2)
+    samples = [{"x": rng.normal(0, 1, (1, 16, 32, 32)).astype(np.float32)} for _ in range(2)]
+    results = whole_ctx_vs_float(tmp_path, {"float": model, "exact": exact}, samples)
+    assert results["exact"] > 44.0, results
+    assert results["float"] < results["exact"] - 8.0, results
+
+
+def test_a_sigmoid_picked_by_a_where_is_rewritten_too() -> None:
     """A wake-word head: score = sigmoid(x), output = score unless it passes 0.5 (then a
     verifier's). The score reaches the output through the Where's picked value, and its
     comparison with 0.5 reads the same function; the verifier's Sigmoid likewise."""
@@ -277,7 +322,7 @@ def test_a_sigmoid_picked_by_a_where_is_an_outputs_too() -> None:
         [half],
     )
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
-    exact, change = exact_output_sigmoids(model)
+    exact, change = exact_sigmoids(model)
     assert len(change.details) == 2
     assert [n.op_type for n in exact.graph.node].count("Sigmoid") == 0
 

@@ -445,7 +445,7 @@ def _quantize_all(
         import onnx
 
         from ..graph.fp16_scale import (
-            exact_output_sigmoids,
+            exact_sigmoids,
             finite_float16_logs,
             fit_float16,
             max_for_small_clip_floors,
@@ -454,7 +454,7 @@ def _quantize_all(
 
         source = onnx.load(str(prepared[name].float_path))
         model, change = fit_float16(source, calibrated_peaks())
-        model, sigmoids = exact_output_sigmoids(source if model is None else model)
+        model, sigmoids = exact_sigmoids(source if model is None else model)
         model, clips = max_for_small_clip_floors(model)
         model, logs = finite_float16_logs(model)
         model, weights = normal_float16_weights(model, calibrated_peaks())
