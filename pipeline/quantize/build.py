@@ -446,6 +446,7 @@ def _quantize_all(
 
         from ..graph.fp16_scale import (
             exact_sigmoids,
+            exact_tanhs,
             finite_float16_logs,
             fit_float16,
             max_for_small_clip_floors,
@@ -455,10 +456,11 @@ def _quantize_all(
         source = onnx.load(str(prepared[name].float_path))
         model, change = fit_float16(source, calibrated_peaks())
         model, sigmoids = exact_sigmoids(source if model is None else model)
+        model, tanhs = exact_tanhs(model)
         model, clips = max_for_small_clip_floors(model)
         model, logs = finite_float16_logs(model)
         model, weights = normal_float16_weights(model, calibrated_peaks())
-        for step in (change, sigmoids, clips, logs, weights):
+        for step in (change, sigmoids, tanhs, clips, logs, weights):
             if step.changed:  # reported with the preparation steps (once: a rebuild replaces it)
                 prepared[name].changes[:] = [
                     c for c in prepared[name].changes if c.step != step.step
