@@ -273,6 +273,55 @@ def _rescale(
 SIGMOID_LOGIT_LIMIT = 80.0
 
 
+# One step of a recipe: (op, its inputs, its output). Inputs name the op's own input ("x"), a
+# constant of the recipe, or an earlier step's output; the last step's output is the op's.
+_Step = tuple[str, tuple[str, ...], str]
+
+
+def _expand_each(
+    model: onnx.ModelProto,
+    op_type: str,
+    constants: Mapping[str, float],
+    recipe: list[_Step],
+    formula: str,
+) -> tuple[onnx.ModelProto, Change]:
+    """Every ``op_type`` node of the main graph (standard domain) computed by ``recipe`` instead,
+    reading ``constants`` (one float32 initializer each, shared by all the nodes)."""
+    step = f"exact_{op_type.lower()}s"
+    out = copy_model(model)
+    graph = out.graph
+    fresh = FreshNames(out)
+    shared = {name: fresh(f"{op_type.lower()}_{name}") for name in constants}
+    nodes: list[onnx.NodeProto] = []
+    details = []
+    for node in graph.node:
+        if node.op_type != op_type or node.domain not in DEFAULT_DOMAINS:
+            nodes.append(node)
+            continue
+        base = node.name or node.output[0]
+        names = {"x": node.input[0], **shared}
+        for index, (op, inputs, output) in enumerate(recipe):
+            last = index == len(recipe) - 1
+            names[output] = node.output[0] if last else fresh(f"{node.output[0]}_{output}")
+            nodes.append(
+                helper.make_node(
+                    op,
+                    [names[i] for i in inputs],
+                    [names[output]],
+                    name=fresh(f"{base}_{output}"),
+                )
+            )
+        details.append(f"{node_label(node)}: {formula}")
+    if not details:
+        return model, Change(step)
+    graph.initializer.extend(
+        numpy_helper.from_array(np.array(value, np.float32), shared[name])
+        for name, value in constants.items()
+    )
+    set_nodes(graph, nodes)
+    return checked_change(out, step, details)
+
+
 def exact_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """In a model the HTP runs in fp16: every Sigmoid is computed as
     exp(min(x, 0)) / (1 + exp(-|x|)), x clipped to +-80 (the same function in float32).
@@ -291,49 +340,22 @@ def exact_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     here the denominator stays in [1, 2]. 1 / (1 + e^-x) alone, or 0.5 + 0.5 tanh(x / 2), were
     measured between the two (person detector 26.4 and 24.3 dB).
     """
-    out = copy_model(model)
-    graph = out.graph
-    fresh = FreshNames(out)
-    zero, one = fresh("sigmoid_zero"), fresh("sigmoid_one")
-    low_limit, high_limit = fresh("sigmoid_low_limit"), fresh("sigmoid_high_limit")
-    nodes: list[onnx.NodeProto] = []
-    details = []
-    for node in graph.node:
-        if node.op_type != "Sigmoid" or node.domain not in DEFAULT_DOMAINS:
-            nodes.append(node)
-            continue
-        x, y = node.input[0], node.output[0]
-        base = node.name or y
-        clipped, low, numerator = fresh(f"{y}_clip"), fresh(f"{y}_min0"), fresh(f"{y}_num")
-        size, negative, tail = fresh(f"{y}_abs"), fresh(f"{y}_neg"), fresh(f"{y}_tail")
-        denominator = fresh(f"{y}_den")
-        nodes += [
-            helper.make_node(
-                "Clip", [x, low_limit, high_limit], [clipped], name=fresh(f"{base}_clip")
-            ),
-            helper.make_node("Min", [clipped, zero], [low], name=fresh(f"{base}_min0")),
-            helper.make_node("Exp", [low], [numerator], name=fresh(f"{base}_num")),
-            helper.make_node("Abs", [clipped], [size], name=fresh(f"{base}_abs")),
-            helper.make_node("Neg", [size], [negative], name=fresh(f"{base}_neg")),
-            helper.make_node("Exp", [negative], [tail], name=fresh(f"{base}_tail")),
-            helper.make_node("Add", [tail, one], [denominator], name=fresh(f"{base}_den")),
-            helper.make_node("Div", [numerator, denominator], [y], name=fresh(f"{base}_div")),
-        ]
-        details.append(
-            f"{node_label(node)}: sigmoid(x) = exp(min(x, 0)) / (1 + exp(-|x|)), |x| <= 80"
-        )
-    if not details:
-        return model, Change("exact_sigmoids")
-    graph.initializer.extend(
+    return _expand_each(
+        model,
+        "Sigmoid",
+        {"zero": 0.0, "one": 1.0, "low": -SIGMOID_LOGIT_LIMIT, "high": SIGMOID_LOGIT_LIMIT},
         [
-            numpy_helper.from_array(np.array(0.0, np.float32), zero),
-            numpy_helper.from_array(np.array(1.0, np.float32), one),
-            numpy_helper.from_array(np.array(-SIGMOID_LOGIT_LIMIT, np.float32), low_limit),
-            numpy_helper.from_array(np.array(SIGMOID_LOGIT_LIMIT, np.float32), high_limit),
-        ]
+            ("Clip", ("x", "low", "high"), "clip"),
+            ("Min", ("clip", "zero"), "min0"),
+            ("Exp", ("min0",), "num"),
+            ("Abs", ("clip",), "abs"),
+            ("Neg", ("abs",), "neg"),
+            ("Exp", ("neg",), "tail"),
+            ("Add", ("tail", "one"), "den"),
+            ("Div", ("num", "den"), "div"),
+        ],
+        "sigmoid(x) = exp(min(x, 0)) / (1 + exp(-|x|)), |x| <= 80",
     )
-    set_nodes(graph, nodes)
-    return checked_change(out, "exact_sigmoids", details)
 
 
 # exp(-2|x|) at |x| = 40 is e^-80: tanh is +-1 to float32's precision there, and the HTP's
@@ -351,55 +373,23 @@ def exact_tanhs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     (2 * sigmoid(2x) - 1 from the exact Sigmoid: 49.3). The recurrent gates of an unrolled
     LSTM or GRU, a Mish activation and tanh-approximated GELUs run through it.
     """
-    out = copy_model(model)
-    graph = out.graph
-    fresh = FreshNames(out)
-    one, minus_two = fresh("tanh_one"), fresh("tanh_minus_two")
-    low_limit, high_limit = fresh("tanh_low_limit"), fresh("tanh_high_limit")
-    nodes: list[onnx.NodeProto] = []
-    details = []
-    for node in graph.node:
-        if node.op_type != "Tanh" or node.domain not in DEFAULT_DOMAINS:
-            nodes.append(node)
-            continue
-        x, y = node.input[0], node.output[0]
-        base = node.name or y
-        names = {
-            part: fresh(f"{y}_{part}")
-            for part in ("clip", "abs", "scaled", "exp", "num", "den", "ratio", "sign")
-        }
-        nodes += [
-            helper.make_node(
-                "Clip", [x, low_limit, high_limit], [names["clip"]], name=fresh(f"{base}_clip")
-            ),
-            helper.make_node("Abs", [names["clip"]], [names["abs"]], name=fresh(f"{base}_abs")),
-            helper.make_node(
-                "Mul", [names["abs"], minus_two], [names["scaled"]], name=fresh(f"{base}_scaled")
-            ),
-            helper.make_node("Exp", [names["scaled"]], [names["exp"]], name=fresh(f"{base}_exp")),
-            helper.make_node("Sub", [one, names["exp"]], [names["num"]], name=fresh(f"{base}_num")),
-            helper.make_node("Add", [one, names["exp"]], [names["den"]], name=fresh(f"{base}_den")),
-            helper.make_node(
-                "Div", [names["num"], names["den"]], [names["ratio"]], name=fresh(f"{base}_div")
-            ),
-            helper.make_node("Sign", [names["clip"]], [names["sign"]], name=fresh(f"{base}_sign")),
-            helper.make_node(
-                "Mul", [names["ratio"], names["sign"]], [y], name=fresh(f"{base}_mul")
-            ),
-        ]
-        details.append(f"{node_label(node)}: tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|)")
-    if not details:
-        return model, Change("exact_tanhs")
-    graph.initializer.extend(
+    return _expand_each(
+        model,
+        "Tanh",
+        {"one": 1.0, "minus_two": -2.0, "low": -TANH_LIMIT, "high": TANH_LIMIT},
         [
-            numpy_helper.from_array(np.array(1.0, np.float32), one),
-            numpy_helper.from_array(np.array(-2.0, np.float32), minus_two),
-            numpy_helper.from_array(np.array(-TANH_LIMIT, np.float32), low_limit),
-            numpy_helper.from_array(np.array(TANH_LIMIT, np.float32), high_limit),
-        ]
+            ("Clip", ("x", "low", "high"), "clip"),
+            ("Abs", ("clip",), "abs"),
+            ("Mul", ("abs", "minus_two"), "scaled"),
+            ("Exp", ("scaled",), "exp"),
+            ("Sub", ("one", "exp"), "num"),
+            ("Add", ("one", "exp"), "den"),
+            ("Div", ("num", "den"), "ratio"),
+            ("Sign", ("clip",), "sign"),
+            ("Mul", ("ratio", "sign"), "mul"),
+        ],
+        "tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|), |x| <= 40",
     )
-    set_nodes(graph, nodes)
-    return checked_change(out, "exact_tanhs", details)
 
 
 # fp16's smallest normal value: below it fp16 keeps fewer bits (subnormals), down to 2^-24.
