@@ -445,7 +445,9 @@ def _quantize_all(
         import onnx
 
         from ..graph.fp16_scale import (
+            decomposed_gelus,
             exact_sigmoids,
+            exact_softpluses,
             exact_tanhs,
             finite_float16_logs,
             fit_float16,
@@ -455,12 +457,14 @@ def _quantize_all(
 
         source = onnx.load(str(prepared[name].float_path))
         model, change = fit_float16(source, calibrated_peaks())
-        model, sigmoids = exact_sigmoids(source if model is None else model)
+        model, gelus = decomposed_gelus(source if model is None else model)
+        model, sigmoids = exact_sigmoids(model)  # after decomposed_gelus: it makes Sigmoids
         model, tanhs = exact_tanhs(model)
+        model, softpluses = exact_softpluses(model)
         model, clips = max_for_small_clip_floors(model)
         model, logs = finite_float16_logs(model)
         model, weights = normal_float16_weights(model, calibrated_peaks())
-        for step in (change, sigmoids, tanhs, clips, logs, weights):
+        for step in (change, gelus, sigmoids, tanhs, softpluses, clips, logs, weights):
             if step.changed:  # reported with the preparation steps (once: a rebuild replaces it)
                 prepared[name].changes[:] = [
                     c for c in prepared[name].changes if c.step != step.step
