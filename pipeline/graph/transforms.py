@@ -1881,10 +1881,14 @@ def store_inferred_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
 # on the simulator: Mish-18 ("Encountered an invalid node while compiling"; x * tanh(softplus(x))
 # is whole and 49 dB in fp16), GroupNormalization-21 (its layout transform is refused), and
 # ReduceSumSquare, ReduceL1, ReduceLogSum-18 (left on the CPU: an audio front end's power
-# spectrum, re^2 + im^2 over one axis, cut a log-mel extractor in two partitions).
+# spectrum, re^2 + im^2 over one axis, cut a log-mel extractor in two partitions); Softsign (a
+# Keras activation, and an RNN's) and Celu-12 stay on the CPU.
 EXPANDED_FUNCTION_OPS = frozenset(
-    {"Mish", "GroupNormalization", "ReduceSumSquare", "ReduceL1", "ReduceLogSum"}
-)
+    {
+        "Mish", "GroupNormalization", "ReduceSumSquare", "ReduceL1", "ReduceLogSum",
+        "Softsign", "Celu",
+    }
+)  # fmt: skip
 
 
 def _function_body(
