@@ -1302,3 +1302,48 @@ def test_reverse_sequence_of_unequal_lengths_is_kept() -> None:
 def test_a_reversed_sequence_runs_whole_on_the_htp(tmp_path: Path) -> None:
     """The QNN EP takes no ReverseSequence (tf2onnx's TensorFlow reverse); the Gather it is."""
     build_whole_on_htp(tmp_path, "reversed", reverse_sequence([5, 5]))
+
+
+def class_map(op: str = "ArgMax", axis: int = 1, keepdims: int | None = None) -> onnx.ModelProto:
+    """Conv -> ArgMax/ArgMin over ``axis`` as the output: a segmenter's int64 class map."""
+    attrs = {"axis": axis} if keepdims is None else {"axis": axis, "keepdims": keepdims}
+    shape = [1, 8, 16, 16]
+    shape[axis] = 1 if keepdims in (None, 1) else shape[axis]
+    out = shape if keepdims in (None, 1) else [d for i, d in enumerate(shape) if i != axis % 4]
+    graph = oh.make_graph(
+        [
+            oh.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+            oh.make_node(op, ["c"], ["y"], **attrs),
+        ],
+        "class_map",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [oh.make_tensor_value_info("y", TensorProto.INT64, out)],
+        weights(("w", RNG.normal(0, 0.5, (8, 3, 3, 3)).astype(np.float32))),
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize(("op", "axis"), [("ArgMax", 1), ("ArgMin", -1), ("ArgMax", -3)])
+def test_argmax_keeps_its_dims_through_an_unsqueeze(op: str, axis: int) -> None:
+    model = class_map(op, axis)
+    rewritten, change = t.argmax_without_keepdims(model)
+    assert change.changed and ops(rewritten) == ["Conv", op, "Unsqueeze"]
+    assert_same(model, rewritten, {"x": RNG.standard_normal((1, 3, 16, 16)).astype(np.float32)})
+    assert not t.argmax_without_keepdims(rewritten)[1].changed
+    assert not t.argmax_without_keepdims(class_map(op, axis, keepdims=0))[1].changed
+
+
+@pytest.mark.qnn
+def test_a_class_map_output_loads_on_the_htp_without_keepdims(tmp_path: Path) -> None:
+    """Measured: the keepdims form compiles, and its context model is refused at load; without
+    keepdims it loads and the real stages build the class map whole (its labels agree)."""
+    from pipeline.htp.probe import probe
+
+    model = class_map()
+    path = tmp_path / "keepdims.onnx"
+    onnx.save(model, str(path))
+    np.savez(tmp_path / "sample.npz", x=RNG.standard_normal((1, 3, 16, 16)).astype(np.float32))
+    result = probe(path, path, [tmp_path / "sample.npz"], tmp_path / "as_is", 60, 73)
+    # If a new QNN SDK loads it, this says so: the rewrite is then only a cleanup.
+    assert not result.ok and "not compatible with any execution provider" in result.error
+    build_whole_on_htp(tmp_path, "class_map", model)

@@ -76,6 +76,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         t.rewrite_for_htp,
         t.gathernd_to_gather,  # the QNN EP takes no GatherND (transformers' mask lookups)
         t.reverse_sequence_to_gather,  # nor ReverseSequence (tf2onnx's reverse)
+        t.argmax_without_keepdims,  # its keepdims form's context is refused at load
         resize.resize_for_htp,  # the HTP resizes by out/in, not by the scale given
         legacy.avg_pool_ceil_mode,  # the HTP's ceil-mode AveragePool is wrong
         t.rewrite_hypot,  # after Pow(x, 2) -> Mul(x, x)

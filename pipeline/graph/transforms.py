@@ -1782,6 +1782,52 @@ def flatten_gemm_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
     return checked_change(model, "flatten_gemm_biases", details)
 
 
+def argmax_without_keepdims(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """ArgMax/ArgMin with keepdims=1 (ONNX's default) -> the same op with keepdims=0 and an
+    Unsqueeze of its axis: the same int64 indices, the same shape.
+
+    The QNN EP compiles the keepdims form, and its context model is then refused at load
+    ("EPContext node ... is not compatible with any execution provider") when the indices are
+    a graph output, also through an Identity (measured on the simulator: a segmenter's class
+    map, a classifier's top-1); without keepdims, and with the Unsqueeze after it, the context
+    loads and its indices match the CPU's.
+    """
+    model = copy_model(model)
+    graph = model.graph
+    fresh = FreshNames(model)
+    nodes: list[onnx.NodeProto] = []
+    details = []
+    for node in graph.node:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if (
+            node.op_type not in ("ArgMax", "ArgMin")
+            or node.domain not in DEFAULT_DOMAINS
+            or attrs.get("keepdims", 1) == 0
+        ):
+            nodes.append(node)
+            continue
+        axis = int(attrs.get("axis", 0))
+        reduced, axes = fresh(f"{node.output[0]}_reduced"), fresh(f"{node.output[0]}_axis")
+        graph.initializer.append(numpy_helper.from_array(np.array([axis], np.int64), axes))
+        kept = {k: v for k, v in attrs.items() if k != "keepdims"}
+        nodes += [
+            onnx.helper.make_node(
+                node.op_type, [node.input[0]], [reduced], name=node.name, keepdims=0, **kept
+            ),
+            onnx.helper.make_node(
+                "Unsqueeze",
+                [reduced, axes],
+                [node.output[0]],
+                name=fresh(f"{node.name or node.output[0]}_keepdims"),
+            ),
+        ]
+        details.append(f"{node_label(node)}: keepdims=1 -> keepdims=0 + Unsqueeze(axis {axis})")
+    if not details:
+        return model, Change("argmax_without_keepdims")
+    set_nodes(graph, nodes)
+    return checked_change(model, "argmax_without_keepdims", details)
+
+
 def fuse_hardswish(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """x * HardSigmoid(x; alpha 1/6, beta 1/2) -> HardSwish(x) (opset >= 14), the same function
     by ONNX's definition of HardSwish.
