@@ -546,10 +546,12 @@ def conv_then(op: str, channels: int = 8) -> onnx.ModelProto:
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
 
 
-ACTIVATION_FUNCTIONS = ["Mish", "Softsign", "Celu"]
+ACTIVATION_FUNCTIONS = ["Mish", "Softsign", "Celu", "Shrink"]
+# Their function bodies read an attribute default through a Constant (axes, lambd).
+NORMALIZATIONS = ["GroupNormalization", "MeanVarianceNormalization"]
 
 
-@pytest.mark.parametrize("op", [*ACTIVATION_FUNCTIONS, "GroupNormalization", *REDUCE_FUNCTIONS])
+@pytest.mark.parametrize("op", [*ACTIVATION_FUNCTIONS, *NORMALIZATIONS, *REDUCE_FUNCTIONS])
 def test_function_ops_the_qnn_ep_refuses_become_their_onnx_definition(op: str) -> None:
     model = conv_then(op)
     expanded, change = t.expand_function_ops(model)
@@ -563,9 +565,10 @@ def test_function_ops_the_qnn_ep_refuses_become_their_onnx_definition(op: str) -
 
 @pytest.mark.qnn
 def test_mish_is_refused_by_the_qnn_ep_and_its_definition_is_whole(tmp_path: Path) -> None:
-    """Mish itself does not compile for the HTP, Softsign and Celu stay on the CPU; expanded,
-    the real stages build them whole and accurate (as GroupNormalization, whose own layout
-    transform the EP refuses, and the reductions it leaves on the CPU)."""
+    """Mish itself does not compile for the HTP, Softsign, Celu and Shrink stay on the CPU;
+    expanded, the real stages build them whole and accurate (as GroupNormalization, whose own
+    layout transform the EP refuses, MeanVarianceNormalization, which qnn_preprocess_model
+    leaves untyped, and the reductions the EP leaves on the CPU)."""
     from pipeline.htp.probe import probe
 
     np.savez(tmp_path / "sample.npz", x=RNG.standard_normal((1, 3, 16, 16)).astype(np.float32))
@@ -576,7 +579,7 @@ def test_mish_is_refused_by_the_qnn_ep_and_its_definition_is_whole(tmp_path: Pat
         # If a new QNN SDK compiles the op, this says so: its expansion is then only exact.
         whole = result.ok and result.partitions == 1 and result.cpu_nodes == 0
         assert not whole, (op, result.error, result.partitions, result.cpu_nodes)
-    for op in (*ACTIVATION_FUNCTIONS, "GroupNormalization", *REDUCE_FUNCTIONS):
+    for op in (*ACTIVATION_FUNCTIONS, *NORMALIZATIONS, *REDUCE_FUNCTIONS):
         (tmp_path / op).mkdir()
         build_whole_on_htp(tmp_path / op, op.lower(), conv_then(op))
 

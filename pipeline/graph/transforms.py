@@ -1928,11 +1928,12 @@ def store_inferred_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
 # is whole and 49 dB in fp16), GroupNormalization-21 (its layout transform is refused), and
 # ReduceSumSquare, ReduceL1, ReduceLogSum-18 (left on the CPU: an audio front end's power
 # spectrum, re^2 + im^2 over one axis, cut a log-mel extractor in two partitions); Softsign (a
-# Keras activation, and an RNN's) and Celu-12 stay on the CPU.
+# Keras activation, and an RNN's), Celu-12 and Shrink stay on the CPU; MeanVarianceNormalization
+# comes out of onnxruntime's qnn_preprocess_model with no type for shape inference.
 EXPANDED_FUNCTION_OPS = frozenset(
     {
         "Mish", "GroupNormalization", "ReduceSumSquare", "ReduceL1", "ReduceLogSum",
-        "Softsign", "Celu",
+        "Softsign", "Celu", "Shrink", "MeanVarianceNormalization",
     }
 )  # fmt: skip
 
@@ -1984,22 +1985,36 @@ def expand_function_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
         if body is None:
             nodes.append(node)
             continue
-        nodes += _inlined(node, body, namer)
+        nodes += _inlined(node, body, namer, _attribute_defaults(node, opset))
         details.append(f"{node_label(node)} -> its ONNX definition ({len(body.node)} ops)")
     if details:
         set_nodes(graph, nodes)
     return checked_change(model, "expand_function_ops", details)
 
 
+def _attribute_defaults(node: onnx.NodeProto, opset: int) -> dict[str, onnx.AttributeProto]:
+    """The schema's default value of each attribute of ``node``'s op that has one."""
+    schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+    return {
+        name: attribute.default_value
+        for name, attribute in schema.attributes.items()
+        if attribute.default_value.type != onnx.AttributeProto.UNDEFINED
+    }
+
+
 def _inlined(
-    node: onnx.NodeProto, body: onnx.FunctionProto, namer: FreshNames
+    node: onnx.NodeProto,
+    body: onnx.FunctionProto,
+    namer: FreshNames,
+    defaults: Mapping[str, onnx.AttributeProto] | None = None,
 ) -> list[onnx.NodeProto]:
     """``body``'s nodes wired to ``node``'s inputs and outputs, attribute references resolved
-    from ``node`` (or dropped, for the schema default to apply)."""
+    from ``node``, else from the schema's ``defaults`` (a Constant that reads one, such as
+    MeanVarianceNormalization's axes or Shrink's lambd, has no value without it), else dropped."""
     names = dict(zip(body.input, node.input, strict=False))
     names.update(zip(body.output, node.output, strict=False))
     base = node.name or node.output[0]
-    attrs = {a.name: a for a in node.attribute}
+    attrs = {**(defaults or {}), **{a.name: a for a in node.attribute}}
 
     def rename(name: str) -> str:
         if not name:
