@@ -378,6 +378,57 @@ def test_the_htp_computes_a_log_at_its_smallest_scale(
     assert agreement["calibrated"] < 10.0, agreement
 
 
+def hard_sigmoid_gate() -> onnx.ModelProto:
+    """Conv -> c * HardSigmoid(c) (alpha 1/6, beta 1/2: MobileNetV3's and PP-LCNet's), small
+    enough that the gate's range ends below 1 even with its margin; the gate also an output,
+    as the divergence locator exposes every tensor it compares."""
+    rng = np.random.default_rng(29)
+    return _model(
+        [
+            helper.make_node("Conv", ["x", "w0"], ["c"], pads=[1, 1, 1, 1]),
+            helper.make_node("HardSigmoid", ["c"], ["gate"], alpha=1.0 / 6.0, beta=0.5),
+            helper.make_node("Mul", ["c", "gate"], ["y"]),
+        ],
+        [_tensor("x", [1, 3, 16, 16])],
+        [_tensor("y", [1, 8, 16, 16]), _tensor("gate", [1, 8, 16, 16])],
+        [_init("w0", rng.normal(0, 0.05, (8, 3, 3, 3)))],
+    )
+
+
+def test_a_16_bit_hard_sigmoid_output_gets_the_htps_grid() -> None:
+    model = hard_sigmoid_gate()
+    calibrated = {"gate": (0.3, 0.7), "c": (-3.0, 3.0)}
+    fixed, names = ranges.fixed_hard_sigmoid_outputs(model, calibrated, {"gate": 16, "c": 16})
+    assert names == ["gate"] and fixed == {**calibrated, "gate": (0.0, 65535.0 / 65536.0)}
+    assert ranges.fixed_hard_sigmoid_outputs(model, calibrated, {"gate": 8}) == (calibrated, [])
+
+
+@pytest.mark.qnn
+def test_the_htp_computes_a_hard_sigmoid_on_its_own_grid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Measured: on its calibrated range ([0, 0.86]) the HTP's 16-bit HardSigmoid is off by a
+    share of it (ctx vs CPU QDQ 17.4 dB); on [0, 1) in steps of 2^-16, 52.6 dB."""
+    from compile_fixtures import ctx_vs_qdq_on_htp
+
+    rng = np.random.default_rng(31)
+    samples = [rng.normal(0, 1, (1, 3, 16, 16)).astype(np.float32) for _ in range(8)]
+    np.savez(tmp_path / "sample.npz", x=samples[0])
+    agreement = {}
+    for name in ("fixed", "calibrated"):
+        if name == "calibrated":
+            monkeypatch.setattr(ranges, "fixed_hard_sigmoid_outputs", lambda m, r, b: (r, []))
+        (tmp_path / name).mkdir()
+        _build(tmp_path / name, hard_sigmoid_gate(), samples)
+        bucket = _paths(tmp_path / name).bucket(SINGLE_BUCKET)
+        agreement[name] = ctx_vs_qdq_on_htp(
+            bucket.qdq, bucket.float_model, tmp_path / "sample.npz", tmp_path / f"p_{name}"
+        )
+    assert agreement["fixed"] > 45.0, agreement
+    # If a new QNN SDK honours the scale, this says so: the rule then only costs bits.
+    assert agreement["calibrated"] < agreement["fixed"] - 20.0, agreement
+
+
 # --- margin for values calibration never saw ----------------------------------------------------
 
 

@@ -102,6 +102,7 @@ class RangeChanges:
     loop_shared: int = 0  # tensors of unrolled loop iterations given one range
     selections: list[str] = field(default_factory=list)  # Where outputs given both inputs' grids
     log_outputs: list[str] = field(default_factory=list)  # Log outputs widened for the HTP
+    hard_sigmoids: list[str] = field(default_factory=list)  # outputs on the HTP's fixed grid
     # Weight -> (rmin, rmax) for onnxruntime's TensorQuantOverrides (not in the report).
     weight_ranges: dict[str, Interval] = field(default_factory=dict)
 
@@ -375,6 +376,38 @@ def widen_log_outputs(
         low, high = result[name]
         if high - low < span:
             result[name] = (high - span, high)
+            changed.append(name)
+    return result, changed
+
+
+# The QNN HTP's 16-bit HardSigmoid writes its output on a fixed grid, [0, 1) in steps of 2^-16
+# (as QNN fixes a 16-bit Sigmoid's), whatever scale and zero point the model gives it.
+HTP_HARD_SIGMOID_RANGE: Interval = (0.0, 65535.0 / 65536.0)
+
+
+def fixed_hard_sigmoid_outputs(
+    model: Any, ranges: dict[str, Interval], bits: dict[str, int]
+) -> tuple[dict[str, Interval], list[str]]:
+    """16-bit HardSigmoid outputs get the HTP's own grid, [0, 1) in steps of 2^-16; returns the
+    ranges and the tensors changed.
+
+    Why: on any other output range the HTP's HardSigmoid is off by a share of it (measured on
+    the simulator, ctx vs CPU QDQ: [0, 0.946], a PP-LCNet squeeze-excitation gate that never
+    saturated high, 25.9 dB alone; [0, 0.5] 8.1 dB, [0, 1.2] 14.0 dB; [0, 65535/65536] exact;
+    a Conv -> c * HardSigmoid(c) block with the gate at [0, 0.86]: 17.4 -> 52.6 dB). A range
+    the margins already take to [0, 1] is within a step of it. 8-bit HardSigmoid honours its
+    scale (exact on each).
+    """
+    result = dict(ranges)
+    changed = []
+    for node in model.graph.node:
+        if node.op_type != "HardSigmoid" or node.domain not in ("", "ai.onnx"):
+            continue
+        name = node.output[0]
+        if name not in result or bits.get(name, 8) < 16:
+            continue
+        if result[name] != HTP_HARD_SIGMOID_RANGE:
+            result[name] = HTP_HARD_SIGMOID_RANGE
             changed.append(name)
     return result, changed
 
@@ -1025,6 +1058,7 @@ def tune(
     ranges, changes.selections = widen_selections(model, ranges)
     ranges, fill_ranges, changes.mask_fills = mask_fill_ranges(model, ranges)
     ranges, changes.log_outputs = widen_log_outputs(model, ranges, bits)
+    ranges, changes.hard_sigmoids = fixed_hard_sigmoid_outputs(model, ranges, bits)
     ranges, changes.unseen_ranges = unseen_ranges(model, ranges)
     changes.loop_shared = shared
     ranges, changes.integer_inputs = integer_inputs(model, ranges, levels)

@@ -750,6 +750,7 @@ def _steps(
             changes.integer_inputs or None,
             changes.unseen_ranges or None,
             changes.loop_shared,
+            changes.hard_sigmoids or None,
         ),
         mixed_precision=mixed,
         htp=judgement,

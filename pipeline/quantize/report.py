@@ -49,6 +49,7 @@ class RangeRules:
     integer_inputs: list[str] | None = None  # float ids on an integer grid (scale 1)
     unseen_ranges: list[str] | None = None  # flat calibrated ranges given their reach
     loop_shared: int = 0  # tensors of unrolled loop iterations given one range
+    hard_sigmoids: list[str] | None = None  # 16-bit HardSigmoid outputs on the HTP's grid
 
 
 @dataclass(frozen=True)
@@ -308,6 +309,12 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
             f"Ids: {len(rules.integer_inputs)} float input(s) that a Cast turns into integers "
             "quantized on an integer grid (scale 1), so every id is exact "
             "(pipeline/calibration/ranges.py)."
+        )
+    if rules.hard_sigmoids:
+        lines.append(
+            f"HardSigmoid for the HTP: {len(rules.hard_sigmoids)} 16-bit HardSigmoid output(s) "
+            "on the HTP's fixed grid, [0, 1) in steps of 2^-16 (on any other range its result "
+            "is off by a share of it; pipeline/calibration/ranges.py)."
         )
     if rules.log_outputs:
         lines.append(
