@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -332,6 +333,29 @@ def test_narrow_16_bit_log_outputs_get_the_htps_smallest_log_scale() -> None:
     assert eight_bit == (calibrated, [])
 
 
+def _htp_agreement_with_and_without(
+    tmp_path: Path, model: onnx.ModelProto, seed: int, switch_off: Callable[[], None]
+) -> dict[str, float]:
+    """ctx vs CPU QDQ on the HTP (one sample) of ``model`` built by the real stage with a range
+    rule ("with"), then again after ``switch_off`` disabled it ("without")."""
+    from compile_fixtures import ctx_vs_qdq_on_htp
+
+    rng = np.random.default_rng(seed)
+    samples = [rng.normal(0, 1, (1, 3, 16, 16)).astype(np.float32) for _ in range(8)]
+    np.savez(tmp_path / "sample.npz", x=samples[0])
+    agreement = {}
+    for name in ("with", "without"):
+        if name == "without":
+            switch_off()
+        (tmp_path / name).mkdir()
+        _build(tmp_path / name, model, samples)
+        bucket = _paths(tmp_path / name).bucket(SINGLE_BUCKET)
+        agreement[name] = ctx_vs_qdq_on_htp(
+            bucket.qdq, bucket.float_model, tmp_path / "sample.npz", tmp_path / f"p_{name}"
+        )
+    return agreement
+
+
 def log1p_features() -> onnx.ModelProto:
     """Conv -> log(|x| + 1) -> Conv: a log-compressed feature map, all of it >= 0."""
     rng = np.random.default_rng(19)
@@ -359,23 +383,14 @@ def test_the_htp_computes_a_log_at_its_smallest_scale(
 ) -> None:
     """At the calibrated scale of log(|x| + 1) (~3.6e-5) the HTP returns 0 for every element;
     widened to just above 2^-14 the ctx agrees with the CPU QDQ model."""
-    from compile_fixtures import ctx_vs_qdq_on_htp
 
-    rng = np.random.default_rng(23)
-    samples = [rng.normal(0, 1, (1, 3, 16, 16)).astype(np.float32) for _ in range(8)]
-    np.savez(tmp_path / "sample.npz", x=samples[0])
-    agreement = {}
-    for name, floor in (("widened", ranges.HTP_LOG_MIN_SCALE), ("calibrated", 0.0)):
-        monkeypatch.setattr(ranges, "HTP_LOG_MIN_SCALE", floor)
-        (tmp_path / name).mkdir()
-        _build(tmp_path / name, log1p_features(), samples)
-        bucket = _paths(tmp_path / name).bucket(SINGLE_BUCKET)
-        agreement[name] = ctx_vs_qdq_on_htp(
-            bucket.qdq, bucket.float_model, tmp_path / "sample.npz", tmp_path / f"p_{name}"
-        )
-    assert agreement["widened"] > 40.0, agreement
+    def without_rule() -> None:
+        monkeypatch.setattr(ranges, "HTP_LOG_MIN_SCALE", 0.0)
+
+    agreement = _htp_agreement_with_and_without(tmp_path, log1p_features(), 23, without_rule)
+    assert agreement["with"] > 40.0, agreement
     # If a new QNN SDK computes the narrow Log, this says so: the rule then only costs bits.
-    assert agreement["calibrated"] < 10.0, agreement
+    assert agreement["without"] < 10.0, agreement
 
 
 def hard_sigmoid_gate() -> onnx.ModelProto:
@@ -409,24 +424,14 @@ def test_the_htp_computes_a_hard_sigmoid_on_its_own_grid(
 ) -> None:
     """Measured: on its calibrated range ([0, 0.86]) the HTP's 16-bit HardSigmoid is off by a
     share of it (ctx vs CPU QDQ 17.4 dB); on [0, 1) in steps of 2^-16, 52.6 dB."""
-    from compile_fixtures import ctx_vs_qdq_on_htp
 
-    rng = np.random.default_rng(31)
-    samples = [rng.normal(0, 1, (1, 3, 16, 16)).astype(np.float32) for _ in range(8)]
-    np.savez(tmp_path / "sample.npz", x=samples[0])
-    agreement = {}
-    for name in ("fixed", "calibrated"):
-        if name == "calibrated":
-            monkeypatch.setattr(ranges, "fixed_hard_sigmoid_outputs", lambda m, r, b: (r, []))
-        (tmp_path / name).mkdir()
-        _build(tmp_path / name, hard_sigmoid_gate(), samples)
-        bucket = _paths(tmp_path / name).bucket(SINGLE_BUCKET)
-        agreement[name] = ctx_vs_qdq_on_htp(
-            bucket.qdq, bucket.float_model, tmp_path / "sample.npz", tmp_path / f"p_{name}"
-        )
-    assert agreement["fixed"] > 45.0, agreement
+    def without_rule() -> None:
+        monkeypatch.setattr(ranges, "fixed_hard_sigmoid_outputs", lambda m, r, b: (r, []))
+
+    agreement = _htp_agreement_with_and_without(tmp_path, hard_sigmoid_gate(), 31, without_rule)
+    assert agreement["with"] > 45.0, agreement
     # If a new QNN SDK honours the scale, this says so: the rule then only costs bits.
-    assert agreement["calibrated"] < agreement["fixed"] - 20.0, agreement
+    assert agreement["without"] < agreement["with"] - 20.0, agreement
 
 
 # --- margin for values calibration never saw ----------------------------------------------------
