@@ -448,6 +448,7 @@ def exact_softpluses(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             ("Add", ("positive", "log"), "softplus"),
         ],
         "softplus(x) = max(x, 0) + log(1 + exp(-|x|))",
+        step="exact_softpluses",
     )
 
 
