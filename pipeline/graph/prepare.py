@@ -38,7 +38,7 @@ Step = Callable[["onnx.ModelProto"], tuple["onnx.ModelProto", "Change"]]
 def preparation_steps(inputs: InputsSection) -> list[Step]:
     """The ordered steps of ``prepare_model`` (also run one by one to find the step that
     changed what a model computes, pipeline.quantize.lossless)."""
-    from . import attention, legacy, numerics, prequantized, recurrent, resize, tails
+    from . import attention, legacy, numerics, prequantized, recurrent, resize, spectral, tails
     from . import transforms as t
 
     return [
@@ -73,6 +73,8 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         recurrent.output_padding_to_pads,  # the HTP's depthwise ConvTranspose drops it
         t.split_computed_clips,  # the QNN EP takes Clip with constant bounds only
         t.einsum_to_matmul,  # the QNN EP takes no Einsum (TF/Keras attention)
+        spectral.stft_to_conv,  # its quantized STFT fails to compile (fp16 only)
+        spectral.dft_to_matmul,  # and it takes no DFT
         t.rewrite_for_htp,
         t.gathernd_to_gather,  # the QNN EP takes no GatherND (transformers' mask lookups)
         t.reverse_sequence_to_gather,  # nor ReverseSequence (tf2onnx's reverse)
