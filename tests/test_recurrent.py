@@ -337,6 +337,33 @@ def test_rank_6_transpose_with_a_real_permutation() -> None:
     np.testing.assert_array_equal(run(lowered, feeds)["y"], run(model, feeds)["y"])
 
 
+def stacked_cells(slices: int = 5) -> onnx.ModelProto:
+    """XFeat's keypoint head: [1, 1, 4, 8*slices, 8] cut into 8-wide slices along axis 3,
+    each unsqueezed at 3 and stacked there into rank 6, reshaped to [1, 1, 4, slices, 64]."""
+    axis = numpy_helper.from_array(np.array([3], np.int64), "axis")
+    split = numpy_helper.from_array(np.full(slices, 8, np.int64), "split")
+    parts = [f"p{k}" for k in range(slices)]
+    nodes = [oh.make_node("Split", ["x", "split"], parts, axis=3)]
+    nodes += [oh.make_node("Unsqueeze", [p, "axis"], [f"u{k}"]) for k, p in enumerate(parts)]
+    nodes += [
+        oh.make_node("Concat", [f"u{k}" for k in range(slices)], ["stack"], axis=3),
+        oh.make_node("Reshape", ["stack", "cells"], ["y"]),
+    ]
+    inits = [axis, split, numpy_helper.from_array(np.array([1, 1, 4, slices, 64]), "cells")]
+    return single(nodes, [1, 1, 4, 8 * slices, 8], inits, [1, 1, 4, slices, 64])
+
+
+def test_a_rank_6_stack_becomes_a_concat_of_its_slices() -> None:
+    model = stacked_cells()
+    assert max_rank(model) == 6
+    lowered, change = rc.lower_high_rank(model)
+    assert change.changed and "stack of 5 at axis 3" in change.details[0]
+    assert max_rank(lowered) <= rc.MAX_RANK
+    assert "Unsqueeze" not in [n.op_type for n in lowered.graph.node]
+    feeds = random_feeds(model)
+    np.testing.assert_array_equal(run(lowered, feeds)["y"], run(model, feeds)["y"])
+
+
 def test_reduced_transpose() -> None:
     assert rc._reduced_transpose((1, 3, 1, 1, 3, 129), [0, 1, 2, 4, 3, 5]) == ([1161], [0])
     assert rc._reduced_transpose((1, 3, 2, 2, 4, 5), [0, 1, 4, 2, 5, 3]) == (

@@ -630,6 +630,38 @@ def _reduced_transpose(
     return shape, new_perm
 
 
+def _stacked_inputs(
+    node: onnx.NodeProto,
+    graph: onnx.GraphProto,
+    inits: dict[str, onnx.TensorProto],
+    shape: Callable[[str], tuple[int, ...] | None],
+) -> tuple[list[str], int] | None:
+    """For a Concat whose every input is an Unsqueeze at the Concat's axis (``torch.stack``,
+    a pixel unshuffle written as slices): the Unsqueezes' inputs and that axis, when the axis
+    is not their last. Concatenating those along it lays the values out in memory exactly as
+    the stack does, one rank lower."""
+    producer = {o: n for n in graph.node for o in n.output}
+    out_shape = shape(node.output[0])
+    if out_shape is None:
+        return None
+    rank = len(out_shape)
+    axis = _attrs(node).get("axis", 0) % rank
+    raw = []
+    for name in node.input:
+        unsqueeze = producer.get(name)
+        if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or len(unsqueeze.input) < 2:
+            return None
+        if unsqueeze.input[1] not in inits:
+            return None
+        axes = numpy_helper.to_array(inits[unsqueeze.input[1]]).reshape(-1)
+        if len(axes) != 1 or int(axes[0]) % rank != axis:
+            return None
+        raw.append(unsqueeze.input[0])
+    if axis >= rank - 1:
+        return None
+    return raw, axis
+
+
 def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Rank > 5 tensors -> rank <= 5, exactly: the HTP has no tensors above rank 5.
 
@@ -637,6 +669,9 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
       index, then Reshape (``nn.Unfold`` exports: [1, 3, 1, 1, 131] by a [3, 129] table);
     - Transpose of rank > 5 -> Reshape, Transpose of the tensor without its unit axes and with
       neighbouring axes merged (often no transpose at all), Reshape;
+    - Concat of Unsqueezes at its axis (a stack) giving rank > 5 -> Concat of the unsqueezed
+      tensors, then Reshape (XFeat's keypoint head unshuffles 8x8 cells as 40 slices stacked
+      into [1, 1, 28, 40, 8, 8]: 2 partitions and 165 CPU nodes);
     - Reshape of a Reshape whose result had rank > 5 -> one Reshape.
 
     Why: GTCRN's subband unfolds made 7 such Gather -> Transpose -> Reshape chains; the HTP
@@ -732,9 +767,29 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                 details.append(
                     f"{edit.node_label(node)}: rank {len(in_shape)} -> {len(small)} ({small})"
                 )
+        elif node.op_type == "Concat" and (stacked := _stacked_inputs(node, graph, inits, shape)):
+            raw, axis = stacked
+            joined = fresh(f"{base}_joined")
+            nodes += [
+                make("Concat", raw, [joined], name=base, axis=axis),
+                make(
+                    "Reshape",
+                    [joined, shape_const(out_shape, base)],
+                    [node.output[0]],
+                    name=fresh(f"{base}_stacked"),
+                ),
+            ]
+            details.append(
+                f"{edit.node_label(node)}: a stack of {len(raw)} at axis {axis} -> Concat of "
+                "the unstacked tensors, Reshape"
+            )
         else:
             nodes.append(node)
     if details:
+        read = {name for n in nodes for name in n.input} | {o.name for o in graph.output}
+        nodes = [  # the Unsqueezes a rewritten stack read, now read by nothing
+            n for n in nodes if n.op_type != "Unsqueeze" or any(o in read for o in n.output)
+        ]
         edit.set_nodes(graph, nodes)
         graph.initializer.extend(new_inits)
         del new_inits[:]
