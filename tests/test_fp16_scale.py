@@ -608,11 +608,28 @@ def test_subnormal_conv_weights_are_lifted_and_computed_the_same() -> None:
     assert not normal_float16_weights(model, {})[1].changed
 
 
+def test_only_channels_whose_subnormal_weights_matter_are_lifted() -> None:
+    """A few subnormal taps in a channel of normal weights carry nothing fp16 would miss: that
+    channel keeps its weights (and no Mul back after it); a channel all subnormal is lifted."""
+    model = tiny_weights_net(0.1)
+    weights = next(i for i in model.graph.initializer if i.name == "w1")
+    w = numpy_helper.to_array(weights).copy()
+    w[:, 0, 0, 0] = 1e-6  # a subnormal tap in every channel, ~1e-5 of its L1 norm
+    w[3] *= 1e-5  # channel 3: every weight subnormal
+    weights.CopyFrom(numpy_helper.from_array(w, "w1"))
+    lifted, change = normal_float16_weights(model, {"x": 255.0})
+    assert list(change.details) == ["Conv 'first': 1 of 16 output channel(s) scaled by up to "
+                                    "2^14 out of fp16's subnormals"], change.details  # fmt: skip
+    back = next(i for i in lifted.graph.initializer if "unscale" in i.name)
+    gains = 1.0 / numpy_helper.to_array(back).reshape(-1)
+    assert gains[3] > 1.0 and np.all(np.delete(gains, 3) == 1.0)
+
+
 def test_a_huge_input_bounds_the_lift() -> None:
     """The output's hard bound (weights' L1 norm x input peak + bias) stays under fp16's half."""
     model = tiny_weights_net(1e-6)
     lifted, _ = normal_float16_weights(model, {"x": 255.0})
-    limited, _ = normal_float16_weights(model, {"x": 1e5})
+    limited, _ = normal_float16_weights(model, {"x": 1e8})
     gains = [
         max(
             1.0 / numpy_helper.to_array(i).min() for i in m.graph.initializer if "unscale" in i.name

@@ -581,6 +581,16 @@ def finite_float16_logs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
 # weights out of fp16's subnormals, and a channel's products stay near their usual size.
 WEIGHT_TARGET = 16.0
 FLOAT16_MIN_NORMAL = 2.0**-14
+# The largest lift: the Mul back by 2^-k must itself be a normal fp16 number, or the HTP flushes
+# it (a re-id model's Convs lifted by 2^24, multiplied back by fp16's smallest subnormal: its
+# compiled fp16 context came out -52.9 dB from float, 45.2 with the lift capped).
+MAX_WEIGHT_LIFT = 14
+# A channel is lifted only when its subnormal weights carry more than this share of its L1 norm:
+# flushing less changes its output by less than that (-60 dB). The per-channel Mul back is not
+# free: after a global depthwise Conv ([1, C, 1, 1] out, a re-id model's embedding head) the
+# compiled fp16 context applied it wrongly (-12 dB for a lift of 2, -52 dB for 2^7), for
+# channels whose maxima were normal and only a few taps subnormal.
+FLUSHED_SHARE = 1e-3
 
 
 def normal_float16_weights(
@@ -597,7 +607,8 @@ def normal_float16_weights(
     20.6 dB. Scaled (each channel at most up to ``WEIGHT_TARGET``, and so that its hard
     output bound, its weights' L1 norm times the input's calibrated peak plus its bias, stays
     under half of fp16's largest value) and multiplied back after the Conv (a per-channel Mul
-    by 2^-k, exact in fp16, which onnxruntime's offline compile keeps apart): 24.8 dB.
+    by 2^-k, exact in fp16, which onnxruntime's offline compile keeps apart): 24.8 dB. k is
+    at most 14, so that 2^-k is a normal fp16 number (``MAX_WEIGHT_LIFT``).
     """
     model = copy_model(model)
     graph = model.graph
@@ -619,7 +630,9 @@ def normal_float16_weights(
             continue
         w = numpy_helper.to_array(weight)
         magnitude = np.abs(w).reshape(w.shape[0], -1)
-        if not np.any((magnitude > 0) & (magnitude < FLOAT16_MIN_NORMAL)):
+        flushed = np.where(magnitude < FLOAT16_MIN_NORMAL, magnitude, 0.0).sum(axis=1)
+        needy = flushed > FLUSHED_SHARE * np.maximum(magnitude.sum(axis=1), 2.0**-126)
+        if not needy.any():
             continue
         bias = inits.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
         offset = np.abs(numpy_helper.to_array(bias)) if bias is not None else 0.0
@@ -629,7 +642,7 @@ def normal_float16_weights(
             np.floor(np.log2(WEIGHT_TARGET / np.maximum(magnitude.max(axis=1), tiny))),
             np.floor(np.log2(FLOAT16_MAX / 2 / np.maximum(bound, tiny))),
         )
-        shift = np.clip(shift, 0, 24).astype(np.int64)
+        shift = np.where(needy, np.clip(shift, 0, MAX_WEIGHT_LIFT), 0).astype(np.int64)
         if not shift.any():
             continue
         label = node_label(node)
