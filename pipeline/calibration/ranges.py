@@ -355,6 +355,20 @@ def widen_selections(
 HTP_LOG_MIN_SCALE = 2.0**-14 * 1.02
 
 
+def _calibrated_16_bit_outputs(
+    model: Any, op_type: str, ranges: dict[str, Interval], bits: dict[str, int]
+) -> list[str]:
+    """The outputs of ``op_type`` nodes (standard domain) that have a range and 16 bits."""
+    return [
+        node.output[0]
+        for node in model.graph.node
+        if node.op_type == op_type
+        and node.domain in ("", "ai.onnx")
+        and node.output[0] in ranges
+        and bits.get(node.output[0], 8) >= 16
+    ]
+
+
 def widen_log_outputs(
     model: Any, ranges: dict[str, Interval], bits: dict[str, int]
 ) -> tuple[dict[str, Interval], list[str]]:
@@ -367,12 +381,7 @@ def widen_log_outputs(
     result = dict(ranges)
     changed = []
     span = HTP_LOG_MIN_SCALE * QRANGE["uint16"]
-    for node in model.graph.node:
-        if node.op_type != "Log" or node.domain not in ("", "ai.onnx"):
-            continue
-        name = node.output[0]
-        if name not in result or bits.get(name, 8) < 16:
-            continue
+    for name in _calibrated_16_bit_outputs(model, "Log", result, bits):
         low, high = result[name]
         if high - low < span:
             result[name] = (high - span, high)
@@ -400,12 +409,7 @@ def fixed_hard_sigmoid_outputs(
     """
     result = dict(ranges)
     changed = []
-    for node in model.graph.node:
-        if node.op_type != "HardSigmoid" or node.domain not in ("", "ai.onnx"):
-            continue
-        name = node.output[0]
-        if name not in result or bits.get(name, 8) < 16:
-            continue
+    for name in _calibrated_16_bit_outputs(model, "HardSigmoid", result, bits):
         if result[name] != HTP_HARD_SIGMOID_RANGE:
             result[name] = HTP_HARD_SIGMOID_RANGE
             changed.append(name)

@@ -37,7 +37,7 @@ Two more patterns split streaming models into partitions, both rewritten exactly
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -698,6 +698,16 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         return name
 
     make = onnx.helper.make_node
+
+    def reshape(
+        source: str, dims: Sequence[int], output: str, base: str, suffix: str = ""
+    ) -> onnx.NodeProto:
+        """Reshape ``source`` to ``dims``, named ``base`` or a fresh ``base_suffix``."""
+        target = shape_const(tuple(dims), base)
+        name = fresh(f"{base}_{suffix}") if suffix else base
+        return make("Reshape", [source, target], [output], name=name)
+
+    stacks = 0
     for node in graph.node:
         out_shape = shape(node.output[0]) if node.output else None
         if (
@@ -720,14 +730,7 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             nodes.append(
                 make("Gather", [node.input[0], flat], [gathered], name=base, **_attrs(node))
             )
-            nodes.append(
-                make(
-                    "Reshape",
-                    [gathered, shape_const(out_shape, base)],
-                    [node.output[0]],
-                    name=fresh(f"{base}_unflatten"),
-                )
-            )
+            nodes.append(reshape(gathered, out_shape, node.output[0], base, "unflatten"))
             details.append(f"{edit.node_label(node)}: flat index {list(index.shape)} -> Reshape")
         elif node.op_type == "Transpose":
             in_shape = shape(node.input[0])
@@ -738,31 +741,14 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                 continue
             small, small_perm = reduced
             if small_perm == sorted(small_perm):
-                nodes.append(
-                    make(
-                        "Reshape",
-                        [node.input[0], shape_const(out_shape, base)],
-                        [node.output[0]],
-                        name=base,
-                    )
-                )
+                nodes.append(reshape(node.input[0], out_shape, node.output[0], base))
                 details.append(f"{edit.node_label(node)}: moves only unit axes -> Reshape")
             else:
                 flat_in, flat_out = fresh(f"{base}_in"), fresh(f"{base}_out")
                 nodes += [
-                    make(
-                        "Reshape",
-                        [node.input[0], shape_const(small, base)],
-                        [flat_in],
-                        name=fresh(f"{base}_squeeze"),
-                    ),
+                    reshape(node.input[0], small, flat_in, base, "squeeze"),
                     make("Transpose", [flat_in], [flat_out], name=base, perm=small_perm),
-                    make(
-                        "Reshape",
-                        [flat_out, shape_const(out_shape, base)],
-                        [node.output[0]],
-                        name=fresh(f"{base}_unsqueeze"),
-                    ),
+                    reshape(flat_out, out_shape, node.output[0], base, "unsqueeze"),
                 ]
                 details.append(
                     f"{edit.node_label(node)}: rank {len(in_shape)} -> {len(small)} ({small})"
@@ -772,13 +758,9 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             joined = fresh(f"{base}_joined")
             nodes += [
                 make("Concat", raw, [joined], name=base, axis=axis),
-                make(
-                    "Reshape",
-                    [joined, shape_const(out_shape, base)],
-                    [node.output[0]],
-                    name=fresh(f"{base}_stacked"),
-                ),
+                reshape(joined, out_shape, node.output[0], base, "stacked"),
             ]
+            stacks += 1
             details.append(
                 f"{edit.node_label(node)}: a stack of {len(raw)} at axis {axis} -> Concat of "
                 "the unstacked tensors, Reshape"
@@ -786,13 +768,11 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         else:
             nodes.append(node)
     if details:
-        read = {name for n in nodes for name in n.input} | {o.name for o in graph.output}
-        nodes = [  # the Unsqueezes a rewritten stack read, now read by nothing
-            n for n in nodes if n.op_type != "Unsqueeze" or any(o in read for o in n.output)
-        ]
         edit.set_nodes(graph, nodes)
         graph.initializer.extend(new_inits)
         del new_inits[:]
+    if stacks:  # the Unsqueezes a rewritten stack read are read by nothing now
+        edit.remove_dead_nodes(graph)
     # Reshape(Reshape(x)) -> Reshape(x) where the middle tensor has rank > 5.
     producer = {o: n for n in graph.node for o in n.output}
     outputs = {o.name for o in graph.output}

@@ -28,6 +28,7 @@ from .edit import (
     initializers_by_name,
     node_label,
     set_nodes,
+    value_shape,
 )
 
 
@@ -39,16 +40,6 @@ def _int_constant(inits: dict[str, onnx.TensorProto], name: str) -> int | None:
     if value.size != 1 or value.dtype.kind not in "iu":
         return None
     return int(value.reshape(-1)[0])
-
-
-def _static_shape(values: dict[str, onnx.ValueInfoProto], name: str) -> list[int] | None:
-    value = values.get(name)
-    if value is None or not value.type.tensor_type.HasField("shape"):
-        return None
-    dims = [
-        d.dim_value if d.HasField("dim_value") else -1 for d in value.type.tensor_type.shape.dim
-    ]
-    return None if any(d < 1 for d in dims) else dims
 
 
 def fourier_basis(length: int, size: int, bins: int) -> tuple[np.ndarray, np.ndarray]:
@@ -116,7 +107,7 @@ def stft_to_conv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
 def _stft_to_conv_at(node: onnx.NodeProto, site: _Site) -> tuple[list[onnx.NodeProto], str] | None:
     """The nodes that replace ``node`` and what they do, or None to keep it."""
     graph, inits, values, fresh = site.graph, site.inits, site.values, site.fresh
-    shape = _static_shape(values, node.input[0])
+    shape = value_shape(values[node.input[0]]) if node.input[0] in values else None
     step = _int_constant(inits, node.input[1] if len(node.input) > 1 else "")
     window_name = node.input[2] if len(node.input) > 2 else ""
     window = numpy_helper.to_array(inits[window_name]) if window_name in inits else None
@@ -185,7 +176,7 @@ def _dft_to_matmul_at(node: onnx.NodeProto, site: _Site) -> tuple[list[onnx.Node
     """The nodes that replace ``node`` and what they do, or None to keep it."""
     graph, inits, values, fresh = site.graph, site.inits, site.values, site.fresh
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    shape = _static_shape(values, node.input[0])
+    shape = value_shape(values[node.input[0]]) if node.input[0] in values else None
     if "axis" in attrs:  # opset 17-19: an attribute
         axis: int | None = int(attrs["axis"])
     elif len(node.input) > 2 and node.input[2]:  # opset 20: an input
