@@ -880,7 +880,7 @@ def _quantize_sections(page: _Page) -> None:
         jitter = _dict(own.get("input_jitter"))
         if jitter:
             shown = ", ".join(f"{k} {_fmt(_dict(a).get('snr_db'))} dB" for k, a in jitter.items())
-            page.add(_p(f"Own rounding floor (inputs moved by half their step): {shown}."))
+            page.add(_p(f"Own rounding floor (inputs moved across their own rounding): {shown}."))
     else:
         if own:
             page.add(_p(f"Own quantization removed (requantize = true): {own.get('summary', '')}."))

@@ -497,6 +497,33 @@ def test_quantize_stage_keeps_the_models_own_quantization(tmp_path: Path) -> Non
         assert (root / "buckets" / "static" / "htp_probe.json").is_file()
 
 
+def test_input_step_is_found_through_ops_that_only_move_values() -> None:
+    """TFLite int8 exports (tf2onnx) transpose or reshape the input before its first Q: the
+    rounding floor's jitter must move the input by that Q's step, or it measured nothing."""
+    b = Builder()
+    moved = b.node("Transpose", [b.node("Reshape", ["x", b.const(np.array([1, 8, 8, 3]))])])
+    y = b.qdq(b.node("Relu", [b.qdq(moved, 2.0**-4, 0, np.int8)]), 2.0**-3, 0, np.int8)
+    model = b.model(y, out_shape=[1, 3, 8, 8])
+    assert pq.input_steps(model) == {"x": 2.0**-4}
+    assert pq.input_steps(conv_net()) == {"x": 2.0**-5}  # a Q reading the input directly
+    assert pq.input_steps(float_net()) == {}
+
+
+def test_rounding_floor_moves_an_input_that_is_already_on_its_grid(tmp_path: Path) -> None:
+    """Integer pixels at step 1 do not move under a half-step jitter: the floor read inf and
+    lowered no gate. There a quarter of the values move one whole step instead."""
+    from pipeline.quantize.evaluate import input_jitter
+
+    model = conv_net()  # its input Q has step 2^-5
+    path = tmp_path / "pq.onnx"
+    onnx.save(model, str(path))
+    for index, x in enumerate(inputs(3)):
+        on_grid = np.round(x * 32) / 32
+        np.savez(tmp_path / f"sample_{index:04d}.npz", x=on_grid.astype(np.float32))
+    floor = input_jitter(path, tmp_path, pq.input_steps(model))["y"].snr_db
+    assert floor is not None and 10.0 < floor < 60.0, floor
+
+
 def test_ctx_gate_of_a_prequantized_output_follows_its_rounding_floor() -> None:
     from pipeline.compile.worker import snr_gate
     from pipeline.core.metrics import Accuracy

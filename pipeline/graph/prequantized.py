@@ -1014,15 +1014,27 @@ def _clipped_by_q(relu: onnx.NodeProto, view: _Graph) -> bool:
     return bool(readers) and relu.output[0] not in view.outputs
 
 
+# Ops that only move values: an input reaches its first QuantizeLinear through them unchanged.
+_VALUE_MOVES = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+
+
 def input_steps(model: onnx.ModelProto) -> dict[str, float]:
-    """Graph input -> the quantization step of the QuantizeLinear that reads it (per-tensor)."""
+    """Graph input -> the quantization step of the QuantizeLinear that reads it (per-tensor),
+    also through ops that only move its values (TFLite int8 exports reshape or transpose the
+    input before its first Q: without them the jitter moved nothing and the floor read inf)."""
     view = _Graph(model.graph)
     steps: dict[str, float] = {}
     for value in model.graph.input:
-        for reader in view.consumers.get(value.name, []):
-            params = _params(reader, view.inits) if reader.op_type == QUANTIZE else None
-            if params is not None:
-                steps[value.name] = min(params.scale, steps.get(value.name, params.scale))
+        tensors = [value.name]
+        while tensors:
+            tensor = tensors.pop()
+            for reader in view.consumers.get(tensor, []):
+                if reader.op_type in _VALUE_MOVES and reader.input[0] == tensor:
+                    tensors.append(reader.output[0])
+                    continue
+                params = _params(reader, view.inits) if reader.op_type == QUANTIZE else None
+                if params is not None:
+                    steps[value.name] = min(params.scale, steps.get(value.name, params.scale))
     return steps
 
 

@@ -355,6 +355,12 @@ def _compare_buckets(
     return mismatched
 
 
+def _on_grid(value: np.ndarray, step: float) -> bool:
+    """Every value a whole number of ``step``s (the zero point is an integer too)."""
+    units = value.astype(np.float64) / step
+    return bool(np.all(np.abs(units - np.round(units)) < 1e-3))
+
+
 def input_jitter(
     model: Path, heldout: Path, steps: dict[str, float], seed: int = 0
 ) -> dict[str, Accuracy]:
@@ -363,6 +369,9 @@ def input_jitter(
     For a pre-quantized model ``steps`` are its own input quantization steps: the jitter only
     moves values across its own rounding boundaries, so the figure is how reproducible the
     model's integer arithmetic is, the floor for any implementation that rounds differently.
+    Such a jitter moves a quarter of the values one step on average; an input already on its
+    grid (integer pixels at step 1) would not move at all, so there a quarter of the values
+    move one whole step instead.
     """
     session = cpu_session(model)
     names = [o.name for o in session.get_outputs()]
@@ -372,8 +381,12 @@ def input_jitter(
         moved = dict(feeds)
         for name, step in steps.items():
             if name in moved and np.issubdtype(moved[name].dtype, np.floating):
-                noise = rng.uniform(-0.5 * step, 0.5 * step, moved[name].shape)
-                moved[name] = (moved[name] + noise).astype(moved[name].dtype)
+                value = moved[name]
+                if _on_grid(value, step):
+                    noise = step * rng.choice([-1.0, 0.0, 1.0], value.shape, p=[0.125, 0.75, 0.125])
+                else:
+                    noise = rng.uniform(-0.5 * step, 0.5 * step, value.shape)
+                moved[name] = (value + noise).astype(value.dtype)
         expected = dict(zip(names, session.run(names, feeds), strict=True))
         comparison.add(expected, dict(zip(names, session.run(names, moved), strict=True)))
     return comparison.summary()

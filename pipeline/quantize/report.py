@@ -222,9 +222,10 @@ def _own_quantization_section(own: OwnQuantization) -> list[str]:
         shown = ", ".join(f"{k} {fmt(figure(v))} dB" for k, v in own.input_jitter.items())
         lines += [
             "",
-            "Own rounding floor: the model against itself with its inputs moved by up to half "
-            f"of its own input step: {shown}. An implementation that rounds differently "
-            "(the HTP) lands about that far from the model on the CPU.",
+            "Own rounding floor: the model against itself with its inputs moved across its own "
+            "input rounding (by up to half a step, or one whole step for a quarter of the "
+            f"values of an input already on its grid): {shown}. An implementation that rounds "
+            "differently (the HTP) lands about that far from the model on the CPU.",
         ]
     return lines
 
