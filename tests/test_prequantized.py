@@ -299,6 +299,70 @@ def test_integer_data_moves_get_their_own_dq_and_q() -> None:
     assert_same(source, converted)
 
 
+def int8_io_model(extra_reshape: bool = True) -> onnx.ModelProto:
+    """A TFLite model exported with int8 I/O (tf2onnx): the int8 input reshaped, then its DQ,
+    a Conv with its bias, the Q that is the int8 output."""
+    b = Builder()
+    moved = "x"
+    if extra_reshape:
+        moved = b.node("Reshape", ["x", b.const(np.array([1, 3, 8, 8], np.int64))])
+    s, z = b.const(np.float32(2.0**-4)), b.const(np.int8(5))
+    x = b.node("DequantizeLinear", [moved, s, z])
+    conv = b.node("Conv", [x, b.weight([4, 3, 3, 3]), b.bias(4, 2.0**-10)], pads=[1, 1, 1, 1])
+    s2, z2 = b.const(np.float32(2.0**-3)), b.const(np.int8(-3))
+    y = b.node("QuantizeLinear", [conv, s2, z2])
+    model = b.model(y, out_shape=[1, 4, 8, 8])
+    model.graph.input[0].CopyFrom(oh.make_tensor_value_info("x", TensorProto.INT8, [1, 192]))
+    model.graph.output[0].type.tensor_type.elem_type = TensorProto.INT8
+    onnx.checker.check_model(model)
+    return model
+
+
+def test_an_integer_input_moved_before_its_dq_is_moved_in_float() -> None:
+    """The QNN EP takes no int8 Reshape outside a QDQ unit: the first Conv it had asked for in
+    NHWC was then refused, and the session failed (MLPerf Tiny's int8 KWS model)."""
+    source = int8_io_model()
+    converted, change = pq.qoperator_to_qdq(source)
+    assert any("Reshape" in d and "DQ + Reshape + Q" in d for d in change.details), change
+    producer = {o: n for n in converted.graph.node for o in n.output}
+    reshape = next(n for n in converted.graph.node if n.op_type == "Reshape")
+    assert producer[reshape.input[0]].op_type == "DequantizeLinear"
+    x = RNG.integers(-128, 128, (1, 192)).astype(np.int8)
+    sessions = [
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        for m in (source, converted)
+    ]
+    before, after = (s.run(None, {"x": x})[0] for s in sessions)
+    np.testing.assert_array_equal(before, after)
+
+
+def test_relu_on_integers_is_moved_only_at_a_zero_point_of_zero() -> None:
+    """On integers a Relu clips at integer 0, which means 0.0 only where the zero point is 0."""
+    for zero_point, moved in ((-20, False), (0, True)):
+        b = Builder()
+        s, z = b.const(np.float32(0.05)), b.const(np.int8(zero_point))
+        relu = b.node("Relu", [b.node("QuantizeLinear", ["x", s, z])])  # int8 Relu: opset 14
+        source = b.model(b.node("DequantizeLinear", [relu, s, z]), opset=14, out_shape=SHAPE)
+        converted, change = pq.qoperator_to_qdq(source)
+        assert any("Relu" in d for d in change.details) is moved, (zero_point, change)
+        assert_same(source, converted)
+
+
+def test_a_dense_layer_as_matmul_and_bias_add_becomes_a_gemm() -> None:
+    """tf2onnx writes an int8 TFLite Dense layer as MatMul + Add of an int32 DQ bias; the QNN
+    EP left that DQ on the CPU (the build failed its coverage gate)."""
+    b = Builder()
+    flat = b.qdq(b.node("Flatten", [b.qdq("x", 2.0**-5, 0, np.int8)]), 2.0**-5, 0, np.int8)
+    product = b.node("MatMul", [flat, b.weight([192, 10])])
+    y = b.qdq(b.node("Add", [product, b.bias(10, 2.0**-11)]), 2.0**-3, 0, np.int8)
+    source = b.model(y, out_shape=[1, 10])
+    converted, change = pq.matmul_bias_to_gemm(source)
+    assert change.changed and "Gemm" in ops(converted) and "MatMul" not in ops(converted)
+    assert "Add" not in ops(converted)
+    assert_same(source, converted)
+    assert "matmul_bias_to_gemm" in [c.step for c in pq.for_htp(source)[1] if c.changed]
+
+
 # -- rewrites for the HTP (all exact) -------------------------------------------------------------
 
 
@@ -539,6 +603,35 @@ def test_ctx_gate_of_a_prequantized_output_follows_its_rounding_floor() -> None:
     worse = {**summary, "scores": Accuracy(18.0, 0.1, 0.99)}
     assert snr_gate(20.0, {"boxes": 11.5}, worse)[0] is False
     assert snr_gate(0.0, {}, worse) == (True, "no SNR gate")
+
+
+def test_a_prequantized_model_the_htp_fails_on_is_judged_on_the_cpu(tmp_path: Path) -> None:
+    """Its own quantization has no alternative: when the HTP probe fails, the judge says so
+    (it tried the whole model in fp16 instead, which a kept quantization cannot build: an
+    AssertionError ended the stage). The QNN HTP dies on this pool (4x4, stride 4, a pad of
+    1 at the start: a native crash in the probe's child process)."""
+    from pipeline.__main__ import main
+    from pipeline.htp.probe import qnn_available
+
+    b = Builder()
+    pool = b.node(
+        "AveragePool",
+        [b.qdq("x", 2.0**-5, 128)],
+        kernel_shape=[4, 4],
+        strides=[4, 4],
+        pads=[1, 1, 1, 1],
+        count_include_pad=1,
+    )
+    model = b.model(b.qdq(pool, 2.0**-5, 128), out_shape=[1, 3, 4, 4])
+    model.graph.input[0].type.tensor_type.shape.dim[2].dim_value = 16  # it dies at 16x16
+    model.graph.input[0].type.tensor_type.shape.dim[3].dim_value = 16
+    config = _config(tmp_path, model)
+    assert main(["quantize", "--artifacts", str(tmp_path / "a"), str(config)]) == 0
+    report = json.loads((tmp_path / "a" / "build" / "pq" / "report.json").read_text())
+    htp = report["htp"]
+    if qnn_available() and htp["judge"] == "cpu":  # the probe failed, as QNN 2.51 does
+        assert "the HTP probe failed" in htp["reason"], htp
+        assert [r["label"] for r in htp["rounds"]] == ["its own quantization"]
 
 
 def test_quantize_stage_requantizes_when_asked(tmp_path: Path) -> None:

@@ -286,7 +286,7 @@ def judge_on_htp(
             if not first.ok and early is not None and early[1].ok:
                 current, first, first_sha = early  # fp16 ran where the quantized model did not
                 builder.build(current)
-            elif not first.ok and early is None:  # QNN refused or crashed on the quantized model
+            elif not first.ok and early is None and decide:  # QNN refused or crashed on it
                 quantized = current
                 fp16 = whole_float16(
                     f"the quantized model failed on the HTP ({first.error.splitlines()[0][:160]})"
