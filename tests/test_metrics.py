@@ -48,3 +48,39 @@ def test_other_dtypes_take_the_float64_path() -> None:
     test = ref + 1e-9
     got = pooled([(ref, test), (ref.astype(np.float16), ref.astype(np.float16))])
     assert got.snr_db > 150  # float64 data keeps its precision
+
+
+def test_quantized_integer_outputs_compare_as_the_values_they_stand_for(tmp_path) -> None:
+    """A model with int8 outputs (TFLite int8 I/O): its integers are quantized values, not
+    labels; compared as labels, two steps apart on 30% of the values read '70% agree' and
+    no SNR gate applied."""
+    import onnx
+    import onnx.helper as oh
+    from onnx import TensorProto, numpy_helper
+
+    from pipeline.core.metrics import LABELS, quantized_output_grids
+
+    graph = oh.make_graph(
+        [oh.make_node("QuantizeLinear", ["x", "s", "z"], ["y"])],
+        "g",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [oh.make_tensor_value_info("y", TensorProto.INT8, [4])],
+        [
+            numpy_helper.from_array(np.float32(0.5), "s"),
+            numpy_helper.from_array(np.int8(-100), "z"),
+        ],
+    )
+    path = tmp_path / "q.onnx"
+    onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 13)]), str(path))
+    grids = quantized_output_grids(path, None)
+    assert grids == {"y": (0.5, -100)}
+    reference = {"y": np.array([-100, -90, -80, -60], np.int8)}  # 0, 5, 10, 20
+    test = {"y": np.array([-100, -90, -80, -61], np.int8)}  # 20 -> 19.5
+    as_values = OutputComparison(grids)
+    as_values.add(reference, test)
+    (accuracy,) = as_values.summary().values()
+    expected = snr_db(np.array([0.0, 5.0, 10.0, 20.0]), np.array([0.0, 5.0, 10.0, 19.5]))
+    assert accuracy.compared_as is None and accuracy.snr_db == pytest.approx(expected)
+    as_labels = OutputComparison()
+    as_labels.add(reference, test)
+    assert as_labels.summary()["y"].compared_as == LABELS  # without its grid: a label

@@ -348,6 +348,43 @@ def test_relu_on_integers_is_moved_only_at_a_zero_point_of_zero() -> None:
         assert_same(source, converted)
 
 
+def test_rounding_floor_of_an_int8_input_moves_it_by_one_integer(tmp_path: Path) -> None:
+    """An int8 input is already its own integers: the floor moves a quarter of them by one."""
+    from pipeline.quantize.evaluate import input_jitter
+
+    model = int8_io_model()
+    assert pq.input_steps(model) == {"x": 1.0}
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    for index in range(3):
+        x = RNG.integers(-128, 128, (1, 192)).astype(np.int8)
+        np.savez(tmp_path / f"sample_{index:04d}.npz", x=x)
+    floor = input_jitter(tmp_path / "m.onnx", tmp_path, pq.input_steps(model))["y"]
+    assert floor.compared_as is None and 10.0 < floor.snr_db < 60.0, floor
+
+
+@pytest.mark.qnn
+def test_int8_outputs_are_validated_as_values_through_both_stages(tmp_path: Path) -> None:
+    """The quantize record carries the int8 output's grid; compile, whose environment may have
+    no onnx to read it, compares the ctx's integers as the values they stand for (as labels
+    they read "% agree" and no SNR gate applied)."""
+    from pipeline.__main__ import main
+
+    config = _config(tmp_path, int8_io_model())
+    artifacts = str(tmp_path / "a")
+    assert main(["quantize", "--artifacts", artifacts, str(config)]) == 0
+    record = json.loads((tmp_path / "a" / "build" / "pq" / "record.json").read_text())
+    assert record["summary"]["output_grids"] == {"y": [0.125, -3]}
+    # compile's own validation (the worker), not the adopted run of the quantize stage's judge
+    (tmp_path / "a" / "build" / "pq" / "buckets" / "static" / "htp_probe.json").unlink()
+    assert main(["compile", "--artifacts", artifacts, str(config)]) == 0
+    (variant,) = (tmp_path / "a" / "build" / "pq" / "ctx").glob("*/*/variant.json")
+    validation = json.loads(variant.read_text())["validation"]
+    assert "judge" not in validation.get("measured_by", ""), validation
+    accuracy = validation["ctx_vs_qdq"]["y"]
+    assert accuracy.get("compared_as") is None and accuracy["snr_db"] > 30.0, accuracy
+    assert accuracy["max_abs"] <= 0.125 * 2  # a step or two of its own grid apart, if any
+
+
 def test_a_dense_layer_as_matmul_and_bias_add_becomes_a_gemm() -> None:
     """tf2onnx writes an int8 TFLite Dense layer as MatMul + Add of an int32 DQ bias; the QNN
     EP left that DQ on the CPU (the build failed its coverage gate)."""

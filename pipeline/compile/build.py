@@ -270,6 +270,7 @@ def make_job(
         load_runs=settings.load_runs,
         max_partitions=settings.max_partitions,
         allowed_cpu_ops=list(settings.allowed_cpu_ops),
+        output_grids=dict(inputs.record.summary.output_grids),
         min_snr_db=settings.min_snr_db,
         snr_floor_db={
             name: floor - ROUNDING_MARGIN_DB

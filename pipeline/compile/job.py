@@ -59,6 +59,9 @@ class CompileJob:
     load_runs: int = 3
     max_partitions: int = 1
     allowed_cpu_ops: list[str] = field(default_factory=list)
+    # Integer outputs a QuantizeLinear writes: [scale, zero point] (the quantize record's), to
+    # compare them as values.
+    output_grids: dict[str, list[float]] = field(default_factory=dict)
     min_snr_db: float = 0.0
     # Per output, a lower gate for a pre-quantized model: its own rounding floor less a margin
     # (an implementation that rounds ties otherwise lands about that far from the CPU).

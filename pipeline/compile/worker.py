@@ -427,7 +427,10 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
     float_map = dict(
         zip(names, float_names if set(names) - set(float_names) else names, strict=False)
     )
-    vs_qdq, vs_float, qdq_vs_float = OutputComparison(), OutputComparison(), OutputComparison()
+    grids = {
+        name: (scale, int(zero_point)) for name, (scale, zero_point) in job.output_grids.items()
+    }
+    vs_qdq, vs_float, qdq_vs_float = (OutputComparison(grids) for _ in range(3))
     on_htp = 0.0  # seconds the ctx ran: past the budget, no new sample (HTP_MIN_SAMPLES run)
     for feeds in _feeds(job, bucket, ctx_session):
         ran = vs_qdq.samples

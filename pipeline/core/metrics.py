@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -111,14 +112,67 @@ def _sums(r: np.ndarray, t: np.ndarray) -> tuple[float, float, float, float, flo
     return float(r @ r), float(e @ e), float(r @ t), float(t @ t), worst
 
 
+# (scale, zero point) of an integer output that a QuantizeLinear writes.
+Grid = tuple[float, int]
+_GRIDS: dict[tuple[str, int, int], dict[str, Grid]] = {}
+
+
+def quantized_output_grids(*models: str | Path | None) -> dict[str, Grid]:
+    """Graph outputs of ``models`` written by a per-tensor QuantizeLinear with constant scale
+    and zero point: a model exported with int8 outputs (TFLite int8 I/O). Their integers
+    are quantized values, not labels, and are compared as the values they stand for."""
+    grids: dict[str, Grid] = {}
+    for model in models:
+        if model is None or not Path(model).is_file():
+            continue
+        stat = Path(model).stat()
+        key = (str(model), stat.st_size, stat.st_mtime_ns)
+        if key not in _GRIDS:
+            _GRIDS[key] = _read_output_grids(Path(model))
+        grids.update(_GRIDS[key])
+    return grids
+
+
+def _read_output_grids(path: Path) -> dict[str, Grid]:
+    try:  # the quantize stage's environment; a compile environment may lack onnx
+        import onnx
+        from onnx import numpy_helper
+    except ImportError:
+        return {}
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    inits = {i.name: i for i in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    grids = {}
+    for node in graph.node:
+        if node.op_type != "QuantizeLinear" or node.output[0] not in outputs:
+            continue
+        params = [inits.get(name) for name in node.input[1:3]]
+        if len(params) < 2 or any(p is None or p.data_location for p in params):
+            continue
+        scale, zero_point = (numpy_helper.to_array(p) for p in params)  # type: ignore[arg-type]
+        if scale.size == 1 and zero_point.size == 1:
+            grids[node.output[0]] = (float(scale.reshape(())), int(zero_point.reshape(())))
+    return grids
+
+
+def _dequantized(value: Any, grid: Grid) -> Any:
+    array = np.asarray(value)
+    if array.dtype.kind not in "iu":
+        return value
+    return (array.astype(np.float64) - grid[1]) * grid[0]
+
+
 class OutputComparison:
     """Accumulates reference/test pairs per output over samples, without keeping the samples.
 
     SNR is computed over all samples pooled (sum of signal / sum of noise), which is steadier
-    than averaging per-sample SNRs.
+    than averaging per-sample SNRs. Outputs in ``grids`` (``quantized_output_grids``) are
+    compared as the values their integers stand for.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, grids: Mapping[str, Grid] | None = None) -> None:
+        self.grids = dict(grids or {})
         self._signal: dict[str, float] = {}
         self._noise: dict[str, float] = {}
         self._max_abs: dict[str, float] = {}
@@ -132,8 +186,14 @@ class OutputComparison:
 
     def add(self, reference: Mapping[str, Any], test: Mapping[str, Any]) -> None:
         for name, ref in reference.items():
+            other = test[name]
+            if name in self.grids:
+                ref, other = (
+                    _dequantized(ref, self.grids[name]),
+                    _dequantized(other, self.grids[name]),
+                )
             kind, ref_array = comparable(ref)
-            _, test_array = comparable(test[name])
+            _, test_array = comparable(other)
             self._kind[name] = kind
             if kind == LABELS:
                 same = ref_array.shape == test_array.shape

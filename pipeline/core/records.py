@@ -150,6 +150,9 @@ class QuantizeSummary:
     # A pre-quantized model's own rounding floor per output (dB): the model against itself with
     # its inputs moved by half a step. Empty for a model this pipeline quantized.
     rounding_floor_db: dict[str, float] = field(default_factory=dict)
+    # Integer outputs a QuantizeLinear writes (a model with int8 I/O): [scale, zero point], so
+    # that compile compares them as values (its environment may have no onnx to read them).
+    output_grids: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

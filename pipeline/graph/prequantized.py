@@ -1097,10 +1097,16 @@ def _clipped_by_q(relu: onnx.NodeProto, view: _Graph) -> bool:
 def input_steps(model: onnx.ModelProto) -> dict[str, float]:
     """Graph input -> the quantization step of the QuantizeLinear that reads it (per-tensor),
     also through ops that only move its values (TFLite int8 exports reshape or transpose the
-    input before its first Q: without them the jitter moved nothing and the floor read inf)."""
+    input before its first Q: without them the jitter moved nothing and the floor read inf).
+    An integer input (a model with int8 I/O) is already quantized: its step is 1."""
     view = _Graph(model.graph)
     steps: dict[str, float] = {}
     for value in model.graph.input:
+        if value.type.tensor_type.elem_type in _INT_RANGES and value.name in _integer_input_grids(
+            model.graph, view
+        ):
+            steps[value.name] = 1.0
+            continue
         tensors = [value.name]
         while tensors:
             tensor = tensors.pop()

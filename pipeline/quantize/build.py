@@ -41,7 +41,7 @@ from ..core.fileio import atomic_dir, atomic_path, link_or_copy, sha256_file
 from ..core.layout import BucketPaths, ModelPaths, sample_name, samples_in
 from ..core.lock import locked
 from ..core.memory import adapt_heap_to, release_freed_memory
-from ..core.metrics import worst_snr
+from ..core.metrics import quantized_output_grids, worst_snr
 from ..core.records import (
     BucketArtifacts,
     BuildInputs,
@@ -839,6 +839,12 @@ def _record(
             outputs=report.buckets[-1].qdq_vs_float,
             prepare_steps=[c.step for c in state.largest.changes if c.details],
             mixed_precision=[t.name for t in mixed.tensors] if mixed else [],
+            output_grids={
+                name: [scale, zero_point]
+                for name, (scale, zero_point) in quantized_output_grids(
+                    paths.bucket(state.plan.largest.name).qdq
+                ).items()
+            },
             rounding_floor_db={
                 name: accuracy.snr_db
                 for name, accuracy in (

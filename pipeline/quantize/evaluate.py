@@ -26,7 +26,7 @@ from ..core.dtypes import np_dtype
 from ..core.fileio import sha256_file
 from ..core.layout import samples_in
 from ..core.memory import release_freed_memory
-from ..core.metrics import Accuracy, OutputComparison, storable
+from ..core.metrics import Accuracy, OutputComparison, quantized_output_grids, storable
 from ..core.records import folder_digest
 from ..graph.buckets import BucketPlan
 
@@ -187,7 +187,7 @@ def _evaluate(reference_model: Path, test_model: Path, heldout: Path) -> dict[st
         del ref
         release_freed_memory()  # the reference's session
         test = KeptRuns(test_model)
-        comparison = OutputComparison()
+        comparison = OutputComparison(quantized_output_grids(reference_model, test_model))
         for index, feeds in enumerate(iter_samples(heldout)):
             got = test.run_named(names, feeds)
             comparison.add(expected.get(index), got)
@@ -265,7 +265,8 @@ def end_to_end(
         except _SourceDoesNotLoad as exc:
             return EndToEnd(0, error=f"the source model does not load on the CPU EP: {exc}"[:400])
         release_freed_memory()  # the source's session
-        vs_qdq, vs_float = OutputComparison(), OutputComparison()
+        grids = quantized_output_grids(*qdqs.values())
+        vs_qdq, vs_float = OutputComparison(grids), OutputComparison(grids)
         mismatched = _compare_buckets(plan, qdqs, heldout, names, expected, vs_qdq)
         release_freed_memory()
         _compare_buckets(plan, floats, heldout, names, expected, vs_float)
@@ -376,12 +377,20 @@ def input_jitter(
     session = cpu_session(model)
     names = [o.name for o in session.get_outputs()]
     rng = np.random.default_rng(seed)
-    comparison = OutputComparison()
+    comparison = OutputComparison(quantized_output_grids(model))
     for feeds in iter_samples(heldout):
         moved = dict(feeds)
         for name, step in steps.items():
-            if name in moved and np.issubdtype(moved[name].dtype, np.floating):
-                value = moved[name]
+            if name not in moved:
+                continue
+            value = moved[name]
+            if np.issubdtype(value.dtype, np.integer):  # int8 I/O: already its own integers
+                info = np.iinfo(value.dtype)
+                noise = rng.choice([-1, 0, 1], value.shape, p=[0.125, 0.75, 0.125])
+                moved[name] = np.clip(value.astype(np.int64) + noise, info.min, info.max).astype(
+                    value.dtype
+                )
+            elif np.issubdtype(value.dtype, np.floating):
                 if _on_grid(value, step):
                     noise = step * rng.choice([-1.0, 0.0, 1.0], value.shape, p=[0.125, 0.75, 0.125])
                 else:
