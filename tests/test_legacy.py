@@ -286,11 +286,28 @@ def test_ceil_mode_average_pool_becomes_floor_mode_with_the_same_numbers(
     assert [n.op_type for n in prepared(model).graph.node] == ops
 
 
+def whole_fp16_on_htp(
+    work: Path, variants: dict[str, onnx.ModelProto], shape: list[int]
+) -> dict[str, float]:
+    """Each model of ``variants`` run whole in fp16 on the HTP simulator on one seeded sample:
+    its ctx vs float SNR (dB); each must run in one partition with no CPU node."""
+    from pipeline.htp.probe import probe
+
+    np.savez(work / "sample.npz", x=RNG.standard_normal(shape).astype(np.float32))
+    results = {}
+    for name, candidate in variants.items():
+        path = work / f"{name}.onnx"
+        onnx.save(candidate, str(path))
+        result = probe(path, path, [work / "sample.npz"], work / name, 60, 73)
+        assert result.ok, result.error
+        assert result.partitions == 1 and result.cpu_nodes == 0
+        results[name] = result.worst_ctx_vs_float
+    return results
+
+
 @pytest.mark.qnn
 def test_the_htp_computes_the_floor_mode_pool_right(tmp_path: Path) -> None:
     """The HTP's ceil-mode AveragePool is wrong (whole model in fp16 on the simulator)."""
-    from pipeline.htp.probe import probe
-
     model = ceil_pool(3, 2, 0, 0, 16)
     # A Conv first: a graph of the pool alone on the input is refused by the QNN EP either way.
     weight = numpy_helper.from_array(RNG.standard_normal((2, 2, 3, 3)).astype(np.float32), "w")
@@ -299,18 +316,64 @@ def test_the_htp_computes_the_floor_mode_pool_right(tmp_path: Path) -> None:
     model.graph.node[1].input[0] = "c"
     output = oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 8, 8])  # 16 -> 8, ceil
     model.graph.output[0].CopyFrom(output)
-    np.savez(tmp_path / "sample.npz", x=RNG.standard_normal([1, 2, 16, 16]).astype(np.float32))
-    results = {}
-    for name, candidate in (("ceil", model), ("floor", legacy.avg_pool_ceil_mode(model)[0])):
-        onnx.save(candidate, str(tmp_path / f"{name}.onnx"))
-        path = tmp_path / f"{name}.onnx"
-        result = probe(path, path, [tmp_path / "sample.npz"], tmp_path / name, 60, 73)
-        assert result.ok, result.error
-        assert result.partitions == 1 and result.cpu_nodes == 0
-        results[name] = result.worst_ctx_vs_float
+    variants = {"ceil": model, "floor": legacy.avg_pool_ceil_mode(model)[0]}
+    results = whole_fp16_on_htp(tmp_path, variants, [1, 2, 16, 16])
     assert results["floor"] > 50.0, results
     # If a new QNN SDK gets ceil mode right, this says so: the rewrite is then only exact.
     assert results["ceil"] < 20.0, results
+
+
+# --- pools of non-overlapping windows over start padding --------------------------------------
+
+
+def disjoint_pool(op: str, kernel: int, pads: list[int], counts: int = 1, size: int = 14):
+    """A pool with stride = kernel and pads, as ``nn.AvgPool2d(k, k, padding=p)`` exports it."""
+    attrs = {"count_include_pad": counts} if op == "AveragePool" else {}
+    pool = oh.make_node(
+        op, ["x"], ["y"], kernel_shape=[kernel] * 2, strides=[kernel] * 2, pads=pads, **attrs
+    )
+    model = model_of([pool], 21, in_shape=[1, 2, size, size])
+    model.ir_version = 10
+    return model
+
+
+@pytest.mark.parametrize(
+    ("op", "kernel", "pads", "counts", "size", "ops"),
+    [
+        ("AveragePool", 2, [1, 1, 1, 1], 1, 14, ["Conv"]),
+        ("AveragePool", 4, [1, 1, 1, 1], 0, 14, ["Conv", "Mul"]),
+        ("AveragePool", 3, [1, 1, 0, 0], 0, 13, ["Conv", "Mul"]),
+        ("MaxPool", 4, [1, 2, 1, 0], 0, 14, ["Pad", "MaxPool"]),
+        ("AveragePool", 2, [0, 0, 1, 1], 0, 13, ["AveragePool"]),  # end pads only: right
+    ],
+)
+def test_a_pool_of_disjoint_windows_over_start_pads_gets_an_explicit_pad(
+    op: str, kernel: int, pads: list[int], counts: int, size: int, ops: list[str]
+) -> None:
+    model = disjoint_pool(op, kernel, pads, counts, size)
+    rewritten, change = legacy.explicit_pool_pads(model)
+    assert change.changed is (ops != [op]) and [n.op_type for n in rewritten.graph.node] == ops
+    x = RNG.standard_normal([1, 2, size, size]).astype(np.float32)
+    np.testing.assert_allclose(run(rewritten, x), run(model, x), rtol=1e-5, atol=1e-6)
+    assert [n.op_type for n in prepared(model).graph.node] == ops
+
+
+@pytest.mark.qnn
+def test_the_htp_pools_disjoint_windows_right_after_an_explicit_pad(tmp_path: Path) -> None:
+    """Quantized and in fp16 the HTP gets these pools wrong (or dies compiling some); the
+    whole model in fp16 on the simulator shows it."""
+    model = disjoint_pool("AveragePool", 2, [1, 1, 1, 1], 1, 24)
+    weight = numpy_helper.from_array(RNG.standard_normal((2, 2, 3, 3)).astype(np.float32), "w")
+    model.graph.initializer.append(weight)
+    model.graph.node.insert(0, oh.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]))
+    model.graph.node[1].input[0] = "c"
+    output = oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 13, 13])
+    model.graph.output[0].CopyFrom(output)
+    variants = {"own": model, "explicit": legacy.explicit_pool_pads(model)[0]}
+    results = whole_fp16_on_htp(tmp_path, variants, [1, 2, 24, 24])
+    assert results["explicit"] > 50.0, results
+    # If a new QNN SDK pools these right, this says so: the rewrite is then only exact.
+    assert results["own"] < 20.0, results
 
 
 # --- a BatchNormalization with nothing to fold into ----------------------------------------------

@@ -404,6 +404,122 @@ def batchnorm_to_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
     return edit.checked_change(model, "batchnorm_to_affine", details)
 
 
+def _pool_geometry(attrs: dict[str, Any]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A pool's kernel, strides, pads and dilations with ONNX's defaults."""
+    kernel = [int(k) for k in attrs.get("kernel_shape", [])]
+    spatial = len(kernel)
+    return (
+        kernel,
+        [int(v) for v in attrs.get("strides", [1] * spatial)],
+        [int(v) for v in attrs.get("pads", [0] * 2 * spatial)],
+        [int(v) for v in attrs.get("dilations", [1] * spatial)],
+    )
+
+
+def explicit_pool_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A pool whose windows do not overlap (stride >= kernel) with padding at the start of an
+    axis -> the same windows over the same values without the pool's own pads: a MaxPool after
+    an edge Pad (a window that reaches into the padding holds the border value it copies), an
+    AveragePool as a depthwise Conv of constant 1 / window size with those pads (zeros, which
+    count), scaled back by each window's size over the cells it covers where the pads did not
+    count (count_include_pad = 0).
+
+    Why: the QNN HTP computes such a pool wrongly, quantized and in fp16 (an AveragePool 4x4/4
+    with a pad of 1: 1.2 dB, 2x2/2: -2.3 dB, 3x3/3: 0.1 dB on some sizes) and dies compiling
+    some (a native crash on a 4x4/4 MaxPool or AveragePool); overlapping windows and end pads
+    alone are right. An explicit zero Pad does not help an AveragePool: the HTP fuses it back
+    (-78 dB); the Conv is right (68 dB in fp16, 46-49 dB quantized, as any depthwise Conv).
+    """
+    model = edit.copy_model(model)
+    graph = model.graph
+    namer = edit.FreshNames(model)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+    nodes: list[onnx.NodeProto] = []
+    details = []
+    for node in graph.node:
+        nodes.append(node)
+        if node.op_type not in ("AveragePool", "MaxPool") or node.domain not in _DEFAULT:
+            continue
+        attrs = _attrs(node)
+        kernel, strides, pads, dilations = _pool_geometry(attrs)
+        spatial = len(kernel)
+        if (
+            not kernel
+            or int(attrs.get("ceil_mode", 0))
+            or _text(attrs.get("auto_pad"), "NOTSET") != "NOTSET"
+            or any(d != 1 for d in dilations)
+            or len([o for o in node.output if o]) != 1
+            or not any(pads[i] and strides[i] >= kernel[i] for i in range(spatial))
+        ):
+            continue
+        base = node.name or node.output[0]
+        if node.op_type == "MaxPool":
+            full = [0, 0, *pads[:spatial], 0, 0, *pads[spatial:]]
+            pads_name, padded = namer(f"{base}_pads"), namer(f"{base}_padded")
+            graph.initializer.append(numpy_helper.from_array(np.array(full, np.int64), pads_name))
+            pad = onnx.helper.make_node(
+                "Pad", [node.input[0], pads_name], [padded], name=namer(f"{base}_pad"), mode="edge"
+            )
+            nodes.insert(len(nodes) - 1, pad)
+            node.input[0] = padded
+            edit.replace_attributes(node, ("pads",))
+            details.append(f"{edit.node_label(node)}: pads {pads} -> an edge Pad before it")
+            continue
+        values = values if values is not None else edit.inferred_values(model)
+        dims = [
+            edit.value_shape(values[name]) if name in values else None
+            for name in (node.input[0], node.output[0])
+        ]
+        if any(d is None or len(d) != spatial + 2 or not all(d) for d in dims):
+            continue  # no static shape: no channel count for the Conv
+        (size_in, size_out) = dims  # type: ignore[misc]
+        channels = int(size_in[1])
+        window = np.full([channels, 1, *kernel], 1.0 / float(np.prod(kernel)), np.float32)
+        weight = namer(f"{base}_window")
+        graph.initializer.append(numpy_helper.from_array(window, weight))
+        conv = onnx.helper.make_node(
+            "Conv",
+            [node.input[0], weight],
+            [node.output[0]],
+            name=node.name,
+            kernel_shape=kernel,
+            strides=strides,
+            pads=pads,
+            group=channels,
+        )
+        nodes[-1] = conv
+        how = "a depthwise Conv of 1 / window size"
+        if int(attrs.get("count_include_pad", 0)) != 1:
+            scale = _window_scale(kernel, strides, pads, list(size_in[2:]), list(size_out[2:]))
+            out, summed = conv.output[0], namer(f"{base}_over_window")
+            conv.output[0] = summed
+            factor = namer(f"{base}_window_scale")
+            graph.initializer.append(numpy_helper.from_array(scale, factor))
+            nodes.append(
+                onnx.helper.make_node("Mul", [summed, factor], [out], name=namer(f"{base}_scale"))
+            )
+            how += ", scaled by each window's size over the cells it covers"
+        details.append(f"{edit.node_label(node)}: pads {pads} -> {how}")
+    if details:
+        edit.set_nodes(graph, nodes)
+    return edit.checked_change(model, "explicit_pool_pads", details)
+
+
+def _window_scale(
+    kernel: list[int], strides: list[int], pads: list[int], size_in: list[int], size_out: list[int]
+) -> np.ndarray:
+    """[1, 1, *size_out]: kernel volume / the input cells each window covers (pads excluded)."""
+    spatial = len(kernel)
+    counts = np.ones([1, 1, *size_out], np.float64)
+    for axis in range(spatial):
+        starts = np.arange(size_out[axis]) * strides[axis] - pads[axis]
+        covered = np.minimum(starts + kernel[axis], size_in[axis]) - np.maximum(starts, 0)
+        shape = [1] * (spatial + 2)
+        shape[2 + axis] = size_out[axis]
+        counts = counts * covered.reshape(shape)
+    return (float(np.prod(kernel)) / counts).astype(np.float32)
+
+
 def avg_pool_ceil_mode(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """AveragePool(ceil_mode = 1) -> the same pool in floor mode over explicit end padding.
 
@@ -426,13 +542,10 @@ def avg_pool_ceil_mode(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
         if node.op_type != "AveragePool" or node.domain not in _DEFAULT:
             continue
         attrs = _attrs(node)
-        kernel = [int(k) for k in attrs.get("kernel_shape", [])]
+        kernel, strides, pads, dilations = _pool_geometry(attrs)
         if not int(attrs.get("ceil_mode", 0)) or not kernel:
             continue
         spatial = len(kernel)
-        strides = [int(s) for s in attrs.get("strides", [1] * spatial)]
-        pads = [int(p) for p in attrs.get("pads", [0] * 2 * spatial)]
-        dilations = [int(d) for d in attrs.get("dilations", [1] * spatial)]
         if _text(attrs.get("auto_pad"), "NOTSET") != "NOTSET" or any(d != 1 for d in dilations):
             continue
         if values is None:

@@ -87,6 +87,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         numerics.log_of_large_gain,  # log(1 + 2^20 * magnitude): the product overflows fp16
         t.qnn_preprocess,
         t.fuse_hardswish,  # qnn_preprocess splits HardSwish; the QNN EP's fp16 fusion is wrong
+        legacy.explicit_pool_pads,  # the HTP pools non-overlapping windows over start pads wrongly
         t.explicit_conv_pads,  # the HTP pads a 9x9 Conv of 3 channels wrongly (after
         # qnn_preprocess, whose optimizer folds a Pad of zeros back into the Conv)
         t.unshare_biases,  # onnxruntime's quantizer names its copies into other tensors
