@@ -385,6 +385,22 @@ def test_int8_outputs_are_validated_as_values_through_both_stages(tmp_path: Path
     assert accuracy["max_abs"] <= 0.125 * 2  # a step or two of its own grid apart, if any
 
 
+def test_htp_rewrites_of_float_ops_leave_a_prequantized_model_alone() -> None:
+    """Between its own DQ and Q the CPU computes a Conv or a pool in integers: a Pad before it,
+    or a Conv in its place, would be another rounding (the lossless check failed: 35 dB)."""
+    from pipeline.graph import legacy
+    from pipeline.graph import transforms as t
+
+    b = Builder()
+    x = b.qdq("x", 2.0**-5, 128)
+    conv = b.node("Conv", [x, b.weight([4, 3, 9, 9]), b.bias(4, 2.0**-11)], pads=[4, 4, 4, 4])
+    pool = b.node("AveragePool", [b.qdq(conv, 2.0**-4, 128)], kernel_shape=[2, 2], strides=[2, 2])
+    edit.replace_attributes(b.nodes[-1], (), pads=[1, 1, 1, 1])
+    model = b.model(b.qdq(pool, 2.0**-4, 128), out_shape=[1, 4, 5, 5])
+    assert not t.explicit_conv_pads(model)[1].changed
+    assert not legacy.explicit_pool_pads(model)[1].changed
+
+
 def test_a_dense_layer_as_matmul_and_bias_add_becomes_a_gemm() -> None:
     """tf2onnx writes an int8 TFLite Dense layer as MatMul + Add of an int32 DQ bias; the QNN
     EP left that DQ on the CPU (the build failed its coverage gate)."""

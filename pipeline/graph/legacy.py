@@ -429,8 +429,14 @@ def explicit_pool_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     some (a native crash on a 4x4/4 MaxPool or AveragePool); overlapping windows and end pads
     alone are right. An explicit zero Pad does not help an AveragePool: the HTP fuses it back
     (-78 dB); the Conv is right (68 dB in fp16, 46-49 dB quantized, as any depthwise Conv).
+    A pre-quantized model keeps its pools: between its own DQ and Q the CPU computes them in
+    integers, and a float Conv in their place is another rounding (35 dB apart on uint8).
     """
+    from .prequantized import is_prequantized
+
     model = edit.copy_model(model)
+    if is_prequantized(model):
+        return edit.checked_change(model, "explicit_pool_pads", [])
     graph = model.graph
     namer = edit.FreshNames(model)
     values: dict[str, onnx.ValueInfoProto] | None = None

@@ -1844,9 +1844,14 @@ def explicit_conv_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     3.6 dB; measured on the simulator, in QNN 2.51), while the same Conv after an explicit Pad
     agrees (78 and 64 dB). WinML's fast-neural-style models (candy, udnie): 19.1 dB vs float
     on the HTP, 42 dB with this Conv in fp16. The Pad writes zeros, which the quantized graph
-    holds exactly at the zero point.
+    holds exactly at the zero point. A pre-quantized model keeps its Convs: a Pad between its
+    own DQ and Conv would end the unit the CPU computes in integers (another rounding).
     """
+    from .prequantized import is_prequantized
+
     model = copy_model(model)
+    if is_prequantized(model):
+        return model, Change("explicit_conv_pads")
     graph = model.graph
     inits = initializers_by_name(graph)
     fresh = FreshNames(model)
