@@ -134,6 +134,13 @@ def quantized_output_grids(*models: str | Path | None) -> dict[str, Grid]:
 
 
 def _read_output_grids(path: Path) -> dict[str, Grid]:
+    from qnn_ctx_runtime.qnn import read_model_summary
+
+    # The outputs' types first, over mmap: loading a model to find none costs its size in memory
+    # (a segmenter's 176 MB) where the quantize stage's peak is measured.
+    quantized_types = {"int8", "uint8", "int16", "uint16"}
+    if not any(o.dtype in quantized_types for o in read_model_summary(path).outputs):
+        return {}
     try:  # the quantize stage's environment; a compile environment may lack onnx
         import onnx
         from onnx import numpy_helper
