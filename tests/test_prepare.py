@@ -97,8 +97,26 @@ def test_prepare_names_tensors_that_stay_dynamic_and_their_op() -> None:
         '<ir_version: 8, opset_import: ["": 13]> g (float[4] x) => (int64[1, ?] y) '
         "{ y = NonZero(x) }"
     )
-    with pytest.raises(ModelError, match=r"'y' from NonZero"):
+    with pytest.raises(ModelError, match=r"'y' from NonZero") as info:
         prepare_model(model, InputsSection())
+    assert "as many values as the data decides" in (info.value.tip or "")  # no dims fix it
+
+
+def test_a_detector_with_its_nms_gets_a_tip_to_leave_it_out() -> None:
+    """A detector exported 'with post': NMS keeps as many boxes as the data decides."""
+    model = onnx.parser.parse_model(
+        '<ir_version: 8, opset_import: ["": 13]> g (float[1, 8, 4] boxes, float[1, 1, 8] scores)'
+        " => (float[?, 4] kept) { k = Constant<value = int64[1] {5}>() \n"
+        " i = NonMaxSuppression(boxes, scores, k) \n"
+        " c = Constant<value = int64[1] {2}>() \n j = Gather<axis = 1>(i, c) \n"
+        " f = Flatten<axis = 0>(boxes) \n r = Constant<value = int64[2] {8, 4}>() \n"
+        " b = Reshape(f, r) \n jj = Squeeze(j) \n kept = Gather(b, jj) }"
+    )
+    with pytest.raises(ModelError) as info:
+        prepare_model(model, InputsSection())
+    assert "from NonMaxSuppression" in str(info.value)
+    tip = info.value.tip or ""
+    assert "without that post-processing" in tip and "Fix more dims" not in tip
 
 
 def test_a_data_dependent_loop_gets_a_tip_that_no_dims_can_fix() -> None:

@@ -139,6 +139,11 @@ def _run_steps(
     return model, changes
 
 
+# Ops whose output size the data decides (not the input shapes): NMS's kept boxes, NonZero's
+# positions, Unique's values. Nothing after them has a static shape.
+DATA_SIZED_OPS = frozenset({"NonMaxSuppression", "NonZero", "Unique", "Compress"})
+
+
 def _require_static(model: onnx.ModelProto) -> None:
     """A ModelError naming the tensors preparation left without a static shape."""
     dynamic = edit.dynamic_outputs(model)
@@ -157,7 +162,17 @@ def _require_static(model: onnx.ModelProto) -> None:
             "(dims/shapes/constants), or re-export the model without data-dependent shapes."
         )
         loops = [n for _, n in dynamic if n is not None and n.op_type in ("Loop", "Scan")]
-        if loops:  # no dims fix a trip count the data decides (an autoregressive decoder)
+        sized = [n for _, n in dynamic if n is not None and n.op_type in DATA_SIZED_OPS]
+        if sized:  # no dims fix how many boxes NMS keeps (a detector exported "with post")
+            tip = (
+                f"{edit.node_label(sized[0])} returns as many values as the data decides, so "
+                "what it and everything after it produce has no static shape, whatever the "
+                "dims: the HTP holds no such tensor. Export the model without that "
+                "post-processing (a detector without its NMS), or cut it before it (for "
+                "instance with onnx.utils.extract_model, ending at that node's inputs), build "
+                "that part, and run the rest on the CPU."
+            )
+        elif loops:  # no dims fix a trip count the data decides (an autoregressive decoder)
             tip = (
                 f"{edit.node_label(loops[0])} runs a data-dependent number of iterations, so "
                 "what it and everything after it produce has no static shape, whatever the "
