@@ -102,21 +102,84 @@ def test_prepare_names_tensors_that_stay_dynamic_and_their_op() -> None:
     assert "as many values as the data decides" in (info.value.tip or "")  # no dims fix it
 
 
-def test_a_detector_with_its_nms_gets_a_tip_to_leave_it_out() -> None:
-    """A detector exported 'with post': NMS keeps as many boxes as the data decides."""
+def detector_with_nms() -> onnx.ModelProto:
+    """A detector exported 'with post': a Conv head, then NMS keeps as many boxes as the data
+    decides."""
     model = onnx.parser.parse_model(
-        '<ir_version: 8, opset_import: ["": 13]> g (float[1, 8, 4] boxes, float[1, 1, 8] scores)'
-        " => (float[?, 4] kept) { k = Constant<value = int64[1] {5}>() \n"
-        " i = NonMaxSuppression(boxes, scores, k) \n"
+        '<ir_version: 8, opset_import: ["": 13]> g (float[1, 4, 8, 1] x) => (float[?, 4] kept) {'
+        " h = Conv(x, w) \n hs = Squeeze(h, three) \n boxes = Transpose<perm = [0, 2, 1]>(hs) \n"
+        " s = ReduceMean<axes = [1], keepdims = 1>(hs) \n scores = Sigmoid(s) \n"
+        " k = Constant<value = int64[1] {5}>() \n i = NonMaxSuppression(boxes, scores, k) \n"
         " c = Constant<value = int64[1] {2}>() \n j = Gather<axis = 1>(i, c) \n"
-        " f = Flatten<axis = 0>(boxes) \n r = Constant<value = int64[2] {8, 4}>() \n"
-        " b = Reshape(f, r) \n jj = Squeeze(j) \n kept = Gather(b, jj) }"
+        " r = Constant<value = int64[2] {8, 4}>() \n b = Reshape(boxes, r) \n"
+        " jj = Squeeze(j) \n kept = Gather(b, jj) }"
     )
+    rng = np.random.default_rng(3)
+    model.graph.initializer.extend(
+        [
+            numpy_helper.from_array(rng.normal(0, 0.5, (4, 4, 1, 1)).astype(np.float32), "w"),
+            numpy_helper.from_array(np.array([3], np.int64), "three"),
+        ]
+    )
+    return model
+
+
+def test_a_detector_with_its_nms_gets_a_tip_to_leave_it_out() -> None:
     with pytest.raises(ModelError) as info:
-        prepare_model(model, InputsSection())
+        prepare_model(detector_with_nms(), InputsSection())
     assert "from NonMaxSuppression" in str(info.value)
     tip = info.value.tip or ""
-    assert "without that post-processing" in tip and "Fix more dims" not in tip
+    assert "[model] outputs" in tip and "Fix more dims" not in tip
+
+
+def test_model_outputs_cut_the_source_before_its_post_processing() -> None:
+    from pipeline.graph.transforms import cut_at_outputs
+
+    model = detector_with_nms()
+    cut = cut_at_outputs(model, ["boxes", "scores"])
+    assert [o.name for o in cut.graph.output] == ["boxes", "scores"]
+    assert "NonMaxSuppression" not in {n.op_type for n in cut.graph.node}
+    x = np.random.default_rng(4).normal(0, 1, (1, 4, 8, 1)).astype(np.float32)
+    whole = onnx.helper.make_tensor_value_info("boxes", onnx.TensorProto.FLOAT, None)
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    exposed.graph.output.append(whole)
+    want = run(exposed, {"x": x})[1]
+    np.testing.assert_array_equal(run(cut, {"x": x})[0], want)
+    prepared, _ = prepare_model(cut, InputsSection())  # static all the way: it builds
+    assert [o.name for o in prepared.graph.output] == ["boxes", "scores"]
+    with pytest.raises(ModelError, match=r"'score' \(did you mean 'scores'\?\)"):
+        cut_at_outputs(model, ["boxes", "score"])
+
+
+def test_a_detector_cut_before_its_nms_builds(tmp_path: Path) -> None:
+    """The quantize stage with [model] outputs: the part before the NMS is the model every
+    figure refers to (the source as cut), and its QDQ model ends at those tensors."""
+    from pipeline.__main__ import main
+
+    onnx.save(detector_with_nms(), str(tmp_path / "m.onnx"))
+    config = tmp_path / "m.toml"
+    config.write_text(
+        '[model]\nname = "det"\nsource = "m.onnx"\noutputs = ["boxes", "scores"]\n\n'
+        '[calibration]\nkind = "random"\nsamples = 8\n\n[quantization]\nmin_snr_db = 20.0\n'
+    )
+    assert main(["quantize", "--artifacts", str(tmp_path / "a"), str(config)]) == 0
+    qdq = onnx.load(str(tmp_path / "a" / "build" / "det" / "buckets" / "static" / "qdq.onnx"))
+    assert [o.name for o in qdq.graph.output] == ["boxes", "scores"]
+    assert "NonMaxSuppression" not in {n.op_type for n in qdq.graph.node}
+
+
+def test_where_the_source_is_cut_is_part_of_the_quantize_key(tmp_path: Path) -> None:
+    """A new cut must re-quantize; a config without one keeps its digest (no rebuild)."""
+    base = '[model]\nname = "m"\nsource = "m.onnx"\n'
+    rest = '\n[calibration]\nkind = "random"\nsamples = 4\n'
+    (tmp_path / "m.onnx").write_bytes(b"")
+    digests = []
+    for extra in ("", 'outputs = ["boxes", "scores"]\n', 'outputs = ["boxes"]\n'):
+        path = tmp_path / f"c{len(digests)}.toml"
+        path.write_text(base + extra + rest)
+        digests.append(load_config(path, check_files=False).quantize_digest())
+    assert len(set(digests)) == 3
 
 
 def test_a_data_dependent_loop_gets_a_tip_that_no_dims_can_fix() -> None:

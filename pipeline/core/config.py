@@ -57,6 +57,9 @@ class ModelSection:
     source: str
     version: str = "0.1.0"
     description: str = ""
+    # Tensors that become the model's outputs: the part of the source that computes them is
+    # built, the rest (a detector's NMS, data-sized post-processing) is left to the app.
+    outputs: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -257,13 +260,15 @@ class ModelConfig:
         return _hash(data)
 
     def quantize_digest(self) -> str:
-        """A hash of the settings the quantize stage reads: not the release's name, version or
-        description, not [compile] (but its first target, the chip the HTP judge decides on),
+        """A hash of the settings the quantize stage reads: the source and where it is cut
+        (``model.outputs``), not the release's name, version or description, not [compile] (but its first target, the chip the HTP judge decides on),
         not the buckets' packaging or compile options."""
         data = dataclasses.asdict(self)
         for key in ("path", "compile"):
             data.pop(key, None)
         data["model"] = {"source": self.model.source}
+        if self.model.outputs:  # where the source is cut (left out when unset: same digests)
+            data["model"]["outputs"] = list(self.model.outputs)
         for key in ("packaging", "qnn_options"):
             data["buckets"].pop(key, None)
         if self.quantization.judge == "htp":  # the judge decides on the first target's chip

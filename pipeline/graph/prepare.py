@@ -167,10 +167,10 @@ def _require_static(model: onnx.ModelProto) -> None:
             tip = (
                 f"{edit.node_label(sized[0])} returns as many values as the data decides, so "
                 "what it and everything after it produce has no static shape, whatever the "
-                "dims: the HTP holds no such tensor. Export the model without that "
-                "post-processing (a detector without its NMS), or cut it before it (for "
-                "instance with onnx.utils.extract_model, ending at that node's inputs), build "
-                "that part, and run the rest on the CPU."
+                "dims: the HTP holds no such tensor. Set [model] outputs to that node's "
+                "inputs (a detector's boxes and scores before its NMS): the part computing them "
+                "is built, and the app runs the rest on the CPU; or export the model without "
+                "that post-processing."
             )
         elif loops:  # no dims fix a trip count the data decides (an autoregressive decoder)
             tip = (

@@ -291,6 +291,55 @@ def _static_shape(
     return None if missing else new
 
 
+def cut_at_outputs(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
+    """The part of ``model`` that computes ``outputs`` (``[model] outputs``), as its own model
+    with those tensors as its outputs and only the inputs they need.
+
+    Why: what follows them may be data-sized (NMS keeps as many boxes as the data decides),
+    which no static-shape NPU graph holds; the user runs it on the CPU. Raises ModelError
+    naming a tensor the model does not compute, with the closest name.
+    """
+    from onnx.utils import Extractor
+
+    graph = model.graph
+    produced = {o for n in graph.node for o in n.output if o}
+    inputs = [i.name for i in graph.input]
+    known = produced | set(inputs)
+    missing = [name for name in outputs if name not in known]
+    if missing:
+        raise ModelError(
+            "[model] outputs names tensors the model does not compute: "
+            + "; ".join(f"{name!r} ({_hint(name, known)})" for name in missing),
+            tip="Name tensors of the source model (Netron shows them), e.g. the inputs of its "
+            "NonMaxSuppression.",
+        )
+    producer = {o: n for n in graph.node for o in n.output if o}
+    needed, stack = set(), list(outputs)
+    while stack:  # the tensors the outputs depend on, through subgraphs' outer references
+        name = stack.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        node = producer.get(name)
+        if node is not None:
+            stack += [i for i in node.input if i]
+            for sub in subgraphs(node):
+                stack += [i for g in all_graphs(sub) for n in g.node for i in n.input if i]
+    used_inputs = [name for name in inputs if name in needed]
+    try:
+        cut = Extractor(with_inferred_shapes(model)).extract_model(used_inputs, list(outputs))
+    except ValueError as exc:  # shape inference could not type an output named
+        raise ModelError(
+            f"[model] outputs: onnx cannot tell the type of every tensor named ({exc}).",
+            tip="Name tensors whose type shape inference finds, e.g. a Conv's or a Concat's "
+            "output before the post-processing.",
+        ) from None
+    del cut.opset_import[:]
+    cut.opset_import.extend(model.opset_import)
+    cut.ir_version = model.ir_version
+    return cut
+
+
 def fix_input_shapes(
     model: onnx.ModelProto,
     dims: Mapping[str, int],

@@ -55,7 +55,7 @@ from ..core.records import (
     write_record,
 )
 from ..core.report import fmt
-from ..graph import prequantized
+from ..graph import prequantized, transforms
 from ..graph.buckets import BucketPlan
 from ..graph.source import SourceModel, external_data_digests, sort_nodes
 from ..htp.probe import spare_probes
@@ -605,6 +605,8 @@ def _prepare_all(config: ModelConfig, paths: ModelPaths, timings: dict[str, floa
     """Load the source, plan the buckets and prepare each one's static float model."""
     started = time.perf_counter()
     source = load_source_model(config.source_path)
+    if config.model.outputs:  # the part the user builds becomes the source every figure refers to
+        source = transforms.cut_at_outputs(source, config.model.outputs)
     own = None
     # A dynamically quantized model (onnxruntime's quantize_dynamic) has no activation scales
     # to keep: its activations are quantized at run time. It is built from the float model
@@ -619,7 +621,7 @@ def _prepare_all(config: ModelConfig, paths: ModelPaths, timings: dict[str, floa
         own = report_mod.OwnQuantization(False, summary, [], [], list(removed.details), {})
         kept = SourceModel.of(source)
     else:
-        kept = SourceModel.of(source, config.source_path)
+        kept = SourceModel.of(source, None if config.model.outputs else config.source_path)
     steps = prepare_buckets(config, source, lambda name: paths.bucket(name).float_model)
     del source  # only ``kept`` from here on (see SourceModel)
     plan = next(steps)
