@@ -371,6 +371,30 @@ def rename_tensors(graph: onnx.GraphProto, mapping: Mapping[str, str]) -> None:
             init.name = mapping[init.name]
 
 
+def pad_first_input(
+    graph: onnx.GraphProto,
+    nodes: list[onnx.NodeProto],
+    node: onnx.NodeProto,
+    pads: Sequence[int],
+    namer: FreshNames,
+    mode: str = "constant",
+) -> None:
+    """Feed ``node`` its first input through a Pad of its spatial axes by ``pads`` (ONNX order:
+    begins, then ends), inserted just before ``node``, the last of ``nodes`` (a node list being
+    rebuilt). Zeros by default. Dropping the node's own pads is the caller's part."""
+    spatial = len(pads) // 2
+    base = node.name or node.output[0]
+    pads_name, padded = namer(f"{base}_pads"), namer(f"{base}_padded")
+    full = [0, 0, *pads[:spatial], 0, 0, *pads[spatial:]]
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array(full, np.int64), pads_name))
+    attrs = {"mode": mode} if mode != "constant" else {}
+    pad = onnx.helper.make_node(
+        "Pad", [node.input[0], pads_name], [padded], name=namer(f"{base}_pad"), **attrs
+    )
+    nodes.insert(len(nodes) - 1, pad)
+    node.input[0] = padded
+
+
 def replace_attributes(node: onnx.NodeProto, dropped: tuple[str, ...], **new: Any) -> None:
     """Drop ``dropped`` and set ``new`` on ``node`` (an attribute is replaced, not doubled)."""
     kept = [a for a in node.attribute if a.name not in dropped and a.name not in new]

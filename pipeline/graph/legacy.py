@@ -460,14 +460,7 @@ def explicit_pool_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
             continue
         base = node.name or node.output[0]
         if node.op_type == "MaxPool":
-            full = [0, 0, *pads[:spatial], 0, 0, *pads[spatial:]]
-            pads_name, padded = namer(f"{base}_pads"), namer(f"{base}_padded")
-            graph.initializer.append(numpy_helper.from_array(np.array(full, np.int64), pads_name))
-            pad = onnx.helper.make_node(
-                "Pad", [node.input[0], pads_name], [padded], name=namer(f"{base}_pad"), mode="edge"
-            )
-            nodes.insert(len(nodes) - 1, pad)
-            node.input[0] = padded
+            edit.pad_first_input(graph, nodes, node, pads, namer, mode="edge")
             edit.replace_attributes(node, ("pads",))
             details.append(f"{edit.node_label(node)}: pads {pads} -> an edge Pad before it")
             continue
@@ -583,17 +576,7 @@ def avg_pool_ceil_mode(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
             details.append(f"{edit.node_label(node)}: ceil_mode 1 -> 0 (no window overhangs)")
             continue
         if counts_pads:  # the explicit pads count: make them zeros the pool averages over
-            base = node.name or node.output[0]
-            pads_name, padded = namer(f"{base}_pads"), namer(f"{base}_padded")
-            full = [0, 0, *pads[:spatial], 0, 0, *pads[spatial:]]
-            graph.initializer.append(numpy_helper.from_array(np.array(full, np.int64), pads_name))
-            nodes.insert(
-                len(nodes) - 1,
-                onnx.helper.make_node(
-                    "Pad", [node.input[0], pads_name], [padded], name=namer(f"{base}_pad")
-                ),
-            )
-            node.input[0] = padded
+            edit.pad_first_input(graph, nodes, node, pads, namer)
             new_pads = [0] * spatial + overhang
         else:
             new_pads = pads[:spatial] + ends

@@ -1100,12 +1100,9 @@ def input_steps(model: onnx.ModelProto) -> dict[str, float]:
     input before its first Q: without them the jitter moved nothing and the floor read inf).
     An integer input (a model with int8 I/O) is already quantized: its step is 1."""
     view = _Graph(model.graph)
-    steps: dict[str, float] = {}
+    steps: dict[str, float] = dict.fromkeys(_integer_input_grids(model.graph, view), 1.0)
     for value in model.graph.input:
-        if value.type.tensor_type.elem_type in _INT_RANGES and value.name in _integer_input_grids(
-            model.graph, view
-        ):
-            steps[value.name] = 1.0
+        if value.name in steps:
             continue
         tensors = [value.name]
         while tensors:

@@ -39,6 +39,7 @@ from .edit import (
     node_label,
     numpy_dtype,
     opset_version,
+    pad_first_input,
     readers_by_tensor,
     remove_dead_nodes,
     rename_tensors,
@@ -1921,17 +1922,7 @@ def explicit_conv_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
             or not any(pads)
         ):
             continue
-        base = node.name or node.output[0]
-        pads_name, padded = fresh(f"{base}_pads"), fresh(f"{base}_padded")
-        full = [0, 0, *pads[:2], 0, 0, *pads[2:]]
-        graph.initializer.append(numpy_helper.from_array(np.array(full, np.int64), pads_name))
-        nodes.insert(
-            len(nodes) - 1,
-            onnx.helper.make_node(
-                "Pad", [node.input[0], pads_name], [padded], name=fresh(base + "_pad")
-            ),
-        )
-        node.input[0] = padded
+        pad_first_input(graph, nodes, node, pads, fresh)
         replace_attributes(node, ("pads",))
         details.append(f"{node_label(node)}: pads {pads} -> a Pad of zeros before it")
     if not details:
