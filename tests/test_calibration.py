@@ -256,6 +256,25 @@ def test_python_reader_and_fill_others(tmp_path: Path) -> None:
     assert np.all(next(iter(calib))["state"] == 0)
 
 
+def test_recurrent_python_reader_holds_out_the_streams_tail(tmp_path: Path) -> None:
+    """A streaming reader's windows stay neighbours on both sides of the split."""
+    (tmp_path / "reader.py").write_text(
+        "import numpy as np\n"
+        "def read(path, specs):\n"
+        "    for i in range(12):\n"
+        "        yield {'x': np.full((1, 3, 8, 8), i, np.float32)}\n"
+    )
+    config = make_config(
+        tmp_path,
+        'kind = "python"\nreader = "reader.py:read"\nsamples = 12\nheld_out = 0.25\n'
+        'recurrent = { state = "state_out" }',
+    )
+    specs = [*SPEC, InputSpec("state", (2, 4), np.dtype("float32"))]
+    calib, held = build_samples(config, specs)
+    assert [ref.index for ref in calib.refs] == list(range(9))
+    assert [ref.index for ref in held.refs] == [9, 10, 11]
+
+
 def test_python_reader_import_error(tmp_path: Path) -> None:
     config = make_config(tmp_path, 'kind = "python"\nreader = "no_such_module_xyz:read"')
     with pytest.raises(CalibrationError, match="cannot be imported"):

@@ -458,7 +458,10 @@ def _python_source(
     if total == 0:
         raise CalibrationError(f"calibration.reader {cal.reader!r} produced no samples.")
     refs = [SampleRef(folder, index=i) for i in range(total)]
-    calib, held = _split(refs, cal.held_out)
+    # A streaming model's state is only meaningful across neighbours: hold out the stream's
+    # tail, as for audio files, rather than every k-th window (which would carry each state
+    # across the windows the other half took).
+    calib, held = (_split_by_file if cal.recurrent else _split)(refs, cal.held_out)
 
     def stream(wanted: list[SampleRef]) -> Iterator[tuple[SampleRef, Feeds]]:
         keep = {r.index: r for r in wanted}
