@@ -438,3 +438,86 @@ def test_the_whole_model_in_fp16_keeps_the_finite_mask_fill(tmp_path: Path, form
     assert result.ok, result.error
     assert result.partitions == 1 and result.cpu_nodes == 0
     assert result.worst_ctx_vs_float > 45.0, result.worst_ctx_vs_float
+
+
+# --- LayerNorm over several trailing axes --------------------------------------------------------
+
+
+def layernorm_over_two_axes(param_shape: tuple[int, ...] = (32, 16)) -> onnx.ModelProto:
+    """PyTorch ``nn.LayerNorm((32, 16))`` on [1, 4, 32, 16], between two elementwise ops."""
+    rng = np.random.default_rng(12)
+    return model_of(
+        [
+            oh.make_node("Mul", ["x", "k"], ["scaled"]),
+            oh.make_node(
+                "LayerNormalization", ["scaled", "gamma", "beta"], ["normed"], axis=-2, epsilon=1e-5
+            ),
+            oh.make_node("Add", ["normed", "k"], ["y"]),
+        ],
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 32, 16])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 32, 16])],
+        [
+            const("k", rng.uniform(0.5, 1.5, (1, 4, 32, 16))),
+            const("gamma", rng.uniform(0.5, 1.5, param_shape)),
+            const("beta", rng.normal(0, 0.2, param_shape)),
+        ],
+        opset=17,
+    )
+
+
+@pytest.mark.parametrize("param_shape", [(32, 16), (16,)])
+def test_layernorm_over_two_axes_becomes_one_over_the_last(param_shape) -> None:
+    model = layernorm_over_two_axes(param_shape)
+    flat, change = attention.layernorm_over_last_axis(model)
+    assert len(change.details) == 1 and "[32, 16]" in change.details[0]
+    norms = [n for n in flat.graph.node if n.op_type == "LayerNormalization"]
+    assert [a.i for n in norms for a in n.attribute if a.name == "axis"] == [-1]
+    feeds = {"x": np.random.default_rng(3).normal(0, 2, (1, 4, 32, 16)).astype(np.float32)}
+    (want,), (got,) = run(model, feeds), run(flat, feeds)
+    assert np.allclose(want, got, atol=1e-5)
+
+
+def test_layernorm_over_the_last_axis_is_left_alone() -> None:
+    model = layernorm_over_two_axes()
+    for attr in model.graph.node[1].attribute:
+        if attr.name == "axis":
+            attr.i = -1
+    model.graph.initializer[1].CopyFrom(const("gamma", np.ones(16)))
+    model.graph.initializer[2].CopyFrom(const("beta", np.zeros(16)))
+    _, change = attention.layernorm_over_last_axis(model)
+    assert not change.changed
+
+
+@pytest.mark.qnn
+def test_the_htp_takes_the_flattened_layernorm_whole(tmp_path: Path) -> None:
+    """As written, the QNN EP leaves the LayerNorm over two axes (and its Q/DQ) on the CPU;
+    flattened, the graph is one HTP partition that agrees with the CPU QDQ model. If the
+    first assertion fails, a new QNN EP takes such LayerNorms and the rule can go."""
+    from compile_fixtures import _quantize_qnn
+
+    from pipeline.htp.probe import probe
+
+    rng = np.random.default_rng(5)
+    samples = [{"x": rng.normal(0, 2, (1, 4, 32, 16)).astype(np.float32)} for _ in range(4)]
+    np.savez(tmp_path / "sample.npz", **samples[0])
+    results = {}
+    for name, model in (
+        ("as_written", layernorm_over_two_axes()),
+        ("flat", attention.layernorm_over_last_axis(layernorm_over_two_axes())[0]),
+    ):
+        model = onnx.version_converter.convert_version(model, 21)
+        onnx.save(model, tmp_path / f"{name}.onnx")
+        _quantize_qnn(tmp_path / f"{name}.onnx", tmp_path / f"{name}_qdq.onnx", samples)
+        results[name] = probe(
+            tmp_path / f"{name}_qdq.onnx",
+            tmp_path / f"{name}.onnx",
+            [tmp_path / "sample.npz"],
+            tmp_path / name,
+            60,
+            73,
+        )
+        assert results[name].ok, results[name].error
+    assert results["as_written"].cpu_nodes > 0
+    flat = results["flat"]
+    assert flat.partitions == 1 and flat.cpu_nodes == 0
+    assert flat.worst_ctx_vs_qdq > 30.0, flat.worst_ctx_vs_qdq

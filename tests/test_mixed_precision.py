@@ -519,6 +519,92 @@ def test_rewrite_hypot_no_op_when_a_square_is_read_elsewhere() -> None:
     assert [n.op_type for n in same.graph.node] == ["Mul", "Mul", "Add", "Sqrt"]
 
 
+def _compressed_spectrum_model(keepdims: int = 1, pair: int = 2) -> onnx.ModelProto:
+    """A speech enhancer's power-law compression X * clip(|X|, 1e-5)^-0.7 = |X|^0.3 (phase
+    kept) of one STFT frame [1, bins, 1, re/im], |X| as a ReduceL2 over the last axis."""
+    shape = [1, 257, 1, pair]
+    reduced = [*shape[:3], 1] if keepdims else shape[:3]
+    nodes = [
+        helper.make_node("ReduceL2", ["spec", "last"], ["mag"], keepdims=keepdims),
+        helper.make_node("Clip", ["mag", "floor", ""], ["clipped"]),
+        helper.make_node("Pow", ["clipped", "gamma"], ["gain"]),
+    ]
+    if not keepdims:
+        nodes.append(helper.make_node("Unsqueeze", ["gain", "last"], ["gain_kept"]))
+    nodes.append(helper.make_node("Mul", ["spec", "gain_kept" if not keepdims else "gain"], ["y"]))
+    return _model(
+        nodes,
+        [_tensor("spec", shape)],
+        [_tensor("y", shape), _tensor("mag", reduced)],
+        [
+            numpy_helper.from_array(np.array([-1], np.int64), "last"),
+            numpy_helper.from_array(np.array(1e-5, np.float32), "floor"),
+            numpy_helper.from_array(np.array(-0.7, np.float32), "gamma"),
+        ],
+    )
+
+
+def _quiet_spectrum(seed: int) -> np.ndarray:
+    """One STFT frame of 16-bit speech / 32768: bins from digital silence to ~2."""
+    rng = np.random.default_rng(seed)
+    envelope = np.logspace(-6, 0.3, 257).astype(np.float32)[rng.permutation(257)]
+    frame = rng.normal(0, 1, (1, 257, 1, 2)).astype(np.float32) * envelope[None, :, None, None]
+    frame[0, :3] = 0.0  # exact zeros, as in digital silence
+    return frame
+
+
+@pytest.mark.parametrize("keepdims", [1, 0])
+def test_rewrite_hypot_takes_an_l2_norm_over_a_pair(keepdims: int) -> None:
+    from pipeline.graph.transforms import rewrite_hypot
+
+    model, change = rewrite_hypot(_compressed_spectrum_model(keepdims))
+    assert len(change.details) == 1 and "ReduceL2" in change.details[0]
+    assert "ReduceL2" not in [n.op_type for n in model.graph.node]
+    frame = _quiet_spectrum(1)
+    feeds = {"spec": frame}
+    before = ort.InferenceSession(_compressed_spectrum_model(keepdims).SerializeToString())
+    after = ort.InferenceSession(model.SerializeToString())
+    for want, got in zip(before.run(None, feeds), after.run(None, feeds), strict=True):
+        assert want.shape == got.shape and np.all(np.isfinite(got))
+        assert snr_db(want, got) > 100
+
+
+def test_rewrite_hypot_leaves_an_l2_norm_over_more_than_two() -> None:
+    from pipeline.graph.transforms import rewrite_hypot
+
+    same, change = rewrite_hypot(_compressed_spectrum_model(pair=3))
+    assert not change.changed
+    assert "ReduceL2" in [n.op_type for n in same.graph.node]
+
+
+@pytest.mark.qnn
+def test_power_law_compression_in_fp16_on_the_htp(tmp_path: Path) -> None:
+    """In fp16 the HTP squares each part of a quiet bin to 0 (|x| < ~2.4e-4), so the clipped
+    magnitude reads 1e-5 and x^-0.7 overshoots: -8 dB as written (QNN 2.51 HTP simulator).
+    In the hypot form no intermediate leaves fp16's range. If this fails because the plain
+    ReduceL2 became right, a new QNN SDK fixed it and the ReduceL2 branch can go."""
+    from pipeline.graph.transforms import rewrite_hypot
+    from pipeline.htp.probe import probe
+
+    samples = []
+    for index in range(2):
+        samples.append(tmp_path / f"sample_{index}.npz")
+        np.savez(samples[-1], spec=_quiet_spectrum(10 + index))
+    results = {}
+    for name, model in (
+        ("as_written", _compressed_spectrum_model()),
+        ("hypot", rewrite_hypot(_compressed_spectrum_model())[0]),
+    ):
+        onnx.save(model, tmp_path / f"{name}.onnx")
+        path = tmp_path / f"{name}.onnx"
+        result = probe(path, path, samples, tmp_path / name, 60, 73)
+        assert result.ok, result.error
+        assert result.partitions == 1 and result.cpu_nodes == 0
+        results[name] = result.ctx_vs_float["y"].snr_db
+    assert results["hypot"] > 40.0, results
+    assert results["as_written"] < 20.0, results
+
+
 def test_magnitude_spectrum_quantizes_well_after_rewrite(tmp_path: Path) -> None:
     """A spectrum-like magnitude (bins from 1e-3 to 30) through the whole quantize stage."""
     rng = np.random.default_rng(5)

@@ -282,3 +282,74 @@ def test_the_htp_computes_a_sum_at_its_inputs_scale_right(tmp_path: Path) -> Non
     assert results["coarse"] > 50.0, results
     # If a new QNN SDK computes the finer grid right, this says so: the rule may then go.
     assert results["qdq"] < 25.0, f"the HTP's fine-grid Sub is right now: {results}"
+
+
+def thresholded_biased_conv() -> onnx.ModelProto:
+    """Conv -> Relu(c - 1) -> Conv with a bias: the coarser grid of the sum is the next Conv's
+    input scale, which its int32 bias is quantized against."""
+    rng = np.random.default_rng(RNG_SEED)
+    constants = {
+        "w1": (rng.standard_normal((8, 3, 3, 3)) * 0.06).astype(np.float32),
+        "b1": (rng.standard_normal(8) * 0.1).astype(np.float32),
+        "w2": (rng.standard_normal((16, 8, 1, 1)) * 0.3).astype(np.float32),
+        "b2": (rng.standard_normal(16) * 0.05).astype(np.float32),
+        "one": np.ones((1, 1, 1, 1), np.float32),
+    }
+    graph = oh.make_graph(
+        [
+            oh.make_node("Conv", ["x", "w1", "b1"], ["c"], pads=[1, 1, 1, 1]),
+            oh.make_node("Sub", ["c", "one"], ["cm1"], name="minus_one"),
+            oh.make_node("Relu", ["cm1"], ["r"]),
+            oh.make_node("Conv", ["r", "w2", "b2"], ["y"], name="next_conv"),
+        ],
+        "thresholded_biased",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 32, 32])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 32, 32])],
+        [numpy_helper.from_array(v, k) for k, v in constants.items()],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+def _bias_and_product_scales(model: onnx.ModelProto, conv_name: str) -> tuple[np.ndarray, ...]:
+    """The bias scale of a quantized Conv and its input scale x weight scale."""
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    conv = next(n for n in model.graph.node if n.name == conv_name)
+    activation, weight, bias = (producer[name] for name in conv.input)
+    return inits[bias.input[1]], inits[activation.input[1]] * inits[weight.input[1]]
+
+
+def test_a_coarser_sum_requantizes_the_bias_of_the_conv_reading_it(tmp_path: Path) -> None:
+    qdq = quantized(thresholded_biased_conv(), tmp_path, "uint16", every_op=True)
+    bias, product = _bias_and_product_scales(qdq, "next_conv")
+    np.testing.assert_allclose(bias, product, rtol=1e-6)  # onnxruntime's invariant
+    coarse, change = sums_no_finer_than_inputs(qdq)
+    assert len(change.details) == 1 and "next_conv" in change.details[0], change.details
+    bias, product = _bias_and_product_scales(coarse, "next_conv")
+    np.testing.assert_allclose(bias, product, rtol=1e-6)
+    x = np.random.default_rng(3).normal(0, 1, (1, 3, 32, 32)).astype(np.float32)
+    reference = cpu_run(thresholded_biased_conv(), x)
+    assert snr_db(reference, cpu_run(coarse, x)) > snr_db(reference, cpu_run(qdq, x)) - 3.0
+
+
+@pytest.mark.qnn
+def test_the_htp_adds_a_requantized_bias_right(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the bias left at the finer input scale, the HTP adds it wrongly (the CPU QDQ
+    model dequantizes each operand on its own and never notices). If the stale bias starts
+    agreeing, a new QNN SDK rescales biases itself."""
+    from pipeline.graph import qdq_htp
+
+    onnx.save(thresholded_biased_conv(), str(tmp_path / "float.onnx"))
+    qdq = quantized(thresholded_biased_conv(), tmp_path, "uint16", every_op=True)
+    x = np.random.default_rng(3).normal(0, 1, (1, 3, 32, 32)).astype(np.float32)
+    np.savez(tmp_path / "sample.npz", x=x)
+    onnx.save(sums_no_finer_than_inputs(qdq)[0], str(tmp_path / "rebiased.onnx"))
+    monkeypatch.setattr(qdq_htp, "_rebias", lambda *args: False)
+    onnx.save(sums_no_finer_than_inputs(qdq)[0], str(tmp_path / "stale.onnx"))
+    results = agreement_on_htp(tmp_path, ("rebiased", "stale"))
+    assert results["rebiased"] > 50.0, results
+    assert results["stale"] < 25.0, results

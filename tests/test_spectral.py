@@ -1,4 +1,4 @@
-"""STFT and DFT of real signals -> Conv and MatMul with the Fourier bases (pipeline.graph.spectral)."""
+"""STFT and DFT -> Conv and MatMul with the Fourier bases (pipeline.graph.spectral)."""
 
 from __future__ import annotations
 
@@ -112,7 +112,42 @@ def test_a_dft_is_a_matmul_with_the_fourier_bases(
     np.testing.assert_allclose(run(rewritten, x), run(model, x), rtol=1e-4, atol=2e-4)
 
 
-def test_an_inverse_or_complex_dft_is_left_alone() -> None:
+def dft(shape: list[int], axis: int, length: int | None, inverse: int) -> onnx.ModelProto:
+    """x [..., 1 or 2] -> DFT along ``axis``, both sides of the spectrum (``inverse`` 0 or 1)."""
+    out = list(shape)
+    out[axis], out[-1] = length or shape[axis], 2
+    inits = [numpy_helper.from_array(np.array(axis, np.int64), "axis")]
+    inputs = ["x", "", "axis"]
+    if length:
+        inits.append(numpy_helper.from_array(np.array(length, np.int64), "points"))
+        inputs[1] = "points"
+    graph = oh.make_graph(
+        [oh.make_node("DFT", inputs, ["y"], inverse=inverse)],
+        "dft",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, out)],
+        inits,
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize(
+    ("shape", "axis", "length", "inverse"),
+    [([1, 512, 2], 1, None, 1), ([1, 512, 2], 1, None, 0), ([2, 20, 64, 2], 2, 80, 1),
+     ([1, 64, 3, 2], 1, 48, 0), ([1, 64, 1], 1, None, 1)],
+)  # fmt: skip
+def test_a_complex_or_inverse_dft_is_one_matmul_with_its_basis(
+    shape: list[int], axis: int, length: int | None, inverse: int
+) -> None:
+    model = dft(shape, axis, length, inverse)
+    rewritten, change = spectral.dft_to_matmul(model)
+    assert change.changed and "DFT" not in [n.op_type for n in rewritten.graph.node]
+    assert [n.op_type for n in rewritten.graph.node].count("MatMul") == 1
+    x = RNG.normal(0, 1, shape).astype(np.float32)
+    np.testing.assert_allclose(run(rewritten, x), run(model, x), rtol=1e-4, atol=2e-4)
+
+
+def test_an_inverse_half_spectrum_dft_is_left_alone() -> None:
     model = rfft([1, 20, 64], 2, None)
     next(n for n in model.graph.node if n.op_type == "DFT").attribute.append(
         oh.make_attribute("inverse", 1)

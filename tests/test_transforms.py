@@ -764,6 +764,29 @@ def test_float16_model_with_float_io_keeps_no_cast() -> None:
     np.testing.assert_allclose(run(prepared, {"x": x})[0], [2.5, 0.0, 3.25])
 
 
+def test_a_float64_tail_becomes_float32_and_prepares() -> None:
+    """A float32 network whose decoding an exporter wrote in double: Cast(double) -> Softmax
+    -> Mul by a double constant -> a double output (SwiftF0's pitch)."""
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 17]> g (float[1, 8] x) => (double[1, 8] y) {'
+            " d = Cast<to = 11>(x) \n p = Softmax<axis = -1>(d) \n y = Mul(p, w) }"
+        ),
+        ("w", np.linspace(50.0, 2000.0, 8)),
+    )
+    converted, change = t.float64_to_float32(model)
+    elem = lambda v: v.type.tensor_type.elem_type  # noqa: E731
+    assert elem(converted.graph.output[0]) == TensorProto.FLOAT
+    assert converted.graph.initializer[0].data_type == TensorProto.FLOAT
+    assert any("Cast" in line for line in change.details)
+    x = np.random.default_rng(2).normal(0, 2, (1, 8)).astype(np.float32)
+    want = run(model, {"x": x})[0]
+    np.testing.assert_allclose(run(converted, {"x": x})[0], want, rtol=1e-5)
+    prepared, _ = prepare_model(model, InputsSection(dims={}, shapes={}, constants={}))
+    assert ops(prepared) == ["Softmax", "Mul"]  # the Cast to float32 of a float32 goes
+    np.testing.assert_allclose(run(prepared, {"x": x})[0], want, rtol=1e-5)
+
+
 def test_replace_legacy_image_scaler_then_upgrade() -> None:
     model = parse(
         '<ir_version: 4, opset_import: ["": 8]> g (float[1, 2, 2, 2] x) => (float[1, 2, 2, 2] y)'
@@ -1185,6 +1208,88 @@ def test_gathernd_with_computed_indices_or_batch_dims_stays() -> None:
         ("i", np.array([[1], [2]], np.int64)),
     )
     assert not t.gathernd_to_gather(batched)[1].changed
+
+
+def unbind_model(split: np.ndarray | None, keepdims: int, positions: list[int]) -> onnx.ModelProto:
+    """x [2, 6, 4] -> SplitToSequence on axis 1 -> SequenceAt each position -> Relu each."""
+    nodes = [
+        oh.make_node(
+            "SplitToSequence", ["x", *(["s"] if split is not None else [])], ["seq"],
+            axis=1, keepdims=keepdims,
+        )
+    ]  # fmt: skip
+    inits = [] if split is None else weights(("s", split))
+    outputs = []
+    for k, position in enumerate(positions):
+        inits += weights((f"p{k}", np.array(position, np.int64)))
+        nodes += [
+            oh.make_node("SequenceAt", ["seq", f"p{k}"], [f"item{k}"]),
+            oh.make_node("Relu", [f"item{k}"], [f"y{k}"]),
+        ]
+        rank = 2 if split is None and not keepdims else 3
+        outputs.append(oh.make_tensor_value_info(f"y{k}", TensorProto.FLOAT, [None] * rank))
+    return oh.make_model(
+        oh.make_graph(
+            nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6, 4])], outputs,
+            inits,
+        ),
+        opset_imports=[oh.make_opsetid("", 18)],
+        ir_version=8,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("split", "keepdims", "op"),
+    [
+        (None, 0, "Gather"),  # torch.unbind
+        (None, 1, "Slice"),
+        (np.array(3, np.int64), 0, "Slice"),  # a scalar: pieces of 3
+        (np.array([1, 3, 2], np.int64), 0, "Slice"),  # torch.split with sizes
+    ],
+)
+def test_sequence_items_at_constant_positions_become_slices(split, keepdims, op) -> None:
+    pieces = 6 if split is None else (2 if split.ndim == 0 else len(split))
+    model = unbind_model(split, keepdims, [0, pieces - 1, -1])
+    rewritten, change = t.sequence_at_to_slices(model)
+    assert change.changed
+    assert "SplitToSequence" not in ops(rewritten) and "SequenceAt" not in ops(rewritten)
+    assert ops(rewritten).count(op) == 3
+    feeds = {"x": RNG.standard_normal((2, 6, 4)).astype(np.float32)}
+    if split is not None and split.ndim == 0:  # onnxruntime 1.31 fails on a scalar split
+        pieces = np.maximum(np.split(feeds["x"], 2, axis=1), 0)
+        expected = [pieces[0], pieces[1], pieces[1]]
+    else:
+        expected = run(model, feeds)
+    for want, got in zip(expected, run(rewritten, feeds), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("joined", [("cache", "empty"), ("empty", "cache", "x")])
+def test_empty_concat_inputs_are_left_out(joined: tuple[str, ...]) -> None:
+    """A cache of length 0 joined to a frame: x[:, :0] is empty (the QNN EP holds none)."""
+    width = 2 if len(joined) == 3 else 1
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 18]> g (float[1, 1, 4] x, float[1, 1, 4] cache)'
+            f" => (float[1, {width}, 4] y) {{ empty = Slice(x, zero, zero, one) \n"
+            f" joined = Concat<axis = 1>({', '.join(joined)}) \n y = Relu(joined) }}"
+        ),
+        ("zero", np.array([0], np.int64)),
+        ("one", np.array([1], np.int64)),
+    )
+    rewritten, change = t.drop_empty_concat_inputs(model)
+    assert change.changed and "Slice" not in ops(rewritten)
+    assert ops(rewritten) == (["Relu"] if width == 1 else ["Concat", "Relu"])
+    rng = np.random.default_rng(4)
+    feeds = {name: rng.normal(0, 1, (1, 1, 4)).astype(np.float32) for name in ("x", "cache")}
+    np.testing.assert_array_equal(run(rewritten, feeds)[0], run(model, feeds)[0])
+
+
+def test_a_sequence_read_otherwise_stays() -> None:
+    model = unbind_model(None, 0, [0])
+    model.graph.node.append(oh.make_node("SequenceLength", ["seq"], ["n"]))
+    model.graph.output.append(oh.make_tensor_value_info("n", TensorProto.INT64, []))
+    assert not t.sequence_at_to_slices(model)[1].changed
 
 
 def test_padding_mask_lookup_builds_whole_on_the_htp(tmp_path) -> None:

@@ -304,3 +304,83 @@ def standard_gelu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             del model.opset_import[:]
             model.opset_import.extend(kept)
     return edit.checked_change(model, "standard_gelu", details)
+
+
+def layernorm_over_last_axis(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A LayerNormalization over several trailing axes (PyTorch ``nn.LayerNorm((C, F))``,
+    axis -2) -> Reshape to one flat last axis, LayerNormalization over it, Reshape back.
+
+    The same function: the statistics are taken over the same elements and scale and bias
+    are flattened in the same order. The QNN EP takes LayerNorm over the last axis only and
+    leaves the others on the CPU with their Q/DQ (LiSenNet's dual-path blocks: 4 LayerNorms
+    cut the graph into 6 partitions). Left alone: unknown shapes, a scale or bias that is not
+    a constant, or the optional mean / inverse-deviation outputs read by something.
+    """
+    model = edit.copy_model(model)
+    graph = model.graph
+    targets = [
+        i
+        for i, node in enumerate(graph.node)
+        if node.op_type == "LayerNormalization" and node.domain in _DEFAULT
+    ]
+    if not targets:
+        return edit.checked_change(model, "layernorm_over_last_axis", [])
+    values = edit.inferred_values(model)
+    inits = edit.initializers_by_name(graph)
+    fresh = edit.FreshNames(model)
+    details = []
+    replace: dict[int, list[onnx.NodeProto]] = {}
+    for index in targets:
+        node = graph.node[index]
+        x = values.get(node.input[0])
+        shape = edit.value_shape(x) if x is not None else None
+        if shape is None or any(d <= 0 for d in shape):
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), -1) % len(shape)
+        if axis == len(shape) - 1 or any(name for name in node.output[1:]):
+            continue
+        params = [n for n in node.input[1:3] if n]
+        if any(name not in inits for name in params):
+            continue
+        normalized = shape[axis:]
+        flat = [*shape[:axis], int(np.prod(normalized))]
+        base = node.name or node.output[0]
+        flat_params = []
+        for name in params:
+            array = numpy_helper.to_array(inits[name])
+            flattened = np.broadcast_to(array, normalized).reshape(-1).astype(array.dtype)
+            flat_params.append(fresh(f"{name}_flat"))
+            graph.initializer.append(numpy_helper.from_array(flattened, flat_params[-1]))
+        shapes = {}
+        for tag, dims in (("flat_shape", flat), ("shape", list(shape))):
+            shapes[tag] = fresh(f"{base}_{tag}")
+            graph.initializer.append(numpy_helper.from_array(np.array(dims, np.int64), shapes[tag]))
+        flat_x, flat_y = fresh(f"{base}_flat_in"), fresh(f"{base}_flat_out")
+        norm = onnx.helper.make_node(
+            "LayerNormalization", [flat_x, *flat_params], [flat_y], name=base, axis=-1
+        )
+        norm.attribute.extend(a for a in node.attribute if a.name not in ("axis",))
+        replace[index] = [
+            onnx.helper.make_node(
+                "Reshape",
+                [node.input[0], shapes["flat_shape"]],
+                [flat_x],
+                name=fresh(f"{base}_flatten"),
+            ),
+            norm,
+            onnx.helper.make_node(
+                "Reshape",
+                [flat_y, shapes["shape"]],
+                [node.output[0]],
+                name=fresh(f"{base}_unflatten"),
+            ),
+        ]
+        details.append(
+            f"{edit.node_label(node)}: over {len(normalized)} axes {list(normalized)} -> over one of "
+            f"{flat[-1]}"
+        )
+    if replace:
+        nodes = [n for i, node in enumerate(graph.node) for n in replace.get(i, [node])]
+        edit.set_nodes(graph, nodes)
+        edit.remove_dead_nodes(graph)
+    return edit.checked_change(model, "layernorm_over_last_axis", details)

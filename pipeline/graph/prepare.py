@@ -47,6 +47,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         lambda m: t.bake_constant_inputs(m, inputs.constants),
         lambda m: t.fix_input_shapes(m, inputs.dims, inputs.shapes),
         t.float16_to_float32,  # the version converter fails on fp16 graphs
+        t.float64_to_float32,  # the HTP has no float64, the quantizer quantizes none
         t.replace_legacy_ops,  # ... and on ops without an adapter
         legacy.pin_legacy_semantics,  # Upsample/Resize-10/Crop: the converter loses their meaning
         prequantized.qoperator_to_qdq,  # QLinear* ops -> DQ, float op, Q (what QNN groups)
@@ -77,6 +78,8 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         spectral.dft_to_matmul,  # and it takes no DFT
         t.rewrite_for_htp,
         t.gathernd_to_gather,  # the QNN EP takes no GatherND (transformers' mask lookups)
+        t.sequence_at_to_slices,  # nor sequences (the dynamo exporter's unbind / split)
+        t.drop_empty_concat_inputs,  # nor empty tensors (a streaming cache of length 0)
         t.reverse_sequence_to_gather,  # nor ReverseSequence (tf2onnx's reverse)
         t.argmax_without_keepdims,  # its keepdims form's context is refused at load
         resize.resize_for_htp,  # the HTP resizes by out/in, not by the scale given
@@ -87,6 +90,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         numerics.log_of_large_gain,  # log(1 + 2^20 * magnitude): the product overflows fp16
         t.qnn_preprocess,
         t.fuse_hardswish,  # qnn_preprocess splits HardSwish; the QNN EP's fp16 fusion is wrong
+        attention.layernorm_over_last_axis,  # the QNN EP takes LayerNorm over the last axis only
         legacy.explicit_pool_pads,  # the HTP pools non-overlapping windows over start pads wrongly
         t.explicit_conv_pads,  # the HTP pads a 9x9 Conv of 3 channels wrongly (after
         # qnn_preprocess, whose optimizer folds a Pad of zeros back into the Conv)

@@ -7,7 +7,8 @@ a memory allocation error, measured on the simulator). With a constant frame ste
 length, both are linear maps of the signal: a short-time Fourier transform is a strided Conv
 whose kernels are the windowed cosines and sines, a DFT along an axis is a MatMul with them. The
 rewrites here compute the same values (up to the order of float sums) with ops the HTP runs
-quantized or in fp16. Complex inputs and inverse transforms are left alone.
+quantized or in fp16. A DFT of a complex signal or an inverse DFT is one MatMul with a block
+basis over the interleaved real and imaginary parts.
 """
 
 from __future__ import annotations
@@ -166,9 +167,13 @@ def _stft_to_conv_at(node: onnx.NodeProto, site: _Site) -> tuple[list[onnx.NodeP
 
 
 def dft_to_matmul(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """DFT (forward) of a real signal [..., 1] along a constant axis with a constant length ->
-    Transpose the axis last, MatMul with the cosine and sine bases, stack them as DFT's last
-    dimension and Transpose back."""
+    """DFT along a constant axis with a constant length -> MatMuls with its bases.
+
+    A forward DFT of a real signal [..., 1]: Transpose the axis last, MatMul with the cosine
+    and sine bases, stack them as DFT's last dimension and Transpose back. A complex signal
+    [..., 2] or an inverse DFT (a streaming enhancer's iSTFT, written by the dynamo exporter
+    as DFT(inverse=1) of the full spectrum): one MatMul over the interleaved parts. An inverse
+    of a half spectrum (``onesided``) is left alone."""
     return _replace_each(model, "DFT", "dft_to_matmul", _dft_to_matmul_at)
 
 
@@ -185,17 +190,15 @@ def _dft_to_matmul_at(node: onnx.NodeProto, site: _Site) -> tuple[list[onnx.Node
         axis = -2
     given_length = node.input[1] if len(node.input) > 1 else ""
     length = _int_constant(inits, given_length) if given_length else None
-    if (
-        shape is None
-        or shape[-1] != 1
-        or axis is None
-        or attrs.get("inverse", 0)
-        or (given_length and length is None)
-    ):
+    if shape is None or axis is None or (given_length and length is None):
         return None
     rank = len(shape)
     axis = axis % rank
     if axis == rank - 1:
+        return None
+    if shape[-1] == 2 or attrs.get("inverse", 0):
+        return _general_dft_at(node, site, shape, axis, length or shape[axis], attrs)
+    if shape[-1] != 1:
         return None
     size = shape[axis]
     length = length or size
@@ -255,4 +258,86 @@ def _dft_to_matmul_at(node: onnx.NodeProto, site: _Site) -> tuple[list[onnx.Node
     return nodes, (
         f"{node_label(node)}: {length}-point DFT along axis {axis} ({bins} bins) -> MatMul "
         "with the cosine and sine bases"
+    )
+
+
+def general_dft_basis(length: int, size: int, parts: int, inverse: bool) -> np.ndarray:
+    """[size * parts, length * 2]: the DFT of a signal of ``size`` samples, each ``parts``
+    values (1: real; 2: real, imaginary), as one matrix over the interleaved parts.
+
+    Row 2n + c holds the weight of x[n] part c, column 2k + c' that of y[k] part c':
+    forward y = sum x e^(-2 pi i k n / L), inverse y = (1 / L) sum x e^(+2 pi i k n / L)."""
+    n = np.arange(size, dtype=np.int64)[:, None]
+    k = np.arange(length, dtype=np.int64)[None, :]
+    angle = 2.0 * np.pi * ((n * k) % length) / length
+    keep = (n < length).astype(np.float64)
+    cos, sin = np.cos(angle) * keep, np.sin(angle) * keep
+    sign = 1.0 if inverse else -1.0  # e^(sign i angle) = cos + sign i sin
+    basis = np.zeros((size, parts, length, 2))
+    basis[:, 0, :, 0], basis[:, 0, :, 1] = cos, sign * sin  # (a) (cos + s i sin)
+    if parts == 2:  # (i b) (cos + s i sin) = -s b sin + i b cos
+        basis[:, 1, :, 0], basis[:, 1, :, 1] = -sign * sin, cos
+    if inverse:
+        basis /= length
+    return basis.reshape(size * parts, length * 2)
+
+
+def _general_dft_at(
+    node: onnx.NodeProto,
+    site: _Site,
+    shape: tuple[int, ...],
+    axis: int,
+    length: int,
+    attrs: dict,
+) -> tuple[list[onnx.NodeProto], str] | None:
+    """A complex or inverse DFT: the axis moved before the parts, the two flattened together,
+    one MatMul with ``general_dft_basis``, unflattened and moved back."""
+    if attrs.get("onesided", 0):  # a half spectrum: only for real forward transforms
+        return None
+    graph, fresh = site.graph, site.fresh
+    rank, parts, size = len(shape), shape[-1], shape[axis]
+    y = node.output[0]
+    order = [d for d in range(rank - 1) if d != axis] + [axis, rank - 1]
+    back = [int(p) for p in np.argsort(order)]
+    moved = [shape[d] for d in order]
+    names = {p: fresh(f"{y}_{p}") for p in ("moved", "flat", "product", "unflat")}
+    consts = {p: fresh(f"{y}_{p}_shape") for p in ("flat", "unflat")}
+    basis = fresh(f"{y}_dft_basis")
+    inverse = bool(attrs.get("inverse", 0))
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(
+                np.array([*moved[:-2], size * parts], np.int64), consts["flat"]
+            ),
+            numpy_helper.from_array(np.array([*moved[:-2], length, 2], np.int64), consts["unflat"]),
+            numpy_helper.from_array(
+                general_dft_basis(length, size, parts, inverse).astype(np.float32), basis
+            ),
+        ]
+    )
+    base = node.name or y
+    nodes = [
+        helper.make_node(
+            "Transpose", [node.input[0]], [names["moved"]], perm=order,
+            name=fresh(f"{base}_axis_last"),
+        ),
+        helper.make_node(
+            "Reshape", [names["moved"], consts["flat"]], [names["flat"]],
+            name=fresh(f"{base}_interleave"),
+        ),
+        helper.make_node(
+            "MatMul", [names["flat"], basis], [names["product"]], name=fresh(f"{base}_basis")
+        ),
+        helper.make_node(
+            "Reshape", [names["product"], consts["unflat"]], [names["unflat"]],
+            name=fresh(f"{base}_parts"),
+        ),
+        helper.make_node(
+            "Transpose", [names["unflat"]], [y], perm=back, name=fresh(f"{base}_axis_back")
+        ),
+    ]  # fmt: skip
+    kind = ("inverse " if inverse else "") + ("complex" if parts == 2 else "real")
+    return nodes, (
+        f"{node_label(node)}: {length}-point {kind} DFT along axis {axis} -> MatMul with its "
+        "basis over interleaved real and imaginary parts"
     )

@@ -16,7 +16,7 @@ import difflib
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -67,6 +67,7 @@ TARGET_OPSET = 21
 FOLD_MAX_BYTES = 1 << 20
 
 _FLOAT = onnx.TensorProto.FLOAT
+_DOUBLE = onnx.TensorProto.DOUBLE
 _FLOAT16 = onnx.TensorProto.FLOAT16
 _NONDETERMINISTIC = {
     "RandomNormal",
@@ -1089,30 +1090,30 @@ def fold_conv_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
 
 
 # --------------------------------------------------------------------------------------------
-# 4. float16 -> float32
+# 4. float16, float64 -> float32
 
 
 def _to_float32(tensor: onnx.TensorProto) -> onnx.TensorProto:
     return numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float32), tensor.name)
 
 
-def _retype(type_proto: onnx.TypeProto) -> bool:
-    """float16 -> float32 in a (possibly nested) type; True if anything changed."""
+def _retype(type_proto: onnx.TypeProto, source: int = _FLOAT16) -> bool:
+    """``source`` (float16, float64) -> float32 in a (possibly nested) type; True if changed."""
     which = type_proto.WhichOneof("value")
     if which == "tensor_type":
-        if type_proto.tensor_type.elem_type == _FLOAT16:
+        if type_proto.tensor_type.elem_type == source:
             type_proto.tensor_type.elem_type = _FLOAT
             return True
     elif which == "sparse_tensor_type":
-        if type_proto.sparse_tensor_type.elem_type == _FLOAT16:
+        if type_proto.sparse_tensor_type.elem_type == source:
             type_proto.sparse_tensor_type.elem_type = _FLOAT
             return True
     elif which == "sequence_type":
-        return _retype(type_proto.sequence_type.elem_type)
+        return _retype(type_proto.sequence_type.elem_type, source)
     elif which == "optional_type":
-        return _retype(type_proto.optional_type.elem_type)
+        return _retype(type_proto.optional_type.elem_type, source)
     elif which == "map_type":
-        return _retype(type_proto.map_type.value_type)
+        return _retype(type_proto.map_type.value_type, source)
     return False
 
 
@@ -1122,37 +1123,56 @@ def float16_to_float32(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     Calibration and the quantizer work on float32 (fp16 models fail with "Invalid input name"),
     and the QNN HTP quantized path does not need fp16 anywhere.
     """
+    return _narrow_to_float32(model, _FLOAT16, "float16_to_float32")
+
+
+def float64_to_float32(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Make float64 tensors, constants and Casts float32, graph inputs and outputs included.
+
+    The HTP has no float64 and onnxruntime's quantizer cannot quantize it (a Softmax in float64
+    after a Cast: "Only an existing tensor can be modified"); exporters write it where a
+    constant or an arange defaulted to double (SwiftF0's pitch decoding). Double precision in
+    a float32 network's tail changes its outputs by float32 rounding (the preparation check
+    measures it).
+    """
+    return _narrow_to_float32(model, _DOUBLE, "float64_to_float32")
+
+
+def _narrow_to_float32(
+    model: onnx.ModelProto, source: int, step: str
+) -> tuple[onnx.ModelProto, Change]:
     model = copy_model(model)
     details = []
     top = model.graph
+    name = onnx.helper.tensor_dtype_to_np_dtype(source).name
     for graph in all_graphs(model.graph):
         count = 0
         for i, init in enumerate(graph.initializer):
-            if init.data_type == _FLOAT16:
+            if init.data_type == source:
                 graph.initializer[i].CopyFrom(_to_float32(init))
                 count += 1
         if count:
-            details.append(f"{count} float16 initializer(s) -> float32")
+            details.append(f"{count} {name} initializer(s) -> float32")
         for kind, seq in (("input", graph.input), ("output", graph.output)):
             for value in seq:
-                if _retype(value.type) and graph is top:
-                    details.append(f"graph {kind} {value.name!r} float16 -> float32")
+                if _retype(value.type, source) and graph is top:
+                    details.append(f"graph {kind} {value.name!r} {name} -> float32")
         for value in graph.value_info:
-            _retype(value.type)
+            _retype(value.type, source)
         for node in graph.node:
             for attr in node.attribute:
                 if attr.type == onnx.AttributeProto.INT and attr.name in ("to", "dtype"):
-                    if attr.i == _FLOAT16:
+                    if attr.i == source:
                         attr.i = _FLOAT
-                        details.append(f"{node_label(node)}: {attr.name} float16 -> float32")
-                elif attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == _FLOAT16:
+                        details.append(f"{node_label(node)}: {attr.name} {name} -> float32")
+                elif attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == source:
                     attr.t.CopyFrom(_to_float32(attr.t))
-                    details.append(f"{node_label(node)}: {attr.name} tensor float16 -> float32")
+                    details.append(f"{node_label(node)}: {attr.name} tensor {name} -> float32")
                 elif attr.type == onnx.AttributeProto.TENSORS:
                     for t in attr.tensors:
-                        if t.data_type == _FLOAT16:
+                        if t.data_type == source:
                             t.CopyFrom(_to_float32(t))
-    return checked_change(model, "float16_to_float32", details)
+    return checked_change(model, step, details)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1562,6 +1582,138 @@ def gathernd_to_gather(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     return checked_change(model, "gathernd_to_gather", details)
 
 
+def sequence_at_to_slices(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """SplitToSequence read only by SequenceAt at constant positions -> a Slice (or a Gather
+    where the split's size-1 pieces are squeezed) per position read.
+
+    The same tensors. PyTorch's dynamo exporter writes ``torch.unbind`` and ``split`` as a
+    sequence and its items; the QNN EP takes no sequence op, so each pair stayed on the CPU
+    (a streaming speech enhancer's attention caches: 8 CPU nodes, 4 partitions). Needs the
+    split axis's size; the split sizes, if given, must be constants.
+    """
+    model = copy_model(model)
+    graph = model.graph
+    inits = initializers_by_name(graph)
+    readers = readers_by_tensor(graph)
+    outputs = {o.name for o in graph.output}
+    values: dict[str, onnx.ValueInfoProto] | None = None
+    fresh = FreshNames(model)
+    details = []
+    replace: dict[str, onnx.NodeProto] = {}  # a SequenceAt's output -> the node computing it
+    for node in graph.node:
+        if node.op_type != "SplitToSequence" or node.domain not in DEFAULT_DOMAINS:
+            continue
+        items = readers.get(node.output[0], [])
+        if not items or node.output[0] in outputs or any(r.op_type != "SequenceAt" for r in items):
+            continue
+        positions = [_int_const(inits, r.input[1]) for r in items]
+        if any(p is None for p in positions):
+            continue
+        if values is None:
+            values = inferred_values(model)
+        shape = value_shape(values[node.input[0]]) if node.input[0] in values else None
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if shape is None:
+            continue
+        axis = int(attrs.get("axis", 0)) % len(shape)
+        size = shape[axis]
+        split = node.input[1] if len(node.input) > 1 else ""
+        if split and split not in inits:
+            continue
+        given = numpy_helper.to_array(inits[split]) if split else np.zeros(0)
+        sizes = [int(v) for v in given.reshape(-1)]
+        if split and given.ndim == 0:  # a scalar: equal pieces, the last one shorter
+            sizes = [int(sizes[0])] * (-(-size // int(sizes[0])))
+            sizes[-1] = size - int(sizes[0]) * (len(sizes) - 1)
+        squeeze = not split and attrs.get("keepdims", 1) == 0
+        sizes = sizes or [1] * size
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
+        base = node.name or node.output[0]
+        for reader, position in zip(items, positions, strict=True):
+            index = position % len(sizes)
+            out = reader.output[0]
+            if squeeze:
+                picked = fresh(f"{base}_item_{index}")
+                graph.initializer.append(numpy_helper.from_array(np.array(index, np.int64), picked))
+                replace[out] = onnx.helper.make_node(
+                    "Gather", [node.input[0], picked], [out], name=reader.name or out, axis=axis
+                )
+                continue
+            bounds = [fresh(f"{base}_{tag}_{index}") for tag in ("start", "end", "axis")]
+            for name, value in zip(bounds, (starts[index], starts[index + 1], axis), strict=True):
+                graph.initializer.append(numpy_helper.from_array(np.array([value], np.int64), name))
+            replace[out] = onnx.helper.make_node(
+                "Slice", [node.input[0], *bounds], [out], name=reader.name or out
+            )
+        details.append(
+            f"{node_label(node)}: {len(items)} item(s) read at constant positions -> "
+            + ("Gather" if squeeze else "Slice")
+        )
+    if replace:
+        nodes = [replace.get(n.output[0], n) if n.output else n for n in graph.node]
+        set_nodes(graph, nodes)
+        remove_dead_nodes(graph)
+    return checked_change(model, "sequence_at_to_slices", details)
+
+
+def drop_empty_concat_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Concat inputs with no elements along its axis -> left out (a Concat of one input left
+    -> that input); what computed only them goes.
+
+    The same tensor. A streaming model exported with a cache of length 0 (``x[:, :0]`` joined
+    to the new frame) carries an empty tensor, which the QNN EP cannot hold: the Slice making
+    it stayed on the CPU with its Q/DQ and cut the graph in two (LiSenNet).
+    """
+    model = copy_model(model)
+    graph = model.graph
+    concats = [n for n in graph.node if n.op_type == "Concat" and n.domain in DEFAULT_DOMAINS]
+    if not concats:
+        return checked_change(model, "drop_empty_concat_inputs", [])
+    values = inferred_values(model)
+    outputs = {o.name for o in graph.output}
+    renames: dict[str, str] = {}
+    details = []
+    for node in concats:
+        shapes = [value_shape(values[i]) if i in values else None for i in node.input]
+        if any(shape is None for shape in shapes):
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        kept = [
+            name
+            for name, shape in zip(node.input, shapes, strict=True)
+            if shape is not None and shape[axis % len(shape)] != 0
+        ]
+        if len(kept) == len(node.input) or not kept:
+            continue
+        details.append(f"{node_label(node)}: {len(node.input) - len(kept)} empty input(s) left out")
+        if len(kept) > 1 or node.output[0] in outputs:
+            del node.input[:]
+            node.input.extend(kept)
+            if len(kept) == 1:
+                node.op_type = "Identity"
+                del node.attribute[:]
+            continue
+        renames[node.output[0]] = kept[0]
+        del node.input[:]  # nothing reads it now: remove_dead_nodes drops it
+    if renames:
+        for node in graph.node:
+            for index, name in enumerate(node.input):
+                while name in renames:
+                    name = renames[name]
+                node.input[index] = name
+    if details:
+        remove_dead_nodes(graph)
+    return checked_change(model, "drop_empty_concat_inputs", details)
+
+
+def _int_const(inits: Mapping[str, onnx.TensorProto], name: str) -> int | None:
+    """The value of a one-element integer constant, else None."""
+    if name not in inits:
+        return None
+    array = numpy_helper.to_array(inits[name])
+    return int(array.reshape(-1)[0]) if array.size == 1 and array.dtype.kind in "iu" else None
+
+
 HYPOT_EPS = 1e-12  # keeps max(|a|, |b|) = 0 from dividing 0 by 0 in the float model
 # sqrt(a*a + b*b + c) with 0 <= c <= this is taken as hypot(a, b): off by at most sqrt(c) = 1e-4
 # absolute (GTCRN adds 1e-12 to keep the gradient of its |STFT| finite).
@@ -1577,6 +1729,80 @@ def _hypot_floor(add: onnx.NodeProto, inits: Mapping[str, onnx.TensorProto]) -> 
     return None
 
 
+def _hypot_nodes(
+    a: str, b: str, out: str, base: str, fresh: Callable[[str], str]
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """``out`` = m * Sqrt(1 + (n / (m + eps))**2), m = Max(|a|,|b|), n = Min(|a|,|b|)."""
+    t = {k: fresh(f"{base}_hypot_{k}") for k in ("abs_a", "abs_b", "m", "n", "den", "r")}
+    t |= {k: fresh(f"{base}_hypot_{k}") for k in ("r2", "sum", "root", "eps", "one")}
+    constants = [
+        numpy_helper.from_array(np.array(HYPOT_EPS, np.float32), t["eps"]),
+        numpy_helper.from_array(np.array(1.0, np.float32), t["one"]),
+    ]
+    make = onnx.helper.make_node
+    nodes = [
+        make("Abs", [a], [t["abs_a"]], name=fresh(f"{base}_hypot_abs_a")),
+        make("Abs", [b], [t["abs_b"]], name=fresh(f"{base}_hypot_abs_b")),
+        make("Max", [t["abs_a"], t["abs_b"]], [t["m"]], name=fresh(f"{base}_hypot_max")),
+        make("Min", [t["abs_a"], t["abs_b"]], [t["n"]], name=fresh(f"{base}_hypot_min")),
+        make("Add", [t["m"], t["eps"]], [t["den"]], name=fresh(f"{base}_hypot_den")),
+        make("Div", [t["n"], t["den"]], [t["r"]], name=fresh(f"{base}_hypot_ratio")),
+        make("Mul", [t["r"], t["r"]], [t["r2"]], name=fresh(f"{base}_hypot_r2")),
+        make("Add", [t["r2"], t["one"]], [t["sum"]], name=fresh(f"{base}_hypot_sum")),
+        make("Sqrt", [t["sum"]], [t["root"]], name=fresh(f"{base}_hypot_root")),
+        make("Mul", [t["m"], t["root"]], [out], name=base),
+    ]
+    return nodes, constants
+
+
+def _reduce_l2_pair(
+    node: onnx.NodeProto,
+    inits: Mapping[str, onnx.TensorProto],
+    values: Mapping[str, onnx.ValueInfoProto],
+) -> int | None:
+    """The axis of a float ReduceL2 that reduces exactly one axis, of size 2 (a complex
+    value's real and imaginary parts, as speech models store |STFT|); else None."""
+    value = values.get(node.input[0])
+    shape = value_shape(value) if value is not None else None
+    if shape is None or value.type.tensor_type.elem_type != _FLOAT:
+        return None
+    axes = None
+    if len(node.input) > 1 and node.input[1] in inits:
+        axes = numpy_helper.to_array(inits[node.input[1]]).reshape(-1).tolist()
+    else:
+        axes = next((list(a.ints) for a in node.attribute if a.name == "axes"), None)
+    if axes is None or len(axes) != 1:
+        return None
+    axis = int(axes[0]) % len(shape)
+    return axis if shape[axis] == 2 else None
+
+
+def _hypot_of_pair(
+    node: onnx.NodeProto, axis: int, fresh: Callable[[str], str]
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """ReduceL2 over ``axis`` (size 2) as a Split into its two halves and the hypot form."""
+    base = node.name or node.output[0]
+    keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+    a, b = fresh(f"{base}_hypot_a"), fresh(f"{base}_hypot_b")
+    split = onnx.helper.make_node(
+        "Split",
+        [node.input[0]],
+        [a, b],
+        name=fresh(f"{base}_hypot_split"),
+        axis=axis,
+        num_outputs=2,
+    )
+    if keepdims:
+        nodes, constants = _hypot_nodes(a, b, node.output[0], base, fresh)
+        return [split, *nodes], constants
+    kept = fresh(f"{base}_hypot_kept")
+    nodes, constants = _hypot_nodes(a, b, kept, fresh(f"{base}_hypot"), fresh)
+    axes = fresh(f"{base}_hypot_axes")
+    constants.append(numpy_helper.from_array(np.array([axis], np.int64), axes))
+    squeeze = onnx.helper.make_node("Squeeze", [kept, axes], [node.output[0]], name=base)
+    return [split, *nodes, squeeze], constants
+
+
 def rewrite_hypot(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Sqrt(a*a + b*b) -> m * Sqrt(1 + (n / (m + eps))**2), m = Max(|a|,|b|), n = Min(|a|,|b|).
 
@@ -1587,6 +1813,9 @@ def rewrite_hypot(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     every intermediate keeps the data's own range (|a|, |b|, m) or lies in [0, 2]. Equal in
     float up to ``HYPOT_EPS``; only fires when the squares and the sum have no other reader.
     A tiny constant under the root (sqrt(a*a + b*b + 1e-12), <= ``HYPOT_MAX_FLOOR``) is dropped.
+    A ReduceL2 over an axis of 2 (the same magnitude of a [..., 2] real/imaginary tensor) gets
+    the same form: in fp16 its squares underflow below |x| ~ 2.4e-4 (FastEnhancer's power-law
+    compression |X|^0.3 then read 0 for every quiet bin: -8 dB on the HTP in fp16).
     """
     model = copy_model(model)
     graph = model.graph
@@ -1600,7 +1829,17 @@ def rewrite_hypot(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     replace: dict[int, list[onnx.NodeProto]] = {}
     drop: set[int] = set()
     constants: list[onnx.TensorProto] = []
+    values: dict[str, onnx.ValueInfoProto] | None = None
     for position, node in enumerate(nodes_in):
+        if node.op_type == "ReduceL2" and node.domain in DEFAULT_DOMAINS:
+            if values is None:
+                values = inferred_values(model)
+            pair = _reduce_l2_pair(node, inits, values)
+            if pair is not None:
+                replace[position], consts = _hypot_of_pair(node, pair, fresh)
+                constants += consts
+                details.append(f"{node_label(node)}: L2 norm over an axis of 2 -> hypot form")
+            continue
         if node.op_type != "Sqrt" or node.domain not in DEFAULT_DOMAINS:
             continue
         at_add = producer.get(node.input[0])
@@ -1625,26 +1864,9 @@ def rewrite_hypot(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         ):
             continue
         a, b = squares[0].input[0], squares[1].input[0]
-        base = node.name or node.output[0]
-        t = {k: fresh(f"{base}_hypot_{k}") for k in ("abs_a", "abs_b", "m", "n", "den", "r")}
-        t |= {k: fresh(f"{base}_hypot_{k}") for k in ("r2", "sum", "root", "eps", "one")}
-        constants += [
-            numpy_helper.from_array(np.array(HYPOT_EPS, np.float32), t["eps"]),
-            numpy_helper.from_array(np.array(1.0, np.float32), t["one"]),
-        ]
-        make = onnx.helper.make_node
-        replace[position] = [
-            make("Abs", [a], [t["abs_a"]], name=fresh(f"{base}_hypot_abs_a")),
-            make("Abs", [b], [t["abs_b"]], name=fresh(f"{base}_hypot_abs_b")),
-            make("Max", [t["abs_a"], t["abs_b"]], [t["m"]], name=fresh(f"{base}_hypot_max")),
-            make("Min", [t["abs_a"], t["abs_b"]], [t["n"]], name=fresh(f"{base}_hypot_min")),
-            make("Add", [t["m"], t["eps"]], [t["den"]], name=fresh(f"{base}_hypot_den")),
-            make("Div", [t["n"], t["den"]], [t["r"]], name=fresh(f"{base}_hypot_ratio")),
-            make("Mul", [t["r"], t["r"]], [t["r2"]], name=fresh(f"{base}_hypot_r2")),
-            make("Add", [t["r2"], t["one"]], [t["sum"]], name=fresh(f"{base}_hypot_sum")),
-            make("Sqrt", [t["sum"]], [t["root"]], name=fresh(f"{base}_hypot_root")),
-            make("Mul", [t["m"], t["root"]], [node.output[0]], name=node.name),
-        ]
+        nodes, consts = _hypot_nodes(a, b, node.output[0], node.name or node.output[0], fresh)
+        replace[position] = nodes
+        constants += consts
         drop |= {at_add, *(i for i in at_squares if i is not None)}
         if at_floor is not None:
             drop.add(at_floor)
