@@ -147,6 +147,24 @@ def test_a_complex_or_inverse_dft_is_one_matmul_with_its_basis(
     np.testing.assert_allclose(run(rewritten, x), run(model, x), rtol=1e-4, atol=2e-4)
 
 
+@pytest.mark.qnn
+def test_an_inverse_complex_dft_builds_whole_in_fp16_and_quantized(tmp_path: Path) -> None:
+    """A streaming enhancer's iSTFT frame: [1, 512, 2] -> inverse DFT. Flattened as it lies
+    (real and imaginary interleaved) the HTP failed to finalize the fp16 graph (a memory
+    allocation error); planar it compiles, and agrees with the CPU."""
+    from pipeline.htp.probe import probe
+
+    rewritten, _ = spectral.dft_to_matmul(dft([1, 512, 2], 1, None, 1))
+    onnx.save(rewritten, tmp_path / "float.onnx")
+    np.savez(tmp_path / "sample.npz", x=RNG.normal(0, 1, (1, 512, 2)).astype(np.float32))
+    path = tmp_path / "float.onnx"
+    result = probe(path, path, [tmp_path / "sample.npz"], tmp_path / "fp16", 60, 73)
+    assert result.ok, result.error
+    assert result.partitions == 1 and result.cpu_nodes == 0
+    assert result.worst_ctx_vs_float > 40.0, result.worst_ctx_vs_float
+    build_whole_on_htp(tmp_path, "inverse_dft", dft([1, 512, 2], 1, None, 1))
+
+
 def test_an_inverse_half_spectrum_dft_is_left_alone() -> None:
     model = rfft([1, 20, 64], 2, None)
     next(n for n in model.graph.node if n.op_type == "DFT").attribute.append(

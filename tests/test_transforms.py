@@ -1285,6 +1285,32 @@ def test_empty_concat_inputs_are_left_out(joined: tuple[str, ...]) -> None:
     np.testing.assert_array_equal(run(rewritten, feeds)[0], run(model, feeds)[0])
 
 
+def test_identities_go_and_a_batchnorm_behind_one_folds() -> None:
+    """Conv -> Mul -> Identity -> Add -> Identity -> output (paddle2onnx's BatchNorm): the
+    Identities go, so both affine ops fold into the Conv; an Identity writing a graph output
+    stays."""
+    rng = np.random.default_rng(6)
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 17]> g (float[1, 3, 8, 8] x) =>'
+            " (float[1, 4, 8, 8] y, float[1, 4, 8, 8] z) {"
+            " c = Conv<pads = [1, 1, 1, 1]>(x, w) \n m = Mul(c, s) \n i1 = Identity(m) \n"
+            " a = Add(i1, b) \n i2 = Identity(a) \n y = Relu(i2) \n z = Identity(i2) }"
+        ),
+        ("w", rng.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32)),
+        ("s", rng.uniform(0.01, 5.0, (1, 4, 1, 1)).astype(np.float32)),
+        ("b", rng.normal(0, 1.0, (1, 4, 1, 1)).astype(np.float32)),
+    )
+    dropped, change = t.drop_identities(model)
+    assert change.details == ("2 Identity node(s) dropped",)
+    assert ops(dropped) == ["Conv", "Mul", "Add", "Relu", "Identity"]
+    prepared, _ = prepare_model(model, InputsSection(dims={}, shapes={}, constants={}))
+    assert ops(prepared) == ["Conv", "Relu", "Identity"]
+    feeds = {"x": rng.normal(0, 1, (1, 3, 8, 8)).astype(np.float32)}
+    for want, got in zip(run(model, feeds), run(prepared, feeds), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_sequence_read_otherwise_stays() -> None:
     model = unbind_model(None, 0, [0])
     model.graph.node.append(oh.make_node("SequenceLength", ["seq"], ["n"]))

@@ -56,6 +56,7 @@ def preparation_steps(inputs: InputsSection) -> list[Step]:
         t.expand_function_ops,  # Mish, GroupNormalization, 3 Reduce ops: the QNN EP takes none
         t.constants_to_initializers,  # the converter may add Constant nodes
         t.fold_constants,
+        t.drop_identities,  # before the folds: an Identity hides a BatchNorm's Add from them
         recurrent.unroll_static_loops,  # a while loop's count is constant once shapes are fixed
         t.refuse_training_mode,  # a Dropout or BatchNorm still in training mode: random outputs
         t.lower_data_dependent_ifs,  # the QNN EP runs no control flow

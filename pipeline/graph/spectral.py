@@ -8,7 +8,7 @@ length, both are linear maps of the signal: a short-time Fourier transform is a 
 whose kernels are the windowed cosines and sines, a DFT along an axis is a MatMul with them. The
 rewrites here compute the same values (up to the order of float sums) with ops the HTP runs
 quantized or in fp16. A DFT of a complex signal or an inverse DFT is one MatMul with a block
-basis over the interleaved real and imaginary parts.
+basis over the real and imaginary parts.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def dft_to_matmul(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     A forward DFT of a real signal [..., 1]: Transpose the axis last, MatMul with the cosine
     and sine bases, stack them as DFT's last dimension and Transpose back. A complex signal
     [..., 2] or an inverse DFT (a streaming enhancer's iSTFT, written by the dynamo exporter
-    as DFT(inverse=1) of the full spectrum): one MatMul over the interleaved parts. An inverse
+    as DFT(inverse=1) of the full spectrum): one MatMul over both parts. An inverse
     of a half spectrum (``onesided``) is left alone."""
     return _replace_each(model, "DFT", "dft_to_matmul", _dft_to_matmul_at)
 
@@ -262,24 +262,25 @@ def _dft_to_matmul_at(node: onnx.NodeProto, site: _Site) -> tuple[list[onnx.Node
 
 
 def general_dft_basis(length: int, size: int, parts: int, inverse: bool) -> np.ndarray:
-    """[size * parts, length * 2]: the DFT of a signal of ``size`` samples, each ``parts``
-    values (1: real; 2: real, imaginary), as one matrix over the interleaved parts.
+    """[parts * size, 2 * length]: the DFT of a signal of ``size`` samples, each ``parts``
+    values (1: real; 2: real, imaginary), as one matrix over the parts laid out one after the
+    other (planar).
 
-    Row 2n + c holds the weight of x[n] part c, column 2k + c' that of y[k] part c':
-    forward y = sum x e^(-2 pi i k n / L), inverse y = (1 / L) sum x e^(+2 pi i k n / L)."""
+    Row c * size + n holds the weight of x[n] part c, column c' * length + k that of y[k] part
+    c': forward y = sum x e^(-2 pi i k n / L), inverse y = (1 / L) sum x e^(+2 pi i k n / L)."""
     n = np.arange(size, dtype=np.int64)[:, None]
     k = np.arange(length, dtype=np.int64)[None, :]
     angle = 2.0 * np.pi * ((n * k) % length) / length
     keep = (n < length).astype(np.float64)
     cos, sin = np.cos(angle) * keep, np.sin(angle) * keep
     sign = 1.0 if inverse else -1.0  # e^(sign i angle) = cos + sign i sin
-    basis = np.zeros((size, parts, length, 2))
-    basis[:, 0, :, 0], basis[:, 0, :, 1] = cos, sign * sin  # (a) (cos + s i sin)
+    basis = np.zeros((parts, size, 2, length))
+    basis[0, :, 0], basis[0, :, 1] = cos, sign * sin  # (a) (cos + s i sin)
     if parts == 2:  # (i b) (cos + s i sin) = -s b sin + i b cos
-        basis[:, 1, :, 0], basis[:, 1, :, 1] = -sign * sin, cos
+        basis[1, :, 0], basis[1, :, 1] = -sign * sin, cos
     if inverse:
         basis /= length
-    return basis.reshape(size * parts, length * 2)
+    return basis.reshape(parts * size, 2 * length)
 
 
 def _general_dft_at(
@@ -290,26 +291,26 @@ def _general_dft_at(
     length: int,
     attrs: dict,
 ) -> tuple[list[onnx.NodeProto], str] | None:
-    """A complex or inverse DFT: the axis moved before the parts, the two flattened together,
-    one MatMul with ``general_dft_basis``, unflattened and moved back."""
+    """A complex or inverse DFT: the parts moved before the axis, the axis last, the two
+    flattened together (planar), one MatMul with ``general_dft_basis``, unflattened and moved
+    back. (Interleaved, [..., N, 2] flattened as it lies, the HTP fails to finalize the graph
+    in fp16: "QNN_COMMON_ERROR_MEM_ALLOC", measured on the simulator.)"""
     if attrs.get("onesided", 0):  # a half spectrum: only for real forward transforms
         return None
     graph, fresh = site.graph, site.fresh
     rank, parts, size = len(shape), shape[-1], shape[axis]
     y = node.output[0]
-    order = [d for d in range(rank - 1) if d != axis] + [axis, rank - 1]
+    order = [d for d in range(rank - 1) if d != axis] + [rank - 1, axis]
     back = [int(p) for p in np.argsort(order)]
-    moved = [shape[d] for d in order]
+    outer = [shape[d] for d in order[:-2]]
     names = {p: fresh(f"{y}_{p}") for p in ("moved", "flat", "product", "unflat")}
     consts = {p: fresh(f"{y}_{p}_shape") for p in ("flat", "unflat")}
     basis = fresh(f"{y}_dft_basis")
     inverse = bool(attrs.get("inverse", 0))
     graph.initializer.extend(
         [
-            numpy_helper.from_array(
-                np.array([*moved[:-2], size * parts], np.int64), consts["flat"]
-            ),
-            numpy_helper.from_array(np.array([*moved[:-2], length, 2], np.int64), consts["unflat"]),
+            numpy_helper.from_array(np.array([*outer, parts * size], np.int64), consts["flat"]),
+            numpy_helper.from_array(np.array([*outer, 2, length], np.int64), consts["unflat"]),
             numpy_helper.from_array(
                 general_dft_basis(length, size, parts, inverse).astype(np.float32), basis
             ),
@@ -323,7 +324,7 @@ def _general_dft_at(
         ),
         helper.make_node(
             "Reshape", [names["moved"], consts["flat"]], [names["flat"]],
-            name=fresh(f"{base}_interleave"),
+            name=fresh(f"{base}_planar"),
         ),
         helper.make_node(
             "MatMul", [names["flat"], basis], [names["product"]], name=fresh(f"{base}_basis")
@@ -339,5 +340,5 @@ def _general_dft_at(
     kind = ("inverse " if inverse else "") + ("complex" if parts == 2 else "real")
     return nodes, (
         f"{node_label(node)}: {length}-point {kind} DFT along axis {axis} -> MatMul with its "
-        "basis over interleaved real and imaginary parts"
+        "basis over the real and imaginary parts"
     )
