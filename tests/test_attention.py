@@ -181,14 +181,25 @@ def test_erf_gelu_in_any_order_becomes_gelu(order: str) -> None:
 
 
 def test_erf_gelu_left_alone_where_it_is_not_one() -> None:
-    """An intermediate read elsewhere, another constant, or an opset without Gelu: unchanged."""
+    """An intermediate read elsewhere or another constant: unchanged."""
     assert not attention.fuse_erf_gelu(erf_gelu_block("torch", shared=True))[1].changed
     other = erf_gelu_block("torch")
     next(i for i in other.graph.initializer if i.name == "half").CopyFrom(const("half", 0.4))
     assert not attention.fuse_erf_gelu(other)[1].changed
+
+
+def test_erf_gelu_below_opset_20_becomes_the_contrib_gelu() -> None:
+    """A pre-quantized model keeps its opset (no ai.onnx Gelu): onnxruntime's com.microsoft
+    Gelu, which the QNN EP takes (an unfused Erf stayed on the CPU of a Whisper encoder)."""
     old = erf_gelu_block("hf")
     old.opset_import[0].version = 17
-    assert not attention.fuse_erf_gelu(old)[1].changed
+    fused, change = attention.fuse_erf_gelu(old)
+    assert change.changed
+    gelu = next(n for n in fused.graph.node if n.op_type == "Gelu")
+    assert gelu.domain == "com.microsoft"
+    assert any(o.domain == "com.microsoft" for o in fused.opset_import)
+    feeds = {"x": (RNG.standard_normal((1, 8)) * 2).astype(np.float32)}
+    np.testing.assert_allclose(run(fused, feeds)[0], run(old, feeds)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_erf_gelu_encoder_layer_builds_whole_on_the_htp(tmp_path: Path) -> None:
@@ -521,3 +532,26 @@ def test_the_htp_takes_the_flattened_layernorm_whole(tmp_path: Path) -> None:
     flat = results["flat"]
     assert flat.partitions == 1 and flat.cpu_nodes == 0
     assert flat.worst_ctx_vs_qdq > 30.0, flat.worst_ctx_vs_qdq
+
+
+def test_a_contrib_gelu_below_opset_20_keeps_the_shapes_after_it() -> None:
+    """qnn_preprocess_model writes com.microsoft Gelu; a pre-quantized model keeps an opset
+    below 20 (no ai.onnx Gelu): ONNX inference has no schema for it and stopped there."""
+    from pipeline.graph import edit
+
+    rng = np.random.default_rng(4)
+    model = model_of(
+        [
+            oh.make_node("MatMul", ["x", "w1"], ["h"]),
+            oh.make_node("Gelu", ["h"], ["g"], domain="com.microsoft"),
+            oh.make_node("MatMul", ["g", "w2"], ["y"]),
+        ],
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 16])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [const("w1", rng.normal(0, 0.2, (16, 32))), const("w2", rng.normal(0, 0.2, (32, 4)))],
+        opset=18,
+    )
+    model.opset_import.append(oh.make_opsetid("com.microsoft", 1))
+    values = edit.inferred_values(model)
+    assert edit.value_shape(values["g"]) == (1, 8, 32)
+    assert edit.value_shape(edit.infer_shapes(model).graph.output[0]) == (1, 8, 4)

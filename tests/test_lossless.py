@@ -147,3 +147,43 @@ def test_culprit_names_the_unrunnable_steps_before_the_drop() -> None:
     assert culprit(steps) == "b or c"
     assert culprit([StepFigure("a", 80.0), StepFigure("d", 30.0)]) == "d"
     assert culprit([StepFigure("a", 80.0)]) == ""
+
+
+def test_a_pre_quantized_source_passes_within_its_own_rounding_floor(tmp_path: Path) -> None:
+    """Conv -> Q -> DQ -> Relu: a prepared model whose float32 rounding differs (weights 1 ulp
+    off, as a fused rewrite does) flips some quantized values. Against 60 dB it fails; within
+    3 dB of the model's own rounding floor it passes, and says which floor it used."""
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((2, 2, 3, 3)).astype(np.float32)
+    inits = [
+        numpy_helper.from_array(w, "w"),
+        numpy_helper.from_array(np.array(0.05, np.float32), "s"),
+        numpy_helper.from_array(np.array(128, np.uint8), "z"),
+    ]
+    nodes = [
+        oh.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        oh.make_node("QuantizeLinear", ["c", "s", "z"], ["q"]),
+        oh.make_node("DequantizeLinear", ["q", "s", "z"], ["d"]),
+        oh.make_node("Relu", ["d"], ["y"]),
+    ]
+    graph = oh.make_graph(
+        nodes, "qdq", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 6, 6])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 6, 6])], inits,
+    )  # fmt: skip
+    source = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    nudged = onnx.ModelProto()
+    nudged.CopyFrom(source)
+    nudged.graph.initializer[0].CopyFrom(
+        numpy_helper.from_array(np.nextafter(w, np.float32(np.inf)) * np.float32(1.002), "w")
+    )
+    path = tmp_path / "float.onnx"
+    onnx.save(nudged, str(path))
+    samples = heldout(tmp_path / "h", 8)
+    strict = check_preparation("m", source, NO_INPUTS, path, samples)
+    assert not strict.passed and strict.snr_db is not None and strict.snr_db < 60
+    floor = strict.snr_db + 2.0
+    lenient = check_preparation("m", source, NO_INPUTS, path, samples, rounding_floor_db=floor)
+    assert lenient.passed and lenient.min_snr_db == pytest.approx(floor - 3.0)
+    assert lenient.rounding_floor_db == floor
+    tight = check_preparation("m", source, NO_INPUTS, path, samples, strict.snr_db + 4.0)
+    assert not tight.passed

@@ -212,14 +212,16 @@ def _erf_gelu_match(
 
 
 def fuse_erf_gelu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """x * (erf(x / sqrt 2) + 1) * 0.5, in any association order -> ai.onnx Gelu (opset >= 20).
+    """x * (erf(x / sqrt 2) + 1) * 0.5, in any association order -> ai.onnx Gelu (opset >= 20;
+    below, com.microsoft Gelu).
 
     The same function (ai.onnx Gelu's definition); the QNN HTP computes Gelu but no quantized
     Erf. Intermediates read by anything else keep the chain as it is.
     """
     model = edit.copy_model(model)
-    if edit.opset_version(model) < 20:
-        return edit.checked_change(model, "fuse_erf_gelu", [])
+    # Below opset 20 (a pre-quantized model keeps its opset) there is no ai.onnx Gelu: the
+    # com.microsoft Gelu onnxruntime's own fusion writes, which the QNN EP takes too.
+    contrib = edit.opset_version(model) < 20
     graph = model.graph
     inits = edit.initializers_by_name(graph)
     producers = {o: n for n in graph.node for o in n.output}
@@ -249,11 +251,15 @@ def fuse_erf_gelu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         x, out = match
         name = namer(f"{node.name or out}_gelu")
         fused[out] = _gelu(x, out, name, "none")
+        if contrib:
+            fused[out].domain = _MS
         details.append(f"{edit.node_label(node)}: x * (erf(x / sqrt 2) + 1) * 0.5 -> Gelu")
     if fused:
         nodes = [fused.get(n.output[0], n) if n.output else n for n in graph.node]
         edit.set_nodes(graph, nodes)
         edit.remove_dead_nodes(graph)
+        if contrib and not any(o.domain == _MS for o in model.opset_import):
+            model.opset_import.append(onnx.helper.make_opsetid(_MS, 1))
     return edit.checked_change(model, "fuse_erf_gelu", details)
 
 

@@ -269,14 +269,54 @@ def restore_weight_data(converted: onnx.ModelProto, source: onnx.ModelProto) -> 
     return True
 
 
+# onnxruntime contrib ops that keep their first input's type and shape. ONNX has no schema for
+# them, so inference stops there; qnn_preprocess_model writes com.microsoft Gelu for every GELU
+# it fuses, and a model that keeps an opset below 20 (a pre-quantized one) cannot have the
+# ai.onnx Gelu instead (a Whisper encoder quantized by onnxruntime: every tensor after its first
+# GELU had no shape, and the build stopped).
+CONTRIB_ELEMENTWISE = frozenset({"Gelu", "FastGelu", "QuickGelu", "BiasGelu"})
+
+
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """Schema-only shape inference without stored shapes (the strict criterion), on a copy
-    of ``model`` without its weights' data (``without_weight_data``): for the shapes only."""
+    of ``model`` without its weights' data (``without_weight_data``): for the shapes only.
+    A ``CONTRIB_ELEMENTWISE`` op's output gets its first input's type, and inference goes on."""
     bare = strip_shape_info(without_weight_data(model))
+    seeds: dict[str, onnx.ValueInfoProto] = {}
     try:
-        return onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=False)
+        inferred = onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=False)
+        for _ in range(len(bare.graph.node)):  # a seed can type the input of the next one
+            if not _seed_contrib_elementwise(inferred.graph, seeds):
+                break
+            seeded = copy_model(bare)
+            seeded.graph.value_info.extend(seeds.values())
+            inferred = onnx.shape_inference.infer_shapes(seeded, strict_mode=False, data_prop=False)
+        return inferred
     except onnx.shape_inference.InferenceError as exc:
         raise ModelError(f"ONNX shape inference failed on the model: {exc}") from exc
+
+
+def _seed_contrib_elementwise(
+    graph: onnx.GraphProto, seeds: dict[str, onnx.ValueInfoProto]
+) -> bool:
+    """Give each contrib elementwise op's output its input's inferred type in ``seeds``;
+    True if any seed is new or changed."""
+    known = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output)}
+    changed = False
+    for node in graph.node:
+        if node.domain != "com.microsoft" or node.op_type not in CONTRIB_ELEMENTWISE:
+            continue
+        out, source = node.output[0], known.get(node.input[0])
+        if source is None or not source.type.tensor_type.HasField("shape"):
+            continue
+        if out in seeds and seeds[out].type == source.type:
+            continue
+        seed = onnx.ValueInfoProto()
+        seed.CopyFrom(source)
+        seed.name = out
+        seeds[out] = seed
+        changed = True
+    return changed
 
 
 def with_inferred_shapes(model: onnx.ModelProto) -> onnx.ModelProto:

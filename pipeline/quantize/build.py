@@ -701,12 +701,18 @@ def _steps(
     state.timings["evaluate"] = time.perf_counter() - started
     started = time.perf_counter()
     largest = plan.largest
+    own_floor = [
+        a.snr_db
+        for a in (state.own.input_jitter.values() if state.own else [])
+        if a.snr_db == a.snr_db
+    ]
     preparation = check_preparation(
         config.model.name,
         state.source,
         bucket_inputs(config.inputs, largest.shapes if config.buckets.enabled else None),
         floats[largest.name],
         paths.bucket(largest.name).heldout,
+        min(own_floor) if own_floor else None,
     )
     state.timings["check_preparation"] = time.perf_counter() - started
     worst_each = [worst_snr(v) for v in per_bucket.values() if v]

@@ -169,8 +169,14 @@ def _preparation_check(check: PreparationCheck | None) -> list[str]:
     verdict = "passed" if check.passed else "FAILED"
     text = (
         f"Prepared float vs {check.reference}: {fmt(check.snr_db)} dB on {check.samples} "
-        f"held-out sample(s) (floor {check.min_snr_db:g} dB) — {verdict}."
+        f"held-out sample(s) (floor {check.min_snr_db:.4g} dB) — {verdict}."
     )
+    if check.rounding_floor_db is not None and check.min_snr_db < 60:
+        text += (
+            f" The floor is the model's own rounding floor ({fmt(check.rounding_floor_db)} dB, "
+            "below) less 3 dB: its Q/DQ turn a float32 rounding a step changes into whole "
+            "quantization steps, so no rewrite of it lands nearer than that."
+        )
     if check.float16_snr_db is not None:
         text += f" Against the float16 source run: {fmt(check.float16_snr_db)} dB."
     lines = ["", text]
