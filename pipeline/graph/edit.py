@@ -185,6 +185,16 @@ def initializers_by_name(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     return {t.name: t for t in graph.initializer if t.name not in inputs}
 
 
+def int_constant(inits: Mapping[str, onnx.TensorProto], name: str) -> int | None:
+    """The value of a scalar (or one-element) integer initializer, None if not one."""
+    if not name or name not in inits:
+        return None
+    value = onnx.numpy_helper.to_array(inits[name])
+    if value.size != 1 or value.dtype.kind not in "iu":
+        return None
+    return int(value.reshape(-1)[0])
+
+
 def value_shape(value: onnx.ValueInfoProto) -> tuple[int, ...] | None:
     """The static shape of a tensor value, or None if the rank or any dim is unknown."""
     if not value.type.HasField("tensor_type"):
@@ -364,6 +374,20 @@ def dynamic_outputs(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto | 
                 if out and (out not in values or value_shape(values[out]) is None):
                     result.append((out, node))
     return result
+
+
+def bypass_nodes(graph: onnx.GraphProto, drop: set[int], mapping: Mapping[str, str]) -> None:
+    """Drop the nodes at ``drop``, whose outputs (``mapping``'s keys) are the same tensors as
+    other ones (its values): their readers, in subgraphs too, read those instead. Chains
+    (an output mapped to another dropped output) resolve to their first tensor."""
+    resolved = {}
+    for name, source in mapping.items():
+        while source in mapping:
+            source = mapping[source]
+        resolved[name] = source
+    drop_nodes(graph, drop)
+    delete_where(graph.value_info, lambda v: v.name in resolved)
+    rename_tensors(graph, resolved)
 
 
 def remove_dead_nodes(graph: onnx.GraphProto) -> int:

@@ -209,16 +209,7 @@ def _rebias(
     if node.input[0] != activation or not node.input[2]:
         return False
     bias_dq, weight_dq = producer.get(node.input[2]), producer.get(node.input[1])
-    if (
-        bias_dq is None
-        or weight_dq is None
-        or "DequantizeLinear"
-        not in (
-            bias_dq.op_type,
-            weight_dq.op_type,
-        )
-        or bias_dq.op_type != weight_dq.op_type
-    ):
+    if any(dq is None or dq.op_type != "DequantizeLinear" for dq in (bias_dq, weight_dq)):
         return False
     names = [bias_dq.input[0], bias_dq.input[1], weight_dq.input[1]]
     if any(name not in inits for name in names):

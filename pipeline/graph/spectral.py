@@ -27,20 +27,11 @@ from .edit import (
     copy_model,
     inferred_values,
     initializers_by_name,
+    int_constant,
     node_label,
     set_nodes,
     value_shape,
 )
-
-
-def _int_constant(inits: dict[str, onnx.TensorProto], name: str) -> int | None:
-    """The value of a scalar (or one-element) integer initializer, None if not one."""
-    if not name or name not in inits:
-        return None
-    value = numpy_helper.to_array(inits[name])
-    if value.size != 1 or value.dtype.kind not in "iu":
-        return None
-    return int(value.reshape(-1)[0])
 
 
 def fourier_basis(length: int, size: int, bins: int) -> tuple[np.ndarray, np.ndarray]:
@@ -109,10 +100,10 @@ def _stft_to_conv_at(node: onnx.NodeProto, site: _Site) -> tuple[list[onnx.NodeP
     """The nodes that replace ``node`` and what they do, or None to keep it."""
     graph, inits, values, fresh = site.graph, site.inits, site.values, site.fresh
     shape = value_shape(values[node.input[0]]) if node.input[0] in values else None
-    step = _int_constant(inits, node.input[1] if len(node.input) > 1 else "")
+    step = int_constant(inits, node.input[1] if len(node.input) > 1 else "")
     window_name = node.input[2] if len(node.input) > 2 else ""
     window = numpy_helper.to_array(inits[window_name]) if window_name in inits else None
-    length = _int_constant(inits, node.input[3] if len(node.input) > 3 else "")
+    length = int_constant(inits, node.input[3] if len(node.input) > 3 else "")
     if length is None and window is not None:
         length = int(window.size)
     onesided = next((a.i for a in node.attribute if a.name == "onesided"), 1)
@@ -185,11 +176,11 @@ def _dft_to_matmul_at(node: onnx.NodeProto, site: _Site) -> tuple[list[onnx.Node
     if "axis" in attrs:  # opset 17-19: an attribute
         axis: int | None = int(attrs["axis"])
     elif len(node.input) > 2 and node.input[2]:  # opset 20: an input
-        axis = _int_constant(inits, node.input[2])
+        axis = int_constant(inits, node.input[2])
     else:  # opset 20's default (opset 17's default 1 is spelled out by the converter)
         axis = -2
     given_length = node.input[1] if len(node.input) > 1 else ""
-    length = _int_constant(inits, given_length) if given_length else None
+    length = int_constant(inits, given_length) if given_length else None
     if shape is None or axis is None or (given_length and length is None):
         return None
     rank = len(shape)
@@ -268,11 +259,8 @@ def general_dft_basis(length: int, size: int, parts: int, inverse: bool) -> np.n
 
     Row c * size + n holds the weight of x[n] part c, column c' * length + k that of y[k] part
     c': forward y = sum x e^(-2 pi i k n / L), inverse y = (1 / L) sum x e^(+2 pi i k n / L)."""
-    n = np.arange(size, dtype=np.int64)[:, None]
-    k = np.arange(length, dtype=np.int64)[None, :]
-    angle = 2.0 * np.pi * ((n * k) % length) / length
-    keep = (n < length).astype(np.float64)
-    cos, sin = np.cos(angle) * keep, np.sin(angle) * keep
+    cos, minus_sin = fourier_basis(length, size, length)
+    sin = -minus_sin
     sign = 1.0 if inverse else -1.0  # e^(sign i angle) = cos + sign i sin
     basis = np.zeros((parts, size, 2, length))
     basis[0, :, 0], basis[0, :, 1] = cos, sign * sin  # (a) (cos + s i sin)

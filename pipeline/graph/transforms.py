@@ -29,13 +29,14 @@ from .edit import (
     Change,
     FreshNames,
     all_graphs,
+    bypass_nodes,
     checked_change,
     copy_model,
     defined_names,
-    delete_where,
     drop_nodes,
     inferred_values,
     initializers_by_name,
+    int_constant,
     min_ir_version,
     node_label,
     numpy_dtype,
@@ -1634,18 +1635,11 @@ def drop_identities(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             continue
         if node.output[0] in outputs or not node.input or not node.input[0]:
             continue
-        source = node.input[0]
-        mapping[node.output[0]] = mapping.get(source, source)
+        mapping[node.output[0]] = node.input[0]
         drop.add(index)
     if not drop:
         return checked_change(model, "drop_identities", [])
-    for name, source in list(mapping.items()):  # chains of Identities: to the first input
-        while source in mapping:
-            source = mapping[source]
-        mapping[name] = source
-    drop_nodes(graph, drop)
-    delete_where(graph.value_info, lambda v: v.name in mapping)
-    rename_tensors(graph, mapping)
+    bypass_nodes(graph, drop, mapping)
     return checked_change(model, "drop_identities", [f"{len(drop)} Identity node(s) dropped"])
 
 
@@ -1673,7 +1667,7 @@ def sequence_at_to_slices(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
         items = readers.get(node.output[0], [])
         if not items or node.output[0] in outputs or any(r.op_type != "SequenceAt" for r in items):
             continue
-        positions = [_int_const(inits, r.input[1]) for r in items]
+        positions = [int_constant(inits, r.input[1]) for r in items]
         if any(p is None for p in positions):
             continue
         if values is None:
@@ -1733,14 +1727,18 @@ def drop_empty_concat_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, C
     """
     model = copy_model(model)
     graph = model.graph
-    concats = [n for n in graph.node if n.op_type == "Concat" and n.domain in DEFAULT_DOMAINS]
+    concats = [
+        i for i, n in enumerate(graph.node) if n.op_type == "Concat" and n.domain in DEFAULT_DOMAINS
+    ]
     if not concats:
         return checked_change(model, "drop_empty_concat_inputs", [])
     values = inferred_values(model)
     outputs = {o.name for o in graph.output}
     renames: dict[str, str] = {}
+    bypassed: set[int] = set()
     details = []
-    for node in concats:
+    for position in concats:
+        node = graph.node[position]
         shapes = [value_shape(values[i]) if i in values else None for i in node.input]
         if any(shape is None for shape in shapes):
             continue
@@ -1761,24 +1759,11 @@ def drop_empty_concat_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, C
                 del node.attribute[:]
             continue
         renames[node.output[0]] = kept[0]
-        del node.input[:]  # nothing reads it now: remove_dead_nodes drops it
-    if renames:
-        for node in graph.node:
-            for index, name in enumerate(node.input):
-                while name in renames:
-                    name = renames[name]
-                node.input[index] = name
+        bypassed.add(position)
     if details:
-        remove_dead_nodes(graph)
+        bypass_nodes(graph, bypassed, renames)
+        remove_dead_nodes(graph)  # what computed only the empty inputs
     return checked_change(model, "drop_empty_concat_inputs", details)
-
-
-def _int_const(inits: Mapping[str, onnx.TensorProto], name: str) -> int | None:
-    """The value of a one-element integer constant, else None."""
-    if name not in inits:
-        return None
-    array = numpy_helper.to_array(inits[name])
-    return int(array.reshape(-1)[0]) if array.size == 1 and array.dtype.kind in "iu" else None
 
 
 HYPOT_EPS = 1e-12  # keeps max(|a|, |b|) = 0 from dividing 0 by 0 in the float model

@@ -28,6 +28,7 @@ from ..core.config import InputsSection
 from ..core.cpu import cpu_session
 from ..core.dtypes import np_dtype
 from ..core.metrics import OutputComparison, worst_snr
+from ..graph.prequantized import is_prequantized
 from .evaluate import iter_samples, run_named
 
 MIN_PREPARED_SNR_DB = 60.0
@@ -161,7 +162,7 @@ def check_preparation(
     # onnxruntime's full optimization swaps Q/DQ groups for int8 kernels where the graph's
     # shape allows, so two equal graphs of different structure differ by its rounding (a
     # pre-quantized Whisper encoder: 19 dB between the source and itself with one GELU fused).
-    optimize = not _has_qdq(source.load())
+    optimize = not is_prequantized(source.load())
     try:
         if source.float16:
             from ..graph.transforms import float16_to_float32
@@ -216,12 +217,4 @@ def bucket_inputs(inputs: InputsSection, shapes: dict[str, Any] | None) -> Input
         dims=dict(inputs.dims),
         shapes={k: list(v) for k, v in shapes.items()},
         constants=dict(inputs.constants),
-    )
-
-
-def _has_qdq(model: Any) -> bool:
-    """True for a graph with its own quantization (Q/DQ or QLinear ops) at the top level."""
-    return any(
-        node.op_type in ("QuantizeLinear", "DequantizeLinear") or node.op_type.startswith("QLinear")
-        for node in model.graph.node
     )
