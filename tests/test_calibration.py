@@ -230,6 +230,25 @@ def test_audio_windows_and_tail_held_out(tmp_path: Path) -> None:
     assert held.refs[0].offset == 8 * 64  # the tail of the file
 
 
+def test_audio_file_shorter_than_a_window_gives_none(tmp_path: Path) -> None:
+    """A short file is skipped, not read as a short window that fails to fill the input."""
+    folder = tmp_path / "wav"
+    folder.mkdir()
+    write_wav(folder / "long.wav", np.arange(64 * 4) % 1000)
+    write_wav(folder / "short.wav", np.arange(40))
+    config = make_config(
+        tmp_path, 'kind = "audio"\npath = "wav"\nheld_out = 0.25\n[calibration.audio]\nwindow = 64'
+    )
+    spec = [InputSpec("audio", (1, 64), np.dtype("float32"))]
+    calib, held = build_samples(config, spec)
+    refs = [*calib.refs, *held.refs]
+    assert {ref.path.name for ref in refs} == {"long.wav"}
+    assert len(refs) == 4
+    (folder / "long.wav").unlink()
+    with pytest.raises(CalibrationError, match=r"longest has 40 samples.*window is 64"):
+        build_samples(config, spec)
+
+
 def test_audio_wrong_rate(tmp_path: Path) -> None:
     folder = tmp_path / "wav"
     folder.mkdir()

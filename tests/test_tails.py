@@ -17,6 +17,7 @@ from onnx import TensorProto, numpy_helper
 
 from pipeline.compile import coverage
 from pipeline.core.config import InputsSection
+from pipeline.core.errors import ModelError
 from pipeline.core.metrics import LABELS, MAP_VALUES, OutputComparison, comparable, worst_snr
 from pipeline.graph.prepare import prepare_model
 from pipeline.graph.tails import model_tail, summary_tail
@@ -140,6 +141,38 @@ def test_preparation_keeps_the_tail_typed_and_static(string_labels: bool) -> Non
     assert got[1][0].keys() == want[1][0].keys()
     for key in want[1][0]:
         assert got[1][0][key] == pytest.approx(want[1][0][key], rel=1e-5, abs=1e-6)
+
+
+def test_a_model_that_is_all_tail_is_refused_at_preparation() -> None:
+    """A model of ai.onnx.ml ops only (a tree ensemble, a linear classifier) leaves nothing for
+    the NPU: preparation says so, rather than compile finding an empty context."""
+    node = oh.make_node(
+        "LinearClassifier",
+        ["x"],
+        ["label", "scores"],
+        domain="ai.onnx.ml",
+        name="linear",
+        classlabels_ints=[0, 1],
+        coefficients=[0.5, -0.5, 1.0, 2.0],
+        intercepts=[0.0, 0.1],
+    )
+    graph = oh.make_graph(
+        [node],
+        "linear",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2])],
+        [
+            oh.make_tensor_value_info("label", TensorProto.INT64, ["batch"]),
+            oh.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", 2]),
+        ],
+    )
+    model = oh.make_model(
+        graph, opset_imports=[oh.make_opsetid("", 13), oh.make_opsetid("ai.onnx.ml", 1)]
+    )
+    model.ir_version = 8
+    with pytest.raises(
+        ModelError, match=r"Nothing in this model can run on the NPU.*LinearClassifier"
+    ):
+        prepare_model(model, InputsSection(dims={"batch": 1}, shapes={}, constants={}))
 
 
 def test_outputs_are_compared_by_kind() -> None:

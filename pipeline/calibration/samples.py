@@ -220,7 +220,8 @@ def _wav_windows(path: Path, config: ModelConfig) -> tuple[int, list[int]]:
     except (wave.Error, EOFError) as exc:
         raise CalibrationError(f"Cannot read wav file {path}: {exc}") from None
     hop = audio.hop or audio.window
-    return frames, list(range(0, max(0, frames - audio.window) + 1, hop))
+    # A file shorter than one window gives none: a short read would not fill the input.
+    return frames, list(range(0, frames - audio.window + 1, hop))
 
 
 def _load_wav_window(ref: SampleRef, spec: InputSpec, config: ModelConfig) -> dict[str, np.ndarray]:
@@ -408,11 +409,18 @@ def sample_source(config: ModelConfig, specs: list[InputSpec]) -> SampleSource:
             raise CalibrationError(f"{config.path}: calibration.kind = 'audio' needs a path.")
         spec = spec_by_name[default_input]
         refs = []
+        longest = 0
         for path in _list_files(folder, AUDIO_SUFFIXES, "wav"):
-            _, offsets = _wav_windows(path, config)
+            frames, offsets = _wav_windows(path, config)
             refs += [SampleRef(path, offset) for offset in offsets]
+            longest = max(longest, frames)
         if not refs:
-            raise CalibrationError(f"The wav files in {folder} are shorter than one window.")
+            raise CalibrationError(
+                f"The wav files in {folder} are shorter than one window: the longest has "
+                f"{longest} samples, calibration.audio.window is {cal.audio.window}.",
+                tip="Add longer recordings, or use a calibration reader (calibration.kind = "
+                '"python") that pads or repeats short clips the way the app does.',
+            )
         by_file = True
 
         def loader(ref: SampleRef) -> Feeds:

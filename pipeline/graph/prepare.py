@@ -125,7 +125,26 @@ def prepare_model(
         _run_steps(model, inputs)  # raises at the step at fault, if a check finds one
         raise
     _require_static(prepared)
+    _require_npu_part(prepared)
     return prepared, changes
+
+
+def _require_npu_part(model: onnx.ModelProto) -> None:
+    """A ModelError when every node is declared CPU post-processing (a tree ensemble, a
+    linear classifier of ai.onnx.ml ops): the QNN HTP backend runs none of them, so a build
+    would end at compile with an empty context, minutes later."""
+    tail = model_tail(model)
+    if tail and len(tail.nodes) == len(model.graph.node):
+        ops = sorted(
+            {f"{n.domain}:{n.op_type}" if n.domain else n.op_type for n in model.graph.node}
+        )
+        raise ModelError(
+            f"Nothing in this model can run on the NPU: all its {len(tail.nodes)} node(s) "
+            f"({', '.join(ops)}) are ai.onnx.ml or label post-processing, which the QNN HTP "
+            "backend does not run.",
+            tip="Run this model with plain onnxruntime on the CPU (it is what onnxruntime's CPU "
+            "provider is for), or build the neural part that feeds it, if it has one.",
+        )
 
 
 def _run_steps(
