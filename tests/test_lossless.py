@@ -120,7 +120,9 @@ def test_a_step_that_changes_the_function_fails_the_build(
         model.graph.node.append(oh.make_node("Mul", [f"{out}_pre", "k"], [out]))
         return model, Change("lossy_step", ("output x 1.01",))
 
-    monkeypatch.setattr(prepare_mod, "preparation_steps", lambda inputs: [*original(inputs), lossy])
+    monkeypatch.setattr(
+        prepare_mod, "preparation_steps", lambda inputs, *more: [*original(inputs, *more), lossy]
+    )
     args = ["quantize", "--artifacts", str(tmp_path / "a"), str(root / "configs" / "example.toml")]
     with pytest.raises(GateError) as info:
         from pipeline.core.config import load_config

@@ -365,7 +365,7 @@ def test_an_invalid_step_is_named_though_checks_are_deferred(
 
     steps = original(CNN_INPUTS)
     monkeypatch.setattr(
-        prepare_mod, "preparation_steps", lambda inputs: [*steps[:3], dangling, *steps[3:]]
+        prepare_mod, "preparation_steps", lambda inputs, *_: [*steps[:3], dangling, *steps[3:]]
     )
     with pytest.raises(ModelError, match="'dangling_input' produced an invalid ONNX model"):
         prepare_model(cnn(), CNN_INPUTS)

@@ -73,10 +73,12 @@ def signatures(model: Any, constants: dict[str, Any]) -> tuple[plans.Signature, 
     return inputs, outputs
 
 
-def _prepare(source: Any, inputs: InputsSection, what: str) -> tuple[Any, list[Change]]:
+def _prepare(
+    source: Any, inputs: InputsSection, what: str, unroll_lstms: bool = True
+) -> tuple[Any, list[Change]]:
     from ..graph.prepare import preparation_steps
 
-    steps = len(preparation_steps(inputs))
+    steps = len(preparation_steps(inputs, unroll_lstms))
     try:
         with Progress(steps, f"prepare {what}", "step") as progress:
 
@@ -84,7 +86,7 @@ def _prepare(source: Any, inputs: InputsSection, what: str) -> tuple[Any, list[C
                 progress.update()
                 progress.note(name)
 
-            return prepare_model(source, inputs, on_step)
+            return prepare_model(source, inputs, on_step, unroll_lstms)
     except PipelineError as exc:
         raise type(exc)(f"{what}: {exc.message}", exc.tip) from None
     except Exception as exc:  # a transform hit a graph it does not know; name the model
@@ -122,7 +124,9 @@ def prepare_buckets(
             shapes={k: list(v) for k, v in bucket.shapes.items()},
             constants=dict(config.inputs.constants),
         )
-        prepared, changes = _prepare(source, section, f"{name} bucket {bucket.describe()}")
+        # Buckets share one context: their LSTMs stay in one form (recurrent.py).
+        what = f"{name} bucket {bucket.describe()}"
+        prepared, changes = _prepare(source, section, what, unroll_lstms=len(plan.buckets) == 1)
         saved.append(_save(bucket, prepared, changes, input_specs(prepared), float_path_of))
         del prepared
     renamed = distinct_bucket_constants({b.bucket.name: b.float_path for b in saved})
