@@ -207,13 +207,12 @@ def test_layout_1_matches_the_time_major_op(op: str, direction: str) -> None:
 
 
 def test_forms_qnn_runs_well_are_kept() -> None:
-    """The QNN EP runs default LSTM/GRU whole; its GRU and a one-step LSTM (a streaming cell)
-    were as accurate or more on the simulator than the unrolled cell (DTLN: 55.7 vs 45.4 dB)."""
+    """The QNN EP runs default GRUs whole, and as accurately as the unrolled cell or more on
+    the simulator (a 3-layer stack: 62.7 vs 42.6 dB)."""
     for model in (
         rnn_model("GRU", linear_before_reset=1),
         rnn_model("GRU", direction="bidirectional", steps=5),
-        rnn_model("LSTM", steps=1, peepholes=True),
-        rnn_model("LSTM", steps=1, states=False),
+        rnn_model("GRU", steps=1, states=False),
     ):
         kept, change = rc.unroll_recurrent_ops(model)
         assert not change.changed
@@ -223,8 +222,11 @@ def test_forms_qnn_runs_well_are_kept() -> None:
 def test_an_lstm_over_a_sequence_is_unrolled_within_the_budget(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A multi-step LSTM QNN takes is unrolled for accuracy (see the HTP test below), all of a
-    model's such LSTMs or none: past the node budget every one keeps the HTP's LSTM."""
+    """An LSTM QNN takes is unrolled for accuracy (see the HTP test below), a streaming model's
+    one-step cell too, all of a model's such LSTMs or none: past the node budget every one keeps
+    the HTP's LSTM."""
+    cell = rnn_model("LSTM", steps=1, batch=1)
+    assert not any(n.op_type == "LSTM" for n in rc.unroll_recurrent_ops(cell)[0].graph.node)
     model = rnn_model("LSTM", direction="bidirectional", steps=3, peepholes=True)
     unrolled, change = rc.unroll_recurrent_ops(model)
     assert change.changed and "accuracy" in change.details[0]
