@@ -582,10 +582,9 @@ def unroll_recurrent_ops(
     Why: a refused recurrent op runs on the CPU and splits the graph around it. Unrolled, the
     cell is Gemm/Add/Mul/Sigmoid/Tanh that the HTP runs, each gate with its own quantization
     range. Needs static shapes and constant weights; the same function as onnxruntime's kernel.
-    Accepted LSTMs are unrolled as well, all or none, within
-    ``LSTM_UNROLL_NODES`` added nodes (the HTP's own LSTM is mostly the less accurate),
-    unless ``for_accuracy`` is False; ``everything`` unrolls every accepted node, with no budget
-    (to compare both forms).
+    Accepted LSTMs are unrolled as well, all or none, within ``LSTM_UNROLL_NODES`` added nodes
+    (the HTP's own LSTM is mostly the less accurate), unless ``for_accuracy`` is False;
+    ``everything`` unrolls every accepted node, with no budget (to compare both forms).
     """
     model = edit.copy_model(model)
     graph = model.graph
