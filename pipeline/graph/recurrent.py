@@ -598,49 +598,46 @@ def unroll_recurrent_ops(
 
     fresh = edit.FreshNames(model)
     split_by_count = edit.opset_version(model) >= 18
-    details = []
-    # Per node: its replacement (None: kept), and whether it is an accepted LSTM's.
-    plans: list[tuple[onnx.NodeProto, list[onnx.NodeProto] | None, bool]] = []
-    new_inits: list[onnx.TensorProto] = []
-    for node in graph.node:
+    notes: dict[int, str] = {}  # node index -> what became of it
+    # node index -> (its unrolled nodes, their constants, whether unrolled for accuracy only)
+    unrolled: dict[int, tuple[list[onnx.NodeProto], list[onnx.TensorProto], bool]] = {}
+    for index, node in enumerate(graph.node):
         if node.op_type not in RECURRENT_OPS or node.domain not in edit.DEFAULT_DOMAINS:
-            plans.append((node, None, False))
             continue
         reasons = qnn_refuses(node)
         accuracy_only = not reasons and not everything
         if accuracy_only and (node.op_type != "LSTM" or not for_accuracy):
-            plans.append((node, None, False))
             continue
         cell, why_not = _cell(node, inits, shape)
         if cell is None:
             if reasons:
-                details.append(
+                notes[index] = (
                     f"{edit.node_label(node)}: kept ({why_not}); QNN refuses it: {reasons}"
                 )
-            plans.append((node, None, False))
             continue
         added, constants = _unroll(node, cell, inits, fresh, split_by_count)
-        plans.append((node, added, accuracy_only))
-        new_inits.extend(constants)
+        unrolled[index] = (added, constants, accuracy_only)
         why = ", ".join(reasons) if reasons else ("asked" if everything else "accuracy")
-        details.append(
+        notes[index] = (
             f"{edit.node_label(node)}: unrolled into {len(added)} nodes ({cell.steps} step(s), "
             f"{'/'.join(cell.directions)}; {why})"
         )
     # Accepted LSTMs are unrolled all together or not at all (a model is one kind or the other).
-    for_accuracy_nodes = sum(len(added or ()) for _, added, accuracy in plans if accuracy)
-    if for_accuracy_nodes > LSTM_UNROLL_NODES:
-        plans = [(node, None if accuracy else added, False) for node, added, accuracy in plans]
-        details = [d for d in details if not d.endswith("; accuracy)")]
+    for_accuracy_nodes = sum(len(added) for added, _, only in unrolled.values() if only)
+    over_budget = for_accuracy_nodes > LSTM_UNROLL_NODES
+    if over_budget:
+        for index in [i for i, (_, _, only) in unrolled.items() if only]:
+            del unrolled[index], notes[index]
+    details = [notes[i] for i in sorted(notes)]
+    if over_budget:
         details.append(
             f"LSTMs QNN takes kept whole: unrolled, they would add {for_accuracy_nodes} nodes "
             f"(over {LSTM_UNROLL_NODES})"
         )
-    nodes = [n for node, added, _ in plans for n in (added if added is not None else [node])]
-    if any(added is not None for _, added, _ in plans):
-        used = {i for n in nodes for i in n.input}
+    if unrolled:
+        nodes = [n for i, node in enumerate(graph.node) for n in unrolled.get(i, ([node],))[0]]
         edit.set_nodes(graph, nodes)
-        graph.initializer.extend(i for i in new_inits if i.name in used)
+        graph.initializer.extend(c for _, constants, _ in unrolled.values() for c in constants)
         edit.remove_dead_nodes(graph)
         edit.sort_graph(graph)
     return edit.checked_change(model, "unroll_recurrent_ops", details)

@@ -66,7 +66,7 @@ from .evaluate import end_to_end, evaluate, input_jitter
 from .judge import Builder, HtpJudgement, judge_on_htp
 from .lossless import bucket_inputs, check_preparation
 from .mixed_precision import MixedPrecision, raise_precision
-from .shapes import PreparedBucket, differing, initializer_digests, prepare_buckets
+from .shapes import PreparedBucket, differing, initializer_digests, prepare_buckets, unrolls_lstms
 
 TOOLS = ("onnx", "onnxruntime", "numpy", "pillow")
 # The builder's code that shapes the QDQ models: editing it rebuilds.
@@ -713,6 +713,7 @@ def _steps(
         floats[largest.name],
         paths.bucket(largest.name).heldout,
         min(own_floor) if own_floor else None,
+        unrolls_lstms(plan),
     )
     state.timings["check_preparation"] = time.perf_counter() - started
     worst_each = [worst_snr(v) for v in per_bucket.values() if v]

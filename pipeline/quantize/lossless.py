@@ -114,13 +114,15 @@ def per_step(
     reference: Any,
     samples: list[Feeds],
     optimize: bool = True,
+    unroll_lstms: bool = True,
 ) -> Iterator[StepFigure]:
-    """Each preparation step's prefix vs ``reference`` (a session), in order."""
+    """Each preparation step's prefix vs ``reference`` (a session), in order: the steps the
+    prepared model went through (``unroll_lstms`` as ``prepare_model`` had it)."""
     from ..graph.prepare import preparation_steps
 
     model = source
     last: float | None = None
-    for step in preparation_steps(inputs):
+    for step in preparation_steps(inputs, unroll_lstms):
         try:
             model, change = step(model)
         except Exception as exc:  # the full preparation ran before; report, do not crash
@@ -143,6 +145,7 @@ def check_preparation(
     prepared: Path,
     heldout: Path,
     rounding_floor_db: float | None = None,
+    unroll_lstms: bool = True,
 ) -> PreparationCheck:
     """Prepared float vs source on ``heldout`` feeds (the bucket's own, padded as the prepared
     model takes them); per step when below the floor.
@@ -187,7 +190,9 @@ def check_preparation(
             floor, snr, count, True, label, float16_snr_db=float16,
             rounding_floor_db=rounding_floor_db,
         )  # fmt: skip
-    steps = list(per_step(source.load(), inputs, ref_session, samples[:STEP_SAMPLES], optimize))
+    steps = list(
+        per_step(source.load(), inputs, ref_session, samples[:STEP_SAMPLES], optimize, unroll_lstms)
+    )
     return PreparationCheck(
         floor, snr, count, False, label, culprit(steps, floor), steps, float16,
         rounding_floor_db=rounding_floor_db,

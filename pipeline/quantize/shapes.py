@@ -96,6 +96,12 @@ def _prepare(
         ) from exc
 
 
+def unrolls_lstms(plan: plans.BucketPlan) -> bool:
+    """Whether the plan's models get their accepted LSTMs unrolled: not when several buckets
+    share one context (their quantization must agree tensor by tensor, recurrent.py)."""
+    return len(plan.buckets) == 1
+
+
 def prepare_buckets(
     config: ModelConfig, source: Any, float_path_of: Any
 ) -> Iterator[plans.BucketPlan | PreparedBucket]:
@@ -124,9 +130,8 @@ def prepare_buckets(
             shapes={k: list(v) for k, v in bucket.shapes.items()},
             constants=dict(config.inputs.constants),
         )
-        # Buckets share one context: their LSTMs stay in one form (recurrent.py).
         what = f"{name} bucket {bucket.describe()}"
-        prepared, changes = _prepare(source, section, what, unroll_lstms=len(plan.buckets) == 1)
+        prepared, changes = _prepare(source, section, what, unrolls_lstms(plan))
         saved.append(_save(bucket, prepared, changes, input_specs(prepared), float_path_of))
         del prepared
     renamed = distinct_bucket_constants({b.bucket.name: b.float_path for b in saved})
