@@ -1210,6 +1210,68 @@ def test_gathernd_with_computed_indices_or_batch_dims_stays() -> None:
     assert not t.gathernd_to_gather(batched)[1].changed
 
 
+def as_strided_head(index: np.ndarray) -> onnx.ModelProto:
+    """The dynamo exporter's ``as_strided`` after a global mean: Conv -> ReduceMean ->
+    Reshape to 1-D -> Gather of constant indices shaped [1, k, 1, 1] -> a 1x1 Conv."""
+    return with_inits(
+        parse(
+            """<ir_version: 8, opset_import: ["": 18]>
+            g (float[1, 3, 16, 16] x) => (float[1, 4, 1, 1] y) {
+              c = Conv<pads = [1, 1, 1, 1]>(x, w1)
+              r = Relu(c)
+              m = ReduceMean<keepdims = 1>(r, axes)
+              f = Reshape(m, flat)
+              g4 = Gather<axis = 0>(f, i)
+              y = Conv(g4, w2)
+            }"""
+        ),
+        ("w1", (RNG.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32)),
+        ("axes", np.array([2, 3], np.int64)),
+        ("flat", np.array([-1], np.int64)),
+        ("i", index.astype(np.int64)),
+        ("w2", (RNG.standard_normal((4, index.size, 1, 1)) * 0.3).astype(np.float32)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("index", "expected"),
+    [
+        (np.arange(8).reshape(1, 8, 1, 1), ["Reshape"]),  # the whole axis in order
+        (np.array([3, 1, -1, 0, 2, 7, 6, 5]).reshape(1, 8, 1, 1), ["Gather", "Reshape"]),
+        (np.arange(2, 6).reshape(1, 4, 1, 1), ["Gather", "Reshape"]),  # a part of it
+    ],
+)
+def test_gather_of_shaped_constant_indices_becomes_flat(index: np.ndarray, expected) -> None:
+    model = as_strided_head(index)
+    rewritten, change = t.flat_gather_indices(model)
+    gathered = ops(rewritten)[ops(rewritten).index("Reshape") + 1 : -1]
+    assert change.changed and gathered == expected
+    assert all(
+        len(next(i for i in rewritten.graph.initializer if i.name == n.input[1]).dims) == 1
+        for n in rewritten.graph.node
+        if n.op_type == "Gather"
+    )
+    feeds = {"x": RNG.standard_normal((1, 3, 16, 16)).astype(np.float32)}
+    np.testing.assert_array_equal(run(rewritten, feeds)[0], run(model, feeds)[0])
+
+
+def test_gather_of_flat_or_computed_indices_stays() -> None:
+    assert not t.flat_gather_indices(as_strided_head(np.arange(8)))[1].changed
+    computed = parse(
+        '<ir_version: 8, opset_import: ["": 13]> g (float[4, 3] x, int64[1, 2, 1] i) => '
+        "(float[1, 2, 1, 3] y) { y = Gather(x, i) }"
+    )
+    assert not t.flat_gather_indices(computed)[1].changed
+
+
+@pytest.mark.qnn
+def test_dynamo_as_strided_head_compiles_whole_on_the_htp(tmp_path) -> None:
+    """onnxruntime-qnn 2.7.0 aborted the process compiling this Gather (timm's ConvNeXt and
+    EdgeNeXt exported by torch 2.14's dynamo exporter): SIGABRT, "Assertion '__n <
+    this->size()' failed". If a new QNN SDK compiles it as it is, the rewrite is only a tidy-up."""
+    build_whole_on_htp(tmp_path, "as_strided", as_strided_head(np.arange(8).reshape(1, 8, 1, 1)))
+
+
 def unbind_model(split: np.ndarray | None, keepdims: int, positions: list[int]) -> onnx.ModelProto:
     """x [2, 6, 4] -> SplitToSequence on axis 1 -> SequenceAt each position -> Relu each."""
     nodes = [

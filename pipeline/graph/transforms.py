@@ -1584,6 +1584,65 @@ def gathernd_to_gather(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     return checked_change(model, "gathernd_to_gather", details)
 
 
+def flat_gather_indices(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Gather with constant indices of rank >= 2 on a static tensor -> a Gather of the
+    flattened indices and a Reshape to the same output; one that picks every entry of its
+    axis in order (an identity) -> the Reshape alone.
+
+    Why: the dynamo exporter writes ``as_strided`` (timm's ConvNeXt and EdgeNeXt heads) as a
+    Reshape to 1-D and a Gather of ``arange(n)`` shaped [1, n, 1, 1]; onnxruntime-qnn 2.7.0
+    aborts the whole process compiling that Gather when layout transposes meet it (an
+    assertion in a vector index, before a Conv or a Transpose; 1-D indices compile). The
+    rewrite is exact: Gather's output is the data's leading dims, the indices' shape and the
+    data's trailing dims, in the indices' row-major order.
+    """
+    model = copy_model(model)
+    graph = model.graph
+    inits = initializers_by_name(graph)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+    namer = FreshNames(model)
+    details = []
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        indices = inits.get(node.input[1]) if node.op_type == "Gather" else None
+        if node.domain not in DEFAULT_DOMAINS or indices is None or len(indices.dims) < 2:
+            nodes.append(node)
+            continue
+        data = node.input[0]
+        values = values if values is not None else inferred_values(model)
+        shape = value_shape(values[data]) if data in values else None
+        if shape is None:
+            nodes.append(node)
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0) % len(shape)
+        index = np.mod(numpy_helper.to_array(indices).astype(np.int64), shape[axis]).reshape(-1)
+        out_shape = [*shape[:axis], *indices.dims, *shape[axis + 1 :]]
+        base = node.name or node.output[0]
+        target = namer(f"{node.output[0]}_shape")
+        graph.initializer.append(numpy_helper.from_array(np.array(out_shape, np.int64), target))
+        if np.array_equal(index, np.arange(shape[axis])):
+            nodes.append(
+                onnx.helper.make_node("Reshape", [data, target], [node.output[0]], name=base)
+            )
+            details.append(f"{node_label(node)}: picks its whole axis in order -> Reshape")
+            continue
+        flat, picked = namer(f"{node.input[1]}_flat"), namer(f"{node.output[0]}_flat")
+        graph.initializer.append(numpy_helper.from_array(index, flat))
+        nodes.append(
+            onnx.helper.make_node("Gather", [data, flat], [picked], name=f"{base}_flat", axis=axis)
+        )
+        nodes.append(
+            onnx.helper.make_node("Reshape", [picked, target], [node.output[0]], name=base)
+        )
+        details.append(
+            f"{node_label(node)}: indices {list(indices.dims)} -> {index.size} flat + Reshape"
+        )
+    if details:
+        set_nodes(graph, nodes)
+        remove_dead_nodes(graph)
+    return checked_change(model, "flat_gather_indices", details)
+
+
 def plain_tensor_names(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Inner tensors whose names hold a ';' -> the same name with '+' instead (made unique).
 
