@@ -966,3 +966,32 @@ def test_a_dequantize_after_a_lookup_in_an_integer_table_moves_onto_the_table() 
     assert any("moved onto" in d and "Transpose <- Gather" in d for d in change.details)
     for x in inputs():
         assert np.array_equal(run(source, x), run(floated_model, x))
+
+
+@pytest.mark.parametrize("same_scale", [True, False])
+def test_a_lookup_read_twice_dequantizes_the_table_when_every_use_agrees(same_scale) -> None:
+    """A dynamically quantized BiLSTM diacritizer reads its int8 embedding lookup twice: one
+    DequantizeLinear right after the Gather, one after a Transpose of it (each read had one
+    use only, so neither moved: 'cannot be removed completely'). With one scale on both uses
+    the table is dequantized first, exactly; with two it stays, and the error says so."""
+    b = Builder()
+    table = b.const(RNG.integers(-128, 128, (5, 8)).astype(np.int8), "table")
+    picked = b.node("Gather", [table, b.const(np.array([0, 4, 2], np.int64), "ids")])
+    scale, zero = b.const(np.float32(0.02)), b.const(np.int8(3))
+    other = scale if same_scale else b.const(np.float32(0.03))
+    rows = b.node("DequantizeLinear", [picked, scale, zero])
+    columns = b.node("DequantizeLinear", [b.node("Transpose", [picked], perm=[1, 0]), other, zero])
+    both = b.node("MatMul", [rows, columns])  # [3, 3]
+    shaped = b.node("Reshape", [both, b.const(np.array([1, 3, 3, 1], np.int64))])
+    source = b.model(
+        b.node("Add", ["x", b.node("ReduceMean", [shaped], keepdims=1)]), out_shape=SHAPE
+    )
+    if not same_scale:
+        with pytest.raises(ModelError, match="cannot be removed completely"):
+            pq.dequantize(source)
+        return
+    floated_model, change = pq.dequantize(source)
+    assert not pq.quantization_ops(floated_model)
+    assert any("2 DequantizeLinear(s) moved onto 'table" in d for d in change.details)
+    for x in inputs():
+        assert np.array_equal(run(source, x), run(floated_model, x))

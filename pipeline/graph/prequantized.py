@@ -1344,49 +1344,72 @@ _TABLE_MOVES = {"Gather", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatt
 
 
 def _dequantize_tables(graph: onnx.GraphProto) -> list[str]:
-    """A per-tensor DequantizeLinear after ops that pick or move elements of an integer
+    """Per-tensor DequantizeLinears after ops that pick or move elements of an integer
     constant (onnxruntime's quantize_dynamic leaves ``DQ(Gather(table_int8, ids))`` for word
-    embeddings and ``DQ(Transpose(Gather(bias_table, ...)))`` for T5's relative-position bias)
-    -> those ops on the dequantized constant, and the DQ an Identity: exact (one scale and
-    zero point for every element), so the float model behind it is complete."""
+    embeddings, ``DQ(Transpose(Gather(bias_table, ...)))`` for T5's relative-position bias,
+    and both from one Gather in a BiLSTM diacritizer) -> those ops on the dequantized
+    constant, and the DQs Identities: exact when every use of the table's integers, through
+    such moves, ends in a DequantizeLinear of one scale and zero point."""
     view = _Graph(graph)
     details = []
-    for node in graph.node:
-        if node.op_type != DEQUANTIZE or node.domain not in _QDQ_DOMAINS:
-            continue
-        params = [i for i in node.input[1:] if i]
-        if any(i not in view.inits or _array(view.inits, i).size != 1 for i in params):
-            continue
-        chain, name = [], node.input[0]
-        while name not in view.inits:
-            mover = view.producer.get(name)
-            if (
-                mover is None
-                or mover.op_type not in _TABLE_MOVES
-                or mover.domain not in _DEFAULT
-                or len(view.consumers.get(name, [])) != 1
-            ):
-                break
-            chain.append(mover)
-            name = mover.input[0]
-        if not chain or name not in view.inits or len(view.consumers.get(name, [])) != 1:
-            continue
+    for name in list(view.inits):
         table = numpy_helper.to_array(view.inits[name])
-        if table.dtype.kind not in "iu":
+        region = _table_region(view, name) if table.dtype.kind in "iu" else None
+        if region is None:
             continue
-        probe = onnx.helper.make_node(DEQUANTIZE, [name, *node.input[1:]], ["_"])
+        moves, dequantizers = region
+        first = dequantizers[0]
+        probe = onnx.helper.make_node(DEQUANTIZE, [name, *first.input[1:]], ["_"])
         floated = numpy_helper.from_array(_dq_value(probe, view.inits).astype(np.float32), name)
         graph.initializer.remove(view.inits[name])
         graph.initializer.append(floated)
-        node.op_type, node.domain = "Identity", ""
-        node.input[:] = [node.input[0]]
-        del node.attribute[:]
+        for node in dequantizers:
+            node.op_type, node.domain = "Identity", ""
+            node.input[:] = [node.input[0]]
+            del node.attribute[:]
+        shown = " <- ".join(m.op_type for m in reversed(moves))
         details.append(
-            f"{edit.node_label(node)}: DequantizeLinear moved onto {name!r} before "
-            + " <- ".join(m.op_type for m in chain)
+            f"{len(dequantizers)} DequantizeLinear(s) moved onto {name!r} before {shown}"
         )
         view.refresh()
     return details
+
+
+def _table_region(
+    view: _Graph, table: str
+) -> tuple[list[onnx.NodeProto], list[onnx.NodeProto]] | None:
+    """The moves (``_TABLE_MOVES``, data input only) that carry ``table``'s integers and the
+    DequantizeLinears that end them, or None unless every use ends in a DQ of one constant
+    per-tensor scale and zero point (a second scale, a MatMulInteger, a graph output)."""
+    moves: list[onnx.NodeProto] = []
+    dequantizers: list[onnx.NodeProto] = []
+    params: list[np.ndarray] | None = None
+    pending = [table]
+    while pending:
+        name = pending.pop()
+        if name in view.outputs or not view.consumers.get(name):
+            return None
+        for node in view.consumers[name]:
+            if list(node.input).count(name) != 1 or node.input[0] != name:
+                return None
+            if node.op_type == DEQUANTIZE and node.domain in _QDQ_DOMAINS:
+                given = [i for i in node.input[1:] if i]
+                if any(i not in view.inits or _array(view.inits, i).size != 1 for i in given):
+                    return None
+                values = [_array(view.inits, i).reshape(-1) for i in given]
+                if params is None:
+                    params = values
+                elif len(values) != len(params) or not all(
+                    np.array_equal(a, b) for a, b in zip(values, params, strict=True)
+                ):
+                    return None
+                dequantizers.append(node)
+            elif node.op_type in _TABLE_MOVES and node.domain in _DEFAULT:
+                moves.append(node)
+                pending.append(node.output[0])
+            else:
+                return None
+    return (moves, dequantizers) if moves and dequantizers else None
 
 
 def dequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
