@@ -188,6 +188,42 @@ def test_a_model_onnxruntime_refuses_names_itself(tmp_path: Path) -> None:
         cpu_session(bad)
 
 
+def test_a_source_onnxruntime_refuses_is_blamed_before_the_step_it_broke(
+    example: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A hand-built export whose Add broadcasts [1, 4, 8, 8] with [1, 5, 1, 1] passes the
+    onnx checker; preparation then failed in qnn_preprocess_model ("Incompatible
+    dimensions"), which read like a pipeline fault. The error now says the source does not
+    load in onnxruntime and that the fix is in the export."""
+    from onnx import TensorProto
+    from onnx import helper as oh
+
+    rng = np.random.default_rng(0)
+    model = oh.make_model(
+        oh.make_graph(
+            [
+                oh.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+                oh.make_node("Add", ["c", "b"], ["y"]),
+            ],
+            "g",
+            [oh.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+            [oh.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 8, 8])],
+            [
+                onnx.numpy_helper.from_array(rng.normal(size=(4, 3, 3, 3)).astype("f4"), "w"),
+                onnx.numpy_helper.from_array(rng.normal(size=(1, 5, 1, 1)).astype("f4"), "b"),
+            ],
+        ),
+        opset_imports=[oh.make_opsetid("", 17)],
+        ir_version=8,
+    )
+    onnx.save(model, str(example / "unloadable.onnx"))
+    assert run(example, str(write_config(example, "unloadable.onnx"))) == 1
+    err = capsys.readouterr().err
+    assert "source model does not load in onnxruntime" in err and "Incompatible" in err
+    assert "Fix the export" in err
+    assert not ModelPaths.of(example / "artifacts", "bad").bucket(SINGLE_BUCKET).qdq.exists()
+
+
 def test_missing_model(example: Path, capsys: pytest.CaptureFixture) -> None:
     assert run(example, str(write_config(example, "absent.onnx"))) == 1
     assert "absent.onnx does not exist" in capsys.readouterr().err

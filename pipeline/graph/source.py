@@ -58,6 +58,25 @@ def external_data_digests(path: Path) -> dict[str, str]:
     }
 
 
+def onnxruntime_load_error(model: Any) -> str | None:
+    """Why onnxruntime's CPU EP refuses to load ``model`` (first line), or None when it loads.
+
+    Asked only after a preparation step failed: a source that onnxruntime cannot load (an Add
+    of incompatible shapes a hand-built export left) fails some step with an error about that
+    step (qnn_preprocess_model's "Incompatible dimensions"), when the fix is in the export.
+    """
+    from ..core.cpu import cpu_session
+
+    if model.ByteSize() >= 2**31:  # over protobuf's 2 GiB: it cannot be handed over
+        return None
+    try:
+        cpu_session(model, optimize=False)
+    except Exception as exc:  # a ModelError around onnxruntime's own (not public) error
+        text = str(exc.__cause__ or exc).strip()
+        return text.splitlines()[0] if text else type(exc).__name__
+    return None
+
+
 @dataclass
 class SourceModel:
     """The user's model, for the checks that compare with it after calibration.

@@ -27,6 +27,7 @@ from ..core.fileio import atomic_path
 from ..core.progress import Progress
 from ..graph import buckets as plans
 from ..graph.prepare import prepare_model
+from ..graph.source import onnxruntime_load_error
 from ..graph.transforms import Change
 
 
@@ -88,12 +89,30 @@ def _prepare(
 
             return prepare_model(source, inputs, on_step, unroll_lstms)
     except PipelineError as exc:
+        refused = onnxruntime_load_error(source)
+        if refused is not None:
+            raise _unloadable(what, exc.message, refused) from None
         raise type(exc)(f"{what}: {exc.message}", exc.tip) from None
     except Exception as exc:  # a transform hit a graph it does not know; name the model
+        message = f"preparing the model failed: {type(exc).__name__}: {exc}"
+        refused = onnxruntime_load_error(source)
+        if refused is not None:
+            raise _unloadable(what, message, refused) from exc
         raise ModelError(
-            f"{what}: preparing the model failed: {type(exc).__name__}: {exc}",
+            f"{what}: {message}",
             tip="Report this model with the traceback of `python -X dev -m pipeline quantize`.",
         ) from exc
+
+
+def _unloadable(what: str, message: str, refused: str) -> ModelError:
+    """A failed preparation of a source that onnxruntime does not load either: the export is
+    at fault, not the step that met it, and the error says so first."""
+    return ModelError(
+        f"{what}: the source model does not load in onnxruntime (CPU EP): {refused}; "
+        f"preparing it then failed: {message}",
+        tip="Fix the export so that onnxruntime runs the model on the CPU (check it with "
+        "onnxruntime.InferenceSession(path)), then build again.",
+    )
 
 
 def unrolls_lstms(plan: plans.BucketPlan) -> bool:
