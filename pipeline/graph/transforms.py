@@ -2093,15 +2093,32 @@ def qnn_preprocess(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     return checked_change(result, "qnn_preprocess", details)
 
 
+# The ops whose input 2 onnxruntime's QDQ quantizer quantizes as a bias (operators/conv.py,
+# gemm.py, norm.py): a bias shared between them is copied under a name that may be taken.
+_BIASED_OPS = frozenset(
+    {
+        "Conv",
+        "ConvTranspose",
+        "Gemm",
+        "InstanceNormalization",
+        "LayerNormalization",
+        "BatchNormalization",
+    }
+)
+
+
 def unshare_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """Give every Conv, ConvTranspose and Gemm its own bias initializer.
+    """Give every Conv, ConvTranspose, Gemm and normalization its own bias initializer.
 
     onnxruntime's QDQ quantizer copies a bias that several nodes share (each gets its own
     scale) and names the copy ``<bias><n>`` after the initializers only: TensorFlow exports
     name a Conv's output ``<bias>2`` (``conv1d_25`` and ``conv1d_252`` in Spotify's
     basic-pitch), the copy takes that name, the graph is rewired to it and the QDQ model does
-    not load ("Invalid attribute perm {0, 2, 3, 1}, input shape = {36}"). A copy named here
-    collides with nothing; the values are the same.
+    not load ("Invalid attribute perm {0, 2, 3, 1}, input shape = {36}"); the dynamo
+    exporter's GroupNorm is an InstanceNormalization whose bias ``val_11`` all 24 of a
+    PoolFormer's share, and its copy ``val_114`` is an activation's name ("Quantization
+    parameter shared mode is not supported for weight yet"). A copy named here collides with
+    nothing; the values are the same.
     """
     model = copy_model(model)
     graph = model.graph
@@ -2110,7 +2127,7 @@ def unshare_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     seen: set[str] = set()
     details = []
     for node in graph.node:
-        if node.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(node.input) < 3:
+        if node.op_type not in _BIASED_OPS or len(node.input) < 3:
             continue
         bias = node.input[2]
         if node.domain not in DEFAULT_DOMAINS or bias not in inits:
