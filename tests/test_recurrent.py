@@ -452,6 +452,36 @@ def test_rank_6_transpose_with_a_real_permutation() -> None:
     np.testing.assert_array_equal(run(lowered, feeds)["y"], run(model, feeds)["y"])
 
 
+def correlation_volume(scale_shape: tuple[int, ...] = ()) -> onnx.ModelProto:
+    """RAFT's CorrBlock (torchvision): MatMul of two feature maps, a view to rank 6
+    [1, h, w, 1, h, w], a Div by sqrt(C), a view back to [h * w, 1, h, w]."""
+    nodes = [
+        oh.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+        oh.make_node("MatMul", ["xt", "x"], ["m"]),
+        oh.make_node("Reshape", ["m", "six"], ["r6"]),
+        oh.make_node("Div", ["r6", "root"], ["d"]),
+        oh.make_node("Reshape", ["d", "four"], ["y"]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array([1, 4, 4, 1, 4, 4], np.int64), "six"),
+        numpy_helper.from_array(np.array([16, 1, 4, 4], np.int64), "four"),
+        numpy_helper.from_array(np.full(scale_shape, np.sqrt(8), np.float32), "root"),
+    ]
+    return single(nodes, [1, 8, 16], inits, [16, 1, 4, 4])
+
+
+def test_an_elementwise_op_on_a_rank_6_view_moves_before_it() -> None:
+    model = correlation_volume()
+    assert max_rank(model) == 6
+    lowered, change = rc.lower_high_rank(model)
+    assert change.changed and "before its rank-6+ Reshape" in change.details[0]
+    assert max_rank(lowered) <= rc.MAX_RANK
+    feeds = random_feeds(model)  # the same Div; onnxruntime's kernels differ by an ulp
+    np.testing.assert_allclose(run(lowered, feeds)["y"], run(model, feeds)["y"], rtol=1e-6)
+    # A rank-6 constant of one value would broadcast the moved op back to rank 6: kept.
+    assert not rc.lower_high_rank(correlation_volume((1, 1, 1, 1, 1, 1)))[1].changed
+
+
 def stacked_cells(slices: int = 5) -> onnx.ModelProto:
     """XFeat's keypoint head: [1, 1, 4, 8*slices, 8] cut into 8-wide slices along axis 3,
     each unsqueezed at 3 and stacked there into rank 6, reshaped to [1, 1, 4, slices, 64]."""

@@ -711,6 +711,9 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     - Concat of Unsqueezes at its axis (a stack) giving rank > 5 -> Concat of the unsqueezed
       tensors, then Reshape (XFeat's keypoint head unshuffles 8x8 cells as 40 slices stacked
       into [1, 1, 28, 40, 8, 8]: 2 partitions and 165 CPU nodes);
+    - an elementwise op on a Reshape's rank > 5 result, its other inputs single constants ->
+      the op before the Reshape (RAFT's correlation: MatMul, a view to [1, h, w, 1, h, w], a
+      Div by sqrt(C), a view back: 2 partitions and 10 CPU nodes);
     - Reshape of a Reshape whose result had rank > 5 -> one Reshape.
 
     Why: GTCRN's subband unfolds made 7 such Gather -> Transpose -> Reshape chains; the HTP
@@ -747,6 +750,7 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         return make("Reshape", [source, target], [output], name=name)
 
     stacks = 0
+    producers = {o: n for n in graph.node for o in n.output}
     for node in graph.node:
         out_shape = shape(node.output[0]) if node.output else None
         if (
@@ -792,6 +796,22 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                 details.append(
                     f"{edit.node_label(node)}: rank {len(in_shape)} -> {len(small)} ({small})"
                 )
+        elif (viewed := _elementwise_on_view(node, producers, inits, shape)) is not None:
+            before = fresh(f"{base}_before_view")
+            nodes += [
+                make(
+                    node.op_type,
+                    [viewed if i == node.input[0] else i for i in node.input],
+                    [before],
+                    name=base,
+                    **_attrs(node),
+                ),
+                reshape(before, out_shape, node.output[0], base, "view"),
+            ]
+            details.append(
+                f"{edit.node_label(node)}: on the rank-{len(shape(viewed) or ())} tensor "
+                "before its rank-6+ Reshape"
+            )
         elif node.op_type == "Concat" and (stacked := _stacked_inputs(node, graph, inits, shape)):
             raw, axis = stacked
             joined = fresh(f"{base}_joined")
@@ -841,6 +861,39 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         edit.remove_dead_nodes(graph)
         edit.sort_graph(graph)
     return edit.checked_change(model, "lower_high_rank", details)
+
+
+# Ops that compute each output element from the same element of their inputs alone.
+_ELEMENTWISE = frozenset(
+    {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Relu", "Sigmoid", "Tanh", "Exp", "Log"}
+    | {"Neg", "Abs", "Sqrt", "Reciprocal", "Erf", "LeakyRelu", "Elu", "Softplus", "Clip"}
+)
+
+
+def _elementwise_on_view(
+    node: onnx.NodeProto,
+    producers: dict[str, onnx.NodeProto],
+    inits: dict[str, onnx.TensorProto],
+    shape: Callable[[str], tuple[int, ...] | None],
+) -> str | None:
+    """The rank <= 5 tensor behind ``node``'s first input when ``node`` is elementwise, that
+    input a Reshape's result and every other input one constant value: the op computes the
+    same on it, and the Reshape can follow."""
+    if node.op_type not in _ELEMENTWISE or not node.input:
+        return None
+    view = producers.get(node.input[0])
+    if view is None or view.op_type != "Reshape" or view.domain not in edit.DEFAULT_DOMAINS:
+        return None
+    behind = shape(view.input[0])
+    if behind is None or len(behind) > MAX_RANK:
+        return None
+    others = [i for i in node.input[1:] if i]
+    if any(
+        i not in inits or int(np.prod(inits[i].dims)) != 1 or len(inits[i].dims) > len(behind)
+        for i in others
+    ):  # a [1, 1, 1, 1, 1, 1] constant would broadcast the result back to rank 6
+        return None
+    return view.input[0]
 
 
 # --------------------------------------------------------------------------------------------
