@@ -235,12 +235,16 @@ def test_an_lstm_over_a_sequence_is_unrolled_within_the_budget(
     for name, value in run(model, feeds).items():
         np.testing.assert_allclose(run(unrolled, feeds)[name], value, atol=ATOL, rtol=1e-5)
     # The buckets of one context keep the HTP's LSTM (their quantization must agree).
-    kept, change = rc.unroll_recurrent_ops(model, for_accuracy=False)
+    kept, change = rc.unroll_recurrent_ops(model, budget=0)
     assert [n.op_type for n in kept.graph.node] == ["LSTM"] and not change.changed
     monkeypatch.setattr(rc, "LSTM_UNROLL_NODES", 50)
     kept, change = rc.unroll_recurrent_ops(model)
     assert [n.op_type for n in kept.graph.node] == ["LSTM"]
-    assert "kept whole" in change.details[-1] and not any("accuracy" in d for d in change.details)
+    assert change.details[-1].startswith(rc.LSTMS_KEPT_WHOLE)
+    assert not any("accuracy" in d for d in change.details)
+    # A budget given (the HTP found its own LSTM short: pipeline.quantize.build) overrides it.
+    unrolled, change = rc.unroll_recurrent_ops(model, budget=rc.LSTM_UNROLL_CAP)
+    assert not any(n.op_type == "LSTM" for n in unrolled.graph.node)
     refused = rnn_model("LSTM", steps=3, clip=0.7)  # unrolled whatever the budget
     assert not any(n.op_type == "LSTM" for n in rc.unroll_recurrent_ops(refused)[0].graph.node)
 

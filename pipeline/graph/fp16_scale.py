@@ -674,3 +674,22 @@ def normal_float16_weights(
         return model, Change("normal_float16_weights")
     set_nodes(graph, nodes)
     return checked_change(model, "normal_float16_weights", details)
+
+
+def exact_float16_forms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Change]]:
+    """The rewrites of the whole-fp16 form that need no calibrated ranges, in order: GELUs
+    decomposed, then Sigmoid, Tanh and Softplus in their exact forms, small Clip floors as
+    Max, Logs kept finite. What the HTP computes in fp16 is judged on this form (an LSTM
+    unrolled into Sigmoids and Tanhs gains from it; the HTP's own LSTM op cannot)."""
+    changes = []
+    for step in (
+        decomposed_gelus,
+        exact_sigmoids,  # after decomposed_gelus: it makes Sigmoids
+        exact_tanhs,
+        exact_softpluses,
+        max_for_small_clip_floors,
+        finite_float16_logs,
+    ):
+        model, change = step(model)
+        changes.append(change)
+    return model, changes

@@ -35,10 +35,11 @@ def dynamic_tensors(model: onnx.ModelProto) -> list[str]:
 Step = Callable[["onnx.ModelProto"], tuple["onnx.ModelProto", "Change"]]
 
 
-def preparation_steps(inputs: InputsSection, unroll_lstms: bool = True) -> list[Step]:
+def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> list[Step]:
     """The ordered steps of ``prepare_model`` (also run one by one to find the step that
-    changed what a model computes, pipeline.quantize.lossless). ``unroll_lstms``: unroll the
-    LSTMs QNN takes too, for accuracy (``recurrent.unroll_recurrent_ops``)."""
+    changed what a model computes, pipeline.quantize.lossless). ``lstm_nodes``: how many nodes
+    unrolling the LSTMs QNN takes may add, for accuracy (``recurrent.unroll_recurrent_ops``;
+    None: its default budget, 0: none)."""
     from . import attention, legacy, numerics, prequantized, recurrent, resize, spectral, tails
     from . import transforms as t
 
@@ -72,7 +73,7 @@ def preparation_steps(inputs: InputsSection, unroll_lstms: bool = True) -> list[
         legacy.batchnorm_to_affine,  # a BatchNormalization with no Conv before it
         recurrent.normalize_recurrent_ops,  # QNN refuses even default activations spelled out
         # LSTM/GRU/RNN forms QNN refuses -> elementary ops (and LSTMs over a sequence)
-        lambda m: recurrent.unroll_recurrent_ops(m, for_accuracy=unroll_lstms),
+        lambda m: recurrent.unroll_recurrent_ops(m, budget=lstm_nodes),
         recurrent.lower_high_rank,  # rank > 5 (an unfold as Gather) -> rank <= 5
         recurrent.dilate_conv_transpose,  # QNN's TransposeConv2d takes dilation 1 only
         recurrent.output_padding_to_pads,  # the HTP's depthwise ConvTranspose drops it
@@ -114,21 +115,21 @@ def prepare_model(
     model: onnx.ModelProto,
     inputs: InputsSection,
     on_step: Callable[[str], None] | None = None,
-    unroll_lstms: bool = True,
+    lstm_nodes: int | None = None,
 ) -> tuple[onnx.ModelProto, list[Change]]:
     """Return a float32, fully static, NPU-friendly model and what each step changed.
 
     The steps' models are checked once, at the end; on any failure the steps run again, each
     checked, so that the error names the step that made the model invalid. ``on_step`` hears
-    each step's name as it starts (progress). ``unroll_lstms`` is False for the buckets of one
+    each step's name as it starts (progress). ``lstm_nodes`` is 0 for the buckets of one
     context: their quantization must agree tensor by tensor, and the node budget that decides
     an unroll depends on the bucket's length."""
     try:
         with edit.checks_deferred():
-            prepared, changes = _run_steps(model, inputs, on_step, unroll_lstms)
+            prepared, changes = _run_steps(model, inputs, on_step, lstm_nodes)
         edit.check(prepared, "preparation (the steps together)")
     except Exception:
-        _run_steps(model, inputs, unroll_lstms=unroll_lstms)  # raises at the step at fault
+        _run_steps(model, inputs, lstm_nodes=lstm_nodes)  # raises at the step at fault
         raise
     _require_static(prepared)
     _require_npu_part(prepared)
@@ -157,12 +158,12 @@ def _run_steps(
     model: onnx.ModelProto,
     inputs: InputsSection,
     on_step: Callable[[str], None] | None = None,
-    unroll_lstms: bool = True,
+    lstm_nodes: int | None = None,
 ) -> tuple[onnx.ModelProto, list[Change]]:
     from ..core.memory import release_freed_memory
 
     changes: list[Change] = []
-    for step in preparation_steps(inputs, unroll_lstms):
+    for step in preparation_steps(inputs, lstm_nodes):
         if on_step is not None:
             on_step(getattr(step, "__name__", "step").replace("<lambda>", "inputs"))
         model, change = step(model)

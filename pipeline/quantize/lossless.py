@@ -114,15 +114,15 @@ def per_step(
     reference: Any,
     samples: list[Feeds],
     optimize: bool = True,
-    unroll_lstms: bool = True,
+    lstm_nodes: int | None = None,
 ) -> Iterator[StepFigure]:
     """Each preparation step's prefix vs ``reference`` (a session), in order: the steps the
-    prepared model went through (``unroll_lstms`` as ``prepare_model`` had it)."""
+    prepared model went through (``lstm_nodes`` as ``prepare_model`` had it)."""
     from ..graph.prepare import preparation_steps
 
     model = source
     last: float | None = None
-    for step in preparation_steps(inputs, unroll_lstms):
+    for step in preparation_steps(inputs, lstm_nodes):
         try:
             model, change = step(model)
         except Exception as exc:  # the full preparation ran before; report, do not crash
@@ -145,7 +145,7 @@ def check_preparation(
     prepared: Path,
     heldout: Path,
     rounding_floor_db: float | None = None,
-    unroll_lstms: bool = True,
+    lstm_nodes: int | None = None,
 ) -> PreparationCheck:
     """Prepared float vs source on ``heldout`` feeds (the bucket's own, padded as the prepared
     model takes them); per step when below the floor.
@@ -191,7 +191,7 @@ def check_preparation(
             rounding_floor_db=rounding_floor_db,
         )  # fmt: skip
     steps = list(
-        per_step(source.load(), inputs, ref_session, samples[:STEP_SAMPLES], optimize, unroll_lstms)
+        per_step(source.load(), inputs, ref_session, samples[:STEP_SAMPLES], optimize, lstm_nodes)
     )
     return PreparationCheck(
         floor, snr, count, False, label, culprit(steps, floor), steps, float16,

@@ -75,11 +75,11 @@ def signatures(model: Any, constants: dict[str, Any]) -> tuple[plans.Signature, 
 
 
 def _prepare(
-    source: Any, inputs: InputsSection, what: str, unroll_lstms: bool = True
+    source: Any, inputs: InputsSection, what: str, lstm_nodes: int | None = None
 ) -> tuple[Any, list[Change]]:
     from ..graph.prepare import preparation_steps
 
-    steps = len(preparation_steps(inputs, unroll_lstms))
+    steps = len(preparation_steps(inputs, lstm_nodes))
     try:
         with Progress(steps, f"prepare {what}", "step") as progress:
 
@@ -87,7 +87,7 @@ def _prepare(
                 progress.update()
                 progress.note(name)
 
-            return prepare_model(source, inputs, on_step, unroll_lstms)
+            return prepare_model(source, inputs, on_step, lstm_nodes)
     except PipelineError as exc:
         refused = onnxruntime_load_error(source)
         if refused is not None:
@@ -115,22 +115,24 @@ def _unloadable(what: str, message: str, refused: str) -> ModelError:
     )
 
 
-def unrolls_lstms(plan: plans.BucketPlan) -> bool:
-    """Whether the plan's models get their accepted LSTMs unrolled: not when several buckets
-    share one context (their quantization must agree tensor by tensor, recurrent.py)."""
-    return len(plan.buckets) == 1
+def lstm_budget(plan: plans.BucketPlan, lstm_nodes: int | None = None) -> int | None:
+    """How many nodes the plan's models may add unrolling the LSTMs QNN takes (None: the
+    default budget, ``lstm_nodes`` when given): none when several buckets share one context
+    (their quantization must agree tensor by tensor, recurrent.py)."""
+    return lstm_nodes if len(plan.buckets) == 1 else 0
 
 
 def prepare_buckets(
-    config: ModelConfig, source: Any, float_path_of: Any
+    config: ModelConfig, source: Any, float_path_of: Any, lstm_nodes: int | None = None
 ) -> Iterator[plans.BucketPlan | PreparedBucket]:
-    """The plan first, then each bucket prepared and saved to ``float_path_of(bucket name)``.
+    """The plan first, then each bucket prepared and saved to ``float_path_of(bucket name)``;
+    ``lstm_nodes``: the LSTM unroll budget of a single-bucket model (``lstm_budget``).
 
     A generator, so only one prepared model is in memory at a time.
     """
     name = config.model.name
     if not config.buckets.enabled:
-        prepared, changes = _prepare(source, config.inputs, name)
+        prepared, changes = _prepare(source, config.inputs, name, lstm_nodes)
         specs = input_specs(prepared)
         plan = plans.single_bucket({s.name: s.shape for s in specs})
         yield plan
@@ -150,7 +152,7 @@ def prepare_buckets(
             constants=dict(config.inputs.constants),
         )
         what = f"{name} bucket {bucket.describe()}"
-        prepared, changes = _prepare(source, section, what, unrolls_lstms(plan))
+        prepared, changes = _prepare(source, section, what, lstm_budget(plan, lstm_nodes))
         saved.append(_save(bucket, prepared, changes, input_specs(prepared), float_path_of))
         del prepared
     renamed = distinct_bucket_constants({b.bucket.name: b.float_path for b in saved})
