@@ -704,16 +704,17 @@ def _unroll_lstms_the_htp_computes_short(
 
         native = in_fp16(largest.float_path, "native")
         unrolled, measured = None, ""
+        if native is not None:
+            measured = (
+                f"the HTP's own LSTMs, whole in fp16, {native:.1f} dB vs float on "
+                f"{len(samples)} held-out sample(s) (target {target:g})"
+            )
         if native is not None and native < target + ENOUGH_MARGIN_DB:
             unrolled = _prepare_all(
                 config, paths, state.timings, LSTM_UNROLL_CAP, lambda name: work / f"{name}.onnx"
             )
             better = in_fp16(unrolled.largest.float_path, "unrolled")
-            measured = (
-                f"the HTP's own LSTMs, whole in fp16, {native:.1f} dB vs float on "
-                f"{len(samples)} held-out sample(s) (target {target:g}); unrolled "
-                + ("failed" if better is None else f"{better:.1f} dB")
-            )
+            measured += "; unrolled " + ("failed" if better is None else f"{better:.1f} dB")
             if better is None or better < native + LSTM_UNROLL_GAIN_DB:
                 unrolled = None
             else:
