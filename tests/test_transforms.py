@@ -1700,3 +1700,47 @@ def test_the_htp_locator_runs_once_names_are_plain(tmp_path: Path) -> None:
     assert not results["as_named"].ok and "Tensor name not found" in results["as_named"].error
     assert results["plain"].ok, results["plain"].error
     assert results["plain"].tensors and results["plain"].worst_ctx_vs_qdq > 30.0
+
+
+def folded(kernel: int, stride: int, pad: int, image: int, dilation: int = 1) -> onnx.ModelProto:
+    """VOLO's outlook attention ends in ``F.fold``: a 1x1 Conv makes C * k * k column values
+    per block, a Reshape lays them out as [1, C * k * k, L], Col2Im sums them into the image,
+    a 1x1 Conv follows."""
+    grid = (image + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+    channels = 4
+    return with_inits(
+        parse(
+            f"""<ir_version: 8, opset_import: ["": 18]>
+            g (float[1, 3, {grid}, {grid}] x) => (float[1, 2, {image}, {image}] y) {{
+              c = Conv(x, w1)
+              cols = Reshape(c, to_columns)
+              img = Col2Im<strides = [{stride}, {stride}], pads = [{pad}, {pad}, {pad}, {pad}],
+                           dilations = [{dilation}, {dilation}]>(cols, image_shape, block)
+              y = Conv(img, w2)
+            }}"""
+        ),
+        ("w1", (RNG.standard_normal((channels * kernel**2, 3, 1, 1)) * 0.3).astype(np.float32)),
+        ("to_columns", np.array([1, channels * kernel**2, grid * grid], np.int64)),
+        ("image_shape", np.array([image, image], np.int64)),
+        ("block", np.array([kernel, kernel], np.int64)),
+        ("w2", (RNG.standard_normal((2, channels, 1, 1)) * 0.3).astype(np.float32)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kernel", "stride", "pad", "image", "dilation"),
+    [(3, 2, 1, 20, 1), (3, 2, 1, 19, 1), (2, 2, 0, 8, 1), (3, 1, 1, 9, 1), (3, 1, 2, 10, 2)],
+)
+def test_col2im_becomes_a_grouped_conv_transpose(kernel, stride, pad, image, dilation) -> None:
+    model = folded(kernel, stride, pad, image, dilation)
+    rewritten, change = t.col2im_to_conv_transpose(model)
+    assert change.changed and "ConvTranspose" in ops(rewritten) and "Col2Im" not in ops(rewritten)
+    grid = (image + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+    feeds = {"x": RNG.standard_normal((1, 3, grid, grid)).astype(np.float32)}
+    np.testing.assert_allclose(run(rewritten, feeds)[0], run(model, feeds)[0], atol=1e-5)
+
+
+@pytest.mark.qnn
+def test_volo_fold_compiles_whole_on_the_htp(tmp_path) -> None:
+    """The QNN EP has no Col2Im: VOLO-D1 (timm, dynamo export) left 4 on the CPU, 5 partitions."""
+    build_whole_on_htp(tmp_path, "fold", folded(3, 2, 1, 20))

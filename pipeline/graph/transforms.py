@@ -1643,6 +1643,105 @@ def flat_gather_indices(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
     return checked_change(model, "flat_gather_indices", details)
 
 
+def col2im_to_conv_transpose(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Col2Im (``F.fold``) with constant image and block shapes -> Reshape of its columns to
+    their block grid, then a ConvTranspose with ``group`` = channels and a one-hot weight.
+
+    Col2Im sums each column's k_h x k_w values into the image at its block's place; a grouped
+    ConvTranspose with weight ``W[c * kk + i * k_w + j, 0, i, j] = 1`` places input channel
+    (c, i, j) of each grid position at offset (i, j) of that position's block, the same
+    strides, dilations and pads, and ``output_padding`` makes up the image's size: exact.
+    Why: the QNN EP has no Col2Im (VOLO's outlook attention folds 4 times: 5 partitions).
+    """
+    model = copy_model(model)
+    graph = model.graph
+    inits = initializers_by_name(graph)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+    namer = FreshNames(model)
+    details = []
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if node.op_type != "Col2Im" or node.domain not in DEFAULT_DOMAINS:
+            nodes.append(node)
+            continue
+        values = values if values is not None else inferred_values(model)
+        columns, image, block = node.input
+        shape = value_shape(values[columns]) if columns in values else None
+        if shape is None or image not in inits or block not in inits:
+            nodes.append(node)
+            continue
+        image_hw = [int(v) for v in numpy_helper.to_array(inits[image])]
+        kernel = [int(v) for v in numpy_helper.to_array(inits[block])]
+        attrs = {a.name: list(a.ints) for a in node.attribute}
+        rank = len(kernel)
+        strides = attrs.get("strides") or [1] * rank
+        dilations = attrs.get("dilations") or [1] * rank
+        pads = attrs.get("pads") or [0] * (2 * rank)
+        grid = [
+            (image_hw[a] + pads[a] + pads[a + rank] - dilations[a] * (kernel[a] - 1) - 1)
+            // strides[a]
+            + 1
+            for a in range(rank)
+        ]
+        extra = [
+            image_hw[a]
+            - ((grid[a] - 1) * strides[a] - pads[a] - pads[a + rank])
+            - dilations[a] * (kernel[a] - 1)
+            - 1
+            for a in range(rank)
+        ]
+        block_size = int(np.prod(kernel))
+        n, stacked, length = shape
+        if (
+            rank != 2
+            or length != int(np.prod(grid))
+            or stacked % block_size
+            or any(
+                not 0 <= e < max(s, d) for e, s, d in zip(extra, strides, dilations, strict=True)
+            )
+        ):
+            nodes.append(node)
+            continue
+        channels = stacked // block_size
+        weight = np.zeros((stacked, 1, *kernel), np.float32)
+        for c in range(channels):
+            for i in range(kernel[0]):
+                for j in range(kernel[1]):
+                    weight[c * block_size + i * kernel[1] + j, 0, i, j] = 1.0
+        base = node.name or node.output[0]
+        target, placed = namer(f"{base}_grid_shape"), namer(f"{base}_placement")
+        gridded = namer(f"{columns}_grid")
+        graph.initializer.append(
+            numpy_helper.from_array(np.array([n, stacked, *grid], np.int64), target)
+        )
+        graph.initializer.append(numpy_helper.from_array(weight, placed))
+        nodes.append(
+            onnx.helper.make_node("Reshape", [columns, target], [gridded], name=f"{base}_grid")
+        )
+        nodes.append(
+            onnx.helper.make_node(
+                "ConvTranspose",
+                [gridded, placed],
+                [node.output[0]],
+                name=base,
+                group=channels,
+                kernel_shape=kernel,
+                strides=strides,
+                dilations=dilations,
+                pads=pads,
+                output_padding=extra,
+            )
+        )
+        details.append(
+            f"{node_label(node)}: {channels} channels of {kernel[0]}x{kernel[1]} blocks on a "
+            f"{grid[0]}x{grid[1]} grid -> Reshape + grouped ConvTranspose"
+        )
+    if details:
+        set_nodes(graph, nodes)
+        remove_dead_nodes(graph)
+    return checked_change(model, "col2im_to_conv_transpose", details)
+
+
 def plain_tensor_names(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Inner tensors whose names hold a ';' -> the same name with '+' instead (made unique).
 
