@@ -1035,3 +1035,26 @@ def test_an_output_too_small_for_its_own_grid_is_named(tmp_path: Path) -> None:
     assert [g.output for g in found] == ["small"]
     assert found[0].snr_db < 25.0 and found[0].scale == pytest.approx(1e-6)
     assert found[0].rms == pytest.approx(0.1, rel=0.2)
+
+
+def test_mixed_precision_skips_the_analysis_when_16_bits_stay_hopeless(tmp_path: Path) -> None:
+    """Every tensor at 16 bits gains here (8-bit activations), but the ceiling stays far below
+    an unreachable target: no per-tensor analysis, no rounds; the HTP judge's fp16 is next."""
+    from pipeline.quantize.mixed_precision import HOPELESS_DB
+
+    rng = np.random.default_rng(10)
+    model = _model(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["h"]),
+            helper.make_node("Mul", ["h", "h"], ["y"]),
+        ],
+        [_tensor("x", [1, 32])],
+        [_tensor("y", [1, 32])],
+        [_init("w", rng.normal(0, 0.3, (32, 32)))],
+    )
+    samples = [rng.normal(0, 1, (1, 32)) for _ in range(16)]
+    report = _build(tmp_path, model, samples, auto_mixed=True, target=200.0, activations="uint8")
+    mixed = report["mixed_precision"]
+    assert mixed["ceiling_snr_db"] >= mixed["before_snr_db"] + 3.0  # it would gain
+    assert mixed["ceiling_snr_db"] < 200.0 - HOPELESS_DB
+    assert mixed["tensors"] == [] and mixed["measured"] == 0 and mixed["rounds"] == []

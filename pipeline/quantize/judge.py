@@ -51,15 +51,14 @@ from ..core.progress import Progress
 from ..core.records import HtpProbeRecord, write_record
 from ..htp.probe import CTX_NAME, ProbeResult, probe, qnn_available
 from .evaluate import kept_outputs
-from .mixed_precision import EIGHT_BIT, SIXTEEN_BIT, measure
+from .mixed_precision import EIGHT_BIT, HOPELESS_DB, SIXTEEN_BIT, measure
 
 HTP_GAP_DB = 3.0  # the HTP may lose this much against the CPU QDQ model before it is "diverging"
 MAX_REMEDIES = 3  # re-quantize-and-probe rounds after the first probe
 FLOAT16_FIRST = 4  # tensors left in float16 in the first round of that remedy (doubling after)
 LOCATE_SAMPLES = 8  # a locator run exposes every activation: fewer samples, one child
-# A quantized model this far below the target on the CPU (after mixed precision) goes straight to
-# fp16: raising single tensors has not closed such gaps on any model measured (PP-PicoDet: 1 dB).
-HOPELESS_DB = 10.0
+# A quantized model HOPELESS_DB below the target on the CPU (after mixed precision) goes straight
+# to fp16: raising single tensors has not closed such gaps on any model measured (PP-PicoDet: 1 dB).
 # A remedy that moved the context by less than this changed nothing that matters: the locator
 # (whose exposed outputs change what the HTP fuses) did not find the cause, so the next round is
 # the whole model in fp16 instead of another locate (PP-OCRv4's detector: 3 rounds at 17.4 dB).
