@@ -685,10 +685,8 @@ def test_mixed_precision_raises_what_hurts_the_output(tmp_path: Path) -> None:
     assert record.summary.mixed_precision == ["A"]
 
 
-def test_mixed_precision_raises_8_bit_activations_too(tmp_path: Path) -> None:
-    """With 8-bit activations, an activation is a candidate like a weight (to uint16)."""
-    from pipeline.quantize.mixed_precision import candidates
-
+def _squared_matmul() -> tuple[onnx.ModelProto, list[np.ndarray]]:
+    """y = (x W)^2 over 32 features, and 16 samples: its 8-bit activations cost the most."""
     rng = np.random.default_rng(10)
     model = _model(
         [
@@ -699,7 +697,14 @@ def test_mixed_precision_raises_8_bit_activations_too(tmp_path: Path) -> None:
         [_tensor("y", [1, 32])],
         [_init("w", rng.normal(0, 0.3, (32, 32)))],
     )
-    samples = [rng.normal(0, 1, (1, 32)) for _ in range(16)]
+    return model, [rng.normal(0, 1, (1, 32)) for _ in range(16)]
+
+
+def test_mixed_precision_raises_8_bit_activations_too(tmp_path: Path) -> None:
+    """With 8-bit activations, an activation is a candidate like a weight (to uint16)."""
+    from pipeline.quantize.mixed_precision import candidates
+
+    model, samples = _squared_matmul()
     report = _build(tmp_path, model, samples, auto_mixed=True, target=40.0, activations="uint8")
     mixed = report["mixed_precision"]
     assert mixed["before_snr_db"] < 40 < mixed["after_snr_db"]
@@ -1042,17 +1047,7 @@ def test_mixed_precision_skips_the_analysis_when_16_bits_stay_hopeless(tmp_path:
     an unreachable target: no per-tensor analysis, no rounds; the HTP judge's fp16 is next."""
     from pipeline.quantize.mixed_precision import HOPELESS_DB
 
-    rng = np.random.default_rng(10)
-    model = _model(
-        [
-            helper.make_node("MatMul", ["x", "w"], ["h"]),
-            helper.make_node("Mul", ["h", "h"], ["y"]),
-        ],
-        [_tensor("x", [1, 32])],
-        [_tensor("y", [1, 32])],
-        [_init("w", rng.normal(0, 0.3, (32, 32)))],
-    )
-    samples = [rng.normal(0, 1, (1, 32)) for _ in range(16)]
+    model, samples = _squared_matmul()
     report = _build(tmp_path, model, samples, auto_mixed=True, target=200.0, activations="uint8")
     mixed = report["mixed_precision"]
     assert mixed["ceiling_snr_db"] >= mixed["before_snr_db"] + 3.0  # it would gain
