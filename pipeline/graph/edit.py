@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -476,6 +476,60 @@ def set_nodes(graph: onnx.GraphProto, nodes: Sequence[onnx.NodeProto]) -> None:
         copies.append(copy)
     del graph.node[:]
     graph.node.extend(copies)
+
+
+class NodeRewrite:
+    """What a one-node rewrite of ``replace_nodes`` reads and adds: the model's constants, its
+    inferred shapes (inferred once, on first use: most models hold no node to rewrite), fresh
+    names and new initializers."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.model = model
+        self.inits = initializers_by_name(model.graph)
+        self.fresh = FreshNames(model)
+        self._values: dict[str, onnx.ValueInfoProto] | None = None
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The static shape of tensor ``name``, None where inference leaves it unknown."""
+        if self._values is None:
+            self._values = inferred_values(self.model)
+        value = self._values.get(name)
+        return value_shape(value) if value is not None else None
+
+    def constant(self, array: np.ndarray, base: str) -> str:
+        """Add ``array`` as an initializer under a fresh name built from ``base``."""
+        name = self.fresh(base)
+        self.model.graph.initializer.append(onnx.numpy_helper.from_array(array, name))
+        return name
+
+
+def replace_nodes(
+    model: onnx.ModelProto,
+    step: str,
+    rewrite: Callable[[onnx.NodeProto, NodeRewrite], tuple[list[onnx.NodeProto], str] | None],
+) -> tuple[onnx.ModelProto, Change]:
+    """Each node of the main graph that ``rewrite`` takes -> the nodes it returns in its place.
+
+    ``rewrite(node, context)`` returns None to keep the node, or the replacement nodes (which
+    write the node's outputs) and one line for the step's details; what the replaced nodes read
+    and nothing else does any more goes.
+    """
+    model = copy_model(model)
+    context = NodeRewrite(model)
+    nodes: list[onnx.NodeProto] = []
+    details: list[str] = []
+    for node in model.graph.node:
+        result = rewrite(node, context)
+        if result is None:
+            nodes.append(node)
+            continue
+        replacement, detail = result
+        nodes.extend(replacement)
+        details.append(detail)
+    if details:
+        set_nodes(model.graph, nodes)
+        remove_dead_nodes(model.graph)
+    return checked_change(model, step, details)
 
 
 def drop_nodes(graph: onnx.GraphProto, indices: set[int]) -> None:

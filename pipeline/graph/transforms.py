@@ -28,6 +28,7 @@ from .edit import (
     DEFAULT_DOMAINS,
     Change,
     FreshNames,
+    NodeRewrite,
     all_graphs,
     bypass_nodes,
     checked_change,
@@ -46,6 +47,7 @@ from .edit import (
     remove_dead_nodes,
     rename_tensors,
     replace_attributes,
+    replace_nodes,
     restore_weight_data,
     set_nodes,
     sort_graph,
@@ -1538,50 +1540,35 @@ def gathernd_to_gather(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     up with one (``attention_mask[batch_idx, kv_idx]`` under vmap), which left a node on the
     CPU of a MiniLM encoder.
     """
-    model = copy_model(model)
-    graph = model.graph
-    inits = initializers_by_name(graph)
-    values: dict[str, onnx.ValueInfoProto] | None = None
-    namer = FreshNames(model)
-    details = []
-    nodes: list[onnx.NodeProto] = []
-    for node in graph.node:
-        batch_dims = next((a.i for a in node.attribute if a.name == "batch_dims"), 0)
-        if node.op_type != "GatherND" or node.domain not in DEFAULT_DOMAINS or batch_dims:
-            nodes.append(node)
-            continue
-        data, indices = node.input
-        values = values if values is not None else inferred_values(model)
-        shape = value_shape(values[data]) if data in values else None
-        if indices not in inits or shape is None:
-            nodes.append(node)
-            continue
-        index = numpy_helper.to_array(inits[indices]).astype(np.int64)
-        depth = index.shape[-1] if index.ndim else 0
-        if not 0 < depth <= len(shape):
-            nodes.append(node)
-            continue
-        dims = np.array(shape[:depth], np.int64)
-        strides = np.array([int(np.prod(dims[k + 1 :])) for k in range(depth)], np.int64)
-        rows = (np.mod(index, dims) * strides).sum(axis=-1)  # negative indices count from the end
-        flat_shape = namer(f"{node.output[0]}_rows_shape")
-        flat, picked = namer(f"{data}_rows"), namer(f"{node.output[0]}_rows")
-        graph.initializer.append(
-            numpy_helper.from_array(np.array([-1, *shape[depth:]], np.int64), flat_shape)
-        )
-        graph.initializer.append(numpy_helper.from_array(rows, picked))
-        base = node.name or node.output[0]
-        nodes.append(
-            onnx.helper.make_node("Reshape", [data, flat_shape], [flat], name=f"{base}_rows")
-        )
-        nodes.append(
-            onnx.helper.make_node("Gather", [flat, picked], [node.output[0]], name=base, axis=0)
-        )
-        details.append(f"{node_label(node)} -> Reshape + Gather ({rows.size} constant rows)")
-    if details:
-        set_nodes(graph, nodes)
-        remove_dead_nodes(graph)
-    return checked_change(model, "gathernd_to_gather", details)
+    return replace_nodes(model, "gathernd_to_gather", _gathernd_as_gather)
+
+
+def _gathernd_as_gather(
+    node: onnx.NodeProto, context: NodeRewrite
+) -> tuple[list[onnx.NodeProto], str] | None:
+    batch_dims = next((a.i for a in node.attribute if a.name == "batch_dims"), 0)
+    if node.op_type != "GatherND" or node.domain not in DEFAULT_DOMAINS or batch_dims:
+        return None
+    data, indices = node.input
+    shape = context.shape(data) if indices in context.inits else None
+    if shape is None:
+        return None
+    index = numpy_helper.to_array(context.inits[indices]).astype(np.int64)
+    depth = index.shape[-1] if index.ndim else 0
+    if not 0 < depth <= len(shape):
+        return None
+    dims = np.array(shape[:depth], np.int64)
+    strides = np.array([int(np.prod(dims[k + 1 :])) for k in range(depth)], np.int64)
+    rows = (np.mod(index, dims) * strides).sum(axis=-1)  # negative indices count from the end
+    out = node.output[0]
+    flat_shape = context.constant(np.array([-1, *shape[depth:]], np.int64), f"{out}_rows_shape")
+    picked = context.constant(rows, f"{out}_rows")
+    flat = context.fresh(f"{data}_rows")
+    base = node.name or out
+    return [
+        onnx.helper.make_node("Reshape", [data, flat_shape], [flat], name=f"{base}_rows"),
+        onnx.helper.make_node("Gather", [flat, picked], [out], name=base, axis=0),
+    ], f"{node_label(node)} -> Reshape + Gather ({rows.size} constant rows)"
 
 
 def flat_gather_indices(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -1596,51 +1583,34 @@ def flat_gather_indices(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
     rewrite is exact: Gather's output is the data's leading dims, the indices' shape and the
     data's trailing dims, in the indices' row-major order.
     """
-    model = copy_model(model)
-    graph = model.graph
-    inits = initializers_by_name(graph)
-    values: dict[str, onnx.ValueInfoProto] | None = None
-    namer = FreshNames(model)
-    details = []
-    nodes: list[onnx.NodeProto] = []
-    for node in graph.node:
-        indices = inits.get(node.input[1]) if node.op_type == "Gather" else None
-        if node.domain not in DEFAULT_DOMAINS or indices is None or len(indices.dims) < 2:
-            nodes.append(node)
-            continue
-        data = node.input[0]
-        values = values if values is not None else inferred_values(model)
-        shape = value_shape(values[data]) if data in values else None
-        if shape is None:
-            nodes.append(node)
-            continue
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0) % len(shape)
-        index = np.mod(numpy_helper.to_array(indices).astype(np.int64), shape[axis]).reshape(-1)
-        out_shape = [*shape[:axis], *indices.dims, *shape[axis + 1 :]]
-        base = node.name or node.output[0]
-        target = namer(f"{node.output[0]}_shape")
-        graph.initializer.append(numpy_helper.from_array(np.array(out_shape, np.int64), target))
-        if np.array_equal(index, np.arange(shape[axis])):
-            nodes.append(
-                onnx.helper.make_node("Reshape", [data, target], [node.output[0]], name=base)
-            )
-            details.append(f"{node_label(node)}: picks its whole axis in order -> Reshape")
-            continue
-        flat, picked = namer(f"{node.input[1]}_flat"), namer(f"{node.output[0]}_flat")
-        graph.initializer.append(numpy_helper.from_array(index, flat))
-        nodes.append(
-            onnx.helper.make_node("Gather", [data, flat], [picked], name=f"{base}_flat", axis=axis)
-        )
-        nodes.append(
-            onnx.helper.make_node("Reshape", [picked, target], [node.output[0]], name=base)
-        )
-        details.append(
-            f"{node_label(node)}: indices {list(indices.dims)} -> {index.size} flat + Reshape"
-        )
-    if details:
-        set_nodes(graph, nodes)
-        remove_dead_nodes(graph)
-    return checked_change(model, "flat_gather_indices", details)
+    return replace_nodes(model, "flat_gather_indices", _gather_of_flat_indices)
+
+
+def _gather_of_flat_indices(
+    node: onnx.NodeProto, context: NodeRewrite
+) -> tuple[list[onnx.NodeProto], str] | None:
+    indices = context.inits.get(node.input[1]) if node.op_type == "Gather" else None
+    if node.domain not in DEFAULT_DOMAINS or indices is None or len(indices.dims) < 2:
+        return None
+    data, out = node.input[0], node.output[0]
+    shape = context.shape(data)
+    if shape is None:
+        return None
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 0) % len(shape)
+    index = np.mod(numpy_helper.to_array(indices).astype(np.int64), shape[axis]).reshape(-1)
+    out_shape = [*shape[:axis], *indices.dims, *shape[axis + 1 :]]
+    base = node.name or out
+    target = context.constant(np.array(out_shape, np.int64), f"{out}_shape")
+    if np.array_equal(index, np.arange(shape[axis])):
+        return [
+            onnx.helper.make_node("Reshape", [data, target], [out], name=base)
+        ], f"{node_label(node)}: picks its whole axis in order -> Reshape"
+    flat = context.constant(index, f"{node.input[1]}_flat")
+    picked = context.fresh(f"{out}_flat")
+    return [
+        onnx.helper.make_node("Gather", [data, flat], [picked], name=f"{base}_flat", axis=axis),
+        onnx.helper.make_node("Reshape", [picked, target], [out], name=base),
+    ], f"{node_label(node)}: indices {list(indices.dims)} -> {index.size} flat + Reshape"
 
 
 def col2im_to_conv_transpose(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -1653,93 +1623,76 @@ def col2im_to_conv_transpose(model: onnx.ModelProto) -> tuple[onnx.ModelProto, C
     strides, dilations and pads, and ``output_padding`` makes up the image's size: exact.
     Why: the QNN EP has no Col2Im (VOLO's outlook attention folds 4 times: 5 partitions).
     """
-    model = copy_model(model)
-    graph = model.graph
-    inits = initializers_by_name(graph)
-    values: dict[str, onnx.ValueInfoProto] | None = None
-    namer = FreshNames(model)
-    details = []
-    nodes: list[onnx.NodeProto] = []
-    for node in graph.node:
-        if node.op_type != "Col2Im" or node.domain not in DEFAULT_DOMAINS:
-            nodes.append(node)
-            continue
-        values = values if values is not None else inferred_values(model)
-        columns, image, block = node.input
-        shape = value_shape(values[columns]) if columns in values else None
-        if shape is None or image not in inits or block not in inits:
-            nodes.append(node)
-            continue
-        image_hw = [int(v) for v in numpy_helper.to_array(inits[image])]
-        kernel = [int(v) for v in numpy_helper.to_array(inits[block])]
-        attrs = {a.name: list(a.ints) for a in node.attribute}
-        rank = len(kernel)
-        strides = attrs.get("strides") or [1] * rank
-        dilations = attrs.get("dilations") or [1] * rank
-        pads = attrs.get("pads") or [0] * (2 * rank)
-        grid = [
-            (image_hw[a] + pads[a] + pads[a + rank] - dilations[a] * (kernel[a] - 1) - 1)
-            // strides[a]
-            + 1
-            for a in range(rank)
-        ]
-        extra = [
-            image_hw[a]
-            - ((grid[a] - 1) * strides[a] - pads[a] - pads[a + rank])
-            - dilations[a] * (kernel[a] - 1)
-            - 1
-            for a in range(rank)
-        ]
-        block_size = int(np.prod(kernel))
-        n, stacked, length = shape
-        if (
-            rank != 2
-            or length != int(np.prod(grid))
-            or stacked % block_size
-            or any(
-                not 0 <= e < max(s, d) for e, s, d in zip(extra, strides, dilations, strict=True)
-            )
-        ):
-            nodes.append(node)
-            continue
-        channels = stacked // block_size
-        weight = np.zeros((stacked, 1, *kernel), np.float32)
-        for c in range(channels):
-            for i in range(kernel[0]):
-                for j in range(kernel[1]):
-                    weight[c * block_size + i * kernel[1] + j, 0, i, j] = 1.0
-        base = node.name or node.output[0]
-        target, placed = namer(f"{base}_grid_shape"), namer(f"{base}_placement")
-        gridded = namer(f"{columns}_grid")
-        graph.initializer.append(
-            numpy_helper.from_array(np.array([n, stacked, *grid], np.int64), target)
-        )
-        graph.initializer.append(numpy_helper.from_array(weight, placed))
-        nodes.append(
-            onnx.helper.make_node("Reshape", [columns, target], [gridded], name=f"{base}_grid")
-        )
-        nodes.append(
-            onnx.helper.make_node(
-                "ConvTranspose",
-                [gridded, placed],
-                [node.output[0]],
-                name=base,
-                group=channels,
-                kernel_shape=kernel,
-                strides=strides,
-                dilations=dilations,
-                pads=pads,
-                output_padding=extra,
-            )
-        )
-        details.append(
-            f"{node_label(node)}: {channels} channels of {kernel[0]}x{kernel[1]} blocks on a "
-            f"{grid[0]}x{grid[1]} grid -> Reshape + grouped ConvTranspose"
-        )
-    if details:
-        set_nodes(graph, nodes)
-        remove_dead_nodes(graph)
-    return checked_change(model, "col2im_to_conv_transpose", details)
+    return replace_nodes(model, "col2im_to_conv_transpose", _col2im_as_conv_transpose)
+
+
+def _col2im_as_conv_transpose(
+    node: onnx.NodeProto, context: NodeRewrite
+) -> tuple[list[onnx.NodeProto], str] | None:
+    if node.op_type != "Col2Im" or node.domain not in DEFAULT_DOMAINS:
+        return None
+    columns, image, block = node.input
+    if image not in context.inits or block not in context.inits:
+        return None
+    shape = context.shape(columns)
+    if shape is None:
+        return None
+    image_hw = [int(v) for v in numpy_helper.to_array(context.inits[image])]
+    kernel = [int(v) for v in numpy_helper.to_array(context.inits[block])]
+    attrs = {a.name: list(a.ints) for a in node.attribute}
+    rank = len(kernel)
+    strides = attrs.get("strides") or [1] * rank
+    dilations = attrs.get("dilations") or [1] * rank
+    pads = attrs.get("pads") or [0] * (2 * rank)
+    grid = [
+        (image_hw[a] + pads[a] + pads[a + rank] - dilations[a] * (kernel[a] - 1) - 1) // strides[a]
+        + 1
+        for a in range(rank)
+    ]
+    extra = [
+        image_hw[a]
+        - ((grid[a] - 1) * strides[a] - pads[a] - pads[a + rank])
+        - dilations[a] * (kernel[a] - 1)
+        - 1
+        for a in range(rank)
+    ]
+    block_size = int(np.prod(kernel))
+    n, stacked, length = shape
+    if (
+        rank != 2
+        or length != int(np.prod(grid))
+        or stacked % block_size
+        or any(not 0 <= e < max(s, d) for e, s, d in zip(extra, strides, dilations, strict=True))
+    ):
+        return None
+    channels = stacked // block_size
+    weight = np.zeros((stacked, 1, *kernel), np.float32)
+    for c in range(channels):
+        for i in range(kernel[0]):
+            for j in range(kernel[1]):
+                weight[c * block_size + i * kernel[1] + j, 0, i, j] = 1.0
+    base = node.name or node.output[0]
+    target = context.constant(np.array([n, stacked, *grid], np.int64), f"{base}_grid_shape")
+    placed = context.constant(weight, f"{base}_placement")
+    gridded = context.fresh(f"{columns}_grid")
+    return [
+        onnx.helper.make_node("Reshape", [columns, target], [gridded], name=f"{base}_grid"),
+        onnx.helper.make_node(
+            "ConvTranspose",
+            [gridded, placed],
+            [node.output[0]],
+            name=base,
+            group=channels,
+            kernel_shape=kernel,
+            strides=strides,
+            dilations=dilations,
+            pads=pads,
+            output_padding=extra,
+        ),
+    ], (
+        f"{node_label(node)}: {channels} channels of {kernel[0]}x{kernel[1]} blocks on a "
+        f"{grid[0]}x{grid[1]} grid -> Reshape + grouped ConvTranspose"
+    )
 
 
 def plain_tensor_names(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
