@@ -1744,3 +1744,106 @@ def test_col2im_becomes_a_grouped_conv_transpose(kernel, stride, pad, image, dil
 def test_volo_fold_compiles_whole_on_the_htp(tmp_path) -> None:
     """The QNN EP has no Col2Im: VOLO-D1 (timm, dynamo export) left 4 on the CPU, 5 partitions."""
     build_whole_on_htp(tmp_path, "fold", folded(3, 2, 1, 20))
+
+
+# --- Pads of slices --------------------------------------------------------------------------
+
+
+def linear_attention(heads: int = 2, tokens: int = 8, dim: int = 4) -> onnx.ModelProto:
+    """EfficientViT's ReLU linear attention (timm ``LiteMLA``): q and v are slices of one
+    Transpose, v padded with ones along its last axis so that one MatMul also sums k for
+    the normalizer."""
+    return with_inits(
+        parse(
+            f"""<ir_version: 10, opset_import: ["": 21]>
+            g (float[1, {heads}, {2 * dim}, {tokens}] r, float[1, {heads}, {dim}, {tokens}] k)
+              => (float[1, {heads}, {tokens}, {dim + 1}] o) {{
+              t = Transpose<perm = [0, 1, 3, 2]>(r)
+              qs = Slice(t, zero, half, last)
+              q = Relu(qs)
+              v = Slice(t, half, full, last)
+              vp = Pad<mode = "constant">(v, pads, one)
+              kv = MatMul(k, vp)
+              o = MatMul(q, kv)
+            }}"""
+        ),
+        ("zero", np.array([0], np.int64)),
+        ("half", np.array([dim], np.int64)),
+        ("full", np.array([2 * dim], np.int64)),
+        ("last", np.array([-1], np.int64)),
+        ("pads", np.array([0, 0, 0, 0, 0, 0, 0, 1], np.int64)),
+        ("one", np.array(1.0, np.float32)),
+    )
+
+
+def test_a_pad_of_a_slice_becomes_a_concat_with_constants() -> None:
+    model = linear_attention()
+    rewritten, change = t.pads_of_slices_as_concat(model)
+    assert change.changed and "Pad" not in ops(rewritten) and ops(rewritten).count("Concat") == 1
+    feeds = {
+        "r": RNG.standard_normal((1, 2, 8, 8)).astype(np.float32),
+        "k": RNG.standard_normal((1, 2, 4, 8)).astype(np.float32),
+    }
+    np.testing.assert_array_equal(run(rewritten, feeds)[0], run(model, feeds)[0])
+
+
+@pytest.mark.parametrize(
+    ("pads", "axes", "value"),
+    [([1, 0, 2, 0, 3, 1], None, 0.0), ([0, 2, 1, 0], [1, 2], -2.5), ([1, 1], [-1], 7.0)],
+)
+def test_a_pad_of_a_split_on_several_axes_is_the_same_tensor(pads, axes, value) -> None:
+    axes_input = ", axes" if axes else ""
+    model = parse(
+        f"""<ir_version: 10, opset_import: ["": 21]>
+        g (float[2, 6, 5] x) => (float[a, b, c] y, float[2, 3, 5] other) {{
+          part, other = Split<axis = 1>(x, split)
+          y = Pad<mode = "constant">(part, pads, value{axes_input})
+        }}"""
+    )
+    arrays = [("split", np.array([3, 3], np.int64)), ("pads", np.array(pads, np.int64))]
+    arrays.append(("value", np.array(value, np.float32)))
+    if axes:
+        arrays.append(("axes", np.array(axes, np.int64)))
+    model = with_inits(model, *arrays)
+    rewritten, change = t.pads_of_slices_as_concat(model)
+    assert change.changed and "Pad" not in ops(rewritten), change
+    feeds = {"x": RNG.standard_normal((2, 6, 5)).astype(np.float32)}
+    np.testing.assert_array_equal(run(rewritten, feeds)[0], run(model, feeds)[0])
+
+
+def test_a_pad_of_anything_but_a_slice_or_not_constant_stays() -> None:
+    conv_input = parse(
+        """<ir_version: 10, opset_import: ["": 21]>
+        g (float[1, 2, 6, 6] x) => (float[1, 2, 8, 8] y) {
+          r = Relu(x)
+          y = Pad<mode = "constant">(r, pads)
+        }"""
+    )
+    conv_input = with_inits(conv_input, ("pads", np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64)))
+    assert not t.pads_of_slices_as_concat(conv_input)[1].changed
+    reflected = linear_attention()
+    pad = next(n for n in reflected.graph.node if n.op_type == "Pad")
+    edit.replace_attributes(pad, (), mode="reflect")
+    del pad.input[2:]
+    assert not t.pads_of_slices_as_concat(reflected)[1].changed
+
+
+@pytest.mark.qnn
+def test_the_htp_pads_a_slice_of_a_shared_transpose_right_as_a_concat(tmp_path) -> None:
+    """The HTP fills a Pad of a slice of a Transpose that another Slice reads with what
+    follows the slice in memory (QNN 2.51): EfficientViT's attention normalizer was garbage
+    (whole model -0.7 dB); the Concat form agrees."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = linear_attention()
+    samples = [
+        {
+            "r": RNG.standard_normal((1, 2, 8, 8)).astype(np.float32),
+            "k": np.abs(RNG.standard_normal((1, 2, 4, 8))).astype(np.float32),
+        }
+    ]
+    variants = {"float": model, "as_concat": t.pads_of_slices_as_concat(model)[0]}
+    results = whole_ctx_vs_float(tmp_path, variants, samples)
+    assert results["as_concat"] > 50.0, results
+    # If a new QNN SDK pads such a slice right, this says so: the rewrite is then only exact.
+    assert results["float"] < 20.0, results

@@ -487,14 +487,25 @@ class NodeRewrite:
         self.model = model
         self.inits = initializers_by_name(model.graph)
         self.fresh = FreshNames(model)
+        self.producers = {out: node for node in model.graph.node for out in node.output if out}
         self._values: dict[str, onnx.ValueInfoProto] | None = None
+
+    def _value(self, name: str) -> onnx.ValueInfoProto | None:
+        if self._values is None:
+            self._values = inferred_values(self.model)
+        return self._values.get(name)
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         """The static shape of tensor ``name``, None where inference leaves it unknown."""
-        if self._values is None:
-            self._values = inferred_values(self.model)
-        value = self._values.get(name)
+        value = self._value(name)
         return value_shape(value) if value is not None else None
+
+    def elem_type(self, name: str) -> int | None:
+        """The element type (``onnx.TensorProto`` enum) of tensor ``name``, None if unknown."""
+        value = self._value(name)
+        if value is None or not value.type.HasField("tensor_type"):
+            return None
+        return value.type.tensor_type.elem_type or None
 
     def constant(self, array: np.ndarray, base: str) -> str:
         """Add ``array`` as an initializer under a fresh name built from ``base``."""

@@ -101,6 +101,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         legacy.explicit_pool_pads,  # the HTP pools non-overlapping windows over start pads wrongly
         t.explicit_conv_pads,  # the HTP pads a 9x9 Conv of 3 channels wrongly (after
         # qnn_preprocess, whose optimizer folds a Pad of zeros back into the Conv)
+        t.pads_of_slices_as_concat,  # the HTP pads a slice of a shared Transpose wrongly
         t.unshare_biases,  # onnxruntime's quantizer names its copies into other tensors
         t.flatten_gemm_biases,  # ... and reads a Gemm's bias as one value per column
         attention.standard_gelu,  # qnn_preprocess fuses TF/Keras GELU into com.microsoft Gelu

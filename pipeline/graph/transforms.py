@@ -2333,6 +2333,79 @@ def explicit_conv_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     return checked_change(model, "explicit_conv_pads", details)
 
 
+def pads_of_slices_as_concat(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A constant-mode Pad of a Slice's or a Split's output -> a Concat of that output with
+    constant blocks of the pad value along each padded axis: the same tensor, exactly.
+
+    Why: the HTP computes such a Pad wrong when the sliced tensor is a Transpose's output
+    that another Slice also reads (QNN 2.51, fp16 and quantized alike): the padded entries
+    hold whatever follows the slice in memory instead of the pad value. EfficientViT's
+    linear attention (timm ``LiteMLA``) pads its value slice with ones to get the softmax-free
+    normalizer in the same MatMul; on the simulator the normalizer came out as garbage and the
+    model at -0.7 dB vs float, the ctx of the Concat form agrees with the CPU at 64 dB. A
+    Concat with a constant is what the HTP writes right; a Pad of anything else (a Conv's
+    input padding) stays a Pad.
+    """
+    return replace_nodes(model, "pads_of_slices_as_concat", _pad_of_slice_as_concat)
+
+
+def _pad_of_slice_as_concat(
+    node: onnx.NodeProto, context: NodeRewrite
+) -> tuple[list[onnx.NodeProto], str] | None:
+    if node.op_type != "Pad" or node.domain not in DEFAULT_DOMAINS:
+        return None
+    mode = next((a.s.decode() for a in node.attribute if a.name == "mode"), "constant")
+    source = context.producers.get(node.input[0])
+    if mode != "constant" or source is None or source.op_type not in ("Slice", "Split"):
+        return None
+    data, out = node.input[0], node.output[0]
+    inputs = [*node.input, "", "", ""][:4]
+    shape, elem_type = context.shape(data), context.elem_type(data)
+    if (
+        shape is None
+        or elem_type is None
+        or inputs[1] not in context.inits
+        or any(name and name not in context.inits for name in inputs[2:])
+    ):
+        return None
+    pads = numpy_helper.to_array(context.inits[inputs[1]]).astype(np.int64).reshape(-1)
+    rank = len(shape)
+    axes = (
+        [int(a) % rank for a in numpy_helper.to_array(context.inits[inputs[3]]).reshape(-1)]
+        if inputs[3]
+        else list(range(rank))
+    )
+    value = numpy_helper.to_array(context.inits[inputs[2]]) if inputs[2] else None
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
+    fill = np.asarray(0 if value is None or value.size == 0 else value.reshape(-1)[0], dtype)
+    if len(pads) != 2 * len(axes) or (pads < 0).any() or not pads.any():
+        return None
+    base = node.name or out
+    nodes: list[onnx.NodeProto] = []
+    current, running = data, list(shape)
+    widened = [(axis, int(pads[i]), int(pads[i + len(axes)])) for i, axis in enumerate(axes)]
+    widened = [(axis, before, after) for axis, before, after in widened if before or after]
+    for index, (axis, before, after) in enumerate(widened):
+        parts = []
+        for side, width in (("before", before), ("after", after)):
+            if width:
+                block = [*running[:axis], width, *running[axis + 1 :]]
+                parts.append(
+                    (side, context.constant(np.full(block, fill, dtype), f"{base}_{side}_{axis}"))
+                )
+        joined = out if index == len(widened) - 1 else context.fresh(f"{base}_axis_{axis}")
+        ordered = [n for side, n in parts if side == "before"] + [current]
+        ordered += [n for side, n in parts if side == "after"]
+        name = base if joined == out else f"{base}_axis_{axis}"
+        nodes.append(onnx.helper.make_node("Concat", ordered, [joined], name=name, axis=axis))
+        current, running[axis] = joined, running[axis] + before + after
+    return nodes, (
+        f"{node_label(node)} of {node_label(source)}'s output: "
+        + ", ".join(f"axis {a} +{b}/+{c}" for a, b, c in widened)
+        + f" of {fill.item():g} -> Concat with constants"
+    )
+
+
 def fuse_hardswish(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """x * HardSigmoid(x; alpha 1/6, beta 1/2) -> HardSwish(x) (opset >= 14), the same function
     by ONNX's definition of HardSwish.
