@@ -1854,3 +1854,32 @@ def test_linear_attention_builds_whole_and_accurate_on_the_htp(tmp_path) -> None
     """Through the real stages (quantized, judged on the simulator): the padded slice was 2.5 dB
     from the CPU QDQ model on the HTP before the rewrite, 41 dB after."""
     build_whole_on_htp(tmp_path, "linear_attention", linear_attention())
+
+
+def test_replace_nodes_leaves_nothing_of_a_rewrite_that_keeps_its_node() -> None:
+    """A rewrite may add constants before it decides to keep its node: they go with it."""
+    model = linear_attention()
+
+    def undecided(node: onnx.NodeProto, context: edit.NodeRewrite):
+        context.constant(np.zeros(3, np.float32), "scratch")
+        return None
+
+    kept, change = edit.replace_nodes(model, "undecided", undecided)
+    assert not change.changed
+    assert [i.name for i in kept.graph.initializer] == [i.name for i in model.graph.initializer]
+
+    def relu_as_max(node: onnx.NodeProto, context: edit.NodeRewrite):
+        if node.op_type != "Relu":
+            context.constant(np.zeros(3, np.float32), "scratch")
+            return None
+        zero = context.constant(np.array(0.0, np.float32), "zero")
+        return [oh.make_node("Max", [node.input[0], zero], list(node.output))], "Relu -> Max"
+
+    rewritten, change = edit.replace_nodes(model, "relu_as_max", relu_as_max)
+    assert change.details == ("Relu -> Max",) and "Relu" not in ops(rewritten)
+    assert not any(i.name.startswith("scratch") for i in rewritten.graph.initializer)
+    feeds = {
+        "r": RNG.standard_normal((1, 2, 8, 8)).astype(np.float32),
+        "k": RNG.standard_normal((1, 2, 4, 8)).astype(np.float32),
+    }
+    np.testing.assert_array_equal(run(rewritten, feeds)[0], run(model, feeds)[0])

@@ -527,6 +527,7 @@ def replace_nodes(
     """
     model = copy_model(model)
     context = NodeRewrite(model)
+    constants = len(model.graph.initializer)
     nodes: list[onnx.NodeProto] = []
     details: list[str] = []
     for node in model.graph.node:
@@ -539,7 +540,9 @@ def replace_nodes(
         details.append(detail)
     if details:
         set_nodes(model.graph, nodes)
-        remove_dead_nodes(model.graph)
+        remove_dead_nodes(model.graph)  # and the constants of a rewrite that kept its node
+    else:
+        del model.graph.initializer[constants:]
     return checked_change(model, step, details)
 
 
