@@ -660,7 +660,7 @@ def activation_statistics(
     kept = [o.name for o in graph.output] if feed_back is not None else []
     if feed_back is None:
         del graph.output[:]
-    # Each tensor's reductions run right after its producer (see _place_after_producers).
+    # Each tensor's reductions run right after its producer (see place_after_producers).
     reductions: list[Any] = []
     for index, name in enumerate(wanted):
         squares, size = f"__rms_ss_{index}", f"__rms_n_{index}"
@@ -684,7 +684,7 @@ def activation_statistics(
             out = f"__{op.lower()}_{index}"
             reductions.append(helper.make_node(op, [name], [out], keepdims=0))
             graph.output.append(helper.make_tensor_value_info(out, types[name], []))
-    _place_after_producers(graph, reductions)
+    place_after_producers(graph, reductions)
     if not wanted and not averaged and not ranged:
         return Statistics({}, {}, 0)
     # Ranges as onnxruntime's calibrator measures them: on the graph as written (its fusions
@@ -732,7 +732,7 @@ def activation_statistics(
     )
 
 
-def _place_after_producers(graph: Any, reductions: list[Any]) -> None:
+def place_after_producers(graph: Any, reductions: list[Any]) -> None:
     """Insert each reduction right after the node that produces its tensor.
 
     onnxruntime keeps a tensor alive until its last reader has run. Appended at the end of
