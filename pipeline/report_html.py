@@ -1067,7 +1067,13 @@ def _judge_section(page: _Page) -> None:
             _p(
                 f"First divergence between the HTP and the CPU QDQ model: {divergence.get('tensor')} "
                 f"from {divergence.get('op_type')} {divergence.get('node')}, "
-                f"{_fmt(divergence.get('snr_db'))} dB."
+                f"{_fmt(divergence.get('snr_db'))} dB"
+                + (
+                    f" (among {divergence.get('exposed')} of {divergence.get('exposable')} "
+                    "activations, spread over the graph: the locator's memory budget)."
+                    if 0 < (divergence.get("exposed") or 0) < (divergence.get("exposable") or 0)
+                    else "."
+                )
             )
         )
     page.add(_ul(map(str, _list(htp.get("remedies")))))

@@ -765,6 +765,51 @@ def test_the_divergence_named_is_one_that_explains_the_output():
     assert result.first_divergence().name == "verified"
 
 
+def _qdq_chain(widths: list[int]) -> onnx.ModelProto:
+    """Per entry of ``widths``: x concatenated with itself ``width`` times on its channels, Relu,
+    Q, DQ: dequantized activations of known, different sizes, in graph order."""
+    nodes, inits, current = [], [_init("s", np.array(0.1, np.float32))], "x"
+    inits.append(numpy_helper.from_array(np.array(128, np.uint8), "z"))
+    for index, width in enumerate(widths):
+        wide = f"wide{index}"
+        nodes.append(helper.make_node("Concat", ["x"] * width, [wide], axis=1))
+        nodes.append(helper.make_node("Relu", [wide], [f"r{index}"], name=f"relu{index}"))
+        nodes.append(helper.make_node("QuantizeLinear", [f"r{index}", "s", "z"], [f"q{index}"]))
+        nodes.append(helper.make_node("DequantizeLinear", [f"q{index}", "s", "z"], [f"d{index}"]))
+        current = f"d{index}"
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 64, 64])],
+        [helper.make_tensor_value_info(current, TensorProto.FLOAT, None)],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+def test_the_locator_exposes_every_activation_or_a_spread_within_its_budget(tmp_path: Path):
+    """A 1x3x1024x2048 LR-ASPP with every activation exposed took the probe to 4.3 GiB: past
+    ``EXPOSED_BYTES`` a sample the locator compares a subset spread evenly over the graph."""
+    from pipeline.htp.probe import _exposed
+
+    path = tmp_path / "chain.onnx"
+    onnx.save(_qdq_chain([1, 4, 1, 4, 1, 4, 1, 4]), str(path))
+    row = 64 * 64 * 4  # bytes of one 1x1x64x64 float tensor
+    sizes = [w * row for w in [1, 4, 1, 4, 1, 4, 1, 4]]
+    every, exposed, count = _exposed(str(path), tmp_path, budget=1 << 30)
+    assert count == 8 and [t for t, _, _ in exposed] == [f"d{k}" for k in range(8)]
+    assert [op for _, op, _ in exposed] == ["Relu"] * 8
+    assert len(onnx.load(str(every)).graph.output) == 8
+    spread, exposed, count = _exposed(str(path), tmp_path, budget=10 * row)  # half of them
+    kept = [int(t[1:]) for t, _, _ in exposed]
+    assert count == 8 and 1 < len(kept) < 8
+    assert sum(sizes[k] for k in kept) <= 10 * row
+    assert min(kept) < 4 <= max(kept)  # from the front half and the back half of the graph
+    assert {o.name for o in onnx.load(str(spread)).graph.output} == {f"d{k}" for k in kept} | {"d7"}
+
+
 def test_a_slow_simulator_goes_to_fp16_once_the_cpu_is_short(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

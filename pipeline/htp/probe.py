@@ -57,6 +57,9 @@ from .isolation import Finished, Started, die_with_parent, start_module, wait_fo
 
 MODULE = "pipeline.htp.probe"
 DIVERGENCE_DB = 30.0  # HTP vs CPU QDQ below this at one tensor: they compute it differently
+# The locator's activations, a sample: the HTP's run, the CPU QDQ model's and the comparison
+# each hold them all (a 1x3x1024x2048 LR-ASPP: every activation at once took 4.3 GiB).
+EXPOSED_BYTES = 256 << 20
 EXPLAINS_DB = 3.0  # ... and at most this much above the worst output's: it explains the output
 CTX_NAME = "probe_ctx.onnx"
 RESULT_NAME = "probe_result.json"  # the main child's result, which its helpers watch
@@ -124,6 +127,7 @@ class ProbeResult:
     ctx_vs_qdq: dict[str, Accuracy] = field(default_factory=dict)
     qdq_vs_float: dict[str, Accuracy] = field(default_factory=dict)
     tensors: list[TensorAgreement] = field(default_factory=list)
+    exposable: int = 0  # activations the locator could expose (``tensors`` holds those it did)
     seconds: float = 0.0
     compile_s: float = 0.0  # the offline compile of the QDQ model (what loading it online costs)
 
@@ -434,8 +438,12 @@ def _outcome(job: ProbeJob, done: Finished, timeout_s: float) -> ProbeResult:
 # -- the child ------------------------------------------------------------------------------------
 
 
-def _exposed(qdq_path: str, out: Path) -> tuple[Path, list[tuple[str, str, str]]]:
-    """The QDQ model with every dequantized activation as a graph output, and their producers."""
+def _exposed(
+    qdq_path: str, out: Path, budget: int = EXPOSED_BYTES
+) -> tuple[Path, list[tuple[str, str, str]], int]:
+    """The QDQ model with dequantized activations as graph outputs, their producers, and how
+    many there were: all of them when they fit ``budget`` bytes a sample, else a subset spread
+    evenly over the graph by size (the first divergence is then named to within a stretch)."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -443,22 +451,54 @@ def _exposed(qdq_path: str, out: Path) -> tuple[Path, list[tuple[str, str, str]]
     inits = {i.name for i in model.graph.initializer}
     outputs = {o.name for o in model.graph.output}
     producer = {o: n for n in model.graph.node for o in n.output}
-    exposed = []
+    candidates = []
     for node in model.graph.node:
         if node.op_type != "DequantizeLinear" or node.input[0] in inits:
             continue
-        tensor = node.output[0]
         quantize = producer.get(node.input[0])
         source = producer.get(quantize.input[0]) if quantize is not None else None
         op, name = (source.op_type, source.name) if source is not None else ("input", "")
+        candidates.append((node.output[0], op, name))
+    exposed = _spread(candidates, _float_bytes(model, [t for t, _, _ in candidates]), budget)
+    for tensor, _, _ in exposed:
         if tensor not in outputs:  # graph outputs are compared already, in their place
             model.graph.output.append(
                 helper.make_tensor_value_info(tensor, TensorProto.FLOAT, None)
             )
-        exposed.append((tensor, op, name))
     path = out / "probe_qdq.onnx"
     onnx.save(model, str(path))
-    return path, exposed
+    return path, exposed, len(candidates)
+
+
+def _float_bytes(model: Any, names: list[str]) -> dict[str, int]:
+    """Bytes of each named tensor as float32 (0 where shape inference leaves it unknown)."""
+    from ..graph.edit import inferred_values, value_shape
+
+    values = inferred_values(model)
+    sizes = {}
+    for name in names:
+        shape = value_shape(values[name]) if name in values else None
+        sizes[name] = 4 * math.prod(shape) if shape is not None else 0
+    return sizes
+
+
+def _spread(
+    candidates: list[tuple[str, str, str]], sizes: dict[str, int], budget: int
+) -> list[tuple[str, str, str]]:
+    """All ``candidates`` when their sizes fit ``budget``, else about ``budget`` bytes of them
+    spread evenly by size: each tensor earns its share of the budget, and is kept once what it
+    and those before it earned covers it."""
+    total = sum(sizes.values())
+    if total <= budget:
+        return candidates
+    kept, credit = [], 0.0
+    for candidate in candidates:
+        size = sizes[candidate[0]]
+        credit += size * budget / total
+        if credit >= size:
+            kept.append(candidate)
+            credit -= size
+    return kept
 
 
 def _run(job: ProbeJob, result: ProbeResult, path: Path) -> None:
@@ -480,7 +520,9 @@ def _run(job: ProbeJob, result: ProbeResult, path: Path) -> None:
             return  # the main child failed or ended, or it has every sample: nothing to help with
     if job.samples:  # an uncompressed .npz: its size is the sample's
         adapt_heap_to(Path(job.samples[0]).stat().st_size)
-    model_path, exposed = _exposed(job.qdq, work) if job.locate else (Path(job.qdq), [])
+    model_path, exposed, result.exposable = (
+        _exposed(job.qdq, work) if job.locate else (Path(job.qdq), [], 0)
+    )
     outputs = _output_names(job.float_model)
     names = outputs + [t for t, _, _ in exposed if t not in outputs]
     _run_on_htp(job, result, stage, model_path, names, stash)

@@ -97,6 +97,8 @@ class Divergence:
     op_type: str
     node: str
     snr_db: float
+    exposed: int = 0  # activations compared: all ``exposable`` ones unless a large model's
+    exposable: int = 0  # would not fit the locator's memory budget (probe.EXPOSED_BYTES)
 
 
 @dataclass(frozen=True)
@@ -360,7 +362,14 @@ def judge_on_htp(
                 located = run("the HTP diverges", locate=True, on=locate_samples)
                 found = located.first_divergence() if located.ok else None
                 if found is not None and divergence is None:
-                    divergence = Divergence(found.name, found.op_type, found.node, found.snr_db)
+                    divergence = Divergence(
+                        found.name,
+                        found.op_type,
+                        found.node,
+                        found.snr_db,
+                        len(located.tensors),
+                        located.exposable,
+                    )
                 sixteen = [n for n, p in current.overrides.items() if p.startswith("int16")]
                 if sixteen and not per_channel_done:
                     # Every weight to 8 bits with one scale per output channel: the format the

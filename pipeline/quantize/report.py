@@ -20,7 +20,7 @@ from ..core.metrics import Accuracy, comparison_note, figure, worst_snr
 from ..core.records import BuildInputs
 from ..core.report import fmt, table, write_report
 from .evaluate import EndToEnd
-from .judge import HtpJudgement
+from .judge import Divergence, HtpJudgement
 from .lossless import PreparationCheck
 from .mixed_precision import MixedPrecision
 
@@ -612,7 +612,7 @@ def _htp_section(r: QuantizeReport) -> list[str]:
         lines += [
             "",
             f"First divergence between the HTP and the CPU QDQ model: `{d.tensor}` from "
-            f"{d.op_type} `{d.node}`, {fmt(d.snr_db)} dB.",
+            f"{d.op_type} `{d.node}`, {fmt(d.snr_db)} dB{_exposure(d)}.",
         ]
     lines += [f"- {remedy}" for remedy in j.remedies]
     if j.whole_float16:
@@ -620,6 +620,17 @@ def _htp_section(r: QuantizeReport) -> list[str]:
     elif j.float16:
         lines += ["", f"Kept: {len(j.float16)} tensor(s) in float16 (fp16 on the HTP)."]
     return lines
+
+
+def _exposure(divergence: Divergence) -> str:
+    """Why the locator may name a tensor past the first that diverged: it compared a subset."""
+    if 0 < divergence.exposed < divergence.exposable:
+        return (
+            f" (among {divergence.exposed} of {divergence.exposable} activations, spread over "
+            "the graph: all of them a sample would not fit the locator's memory budget, "
+            "pipeline.htp.probe.EXPOSED_BYTES)"
+        )
+    return ""
 
 
 def _samples(ran: int, requested: int) -> str:
