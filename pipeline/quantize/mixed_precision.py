@@ -35,6 +35,7 @@ from .bias_correction import corrected_float_bias, layers
 from .evaluate import evaluate
 
 ANALYSIS_SAMPLES = 8  # calibration samples the per-tensor noise is measured on
+ANALYSIS_BYTES = 256 << 20  # ... fewer when their float64 reference outputs would pass this
 ANALYSIS_BUDGET_S = 60.0  # stop measuring candidates after this; the rest rank last
 MAX_ROUNDS = 4  # re-quantizations after the first choice
 SAFETY_DB = 3.0  # aim above the target: the noise model is approximate and the HTP adds its own
@@ -292,8 +293,10 @@ def _noise(
     for sample, ref in zip(feeds, refs, strict=True):
         run_feeds = {**sample, **overrides} if overrides else sample
         for name, got in zip(names, session.run(names, run_feeds), strict=True):
-            err = ref[name] - _values(got)
-            noise[name] += float(np.sum(err * err))
+            expected, values = ref[name].reshape(-1), np.asarray(comparable(got)[1]).reshape(-1)
+            for start in range(0, values.size, _CHUNK):  # no float64 copy of a whole map
+                err = expected[start : start + _CHUNK] - values[start : start + _CHUNK]
+                noise[name] += float(np.dot(err, err))
     return noise
 
 
@@ -318,6 +321,11 @@ def measure(
     first = dict(zip(names, reference.run(names, feeds[0]), strict=True)) if feeds else {}
     # Labels (strings, class ids) have no noise power; the scores they come from do.
     names = [n for n in names if comparable(first[n])[0] != LABELS] if first else names
+    # Each sample's reference outputs stay in memory (float64) for every candidate: a 21-class
+    # 1024x2048 map is 352 MB a sample, and 8 of them took the process to 4.3 GiB. As many
+    # samples as ANALYSIS_BYTES holds, one at least (2M pixels of a segmenter's map).
+    per_sample = sum(8 * int(np.asarray(first[n]).size) for n in names) if first else 0
+    feeds = feeds[: max(1, ANALYSIS_BYTES // per_sample)] if per_sample else feeds
     refs = [
         {n: _values(v) for n, v in zip(names, reference.run(names, f), strict=True)} for f in feeds
     ]
@@ -485,7 +493,7 @@ def raise_precision(
 
 OUTLIER_RATIO = 32.0  # a channel peaking this many times the median channel is an outlier
 OUTLIER_SAMPLES = 2
-_GRID_CHUNK = 1 << 20  # output values rounded to their grid at a time (output_grids)
+_CHUNK = 1 << 20  # output values compared or rounded to their grid at a time
 
 
 def output_grids(
@@ -526,8 +534,8 @@ def output_grids(
             total = powers[name]
             # a chunk at a time: a 21-class 1024x2048 map is 44M values, and each float64
             # temporary of it 352 MB (1.4 GB at once before)
-            for start in range(0, flat.size, _GRID_CHUNK):
-                exact = flat[start : start + _GRID_CHUNK].astype(np.float64)
+            for start in range(0, flat.size, _CHUNK):
+                exact = flat[start : start + _CHUNK].astype(np.float64)
                 steps = np.clip(np.round(exact / scale) + zero, info.min, info.max)
                 total[0] += float(np.sum(exact**2))
                 total[1] += float(np.sum(((steps - zero) * scale - exact) ** 2))
