@@ -2385,19 +2385,20 @@ def _pad_of_slice_as_concat(
     current, running = data, list(shape)
     widened = [(axis, int(pads[i]), int(pads[i + len(axes)])) for i, axis in enumerate(axes)]
     widened = [(axis, before, after) for axis, before, after in widened if before or after]
+
+    def block(width: int, axis: int, side: str) -> list[str]:
+        """A constant of the pad value, ``width`` wide on ``axis`` (none when 0)."""
+        if not width:
+            return []
+        shape = [*running[:axis], width, *running[axis + 1 :]]
+        return [context.constant(np.full(shape, fill, dtype), f"{base}_{side}_{axis}")]
+
     for index, (axis, before, after) in enumerate(widened):
-        parts = []
-        for side, width in (("before", before), ("after", after)):
-            if width:
-                block = [*running[:axis], width, *running[axis + 1 :]]
-                parts.append(
-                    (side, context.constant(np.full(block, fill, dtype), f"{base}_{side}_{axis}"))
-                )
-        joined = out if index == len(widened) - 1 else context.fresh(f"{base}_axis_{axis}")
-        ordered = [n for side, n in parts if side == "before"] + [current]
-        ordered += [n for side, n in parts if side == "after"]
-        name = base if joined == out else f"{base}_axis_{axis}"
-        nodes.append(onnx.helper.make_node("Concat", ordered, [joined], name=name, axis=axis))
+        last = index == len(widened) - 1
+        joined = out if last else context.fresh(f"{base}_axis_{axis}")
+        parts = [*block(before, axis, "before"), current, *block(after, axis, "after")]
+        name = base if last else f"{base}_axis_{axis}"
+        nodes.append(onnx.helper.make_node("Concat", parts, [joined], name=name, axis=axis))
         current, running[axis] = joined, running[axis] + before + after
     return nodes, (
         f"{node_label(node)} of {node_label(source)}'s output: "
