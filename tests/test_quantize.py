@@ -391,3 +391,46 @@ def test_held_out_samples_are_read_once_and_again_when_rewritten(
     np.savez(tmp_path / "sample_0001.npz", x=np.full((3, 3), 9, np.float32))
     assert [f["x"][0, 0] for f in evaluate.iter_samples(tmp_path)] == [0, 9, 2]
     assert len(reads) == 4
+
+
+def test_a_model_exported_at_a_dummy_size_builds_at_the_size_the_config_gives(
+    tmp_path: Path,
+) -> None:
+    """An export at a fixed dummy size (CenterFace ships 10x3x32x32; its app loosens the dims
+    and feeds the image's size) builds at ``[inputs] shapes``, and the source model, run at
+    that size with its dims freed, is the reference of the lossless and end-to-end checks."""
+    from onnx import TensorProto
+    from onnx import helper as oh
+
+    rng = np.random.default_rng(3)
+    model = oh.make_model(
+        oh.make_graph(
+            [
+                oh.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+                oh.make_node("Relu", ["c"], ["y"]),
+            ],
+            "g",
+            [oh.make_tensor_value_info("x", TensorProto.FLOAT, [10, 3, 8, 8])],
+            [oh.make_tensor_value_info("y", TensorProto.FLOAT, [10, 4, 8, 8])],
+            [onnx.numpy_helper.from_array(rng.normal(size=(4, 3, 3, 3)).astype("f4"), "w")],
+        ),
+        opset_imports=[oh.make_opsetid("", 13)],
+        ir_version=8,
+    )
+    onnx.save(model, str(tmp_path / "dummy_size.onnx"))
+    config = tmp_path / "dummy.toml"
+    config.write_text(
+        '[model]\nname = "dummy"\nsource = "dummy_size.onnx"\n'
+        "[inputs]\nshapes = { x = [1, 3, 16, 24] }\n"
+        '[calibration]\nkind = "random"\nsamples = 8\n'
+        '[quantization]\njudge = "cpu"\nauto_mixed_precision = false\n'
+    )
+    assert main(["quantize", "--artifacts", str(tmp_path / "art"), str(config)]) == 0
+    paths = ModelPaths.of(tmp_path / "art", "dummy")
+    built = onnx.load(str(paths.bucket(SINGLE_BUCKET).qdq))
+    dims = [d.dim_value for d in built.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == [1, 3, 16, 24]
+    report = json.loads(paths.report.with_suffix(".json").read_text())
+    check = report["preparation_check"]
+    assert check["error"] == "" and check["samples"] > 0 and float(check["snr_db"]) > 60
+    assert report["end_to_end"]["samples"] > 0 and not report["end_to_end"]["error"]

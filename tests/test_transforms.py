@@ -147,13 +147,59 @@ def test_fix_input_shapes_names_input_dim_and_config_key() -> None:
     [
         ({"btch": 1}, {}, "did you mean 'batch'"),
         ({}, {"x": [1, 4, 4]}, "has rank 3"),
-        ({}, {"x": [1, 5]}, "sets dim 1 to 5, but the model fixes it to 4"),
         ({}, {"xx": [1, 4]}, "'xx', not an input; did you mean 'x'"),
     ],
 )
 def test_fix_input_shapes_rejects_bad_config(dims, shapes, message) -> None:
     with pytest.raises(ModelError, match=message.replace("[", r"\[")):
         t.fix_input_shapes(parse(DYNAMIC), dims, shapes)
+
+
+FIXED_CONV = """<ir_version: 8, opset_import: ["": 13]>
+g (float[10, 3, 8, 8] x) => (float[10, 4, 8, 8] y) {
+  y = Conv<pads = [1, 1, 1, 1]>(x, w)
+}"""
+
+
+def test_inputs_shapes_may_change_sizes_the_model_fixes() -> None:
+    """A model exported at a dummy size (CenterFace: 10x3x32x32) is built at the size its
+    app feeds; the stale output dims go, and the Conv computes at the new size."""
+    model = with_inits(
+        parse(FIXED_CONV, False), ("w", RNG.standard_normal((4, 3, 3, 3)).astype(np.float32))
+    )
+    assert t.resized_inputs(model, {"x": [1, 3, 16, 24]}) == ["x"]
+    assert t.resized_inputs(model, {"x": [10, 3, 8, 8]}) == []
+    fixed, change = t.fix_input_shapes(model, {}, {"x": [1, 3, 16, 24]})
+    assert change.details == (
+        "input 'x': [10, 3, 8, 8] -> [1, 3, 16, 24] (sizes the model fixes, as [inputs] "
+        "shapes asks)",
+    )
+    output_dims = fixed.graph.output[0].type.tensor_type.shape.dim
+    assert [d.HasField("dim_value") for d in output_dims] == [False] * 4  # rank kept
+    x = RNG.standard_normal((1, 3, 16, 24)).astype(np.float32)
+    assert run(fixed, {"x": x})[0].shape == (1, 4, 16, 24)
+    # The source as the reference runs at that size too, with its input dims freed.
+    free = edit.free_input_dims(model, ["x"])
+    np.testing.assert_array_equal(run(free, {"x": x})[0], run(fixed, {"x": x})[0])
+
+
+def test_a_size_the_graph_cannot_take_is_refused_with_what_inference_said() -> None:
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 13]> g (float[10, 4] x) => (float[10, 2] y) '
+            "{ y = MatMul(x, w) }",
+            False,
+        ),
+        ("w", RNG.standard_normal((4, 2)).astype(np.float32)),
+    )
+    fixed, _ = t.fix_input_shapes(model, {}, {"x": [1, 4]})
+    assert edit.value_shape(fixed.graph.input[0]) == (1, 4)
+    with pytest.raises(ModelError) as info:
+        t.fix_input_shapes(model, {}, {"x": [1, 5]})
+    message = str(info.value)
+    assert "'x' [10, 4] -> [1, 5]" in message
+    assert "does not take the new shape" in message and "MatMul" in message
+    assert "exported for" in info.value.tip
 
 
 # --- Constant nodes and folding -------------------------------------------------------------

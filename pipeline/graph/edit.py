@@ -221,6 +221,29 @@ def strip_shape_info(model: onnx.ModelProto) -> onnx.ModelProto:
     return bare
 
 
+def free_input_dims(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """A copy whose inputs ``names`` take any shape of their rank: each dim a fresh dim_param,
+    and no stored shape derived from the old ones (value_info, output dims; rank kept).
+
+    Why: a model exported at a dummy size (CenterFace at 10x3x32x32) is run by its app at
+    another one, the declared dims loosened first (onnx's ``update_inputs_outputs_dims``);
+    onnxruntime refuses any other shape for a fixed dim. The source model run as a reference
+    at the size ``[inputs] shapes`` gives is this copy."""
+    free = copy_model(model)
+    wanted = set(names)
+    for value in free.graph.input:
+        if value.name in wanted and value.type.tensor_type.HasField("shape"):
+            for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+                dim.Clear()
+                dim.dim_param = f"{value.name}_dim{axis}"
+    for graph in all_graphs(free.graph):
+        del graph.value_info[:]
+    for out in free.graph.output:
+        for dim in out.type.tensor_type.shape.dim:
+            dim.Clear()
+    return free
+
+
 WEIGHT_ELEMENTS = 1024  # a float initializer larger than this is a weight: no op reads its data
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,9 +92,14 @@ class SourceModel:
     path: Path | None
     model: Any = None
     float16: bool = False
+    # Inputs the config gives a size the model fixes (``transforms.resized_inputs``): the
+    # source runs with their dims free (``edit.free_input_dims``), as its app runs it.
+    free_inputs: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, model: Any, path: Path | None = None) -> SourceModel:
+    def of(
+        cls, model: Any, path: Path | None = None, free_inputs: Sequence[str] = ()
+    ) -> SourceModel:
         """``model``, read from the file at ``path`` (None: kept in memory)."""
         import onnx
 
@@ -102,17 +108,21 @@ class SourceModel:
         float16 = any(t.data_type == f16 for t in graph.initializer) or any(
             v.type.tensor_type.elem_type == f16 for v in (*graph.input, *graph.output)
         )
-        return cls(None if path is None else Path(path), None if path else model, float16)
+        kept = None if path else model
+        return cls(None if path is None else Path(path), kept, float16, tuple(free_inputs))
 
     def load(self) -> Any:
-        """The model (nodes in topological order)."""
+        """The model (nodes in topological order; ``free_inputs`` freed)."""
         import onnx
 
-        return self.model if self.model is not None else sort_nodes(onnx.load(str(self.path)))
+        model = self.model if self.model is not None else sort_nodes(onnx.load(str(self.path)))
+        return edit.free_input_dims(model, self.free_inputs) if self.free_inputs else model
 
     def runnable(self) -> Any:
         """What ``cpu_session`` takes: the file's path, or the model."""
-        return self.model if self.model is not None else str(self.path)
+        if self.model is None and not self.free_inputs:
+            return str(self.path)
+        return self.load()
 
 
 def as_source(source: Any) -> SourceModel:

@@ -259,18 +259,6 @@ def _static_shape(
                 f"input has rank {len(old)} ({old})"
             )
             return None
-        clash = [
-            (i, o)
-            for i, (o, n) in enumerate(zip(old, new, strict=True))
-            if isinstance(o, int) and o != n
-        ]
-        if clash:
-            i, o = clash[0]
-            issues.append(
-                f"[inputs] shapes.{value.name} = {new} sets dim {i} to {new[i]}, but the model "
-                f"fixes it to {o}"
-            )
-            return None
         return new
     if not tensor_type.HasField("shape"):
         issues.append(
@@ -346,12 +334,34 @@ def cut_at_outputs(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.Model
     return cut
 
 
+def resized_inputs(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]) -> list[str]:
+    """The inputs whose ``[inputs] shapes`` entry changes a size the model fixes (same rank)."""
+    resized = []
+    for value in model.graph.input:
+        if value.name not in shapes or not value.type.tensor_type.HasField("shape"):
+            continue
+        dims = value.type.tensor_type.shape.dim
+        new = list(shapes[value.name])
+        if len(dims) == len(new) and any(
+            d.HasField("dim_value") and d.dim_value > 0 and d.dim_value != n
+            for d, n in zip(dims, new, strict=True)
+        ):
+            resized.append(value.name)
+    return resized
+
+
 def fix_input_shapes(
     model: onnx.ModelProto,
     dims: Mapping[str, int],
     shapes: Mapping[str, Sequence[int]],
 ) -> tuple[onnx.ModelProto, Change]:
     """Give every graph input a fully static shape from ``dims`` (by dim_param) and ``shapes``.
+
+    ``shapes`` may change a size the model fixes: an export at a dummy size (CenterFace at
+    10x3x32x32, run by its app at the image's size) is built at the size the app feeds, and
+    the source is run at that size as the reference (``edit.free_input_dims``). The graph must
+    then infer at that size (strict shape inference: a MatMul's rows, a Reshape's sizes), or
+    ModelError names the input, both shapes and what inference said.
 
     Raises ModelError listing every input dim the config leaves dynamic, with the key to set.
     Output shapes and stored value_info that mention fixed dims are cleared: inference redoes
@@ -380,6 +390,8 @@ def fix_input_shapes(
                 + _hint(param, params)
             )
     details = []
+    resizing = set(resized_inputs(model, shapes))
+    resized: dict[str, tuple[list[Any], list[int]]] = {}
     for value in inputs:
         if not value.type.HasField("tensor_type"):
             issues.append(f"input {value.name!r} is not a tensor; only tensor inputs are supported")
@@ -397,7 +409,10 @@ def fix_input_shapes(
             tensor_type.ClearField("shape")
             for size in new:
                 tensor_type.shape.dim.add().dim_value = int(size)
-            details.append(f"input {value.name!r}: {old} -> {new}")
+            note = " (sizes the model fixes, as [inputs] shapes asks)" * (value.name in resizing)
+            details.append(f"input {value.name!r}: {old} -> {new}{note}")
+            if value.name in resizing:
+                resized[value.name] = (old, new)
     if issues:
         raise ModelError(
             "The model's inputs cannot be made static:\n  " + "\n  ".join(issues),
@@ -409,9 +424,28 @@ def fix_input_shapes(
             del graph_.value_info[:]
         for out in graph.output:
             for dim in out.type.tensor_type.shape.dim:
-                if not dim.HasField("dim_value"):
+                if resized or not dim.HasField("dim_value"):
                     dim.Clear()  # unknown, keeping the rank
+    if resized:
+        _check_resized_inputs(model, resized)
     return checked_change(model, "fix_input_shapes", details)
+
+
+def _check_resized_inputs(model: onnx.ModelProto, resized: Mapping[str, Any]) -> None:
+    """Strict shape inference at the new sizes: ModelError when the graph cannot take them."""
+    try:
+        onnx.shape_inference.infer_shapes(
+            without_weight_data(model), strict_mode=True, data_prop=True
+        )
+    except onnx.shape_inference.InferenceError as exc:
+        said = " ".join(str(exc).split())[:400]
+        changes = "; ".join(f"{name!r} {old} -> {new}" for name, (old, new) in resized.items())
+        raise ModelError(
+            f"[inputs] shapes changes sizes the model fixes ({changes}), and its graph does "
+            f"not take the new shape: {said}",
+            tip="Give the input the size the model was exported for, or one its layers take "
+            "(the same channels and features), or re-export it with dynamic axes.",
+        ) from None
 
 
 # --------------------------------------------------------------------------------------------

@@ -613,6 +613,7 @@ def _prepare_all(
     if config.model.outputs:  # the part the user builds becomes the source every figure refers to
         source = transforms.cut_at_outputs(source, config.model.outputs)
     own = None
+    resized = transforms.resized_inputs(source, config.inputs.shapes)
     # A dynamically quantized model (onnxruntime's quantize_dynamic) has no activation scales
     # to keep: its activations are quantized at run time. It is built from the float model
     # behind it, whatever requantize says.
@@ -624,9 +625,10 @@ def _prepare_all(
             summary += " (dynamic: activations quantized at run time, so requantized)"
         source, removed = prequantized.dequantize(source)
         own = report_mod.OwnQuantization(False, summary, [], [], list(removed.details), {})
-        kept = SourceModel.of(source)
+        kept = SourceModel.of(source, free_inputs=resized)
     else:
-        kept = SourceModel.of(source, None if config.model.outputs else config.source_path)
+        path = None if config.model.outputs else config.source_path
+        kept = SourceModel.of(source, path, resized)
     float_path_of = float_path_of or (lambda name: paths.bucket(name).float_model)
     steps = prepare_buckets(config, source, float_path_of, lstm_nodes)
     del source  # only ``kept`` from here on (see SourceModel)
