@@ -1011,6 +1011,70 @@ def test_preparation_keeps_a_hardswish_whole() -> None:
     assert ops(prepared) == ["HardSwish"]
 
 
+def spelled_hardswish(
+    form: str = "divide", three: float = 3.0, six: float = 6.0
+) -> onnx.ModelProto:
+    """x * Clip(x + 3, 0, 6) / 6 as Paddle2ONNX writes it (``divide``), with a product by 1/6
+    (``sixth``), or with the gate divided first (``gate_first``); a Conv in front."""
+    nodes = [
+        oh.make_node("Conv", ["image", "w"], ["x"], name="conv", pads=[1, 1, 1, 1]),
+        oh.make_node("Add", ["x", "three"], ["shifted"], name="shift"),
+        oh.make_node("Clip", ["shifted", "zero", "six"], ["gate"], name="relu6"),
+    ]
+    if form == "gate_first":
+        nodes += [
+            oh.make_node("Div", ["gate", "six"], ["scaled"], name="scale"),
+            oh.make_node("Mul", ["scaled", "x"], ["y"], name="swish"),
+        ]
+    else:
+        nodes.append(oh.make_node("Mul", ["x", "gate"], ["product"], name="product"))
+        nodes.append(
+            oh.make_node("Div", ["product", "six"], ["y"], name="swish")
+            if form == "divide"
+            else oh.make_node("Mul", ["sixth", "product"], ["y"], name="swish")
+        )
+    graph = oh.make_graph(
+        nodes,
+        "g",
+        [oh.make_tensor_value_info("image", TensorProto.FLOAT, [1, 3, 12, 12])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 12, 12])],
+        weights(
+            ("w", np.random.default_rng(5).normal(0, 2, (8, 3, 3, 3)).astype(np.float32)),
+            ("three", np.array([three], np.float32)),
+            ("zero", np.array(0.0, np.float32)),
+            ("six", np.array(six, np.float32)),
+            ("sixth", np.array(1 / 6, np.float32)),
+        ),
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize("form", ["divide", "sixth", "gate_first"])
+def test_a_spelled_out_hardswish_becomes_the_op(form: str) -> None:
+    model = spelled_hardswish(form)
+    fused, change = t.hardswish_from_clip(model)
+    assert ops(fused) == ["Conv", "HardSwish"] and len(change.details) == 1
+    assert [i.name for i in fused.graph.initializer] == ["w"]
+    feeds = {"image": RNG.standard_normal((1, 3, 12, 12)).astype(np.float32)}
+    np.testing.assert_allclose(run(fused, feeds)[0], run(model, feeds)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_what_is_not_a_hardswish_stays() -> None:
+    """Another shift or bound is another function; a gate or product read elsewhere too
+    stays computed; below opset 14 there is no HardSwish."""
+    for other in (spelled_hardswish(three=2.0), spelled_hardswish(six=5.0)):
+        assert not t.hardswish_from_clip(other)[1].changed
+    for shared in ("gate", "product"):
+        model = spelled_hardswish()
+        model.graph.output.append(
+            oh.make_tensor_value_info(shared, TensorProto.FLOAT, [1, 8, 12, 12])
+        )
+        assert not t.hardswish_from_clip(model)[1].changed
+    old = spelled_hardswish()
+    old.opset_import[0].version = 13
+    assert not t.hardswish_from_clip(old)[1].changed
+
+
 @pytest.mark.qnn
 def test_the_htp_computes_the_pair_wrong_in_fp16_and_hardswish_right(tmp_path: Path) -> None:
     """Measured: the QNN EP's own fusion of x * HardSigmoid(x) computes x * x above 3 in fp16

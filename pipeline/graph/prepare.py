@@ -97,6 +97,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         numerics.log_of_large_gain,  # log(1 + 2^20 * magnitude): the product overflows fp16
         t.qnn_preprocess,
         t.fuse_hardswish,  # qnn_preprocess splits HardSwish; the QNN EP's fp16 fusion is wrong
+        t.hardswish_from_clip,  # x * Clip(x + 3, 0, 6) / 6: four ops for the HTP's one
         attention.layernorm_over_last_axis,  # the QNN EP takes LayerNorm over the last axis only
         legacy.explicit_pool_pads,  # the HTP pools non-overlapping windows over start pads wrongly
         t.explicit_conv_pads,  # the HTP pads a 9x9 Conv of 3 channels wrongly (after

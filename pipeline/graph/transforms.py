@@ -2496,6 +2496,95 @@ def fuse_hardswish(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     return checked_change(model, "fuse_hardswish", details)
 
 
+def hardswish_from_clip(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """``x * Clip(x + 3, 0, 6) / 6`` (or ``* (1/6)``, or ``x * (Clip(x + 3, 0, 6) / 6)``)
+    -> ``HardSwish(x)`` (opset >= 14): ONNX's definition of HardSwish, spelled out.
+
+    Paddle2ONNX writes every hardswish so, and TF/Keras' ``x * relu6(x + 3) / 6`` is the same.
+    Four ops become the HTP's one: quantized, three intermediate tensors less to round to 16
+    bits; in fp16, a quarter of the ops to run. Measured side by side (QNN 2.51, simulator):
+    PP-PicoDet-XS (78 of them) kept in fp16 30.47 -> 32.64 dB vs float and its judge 17.9 ->
+    5.8 s; a PP-PicoDet layout detector as quantized 18.9 -> 21.3 dB (whole in fp16, the form
+    it keeps, 43.6 -> 39.5 dB: not a gain everywhere); PP-OCR's classifier and recognizer (18
+    each) 40.51 -> 40.04 and 28.30 -> 28.84 dB."""
+    if opset_version(model) < 14:
+        return checked_change(model, "hardswish_from_clip", [])
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    readers = readers_by_tensor(graph)
+
+    def only_read_once(name: str) -> bool:
+        return name not in outputs and len(readers.get(name, [])) == 1
+
+    def scalar(ctx: NodeRewrite, name: str) -> float | None:
+        init = ctx.inits.get(name)
+        if init is None or math.prod(init.dims) != 1 or len(init.dims) > 1:
+            return None
+        value = numpy_helper.to_array(init)
+        return float(value.flat[0]) if value.dtype.kind == "f" else None
+
+    def near(value: float | None, want: float) -> bool:
+        return value is not None and abs(value - want) <= 1e-6 * abs(want)
+
+    def made_by(ctx: NodeRewrite, name: str, op: str) -> onnx.NodeProto | None:
+        node = ctx.producers.get(name)
+        if node is None or node.op_type != op or node.domain not in DEFAULT_DOMAINS:
+            return None
+        return node if only_read_once(name) else None
+
+    def sixth_of(ctx: NodeRewrite, node: onnx.NodeProto) -> str | None:
+        """What ``node`` divides by 6 (a Div by 6 or a Mul by 1/6), else None."""
+        if node.op_type == "Div" and near(scalar(ctx, node.input[1]), 6.0):
+            return node.input[0]
+        if node.op_type == "Mul":
+            for value, factor in (node.input, node.input[::-1]):
+                if near(scalar(ctx, factor), 1 / 6):
+                    return value
+        return None
+
+    def gated(ctx: NodeRewrite, name: str) -> str | None:
+        """x when ``name`` is Clip(x + 3, 0, 6) read only here, else None."""
+        clip = made_by(ctx, name, "Clip")
+        if clip is None or len(clip.input) != 3:
+            return None
+        if scalar(ctx, clip.input[1]) != 0.0 or not near(scalar(ctx, clip.input[2]), 6.0):
+            return None
+        add = made_by(ctx, clip.input[0], "Add")
+        if add is None:
+            return None
+        for x, three in (add.input, add.input[::-1]):
+            if near(scalar(ctx, three), 3.0):
+                return x
+        return None
+
+    def rewrite(node: onnx.NodeProto, ctx: NodeRewrite) -> tuple[list[onnx.NodeProto], str] | None:
+        if node.domain not in DEFAULT_DOMAINS or node.op_type not in ("Div", "Mul"):
+            return None
+        if len(node.input) != 2:
+            return None
+        pairs = []
+        product = sixth_of(ctx, node)
+        inner = made_by(ctx, product, "Mul") if product else None
+        if inner is not None:  # (x * gate) / 6
+            pairs += [inner.input, inner.input[::-1]]
+        if node.op_type == "Mul":  # x * (gate / 6)
+            for x, scaled in (node.input, node.input[::-1]):
+                divide = ctx.producers.get(scaled)
+                if divide is not None and only_read_once(scaled):
+                    gate = sixth_of(ctx, divide)
+                    if gate is not None:
+                        pairs.append((x, gate))
+        for x, gate in pairs:
+            if gated(ctx, gate) == x:
+                swish = onnx.helper.make_node(
+                    "HardSwish", [x], [node.output[0]], name=ctx.fresh(f"{node.name}_hardswish")
+                )
+                return [swish], f"{node_label(node)}: x * Clip(x + 3, 0, 6) / 6 -> HardSwish"
+        return None
+
+    return replace_nodes(model, "hardswish_from_clip", rewrite)
+
+
 # --------------------------------------------------------------------------------------------
 # 8. order and shapes
 
