@@ -2534,6 +2534,8 @@ def hardswish_from_clip(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
 
     def sixth_of(ctx: NodeRewrite, node: onnx.NodeProto) -> str | None:
         """What ``node`` divides by 6 (a Div by 6 or a Mul by 1/6), else None."""
+        if node.domain not in DEFAULT_DOMAINS or len(node.input) != 2:
+            return None
         if node.op_type == "Div" and near(scalar(ctx, node.input[1]), 6.0):
             return node.input[0]
         if node.op_type == "Mul":
@@ -2559,8 +2561,6 @@ def hardswish_from_clip(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
 
     def rewrite(node: onnx.NodeProto, ctx: NodeRewrite) -> tuple[list[onnx.NodeProto], str] | None:
         if node.domain not in DEFAULT_DOMAINS or node.op_type not in ("Div", "Mul"):
-            return None
-        if len(node.input) != 2:
             return None
         pairs = []
         product = sixth_of(ctx, node)
