@@ -434,3 +434,45 @@ def test_a_model_exported_at_a_dummy_size_builds_at_the_size_the_config_gives(
     check = report["preparation_check"]
     assert check["error"] == "" and check["samples"] > 0 and float(check["snr_db"]) > 60
     assert report["end_to_end"]["samples"] > 0 and not report["end_to_end"]["error"]
+
+
+def test_a_new_size_the_graph_cannot_take_past_an_op_inference_skips_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Strict shape inference stops at an op it has no schema for (a legacy ImageScaler), so a
+    Gemm that cannot take the new size fails later, in a preparation step's own words; the
+    error then says which input the config resized."""
+    from onnx import TensorProto
+    from onnx import helper as oh
+
+    rng = np.random.default_rng(4)
+    model = oh.make_model(
+        oh.make_graph(
+            [
+                oh.make_node("ImageScaler", ["x"], ["scaled"], scale=1 / 255, bias=[0.0]),
+                oh.make_node("Flatten", ["scaled"], ["flat"]),
+                oh.make_node("Gemm", ["flat", "w", "b"], ["y"]),
+            ],
+            "g",
+            [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4])],
+            [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])],
+            [
+                onnx.numpy_helper.from_array(rng.normal(size=(16, 2)).astype("f4"), "w"),
+                onnx.numpy_helper.from_array(np.zeros(2, "f4"), "b"),
+            ],
+        ),
+        opset_imports=[oh.make_opsetid("", 7)],
+        ir_version=4,
+    )
+    onnx.save(model, str(tmp_path / "legacy.onnx"))
+    config = tmp_path / "legacy.toml"
+    config.write_text(
+        '[model]\nname = "legacy"\nsource = "legacy.onnx"\n'
+        "[inputs]\nshapes = { x = [1, 1, 8, 8] }\n"
+        '[calibration]\nkind = "random"\nsamples = 4\n[quantization]\njudge = "cpu"\n'
+    )
+    assert main(["quantize", "--artifacts", str(tmp_path / "art"), str(config)]) == 1
+    err = capsys.readouterr().err
+    assert "[inputs] shapes gives 'x' a size the model fixes" in err
+    assert "exported for" in err
+    assert not ModelPaths.of(tmp_path / "art", "legacy").bucket(SINGLE_BUCKET).qdq.exists()

@@ -632,12 +632,25 @@ def _prepare_all(
     float_path_of = float_path_of or (lambda name: paths.bucket(name).float_model)
     steps = prepare_buckets(config, source, float_path_of, lstm_nodes)
     del source  # only ``kept`` from here on (see SourceModel)
-    plan = next(steps)
-    assert isinstance(plan, BucketPlan)
     prepared: dict[str, PreparedBucket] = {}
-    for item in steps:
-        assert isinstance(item, PreparedBucket)
-        prepared[item.bucket.name] = item
+    try:
+        plan = next(steps)
+        assert isinstance(plan, BucketPlan)
+        for item in steps:
+            assert isinstance(item, PreparedBucket)
+            prepared[item.bucket.name] = item
+    except ModelError as exc:
+        if not resized:
+            raise
+        # Strict shape inference cannot see past an op it has no schema for (a legacy
+        # ImageScaler): a graph that bakes its size may fail only later, in a step's own terms.
+        names = ", ".join(repr(name) for name in resized)
+        raise ModelError(
+            f"{exc.message} ([inputs] shapes gives {names} a size the model fixes: a graph "
+            "exported for one size may not take another)",
+            tip="Give the input the size the model was exported for, or re-export it with "
+            "dynamic axes." + (f" {exc.tip}" if exc.tip else ""),
+        ) from None
     _remove_stale_buckets(paths, plan)
     timings["prepare"] = timings.get("prepare", 0.0) + time.perf_counter() - started
     return _State(kept, plan, prepared, timings, own=own, lstm_nodes=lstm_nodes)
