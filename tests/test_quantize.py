@@ -393,6 +393,20 @@ def test_held_out_samples_are_read_once_and_again_when_rewritten(
     assert len(reads) == 4
 
 
+def _quantize_resized(root: Path, name: str, model: onnx.ModelProto, shape: list[int]) -> int:
+    """Quantize ``model`` (input ``x``) with ``[inputs] shapes`` giving ``x`` ``shape`` (random
+    calibration, the CPU judge, no mixed precision): the stage's exit code."""
+    onnx.save(model, str(root / f"{name}.onnx"))
+    config = root / f"{name}.toml"
+    config.write_text(
+        f'[model]\nname = "{name}"\nsource = "{name}.onnx"\n'
+        f"[inputs]\nshapes = {{ x = {shape} }}\n"
+        '[calibration]\nkind = "random"\nsamples = 8\n'
+        '[quantization]\njudge = "cpu"\nauto_mixed_precision = false\n'
+    )
+    return main(["quantize", "--artifacts", str(root / "art"), str(config)])
+
+
 def test_a_model_exported_at_a_dummy_size_builds_at_the_size_the_config_gives(
     tmp_path: Path,
 ) -> None:
@@ -417,15 +431,7 @@ def test_a_model_exported_at_a_dummy_size_builds_at_the_size_the_config_gives(
         opset_imports=[oh.make_opsetid("", 13)],
         ir_version=8,
     )
-    onnx.save(model, str(tmp_path / "dummy_size.onnx"))
-    config = tmp_path / "dummy.toml"
-    config.write_text(
-        '[model]\nname = "dummy"\nsource = "dummy_size.onnx"\n'
-        "[inputs]\nshapes = { x = [1, 3, 16, 24] }\n"
-        '[calibration]\nkind = "random"\nsamples = 8\n'
-        '[quantization]\njudge = "cpu"\nauto_mixed_precision = false\n'
-    )
-    assert main(["quantize", "--artifacts", str(tmp_path / "art"), str(config)]) == 0
+    assert _quantize_resized(tmp_path, "dummy", model, [1, 3, 16, 24]) == 0
     paths = ModelPaths.of(tmp_path / "art", "dummy")
     built = onnx.load(str(paths.bucket(SINGLE_BUCKET).qdq))
     dims = [d.dim_value for d in built.graph.input[0].type.tensor_type.shape.dim]
@@ -464,14 +470,7 @@ def test_a_new_size_the_graph_cannot_take_past_an_op_inference_skips_is_named(
         opset_imports=[oh.make_opsetid("", 7)],
         ir_version=4,
     )
-    onnx.save(model, str(tmp_path / "legacy.onnx"))
-    config = tmp_path / "legacy.toml"
-    config.write_text(
-        '[model]\nname = "legacy"\nsource = "legacy.onnx"\n'
-        "[inputs]\nshapes = { x = [1, 1, 8, 8] }\n"
-        '[calibration]\nkind = "random"\nsamples = 4\n[quantization]\njudge = "cpu"\n'
-    )
-    assert main(["quantize", "--artifacts", str(tmp_path / "art"), str(config)]) == 1
+    assert _quantize_resized(tmp_path, "legacy", model, [1, 1, 8, 8]) == 1
     err = capsys.readouterr().err
     assert "[inputs] shapes gives 'x' a size the model fixes" in err
     assert "exported for" in err
