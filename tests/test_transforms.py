@@ -181,6 +181,13 @@ def test_inputs_shapes_may_change_sizes_the_model_fixes() -> None:
     # The source as the reference runs at that size too, with its input dims freed.
     free = edit.free_input_dims(model, ["x"])
     np.testing.assert_array_equal(run(free, {"x": x})[0], run(fixed, {"x": x})[0])
+    # A named dynamic dim keeps its name ([inputs] dims may still use it).
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+    names = [
+        d.dim_param
+        for d in edit.free_input_dims(model, ["x"]).graph.input[0].type.tensor_type.shape.dim
+    ]
+    assert names == ["batch", "x_dim1", "x_dim2", "x_dim3"]
 
 
 def test_a_size_the_graph_cannot_take_is_refused_with_what_inference_said() -> None:

@@ -222,8 +222,9 @@ def strip_shape_info(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def free_input_dims(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
-    """A copy whose inputs ``names`` take any shape of their rank: each dim a fresh dim_param,
-    and no stored shape derived from the old ones (value_info, output dims; rank kept).
+    """A copy whose inputs ``names`` take any shape of their rank: each fixed dim a fresh
+    dim_param (named ones keep their names), and no stored shape derived from the old ones
+    (value_info, output dims; rank kept).
 
     Why: a model exported at a dummy size (CenterFace at 10x3x32x32) is run by its app at
     another one, the declared dims loosened first (onnx's ``update_inputs_outputs_dims``);
@@ -234,8 +235,9 @@ def free_input_dims(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelP
     for value in free.graph.input:
         if value.name in wanted and value.type.tensor_type.HasField("shape"):
             for axis, dim in enumerate(value.type.tensor_type.shape.dim):
-                dim.Clear()
-                dim.dim_param = f"{value.name}_dim{axis}"
+                if not dim.dim_param:
+                    dim.Clear()
+                    dim.dim_param = f"{value.name}_dim{axis}"
     for graph in all_graphs(free.graph):
         del graph.value_info[:]
     for out in free.graph.output:
