@@ -4,6 +4,7 @@ checked against onnxruntime on the CPU running the original model."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -536,6 +537,36 @@ def test_dequantize_gives_the_float_model_behind() -> None:
     reference = b.model(y)
     for x in inputs(2):
         np.testing.assert_allclose(run(plain, x), run(reference, x), rtol=1e-5, atol=1e-5)
+
+
+def test_dequantize_takes_weights_given_as_constant_nodes() -> None:
+    """PyTorch's export of a quantized model gives weights, scales and zero points as Constant
+    nodes, and a bias's zero point computed (Cast of ConstantOfShape): requantize = true left
+    a MobileNetV2's 106 weight DQs in place ("cannot be removed completely"); they now become
+    float weights as initializers do."""
+    source = conv_net(np.int8, 0, np.int32)
+    exported = copy.deepcopy(source)
+    bias_zero = [n for n in exported.graph.node if n.op_type == "DequantizeLinear"][2].input[2]
+    constants = []
+    for init in exported.graph.initializer:
+        if init.name == bias_zero:
+            shape = numpy_helper.from_array(np.array([], np.int64), "bias_zero_shape")
+            constants += [
+                oh.make_node("Constant", [], [shape.name], value=shape),
+                oh.make_node("ConstantOfShape", [shape.name], ["bias_zero_float"]),
+                oh.make_node("Cast", ["bias_zero_float"], [bias_zero], to=TensorProto.INT32),
+            ]
+        else:
+            constants.append(oh.make_node("Constant", [], [init.name], value=init))
+    del exported.graph.initializer[:]
+    nodes = constants + list(exported.graph.node)
+    del exported.graph.node[:]
+    exported.graph.node.extend(nodes)
+    plain, change = pq.dequantize(exported)
+    assert change.changed and not pq.is_prequantized(plain)
+    expected, _ = pq.dequantize(source)
+    for x in inputs(2):
+        np.testing.assert_allclose(run(plain, x), run(expected, x), rtol=1e-6, atol=1e-6)
 
 
 def test_requantize_key_is_a_checked_bool(tmp_path: Path) -> None:

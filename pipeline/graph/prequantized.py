@@ -1412,6 +1412,54 @@ def _table_region(
     return (moves, dequantizers) if moves and dequantizers else None
 
 
+_PARAMETER_OPS = frozenset(
+    {"Cast", "ConstantOfShape", "Reshape", "Unsqueeze", "Squeeze", "Identity", "Expand", "Concat"}
+)
+
+
+def _fold_qdq_parameters(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A Q/DQ's scale or zero point computed from constants (PyTorch: Cast(ConstantOfShape))
+    as an initializer: the weight rules below read parameters from initializers only."""
+    from onnx.reference import ReferenceEvaluator
+
+    model = edit.copy_model(model)
+    graph = model.graph
+    for _ in range(8):  # chains are short: ConstantOfShape -> Cast
+        inits = edit.initializers_by_name(graph)
+        producer = {o: n for n in graph.node for o in n.output if o}
+        stack = [
+            name
+            for node in graph.node
+            if node.op_type in (QUANTIZE, DEQUANTIZE)
+            for name in node.input[1:]
+            if name and name not in inits
+        ]
+        wanted: set[str] = set()
+        while stack:  # and what computes them
+            name = stack.pop()
+            node = producer.get(name)
+            if name in wanted or node is None or node.op_type not in _PARAMETER_OPS:
+                continue
+            if node.domain not in ("", "ai.onnx") or len(node.output) != 1:
+                continue
+            wanted.add(name)
+            stack += [i for i in node.input if i and i not in inits]
+        folded = False
+        for name in wanted:
+            node = producer[name]
+            if not all(i in inits for i in node.input if i):
+                continue  # an input still computed: the next round
+            feeds = {i: numpy_helper.to_array(inits[i]) for i in node.input if i}
+            (value,) = ReferenceEvaluator(node).run(None, feeds)
+            graph.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+            graph.node.remove(node)
+            folded = True
+        if not folded:
+            break
+    edit.remove_dead_nodes(graph)
+    return model
+
+
 def dequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Remove a pre-quantized model's own quantization: the float model behind it.
 
@@ -1420,6 +1468,11 @@ def dequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     computes in float what the model computed on its quantization grid; the pipeline then
     calibrates and quantizes it like any float model (config: requantize = true).
     """
+    # PyTorch's export of a quantized model gives weights, scales and zero points as Constant
+    # nodes, and a bias's zero point computed (Cast of ConstantOfShape): initializers first, as
+    # the other exporters write them.
+    model, _ = t.constants_to_initializers(model)
+    model = _fold_qdq_parameters(model)
     model, dynamic = dynamic_to_float(model)
     model, first = qoperator_to_qdq(model)
     model, folded = fold_quantized_constants(model)
