@@ -17,6 +17,7 @@ from pipeline.graph.qdq_htp import (
     signed_activation_products,
     split_swish_input,
     sums_no_finer_than_inputs,
+    weight_scales_for_htp,
 )
 
 RNG_SEED = 7
@@ -353,3 +354,94 @@ def test_the_htp_adds_a_requantized_bias_right(
     results = agreement_on_htp(tmp_path, ("rebiased", "stale"))
     assert results["rebiased"] > 50.0, results
     assert results["stale"] < 25.0, results
+
+
+def tiny_channel_gemm(tmp_path: Path) -> onnx.ModelProto:
+    """A QDQ Gemm (64 uint16 inputs, 8 outputs, int8 weights per output channel) whose first
+    channel's weights are 2^-10 of the others': its requantization factor is 2^-27. Writes the
+    float Gemm as ``float.onnx`` and a sample as ``sample.npz`` beside it."""
+    rng = np.random.default_rng(RNG_SEED)
+    weights = rng.normal(0, 0.05, (8, 64))
+    weights[0] *= 2.0**-10
+    bias = rng.normal(0, 1, 8)
+    bias[0] = 0.0
+    x_scale, y_scale = np.float32(1e-4), np.float32(0.01)
+    w_scale = (np.abs(weights).max(1) / 127).astype(np.float32)
+    b_scale = (x_scale * w_scale).astype(np.float32)
+    inits = [
+        numpy_helper.from_array(x_scale, "xs"),
+        numpy_helper.from_array(np.uint16(0), "xz"),
+        numpy_helper.from_array(np.round(weights / w_scale[:, None]).astype(np.int8), "wq"),
+        numpy_helper.from_array(w_scale, "ws"),
+        numpy_helper.from_array(np.zeros(8, np.int8), "wz"),
+        numpy_helper.from_array(np.round(bias / b_scale).astype(np.int32), "bq"),
+        numpy_helper.from_array(b_scale, "bs"),
+        numpy_helper.from_array(np.zeros(8, np.int32), "bz"),
+        numpy_helper.from_array(y_scale, "ys"),
+        numpy_helper.from_array(np.uint16(30000), "yz"),
+    ]
+    nodes = [
+        oh.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+        oh.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+        oh.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], axis=0),
+        oh.make_node("DequantizeLinear", ["bq", "bs", "bz"], ["bd"], axis=0),
+        oh.make_node("Gemm", ["xd", "wd", "bd"], ["g"], transB=1, name="dense"),
+        oh.make_node("QuantizeLinear", ["g", "ys", "yz"], ["gq"]),
+        oh.make_node("DequantizeLinear", ["gq", "ys", "yz"], ["y"]),
+    ]
+    io = (
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
+    )
+    qdq = oh.make_model(
+        oh.make_graph(nodes, "g", *io, inits), opset_imports=[oh.make_opsetid("", 21)]
+    )
+    qdq.ir_version = 10
+    float_model = oh.make_model(
+        oh.make_graph(
+            [oh.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1)],
+            "f",
+            *io,
+            [
+                numpy_helper.from_array(weights.astype(np.float32), "w"),
+                numpy_helper.from_array(bias.astype(np.float32), "b"),
+            ],
+        ),
+        opset_imports=[oh.make_opsetid("", 21)],
+    )
+    float_model.ir_version = 10
+    onnx.save(float_model, str(tmp_path / "float.onnx"))
+    np.savez(tmp_path / "sample.npz", x=rng.uniform(0, 6, (1, 64)).astype(np.float32))
+    return qdq
+
+
+def test_a_weight_scale_too_fine_for_the_htp_is_raised_and_the_cpu_result_holds(
+    tmp_path: Path,
+) -> None:
+    qdq = tiny_channel_gemm(tmp_path)
+    raised, change = weight_scales_for_htp(qdq)
+    assert change.details == (
+        "Gemm 'dense': 1 of 8 weight scale(s) raised to 2.38e-05 (requantization factor 2^-22 for "
+        "the HTP)",
+    )
+    inits = {i.name: numpy_helper.to_array(i) for i in raised.graph.initializer}
+    factors = 1e-4 * inits["ws"] / 0.01
+    assert factors.min() >= 2.0**-22 * (1 - 1e-6)
+    np.testing.assert_allclose(inits["bs"], 1e-4 * inits["ws"], rtol=1e-6)
+    x = np.load(tmp_path / "sample.npz")["x"]
+    # The tiny weights round to ~0 on the coarser grid: the output moves by under a step.
+    assert np.abs(cpu_run(raised, x) - cpu_run(qdq, x)).max() <= 0.01 + 1e-6
+    assert not weight_scales_for_htp(raised)[1].changed
+
+
+@pytest.mark.qnn
+def test_the_htp_pins_a_channel_whose_requantization_factor_is_too_small(tmp_path: Path) -> None:
+    """The HTP gives the tiny channel the end of its grid (CPU 0, HTP -300 or 355); with its
+    scale raised it agrees."""
+    qdq = tiny_channel_gemm(tmp_path)
+    onnx.save(qdq, str(tmp_path / "qdq.onnx"))
+    onnx.save(weight_scales_for_htp(qdq)[0], str(tmp_path / "raised.onnx"))
+    results = agreement_on_htp(tmp_path, ("qdq", "raised"))
+    assert results["raised"] > 40.0, results
+    # If a new QNN SDK requantizes such a channel right, this says so: the rule may then go.
+    assert results["qdq"] < 20.0, f"the HTP computes the tiny channel right now: {results}"

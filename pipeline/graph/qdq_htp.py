@@ -191,6 +191,99 @@ def signed_activation_products(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
     return checked_change(out, "signed_activation_products", details)
 
 
+# The HTP computes an output channel of a Conv, Gemm or MatMul wrongly once its requantization
+# factor (input scale x weight scale / output scale) is below about 2^-24: the channel comes out
+# pinned to an end of its grid (measured on a Gemm: right at 2^-22.5, 14 steps off at 2^-23.9,
+# saturated from 2^-24.9 down). A channel whose weights are all zero or nearly so gets such a
+# scale: MediaPipe's hand landmark head, the wrist's z landmark (0 on the CPU, 324 on the HTP).
+HTP_MIN_REQUANT = 2.0**-22
+
+
+def weight_scales_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Raise every weight scale whose requantization factor is under ``HTP_MIN_REQUANT`` to it,
+    re-rounding that channel's weights and bias (bias scale = input scale x weight scale).
+
+    Such a channel's weights are below a 2^-22 output step per unit of input each: rounded on
+    the coarser grid they move the output by a fraction of a step, where the HTP's own result for
+    the channel is the end of its range."""
+    out, graph, inits, producer, readers, _ = _editable(model)
+
+    def per_tensor(tensor: str | None) -> float | None:
+        value = numpy_helper.to_array(inits[tensor]) if tensor in inits else None
+        return float(value) if value is not None and value.size == 1 else None
+
+    def only_here(name: str, reader: onnx.NodeProto) -> bool:
+        """A constant that ``reader`` alone reads: rewritten in place, its name kept (mixed
+        precision and the report name weights by their initializers)."""
+        return name in inits and readers.get(name, []) == [reader]
+
+    def replace(name: str, array: np.ndarray) -> None:
+        inits[name].CopyFrom(numpy_helper.from_array(array, name))
+
+    details: list[str] = []
+    for node in graph.node:
+        if node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul") or len(node.input) < 2:
+            continue
+        x_dq, w_dq = producer.get(node.input[0]), producer.get(node.input[1])
+        quantizers = readers.get(node.output[0], [])
+        if (
+            x_dq is None
+            or w_dq is None
+            or x_dq.op_type != "DequantizeLinear"
+            or w_dq.op_type != "DequantizeLinear"
+            or len(quantizers) != 1
+            or quantizers[0].op_type != "QuantizeLinear"
+            or readers.get(w_dq.output[0], []) != [node]
+            or len(w_dq.input) < 3
+            or not all(only_here(name, w_dq) for name in w_dq.input[:3])
+        ):
+            continue
+        x_scale, y_scale = per_tensor(x_dq.input[1]), per_tensor(quantizers[0].input[1])
+        if x_scale is None or y_scale is None or x_scale <= 0 or y_scale <= 0:
+            continue
+        values = numpy_helper.to_array(inits[w_dq.input[0]])
+        scales = numpy_helper.to_array(inits[w_dq.input[1]]).astype(np.float64)
+        if np.any(numpy_helper.to_array(inits[w_dq.input[2]])) or values.dtype.kind != "i":
+            continue  # symmetric signed weights only: a zero point would move with the scale
+        floor = HTP_MIN_REQUANT * y_scale / x_scale
+        low = scales < floor * (1 - 1e-6)  # float32's rounding of a raised scale is not low
+        if not np.any(low):
+            continue
+        axis = next((a.i for a in w_dq.attribute if a.name == "axis"), 1) % values.ndim
+        shape = [1] * values.ndim
+        if scales.size > 1:
+            shape[axis] = scales.size
+        raised = np.maximum(scales, floor)
+        info = np.iinfo(values.dtype)
+        weights = values.astype(np.float64) * scales.reshape(shape)
+        requantized = np.clip(np.round(weights / raised.reshape(shape)), -info.max, info.max)
+        bias_dq = producer.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+        if bias_dq is not None and not (
+            bias_dq.op_type == "DequantizeLinear"
+            and readers.get(bias_dq.output[0], []) == [node]
+            and all(only_here(name, bias_dq) for name in bias_dq.input[:2])
+        ):
+            continue  # a bias QNN would read at a scale other than input x weight
+        replace(w_dq.input[0], requantized.astype(values.dtype))
+        replace(w_dq.input[1], raised.astype(np.float32).reshape(scales.shape))
+        if bias_dq is not None:
+            bias = numpy_helper.to_array(inits[bias_dq.input[0]]).astype(np.float64)
+            bias *= numpy_helper.to_array(inits[bias_dq.input[1]]).astype(np.float64)
+            bias_scale = np.broadcast_to((x_scale * raised).reshape(-1), bias.shape)
+            limit = np.iinfo(np.int32)
+            bias_values = np.clip(np.round(bias / bias_scale), limit.min, limit.max)
+            replace(bias_dq.input[0], bias_values.astype(np.int32))
+            replace(bias_dq.input[1], bias_scale.astype(np.float32))
+        count = int(np.sum(low))
+        details.append(
+            f"{node.op_type} {node.name or node.output[0]!r}: {count} of {scales.size} weight "
+            f"scale(s) raised to {floor:.3g} (requantization factor 2^-22 for the HTP)"
+        )
+    if not details:
+        return model, Change("weight_scales_for_htp")
+    return checked_change(out, "weight_scales_for_htp", details)
+
+
 def _rebias(
     node: onnx.NodeProto,
     activation: str,

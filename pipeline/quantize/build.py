@@ -885,6 +885,7 @@ def _steps(
             changes.unseen_ranges or None,
             changes.loop_shared,
             changes.hard_sigmoids or None,
+            changes.raised_weight_scales or None,
         ),
         mixed_precision=mixed,
         htp=judgement,

@@ -50,6 +50,7 @@ class RangeRules:
     unseen_ranges: list[str] | None = None  # flat calibrated ranges given their reach
     loop_shared: int = 0  # tensors of unrolled loop iterations given one range
     hard_sigmoids: list[str] | None = None  # 16-bit HardSigmoid outputs on the HTP's grid
+    raised_weight_scales: list[str] | None = None  # weight scales the HTP requantizes right
 
 
 @dataclass(frozen=True)
@@ -299,6 +300,13 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
             f"Sums for the HTP: {len(rules.coarse_sums)} 16-bit Add/Sub of an activation and a "
             "constant given an output scale no finer than its inputs' (the HTP computes a "
             "finer one wrongly; pipeline/graph/qdq_htp.py)."
+        )
+    if rules.raised_weight_scales:
+        lines.append(
+            f"Weight scales for the HTP: {len(rules.raised_weight_scales)} Conv/Gemm/MatMul "
+            "layer(s) with channels whose requantization factor (input x weight / output scale) "
+            "was under 2^-22 got that factor, their weights and bias re-rounded (the HTP pins "
+            "such a channel to an end of its grid; pipeline/graph/qdq_htp.py)."
         )
     if rules.loop_shared:
         lines.append(
