@@ -356,7 +356,7 @@ def test_the_htp_adds_a_requantized_bias_right(
     assert results["stale"] < 25.0, results
 
 
-def tiny_channel_gemm(tmp_path: Path) -> onnx.ModelProto:
+def tiny_channel_gemm(tmp_path: Path, per_tensor: bool = False) -> onnx.ModelProto:
     """A QDQ Gemm (64 uint16 inputs, 8 outputs, int8 weights per output channel) whose first
     channel's weights are 2^-10 of the others': its requantization factor is 2^-27. Writes the
     float Gemm as ``float.onnx`` and a sample as ``sample.npz`` beside it."""
@@ -367,16 +367,22 @@ def tiny_channel_gemm(tmp_path: Path) -> onnx.ModelProto:
     bias[0] = 0.0
     x_scale, y_scale = np.float32(1e-4), np.float32(0.01)
     w_scale = (np.abs(weights).max(1) / 127).astype(np.float32)
+    if per_tensor:  # one scale for the whole layer, every factor tiny
+        weights *= 2.0**-10
+        bias *= 2.0**-20  # within int32 at that layer's bias scale
+        w_scale = np.float32(np.abs(weights).max() / 127)
     b_scale = (x_scale * w_scale).astype(np.float32)
     inits = [
         numpy_helper.from_array(x_scale, "xs"),
         numpy_helper.from_array(np.uint16(0), "xz"),
-        numpy_helper.from_array(np.round(weights / w_scale[:, None]).astype(np.int8), "wq"),
+        numpy_helper.from_array(
+            np.round(weights / np.reshape(w_scale, (-1, 1))).astype(np.int8), "wq"
+        ),
         numpy_helper.from_array(w_scale, "ws"),
-        numpy_helper.from_array(np.zeros(8, np.int8), "wz"),
+        numpy_helper.from_array(np.zeros(np.shape(w_scale), np.int8), "wz"),
         numpy_helper.from_array(np.round(bias / b_scale).astype(np.int32), "bq"),
         numpy_helper.from_array(b_scale, "bs"),
-        numpy_helper.from_array(np.zeros(8, np.int32), "bz"),
+        numpy_helper.from_array(np.zeros(np.shape(b_scale), np.int32), "bz"),
         numpy_helper.from_array(y_scale, "ys"),
         numpy_helper.from_array(np.uint16(30000), "yz"),
     ]
@@ -432,6 +438,16 @@ def test_a_weight_scale_too_fine_for_the_htp_is_raised_and_the_cpu_result_holds(
     # The tiny weights round to ~0 on the coarser grid: the output moves by under a step.
     assert np.abs(cpu_run(raised, x) - cpu_run(qdq, x)).max() <= 0.01 + 1e-6
     assert not weight_scales_for_htp(raised)[1].changed
+
+
+def test_a_layer_with_one_weight_scale_keeps_one_bias_scale(tmp_path: Path) -> None:
+    qdq = tiny_channel_gemm(tmp_path, per_tensor=True)
+    raised, change = weight_scales_for_htp(qdq)
+    assert change.details[0].startswith("Gemm 'dense': 1 of 1 weight scale(s) raised")
+    inits = {i.name: numpy_helper.to_array(i) for i in raised.graph.initializer}
+    assert inits["ws"].shape == inits["bs"].shape == ()
+    x = np.load(tmp_path / "sample.npz")["x"]
+    assert np.abs(cpu_run(raised, x) - cpu_run(qdq, x)).max() <= 0.01 + 1e-6
 
 
 @pytest.mark.qnn

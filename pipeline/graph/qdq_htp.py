@@ -241,10 +241,12 @@ def weight_scales_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
         x_scale, y_scale = per_tensor(x_dq.input[1]), per_tensor(quantizers[0].input[1])
         if x_scale is None or y_scale is None or x_scale <= 0 or y_scale <= 0:
             continue
+        if inits[w_dq.input[0]].data_type not in (onnx.TensorProto.INT8, onnx.TensorProto.INT16):
+            continue  # 4-bit weights are stored unpacked by numpy: left as they are
         values = numpy_helper.to_array(inits[w_dq.input[0]])
         scales = numpy_helper.to_array(inits[w_dq.input[1]]).astype(np.float64)
-        if np.any(numpy_helper.to_array(inits[w_dq.input[2]])) or values.dtype.kind != "i":
-            continue  # symmetric signed weights only: a zero point would move with the scale
+        if np.any(numpy_helper.to_array(inits[w_dq.input[2]])):
+            continue  # symmetric weights only: a zero point would move with the scale
         floor = HTP_MIN_REQUANT * y_scale / x_scale
         low = scales < floor * (1 - 1e-6)  # float32's rounding of a raised scale is not low
         if not np.any(low):
@@ -262,18 +264,20 @@ def weight_scales_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
             bias_dq.op_type == "DequantizeLinear"
             and readers.get(bias_dq.output[0], []) == [node]
             and all(only_here(name, bias_dq) for name in bias_dq.input[:2])
+            and raised.size == numpy_helper.to_array(inits[bias_dq.input[1]]).size
         ):
             continue  # a bias QNN would read at a scale other than input x weight
         replace(w_dq.input[0], requantized.astype(values.dtype))
         replace(w_dq.input[1], raised.astype(np.float32).reshape(scales.shape))
         if bias_dq is not None:
-            bias = numpy_helper.to_array(inits[bias_dq.input[0]]).astype(np.float64)
-            bias *= numpy_helper.to_array(inits[bias_dq.input[1]]).astype(np.float64)
-            bias_scale = np.broadcast_to((x_scale * raised).reshape(-1), bias.shape)
+            old_scale = numpy_helper.to_array(inits[bias_dq.input[1]]).astype(np.float64)
+            bias = numpy_helper.to_array(inits[bias_dq.input[0]]).astype(np.float64) * old_scale
+            bias_scale = (x_scale * raised).astype(np.float32)  # the shape it had: per tensor
+            bias_scale = bias_scale.reshape(old_scale.shape)  # or per channel, like the weights
             limit = np.iinfo(np.int32)
-            bias_values = np.clip(np.round(bias / bias_scale), limit.min, limit.max)
-            replace(bias_dq.input[0], bias_values.astype(np.int32))
-            replace(bias_dq.input[1], bias_scale.astype(np.float32))
+            bias_values = np.round(bias / bias_scale.astype(np.float64))
+            replace(bias_dq.input[0], np.clip(bias_values, limit.min, limit.max).astype(np.int32))
+            replace(bias_dq.input[1], bias_scale)
         count = int(np.sum(low))
         details.append(
             f"{node.op_type} {node.name or node.output[0]!r}: {count} of {scales.size} weight "
