@@ -2517,11 +2517,11 @@ def hardswish_from_clip(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
         return name not in outputs and len(readers.get(name, [])) == 1
 
     def scalar(ctx: NodeRewrite, name: str) -> float | None:
+        """A one-element float constant (no broadcast that could change x's shape)."""
         init = ctx.inits.get(name)
         if init is None or math.prod(init.dims) != 1 or len(init.dims) > 1:
             return None
-        value = numpy_helper.to_array(init)
-        return float(value.flat[0]) if value.dtype.kind == "f" else None
+        return scalar_const(ctx.inits, name)
 
     def near(value: float | None, want: float) -> bool:
         return value is not None and abs(value - want) <= 1e-6 * abs(want)
