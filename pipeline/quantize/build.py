@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -392,9 +392,11 @@ def _quantize_all(
     samples: dict[str, BucketSamples],
     held_counts: dict[str, int],
     timings: dict[str, float],
+    on_short: Callable[[], None] | None = None,
 ) -> tuple[int, quantizer.range_rules.RangeChanges, MixedPrecision | None, HtpJudgement]:
     """Calibrate every bucket, merge the ranges, quantize every bucket, raise precision where
-    the CPU says it is short, then let the HTP judge (pipeline.quantize.judge)."""
+    the CPU says it is short, then let the HTP judge (pipeline.quantize.judge; ``on_short``
+    is its hook for a first round short of the target)."""
     q = config.quantization
     order = plan.names
     t0 = time.perf_counter()
@@ -485,6 +487,7 @@ def _quantize_all(
         paths.root,
         paths.bucket(probe).htp_probe if len(order) == 1 else None,
         mixed.after_snr_db if mixed else None,
+        on_short=on_short,
     )
     timings["judge"] = time.perf_counter() - t0
     # The same choices in every bucket, so the weights stay identical.
@@ -663,6 +666,45 @@ HTP_LSTM_SAMPLES = 2
 LSTM_UNROLL_GAIN_DB = 3.0
 
 
+class _Unrolled(Exception):
+    """The judge's first round fell short and the unrolled LSTMs do better: build again on it."""
+
+    def __init__(self, state: _State) -> None:
+        super().__init__("LSTMs unrolled")
+        self.state = state
+
+
+def _kept_lstms(config: ModelConfig, paths: ModelPaths, state: _State) -> list[str]:
+    """The unroll step's "kept whole" details when the HTP may overrule the node budget: one
+    bucket, a model quantized here, the HTP judge on and held-out samples to run."""
+    from ..graph.recurrent import LSTMS_KEPT_WHOLE
+    from ..htp.probe import qnn_available
+
+    if len(state.plan.buckets) != 1 or state.own is not None or config.quantization.judge == "cpu":
+        return []
+    largest = state.largest
+    kept = [
+        d
+        for c in largest.changes
+        if c.step == "unroll_recurrent_ops"
+        for d in c.details
+        if d.startswith(LSTMS_KEPT_WHOLE)
+    ]
+    if not kept or not samples_in(paths.bucket(largest.bucket.name).heldout) or qnn_available():
+        return []
+    return kept
+
+
+def _note_on_unroll_step(state: _State, note: str) -> None:
+    """Append ``note`` to the unroll step's details of every bucket (the report shows them)."""
+    for name, item in list(state.prepared.items()):
+        changes = [
+            Change(c.step, (*c.details, note)) if c.step == "unroll_recurrent_ops" else c
+            for c in item.changes
+        ]
+        state.prepared[name] = dataclasses.replace(item, changes=changes)
+
+
 def _unroll_lstms_the_htp_computes_short(
     config: ModelConfig, paths: ModelPaths, state: _State
 ) -> _State | None:
@@ -675,24 +717,17 @@ def _unroll_lstms_the_htp_computes_short(
     but a Resemblyzer speaker encoder (3 layers of 256 over 160 frames) read 12.6 dB native in
     fp16 and 39.6 dB unrolled (2 random layers of 32 over 20 steps: 32 vs 50 dB). The HTP's
     LSTM op computes its gates with its coarse fp16 Sigmoid and Tanh; unrolled, they take the
-    exact fp16 forms (without them both forms read the same)."""
-    from ..graph.recurrent import LSTM_UNROLL_CAP, LSTMS_KEPT_WHOLE
-    from ..htp.probe import probe, qnn_available
+    exact fp16 forms (without them both forms read the same). Asked only when the HTP judge's
+    first round, LSTMs native, falls short of the target: a quantized model that meets it
+    needs no verdict on the fp16 form (ppocr_rec: 3.8 s of a 12 s build)."""
+    from ..graph.recurrent import LSTM_UNROLL_CAP
+    from ..htp.probe import probe
     from .judge import get_target
 
-    if len(state.plan.buckets) != 1 or state.own is not None or config.quantization.judge == "cpu":
+    if not _kept_lstms(config, paths, state):
         return None
     largest = state.largest
-    kept = [
-        d
-        for c in largest.changes
-        if c.step == "unroll_recurrent_ops"
-        for d in c.details
-        if d.startswith(LSTMS_KEPT_WHOLE)
-    ]
     heldout = samples_in(paths.bucket(largest.bucket.name).heldout)
-    if not kept or not heldout or qnn_available():
-        return None
     chip = get_target(config.compile.targets[0])
     target = config.quantization.target_snr_db
     samples = spread(heldout, HTP_LSTM_SAMPLES)
@@ -742,16 +777,8 @@ def _unroll_lstms_the_htp_computes_short(
                     )
     state.timings["htp_lstm_check"] = time.perf_counter() - started
     if measured:  # the unroll step of the form kept says what was measured
-        chosen = unrolled or state
         verdict = f"unrolled up to {LSTM_UNROLL_CAP} nodes" if unrolled else "kept whole"
-        for name, item in list(chosen.prepared.items()):
-            changes = [
-                Change(c.step, (*c.details, f"{measured}: {verdict}"))
-                if c.step == "unroll_recurrent_ops"
-                else c
-                for c in item.changes
-            ]
-            chosen.prepared[name] = dataclasses.replace(item, changes=changes)
+        _note_on_unroll_step(unrolled or state, f"{measured}: {verdict}")
     return unrolled
 
 
@@ -797,21 +824,45 @@ def _steps(
     state = _prepare_all(config, paths, timings)
     release_freed_memory()  # the source and preparation's copies (see pipeline.core.memory)
     samples = _sample_all(config, paths, state)
-    unrolled = _unroll_lstms_the_htp_computes_short(config, paths, state)
-    if unrolled is not None:
-        state = unrolled
-        release_freed_memory()
-        samples = _sample_all(config, paths, state)
     adapt_heap_to(sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in state.largest.specs))
-    plan = state.plan
     state.own = _keep_own_quantization(config, paths, state) or state.own
     if state.own is not None and state.own.kept:  # no calibration, no second quantization
         merged, changes, mixed = 0, quantizer.range_rules.RangeChanges(), None
         judgement = _measure_own(config, paths, state)
     else:
-        merged, changes, mixed, judgement = _quantize_all(
-            config, paths, plan, state.prepared, samples, state.held_counts, state.timings
-        )
+        kept_lstms = bool(_kept_lstms(config, paths, state))
+        asked: list[bool] = []
+
+        def lstms_on_short() -> None:
+            """The judge's first round is short: do the HTP's own LSTMs cost it?"""
+            asked.append(True)
+            unrolled = _unroll_lstms_the_htp_computes_short(config, paths, state)
+            if unrolled is not None:
+                raise _Unrolled(unrolled)
+
+        try:
+            merged, changes, mixed, judgement = _quantize_all(
+                config,
+                paths,
+                state.plan,
+                state.prepared,
+                samples,
+                state.held_counts,
+                state.timings,
+                lstms_on_short if kept_lstms else None,
+            )
+            if kept_lstms and not asked:
+                _note_on_unroll_step(
+                    state, "the quantized model met the target on the HTP with them: kept whole"
+                )
+        except _Unrolled as restart:  # quantize again on the unrolled form, judged as usual
+            state = restart.state
+            release_freed_memory()
+            samples = _sample_all(config, paths, state)
+            merged, changes, mixed, judgement = _quantize_all(
+                config, paths, state.plan, state.prepared, samples, state.held_counts, state.timings
+            )
+    plan = state.plan
     release_freed_memory()
     qdqs = {n: paths.bucket(n).qdq for n in plan.names}
     floats = {n: state.prepared[n].float_path for n in plan.names}

@@ -185,6 +185,7 @@ def judge_on_htp(
     probe_record: Path | None = None,
     cpu_snr_db: float | None = None,
     decide: bool = True,
+    on_short: Callable[[], None] | None = None,
 ) -> tuple[HtpJudgement, Candidate]:
     """Check the current QDQ model on the HTP and improve it while it is short of the target.
 
@@ -195,7 +196,8 @@ def judge_on_htp(
     ``HOPELESS_DB`` or more short of the target, the whole model in fp16 is tried first, and
     the quantized model only runs on the HTP when fp16 does not reach the target either.
     ``decide = False`` (a pre-quantized model keeping its own quantization): one run, measured
-    and reported, no remedy."""
+    and reported, no remedy. ``on_short`` is called once, before any remedy, when the first
+    round is short of the target: it may raise to rebuild on another preparation."""
     q = config.quantization
     current = Candidate("as quantized" if decide else "its own quantization", dict(overrides))
     if probe_record is not None:
@@ -314,6 +316,8 @@ def judge_on_htp(
         best, best_result, best_sha = current, first, first_sha
         if early is not None and _score(early[1]) > _score(first):
             best, best_result, best_sha = early
+        if on_short is not None and decide and _score(best_result) < target_db:
+            on_short()
         result = first
         float16: list[str] = []
         ranked: list[str] | None = None
