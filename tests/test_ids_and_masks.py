@@ -9,10 +9,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx.helper as oh
+import pytest
 from onnx import TensorProto, numpy_helper
 
 from pipeline.__main__ import main
-from pipeline.calibration.ranges import integer_inputs, unseen_ranges
+from pipeline.calibration.ranges import integer_inputs, integer_valued, unseen_ranges
+from pipeline.htp.probe import qnn_available
 
 VOCABULARY = 41  # ids 0..40, as Nakdimon's characters
 
@@ -130,3 +132,81 @@ def test_a_mask_calibration_never_flipped_gets_its_reach() -> None:
     assert ranges["m"] == (0.0, 1.0) and ranges["not_m"] == (0.0, 1.0)
     assert ranges["kept_old"] == (-2.0, 3.0)
     assert ranges["h"] == calibrated["h"] and ranges["new"] == calibrated["new"]
+
+
+def inverted_mask_model() -> onnx.ModelProto:
+    """Attention as Hugging Face exports it: ``1 - mask`` turned to bool picks finfo.min for the
+    padded keys (``masked_fill``), that bias is added to the scores, then Softmax."""
+    rng = np.random.default_rng(4)
+    graph = oh.make_graph(
+        [
+            oh.make_node("Unsqueeze", ["attention_mask", "axis"], ["mask_rows"]),
+            oh.make_node("Cast", ["mask_rows"], ["mask_float"], to=TensorProto.FLOAT),
+            oh.make_node("Sub", ["one", "mask_float"], ["inverted"]),
+            oh.make_node("Cast", ["inverted"], ["padded"], to=TensorProto.BOOL),
+            oh.make_node("Where", ["padded", "lowest", "inverted"], ["bias"]),
+            oh.make_node("MatMul", ["x", "keys"], ["scores"]),
+            oh.make_node("Add", ["scores", "bias"], ["masked"]),
+            oh.make_node("Softmax", ["masked"], ["weights"], axis=-1),
+            oh.make_node("MatMul", ["weights", "values"], ["y"]),
+        ],
+        "attention",
+        [
+            oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 8]),
+            oh.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, 16]),
+        ],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8])],
+        [
+            numpy_helper.from_array(np.array([1], np.int64), "axis"),
+            numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+            numpy_helper.from_array(np.array(np.finfo(np.float32).min, np.float32), "lowest"),
+            numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "keys"),
+            numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "values"),
+        ],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+
+
+def test_an_inverted_mask_cast_to_bool_gets_scale_one() -> None:
+    """1 - mask is an integer by construction (a Cast from int64, minus an integral constant):
+    the Cast to bool reads it on the integer grid; a computed non-integer is left alone."""
+    model = inverted_mask_model()
+    assert integer_valued(model) >= {"mask_float", "inverted"}
+    assert not integer_valued(model) & {"mask_rows", "padded", "scores", "masked"}
+    ranges, changed = integer_inputs(
+        model, {"inverted": (0.0, 1.5), "scores": (-9.0, 9.0)}, {"inverted": 65535}
+    )
+    assert changed == ["inverted"] and ranges["inverted"] == (0.0, 65535.0)
+    model.graph.node[2].op_type = "Div"  # 1 / mask: not exact
+    assert integer_inputs(model, {"inverted": (0.0, 1.5)}, {"inverted": 65535})[1] == []
+
+
+@pytest.mark.skipif(bool(qnn_available()), reason="needs onnxruntime-qnn (the HTP simulator)")
+def test_an_inverted_mask_reads_unmasked_on_the_htp(tmp_path: Path) -> None:
+    """On the calibrated grid the HTP computed 1 - 1 one step above 0, the Cast to bool read
+    every key as padded and Softmax spread evenly (a MiniLM encoder: -2.4 dB, its CPU QDQ
+    model 28.3 dB). On the integer grid the quantized model is what the HTP runs."""
+    onnx.save(inverted_mask_model(), str(tmp_path / "attention.onnx"))
+    (tmp_path / "tokens.py").write_text(
+        "import numpy as np\n"
+        "def read(path, specs):\n"
+        "    rng = np.random.default_rng(6)\n"
+        "    for i in range(16):\n"
+        "        mask = np.zeros((1, 16), np.int64)\n"
+        "        mask[0, : 4 + i % 13] = 1\n"
+        "        yield {'x': rng.standard_normal((1, 16, 8)).astype(np.float32),\n"
+        "               'attention_mask': mask}\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "attention.toml").write_text(
+        '[model]\nname = "attention"\nversion = "1.0.0"\nsource = "attention.onnx"\n'
+        '[calibration]\nkind = "python"\nreader = "tokens.py:read"\nsamples = 16\n'
+        "[quantization]\nauto_mixed_precision = false\n",
+        encoding="utf-8",
+    )
+    artifacts = tmp_path / "artifacts"
+    assert main(["quantize", "--artifacts", str(artifacts), str(tmp_path / "attention.toml")]) == 0
+    report = json.loads((artifacts / "build" / "attention" / "report.json").read_text())
+    assert "inverted" in report["range_rules"]["integer_inputs"]
+    first = report["htp"]["rounds"][0]
+    assert first["label"] == "as quantized" and first["ctx_vs_qdq_db"] > 30.0, first

@@ -46,7 +46,7 @@ class RangeRules:
     signed_products: list[str] | None = None  # act x act MatMul outputs re-encoded as int16
     selections: list[str] | None = None  # Where outputs widened to both inputs' grids
     coarse_sums: list[str] | None = None  # Add/Sub outputs no finer than their inputs
-    integer_inputs: list[str] | None = None  # float ids on an integer grid (scale 1)
+    integer_inputs: list[str] | None = None  # floats cast to integers, on an integer grid
     unseen_ranges: list[str] | None = None  # flat calibrated ranges given their reach
     loop_shared: int = 0  # tensors of unrolled loop iterations given one range
     hard_sigmoids: list[str] | None = None  # 16-bit HardSigmoid outputs on the HTP's grid
@@ -321,9 +321,9 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
         )
     if rules.integer_inputs:
         lines.append(
-            f"Ids: {len(rules.integer_inputs)} float input(s) that a Cast turns into integers "
-            "quantized on an integer grid (scale 1), so every id is exact "
-            "(pipeline/calibration/ranges.py)."
+            f"Integers: {len(rules.integer_inputs)} float tensor(s) that a Cast turns into "
+            "integers or booleans (ids, a flipped attention mask) quantized on an integer grid "
+            "(scale 1), so every integer is exact (pipeline/calibration/ranges.py)."
         )
     if rules.hard_sigmoids:
         lines.append(
