@@ -62,28 +62,38 @@ def test_a_graph_input_cast_to_integers_gets_scale_one() -> None:
     assert integer_inputs(model, {"ids": (0.0, 40.0)}, {})[1] == []
 
 
+def _quantize(
+    tmp_path: Path, model: onnx.ModelProto, reader: str, samples: int, extra: str
+) -> dict:
+    """Quantize ``model`` with a python reader (``read`` in ``reader``); its report."""
+    name = model.graph.name
+    onnx.save(model, str(tmp_path / f"{name}.onnx"))
+    (tmp_path / "reader.py").write_text("import numpy as np\n" + reader, encoding="utf-8")
+    (tmp_path / f"{name}.toml").write_text(
+        f'[model]\nname = "{name}"\nversion = "1.0.0"\nsource = "{name}.onnx"\n'
+        f'[calibration]\nkind = "python"\nreader = "reader.py:read"\nsamples = {samples}\n'
+        f"[quantization]\n{extra}\n",
+        encoding="utf-8",
+    )
+    artifacts = tmp_path / "artifacts"
+    assert main(["quantize", "--artifacts", str(artifacts), str(tmp_path / f"{name}.toml")]) == 0
+    return json.loads((artifacts / "build" / name / "report.json").read_text())
+
+
 def test_quantized_ids_look_up_their_own_rows(tmp_path: Path) -> None:
     """On the calibrated range's grid, 17 came back as 16.9998 and the Cast made it 16."""
-    onnx.save(embedding_model(), str(tmp_path / "embedding.onnx"))
-    (tmp_path / "ids.py").write_text(
-        "import numpy as np\n"
+    report = _quantize(
+        tmp_path,
+        embedding_model(),
         "def read(path, specs):\n"
         "    rng = np.random.default_rng(5)\n"
         "    for _ in range(12):\n"
         f"        ids = rng.integers(0, {VOCABULARY}, (1, 16)).astype(np.float32)\n"
         f"        ids[0, :2] = [0, {VOCABULARY - 1}]  # the whole range in every sample\n"
         "        yield {specs[0].name: ids}\n",
-        encoding="utf-8",
+        12,
+        'judge = "cpu"',
     )
-    (tmp_path / "embedding.toml").write_text(
-        '[model]\nname = "embedding"\nversion = "1.0.0"\nsource = "embedding.onnx"\n'
-        '[calibration]\nkind = "python"\nreader = "ids.py:read"\nsamples = 12\n'
-        '[quantization]\njudge = "cpu"\n',
-        encoding="utf-8",
-    )
-    artifacts = tmp_path / "artifacts"
-    assert main(["quantize", "--artifacts", str(artifacts), str(tmp_path / "embedding.toml")]) == 0
-    report = json.loads((artifacts / "build" / "embedding" / "report.json").read_text())
     assert report["range_rules"]["integer_inputs"] == ["ids"]
     # Every id looks up its own row: only the table's and the product's rounding remain.
     assert float(report["worst_snr_db"]) > 40.0, report["worst_snr_db"]
@@ -186,9 +196,9 @@ def test_an_inverted_mask_reads_unmasked_on_the_htp(tmp_path: Path) -> None:
     """On the calibrated grid the HTP computed 1 - 1 one step above 0, the Cast to bool read
     every key as padded and Softmax spread evenly (a MiniLM encoder: -2.4 dB, its CPU QDQ
     model 28.3 dB). On the integer grid the quantized model is what the HTP runs."""
-    onnx.save(inverted_mask_model(), str(tmp_path / "attention.onnx"))
-    (tmp_path / "tokens.py").write_text(
-        "import numpy as np\n"
+    report = _quantize(
+        tmp_path,
+        inverted_mask_model(),
         "def read(path, specs):\n"
         "    rng = np.random.default_rng(6)\n"
         "    for i in range(16):\n"
@@ -196,17 +206,9 @@ def test_an_inverted_mask_reads_unmasked_on_the_htp(tmp_path: Path) -> None:
         "        mask[0, : 4 + i % 13] = 1\n"
         "        yield {'x': rng.standard_normal((1, 16, 8)).astype(np.float32),\n"
         "               'attention_mask': mask}\n",
-        encoding="utf-8",
+        16,
+        "auto_mixed_precision = false",
     )
-    (tmp_path / "attention.toml").write_text(
-        '[model]\nname = "attention"\nversion = "1.0.0"\nsource = "attention.onnx"\n'
-        '[calibration]\nkind = "python"\nreader = "tokens.py:read"\nsamples = 16\n'
-        "[quantization]\nauto_mixed_precision = false\n",
-        encoding="utf-8",
-    )
-    artifacts = tmp_path / "artifacts"
-    assert main(["quantize", "--artifacts", str(artifacts), str(tmp_path / "attention.toml")]) == 0
-    report = json.loads((artifacts / "build" / "attention" / "report.json").read_text())
     assert "inverted" in report["range_rules"]["integer_inputs"]
     first = report["htp"]["rounds"][0]
     assert first["label"] == "as quantized" and first["ctx_vs_qdq_db"] > 30.0, first
