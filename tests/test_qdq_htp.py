@@ -461,3 +461,119 @@ def test_the_htp_pins_a_channel_whose_requantization_factor_is_too_small(tmp_pat
     assert results["raised"] > 40.0, results
     # If a new QNN SDK requantizes such a channel right, this says so: the rule may then go.
     assert results["qdq"] < 20.0, f"the HTP computes the tiny channel right now: {results}"
+
+
+def small_head_in_a_large_concat(tmp_path: Path) -> onnx.ModelProto:
+    """A QDQ Gemm on tiny activations (a 1.5e-9 input step) whose output, on its own fine grid,
+    is reshaped and concatenated with box-like values up to 600 on a 0.0092 grid: a factor of
+    2^-17 to its own grid, 2^-29 to the Concat's (a YOLOv8-seg head's mask coefficients beside
+    its boxes). Writes ``float.onnx`` and ``sample.npz`` beside it."""
+    rng = np.random.default_rng(RNG_SEED)
+    weights = rng.normal(0, 0.05, (8, 64))
+    bias = rng.normal(0, 1e-3, 8)  # within int32 at the bias scale (input x weight step)
+    x = rng.uniform(-1e-4, 1e-4, (1, 64)).astype(np.float32)
+    boxes = rng.uniform(0, 600, (1, 4, 1)).astype(np.float32)
+    xs, w_scale = np.float32(1e-4 / 32767), (np.abs(weights).max(1) / 127).astype(np.float32)
+    head = x.astype(np.float64) @ weights.T + bias
+    ys = np.float32(np.abs(head).max() * 2 / 32767)
+    cs = np.float32((600 + 2 * np.abs(head).max()) / 65535)
+    cz = np.uint16(round(2 * np.abs(head).max() / cs))
+    b_scale = (xs * w_scale).astype(np.float32)
+    inits = [
+        numpy_helper.from_array(xs, "xs"),
+        numpy_helper.from_array(np.uint16(32768), "mid"),
+        numpy_helper.from_array(np.round(weights / w_scale[:, None]).astype(np.int8), "wq"),
+        numpy_helper.from_array(w_scale, "ws"),
+        numpy_helper.from_array(np.zeros(8, np.int8), "wz"),
+        numpy_helper.from_array(np.round(bias / b_scale).astype(np.int32), "bq"),
+        numpy_helper.from_array(b_scale, "bs"),
+        numpy_helper.from_array(np.zeros(8, np.int32), "bz"),
+        numpy_helper.from_array(ys, "ys"),
+        numpy_helper.from_array(np.float32(600 / 65535), "boxs"),
+        numpy_helper.from_array(np.uint16(0), "zero"),
+        numpy_helper.from_array(cs, "cs"),
+        numpy_helper.from_array(cz, "cz"),
+        numpy_helper.from_array(np.array([1, 8, 1], np.int64), "shape"),
+    ]
+    nodes = [
+        oh.make_node("QuantizeLinear", ["x", "xs", "mid"], ["xq"]),
+        oh.make_node("DequantizeLinear", ["xq", "xs", "mid"], ["xd"]),
+        oh.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], axis=0),
+        oh.make_node("DequantizeLinear", ["bq", "bs", "bz"], ["bd"], axis=0),
+        oh.make_node("Gemm", ["xd", "wd", "bd"], ["g"], transB=1, name="head"),
+        oh.make_node("QuantizeLinear", ["g", "ys", "mid"], ["gq"]),
+        oh.make_node("DequantizeLinear", ["gq", "ys", "mid"], ["gd"]),
+        oh.make_node("Reshape", ["gd", "shape"], ["r"]),
+        oh.make_node("QuantizeLinear", ["r", "ys", "mid"], ["rq"]),
+        oh.make_node("DequantizeLinear", ["rq", "ys", "mid"], ["rd"]),
+        oh.make_node("QuantizeLinear", ["boxes", "boxs", "zero"], ["bxq"]),
+        oh.make_node("DequantizeLinear", ["bxq", "boxs", "zero"], ["bxd"]),
+        oh.make_node("Concat", ["bxd", "rd"], ["c"], axis=1),
+        oh.make_node("QuantizeLinear", ["c", "cs", "cz"], ["cq"]),
+        oh.make_node("DequantizeLinear", ["cq", "cs", "cz"], ["y"]),
+    ]
+    io = (
+        [
+            oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64]),
+            oh.make_tensor_value_info("boxes", TensorProto.FLOAT, [1, 4, 1]),
+        ],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 12, 1])],
+    )
+    qdq = oh.make_model(
+        oh.make_graph(nodes, "g", *io, inits), opset_imports=[oh.make_opsetid("", 21)]
+    )
+    qdq.ir_version = 10
+    float_model = oh.make_model(
+        oh.make_graph(
+            [
+                oh.make_node("Gemm", ["x", "w", "b"], ["g"], transB=1),
+                oh.make_node("Reshape", ["g", "shape"], ["r"]),
+                oh.make_node("Concat", ["boxes", "r"], ["y"], axis=1),
+            ],
+            "f",
+            *io,
+            [
+                numpy_helper.from_array(weights.astype(np.float32), "w"),
+                numpy_helper.from_array(bias.astype(np.float32), "b"),
+                numpy_helper.from_array(np.array([1, 8, 1], np.int64), "shape"),
+            ],
+        ),
+        opset_imports=[oh.make_opsetid("", 21)],
+    )
+    float_model.ir_version = 10
+    onnx.save(float_model, str(tmp_path / "float.onnx"))
+    np.savez(tmp_path / "sample.npz", x=x, boxes=boxes)
+    return qdq
+
+
+def test_a_layer_moved_into_a_coarser_grid_is_judged_on_that_grid(tmp_path: Path) -> None:
+    """The factor to its own grid is fine; to the Concat's it is 2^-29: the weight scales rise
+    to what the Concat's step asks, and the output moves by under a step of it."""
+    qdq = small_head_in_a_large_concat(tmp_path)
+    raised, change = weight_scales_for_htp(qdq)
+    assert len(change.details) == 1 and change.details[0].startswith("Gemm 'head': 8 of 8")
+    feeds = dict(np.load(tmp_path / "sample.npz"))
+    step = float(numpy_helper.to_array(next(i for i in qdq.graph.initializer if i.name == "cs")))
+    before, after = (
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, feeds
+        )[0]
+        for m in (qdq, raised)
+    )
+    assert np.abs(after - before).max() <= step * (1 + 1e-6)
+    qdq.graph.node[7].op_type = "Relu"  # not a move: the factor to its own grid stands
+    qdq.graph.node[7].input.pop()
+    assert not weight_scales_for_htp(qdq)[1].changed
+
+
+@pytest.mark.qnn
+def test_the_htp_folds_a_move_into_the_layer_it_follows(tmp_path: Path) -> None:
+    """CPU and HTP agree once the weight scales are raised for the Concat's grid; as it was,
+    the HTP pins the head's values to the ends of the Concat's range."""
+    qdq = small_head_in_a_large_concat(tmp_path)
+    onnx.save(qdq, str(tmp_path / "qdq.onnx"))
+    onnx.save(weight_scales_for_htp(qdq)[0], str(tmp_path / "raised.onnx"))
+    results = agreement_on_htp(tmp_path, ("qdq", "raised"))
+    assert results["raised"] > 40.0, results
+    # If a new QNN SDK requantizes through the move right, this says so: the rule may go.
+    assert results["qdq"] < 20.0, f"the HTP computes the moved head right now: {results}"

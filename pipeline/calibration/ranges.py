@@ -454,14 +454,11 @@ def integer_valued(model: Any) -> set[str]:
         types[info.name] = info.type.tensor_type.elem_type
     integral: set[str] = set()  # integer/bool typed, or float holding integers
     for init in model.graph.initializer:
-        types[init.name] = init.data_type
-        value = numpy_helper.to_array(init)
-        if value.dtype.kind in "iub" or (
-            value.dtype.kind == "f"
-            and value.size <= 4096
-            and np.array_equal(value, np.round(value))
-        ):
-            integral.add(init.name)
+        types[init.name] = init.data_type  # integer types count below; float constants here
+        if init.data_type in _FLOAT_TYPES and int(np.prod(init.dims)) <= 16:
+            value = numpy_helper.to_array(init)
+            if np.array_equal(value, np.round(value)):
+                integral.add(init.name)
     integral |= {n for n, t in types.items() if t in _INTEGER_TYPES or t == _BOOL}
     valued: set[str] = set()
     for node in model.graph.node:

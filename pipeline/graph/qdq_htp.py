@@ -197,6 +197,9 @@ def signed_activation_products(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
 # saturated from 2^-24.9 down). A channel whose weights are all zero or nearly so gets such a
 # scale: MediaPipe's hand landmark head, the wrist's z landmark (0 on the CPU, 324 on the HTP).
 HTP_MIN_REQUANT = 2.0**-22
+# Ops that only move values: the HTP may requantize a layer's output straight into the grid of
+# the tensor they lead to.
+_MOVE_ONLY = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Concat"})
 
 
 def weight_scales_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -205,12 +208,33 @@ def weight_scales_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
 
     Such a channel's weights are below a 2^-22 output step per unit of input each: rounded on
     the coarser grid they move the output by a fraction of a step, where the HTP's own result for
-    the channel is the end of its range."""
+    the channel is the end of its range. The output step is the coarsest one the layer's output
+    reaches through ops that only move values (Reshape, Concat, ...): the HTP folds those
+    requantizations into the layer's (a YOLOv8-seg head: mask coefficients at a 1e-5 step
+    concatenated with box coordinates at 0.015, a factor of 2^-17 to its own grid, 2^-27 to the
+    Concat's; every coefficient came out at an end of the output's range, -18.8 dB)."""
     out, graph, inits, producer, readers, _ = _editable(model)
 
     def per_tensor(tensor: str | None) -> float | None:
         value = numpy_helper.to_array(inits[tensor]) if tensor in inits else None
         return float(value) if value is not None and value.size == 1 else None
+
+    def coarsest_step(quantizer: onnx.NodeProto) -> float | None:
+        """The output's step, or a coarser one its values are moved into unchanged."""
+        step = per_tensor(quantizer.input[1])
+        while step is not None:
+            dequantizers = readers.get(quantizer.output[0], [])
+            if len(dequantizers) != 1 or dequantizers[0].op_type != "DequantizeLinear":
+                break
+            movers = readers.get(dequantizers[0].output[0], [])
+            if len(movers) != 1 or movers[0].op_type not in _MOVE_ONLY:
+                break
+            quantizers = readers.get(movers[0].output[0], [])
+            if len(quantizers) != 1 or quantizers[0].op_type != "QuantizeLinear":
+                break
+            quantizer = quantizers[0]
+            step = max(step, per_tensor(quantizer.input[1]) or step)
+        return step
 
     def only_here(name: str, reader: onnx.NodeProto) -> bool:
         """A constant that ``reader`` alone reads: rewritten in place, its name kept (mixed
@@ -238,7 +262,7 @@ def weight_scales_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
             or not all(only_here(name, w_dq) for name in w_dq.input[:3])
         ):
             continue
-        x_scale, y_scale = per_tensor(x_dq.input[1]), per_tensor(quantizers[0].input[1])
+        x_scale, y_scale = per_tensor(x_dq.input[1]), coarsest_step(quantizers[0])
         if x_scale is None or y_scale is None or x_scale <= 0 or y_scale <= 0:
             continue
         if inits[w_dq.input[0]].data_type not in (onnx.TensorProto.INT8, onnx.TensorProto.INT16):

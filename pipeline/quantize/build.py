@@ -856,6 +856,7 @@ def _steps(
                     state, "the quantized model met the target on the HTP with them: kept whole"
                 )
         except _Unrolled as restart:  # quantize again on the unrolled form, judged as usual
+            restart.state.own = state.own
             state = restart.state
             release_freed_memory()
             samples = _sample_all(config, paths, state)
