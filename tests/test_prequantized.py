@@ -210,6 +210,47 @@ def test_prepare_keeps_qdq_and_opset_and_drops_noop_casts() -> None:
     assert "drop_noop_casts" in done and "upgrade_opset" not in done
 
 
+def _contrib_16_bit_model() -> onnx.ModelProto:
+    """onnxruntime's 16-bit QDQ below opset 21: every Q/DQ in com.microsoft (uint16
+    activations, int8 weights), the rest at opset 17."""
+    b = Builder()
+
+    def qdq16(x: str, scale: float, zp: int) -> str:
+        s, z = b.const(np.float32(scale), "s"), b.const(np.array(zp, np.uint16), "z")
+        q = b.node("QuantizeLinear", [x, s, z], domain="com.microsoft")
+        return b.node("DequantizeLinear", [q, s, z], domain="com.microsoft")
+
+    x = qdq16("x", 4 / 65535, 32768)
+    w = b.node(
+        "DequantizeLinear",
+        [
+            b.const(RNG.integers(-127, 128, [4, 3, 3, 3]).astype(np.int8), "w"),
+            b.const(np.float32(2.0**-6), "ws"),
+            b.const(np.int8(0), "wz"),
+        ],
+        domain="com.microsoft",
+    )
+    y = b.node("Conv", [x, w], pads=[1, 1, 1, 1])
+    return b.model(qdq16(b.node("Relu", [y]), 8 / 65535, 0), opset=17)
+
+
+def test_contrib_16_bit_qdq_moves_to_ai_onnx_at_opset_21() -> None:
+    """ONNX shape inference has no schema for com.microsoft Q/DQ: every tensor after one stayed
+    shapeless and the build stopped ("no static shape"). In ai.onnx at opset 21 they compute
+    the same and every shape is known."""
+    source = _contrib_16_bit_model()
+    prepared, changes = prepare_model(source, InputsSection(dims={}, shapes={}, constants={}))
+    step = next(c for c in changes if c.step == "standard_qdq_ops")
+    assert step.details[-1].startswith("5 com.microsoft QuantizeLinear/DequantizeLinear")
+    assert edit.opset_version(prepared) == 21
+    assert not [n for n in prepared.graph.node if n.domain == "com.microsoft"]
+    assert_same(source, prepared)
+    inferred = onnx.shape_inference.infer_shapes(prepared, strict_mode=True)
+    shapes = {v.name: v.type.tensor_type.shape for v in inferred.graph.value_info}
+    assert all(len(shape.dim) == 4 for shape in shapes.values()), shapes
+    assert not pq.standard_qdq_ops(prepared)[1].changed
+
+
 def test_float_model_still_upgraded_and_untouched_by_prequantized_steps() -> None:
     source = float_net()
     source.opset_import[0].version = 11

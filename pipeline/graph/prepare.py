@@ -54,6 +54,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         legacy.pin_legacy_semantics,  # Upsample/Resize-10/Crop: the converter loses their meaning
         prequantized.qoperator_to_qdq,  # QLinear* ops -> DQ, float op, Q (what QNN groups)
         prequantized.upgrade_opset,  # t.upgrade_opset; a pre-quantized model keeps its opset
+        prequantized.standard_qdq_ops,  # onnxruntime's com.microsoft 16-bit Q/DQ: no schema
         legacy.restore_pinned_ops,
         t.expand_function_ops,  # Mish, GroupNormalization, 3 Reduce ops: the QNN EP takes none
         t.constants_to_initializers,  # the converter may add Constant nodes

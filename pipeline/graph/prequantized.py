@@ -606,6 +606,45 @@ def upgrade_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     return edit.checked_change(edit.copy_model(model), "upgrade_opset", [])
 
 
+# onnxruntime's quantizer writes its Q/DQ in com.microsoft below opset 21 when a type needs it
+# (16-bit, 4-bit): the same ops, with the types ai.onnx takes from opset 21 on.
+_QDQ_21_OPSET = 21
+
+
+def standard_qdq_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """com.microsoft QuantizeLinear/DequantizeLinear -> the ai.onnx ops, at opset 21.
+
+    onnxruntime's 16-bit QDQ models (its quantizer below opset 21; Olive's and AI Toolkit's
+    QNN models) carry them. ONNX shape inference has no schema for them: every tensor after
+    one stays shapeless, and the build stopped with "no static shape" on 381 tensors of a
+    uint16 face detector. The rest of the graph is upgraded first (the converter leaves the
+    contrib nodes alone), then they move to the default domain, where opset 21 takes their
+    types; the values are the same.
+    """
+    contrib = [
+        n
+        for g in edit.all_graphs(model.graph)
+        for n in g.node
+        if n.domain == "com.microsoft" and n.op_type in QDQ_OPS
+    ]
+    if not contrib:
+        return edit.checked_change(edit.copy_model(model), "standard_qdq_ops", [])
+    details = []
+    if edit.opset_version(model) < _QDQ_21_OPSET:
+        model, upgraded = t.upgrade_opset(model, _QDQ_21_OPSET)
+        details += list(upgraded.details)
+    else:
+        model = edit.copy_model(model)
+    moved = 0
+    for graph in edit.all_graphs(model.graph):
+        for node in graph.node:
+            if node.domain == "com.microsoft" and node.op_type in QDQ_OPS:
+                node.domain = ""
+                moved += 1
+    details.append(f"{moved} com.microsoft QuantizeLinear/DequantizeLinear -> ai.onnx (opset 21)")
+    return edit.checked_change(model, "standard_qdq_ops", details)
+
+
 def fold_quantized_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """QuantizeLinear of a constant (a weight quantized at run time) -> the integer constant.
 
