@@ -838,6 +838,74 @@ def test_vitis_style_model_runs_whole_and_quantized_on_the_htp(tmp_path: Path) -
     assert steps.max() <= 1.0 + 1e-6 and (steps > 0.5).mean() < 0.05
 
 
+def _layernorm_model() -> onnx.ModelProto:
+    """uint8 activations, LayerNormalization over the last axis with an int8 gamma and an int32
+    beta: what onnxruntime's static quantizer writes for a transformer's norms."""
+    b = Builder()
+    x = b.qdq("x", 4 / 255, 128)
+    gamma = b.node(
+        "DequantizeLinear",
+        [
+            b.const(RNG.integers(40, 128, 8).astype(np.int8), "g"),
+            b.const(np.float32(1 / 64), "gs"),
+            b.const(np.int8(0), "gz"),
+        ],
+    )
+    y = b.node("LayerNormalization", [x, gamma, b.bias(8, 4 / 255 / 64)], axis=-1)
+    return b.model(b.qdq(y, 8 / 255, 128), opset=17, out_shape=SHAPE)
+
+
+def test_an_int8_layernorm_scale_becomes_uint8_exactly() -> None:
+    source = _layernorm_model()
+    converted, change = pq.unsigned_norm_scales(source)
+    assert len(change.details) == 1 and "-> uint8 (exact)" in change.details[0]
+    gamma_dq = next(n for n in converted.graph.node if n.output[0] in _reader_inputs(converted))
+    inits = {i.name: numpy_helper.to_array(i) for i in converted.graph.initializer}
+    assert inits[gamma_dq.input[0]].dtype == np.uint8 and int(inits[gamma_dq.input[2]]) == 128
+    assert_same(source, converted)
+    assert not pq.unsigned_norm_scales(converted)[1].changed
+
+
+def _reader_inputs(model: onnx.ModelProto) -> set[str]:
+    """The LayerNormalization's scale input."""
+    return {n.input[1] for n in model.graph.node if n.op_type == "LayerNormalization"}
+
+
+@pytest.mark.qnn
+def test_the_htp_takes_a_layernorm_with_a_uint8_scale_only(tmp_path: Path) -> None:
+    """The QNN EP leaves the int8-gamma LayerNormalization and its Q/DQ to the CPU; after
+    for_htp it is one partition and agrees with the CPU. If the first assertion starts to
+    fail, a new QNN SDK takes signed gammas: the step may go."""
+    source = _layernorm_model()
+    x = inputs(1)[0]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, as_is = _on_htp(source, tmp_path / "a", x)
+    assert not as_is.passed, "the HTP takes an int8 LayerNorm scale now"
+    converted, _ = pq.for_htp(source)
+    got, coverage = _on_htp(converted, tmp_path / "b", x)
+    assert coverage.passed and coverage.qnn_partitions == 1, coverage.problems
+    want = run(source, x)
+    assert np.abs(got - want).max() <= 8 / 255 + 1e-6  # within a step of its own output grid
+
+
+@pytest.mark.qnn
+def test_a_kept_model_the_htp_cannot_take_whole_names_requantize(tmp_path: Path) -> None:
+    """A quantized Erf (onnxruntime's static quantizer leaves GELU's Erf between Q/DQ) runs on
+    the CPU: the quantize stage says so and names ``requantize = true``, which the compile
+    gate's refusal alone did not."""
+    from pipeline.__main__ import main
+
+    b = Builder()
+    model = b.model(b.qdq(b.node("Erf", [b.qdq("x", 4 / 255, 128)]), 2 / 255, 128), out_shape=SHAPE)
+    assert (
+        main(["quantize", "--artifacts", str(tmp_path / "a"), str(_config(tmp_path, model))]) == 0
+    )
+    htp = json.loads((tmp_path / "a" / "build" / "pq" / "report.json").read_text())["htp"]
+    assert htp["judge"] == "htp" and htp["rounds"][0]["cpu_nodes"] > 0, htp
+    assert any("requantize = true" in r for r in htp["remedies"]), htp["remedies"]
+
+
 # -- onnxruntime's dynamic quantization --------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ QNN 2.51 HTP simulator (onnxruntime-qnn 2.7.0), see tests/test_prequantized.py:
   are far off (a uint8 Conv with a float bias: -14.9 dB against the CPU). Hence:
   ``int32_biases`` (int8 / float biases -> int32 at input scale x weight scale),
   ``signed_weights`` (uint8 weights beside int8/int16 activations -> int8, zero point - 128),
+  ``unsigned_norm_scales`` (an int8 LayerNormalization gamma -> uint8, zero point + 128),
   ``propagate_qdq`` (a Q behind Transpose/Reshape/Concat/Relu/... copied in front of them, and
   after them when they read a DQ: Q(f(x)) == f(Q(x)) for these ops) and
   ``split_leaky_relu`` (Conv -> LeakyRelu -> Q as two 8-bit Conv branches, see there).
@@ -889,6 +890,54 @@ def signed_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     return _finish(model, "signed_weights", details)
 
 
+# Normalizations whose scale (gamma) the QNN EP takes quantized only unsigned.
+_NORMS = frozenset({"LayerNormalization", "InstanceNormalization"})
+
+
+def unsigned_norm_scales(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """An int8 scale (gamma) of a quantized LayerNormalization -> uint8, zero point + 128.
+
+    The QNN EP declines a LayerNormalization whose gamma is int8 (onnxruntime's quantizer writes
+    int8 weights by default): it and its Q/DQ ran on the CPU, 13 times in an onnxruntime-
+    quantized MiniLM (20 partitions). The same gamma as uint8 compiles (measured, uint8 and
+    uint16 activations). (q + 128) with zero point (z + 128) dequantizes to the same values.
+    """
+    model = edit.copy_model(model)
+    graph = model.graph
+    view = _Graph(graph)
+    namer = edit.FreshNames(model)
+    details = []
+    converted: dict[tuple[str, str], tuple[str, str]] = {}
+    for node in graph.node:
+        if node.op_type not in _NORMS or node.domain not in _DEFAULT or len(node.input) < 2:
+            continue
+        x_dq, w_dq = view.activation_dq(node.input[0]), view.constant_dq(node.input[1])
+        if x_dq is None or w_dq is None or len(w_dq.input) < 3:
+            continue
+        weight, zp = view.inits[w_dq.input[0]], view.inits[w_dq.input[2]]
+        if weight.data_type != onnx.TensorProto.INT8 or zp.data_type != onnx.TensorProto.INT8:
+            continue
+        key = (w_dq.input[0], w_dq.input[2])
+        if key not in converted:
+            w = numpy_helper.to_array(weight).astype(np.int16) + 128
+            z = numpy_helper.to_array(zp).astype(np.int16) + 128
+            converted[key] = (
+                _initializer(graph, namer, f"{w_dq.input[0]}_uint8", w.astype(np.uint8)),
+                _initializer(graph, namer, f"{w_dq.input[2]}_uint8", z.astype(np.uint8)),
+            )
+        w_name, z_name = converted[key]
+        out = namer(f"{w_dq.output[0]}_uint8")
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in w_dq.attribute}
+        graph.node.append(
+            onnx.helper.make_node(
+                DEQUANTIZE, [w_name, w_dq.input[1], z_name], [out], name=namer(f"{out}_dq"), **attrs
+            )
+        )
+        node.input[1] = out
+        details.append(f"{edit.node_label(node)}: int8 scale {w_dq.input[0]!r} -> uint8 (exact)")
+    return _finish(model, "unsigned_norm_scales", details)
+
+
 def _commutes(node: onnx.NodeProto, view: _Graph) -> bool:
     """Whether Q(node(x)) == node(Q(x)) for a per-tensor Q (see ``_COMMUTING``)."""
     if node.domain not in _DEFAULT or node.op_type not in _COMMUTING:
@@ -1156,7 +1205,14 @@ def input_steps(model: onnx.ModelProto) -> dict[str, float]:
     return steps
 
 
-HTP_STEPS = (matmul_bias_to_gemm, int32_biases, signed_weights, propagate_qdq, split_leaky_relu)
+HTP_STEPS = (
+    matmul_bias_to_gemm,
+    int32_biases,
+    signed_weights,
+    unsigned_norm_scales,
+    propagate_qdq,
+    split_leaky_relu,
+)
 
 
 def for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Change]]:

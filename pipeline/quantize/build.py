@@ -525,6 +525,17 @@ def _measure_own(config: ModelConfig, paths: ModelPaths, state: _State) -> HtpJu
     )
     state.timings["judge"] = time.perf_counter() - started
     if judgement.judge == "htp":
+        kept = judgement.rounds[-1] if judgement.rounds else None
+        if kept is not None and (kept.partitions != 1 or kept.cpu_nodes):
+            # The compile gate refuses it; say here what would build it.
+            advice = (
+                f"as it is, not whole on the NPU ({kept.partitions} QNN partition(s), "
+                f"{kept.cpu_nodes} CPU node(s)): its own quantization has ops the HTP does not "
+                "take quantized; requantize = true in [quantization] calibrates and quantizes "
+                "the float model behind it instead"
+            )
+            judgement.remedies.append(advice)
+            print(f"NOTE {config.model.name}: {advice}.")
         return judgement
     why = judgement.reason.removeprefix("judged on the CPU: ")
     return dataclasses.replace(judgement, reason=f"{nothing.reason} ({why})")
