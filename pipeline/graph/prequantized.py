@@ -869,25 +869,40 @@ def signed_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             continue
         if weight.data_type != onnx.TensorProto.UINT8 or zp.data_type != onnx.TensorProto.UINT8:
             continue
-        key = (w_dq.input[0], w_dq.input[2])
-        if key not in converted:
-            w = numpy_helper.to_array(weight).astype(np.int16) - 128
-            z = numpy_helper.to_array(zp).astype(np.int16) - 128
-            converted[key] = (
-                _initializer(graph, namer, f"{w_dq.input[0]}_int8", w.astype(np.int8)),
-                _initializer(graph, namer, f"{w_dq.input[2]}_int8", z.astype(np.int8)),
-            )
-        w_name, z_name = converted[key]
-        out = namer(f"{w_dq.output[0]}_int8")
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in w_dq.attribute}
-        graph.node.append(
-            onnx.helper.make_node(
-                DEQUANTIZE, [w_name, w_dq.input[1], z_name], [out], name=namer(f"{out}_dq"), **attrs
-            )
-        )
-        node.input[1] = out
+        node.input[1] = _shifted_weight(graph, view.inits, namer, converted, w_dq, -128, np.int8)
         details.append(f"{edit.node_label(node)}: uint8 weight {w_dq.input[0]!r} -> int8 (exact)")
     return _finish(model, "signed_weights", details)
+
+
+def _shifted_weight(
+    graph: onnx.GraphProto,
+    inits: dict[str, onnx.TensorProto],
+    namer: edit.FreshNames,
+    converted: dict[tuple[str, str], tuple[str, str]],
+    w_dq: onnx.NodeProto,
+    shift: int,
+    dtype: type,
+) -> str:
+    """The output of a new DequantizeLinear of ``w_dq``'s integers and zero point moved by
+    ``shift`` into ``dtype`` (the same values: (q + s) - (z + s)); each weight converted once."""
+    suffix = np.dtype(dtype).name
+    key = (w_dq.input[0], w_dq.input[2])
+    if key not in converted:
+        w = numpy_helper.to_array(inits[w_dq.input[0]]).astype(np.int16) + shift
+        z = numpy_helper.to_array(inits[w_dq.input[2]]).astype(np.int16) + shift
+        converted[key] = (
+            _initializer(graph, namer, f"{w_dq.input[0]}_{suffix}", w.astype(dtype)),
+            _initializer(graph, namer, f"{w_dq.input[2]}_{suffix}", z.astype(dtype)),
+        )
+    w_name, z_name = converted[key]
+    out = namer(f"{w_dq.output[0]}_{suffix}")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in w_dq.attribute}
+    graph.node.append(
+        onnx.helper.make_node(
+            DEQUANTIZE, [w_name, w_dq.input[1], z_name], [out], name=namer(f"{out}_dq"), **attrs
+        )
+    )
+    return out
 
 
 # Normalizations whose scale (gamma) the QNN EP takes quantized only unsigned.
@@ -917,23 +932,7 @@ def unsigned_norm_scales(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
         weight, zp = view.inits[w_dq.input[0]], view.inits[w_dq.input[2]]
         if weight.data_type != onnx.TensorProto.INT8 or zp.data_type != onnx.TensorProto.INT8:
             continue
-        key = (w_dq.input[0], w_dq.input[2])
-        if key not in converted:
-            w = numpy_helper.to_array(weight).astype(np.int16) + 128
-            z = numpy_helper.to_array(zp).astype(np.int16) + 128
-            converted[key] = (
-                _initializer(graph, namer, f"{w_dq.input[0]}_uint8", w.astype(np.uint8)),
-                _initializer(graph, namer, f"{w_dq.input[2]}_uint8", z.astype(np.uint8)),
-            )
-        w_name, z_name = converted[key]
-        out = namer(f"{w_dq.output[0]}_uint8")
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in w_dq.attribute}
-        graph.node.append(
-            onnx.helper.make_node(
-                DEQUANTIZE, [w_name, w_dq.input[1], z_name], [out], name=namer(f"{out}_dq"), **attrs
-            )
-        )
-        node.input[1] = out
+        node.input[1] = _shifted_weight(graph, view.inits, namer, converted, w_dq, 128, np.uint8)
         details.append(f"{edit.node_label(node)}: int8 scale {w_dq.input[0]!r} -> uint8 (exact)")
     return _finish(model, "unsigned_norm_scales", details)
 
