@@ -480,8 +480,9 @@ def integer_valued(model: Any) -> set[str]:
         if node.op_type == "Cast":  # types shape inference did not store: what the op gives
             to = next((a.i for a in node.attribute if a.name == "to"), None)
             types.setdefault(node.output[0], to or 0)
-        elif data and node.op_type != "Where":
-            types.setdefault(node.output[0], types.get(data[0], 0))
+        elif data:  # a Where's values are its second and third inputs
+            carried = data[1] if node.op_type == "Where" and len(data) == 3 else data[0]
+            types.setdefault(node.output[0], types.get(carried, 0))
         if exact:
             integral.update(node.output)
             valued.update(o for o in node.output if types.get(o) in _FLOAT_TYPES)
