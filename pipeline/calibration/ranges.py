@@ -982,6 +982,43 @@ def _mask_fill(
     return None
 
 
+def _constant_range(init: Any) -> Interval | None:
+    """The [min, max] of a float constant (a position bias), or None."""
+    from onnx import numpy_helper
+
+    if init is None or init.data_type not in _FLOAT_TYPES or int(np.prod(init.dims)) > 1 << 22:
+        return None
+    value = numpy_helper.to_array(init)
+    return (float(value.min()), float(value.max())) if value.size else None
+
+
+def _summed_mask(
+    node: Any,
+    ranges: dict[str, Interval],
+    producer: Any,
+    constant_range: Any,
+) -> tuple[Interval, None, str, str, Interval] | None:
+    """(unmasked range, None, mask bias, the sum, the other addend's range) when ``node`` adds
+    to scores a bias that is itself a sum of a bias and a sentinel mask bias: T5's
+    ``position_bias + (1 - mask) * finfo.min``, added to every layer's scores. The unmasked
+    scores land in the scores' range plus the other addend's."""
+    if node.op_type != "Add" or len(node.input) != 2:
+        return None
+    for total, x in (node.input, node.input[::-1]):
+        inner = producer(total)
+        if total not in ranges or x not in ranges or inner is None or inner.op_type != "Add":
+            continue
+        for mask, other in (inner.input, inner.input[::-1]):
+            other_range = ranges.get(other) or constant_range(other)
+            if mask not in ranges or other_range is None:
+                continue
+            (m_low, m_high), (low, high) = ranges[mask], ranges[x]
+            low, high = low + other_range[0], high + other_range[1]
+            if m_low <= MASK_SENTINEL and m_high == 0.0 and high + m_low < low - SOFTMAX_MARGIN:
+                return (low, high), None, mask, total, other_range
+    return None
+
+
 def mask_fill_ranges(
     model: Any, ranges: dict[str, Interval]
 ) -> tuple[dict[str, Interval], dict[str, Interval], list[str]]:
@@ -1003,7 +1040,7 @@ def mask_fill_ranges(
 
     from ..graph.attention import SHAPE_OPS, softmax_chains
 
-    carriers = SHAPE_OPS | {"Expand", "Cast"}  # carry a mask bias to its Adds unchanged
+    carriers = SHAPE_OPS | {"Expand", "Cast", "Slice"}  # carry a mask bias to its Adds
     consts: dict[str, float] = {}
     for init in model.graph.initializer:
         if int(np.prod(init.dims)) == 1:
@@ -1014,12 +1051,17 @@ def mask_fill_ranges(
     weights: dict[str, Interval] = {}
     changed: list[str] = []
     bias_low: dict[str, float] = {}  # mask bias -> the lowest value any of its Adds needs
-    bias_readers: dict[str, int] = {}
+    bias_readers: dict[str, set[str]] = {}  # mask bias -> the Adds reading it
+    summed: dict[str, tuple[float, float]] = {}  # a bias + mask sum -> its cut range
+    producers = {o: n for n in model.graph.node for o in n.output}
+    inits = {i.name: i for i in model.graph.initializer}
     for node in model.graph.node:
-        found = _mask_fill(node, consts, ranges)
+        found = _mask_fill(node, consts, ranges) or _summed_mask(
+            node, ranges, producers.get, lambda name: _constant_range(inits.get(name))
+        )
         if found is None:
             continue
-        (low, high), fill, bias = found
+        (low, high), fill, bias, *rest = found
         chains = softmax_chains(model, node.output[0])
         if not chains:
             continue
@@ -1033,7 +1075,16 @@ def mask_fill_ranges(
         if bias is not None:
             need = -(high - low) - SOFTMAX_MARGIN
             bias_low[bias] = min(bias_low.get(bias, 0.0), need)
-            bias_readers[bias] = bias_readers.get(bias, 0) + 1
+            adder = producers[rest[0]] if rest else node  # T5: the sum reads the mask bias
+            bias_readers.setdefault(bias, set()).add(adder.name or adder.output[0])
+        if rest:  # the sum of a bias and the mask: its unmasked range, pushed down like it
+            total, (c_low, c_high) = rest
+            old_low = summed.get(total, (c_low, c_high))[0]
+            summed[total] = (min(old_low, c_low - (high - low) - SOFTMAX_MARGIN), c_high)
+    for total, cut in summed.items():
+        if total in result and result[total] != cut:
+            result[total] = cut
+            changed.append(total)
     readers: dict[str, int] = {}
     for node in model.graph.node:
         for name in node.input:
@@ -1041,7 +1092,7 @@ def mask_fill_ranges(
     outputs = {o.name for o in model.graph.output}
     producers = {o: n for n in model.graph.node for o in n.output}
     for bias, need in bias_low.items():
-        if readers.get(bias) != bias_readers[bias] or bias in outputs:
+        if readers.get(bias) != len(bias_readers[bias]) or bias in outputs:
             continue
         cut = (max(need, ranges[bias][0]), 0.0)
         # The bias and what makes it: shape ops back to the Mul/Where that scales or fills

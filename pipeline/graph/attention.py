@@ -86,8 +86,10 @@ def softmax_chains(model: onnx.ModelProto, start: str) -> list[list[str]]:
 
 def _additive_mask(model: onnx.ModelProto, start: str) -> bool:
     """True when every path from ``start`` is added to scores on their way to a Softmax:
-    through ``SHAPE_OPS``, then an Add whose result reaches Softmax (``softmax_chains``).
-    One bias may feed every layer's Add."""
+    through ``SHAPE_OPS`` or a Slice (of a mask made for the longest sequence), then an Add
+    whose result reaches Softmax (``softmax_chains``) or is
+    itself such a bias (T5 adds the mask to its position bias, then that to every layer's
+    scores). One bias may feed every layer's Add."""
     plain_readers = _plain_readers(model)
 
     def added(name: str) -> bool:
@@ -95,10 +97,12 @@ def _additive_mask(model: onnx.ModelProto, start: str) -> bool:
         if found is None:
             return False
         for node in found:
-            if node.op_type in SHAPE_OPS and node.input[0] == name:
+            if node.op_type in SHAPE_OPS | {"Slice"} and node.input[0] == name:
                 if not added(node.output[0]):
                     return False
-            elif node.op_type != "Add" or not softmax_chains(model, node.output[0]):
+            elif node.op_type != "Add" or not (
+                softmax_chains(model, node.output[0]) or added(node.output[0])
+            ):
                 return False
         return True
 
