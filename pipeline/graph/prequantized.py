@@ -622,13 +622,11 @@ def standard_qdq_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     contrib nodes alone), then they move to the default domain, where opset 21 takes their
     types; the values are the same.
     """
-    contrib = [
-        n
+    if not any(
+        n.domain == "com.microsoft" and n.op_type in QDQ_OPS
         for g in edit.all_graphs(model.graph)
         for n in g.node
-        if n.domain == "com.microsoft" and n.op_type in QDQ_OPS
-    ]
-    if not contrib:
+    ):
         return edit.checked_change(edit.copy_model(model), "standard_qdq_ops", [])
     details = []
     if edit.opset_version(model) < _QDQ_21_OPSET:
