@@ -849,27 +849,65 @@ def signed_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     weights (an int16-activation Conv with uint8 weights fails to compile on the HTP).
     (w - 128) with zero point (z - 128) dequantizes to the same values: exact.
     """
+    return _shifted_weights(
+        model, "signed_weights", _WEIGHTED, onnx.TensorProto.UINT8, -128, np.int8, "weight", _SIGNED
+    )
+
+
+# Normalizations whose scale (gamma) the QNN EP takes quantized only unsigned.
+_NORMS = frozenset({"LayerNormalization", "InstanceNormalization"})
+
+
+def unsigned_norm_scales(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """An int8 scale (gamma) of a quantized LayerNormalization -> uint8, zero point + 128.
+
+    The QNN EP declines a LayerNormalization whose gamma is int8 (onnxruntime's quantizer writes
+    int8 weights by default): it and its Q/DQ ran on the CPU, 13 times in an onnxruntime-
+    quantized MiniLM (20 partitions). The same gamma as uint8 compiles (measured, uint8 and
+    uint16 activations). (q + 128) with zero point (z + 128) dequantizes to the same values.
+    """
+    return _shifted_weights(
+        model, "unsigned_norm_scales", _NORMS, onnx.TensorProto.INT8, 128, np.uint8, "scale"
+    )
+
+
+def _shifted_weights(
+    model: onnx.ModelProto,
+    step: str,
+    ops: frozenset[str],
+    from_type: int,
+    shift: int,
+    dtype: type,
+    what: str,
+    activation_types: Sequence[int] | None = None,
+) -> tuple[onnx.ModelProto, Change]:
+    """Every ``ops`` node with a quantized activation (of ``activation_types``, if given) and a
+    ``from_type`` weight in input 1 reads that weight moved by ``shift`` into ``dtype``."""
     model = edit.copy_model(model)
     graph = model.graph
     view = _Graph(graph)
     namer = edit.FreshNames(model)
     details = []
     converted: dict[tuple[str, str], tuple[str, str]] = {}
+    before, after = onnx.TensorProto.DataType.Name(from_type).lower(), np.dtype(dtype).name
     for node in graph.node:
-        if node.op_type not in _WEIGHTED or node.domain not in _DEFAULT or len(node.input) < 2:
+        if node.op_type not in ops or node.domain not in _DEFAULT or len(node.input) < 2:
             continue
         x_dq, w_dq = view.activation_dq(node.input[0]), view.constant_dq(node.input[1])
         if x_dq is None or w_dq is None or len(w_dq.input) < 3:
             continue
-        x_params = _params(x_dq, view.inits)
+        if activation_types is not None:
+            x_params = _params(x_dq, view.inits)
+            if x_params is None or x_params.elem_type not in activation_types:
+                continue
         weight, zp = view.inits[w_dq.input[0]], view.inits[w_dq.input[2]]
-        if x_params is None or x_params.elem_type not in _SIGNED:
+        if weight.data_type != from_type or zp.data_type != from_type:
             continue
-        if weight.data_type != onnx.TensorProto.UINT8 or zp.data_type != onnx.TensorProto.UINT8:
-            continue
-        node.input[1] = _shifted_weight(graph, view.inits, namer, converted, w_dq, -128, np.int8)
-        details.append(f"{edit.node_label(node)}: uint8 weight {w_dq.input[0]!r} -> int8 (exact)")
-    return _finish(model, "signed_weights", details)
+        node.input[1] = _shifted_weight(graph, view.inits, namer, converted, w_dq, shift, dtype)
+        details.append(
+            f"{edit.node_label(node)}: {before} {what} {w_dq.input[0]!r} -> {after} (exact)"
+        )
+    return _finish(model, step, details)
 
 
 def _shifted_weight(
@@ -901,38 +939,6 @@ def _shifted_weight(
         )
     )
     return out
-
-
-# Normalizations whose scale (gamma) the QNN EP takes quantized only unsigned.
-_NORMS = frozenset({"LayerNormalization", "InstanceNormalization"})
-
-
-def unsigned_norm_scales(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """An int8 scale (gamma) of a quantized LayerNormalization -> uint8, zero point + 128.
-
-    The QNN EP declines a LayerNormalization whose gamma is int8 (onnxruntime's quantizer writes
-    int8 weights by default): it and its Q/DQ ran on the CPU, 13 times in an onnxruntime-
-    quantized MiniLM (20 partitions). The same gamma as uint8 compiles (measured, uint8 and
-    uint16 activations). (q + 128) with zero point (z + 128) dequantizes to the same values.
-    """
-    model = edit.copy_model(model)
-    graph = model.graph
-    view = _Graph(graph)
-    namer = edit.FreshNames(model)
-    details = []
-    converted: dict[tuple[str, str], tuple[str, str]] = {}
-    for node in graph.node:
-        if node.op_type not in _NORMS or node.domain not in _DEFAULT or len(node.input) < 2:
-            continue
-        x_dq, w_dq = view.activation_dq(node.input[0]), view.constant_dq(node.input[1])
-        if x_dq is None or w_dq is None or len(w_dq.input) < 3:
-            continue
-        weight, zp = view.inits[w_dq.input[0]], view.inits[w_dq.input[2]]
-        if weight.data_type != onnx.TensorProto.INT8 or zp.data_type != onnx.TensorProto.INT8:
-            continue
-        node.input[1] = _shifted_weight(graph, view.inits, namer, converted, w_dq, 128, np.uint8)
-        details.append(f"{edit.node_label(node)}: int8 scale {w_dq.input[0]!r} -> uint8 (exact)")
-    return _finish(model, "unsigned_norm_scales", details)
 
 
 def _commutes(node: onnx.NodeProto, view: _Graph) -> bool:
