@@ -14,6 +14,7 @@ from onnx import TensorProto, numpy_helper
 from pipeline.graph.fp16_scale import (
     FLOAT16_TARGET,
     decomposed_gelus,
+    exact_float16_forms,
     exact_sigmoids,
     exact_softpluses,
     exact_tanhs,
@@ -146,8 +147,17 @@ def test_fit_float16_scales_back_a_tensor_that_meets_an_unscaled_one() -> None:
     assert refused is None and "too wide" in change.details[0]
 
 
+def with_floor(model: onnx.ModelProto, floor: float) -> onnx.ModelProto:
+    """``model`` (a ``log_power``) with its Log's floor at ``floor``."""
+    model.graph.initializer[3].CopyFrom(
+        numpy_helper.from_array(np.array(floor, np.float32), "floor")
+    )
+    return model
+
+
 def test_fit_float16_leaves_a_model_that_fits() -> None:
-    model = log_power()
+    """Peaks under the target and a Log floor fp16 holds as a normal number: nothing to do."""
+    model = with_floor(log_power(), 1e-3)
     quiet = [x / 1000 for x in audio(3)]
     fitted, change = fit_float16(model, peaks_of(model, quiet))
     assert fitted is None and not change.changed
@@ -422,6 +432,89 @@ def test_a_sigmoid_picked_by_a_where_is_rewritten_too() -> None:
     exact, change = exact_sigmoids(model)
     assert len(change.details) == 2
     assert [n.op_type for n in exact.graph.node].count("Sigmoid") == 0
+
+
+def samples_in_unit_range(count: int) -> list[np.ndarray]:
+    """Audio as a float reader gives it, in [-1, 1], loud and quiet: quiet frames' power and
+    the log's floor (1e-10) lie under fp16's smallest normal (2^-14). Its own generator, so
+    the lift's bound does not depend on the tests run before."""
+    rng = np.random.default_rng(7)
+    return [
+        (rng.standard_normal((1, 1, TAPS * FRAMES)) * 10 ** rng.uniform(-3, -0.5)).astype(
+            np.float32
+        )
+        for _ in range(count)
+    ]
+
+
+def test_fit_float16_lifts_a_log_floor_under_fp16s_normals() -> None:
+    """Nothing overflows, but the Log's floor is in fp16's subnormals: the input is scaled up
+    as far as the calibrated peaks allow (2^10 would reach 2^-14; the mel peak allows 2^4 at
+    degree 2), and the model computes the same in float32."""
+    model = log_power()
+    samples = samples_in_unit_range(6)
+    peaks = peaks_of(model, samples)
+    assert max(peaks.values()) < FLOAT16_TARGET / 100, "the lift must be bounded by a peak"
+    fitted, change = fit_float16(model, peaks)
+    assert fitted is not None, change.details
+    assert "input 'x' scaled by 2^" in change.details[0] and "2^-" not in change.details[0]
+    assert "floor 1e-10" in change.details[0] and "1 Log(s) corrected" in change.details[0]
+    inner = peaks_of(fitted, samples)
+    for name in ("db", "re", "x"):
+        inner.pop(name)
+    assert FLOAT16_TARGET / 4 < max(inner.values()) <= FLOAT16_TARGET  # as far as it goes
+    for x in samples:
+        got, want = every_tensor(fitted, x), every_tensor(model, x)
+        np.testing.assert_allclose(got["db"], want["db"], rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(got["re"], want["re"], rtol=1e-5, atol=1e-7)
+    full = {name: min(peak * 1e4, FLOAT16_TARGET) for name, peak in peaks.items()}
+    assert fit_float16(model, full)[0] is None  # peaks at the target leave no room to lift
+    assert fit_float16(with_floor(log_power(), 1e-3), peaks)[0] is None  # fp16 holds 1e-3
+
+
+def log_energy() -> onnx.ModelProto:
+    """Samples in [-1, 1] -> x^2 + 1e-10 -> 10 log10: a log-energy front end, elementwise."""
+    nodes = [
+        oh.make_node("Mul", ["x", "x"], ["energy"]),
+        oh.make_node("Add", ["energy", "eps"], ["floored"]),
+        oh.make_node("Log", ["floored"], ["ln"]),
+        oh.make_node("Mul", ["ln", "ten_over_ln10"], ["db"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "log_energy",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4096])],
+        [oh.make_tensor_value_info("db", TensorProto.FLOAT, [1, 4096])],
+        [
+            numpy_helper.from_array(np.array(1e-10, np.float32), "eps"),
+            numpy_helper.from_array(np.array(10 / np.log(10), np.float32), "ten_over_ln10"),
+        ],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.qnn
+def test_the_htp_computes_a_lifted_log_floor_right(tmp_path: Path) -> None:
+    """The whole-fp16 path (exact_float16_forms after fit_float16), with and without the lift,
+    on the simulator against float32. Measured: 20.0 dB kept (energies under 2^-24 get the
+    floor's log, those under 2^-14 few bits), 60.8 dB lifted by 2^6."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    rng = np.random.default_rng(3)
+    samples = [
+        (rng.choice([-1, 1], (1, 4096)) * 10 ** rng.uniform(-6, 0, (1, 4096))).astype(np.float32)
+        for _ in range(3)
+    ]
+    model = log_energy()
+    fitted, change = fit_float16(model, peaks_of(model, samples))
+    assert fitted is not None and "scaled by 2^6" in change.details[0], change.details
+    models = {
+        "float": model,
+        "kept": exact_float16_forms(model)[0],
+        "lifted": exact_float16_forms(fitted)[0],
+    }
+    results = whole_ctx_vs_float(tmp_path, models, [{"x": x} for x in samples])
+    assert results["lifted"] > 50.0 and results["kept"] < 30.0, results
 
 
 def floored_log(floor_op: str) -> onnx.ModelProto:
