@@ -81,6 +81,37 @@ def test_missing_batch_axis_is_added(tmp_path: Path) -> None:
     assert next(iter(calib))["x"].shape == (1, 3, 8, 8)
 
 
+@pytest.mark.parametrize("shape", [(1, 3, 8, 8), (3, 8, 8)])
+def test_one_sample_is_repeated_to_a_fixed_batch(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    """A model exported with a fixed batch of 4 takes 4 copies of each batch-1 sample."""
+    tensor_folder(tmp_path, 2, shape=shape)
+    config = make_config(tmp_path, 'kind = "tensors"\npath = "data"\nheld_out = 0.0')
+    calib, _ = build_samples(config, [InputSpec("x", (4, 3, 8, 8), np.dtype("float32"))])
+    first = next(iter(calib))["x"]
+    assert first.shape == (4, 3, 8, 8)
+    assert all(np.array_equal(first[0], first[k]) for k in range(1, 4))
+
+
+def test_a_sample_of_another_batch_is_refused_not_repeated(tmp_path: Path) -> None:
+    tensor_folder(tmp_path, 2, shape=(2, 3, 8, 8))
+    config = make_config(tmp_path, 'kind = "tensors"\npath = "data"')
+    calib, _ = build_samples(config, [InputSpec("x", (4, 3, 8, 8), np.dtype("float32"))])
+    with pytest.raises(CalibrationError, match=r"shape \[2, 3, 8, 8\]; the model takes exactly"):
+        list(calib)
+
+
+def test_an_audio_window_is_repeated_to_a_fixed_batch(tmp_path: Path) -> None:
+    folder = tmp_path / "wav"
+    folder.mkdir()
+    write_wav(folder / "a.wav", np.arange(64 * 4) % 1000)
+    config = make_config(
+        tmp_path, 'kind = "audio"\npath = "wav"\nheld_out = 0.0\n[calibration.audio]\nwindow = 64'
+    )
+    calib, _ = build_samples(config, [InputSpec("audio", (3, 64), np.dtype("float32"))])
+    first = next(iter(calib))["audio"]
+    assert first.shape == (3, 64) and np.allclose(first * 32768, np.arange(64))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -234,7 +234,10 @@ def _load_wav_window(ref: SampleRef, spec: InputSpec, config: ModelConfig) -> di
         raw = handle.readframes(audio.window)
     pcm = np.frombuffer(raw, dtype="<i2").reshape(-1, channels)[:, 0].astype(np.float64)
     values = audio_features(pcm * audio.scale, audio.features, audio.window_fn)
-    size = int(np.prod(spec.shape))
+    shape = tuple(spec.shape)
+    if len(shape) > 1 and shape[0] > 1 and values.size == int(np.prod(shape[1:])):
+        shape = (1, *shape[1:])  # one window of a fixed batch: repeated to it by the router
+    size = int(np.prod(shape))
     if values.size != size:
         what = "samples" if audio.features == "waveform" else f"{audio.features} values"
         raise CalibrationError(
@@ -243,7 +246,7 @@ def _load_wav_window(ref: SampleRef, spec: InputSpec, config: ModelConfig) -> di
             tip="Set calibration.audio.window (and .features) to what the input takes: the "
             "input's length for a waveform, 2 * (bins - 1) for an STFT frame.",
         )
-    return {spec.name: values.reshape(spec.shape).astype(spec.dtype)}
+    return {spec.name: values.reshape(shape).astype(spec.dtype)}
 
 
 def audio_features(window: np.ndarray, features: str, window_fn: str) -> np.ndarray:
@@ -534,6 +537,7 @@ class Router:
             array = np.asarray(raw)
             if array.ndim == len(largest[name]) - 1 and largest[name][0] == 1:
                 array = array[np.newaxis]  # one sample without its batch axis
+            array = _to_fixed_batch(array, tuple(largest[name]), self.rules.get(name, []))
             dtype = np.dtype(self.dtypes[name])
             if array.dtype != dtype:
                 raise CalibrationError(
@@ -588,6 +592,24 @@ class Router:
         own = self.own(sample, ref)
         bucket = self.bucket_of(own, ref)
         return bucket, self.pad(own, bucket, ref), own
+
+
+def _to_fixed_batch(array: np.ndarray, shape: tuple[int, ...], rules: list[Any]) -> np.ndarray:
+    """One sample (batch 1, or no batch axis) repeated to a model's fixed batch of N > 1.
+
+    Why: a model exported with a fixed batch (torch.onnx.export with a dummy input of 8 images
+    and no dynamic axes) takes [8, 3, H, W] and nothing else, while images, audio windows and
+    most readers give one sample at a time; its batch elements are computed independently, so N
+    copies of one sample calibrate and measure it as that sample alone would. A sample that
+    already has the batch, another shape, or a padded first axis (buckets) is left to the
+    shape check."""
+    if not shape or shape[0] <= 1 or any(rule.axis == 0 for rule in rules):
+        return array
+    if array.shape == shape[1:]:
+        array = array[np.newaxis]
+    if array.ndim == 0 or array.shape[0] != 1 or array.shape[1:] != shape[1:]:
+        return array
+    return np.repeat(array, shape[0], axis=0)
 
 
 class BucketSamples:
