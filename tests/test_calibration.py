@@ -214,6 +214,33 @@ def test_images_preprocessing(tmp_path: Path) -> None:
     assert np.allclose(x[0, :, 4:, :], 0.0)
 
 
+@pytest.mark.parametrize(
+    ("image", "spec", "message", "tip"),
+    [
+        ("", ((1, 32, 32, 3), "float32"), r"channel\(s\) on axis 3", 'layout = "NHWC"'),
+        ('layout = "NHWC"', ((1, 3, 32, 32), "float32"), "on axis 1", 'layout = "NCHW"'),
+        ('layout = "NHWC"', ((1, 32, 32, 3), "uint8"), "takes uint8 images", 'dtype = "uint8"'),
+    ],
+)
+def test_an_image_setting_the_input_contradicts_is_named(
+    tmp_path: Path, image: str, spec: tuple, message: str, tip: str
+) -> None:
+    """A TFLite-converted model takes uint8 NHWC images: the error names the setting to change
+    (before, every sample failed the shape or dtype check with a tip to re-save it)."""
+    from PIL import Image
+
+    folder = tmp_path / "img"
+    folder.mkdir()
+    Image.fromarray(np.zeros((20, 40, 3), np.uint8)).save(folder / "black.png")
+    config = make_config(
+        tmp_path, f'kind = "images"\npath = "img"\nheld_out = 0.0\n[calibration.image]\n{image}'
+    )
+    calib, _ = build_samples(config, [InputSpec("x", spec[0], np.dtype(spec[1]))])
+    with pytest.raises(CalibrationError, match=message) as info:
+        list(calib)
+    assert tip in (info.value.tip or "")
+
+
 def test_text_lines_keep_their_aspect_and_letterboxes_their_fill(tmp_path: Path) -> None:
     """resize = "height" (OCR recognizers): the full height, the width by the aspect ratio, the
     rest of the width filled; pad_value is the fill in the units the model is fed (YOLOX

@@ -105,12 +105,41 @@ def _load_tensor_file(ref: SampleRef, default_input: str) -> dict[str, np.ndarra
     return {default_input: array}
 
 
+def _check_image_input(spec: InputSpec, options: Any) -> None:
+    """A CalibrationError naming the [calibration.image] setting that contradicts the input:
+    a channel axis where the layout puts none, or another dtype (a TFLite-converted model takes
+    uint8 NHWC images), instead of a shape or dtype mismatch on every sample."""
+    shape = tuple(spec.shape)
+    if len(shape) == 4:
+        channels = 1 if options.channel_order == "GRAY" else 3
+        at = 3 if options.layout == "NHWC" else 1
+        other, layout = (1, "NCHW") if at == 3 else (3, "NHWC")
+        if shape[at] != channels and shape[other] == channels:
+            raise CalibrationError(
+                f"Input {spec.describe()} has its {channels} channel(s) on axis {other}, but "
+                f"calibration.image.layout is {options.layout!r}.",
+                tip=f'Set layout = "{layout}" under [calibration.image].',
+            )
+    if np.dtype(options.dtype) != spec.dtype:
+        raise CalibrationError(
+            f"Input {spec.describe()} takes {spec.dtype} images, but calibration.image.dtype is "
+            f"{options.dtype!r}.",
+            tip=f'Set dtype = "{spec.dtype}" under [calibration.image]'
+            + (
+                " (uint8 pixels are fed as they are: scale, mean and std do not apply)."
+                if spec.dtype == np.uint8
+                else "."
+            ),
+        )
+
+
 def load_image(path: Path, spec: InputSpec, config: ModelConfig) -> np.ndarray:
     """Read one image and preprocess it into the layout and dtype of ``spec``."""
     from PIL import Image
 
     options = config.calibration.image
     nhwc = options.layout == "NHWC"
+    _check_image_input(spec, options)
     if options.size:
         height, width = options.size
     elif len(spec.shape) == 4:
