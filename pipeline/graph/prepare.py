@@ -40,7 +40,17 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
     changed what a model computes, pipeline.quantize.lossless). ``lstm_nodes``: how many nodes
     unrolling the LSTMs QNN takes may add, for accuracy (``recurrent.unroll_recurrent_ops``;
     None: its default budget, 0: none)."""
-    from . import attention, legacy, numerics, prequantized, recurrent, resize, spectral, tails
+    from . import (
+        attention,
+        legacy,
+        numerics,
+        prequantized,
+        recurrent,
+        resize,
+        spectral,
+        tails,
+        unsupported,
+    )
     from . import transforms as t
 
     return [
@@ -107,6 +117,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.unshare_biases,  # onnxruntime's quantizer names its copies into other tensors
         t.flatten_gemm_biases,  # ... and reads a Gemm's bias as one value per column
         attention.standard_gelu,  # qnn_preprocess fuses TF/Keras GELU into com.microsoft Gelu
+        unsupported.ops_without_qnn_kernels,  # after every GELU fusion: a lone Erf, OneHot...
         t.fold_constants,  # fusions can leave constant subexpressions behind
         t.topological_sort,
         t.store_inferred_shapes,

@@ -1,0 +1,161 @@
+"""pipeline.graph.unsupported: ops the QNN EP has no kernel for, as ops it has."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from pipeline.graph.unsupported import ops_without_qnn_kernels
+
+RNG = np.random.default_rng(5)
+SHAPE = [1, 8, 6, 6]
+
+
+def single_op(
+    nodes: list[onnx.NodeProto],
+    constants: dict[str, np.ndarray],
+    out_shape: list[int],
+    out_type: int = TensorProto.FLOAT,
+    in_type: int = TensorProto.FLOAT,
+) -> onnx.ModelProto:
+    """x -> ``nodes`` -> y, constants as initializers, opset 21."""
+    graph = oh.make_graph(
+        nodes,
+        "single_op",
+        [oh.make_tensor_value_info("x", in_type, SHAPE)],
+        [oh.make_tensor_value_info("y", out_type, out_shape)],
+        [numpy_helper.from_array(value, name) for name, value in constants.items()],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+CASES = {
+    "GlobalLpPool p=2": (
+        [oh.make_node("GlobalLpPool", ["x"], ["y"], p=2)],
+        {},
+        [1, 8, 1, 1],
+    ),
+    "GlobalLpPool p=1": (
+        [oh.make_node("GlobalLpPool", ["x"], ["y"], p=1)],
+        {},
+        [1, 8, 1, 1],
+    ),
+    "Hardmax": ([oh.make_node("Hardmax", ["x"], ["y"], axis=1)], {}, SHAPE),
+    "OneHot": (
+        [
+            oh.make_node("ArgMax", ["x"], ["index"], axis=1, keepdims=0),
+            oh.make_node("Sub", ["index", "two"], ["signed"]),  # negative ones count from the end
+            oh.make_node("OneHot", ["signed", "depth", "values"], ["y"], axis=1),
+        ],
+        {
+            "two": np.array(2, np.int64),
+            "depth": np.array(8, np.int64),
+            "values": np.array([-0.5, 3.0], np.float32),
+        },
+        SHAPE,
+    ),
+    "Trilu": (
+        [oh.make_node("Trilu", ["x", "k"], ["y"], upper=0)],
+        {"k": np.array(1, np.int64)},
+        SHAPE,
+    ),
+    "Mod": (
+        [oh.make_node("Mod", ["x", "divisor"], ["y"], fmod=1)],
+        {"divisor": np.array(0.7, np.float32)},
+        SHAPE,
+    ),
+    "Erf": ([oh.make_node("Erf", ["x"], ["y"])], {}, SHAPE),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_op_becomes_ops_the_qnn_ep_runs_and_computes_the_same(case: str) -> None:
+    nodes, constants, out_shape = CASES[case]
+    op = nodes[-1].op_type
+    model = single_op(nodes, constants, out_shape)
+    rewritten, change = ops_without_qnn_kernels(model)
+    assert change.changed and len(change.details) == 1, change.details
+    assert op not in {n.op_type for n in rewritten.graph.node}
+    for seed in range(3):
+        x = (np.random.default_rng(seed).standard_normal(SHAPE) * 2).astype(np.float32)
+        x[0, :, 0, 0] = [-3.0, -1.3, -0.2, 0.0, 0.3, 1.0, 2.2, 5.0]  # signs, Erf's tails
+        want, got = run(model, x), run(rewritten, x)
+        if op == "Erf":
+            np.testing.assert_allclose(got, want, atol=5e-7)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_what_cannot_be_written_statically_is_left_alone() -> None:
+    """GlobalLpPool with p = 3 (a Pow, refused quantized), Trilu and OneHot with a computed k or
+    depth, an integer Mod: unchanged, said by no detail."""
+    cases = [
+        single_op([oh.make_node("GlobalLpPool", ["x"], ["y"], p=3)], {}, [1, 8, 1, 1]),
+        single_op(
+            [
+                oh.make_node("ReduceMax", ["x"], ["top"], keepdims=0),
+                oh.make_node("Cast", ["top"], ["k"], to=TensorProto.INT64),
+                oh.make_node("Trilu", ["x", "k"], ["y"]),
+            ],
+            {},
+            SHAPE,
+        ),
+        single_op(
+            [oh.make_node("Mod", ["x", "seven"], ["y"])],
+            {"seven": np.array(7, np.int32)},
+            SHAPE,
+            TensorProto.INT32,
+            TensorProto.INT32,
+        ),
+    ]
+    for model in cases:
+        same, change = ops_without_qnn_kernels(model)
+        assert not change.changed and same.graph.node[-1].op_type == model.graph.node[-1].op_type
+
+
+def every_op_between_convs() -> onnx.ModelProto:
+    """x -> Conv -> a; y = Conv(a + Hardmax(a) + OneHot(ArgMax a) + Trilu(a) + Erf(a) +
+    0.1 Mod(a, 0.5) + GlobalLpPool(a)): each op on its own branch, one output."""
+    weight = (RNG.standard_normal((8, 8, 3, 3)) / 8).astype(np.float32)
+    nodes = [
+        oh.make_node("Conv", ["x", "w1"], ["a"], pads=[1, 1, 1, 1]),
+        oh.make_node("Hardmax", ["a"], ["hard"], axis=1),
+        oh.make_node("ArgMax", ["a"], ["index"], axis=1, keepdims=0),
+        oh.make_node("OneHot", ["index", "depth", "values"], ["hot"], axis=1),
+        oh.make_node("Trilu", ["a"], ["tri"]),
+        oh.make_node("Erf", ["a"], ["erf"]),
+        oh.make_node("Mod", ["a", "half"], ["mod"], fmod=1),
+        oh.make_node("Mul", ["mod", "tenth"], ["small_mod"]),
+        oh.make_node("GlobalLpPool", ["a"], ["pool"], p=2),
+        oh.make_node("Sum", ["a", "hard", "hot", "tri", "erf", "small_mod", "pool"], ["total"]),
+        oh.make_node("Conv", ["total", "w2"], ["y"], pads=[1, 1, 1, 1]),
+    ]
+    constants = {
+        "w1": weight,
+        "w2": weight[::-1].copy(),
+        "depth": np.array(8, np.int64),
+        "values": np.array([0.0, 1.0], np.float32),
+        "half": np.array(0.5, np.float32),
+        "tenth": np.array(0.1, np.float32),
+    }
+    return single_op(nodes, constants, SHAPE)
+
+
+@pytest.mark.qnn
+def test_the_htp_runs_them_whole_quantized(tmp_path: Path) -> None:
+    """Quantized and compiled by the real stages: one partition, no CPU node, ctx vs QDQ
+    above 30 dB (without the rewrites each op stays on the CPU and compile's gate fails)."""
+    from compile_fixtures import build_whole_on_htp
+
+    build_whole_on_htp(tmp_path, "every_op", every_op_between_convs())
