@@ -773,3 +773,42 @@ def test_corrupt_source_model_names_the_file(tmp_path: Path, corrupt) -> None:
     with pytest.raises(ModelError) as info:
         load_source_model(path)
     assert str(path) in info.value.message
+
+
+def test_a_source_whose_output_has_no_shape_field_is_loaded_as_onnxruntime_runs_it(
+    tmp_path: Path,
+) -> None:
+    """An output typed by its element type only (and a value info of a function op's output
+    so): onnxruntime runs it, the checker wanted the field. The shape inference gives is filled
+    in; what it cannot give is left for preparation, and anything else is still checked."""
+    import onnx
+    import onnx.helper as oh
+
+    from pipeline.core.errors import ModelError
+    from pipeline.quantize.build import load_source_model
+
+    def model(op: str) -> onnx.ModelProto:
+        nodes = [oh.make_node("Relu", ["x"], ["r"]), oh.make_node(op, ["r"], ["y"])]
+        graph = oh.make_graph(
+            nodes,
+            "bare",
+            [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 8, 4, 4])],
+            [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],  # no shape field
+        )
+        graph.value_info.append(oh.make_tensor_value_info("r", onnx.TensorProto.FLOAT, None))
+        return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=8)
+
+    for op, shape in (("Relu", [1, 8, 4, 4]), ("MeanVarianceNormalization", None)):
+        path = tmp_path / f"{op}.onnx"
+        onnx.save(model(op), str(path))
+        loaded = load_source_model(path)
+        out = loaded.graph.output[0].type.tensor_type
+        if shape is None:  # inference gives none: left for preparation
+            assert not out.HasField("shape")
+        else:
+            assert [d.dim_value for d in out.shape.dim] == shape
+    broken = model("Relu")
+    broken.graph.node[1].input[0] = "missing"
+    onnx.save(broken, str(tmp_path / "broken.onnx"))
+    with pytest.raises(ModelError, match="not a valid ONNX model"):
+        load_source_model(tmp_path / "broken.onnx")

@@ -141,12 +141,63 @@ def load_source_model(path: Path) -> Any:
     # ONNX wants nodes in topological order; some exporters (PyTorch 1.1) do not keep it and
     # onnxruntime runs such models anyway, so order them before the checker judges the rest.
     model = sort_nodes(model)
+    model = _typed_io_shapes(model)
     try:
-        onnx.checker.check_model(model)
+        onnx.checker.check_model(_shapes_for_the_checker(model))
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"Model file {path} is not a valid ONNX model: {first}") from None
     return model
+
+
+def _bare_tensor_values(model: Any) -> list[Any]:
+    """Graph inputs, outputs and value infos typed as tensors without a shape field."""
+    graph = model.graph
+    return [
+        value
+        for value in (*graph.input, *graph.output, *graph.value_info)
+        if value.type.HasField("tensor_type") and not value.type.tensor_type.HasField("shape")
+    ]
+
+
+def _typed_io_shapes(model: Any) -> Any:
+    """Tensors typed without a shape get the shape inference gives them, where it does.
+
+    Why: the checker requires the field ("Field 'shape' of 'type' is required but missing"),
+    onnxruntime does not and runs such a model (an exporter that writes an output's element
+    type only, or a value info of a function op's output); it was refused before preparation,
+    whose own inference and static shapes are what the build needs."""
+    import onnx
+
+    bare = _bare_tensor_values(model)
+    if not bare:
+        return model
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+    except Exception:  # the checker then names what is wrong
+        return model
+    known = {v.name: v for v in (*inferred.input, *inferred.output, *inferred.value_info)}
+    for value in bare:
+        found = known.get(value.name)
+        if found is not None and found.type.tensor_type.HasField("shape"):
+            value.type.tensor_type.shape.CopyFrom(found.type.tensor_type.shape)
+    return model
+
+
+def _shapes_for_the_checker(model: Any) -> Any:
+    """A copy whose remaining shapeless tensors have an empty shape, for the checker only:
+    it judges everything else; preparation infers the real shapes (and names a tensor left
+    without a static one)."""
+    bare = _bare_tensor_values(model)
+    if not bare:
+        return model
+    import onnx
+
+    checked = onnx.ModelProto()
+    checked.CopyFrom(model)
+    for value in _bare_tensor_values(checked):
+        value.type.tensor_type.shape.SetInParent()
+    return checked
 
 
 def _reusable(paths: ModelPaths, record: QuantizeRecord | None, inputs: BuildInputs) -> bool:
