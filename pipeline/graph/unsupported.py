@@ -1,11 +1,12 @@
 """Ops the QNN EP has no kernel for, written with ops it has, for static shapes.
 
 Each stays on the CPU otherwise and cuts the graph in two partitions (measured on the HTP
-simulator, one op between two Convs, onnxruntime-qnn 2.7.0): GlobalLpPool, Hardmax, OneHot,
-Trilu, a float Mod and a standalone Erf (a GELU's Erf is fused into Gelu by
-``attention.fuse_erf_gelu`` first). The rewrites compute the same, except Erf, whose
-polynomial form is within 1.5e-7 of it (Abramowitz and Stegun 7.1.26; 5e-7 in float32), and
-Mod where a / b rounds to an integer it is not (fmod's 0 or b there, a step either way).
+simulator, one op between two Convs, quantized, onnxruntime-qnn 2.7.0): GlobalLpPool, Hardmax,
+OneHot, Trilu, a float Mod, a standalone Erf (a GELU's Erf is fused into Gelu by
+``attention.fuse_erf_gelu`` first), CumSum reversed or exclusive, a 3D MaxPool, Pad in wrap
+mode, Sinh, Cosh, Asinh, Acosh, Atanh and Acos. The rewrites compute the same, except Erf,
+whose polynomial form is within 1.5e-7 of it (Abramowitz and Stegun 7.1.26; 5e-7 in float32),
+and Mod where a / b rounds to an integer it is not (fmod's 0 or b there, a step either way).
 """
 
 from __future__ import annotations
@@ -205,6 +206,219 @@ def _erf(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     return nodes, f"{node_label(node)} -> sign(x) (1 - t poly(t) exp(-x^2)) (within 1.5e-7)"
 
 
+def _flip(node_out: str, source: str, axis: int, context: NodeRewrite) -> onnx.NodeProto:
+    """``source`` reversed along ``axis`` (a Slice with step -1)."""
+    starts = context.constant(np.array([-1], np.int64), f"{node_out}_flip_start")
+    ends = context.constant(np.array([-(2**62)], np.int64), f"{node_out}_flip_end")
+    axes = context.constant(np.array([axis], np.int64), f"{node_out}_flip_axis")
+    steps = context.constant(np.array([-1], np.int64), f"{node_out}_flip_step")
+    return helper.make_node("Slice", [source, starts, ends, axes, steps], [node_out])
+
+
+def _cum_sum(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """CumSum with reverse or exclusive (the QNN EP takes the plain one): reversed as a Slice
+    of step -1 before and after, exclusive as the inclusive sum less the element."""
+    reverse, exclusive = int(_attr(node, "reverse", 0)), int(_attr(node, "exclusive", 0))
+    axis = _scalar(context, node.input[1])
+    shape = context.shape(node.input[0])
+    if not (reverse or exclusive) or axis is None or shape is None:
+        return None
+    axis_i = int(axis) + len(shape) if axis < 0 else int(axis)
+    (out,) = node.output
+    fresh = context.fresh
+    nodes = []
+    source = node.input[0]
+    if reverse:
+        flipped = fresh(f"{out}_reversed_input")
+        nodes.append(_flip(flipped, source, axis_i, context))
+        source = flipped
+    summed = fresh(f"{out}_inclusive")
+    nodes.append(helper.make_node("CumSum", [source, node.input[1]], [summed]))
+    if exclusive:
+        excluded = fresh(f"{out}_exclusive")
+        nodes.append(helper.make_node("Sub", [summed, source], [excluded]))
+        summed = excluded
+    if reverse:
+        nodes.append(_flip(out, summed, axis_i, context))
+    else:
+        nodes[-1].output[0] = out
+    forms = " and ".join(f for f, on in (("reversed", reverse), ("exclusive", exclusive)) if on)
+    return nodes, f"{node_label(node)} ({forms}) -> CumSum of the plain kind"
+
+
+def _max_pool_3d(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """A 3D MaxPool -> a 2D MaxPool over (H, W) with depth folded into channels, then one over
+    (D, 1) with H * W laid along the last axis (max is separable, and so are its -inf pads)."""
+    kernel = list(_attr(node, "kernel_shape", []))  # type: ignore[call-overload]
+    shape = context.shape(node.input[0])
+    result = context.shape(node.output[0])
+    dilations = list(_attr(node, "dilations", [1, 1, 1]))  # type: ignore[call-overload]
+    if (
+        len(kernel) != 3
+        or shape is None
+        or result is None
+        or len(node.output) != 1
+        or any(d != 1 for d in dilations)
+        or _attr(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET")
+    ):
+        return None
+    strides = list(_attr(node, "strides", [1, 1, 1]))  # type: ignore[call-overload]
+    pads = list(_attr(node, "pads", [0] * 6))  # type: ignore[call-overload]
+    ceil = int(_attr(node, "ceil_mode", 0))
+    n, c, d, h, w = shape
+    _, _, d2, h2, w2 = result
+    (out,) = node.output
+    fresh = context.fresh
+
+    def dims(values: list[int], base: str) -> str:
+        return context.constant(np.array(values, np.int64), f"{out}_{base}")
+
+    planes, pooled, columns, deep = (fresh(f"{out}_{s}") for s in ("planes", "hw", "cols", "d"))
+    nodes = [
+        helper.make_node(
+            "Reshape", [node.input[0], dims([n, c * d, h, w], "planes_shape")], [planes]
+        ),
+        helper.make_node(
+            "MaxPool",
+            [planes],
+            [pooled],
+            kernel_shape=kernel[1:],
+            strides=strides[1:],
+            pads=[pads[1], pads[2], pads[4], pads[5]],
+            ceil_mode=ceil,
+        ),
+        helper.make_node("Reshape", [pooled, dims([n, c, d, h2 * w2], "cols_shape")], [columns]),
+        helper.make_node(
+            "MaxPool",
+            [columns],
+            [deep],
+            kernel_shape=[kernel[0], 1],
+            strides=[strides[0], 1],
+            pads=[pads[0], 0, pads[3], 0],
+            ceil_mode=ceil,
+        ),
+        helper.make_node("Reshape", [deep, dims([n, c, d2, h2, w2], "shape")], [out]),
+    ]
+    return nodes, f"{node_label(node)} (3D) -> MaxPool over (H, W), then over D"
+
+
+def _pad_wrap(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """Pad(mode = wrap) with constant, non-negative pads -> a Concat of the slices it wraps."""
+    shape = context.shape(node.input[0])
+    pads = context.inits.get(node.input[1]) if len(node.input) > 1 else None
+    if _attr(node, "mode", b"constant") not in (b"wrap", "wrap") or shape is None or pads is None:
+        return None
+    if len(node.input) > 3 and node.input[3]:
+        axes_init = context.inits.get(node.input[3])
+        if axes_init is None:
+            return None
+        axes = [int(a) % len(shape) for a in onnx.numpy_helper.to_array(axes_init)]
+    else:
+        axes = list(range(len(shape)))
+    amounts = onnx.numpy_helper.to_array(pads).astype(int).tolist()
+    begins, ends = amounts[: len(axes)], amounts[len(axes) :]
+    if any(v < 0 for v in amounts) or any(
+        b > shape[a] or e > shape[a] for a, b, e in zip(axes, begins, ends, strict=True)
+    ):
+        return None
+    (out,) = node.output
+    fresh = context.fresh
+    nodes = []
+    current = node.input[0]
+    for axis, begin, end in zip(axes, begins, ends, strict=True):
+        if not begin and not end:
+            continue
+        parts = []
+        axis_name = context.constant(np.array([axis], np.int64), f"{out}_axis{axis}")
+        for start, stop, tag in ((shape[axis] - begin, shape[axis], "head"), (0, end, "tail")):
+            if stop > start:
+                piece = fresh(f"{out}_{tag}{axis}")
+                bounds = [
+                    context.constant(np.array([v], np.int64), f"{out}_{tag}{axis}_{k}")
+                    for k, v in (("start", start), ("stop", stop))
+                ]
+                nodes.append(helper.make_node("Slice", [current, *bounds, axis_name], [piece]))
+                parts.append((tag, piece))
+        joined = fresh(f"{out}_wrapped{axis}")
+        ordered = (
+            [p for t, p in parts if t == "head"] + [current] + [p for t, p in parts if t == "tail"]
+        )
+        nodes.append(helper.make_node("Concat", ordered, [joined], axis=axis))
+        current = joined
+    if not nodes:
+        return None
+    nodes[-1].output[0] = out
+    return nodes, f"{node_label(node)} (wrap) -> Concat of the wrapped slices"
+
+
+def _from_exp(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """Sinh, Cosh -> (e^x -+ e^-x) / 2; Asinh -> sign(x) log(|x| + sqrt(x^2 + 1)); Acosh ->
+    log(x + sqrt(x^2 - 1)); Atanh -> log((1 + x) / (1 - x)) / 2; Acos -> pi / 2 - Asin(x)."""
+    (x,) = node.input
+    (out,) = node.output
+    fresh = context.fresh
+    op = node.op_type
+
+    def const(value: float, base: str) -> str:
+        return context.constant(np.array(value, np.float32), f"{out}_{base}")
+
+    if op in ("Sinh", "Cosh"):
+        up, negated, down, combined = (
+            fresh(f"{out}_{s}") for s in ("exp", "neg", "exp_neg", "sum")
+        )
+        nodes = [
+            helper.make_node("Exp", [x], [up]),
+            helper.make_node("Neg", [x], [negated]),
+            helper.make_node("Exp", [negated], [down]),
+            helper.make_node("Sub" if op == "Sinh" else "Add", [up, down], [combined]),
+            helper.make_node("Mul", [combined, const(0.5, "half")], [out]),
+        ]
+        return nodes, f"{node_label(node)} -> (e^x {'-' if op == 'Sinh' else '+'} e^-x) / 2"
+    if op == "Acos":
+        sine = fresh(f"{out}_asin")
+        nodes = [
+            helper.make_node("Asin", [x], [sine]),
+            helper.make_node("Sub", [const(np.pi / 2, "half_pi"), sine], [out]),
+        ]
+        return nodes, f"{node_label(node)} -> pi / 2 - Asin(x)"
+    if op == "Atanh":
+        plus, minus, ratio, logged = (
+            fresh(f"{out}_{s}") for s in ("plus", "minus", "ratio", "log")
+        )
+        one = const(1.0, "one")
+        nodes = [
+            helper.make_node("Add", [one, x], [plus]),
+            helper.make_node("Sub", [one, x], [minus]),
+            helper.make_node("Div", [plus, minus], [ratio]),
+            helper.make_node("Log", [ratio], [logged]),
+            helper.make_node("Mul", [logged, const(0.5, "half")], [out]),
+        ]
+        return nodes, f"{node_label(node)} -> log((1 + x) / (1 - x)) / 2"
+    size, square, shifted, root, total, logged, sign = (
+        fresh(f"{out}_{s}") for s in ("abs", "sq", "shifted", "sqrt", "sum", "log", "sign")
+    )
+    if op == "Asinh":  # odd, and from |x| so that large negative x loses nothing to cancellation
+        nodes = [
+            helper.make_node("Abs", [x], [size]),
+            helper.make_node("Mul", [x, x], [square]),
+            helper.make_node("Add", [square, const(1.0, "one")], [shifted]),
+            helper.make_node("Sqrt", [shifted], [root]),
+            helper.make_node("Add", [size, root], [total]),
+            helper.make_node("Log", [total], [logged]),
+            helper.make_node("Sign", [x], [sign]),
+            helper.make_node("Mul", [sign, logged], [out]),
+        ]
+        return nodes, f"{node_label(node)} -> sign(x) log(|x| + sqrt(x^2 + 1))"
+    nodes = [  # Acosh
+        helper.make_node("Mul", [x, x], [square]),
+        helper.make_node("Sub", [square, const(1.0, "one")], [shifted]),
+        helper.make_node("Sqrt", [shifted], [root]),
+        helper.make_node("Add", [x, root], [total]),
+        helper.make_node("Log", [total], [out]),
+    ]
+    return nodes, f"{node_label(node)} -> log(x + sqrt(x^2 - 1))"
+
+
 _REWRITES: dict[str, Callable[[onnx.NodeProto, NodeRewrite], Rewrite | None]] = {
     "GlobalLpPool": _global_lp_pool,
     "Hardmax": _hardmax,
@@ -212,11 +426,20 @@ _REWRITES: dict[str, Callable[[onnx.NodeProto, NodeRewrite], Rewrite | None]] = 
     "Trilu": _trilu,
     "Mod": _mod,
     "Erf": _erf,
+    "CumSum": _cum_sum,
+    "MaxPool": _max_pool_3d,
+    "Pad": _pad_wrap,
+    "Sinh": _from_exp,
+    "Cosh": _from_exp,
+    "Asinh": _from_exp,
+    "Acosh": _from_exp,
+    "Atanh": _from_exp,
+    "Acos": _from_exp,
 }
 
 
 def ops_without_qnn_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """GlobalLpPool, Hardmax, OneHot, Trilu, a float Mod and Erf -> ops the QNN EP runs."""
+    """Each op of ``_REWRITES`` the QNN EP has no kernel for -> ops it runs (module doc)."""
 
     def rewrite(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
         rule = _REWRITES.get(node.op_type)
