@@ -891,19 +891,50 @@ def test_the_htp_takes_a_layernorm_with_a_uint8_scale_only(tmp_path: Path) -> No
 
 @pytest.mark.qnn
 def test_a_kept_model_the_htp_cannot_take_whole_names_requantize(tmp_path: Path) -> None:
-    """A quantized Erf (onnxruntime's static quantizer leaves GELU's Erf between Q/DQ) runs on
-    the CPU: the quantize stage says so and names ``requantize = true``, which the compile
-    gate's refusal alone did not."""
+    """A quantized op the QNN EP has no kernel for (a dilated MaxPool) runs on the CPU: the
+    quantize stage says so and names ``requantize = true``, which the compile gate's refusal
+    alone did not."""
     from pipeline.__main__ import main
 
     b = Builder()
-    model = b.model(b.qdq(b.node("Erf", [b.qdq("x", 4 / 255, 128)]), 2 / 255, 128), out_shape=SHAPE)
+    pooled = b.node(
+        "MaxPool", [b.qdq("x", 4 / 255, 128)], kernel_shape=[3, 3], dilations=[2, 2], pads=[2] * 4
+    )
+    model = b.model(b.qdq(pooled, 4 / 255, 128), out_shape=SHAPE)
     assert (
         main(["quantize", "--artifacts", str(tmp_path / "a"), str(_config(tmp_path, model))]) == 0
     )
     htp = json.loads((tmp_path / "a" / "build" / "pq" / "report.json").read_text())["htp"]
     assert htp["judge"] == "htp" and htp["rounds"][0]["cpu_nodes"] > 0, htp
     assert any("requantize = true" in r for r in htp["remedies"]), htp["remedies"]
+
+
+@pytest.mark.qnn
+def test_a_kept_model_the_htp_computes_far_off_names_requantize(tmp_path: Path) -> None:
+    """Whole on the HTP but far from itself on the CPU: a 16-bit Conv whose requantization
+    factor (input x weight / output scale) is 1, where the HTP floors its accumulator to
+    multiples of 256 (README: measured and not acted on), with weights of -1, 0 and 1 steps, so
+    that its sums are a few hundred steps: the floor is their size, while the model's own
+    rounding floor (inputs moved by half a step) stays small. The quantize stage names
+    ``requantize = true`` before compile's gate refuses it."""
+    from pipeline.__main__ import main
+
+    b = Builder()
+    x = b.qdq("x", 2.0**-6, 32768, np.uint16)  # the test inputs, uniform in [-2, 2]
+    small = RNG.integers(-1, 2, (3, 3, 3, 3)).astype(np.int8)  # -1, 0, 1 times the scale
+    weight = b.node(
+        "DequantizeLinear", [b.const(small, "w"), b.const(np.float32(0.5)), b.const(np.int8(0))]
+    )
+    conv = b.node("Conv", [x, weight, b.bias(3, 2.0**-6 * 0.5)], pads=[1] * 4)
+    model = b.model(b.qdq(conv, 2.0**-6 * 0.5, 32768, np.uint16), opset=21, out_shape=SHAPE)
+    config = _config(tmp_path, model)
+    config.write_text(config.read_text() + "\n[compile]\nmin_snr_db = 20.0\n")
+    assert main(["quantize", "--artifacts", str(tmp_path / "a"), str(config)]) == 0
+    htp = json.loads((tmp_path / "a" / "build" / "pq" / "report.json").read_text())["htp"]
+    kept = htp["rounds"][0]
+    assert kept["partitions"] == 1 and kept["cpu_nodes"] == 0, kept
+    assert kept["ctx_vs_qdq_db"] < 20.0, kept
+    assert any("below compile's gate" in r for r in htp["remedies"]), htp["remedies"]
 
 
 # -- onnxruntime's dynamic quantization --------------------------------------------------------

@@ -74,7 +74,7 @@ from . import quantizer
 from . import report as report_mod
 from .evaluate import end_to_end, evaluate, input_jitter
 from .judge import Builder, HtpJudgement, judge_on_htp
-from .lossless import bucket_inputs, check_preparation
+from .lossless import OWN_ROUNDING_MARGIN_DB, bucket_inputs, check_preparation
 from .mixed_precision import MixedPrecision, raise_precision
 from .shapes import PreparedBucket, differing, initializer_digests, lstm_budget, prepare_buckets
 
@@ -577,13 +577,29 @@ def _measure_own(config: ModelConfig, paths: ModelPaths, state: _State) -> HtpJu
     state.timings["judge"] = time.perf_counter() - started
     if judgement.judge == "htp":
         kept = judgement.rounds[-1] if judgement.rounds else None
+        jitter = state.own.input_jitter.values() if state.own else ()
+        floors = [a.snr_db for a in jitter if a.snr_db == a.snr_db]  # NaN: no figure
+        gate = min([config.compile.min_snr_db, *(f - OWN_ROUNDING_MARGIN_DB for f in floors)])
+        problem = ""
         if kept is not None and (kept.partitions != 1 or kept.cpu_nodes):
-            # The compile gate refuses it; say here what would build it.
+            problem = (
+                f"not whole on the NPU ({kept.partitions} QNN partition(s), {kept.cpu_nodes} "
+                "CPU node(s)): its own quantization has ops the HTP does not take quantized"
+            )
+        elif (
+            kept is not None
+            and kept.ctx_vs_qdq_db is not None
+            and config.compile.min_snr_db > 0  # 0: compile gates nothing
+            and kept.ctx_vs_qdq_db < gate
+        ):
+            problem = (
+                f"the HTP computes its own quantization {kept.ctx_vs_qdq_db:.1f} dB from the "
+                f"model on the CPU, below compile's gate of {gate:.1f} dB"
+            )
+        if problem:  # the compile gate refuses it; say here what would build it
             advice = (
-                f"as it is, not whole on the NPU ({kept.partitions} QNN partition(s), "
-                f"{kept.cpu_nodes} CPU node(s)): its own quantization has ops the HTP does not "
-                "take quantized; requantize = true in [quantization] calibrates and quantizes "
-                "the float model behind it instead"
+                f"as it is, {problem}; requantize = true in [quantization] calibrates and "
+                "quantizes the float model behind it instead"
             )
             judgement.remedies.append(advice)
             print(f"NOTE {config.model.name}: {advice}.")
