@@ -172,6 +172,45 @@ def test_a_3d_max_pool_is_two_2d_ones() -> None:
         np.testing.assert_array_equal(run(rewritten, x), run(model, x))
 
 
+def test_a_scaled_gemm_and_a_constant_compress_compute_the_same() -> None:
+    """Gemm with alpha 0.5 and beta 2 -> the plain Gemm of alpha B and beta C; Compress with a
+    constant condition (along an axis, and over the flattened input) -> a Gather."""
+    gemm = oh.make_graph(
+        [oh.make_node("Gemm", ["x", "b", "c"], ["y"], alpha=0.5, beta=2.0, transB=1)],
+        "gemm",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [4, 5])],
+        [
+            numpy_helper.from_array(RNG.standard_normal((5, 6)).astype(np.float32), "b"),
+            numpy_helper.from_array(RNG.standard_normal(5).astype(np.float32), "c"),
+        ],
+    )
+    models = [(oh.make_model(gemm, opset_imports=[oh.make_opsetid("", 21)], ir_version=10), (4, 6))]
+    for axis in (1, None):
+        attrs = {"axis": axis} if axis is not None else {}
+        condition = np.array([1, 0, 1, 1, 0, 0, 1, 0] if axis else [1, 0] * 144, bool)
+        out = [1, 4, 6, 6] if axis else [int(condition.sum())]
+        models.append(
+            (
+                single_op(
+                    [oh.make_node("Compress", ["x", "keep"], ["y"], **attrs)],
+                    {"keep": condition},
+                    out,
+                ),
+                tuple(SHAPE),
+            )
+        )
+    for model, shape in models:
+        rewritten, change = ops_without_qnn_kernels(model)
+        assert change.changed, model.graph.node[0].op_type
+        assert all(
+            not (n.op_type == "Compress" or (n.op_type == "Gemm" and len(n.attribute) > 1))
+            for n in rewritten.graph.node
+        )
+        x = RNG.standard_normal(shape).astype(np.float32)
+        np.testing.assert_allclose(run(rewritten, x), run(model, x), rtol=1e-6, atol=1e-6)
+
+
 def test_what_cannot_be_written_statically_is_left_alone() -> None:
     """GlobalLpPool with p = 3 (a Pow, refused quantized), Trilu and OneHot with a computed k or
     depth, an integer Mod: unchanged, said by no detail."""
@@ -201,7 +240,7 @@ def test_what_cannot_be_written_statically_is_left_alone() -> None:
 
 BRANCHES = [
     *("a", "hard", "hot", "tri", "erf", "small_mod", "pool", "small_cum", "smooth"),
-    *("atanh", "acos", "sinh", "cosh", "asinh", "acosh"),
+    *("atanh", "acos", "sinh", "cosh", "asinh", "acosh", "compressed", "gemm"),
 ]
 
 
@@ -233,6 +272,11 @@ def every_op_between_convs() -> onnx.ModelProto:
         oh.make_node("Abs", ["a"], ["size"]),
         oh.make_node("Add", ["size", "one"], ["above_one"]),
         oh.make_node("Acosh", ["above_one"], ["acosh"]),
+        oh.make_node("Compress", ["a", "half_channels"], ["kept"], axis=1),
+        oh.make_node("Concat", ["kept", "kept"], ["compressed"], axis=1),
+        oh.make_node("Reshape", ["a", "rows"], ["flat"]),
+        oh.make_node("Gemm", ["flat", "gemm_b", "gemm_c"], ["scaled"], alpha=0.5, beta=2.0),
+        oh.make_node("Reshape", ["scaled", "back"], ["gemm"]),
         oh.make_node(
             "Sum",
             BRANCHES,
@@ -251,6 +295,11 @@ def every_op_between_convs() -> onnx.ModelProto:
         "wrap_pads": np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64),
         "shrink": np.array(0.9, np.float32),
         "one": np.array(1.0, np.float32),
+        "half_channels": np.array([1, 0, 0, 1, 1, 0, 1, 0], bool),
+        "rows": np.array([48, 6], np.int64),
+        "gemm_b": (RNG.standard_normal((6, 6)) / 3).astype(np.float32),
+        "gemm_c": (RNG.standard_normal(6) / 3).astype(np.float32),
+        "back": np.array(SHAPE, np.int64),
     }
     return single_op(nodes, constants, SHAPE)
 

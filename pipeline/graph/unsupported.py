@@ -4,7 +4,8 @@ Each stays on the CPU otherwise and cuts the graph in two partitions (measured o
 simulator, one op between two Convs, quantized, onnxruntime-qnn 2.7.0): GlobalLpPool, Hardmax,
 OneHot, Trilu, a float Mod, a standalone Erf (a GELU's Erf is fused into Gelu by
 ``attention.fuse_erf_gelu`` first), CumSum reversed or exclusive, a 3D MaxPool, Pad in wrap
-mode, Sinh, Cosh, Asinh, Acosh, Atanh and Acos. The rewrites compute the same, except Erf,
+mode, Sinh, Cosh, Asinh, Acosh, Atanh and Acos; and forms it takes not: Gemm with alpha or
+beta, Compress with a constant condition. The rewrites compute the same, except Erf,
 whose polynomial form is within 1.5e-7 of it (Abramowitz and Stegun 7.1.26; 5e-7 in float32),
 and Mod where a / b rounds to an integer it is not (fmod's 0 or b there, a step either way).
 """
@@ -419,6 +420,51 @@ def _from_exp(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     return nodes, f"{node_label(node)} -> log(x + sqrt(x^2 - 1))"
 
 
+def _gemm_scaled(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """Gemm with alpha or beta other than 1 and constant B and C -> alpha folded into B, beta
+    into C. Why: the QNN EP leaves such a Gemm on the CPU, and onnxruntime's quantizer
+    quantizes its bias as if beta were 1 (measured: alpha 0.5, beta 2, 8.7 dB vs float)."""
+    alpha, beta = float(_attr(node, "alpha", 1.0)), float(_attr(node, "beta", 1.0))
+    weights = context.inits.get(node.input[1])
+    bias = context.inits.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+    has_bias = len(node.input) > 2 and bool(node.input[2])
+    if (alpha == 1.0 and beta == 1.0) or weights is None or (has_bias and bias is None):
+        return None
+    out = node.output[0]
+    scaled_w = onnx.numpy_helper.to_array(weights).astype(np.float64) * alpha
+    inputs = [node.input[0], context.constant(scaled_w.astype(np.float32), f"{out}_alpha_b")]
+    if bias is not None:
+        scaled_c = onnx.numpy_helper.to_array(bias).astype(np.float64) * beta
+        inputs.append(context.constant(scaled_c.astype(np.float32), f"{out}_beta_c"))
+    kept = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    kept = {k: v for k, v in kept.items() if k in ("transA", "transB")}
+    rewritten = helper.make_node("Gemm", inputs, list(node.output), name=node.name, **kept)
+    return [rewritten], f"{node_label(node)}: alpha {alpha:g} into B, beta {beta:g} into C"
+
+
+def _compress(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """Compress with a constant condition -> Gather of the indices it keeps (a static shape;
+    a computed condition keeps its data-dependent size and the error that says so)."""
+    condition = context.inits.get(node.input[1])
+    shape = context.shape(node.input[0])
+    if condition is None or shape is None:
+        return None
+    kept = np.flatnonzero(onnx.numpy_helper.to_array(condition).astype(bool)).astype(np.int64)
+    out = node.output[0]
+    indices = context.constant(kept, f"{out}_kept")
+    axis = _attr(node, "axis", None)
+    if axis is None:  # over the flattened input
+        flat = context.fresh(f"{out}_flat")
+        whole = context.constant(np.array([-1], np.int64), f"{out}_flat_shape")
+        nodes = [
+            helper.make_node("Reshape", [node.input[0], whole], [flat]),
+            helper.make_node("Gather", [flat, indices], [out], axis=0),
+        ]
+    else:
+        nodes = [helper.make_node("Gather", [node.input[0], indices], [out], axis=int(axis))]
+    return nodes, f"{node_label(node)} -> Gather of the {kept.size} constant indices it keeps"
+
+
 _REWRITES: dict[str, Callable[[onnx.NodeProto, NodeRewrite], Rewrite | None]] = {
     "GlobalLpPool": _global_lp_pool,
     "Hardmax": _hardmax,
@@ -435,6 +481,8 @@ _REWRITES: dict[str, Callable[[onnx.NodeProto, NodeRewrite], Rewrite | None]] = 
     "Acosh": _from_exp,
     "Atanh": _from_exp,
     "Acos": _from_exp,
+    "Gemm": _gemm_scaled,
+    "Compress": _compress,
 }
 
 
