@@ -13,6 +13,7 @@ from onnx import TensorProto, numpy_helper
 
 from pipeline.graph.fp16_scale import (
     FLOAT16_TARGET,
+    asins_from_atan,
     decomposed_gelus,
     exact_float16_forms,
     exact_sigmoids,
@@ -743,3 +744,35 @@ def test_the_htp_computes_lifted_weights_right(tmp_path: Path) -> None:
     assert results["lifted"] > 60.0, results
     # If a new QNN SDK keeps fp16 subnormals, this says so: the rule is then only harmless.
     assert results["float"] < results["lifted"] - 15.0, results
+
+
+def asin_model() -> onnx.ModelProto:
+    """x in [-1, 1] -> Asin -> y, over 4096 values."""
+    graph = oh.make_graph(
+        [oh.make_node("Asin", ["x"], ["y"])],
+        "asin",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4096])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4096])],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def test_asin_is_computed_from_atan_and_the_same() -> None:
+    model = asin_model()
+    rewritten, change = asins_from_atan(model)
+    assert change.changed and "Asin" not in {n.op_type for n in rewritten.graph.node}
+    x = np.linspace(-1, 1, 4096, dtype=np.float32).reshape(1, -1)  # both ends included
+    np.testing.assert_allclose(cpu_outputs(rewritten, x), cpu_outputs(model, x), atol=3e-7)
+
+
+@pytest.mark.qnn
+def test_the_htp_runs_asin_whole_in_fp16_from_atan(tmp_path: Path) -> None:
+    """Measured: the fp16 Asin stays on the CPU (no partition); from Atan it runs whole, and
+    the half-angle form keeps x = +-1 finite (atan(x / sqrt(1 - x^2)) there: -72.5 dB)."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    rewritten, _ = asins_from_atan(asin_model())
+    x = np.linspace(-1, 1, 4096, dtype=np.float32).reshape(1, -1)
+    models = {"float": rewritten}  # the reference is computed on the CPU from the same form
+    results = whole_ctx_vs_float(tmp_path, models, [{"x": x}])
+    assert results["float"] > 50.0, results
