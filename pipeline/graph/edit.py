@@ -571,6 +571,31 @@ def replace_nodes(
     return checked_change(model, step, details)
 
 
+NodeRule = Callable[[onnx.NodeProto, NodeRewrite], "tuple[list[onnx.NodeProto], str] | None"]
+
+
+def replace_by_op(
+    model: onnx.ModelProto, step: str, rules: Mapping[str, NodeRule], domains: Sequence[str]
+) -> tuple[onnx.ModelProto, Change]:
+    """``replace_nodes`` with one rule per op type, for nodes of ``domains`` only."""
+
+    def rewrite(
+        node: onnx.NodeProto, context: NodeRewrite
+    ) -> tuple[list[onnx.NodeProto], str] | None:
+        rule = rules.get(node.op_type)
+        return None if rule is None or node.domain not in domains else rule(node, context)
+
+    return replace_nodes(model, step, rewrite)
+
+
+def attribute(node: onnx.NodeProto, name: str, default: Any) -> Any:
+    """The value of ``node``'s attribute ``name``, ``default`` when it has none."""
+    for attr in node.attribute:
+        if attr.name == name:
+            return onnx.helper.get_attribute_value(attr)
+    return default
+
+
 def drop_nodes(graph: onnx.GraphProto, indices: set[int]) -> None:
     # Indices, not id(): protobuf hands out fresh Python wrappers for the same node.
     set_nodes(graph, [n for i, n in enumerate(graph.node) if i not in indices])

@@ -42,6 +42,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
     None: its default budget, 0: none)."""
     from . import (
         attention,
+        contrib,
         legacy,
         numerics,
         prequantized,
@@ -65,6 +66,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         prequantized.qoperator_to_qdq,  # QLinear* ops -> DQ, float op, Q (what QNN groups)
         prequantized.upgrade_opset,  # t.upgrade_opset; a pre-quantized model keeps its opset
         prequantized.standard_qdq_ops,  # onnxruntime's com.microsoft 16-bit Q/DQ: no schema
+        contrib.fused_transformer_ops,  # onnxruntime's fused Attention, SkipLayerNorm...
         legacy.restore_pinned_ops,
         t.expand_function_ops,  # Mish, GroupNormalization, 3 Reduce ops: the QNN EP takes none
         t.constants_to_initializers,  # the converter may add Constant nodes

@@ -12,22 +12,21 @@ and Mod where a / b rounds to an integer it is not (fmod's 0 or b there, a step 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import onnx
 from onnx import helper
 
-from .edit import DEFAULT_DOMAINS, Change, NodeRewrite, node_label, replace_nodes
+from .edit import (
+    DEFAULT_DOMAINS,
+    Change,
+    NodeRewrite,
+    NodeRule,
+    attribute,
+    node_label,
+    replace_by_op,
+)
 
 Rewrite = tuple[list[onnx.NodeProto], str]
-
-
-def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
-    for attr in node.attribute:
-        if attr.name == name:
-            return helper.get_attribute_value(attr)
-    return default
 
 
 def _scalar(context: NodeRewrite, name: str) -> float | None:
@@ -42,7 +41,7 @@ def _global_lp_pool(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | Non
     """GlobalLpPool(x, p) -> ReduceL2 (p = 2) or ReduceSum of |x| (p = 1) over the spatial axes
     (other p would need a Pow, which the HTP refuses quantized: left as it is)."""
     shape = context.shape(node.input[0])
-    p = int(_attr(node, "p", 2))
+    p = int(attribute(node, "p", 2))
     if shape is None or len(shape) < 3 or p not in (1, 2):
         return None
     axes = context.constant(np.arange(2, len(shape), dtype=np.int64), f"{node.output[0]}_axes")
@@ -72,7 +71,7 @@ def _hardmax(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     shape = context.shape(node.input[0])
     if shape is None:
         return None
-    axis = int(_attr(node, "axis", -1))
+    axis = int(attribute(node, "axis", -1))
     axis = axis + len(shape) if axis < 0 else axis
     (out,) = node.output
     first, same = context.fresh(f"{out}_argmax"), context.fresh(f"{out}_is_max")
@@ -96,7 +95,7 @@ def _one_hot(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
         return None
     pair = onnx.numpy_helper.to_array(values).reshape(-1)
     rank = len(shape) + 1
-    axis = int(_attr(node, "axis", -1))
+    axis = int(attribute(node, "axis", -1))
     axis = axis + rank if axis < 0 else axis
     (out,) = node.output
     fresh = context.fresh
@@ -128,7 +127,7 @@ def _trilu(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     if shape is None or len(shape) < 2 or k is None:
         return None
     rows, cols = shape[-2:]
-    upper = bool(_attr(node, "upper", 1))
+    upper = bool(attribute(node, "upper", 1))
     make = np.triu if upper else np.tril
     elem = context.elem_type(node.input[0]) or onnx.TensorProto.FLOAT
     mask = make(np.ones((rows, cols)), int(k)).astype(onnx.helper.tensor_dtype_to_np_dtype(elem))
@@ -141,7 +140,9 @@ def _trilu(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
 def _mod(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     """A float Mod (fmod = 1, C's fmod) -> a - b * trunc(a / b), trunc(z) = sign(z) floor(|z|)."""
     elem = context.elem_type(node.input[0])
-    if elem not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16) or not _attr(node, "fmod", 0):
+    if elem not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16) or not attribute(
+        node, "fmod", 0
+    ):
         return None
     a, b = node.input
     (out,) = node.output
@@ -219,7 +220,7 @@ def _flip(node_out: str, source: str, axis: int, context: NodeRewrite) -> onnx.N
 def _cum_sum(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     """CumSum with reverse or exclusive (the QNN EP takes the plain one): reversed as a Slice
     of step -1 before and after, exclusive as the inclusive sum less the element."""
-    reverse, exclusive = int(_attr(node, "reverse", 0)), int(_attr(node, "exclusive", 0))
+    reverse, exclusive = int(attribute(node, "reverse", 0)), int(attribute(node, "exclusive", 0))
     axis = _scalar(context, node.input[1])
     shape = context.shape(node.input[0])
     if not (reverse or exclusive) or axis is None or shape is None:
@@ -250,22 +251,22 @@ def _cum_sum(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
 def _max_pool_3d(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     """A 3D MaxPool -> a 2D MaxPool over (H, W) with depth folded into channels, then one over
     (D, 1) with H * W laid along the last axis (max is separable, and so are its -inf pads)."""
-    kernel = list(_attr(node, "kernel_shape", []))  # type: ignore[call-overload]
+    kernel = list(attribute(node, "kernel_shape", []))
     shape = context.shape(node.input[0])
     result = context.shape(node.output[0])
-    dilations = list(_attr(node, "dilations", [1, 1, 1]))  # type: ignore[call-overload]
+    dilations = list(attribute(node, "dilations", [1, 1, 1]))
     if (
         len(kernel) != 3
         or shape is None
         or result is None
         or len(node.output) != 1
         or any(d != 1 for d in dilations)
-        or _attr(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET")
+        or attribute(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET")
     ):
         return None
-    strides = list(_attr(node, "strides", [1, 1, 1]))  # type: ignore[call-overload]
-    pads = list(_attr(node, "pads", [0] * 6))  # type: ignore[call-overload]
-    ceil = int(_attr(node, "ceil_mode", 0))
+    strides = list(attribute(node, "strides", [1, 1, 1]))
+    pads = list(attribute(node, "pads", [0] * 6))
+    ceil = int(attribute(node, "ceil_mode", 0))
     n, c, d, h, w = shape
     _, _, d2, h2, w2 = result
     (out,) = node.output
@@ -307,7 +308,11 @@ def _pad_wrap(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     """Pad(mode = wrap) with constant, non-negative pads -> a Concat of the slices it wraps."""
     shape = context.shape(node.input[0])
     pads = context.inits.get(node.input[1]) if len(node.input) > 1 else None
-    if _attr(node, "mode", b"constant") not in (b"wrap", "wrap") or shape is None or pads is None:
+    if (
+        attribute(node, "mode", b"constant") not in (b"wrap", "wrap")
+        or shape is None
+        or pads is None
+    ):
         return None
     if len(node.input) > 3 and node.input[3]:
         axes_init = context.inits.get(node.input[3])
@@ -424,7 +429,7 @@ def _gemm_scaled(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     """Gemm with alpha or beta other than 1 and constant B and C -> alpha folded into B, beta
     into C. Why: the QNN EP leaves such a Gemm on the CPU, and onnxruntime's quantizer
     quantizes its bias as if beta were 1 (measured: alpha 0.5, beta 2, 8.7 dB vs float)."""
-    alpha, beta = float(_attr(node, "alpha", 1.0)), float(_attr(node, "beta", 1.0))
+    alpha, beta = float(attribute(node, "alpha", 1.0)), float(attribute(node, "beta", 1.0))
     weights = context.inits.get(node.input[1])
     bias = context.inits.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
     has_bias = len(node.input) > 2 and bool(node.input[2])
@@ -452,7 +457,7 @@ def _compress(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     kept = np.flatnonzero(onnx.numpy_helper.to_array(condition).astype(bool)).astype(np.int64)
     out = node.output[0]
     indices = context.constant(kept, f"{out}_kept")
-    axis = _attr(node, "axis", None)
+    axis = attribute(node, "axis", None)
     if axis is None:  # over the flattened input
         flat = context.fresh(f"{out}_flat")
         whole = context.constant(np.array([-1], np.int64), f"{out}_flat_shape")
@@ -465,7 +470,7 @@ def _compress(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     return nodes, f"{node_label(node)} -> Gather of the {kept.size} constant indices it keeps"
 
 
-_REWRITES: dict[str, Callable[[onnx.NodeProto, NodeRewrite], Rewrite | None]] = {
+_REWRITES: dict[str, NodeRule] = {
     "GlobalLpPool": _global_lp_pool,
     "Hardmax": _hardmax,
     "OneHot": _one_hot,
@@ -489,10 +494,4 @@ _REWRITES: dict[str, Callable[[onnx.NodeProto, NodeRewrite], Rewrite | None]] = 
 def ops_without_qnn_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Each op of ``_REWRITES`` the QNN EP has no kernel for -> ops it runs (module doc)."""
 
-    def rewrite(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
-        rule = _REWRITES.get(node.op_type)
-        if rule is None or node.domain not in DEFAULT_DOMAINS:
-            return None
-        return rule(node, context)
-
-    return replace_nodes(model, "ops_without_qnn_kernels", rewrite)
+    return replace_by_op(model, "ops_without_qnn_kernels", _REWRITES, DEFAULT_DOMAINS)

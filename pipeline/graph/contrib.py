@@ -1,0 +1,298 @@
+"""onnxruntime's fused transformer ops (com.microsoft) written as the standard ops they fuse.
+
+onnxruntime's transformer optimizer (``onnxruntime.transformers.optimizer``, and Optimum's
+ORTOptimizer) rewrites a BERT-style encoder into EmbedLayerNormalization, Attention,
+SkipLayerNormalization and BiasGelu/FastGelu: models published "optimized for onnxruntime". ONNX
+shape inference knows none of them (the build stopped at "no static shape"), and the QNN EP runs
+none. Each is written back as the ops an exporter writes, in the forms the rest of preparation
+and the attention rules know (a Hugging Face mask bias, scores divided by sqrt(d)), with the
+same function (onnxruntime's CPU kernels are the reference in the tests). A form outside what
+is written here (past state, a causal or 3D/4D mask, rotary embeddings) is left as it is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from .edit import Change, NodeRewrite, NodeRule, attribute, node_label, replace_by_op
+
+Rewrite = tuple[list[onnx.NodeProto], str]
+MS = "com.microsoft"
+
+
+def _given(node: onnx.NodeProto, index: int) -> str:
+    """Input ``index`` of ``node``, "" when absent."""
+    return node.input[index] if len(node.input) > index else ""
+
+
+def _used_outputs(node: onnx.NodeProto) -> list[int]:
+    return [i for i, name in enumerate(node.output) if name]
+
+
+def _skip_layer_norm(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """SkipLayerNormalization(x, skip, gamma, beta, bias) -> LayerNormalization(x + skip +
+    bias); its fourth output is that sum (the mean and inverse std outputs are not written)."""
+    if any(i in (1, 2) for i in _used_outputs(node)):
+        return None
+    fresh = context.fresh
+    out = node.output[0]
+    total = fresh(f"{out}_sum")
+    nodes = [helper.make_node("Add", [node.input[0], node.input[1]], [total])]
+    bias = _given(node, 4)
+    if bias:
+        biased = fresh(f"{out}_biased")
+        nodes.append(helper.make_node("Add", [total, bias], [biased]))
+        total = biased
+    if len(node.output) > 3 and node.output[3]:
+        nodes.append(helper.make_node("Identity", [total], [node.output[3]]))
+    beta = _given(node, 3)
+    epsilon = float(attribute(node, "epsilon", 1e-12))
+    norm_inputs = [total, node.input[2]] + ([beta] if beta else [])
+    nodes.append(
+        helper.make_node("LayerNormalization", norm_inputs, [out], axis=-1, epsilon=epsilon)
+    )
+    return nodes, f"{node_label(node)} -> Add + LayerNormalization"
+
+
+def _gelu_family(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """BiasGelu(x, b) -> Gelu(x + b); FastGelu(x, b) -> Gelu(x + b, tanh); Gelu -> Gelu;
+    QuickGelu(x) -> x * Sigmoid(alpha x); BiasAdd(x, b, skip) -> x + b + skip."""
+    fresh = context.fresh
+    out = node.output[0]
+    op = node.op_type
+    source = node.input[0]
+    nodes: list[onnx.NodeProto] = []
+    bias = _given(node, 1)
+    if op in ("BiasGelu", "FastGelu", "BiasAdd") and bias:
+        source, x = fresh(f"{out}_biased"), source
+        nodes.append(helper.make_node("Add", [x, bias], [source]))
+    if op == "BiasAdd":
+        nodes.append(helper.make_node("Add", [source, node.input[2]], [out]))
+        return nodes, f"{node_label(node)} -> Add + Add"
+    if op == "QuickGelu":
+        alpha = float(attribute(node, "alpha", 1.702))
+        factor = context.constant(np.array(alpha, np.float32), f"{out}_alpha")
+        scaled, gate = fresh(f"{out}_scaled"), fresh(f"{out}_gate")
+        nodes += [
+            helper.make_node("Mul", [source, factor], [scaled]),
+            helper.make_node("Sigmoid", [scaled], [gate]),
+            helper.make_node("Mul", [source, gate], [out]),
+        ]
+        return nodes, f"{node_label(node)} -> x * Sigmoid({alpha:g} x)"
+    approximate = "tanh" if op == "FastGelu" else "none"
+    nodes.append(helper.make_node("Gelu", [source], [out], approximate=approximate))
+    return nodes, f"{node_label(node)} -> Gelu ({approximate})"
+
+
+def _embed_layer_norm(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """EmbedLayerNormalization -> Gathers of the word, position and segment embeddings, their
+    sum, LayerNormalization; its mask_index output (valid tokens per row) from the mask."""
+    if _given(node, 8) or (len(node.output) > 2 and node.output[2]):
+        return None  # explicit position ids, the embedding sum: not written here
+    fresh = context.fresh
+    out = node.output[0]
+    ids, segments = node.input[0], _given(node, 1)
+    words, positions, segment_table = node.input[2], node.input[3], _given(node, 4)
+    gamma, beta, mask = node.input[5], node.input[6], _given(node, 7)
+
+    def ints(values: list[int], base: str) -> str:
+        return context.constant(np.array(values, np.int64), f"{out}_{base}")
+
+    word, shape, length, ends, position, summed = (
+        fresh(f"{out}_{s}") for s in ("word", "shape", "length", "ends", "position", "sum")
+    )
+    nodes = [
+        helper.make_node("Gather", [words, ids], [word], axis=0),
+        helper.make_node("Shape", [ids], [shape]),
+        helper.make_node("Gather", [shape, ints([1], "seq_axis")], [length], axis=0),
+        helper.make_node(
+            "Slice", [positions, ints([0], "start"), length, ints([0], "axis")], [ends]
+        ),
+        helper.make_node("Unsqueeze", [ends, ints([0], "batch_axis")], [position]),
+        helper.make_node("Add", [word, position], [summed]),
+    ]
+    if segments and segment_table:
+        segment, with_segment = fresh(f"{out}_segment"), fresh(f"{out}_with_segment")
+        nodes += [
+            helper.make_node("Gather", [segment_table, segments], [segment], axis=0),
+            helper.make_node("Add", [summed, segment], [with_segment]),
+        ]
+        summed = with_segment
+    epsilon = float(attribute(node, "epsilon", 1e-12))
+    nodes.append(
+        helper.make_node(
+            "LayerNormalization", [summed, gamma, beta], [out], axis=-1, epsilon=epsilon
+        )
+    )
+    if len(node.output) > 1 and node.output[1]:
+        if mask:
+            as_int = fresh(f"{out}_mask_int")
+            nodes += [
+                helper.make_node("Cast", [mask], [as_int], to=onnx.TensorProto.INT32),
+                helper.make_node(
+                    "ReduceSum", [as_int, ints([1], "mask_axis")], [node.output[1]], keepdims=0
+                ),
+            ]
+        else:  # no mask: every token valid
+            rows = fresh(f"{out}_rows")
+            nodes += [
+                helper.make_node("Gather", [shape, ints([0], "batch_dim")], [rows], axis=0),
+                helper.make_node(
+                    "Expand",
+                    [context.constant(np.array(0, np.int32), f"{out}_zero"), rows],
+                    [node.output[1]],
+                ),
+            ]
+    return nodes, f"{node_label(node)} -> Gather x {3 if segments else 2} + LayerNormalization"
+
+
+def _raw_mask_of(mask_index: str, context: NodeRewrite) -> str | None:
+    """The [batch, sequence] 0/1 mask behind a 1D mask_index that an EmbedLayerNormalization
+    computed from it (the lengths of right-padded rows), else None."""
+    producer = context.producers.get(mask_index)
+    if (
+        producer is not None
+        and producer.op_type == "EmbedLayerNormalization"
+        and producer.domain == MS
+        and len(producer.output) > 1
+        and producer.output[1] == mask_index
+        and _given(producer, 7)
+    ):
+        return producer.input[7]
+    return None
+
+
+def _attention(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """Attention(x, W, b, mask) -> MatMul + Add, the Q/K/V split, per-head scores / sqrt(d)
+    plus a mask bias (1 - mask) * fill, Softmax, the weighted values, heads merged."""
+    if any(_given(node, i) for i in (4, 5, 6)) or len(_used_outputs(node)) > 1:
+        return None  # past state, attention bias
+    if int(attribute(node, "unidirectional", 0)) or int(attribute(node, "do_rotary", 0)):
+        return None
+    weights = context.inits.get(node.input[1])
+    if weights is None:
+        return None
+    heads = int(attribute(node, "num_heads", 0))
+    total = int(weights.dims[1])
+    sizes = list(attribute(node, "qkv_hidden_sizes", []) or [total // 3] * 3)
+    if heads <= 0 or sum(sizes) != total or sizes[0] != sizes[1] or any(s % heads for s in sizes):
+        return None
+    mask_index = _given(node, 3)
+    mask: str | None = None
+    lengths: str | None = None
+    if mask_index:
+        mask = _raw_mask_of(mask_index, context)
+        if mask is None:
+            shape = context.shape(mask_index)
+            if shape is None or len(shape) not in (1, 2):
+                return None
+            if len(shape) == 2:
+                mask = mask_index
+            else:
+                lengths = mask_index
+    head = sizes[0] // heads
+    fill = float(attribute(node, "mask_filter_value", -10000.0))
+    scale = float(attribute(node, "scale", 0.0)) or 1.0 / math.sqrt(head)
+    out = node.output[0]
+    fresh = context.fresh
+
+    def const(value: object, dtype: type, base: str) -> str:
+        return context.constant(np.array(value, dtype), f"{out}_{base}")
+
+    projected = fresh(f"{out}_qkv")
+    nodes = [helper.make_node("MatMul", [node.input[0], node.input[1]], [projected])]
+    if _given(node, 2):
+        biased = fresh(f"{out}_qkv_biased")
+        nodes.append(helper.make_node("Add", [projected, node.input[2]], [biased]))
+        projected = biased
+    q, k, v = (fresh(f"{out}_{s}") for s in ("q", "k", "v"))
+    nodes.append(
+        helper.make_node("Split", [projected, const(sizes, np.int64, "sizes")], [q, k, v], axis=-1)
+    )
+    split_heads = {}
+    for name, tensor, perm, size in (
+        ("q", q, [0, 2, 1, 3], sizes[0]),
+        ("k", k, [0, 2, 3, 1], sizes[1]),
+        ("v", v, [0, 2, 1, 3], sizes[2]),
+    ):
+        shaped, moved = fresh(f"{out}_{name}_heads"), fresh(f"{out}_{name}_moved")
+        nodes += [
+            helper.make_node(
+                "Reshape",
+                [tensor, const([0, 0, heads, size // heads], np.int64, f"{name}_shape")],
+                [shaped],
+            ),
+            helper.make_node("Transpose", [shaped], [moved], perm=perm),
+        ]
+        split_heads[name] = moved
+    scores, scaled = fresh(f"{out}_scores"), fresh(f"{out}_scaled")
+    nodes += [
+        helper.make_node("MatMul", [split_heads["q"], split_heads["k"]], [scores]),
+        helper.make_node("Div", [scores, const(1.0 / scale, np.float32, "sqrt_d")], [scaled]),
+    ]
+    logits = scaled
+    if mask is not None or lengths is not None:
+        keep = fresh(f"{out}_keep")
+        if mask is not None:
+            nodes.append(helper.make_node("Cast", [mask], [keep], to=onnx.TensorProto.FLOAT))
+        else:  # lengths of right-padded rows: key j is kept where j < length
+            shape, seq, positions, wide, column, kept = (
+                fresh(f"{out}_{s}") for s in ("shape", "seq", "positions", "lengths", "col", "kept")
+            )
+            nodes += [
+                helper.make_node("Shape", [node.input[0]], [shape]),
+                helper.make_node("Gather", [shape, const(1, np.int64, "seq_axis")], [seq], axis=0),
+                helper.make_node(
+                    "Range",
+                    [const(0, np.int64, "start"), seq, const(1, np.int64, "step")],
+                    [positions],
+                ),
+                helper.make_node("Cast", [lengths], [wide], to=onnx.TensorProto.INT64),
+                helper.make_node("Unsqueeze", [wide, const([1], np.int64, "row_axis")], [column]),
+                helper.make_node("Less", [positions, column], [kept]),
+                helper.make_node("Cast", [kept], [keep], to=onnx.TensorProto.FLOAT),
+            ]
+        dropped, bias, bias_4d, masked = (
+            fresh(f"{out}_{s}") for s in ("dropped", "mask_bias", "mask_bias_4d", "masked")
+        )
+        nodes += [
+            helper.make_node("Sub", [const(1.0, np.float32, "one"), keep], [dropped]),
+            helper.make_node("Mul", [dropped, const(fill, np.float32, "fill")], [bias]),
+            helper.make_node("Unsqueeze", [bias, const([1, 2], np.int64, "mask_axes")], [bias_4d]),
+            helper.make_node("Add", [scaled, bias_4d], [masked]),
+        ]
+        logits = masked
+    probs, mixed, merged = (fresh(f"{out}_{s}") for s in ("probs", "mixed", "merged"))
+    nodes += [
+        helper.make_node("Softmax", [logits], [probs], axis=-1),
+        helper.make_node("MatMul", [probs, split_heads["v"]], [mixed]),
+        helper.make_node("Transpose", [mixed], [merged], perm=[0, 2, 1, 3]),
+        helper.make_node(
+            "Reshape", [merged, const([0, 0, sizes[2]], np.int64, "merged_shape")], [out]
+        ),
+    ]
+    return nodes, f"{node_label(node)} -> {heads} heads of MatMul / Softmax" + (
+        " with its mask" if mask or lengths else ""
+    )
+
+
+_REWRITES: dict[str, NodeRule] = {
+    "SkipLayerNormalization": _skip_layer_norm,
+    "EmbedLayerNormalization": _embed_layer_norm,
+    "Attention": _attention,
+    "BiasGelu": _gelu_family,
+    "FastGelu": _gelu_family,
+    "Gelu": _gelu_family,
+    "QuickGelu": _gelu_family,
+    "BiasAdd": _gelu_family,
+}
+
+
+def fused_transformer_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """onnxruntime's fused encoder ops -> the standard ops they fuse (module doc)."""
+
+    return replace_by_op(model, "fused_transformer_ops", _REWRITES, (MS,))

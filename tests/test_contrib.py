@@ -1,0 +1,172 @@
+"""pipeline.graph.contrib: onnxruntime's fused transformer ops as the standard ops they fuse.
+
+onnxruntime's CPU kernels of the com.microsoft ops are the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from pipeline.graph.contrib import fused_transformer_ops
+
+RNG = np.random.default_rng(8)
+BATCH, SEQ, HIDDEN, HEADS, VOCAB = 2, 6, 8, 2, 20
+MS = "com.microsoft"
+
+
+def weight(name: str, *shape: int, scale: float = 0.3) -> onnx.TensorProto:
+    return numpy_helper.from_array((RNG.standard_normal(shape) * scale).astype(np.float32), name)
+
+
+def model(nodes: list[onnx.NodeProto], inputs: list, outputs: list, inits: list) -> onnx.ModelProto:
+    graph = oh.make_graph(nodes, "fused", inputs, outputs, inits)
+    imports = [oh.make_opsetid("", 21), oh.make_opsetid(MS, 1)]
+    return oh.make_model(graph, opset_imports=imports, ir_version=10)
+
+
+def encoder_layer(mask_form: str) -> onnx.ModelProto:
+    """Token ids -> EmbedLayerNormalization -> Attention -> SkipLayerNormalization -> BiasGelu
+    -> FastGelu -> QuickGelu -> y, as onnxruntime's optimizer writes a BERT layer.
+    ``mask_form``: "embed" (the mask_index EmbedLayerNormalization computes from the 0/1 mask),
+    "raw" (the [batch, seq] mask itself), "lengths" (valid tokens per row, a graph input)."""
+    ints = TensorProto.INT32
+    inputs = [
+        oh.make_tensor_value_info("ids", ints, [BATCH, SEQ]),
+        oh.make_tensor_value_info("segments", ints, [BATCH, SEQ]),
+    ]
+    mask_input = {"embed": "mask", "raw": "mask", "lengths": "lengths"}[mask_form]
+    shape = [BATCH] if mask_form == "lengths" else [BATCH, SEQ]
+    inputs.append(oh.make_tensor_value_info(mask_input, ints, shape))
+    attention_mask = {"embed": "mask_index", "raw": "mask", "lengths": "lengths"}[mask_form]
+    nodes = [
+        oh.make_node(
+            "EmbedLayerNormalization",
+            ["ids", "segments", "words", "positions", "segment_table", "g0", "b0", "mask"]
+            if mask_form == "embed"
+            else ["ids", "segments", "words", "positions", "segment_table", "g0", "b0"],
+            ["embedded", "mask_index"],
+            domain=MS,
+            epsilon=1e-12,
+        ),
+        oh.make_node(
+            "Attention",
+            ["embedded", "qkv_w", "qkv_b", attention_mask],
+            ["attended"],
+            domain=MS,
+            num_heads=HEADS,
+            mask_filter_value=-10000.0,
+        ),
+        oh.make_node(
+            "SkipLayerNormalization",
+            ["attended", "embedded", "g1", "b1", "skip_bias"],
+            ["normed", "", "", "summed"],
+            domain=MS,
+            epsilon=1e-12,
+        ),
+        oh.make_node("BiasGelu", ["normed", "gelu_bias"], ["gelu"], domain=MS),
+        oh.make_node("FastGelu", ["gelu", "gelu_bias"], ["fast"], domain=MS),
+        oh.make_node("QuickGelu", ["fast"], ["quick"], domain=MS, alpha=1.702),
+        oh.make_node("Add", ["quick", "summed"], ["y"]),
+    ]
+    inits = [
+        weight("words", VOCAB, HIDDEN),
+        weight("positions", 16, HIDDEN),
+        weight("segment_table", 2, HIDDEN),
+        weight("g0", HIDDEN, scale=1.0),
+        weight("b0", HIDDEN),
+        weight("qkv_w", HIDDEN, 3 * HIDDEN),
+        weight("qkv_b", 3 * HIDDEN),
+        weight("g1", HIDDEN, scale=1.0),
+        weight("b1", HIDDEN),
+        weight("skip_bias", HIDDEN),
+        weight("gelu_bias", HIDDEN),
+    ]
+    out = [oh.make_tensor_value_info("y", TensorProto.FLOAT, [BATCH, SEQ, HIDDEN])]
+    return model(nodes, inputs, out, inits)
+
+
+def run(m: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        m.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    wanted = {i.name for i in session.get_inputs()}
+    return session.run(None, {k: v for k, v in feeds.items() if k in wanted})[0]
+
+
+@pytest.mark.parametrize("mask_form", ["embed", "raw", "lengths"])
+def test_a_fused_encoder_layer_computes_the_same_in_standard_ops(mask_form: str) -> None:
+    source = encoder_layer(mask_form)
+    rewritten, change = fused_transformer_ops(source)
+    assert change.changed and len(change.details) == 6, change.details
+    assert all(n.domain in ("", "ai.onnx") for n in rewritten.graph.node)
+    onnx.checker.check_model(rewritten)
+    lengths = np.array([SEQ, 3], np.int32)  # the second row padded on the right
+    mask = (np.arange(SEQ)[None, :] < lengths[:, None]).astype(np.int32)
+    feeds = {
+        "ids": RNG.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32),
+        "segments": RNG.integers(0, 2, (BATCH, SEQ)).astype(np.int32),
+        "mask": mask,
+        "lengths": lengths,
+    }
+    want, got = run(source, feeds), run(rewritten, feeds)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_bias_add_is_two_adds() -> None:
+    """BiasAdd has no CPU kernel in onnxruntime (CUDA only): numpy is the reference."""
+    x = oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, SEQ, HIDDEN])
+    skip = oh.make_tensor_value_info("skip", TensorProto.FLOAT, [1, SEQ, HIDDEN])
+    y = oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, SEQ, HIDDEN])
+    node = oh.make_node("BiasAdd", ["x", "bias", "skip"], ["y"], domain=MS)
+    bias = weight("bias", HIDDEN)
+    rewritten, change = fused_transformer_ops(model([node], [x, skip], [y], [bias]))
+    assert change.changed and {n.op_type for n in rewritten.graph.node} == {"Add"}
+    feeds = {n: RNG.standard_normal((1, SEQ, HIDDEN)).astype(np.float32) for n in ("x", "skip")}
+    want = feeds["x"] + numpy_helper.to_array(bias) + feeds["skip"]
+    np.testing.assert_allclose(run(rewritten, feeds), want, rtol=1e-6)
+
+
+def test_forms_not_written_here_are_left_alone() -> None:
+    """Past state, a causal Attention: unchanged (the build then says what is unsupported)."""
+    x = oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, SEQ, HIDDEN])
+    y = oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, SEQ, HIDDEN])
+    inits = [weight("qkv_w", HIDDEN, 3 * HIDDEN), weight("qkv_b", 3 * HIDDEN)]
+    causal = oh.make_node(
+        "Attention", ["x", "qkv_w", "qkv_b"], ["y"], domain=MS, num_heads=HEADS, unidirectional=1
+    )
+    same, change = fused_transformer_ops(model([causal], [x], [y], inits))
+    assert not change.changed and same.graph.node[0].op_type == "Attention"
+
+
+@pytest.mark.qnn
+def test_the_htp_runs_the_written_ops_whole_quantized(tmp_path: Path) -> None:
+    """Attention, SkipLayerNormalization and BiasGelu over float activations, quantized and
+    compiled by the real stages: whole on the HTP (the fused ops have no QNN kernel, and no
+    static shape for the build before)."""
+    from compile_fixtures import build_whole_on_htp
+
+    x = oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, SEQ, HIDDEN])
+    y = oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, SEQ, HIDDEN])
+    nodes = [
+        oh.make_node("Attention", ["x", "qkv_w", "qkv_b"], ["a"], domain=MS, num_heads=HEADS),
+        oh.make_node(
+            "SkipLayerNormalization", ["a", "x", "g", "b", "bias"], ["n"], domain=MS, epsilon=1e-6
+        ),
+        oh.make_node("BiasGelu", ["n", "bias"], ["y"], domain=MS),
+    ]
+    inits = [
+        weight("qkv_w", HIDDEN, 3 * HIDDEN),
+        weight("qkv_b", 3 * HIDDEN),
+        weight("g", HIDDEN, scale=1.0),
+        weight("b", HIDDEN),
+        weight("bias", HIDDEN),
+    ]
+    build_whole_on_htp(tmp_path, "fused", model(nodes, [x], [y], inits))
