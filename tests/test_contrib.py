@@ -34,17 +34,23 @@ def encoder_layer(mask_form: str) -> onnx.ModelProto:
     """Token ids -> EmbedLayerNormalization -> Attention -> SkipLayerNormalization -> BiasGelu
     -> FastGelu -> QuickGelu -> y, as onnxruntime's optimizer writes a BERT layer.
     ``mask_form``: "embed" (the mask_index EmbedLayerNormalization computes from the 0/1 mask),
-    "raw" (the [batch, seq] mask itself), "lengths" (valid tokens per row, a graph input)."""
+    "raw" (the [batch, seq] mask itself), "lengths" (valid tokens per row, a graph input),
+    "summed" (those lengths summed from the mask, as the optimizer writes without an embedding
+    layer norm: the mask itself is used)."""
     ints = TensorProto.INT32
     inputs = [
         oh.make_tensor_value_info("ids", ints, [BATCH, SEQ]),
         oh.make_tensor_value_info("segments", ints, [BATCH, SEQ]),
     ]
-    mask_input = {"embed": "mask", "raw": "mask", "lengths": "lengths"}[mask_form]
+    mask_input = {"embed": "mask", "raw": "mask", "lengths": "lengths", "summed": "mask"}[mask_form]
     shape = [BATCH] if mask_form == "lengths" else [BATCH, SEQ]
     inputs.append(oh.make_tensor_value_info(mask_input, ints, shape))
-    attention_mask = {"embed": "mask_index", "raw": "mask", "lengths": "lengths"}[mask_form]
-    nodes = [
+    attention_mask = {"embed": "mask_index", "raw": "mask", "lengths": "lengths"}.get(
+        mask_form, "summed_lengths"
+    )
+    summed = oh.make_node("ReduceSum", ["mask", "seq_axis"], ["summed_lengths"], keepdims=0)
+    nodes = [summed] if mask_form == "summed" else []
+    nodes += [
         oh.make_node(
             "EmbedLayerNormalization",
             ["ids", "segments", "words", "positions", "segment_table", "g0", "b0", "mask"]
@@ -75,6 +81,7 @@ def encoder_layer(mask_form: str) -> onnx.ModelProto:
         oh.make_node("Add", ["quick", "summed"], ["y"]),
     ]
     inits = [
+        numpy_helper.from_array(np.array([1], np.int64), "seq_axis"),
         weight("words", VOCAB, HIDDEN),
         weight("positions", 16, HIDDEN),
         weight("segment_table", 2, HIDDEN),
@@ -101,12 +108,14 @@ def run(m: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
     return session.run(None, {k: v for k, v in feeds.items() if k in wanted})[0]
 
 
-@pytest.mark.parametrize("mask_form", ["embed", "raw", "lengths"])
+@pytest.mark.parametrize("mask_form", ["embed", "raw", "lengths", "summed"])
 def test_a_fused_encoder_layer_computes_the_same_in_standard_ops(mask_form: str) -> None:
     source = encoder_layer(mask_form)
     rewritten, change = fused_transformer_ops(source)
     assert change.changed and len(change.details) == 6, change.details
     assert all(n.domain in ("", "ai.onnx") for n in rewritten.graph.node)
+    ops = {n.op_type for n in rewritten.graph.node}
+    assert ("Range" in ops) == (mask_form == "lengths")  # else the 0/1 mask is used as it is
     onnx.checker.check_model(rewritten)
     lengths = np.array([SEQ, 3], np.int32)  # the second row padded on the right
     mask = (np.arange(SEQ)[None, :] < lengths[:, None]).astype(np.int32)

@@ -151,24 +151,40 @@ def _embed_layer_norm(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | N
 
 
 def _raw_mask_of(mask_index: str, context: NodeRewrite) -> str | None:
-    """The [batch, sequence] 0/1 mask behind a 1D mask_index that an EmbedLayerNormalization
-    computed from it (the lengths of right-padded rows), else None."""
+    """The [batch, sequence] 0/1 mask behind a 1D mask_index (the lengths of right-padded
+    rows) computed from it: by an EmbedLayerNormalization, or by the ReduceSum over the
+    sequence that onnxruntime's optimizer writes when there is none. Else None."""
     producer = context.producers.get(mask_index)
+    if producer is None:
+        return None
     if (
-        producer is not None
-        and producer.op_type == "EmbedLayerNormalization"
+        producer.op_type == "EmbedLayerNormalization"
         and producer.domain == MS
         and len(producer.output) > 1
         and producer.output[1] == mask_index
         and _given(producer, 7)
     ):
         return producer.input[7]
+    if producer.op_type == "ReduceSum" and producer.domain in ("", "ai.onnx"):
+        axes = context.inits.get(_given(producer, 1))
+        summed = [int(a) for a in onnx.numpy_helper.to_array(axes).reshape(-1)] if axes else []
+        shape = context.shape(producer.input[0])
+        if (
+            shape is not None
+            and len(shape) == 2
+            and summed in ([1], [-1])
+            and not attribute(producer, "keepdims", 1)
+        ):
+            return producer.input[0]
     return None
 
 
 def _attention(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     """Attention(x, W, b, mask) -> MatMul + Add, the Q/K/V split, per-head scores / sqrt(d)
-    plus a mask bias (1 - mask) * fill, Softmax, the weighted values, heads merged."""
+    plus a mask bias (1 - mask) * fill, Softmax, the weighted values, heads merged. Row lengths
+    come back to the 0/1 mask they were summed from where they were: a RoBERTa optimized so ran
+    at 32.7 dB vs float on the HTP with a mask rebuilt from its lengths, 63.2 dB with its own
+    (the attention rules know that form)."""
     if any(_given(node, i) for i in (4, 5, 6)) or len(_used_outputs(node)) > 1:
         return None  # past state, attention bias
     if int(attribute(node, "unidirectional", 0)) or int(attribute(node, "do_rotary", 0)):
