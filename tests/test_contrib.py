@@ -179,3 +179,27 @@ def test_the_htp_runs_the_written_ops_whole_quantized(tmp_path: Path) -> None:
         weight("bias", HIDDEN),
     ]
     build_whole_on_htp(tmp_path, "fused", model(nodes, [x], [y], inits))
+
+
+def test_a_residual_rms_norm_computes_the_same() -> None:
+    """SkipSimplifiedLayerNormalization (T5's residual RMSNorm as onnxruntime's optimizer writes
+    it), its sum output used too, against onnxruntime's kernel."""
+    x = oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, SEQ, HIDDEN])
+    skip = oh.make_tensor_value_info("skip", TensorProto.FLOAT, [1, SEQ, HIDDEN])
+    y = oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, SEQ, HIDDEN])
+    nodes = [
+        oh.make_node(
+            "SkipSimplifiedLayerNormalization",
+            ["x", "skip", "g", "bias"],
+            ["n", "", "", "s"],
+            domain=MS,
+            epsilon=1e-6,
+        ),
+        oh.make_node("Add", ["n", "s"], ["y"]),
+    ]
+    inits = [weight("g", HIDDEN, scale=1.0), weight("bias", HIDDEN)]
+    source = model(nodes, [x, skip], [y], inits)
+    rewritten, change = fused_transformer_ops(source)
+    assert len(change.details) == 1 and all(n.domain == "" for n in rewritten.graph.node)
+    feeds = {n: RNG.standard_normal((1, SEQ, HIDDEN)).astype(np.float32) for n in ("x", "skip")}
+    np.testing.assert_allclose(run(rewritten, feeds), run(source, feeds), rtol=1e-5, atol=1e-5)

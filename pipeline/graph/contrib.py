@@ -2,7 +2,8 @@
 
 onnxruntime's transformer optimizer (``onnxruntime.transformers.optimizer``, and Optimum's
 ORTOptimizer) rewrites a BERT-style encoder into EmbedLayerNormalization, Attention,
-SkipLayerNormalization and BiasGelu/FastGelu: models published "optimized for onnxruntime". ONNX
+SkipLayerNormalization and BiasGelu/FastGelu (and a T5-style one's residual RMSNorms into
+SkipSimplifiedLayerNormalization): models published "optimized for onnxruntime". ONNX
 shape inference knows none of them (the build stopped at "no static shape"), and the QNN EP runs
 none. Each is written back as the ops an exporter writes, in the forms the rest of preparation
 and the attention rules know (a Hugging Face mask bias, scores divided by sqrt(d)), with the
@@ -56,6 +57,49 @@ def _skip_layer_norm(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | No
         helper.make_node("LayerNormalization", norm_inputs, [out], axis=-1, epsilon=epsilon)
     )
     return nodes, f"{node_label(node)} -> Add + LayerNormalization"
+
+
+def _simplified_layer_norm(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """SkipSimplifiedLayerNormalization (RMSNorm after a residual: T5) over the last axis ->
+    s / sqrt(mean(s^2) + eps) * gamma, s = input + skip (+ bias), its fourth output. (The
+    plain SimplifiedLayerNormalization lives in the ONNX domain, where ONNX has no schema for
+    it: such a model fails the checker at load, and the error says so.)"""
+    skip = node.op_type.startswith("Skip")
+    if int(attribute(node, "axis", -1)) != -1 or any(
+        i in ((1, 2) if skip else (1,)) for i in _used_outputs(node)
+    ):
+        return None
+    fresh = context.fresh
+    out = node.output[0]
+    source = node.input[0]
+    nodes: list[onnx.NodeProto] = []
+    if skip:
+        total = fresh(f"{out}_sum")
+        nodes.append(helper.make_node("Add", [node.input[0], node.input[1]], [total]))
+        if _given(node, 3):
+            biased = fresh(f"{out}_biased")
+            nodes.append(helper.make_node("Add", [total, node.input[3]], [biased]))
+            total = biased
+        if len(node.output) > 3 and node.output[3]:
+            nodes.append(helper.make_node("Identity", [total], [node.output[3]]))
+        source = total
+    gamma = node.input[2] if skip else node.input[1]
+    epsilon = float(attribute(node, "epsilon", 1e-6))
+    square, mean, shifted, root, normed = (
+        fresh(f"{out}_{s}") for s in ("square", "mean", "shifted", "rms", "normed")
+    )
+    axes = context.constant(np.array([-1], np.int64), f"{out}_axis")
+    nodes += [
+        helper.make_node("Mul", [source, source], [square]),
+        helper.make_node("ReduceMean", [square, axes], [mean], keepdims=1),
+        helper.make_node(
+            "Add", [mean, context.constant(np.array(epsilon, np.float32), f"{out}_eps")], [shifted]
+        ),
+        helper.make_node("Sqrt", [shifted], [root]),
+        helper.make_node("Div", [source, root], [normed]),
+        helper.make_node("Mul", [normed, gamma], [out]),
+    ]
+    return nodes, f"{node_label(node)} -> x / sqrt(mean(x^2) + eps) * gamma"
 
 
 def _gelu_family(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
@@ -305,10 +349,10 @@ _REWRITES: dict[str, NodeRule] = {
     "Gelu": _gelu_family,
     "QuickGelu": _gelu_family,
     "BiasAdd": _gelu_family,
+    "SkipSimplifiedLayerNormalization": _simplified_layer_norm,
 }
 
 
 def fused_transformer_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """onnxruntime's fused encoder ops -> the standard ops they fuse (module doc)."""
-
     return replace_by_op(model, "fused_transformer_ops", _REWRITES, (MS,))
