@@ -46,6 +46,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         legacy,
         numerics,
         prequantized,
+        rank,
         recurrent,
         resize,
         spectral,
@@ -88,6 +89,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         # LSTM/GRU/RNN forms QNN refuses -> elementary ops (and LSTMs over a sequence)
         lambda m: recurrent.unroll_recurrent_ops(m, budget=lstm_nodes),
         recurrent.lower_high_rank,  # rank > 5 (an unfold as Gather) -> rank <= 5
+        rank.drop_leading_unit_axis,  # rank 6 with batch 1 (deformable attention)
         t.col2im_to_conv_transpose,  # the QNN EP has no Col2Im (F.fold: VOLO's outlooker)
         recurrent.dilate_conv_transpose,  # QNN's TransposeConv2d takes dilation 1 only
         recurrent.output_padding_to_pads,  # the HTP's depthwise ConvTranspose drops it

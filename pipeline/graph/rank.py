@@ -1,0 +1,164 @@
+"""Rank-6 tensors with a leading unit axis computed at rank 5, that axis dropped.
+
+The HTP holds no tensor above rank 5 (``recurrent.MAX_RANK``); ``recurrent.lower_high_rank``
+rewrites the patterns that make one from a rank-5 source. Multi-scale deformable attention
+(RT-DETR, Deformable DETR, DINO) computes its sampling locations at rank 6 throughout,
+[batch, queries, heads, levels, points, 2] with batch 1: reference points unsqueezed to rank 6,
+sliced, multiplied into the reshaped offsets, added, and gathered per level. Every node of such
+a region went to the CPU (an RT-DETR decoder: 3 partitions, 24 CPU compute nodes). Where every
+rank-6 tensor of the graph has a leading 1, dropping it is exact: shape ops get their shapes
+without it, axes move down by one, elementwise ops broadcast as before (numpy aligns trailing
+axes), and a Gather or Squeeze whose result leaves the region gets its unit axis back. A graph
+with any other rank > 5 tensor, or one read by an op or an axis not listed here, is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from . import edit
+from .edit import Change
+from .recurrent import MAX_RANK
+
+HIGH_RANK = MAX_RANK + 1
+# Ops computed element by element with numpy broadcasting: the same at one rank less.
+_BROADCASTING = frozenset(
+    {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "Greater"}
+    | {"Relu", "Sigmoid", "Tanh", "Exp", "Log", "Neg", "Abs", "Sqrt", "Reciprocal", "Clip"}
+    | {"Floor", "Ceil", "Round", "Sign", "Cast", "Not", "And", "Or", "Identity", "Softplus"}
+)
+# Ops whose one axis attribute indexes their first input (default 0 or -1).
+_AXIS_ATTRIBUTE = {"Gather": 0, "Concat": 0, "Split": 0, "Softmax": -1, "LogSoftmax": -1}
+# Ops whose axes are a constant input, at this index.
+_AXES_INPUT = {"Squeeze": 1, "Slice": 3, "ReduceMean": 1, "ReduceSum": 1, "ReduceMax": 1}
+_AXES_INPUT |= {"ReduceMin": 1}
+# Ops whose result, read from a rank-6 input, has the unit axis at 0 when it has rank <= 5.
+_GIVE_BACK = frozenset({"Gather", "Squeeze"})
+
+
+def drop_leading_unit_axis(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Every rank-6 tensor with a leading 1 -> the same tensor without it (module doc)."""
+    values = edit.inferred_values(model)
+    graph = model.graph
+    inits = edit.initializers_by_name(graph)
+
+    def shape(name: str) -> tuple[int, ...] | None:
+        if name in inits:
+            return tuple(inits[name].dims)
+        return edit.value_shape(values[name]) if name in values else None
+
+    high = {n for node in graph.node for n in node.output if n and len(shape(n) or ()) > MAX_RANK}
+    high |= {i.name for i in graph.initializer if len(i.dims) > MAX_RANK}
+    unchanged = model, Change("drop_leading_unit_axis")
+    if not high or high & {o.name for o in graph.output}:
+        return unchanged
+    if any((s := shape(n)) is None or len(s) != HIGH_RANK or s[0] != 1 for n in high):
+        return unchanged
+    touched = [n for n in graph.node if set(n.input) & high or set(n.output) & high]
+    if not all(_takes(node, high, inits) for node in touched):
+        return unchanged
+    return _apply(model, high, shape, len(touched))
+
+
+def _axes(node: onnx.NodeProto, inits: Mapping[str, onnx.TensorProto]) -> list[int] | None:
+    """The constant axes a node of ``_AXES_INPUT`` or ``_AXIS_ATTRIBUTE`` works on (its own
+    indexing), None when computed or absent (all axes)."""
+    if node.op_type in _AXIS_ATTRIBUTE:
+        return [int(edit.attribute(node, "axis", _AXIS_ATTRIBUTE[node.op_type]))]
+    index = _AXES_INPUT[node.op_type]
+    name = node.input[index] if len(node.input) > index else ""
+    if not name or name not in inits:
+        return None
+    return [int(a) for a in numpy_helper.to_array(inits[name]).reshape(-1)]
+
+
+def _takes(node: onnx.NodeProto, high: set[str], inits: Mapping[str, onnx.TensorProto]) -> bool:
+    """Whether this rewrite knows ``node``, which reads or writes a rank-6 tensor."""
+    op = node.op_type
+    reads = any(i in high for i in node.input)
+    if node.domain not in edit.DEFAULT_DOMAINS:
+        return False
+    if op in _BROADCASTING:
+        return True
+    if op in ("Reshape", "Expand"):
+        return node.input[1] in inits
+    if op == "Unsqueeze":
+        return not reads  # a rank-5 source made rank 6: written as a Reshape
+    if op == "Transpose":
+        perm = edit.attribute(node, "perm", None)
+        return perm is not None and perm[0] == 0
+    if op in _AXIS_ATTRIBUTE or op in _AXES_INPUT:
+        if op.startswith("Reduce") and not int(edit.attribute(node, "keepdims", 1)):
+            return False
+        if reads and node.input[0] not in high:  # a rank-6 index or bound, not the data
+            return False
+        axes = _axes(node, inits)  # rank 6 in: 0 and -6 name the unit axis
+        return axes is not None and all(a not in (0, -HIGH_RANK) for a in axes)
+    return False
+
+
+def _apply(
+    model: onnx.ModelProto,
+    high: set[str],
+    shape: Callable[[str], tuple[int, ...] | None],
+    touched: int,
+) -> tuple[onnx.ModelProto, Change]:
+    model = edit.copy_model(model)
+    graph = model.graph
+    inits = edit.initializers_by_name(graph)
+    fresh = edit.FreshNames(model)
+    added: list[onnx.TensorProto] = []
+
+    def ints(values: list[int], base: str) -> str:
+        name = fresh(base)
+        added.append(numpy_helper.from_array(np.array(values, np.int64), name))
+        return name
+
+    for init in graph.initializer:  # rank-6 constants: squeezed in place
+        if init.name in high:
+            array = numpy_helper.to_array(init)
+            init.CopyFrom(numpy_helper.from_array(array.reshape(array.shape[1:]), init.name))
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        reads = any(i in high for i in node.input)
+        writes = any(o in high for o in node.output)
+        nodes.append(node)
+        if not (reads or writes):
+            continue
+        op, base = node.op_type, node.name or node.output[0]
+        if op in ("Reshape", "Expand") and writes:
+            node.input[1] = ints(list(shape(node.output[0]) or ())[1:], f"{base}_rank5")
+        elif op == "Unsqueeze":  # rank <= 5 in, rank 6 out
+            node.op_type = "Reshape"
+            target = ints(list(shape(node.output[0]) or ())[1:], f"{base}_rank5")
+            node.input[:] = [node.input[0], target]
+        elif op == "Transpose":
+            perm = [int(p) - 1 for p in edit.attribute(node, "perm", [])[1:]]
+            edit.replace_attributes(node, ("perm",), perm=perm)
+        elif op in _AXIS_ATTRIBUTE or op in _AXES_INPUT:
+            moved = [a - 1 if a > 0 else a for a in _axes(node, inits) or []]
+            if op in _AXIS_ATTRIBUTE:
+                edit.replace_attributes(node, ("axis",), axis=moved[0])
+            else:
+                node.input[_AXES_INPUT[op]] = ints(moved, f"{base}_rank5_axes")
+        if reads and op in _GIVE_BACK:  # its rank <= 5 result had the unit axis at 0
+            for index, name in enumerate(node.output):
+                if name and name not in high:
+                    inner = fresh(f"{name}_without_unit_axis")
+                    node.output[index] = inner
+                    unit = ints([0], f"{name}_unit_axis")
+                    nodes.append(helper.make_node("Unsqueeze", [inner, unit], [name]))
+    graph.initializer.extend(added)
+    edit.set_nodes(graph, nodes)
+    kept = [v for v in graph.value_info if v.name not in high]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
+    details = [
+        f"{len(high)} rank-6 tensor(s) with a leading 1 computed at rank 5, "
+        f"{touched} node(s) adjusted"
+    ]
+    return edit.checked_change(model, "drop_leading_unit_axis", details)

@@ -1,0 +1,108 @@
+"""pipeline.graph.rank: rank-6 tensors with a leading unit axis computed at rank 5."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from pipeline.graph.rank import drop_leading_unit_axis
+
+QUERIES = 10
+
+
+def deformable_locations(batch: int = 1, gather_axis: int = 3) -> onnx.ModelProto:
+    """Multi-scale deformable attention's sampling locations, as an RT-DETR export writes
+    them: offsets viewed at rank 6, reference points unsqueezed to rank 6 and sliced, the sum,
+    one level gathered (rank 5 again), a transposed and reduced copy viewed back."""
+    c = numpy_helper.from_array
+    inits = [
+        c(np.array([batch, QUERIES, 2, 3, 2, 2], np.int64), "view"),
+        c(np.array([2, 3, 4], np.int64), "ref_axes"),
+        c(np.array([0], np.int64), "s0"),
+        c(np.array([2], np.int64), "s2"),
+        c(np.array([4], np.int64), "s4"),
+        c(np.array([5], np.int64), "last"),
+        c(np.array([-1], np.int64), "minus_one"),
+        c(np.array(1, np.int64), "level"),
+        c(np.array([3], np.int64), "points"),
+        c(np.array([batch, QUERIES, 8], np.int64), "flat"),
+        c(np.array([batch, 2, QUERIES, 4], np.int64), "back"),
+        c(np.full((1, 1, 1, 1, 1, 2), 0.5, np.float32), "half"),
+    ]
+    nodes = [
+        oh.make_node("Reshape", ["x", "view"], ["offsets"]),
+        oh.make_node("Unsqueeze", ["ref", "ref_axes"], ["ref6"]),
+        oh.make_node("Slice", ["ref6", "s0", "s2", "last"], ["centre"]),
+        oh.make_node("Slice", ["ref6", "s2", "s4", "minus_one"], ["size"]),
+        oh.make_node("Mul", ["offsets", "size"], ["scaled"]),
+        oh.make_node("Mul", ["scaled", "half"], ["halved"]),
+        oh.make_node("Add", ["centre", "halved"], ["locations"]),
+        oh.make_node("Gather", ["locations", "level"], ["one_level"], axis=gather_axis),
+        oh.make_node("Reshape", ["one_level", "flat"], ["y1"]),
+        oh.make_node("Transpose", ["locations"], ["moved"], perm=[0, 2, 1, 3, 4, 5]),
+        oh.make_node("ReduceSum", ["moved", "points"], ["summed"], keepdims=1),
+        oh.make_node("Reshape", ["summed", "back"], ["y2"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "deformable",
+        [
+            oh.make_tensor_value_info("x", TensorProto.FLOAT, [batch, QUERIES, 24]),
+            oh.make_tensor_value_info("ref", TensorProto.FLOAT, [batch, QUERIES, 4]),
+        ],
+        [
+            oh.make_tensor_value_info("y1", TensorProto.FLOAT, [batch, QUERIES, 8]),
+            oh.make_tensor_value_info("y2", TensorProto.FLOAT, [batch, 2, QUERIES, 4]),
+        ],
+        inits,
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def highest_rank(model: onnx.ModelProto) -> int:
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    return max(len(v.type.tensor_type.shape.dim) for v in inferred.graph.value_info)
+
+
+def test_rank_6_locations_are_computed_at_rank_5_and_the_same() -> None:
+    model = deformable_locations()
+    assert highest_rank(model) == 6
+    lowered, change = drop_leading_unit_axis(model)
+    assert change.changed and "rank-6 tensor(s)" in change.details[0], change.details
+    assert highest_rank(lowered) == 5
+    rng = np.random.default_rng(0)
+    feeds = {
+        "x": rng.standard_normal((1, QUERIES, 24)).astype(np.float32),
+        "ref": rng.uniform(0, 1, (1, QUERIES, 4)).astype(np.float32),
+    }
+    for got, want in zip(run(lowered, feeds), run(model, feeds), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(("batch", "axis"), [(2, 3), (1, 0)])
+def test_another_batch_or_the_unit_axis_itself_is_left(batch: int, axis: int) -> None:
+    """Rank 6 with batch 2 has no unit axis to drop; a Gather along the unit axis cannot lose
+    it: both left as they are (lower_high_rank's own patterns may still apply)."""
+    model = deformable_locations(batch=batch, gather_axis=axis)
+    same, change = drop_leading_unit_axis(model)
+    assert not change.changed and same is model
+
+
+@pytest.mark.qnn
+def test_the_htp_runs_the_locations_whole_quantized(tmp_path: Path) -> None:
+    """Quantized and compiled by the real stages: whole on the HTP (before: its rank-6 nodes
+    on the CPU, compile's gate failed)."""
+    from compile_fixtures import build_whole_on_htp
+
+    build_whole_on_htp(tmp_path, "deformable", deformable_locations())
