@@ -23,8 +23,10 @@ def run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
 
 
 def log_mel(samples: int = 4000, length: int = 400, step: int = 160, window: bool = True,
-            onesided: int = 1) -> onnx.ModelProto:  # fmt: skip
-    """x [1, samples] -> STFT -> power -> mel MatMul -> log: a torch.stft log-mel front end."""
+            onesided: int = 1, flat: bool = False) -> onnx.ModelProto:  # fmt: skip
+    """x [1, samples] -> STFT -> power -> mel MatMul -> log: a torch.stft log-mel front end.
+    ``flat``: the STFT reads x [1, samples] itself, without a frame length or an onesided
+    attribute (onnx-asr's front ends: onnxruntime takes it as a real signal)."""
     bins = length // 2 + 1 if onesided else length
     frames = 1 + (samples - length) // step
     hann = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(length) / length)
@@ -42,6 +44,10 @@ def log_mel(samples: int = 4000, length: int = 400, step: int = 160, window: boo
     nodes = [
         oh.make_node("Unsqueeze", ["x", "channel"], ["signal"]),
         oh.make_node("STFT", stft_inputs, ["spectrum"], onesided=onesided),
+    ]
+    if flat:
+        nodes = [oh.make_node("STFT", ["x", "step", "window"], ["spectrum"])]
+    nodes += [
         oh.make_node("Mul", ["spectrum", "spectrum"], ["squares"]),
         oh.make_node("ReduceSum", ["squares", "last"], ["power"], keepdims=0),
         oh.make_node("MatMul", ["power", "mel"], ["mels"]),
@@ -67,6 +73,23 @@ def test_an_stft_is_a_strided_conv_of_windowed_fourier_kernels(window: bool, one
     x = RNG.normal(0, 0.3, (1, 4000)).astype(np.float32)
     np.testing.assert_allclose(run(rewritten, x), run(model, x), rtol=1e-4, atol=1e-4)
     assert not spectral.stft_to_conv(rewritten)[1].changed
+
+
+def test_an_stft_of_a_flat_signal_is_rewritten_and_prepared() -> None:
+    """STFT of x [1, L] with no frame length (the window's) and the default onesided: ONNX
+    shape inference gives it 400 bins where onnxruntime computes 201, so the mel MatMul after it
+    failed onnxruntime's own inference in preparation ("Incompatible dimensions"). Rewritten,
+    and the stored shapes of the old op dropped, the whole preparation computes the same."""
+    from pipeline.core.config import InputsSection
+    from pipeline.graph.prepare import prepare_model
+
+    model = log_mel(flat=True)
+    rewritten, change = spectral.stft_to_conv(model)
+    assert change.changed and "STFT" not in [n.op_type for n in rewritten.graph.node]
+    x = RNG.normal(0, 0.3, (1, 4000)).astype(np.float32)
+    np.testing.assert_allclose(run(rewritten, x), run(model, x), rtol=1e-4, atol=1e-4)
+    prepared, _ = prepare_model(model, InputsSection())
+    np.testing.assert_allclose(run(prepared, x), run(model, x), rtol=1e-4, atol=1e-4)
 
 
 def rfft(shape: list[int], axis: int, length: int | None, onesided: int = 1) -> onnx.ModelProto:

@@ -86,11 +86,16 @@ def _replace_each(
     if not details:
         return model, Change(step)
     set_nodes(model.graph, nodes)
+    # Shapes stored before are inference's over the old op, which may be wrong (an STFT of a
+    # [B, L] signal: its bins, and all after them): the next inference starts afresh.
+    del model.graph.value_info[:]
     return checked_change(model, step, details)
 
 
 def stft_to_conv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """STFT of a real signal [B, L, 1] with constant frame step, window and frame length ->
+    """STFT of a real signal [B, L, 1] (or [B, L], which onnxruntime takes as real and ONNX shape
+    inference gets wrong: 400 bins for a 400-sample window's 201) with constant frame step,
+    window and frame length ->
     Conv over [B, 1, L] with one kernel per (bin, real/imaginary) part, stride the frame step,
     then Reshape/Transpose to STFT's [B, frames, bins, 2]."""
     return _replace_each(model, "STFT", "stft_to_conv", _stft_to_conv_at)
@@ -109,8 +114,7 @@ def _stft_to_conv_at(node: onnx.NodeProto, site: _Site) -> tuple[list[onnx.NodeP
     onesided = next((a.i for a in node.attribute if a.name == "onesided"), 1)
     if (
         shape is None
-        or len(shape) != 3
-        or shape[2] != 1
+        or not (len(shape) == 2 or (len(shape) == 3 and shape[2] == 1))
         or step is None
         or length is None
         or (window_name and window is None)
@@ -134,11 +138,19 @@ def _stft_to_conv_at(node: onnx.NodeProto, site: _Site) -> tuple[list[onnx.NodeP
         numpy_helper.from_array(np.array([batch, 2, bins, frames], np.int64), parts_shape)
     )
     base = node.name or y
-    nodes = [
-        helper.make_node(
+    if len(shape) == 2:  # [B, L]: onnxruntime takes it as a real signal, as [B, L, 1]
+        axis = fresh(f"{y}_channel_axis")
+        graph.initializer.append(numpy_helper.from_array(np.array([1], np.int64), axis))
+        to_signal = helper.make_node(
+            "Unsqueeze", [node.input[0], axis], [names["signal"]], name=fresh(f"{base}_signal")
+        )
+    else:
+        to_signal = helper.make_node(
             "Transpose", [node.input[0]], [names["signal"]], perm=[0, 2, 1],
             name=fresh(f"{base}_signal"),
-        ),
+        )  # fmt: skip
+    nodes = [
+        to_signal,
         helper.make_node(
             "Conv", [names["signal"], names["kernels"]], [names["conv"]],
             strides=[step], name=fresh(f"{base}_conv"),
