@@ -248,8 +248,9 @@ def _attention(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
         mask = _raw_mask_of(mask_index, context)
         if mask is None:
             shape = context.shape(mask_index)
-            if shape is None or len(shape) not in (1, 2):
-                return None
+            rows = (context.shape(node.input[0]) or (None,))[0]
+            if shape is None or len(shape) not in (1, 2) or rows not in (None, shape[0]):
+                return None  # 3D/4D masks, and [2 * batch] (ends and starts): not written
             if len(shape) == 2:
                 mask = mask_index
             else:
