@@ -102,7 +102,7 @@ def _simplified_layer_norm(node: onnx.NodeProto, context: NodeRewrite) -> Rewrit
     return nodes, f"{node_label(node)} -> x / sqrt(mean(x^2) + eps) * gamma"
 
 
-def _gelu_family(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+def _bias_and_gelus(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     """BiasGelu(x, b) -> Gelu(x + b); FastGelu(x, b) -> Gelu(x + b, tanh); Gelu -> Gelu;
     QuickGelu(x) -> x * Sigmoid(alpha x); BiasAdd(x, b, skip) -> x + b + skip."""
     fresh = context.fresh
@@ -345,11 +345,11 @@ _REWRITES: dict[str, NodeRule] = {
     "SkipLayerNormalization": _skip_layer_norm,
     "EmbedLayerNormalization": _embed_layer_norm,
     "Attention": _attention,
-    "BiasGelu": _gelu_family,
-    "FastGelu": _gelu_family,
-    "Gelu": _gelu_family,
-    "QuickGelu": _gelu_family,
-    "BiasAdd": _gelu_family,
+    "BiasGelu": _bias_and_gelus,
+    "FastGelu": _bias_and_gelus,
+    "Gelu": _bias_and_gelus,
+    "QuickGelu": _bias_and_gelus,
+    "BiasAdd": _bias_and_gelus,
     "SkipSimplifiedLayerNormalization": _simplified_layer_norm,
 }
 
