@@ -13,9 +13,13 @@ converter plus onnxruntime's optimizer have made such models unloadable. The qua
 only rewrites what the QNN HTP does not take, each rewrite exact (``for_htp``). Measured on the
 QNN 2.51 HTP simulator (onnxruntime-qnn 2.7.0), see tests/test_prequantized.py:
 
-- int8 *and* uint8 activations both compile and give identical results (the EP maps int8 to
-  uint8 + 128 itself), int8 weights with or without zero point, uint8 weights, per-tensor and
-  per-channel (axis 0) weights, int32 biases via DequantizeLinear: all taken as they are.
+- int8 *and* uint8 activations both compile and give identical results for Conv, Gemm and
+  most ops (the EP maps int8 to uint8 + 128 itself), but a quantized BatchNormalization or
+  HardSigmoid with int8 activations is declined: ``unsigned_activations`` moves them to uint8
+  (zero point + 128, exact). int8 weights with or without zero point, uint8 weights, per-tensor
+  and per-channel (axis 0) weights, int32 biases via DequantizeLinear: taken as they are.
+- A quantized BatchNormalization is computed wrongly (its float mean, variance and beta read
+  as quantized): ``batchnorm_as_depthwise_conv``.
 - An op is only run quantized when it is a complete QDQ unit (onnxruntime's selectors: DQ on
   every input, Q on the output, same activation type in and out, int32 bias, signed weights
   for signed activations). Anything else runs as a *float* op on the HTP, and float Convs there
@@ -426,15 +430,25 @@ def _qoperator_nodes(
         nodes.append(make("Concat", parts, [y], name=namer(base), axis=attrs.get("axis", 0)))
         q_out(y, ins[0], ins[1])
     elif op == "QLinearSoftmax" and node.domain == _MS:
-        # Softmax-1/11 (flatten from axis, default 1) and -13 (one axis, default -1) differ;
-        # only map into a model whose own Softmax has the semantics the node was made with.
+        # Softmax-1/11 (flatten from axis, default 1) and -13 (one axis, default -1) differ.
         new_style = attrs.get("opset", 13) >= 13
         axis = attrs.get("axis", -1 if new_style else 1)
-        # Over the last axis the two agree: flattening from it leaves that axis alone.
-        if new_style != (opset >= 13) and axis != -1:
-            return None
         x = dq(ins[0], ins[1], ins[2])
-        nodes.append(make("Softmax", [x], [y], name=namer(base), axis=axis))
+        # Over the last axis the two agree: flattening from it leaves that axis alone.
+        if new_style == (opset >= 13) or axis == -1:
+            nodes.append(make("Softmax", [x], [y], name=namer(base), axis=axis))
+        elif not new_style:
+            # The node's opset-11 meaning in a model upgraded to 13 (qoperator_to_qdq does so
+            # for per-axis weights; onnxruntime's quantizer wrote opset=11 and axis=2 on a face
+            # detector's [1, boxes, 2] scores): flatten from the axis, softmax the flat tail,
+            # reshape back; Shape folds once the shapes are static.
+            flat, soft, shape = namer(f"{base}_flat"), namer(f"{base}_soft"), namer(f"{x}_shape")
+            nodes.append(make("Flatten", [x], [flat], name=namer(f"{base}_flatten"), axis=axis))
+            nodes.append(make("Softmax", [flat], [soft], name=namer(base), axis=-1))
+            nodes.append(make("Shape", [x], [shape], name=namer(f"{base}_shape")))
+            nodes.append(make("Reshape", [soft, shape], [y], name=namer(f"{base}_unflatten")))
+        else:
+            return None  # opset-13 meaning in an older model: qoperator_to_qdq upgrades first
         q_out(y, ins[3], ins[4])
     elif op == "QGemm" and node.domain == _MS:
         inits = edit.initializers_by_name(graph)
@@ -533,7 +547,7 @@ def _integer_moves_to_qdq(model: onnx.ModelProto, details: list[str]) -> None:
         if node.op_type == QUANTIZE and node.domain in _QDQ_DOMAINS:
             grid[node.output[0]] = list(node.input[1:3])
             continue
-        if not _commutes(node, view):
+        if not (_commutes(node, view) or _interpolates(node)):
             continue
         indices = _data_inputs(node)
         params = [grid.get(node.input[i]) for i in indices]
@@ -580,6 +594,15 @@ def _integer_input_grids(graph: onnx.GraphProto, view: _Graph) -> dict[str, list
                 break
             tensor = reader.output[0]
     return grids
+
+
+def _interpolates(node: onnx.NodeProto) -> bool:
+    """A linear or cubic Resize, which onnxruntime computes on integers when a QOperator model
+    gives it one (a segmenter's uint8 logits, upsampled): between a DQ and a Q with the
+    tensor's own grid it is the same interpolation up to rounding (its weights sum to 1, so the
+    zero point passes through), as the QLinear ops' float forms are. Not exact, so it is not
+    one of the moves ``_propagate_backward`` copies a Q across."""
+    return node.op_type == "Resize" and node.domain in _DEFAULT and len(node.output) == 1
 
 
 def _integer_zero_is_float_zero(node: onnx.NodeProto, params: list[str], view: _Graph) -> bool:
@@ -852,6 +875,168 @@ def signed_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     return _shifted_weights(
         model, "signed_weights", _WEIGHTED, onnx.TensorProto.UINT8, -128, np.int8, "weight", _SIGNED
     )
+
+
+def unsigned_activations(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """int8 activations (a QuantizeLinear of a computed tensor and the DequantizeLinears that
+    read it) -> uint8, zero point + 128: the same grid, the same values, exactly.
+
+    The QNN EP maps int8 activations onto the HTP's unsigned ones itself for Conv and most
+    ops, but not for all: in models that onnxruntime quantized with int8 activations
+    (``ActivationSymmetric``, as for CPU int8 kernels) it declined every quantized
+    BatchNormalization and HardSigmoid (a face detector in 29 partitions, a text-direction
+    classifier in 45), and a segmenter compiled whole ran at -3 dB against its CPU self; the
+    same models with these activations moved to uint8 ran whole and agreed. All or none: a
+    model with integer graph inputs or outputs (a TFLite int8 export) keeps its int8, since
+    the EP groups an op with its DQs and Q only when their types agree (a Reshape of the int8
+    input, moved between a DQ and a Q, was left on the CPU with a uint8 Q after it).
+    """
+    model = edit.copy_model(model)
+    graph = model.graph
+    integer_io = [
+        v.name
+        for v in (*graph.input, *graph.output)
+        if v.type.tensor_type.elem_type in _INT_RANGES
+        and v.name not in edit.initializers_by_name(graph)
+    ]
+    if integer_io:
+        return edit.checked_change(model, "unsigned_activations", [])
+    view = _Graph(graph)
+    namer = edit.FreshNames(model)
+    shifted: dict[str, str] = {}  # int8 zero point -> its uint8 twin
+    outputs = {o.name for o in graph.output}
+
+    def unsigned_zero_point(name: str) -> str:
+        if name not in shifted:
+            zero = numpy_helper.to_array(view.inits[name]).astype(np.int16) + 128
+            shifted[name] = _initializer(graph, namer, f"{name}_uint8", zero.astype(np.uint8))
+        return shifted[name]
+
+    details = []
+    retyped: set[str] = set()
+    for q in list(graph.node):
+        if q.op_type != QUANTIZE or q.domain not in _QDQ_DOMAINS or len(q.input) < 3:
+            continue
+        if q.input[0] in view.inits or q.output[0] in outputs:
+            continue
+        zero = view.inits.get(q.input[2])
+        if zero is None or zero.data_type != onnx.TensorProto.INT8:
+            continue
+        readers = view.consumers.get(q.output[0], [])
+        if not readers or any(
+            r.op_type != DEQUANTIZE
+            or len(r.input) < 3
+            or view.inits.get(r.input[2]) is None
+            or view.inits[r.input[2]].data_type != onnx.TensorProto.INT8
+            for r in readers
+        ):
+            continue
+        q.input[2] = unsigned_zero_point(q.input[2])
+        for attribute in q.attribute:
+            if attribute.name == "output_dtype":
+                attribute.i = onnx.TensorProto.UINT8
+        for reader in readers:
+            reader.input[2] = unsigned_zero_point(reader.input[2])
+        retyped.add(q.output[0])
+        details.append(f"{edit.node_label(q)}: int8 activation -> uint8, zero point + 128")
+    for value in graph.value_info:
+        if value.name in retyped and value.type.HasField("tensor_type"):
+            value.type.tensor_type.elem_type = onnx.TensorProto.UINT8
+    return _finish(model, "unsigned_activations", details)
+
+
+def batchnorm_as_depthwise_conv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A quantized BatchNormalization (DQ -> BN -> Q) -> a 1x1 depthwise Conv doing the same
+    per-channel scale and shift, its weights int8 per channel and its bias int32.
+
+    Why: the QNN EP builds a quantized BatchNormalization by folding mean and variance into a
+    new scale and bias, reading every parameter through quantization parameters, which the
+    float beta, mean and variance that onnxruntime's quantizer leaves have none of: a text-
+    direction classifier quantized by onnxruntime, its BNs left unfolded by paddle2onnx, came
+    out at -2.4 dB on the HTP at its first BN (5.9 dB for the model), and moving that BN's mean
+    by 1e-5 gave 44 dB: what the EP computes there is not the model. With int8 activations it
+    declines the BN altogether. One int8 weight per channel at its own scale holds each
+    channel's factor to float32 precision, and the int32 bias at input x weight scale holds
+    the shift within 1/254 of an input step times the factor (the classifier: 21.2 dB, at its
+    own rounding floor; its first BN 46.8 dB).
+    """
+    model = edit.copy_model(model)
+    graph = model.graph
+    view = _Graph(graph)
+    namer = edit.FreshNames(model)
+    if not any(n.op_type == "BatchNormalization" for n in graph.node):
+        return edit.checked_change(model, "batchnorm_as_depthwise_conv", [])
+    shapes = {name: edit.value_shape(v) for name, v in edit.inferred_values(model).items()}
+    details = []
+    for node in list(graph.node):
+        if node.op_type != "BatchNormalization" or node.domain not in _DEFAULT:
+            continue
+        x_dq = view.activation_dq(node.input[0])
+        x_params = _params(x_dq, view.inits) if x_dq is not None else None
+        readers = view.consumers.get(node.output[0], [])
+        if x_params is None or not readers or any(r.op_type != QUANTIZE for r in readers):
+            continue
+        if any(o for o in node.output[1:]) or len(node.input) < 5:
+            continue
+        shape = shapes.get(node.input[0])
+        if shape is None or len(shape) not in (3, 4):
+            continue
+        values = []
+        for name in node.input[1:5]:
+            dq = view.constant_dq(name)
+            value = _dq_value(dq, view.inits) if dq is not None else _array(view.inits, name)
+            values.append(None if value is None else np.asarray(value, np.float64).reshape(-1))
+        if any(v is None or v.size != shape[1] for v in values):
+            continue
+        gamma, beta, mean, var = values
+        epsilon = edit.attribute(node, "epsilon", 1e-5)
+        factor = gamma / np.sqrt(var + epsilon)
+        shift = beta - mean * factor
+        # One int8 step of each channel's weight is |factor| / 127 (127 itself then), raised
+        # where the bias would not fit int32 at input x weight scale.
+        bias_room = np.abs(shift) / (x_params.scale * (2**31 - 1))
+        step = np.maximum(np.abs(factor) / 127, bias_room)
+        step = np.where(step > 0, step, 1.0).astype(np.float32)
+        weight = np.clip(np.round(factor / step), -127, 127).astype(np.int8)
+        bias_scale = (np.float32(x_params.scale) * step).astype(np.float32)
+        bias = np.round(shift / bias_scale.astype(np.float64))
+        bias = np.clip(bias, -(2**31) + 1, 2**31 - 1).astype(np.int32)
+        channels = shape[1]
+        kernel = [1] * (len(shape) - 2)
+        base = node.name or node.output[0]
+        w_name = _initializer(
+            graph, namer, f"{base}_dw_weight", weight.reshape(channels, 1, *kernel)
+        )
+        w_scale = _initializer(graph, namer, f"{base}_dw_weight_scale", step)
+        w_zero = _initializer(graph, namer, f"{base}_dw_weight_zp", np.zeros(channels, np.int8))
+        b_name = _initializer(graph, namer, f"{base}_dw_bias", bias)
+        b_scale = _initializer(graph, namer, f"{base}_dw_bias_scale", bias_scale)
+        b_zero = _initializer(graph, namer, f"{base}_dw_bias_zp", np.zeros(channels, np.int32))
+        w_out, b_out = namer(f"{base}_dw_weight_dq"), namer(f"{base}_dw_bias_dq")
+        graph.node.extend(
+            [
+                onnx.helper.make_node(
+                    DEQUANTIZE, [w_name, w_scale, w_zero], [w_out], name=namer(w_out), axis=0
+                ),
+                onnx.helper.make_node(
+                    DEQUANTIZE, [b_name, b_scale, b_zero], [b_out], name=namer(b_out), axis=0
+                ),
+            ]
+        )
+        conv = onnx.helper.make_node(
+            "Conv",
+            [node.input[0], w_out, b_out],
+            [node.output[0]],
+            name=namer(f"{base}_as_depthwise_conv"),
+            group=channels,
+            kernel_shape=kernel,
+        )
+        graph.node.remove(node)
+        graph.node.append(conv)
+        details.append(
+            f"{edit.node_label(node)} -> 1x1 depthwise Conv, int8 weight per channel, int32 bias"
+        )
+    return _finish(model, "batchnorm_as_depthwise_conv", details)
 
 
 # Normalizations whose scale (gamma) the QNN EP takes quantized only unsigned.
@@ -1211,6 +1396,8 @@ def input_steps(model: onnx.ModelProto) -> dict[str, float]:
 HTP_STEPS = (
     matmul_bias_to_gemm,
     int32_biases,
+    unsigned_activations,
+    batchnorm_as_depthwise_conv,
     signed_weights,
     unsigned_norm_scales,
     propagate_qdq,

@@ -146,7 +146,18 @@ def load_source_model(path: Path) -> Any:
         onnx.checker.check_model(_shapes_for_the_checker(model))
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"Model file {path} is not a valid ONNX model: {first}") from None
+        tip = ""
+        said = first.lower()
+        if "unrecognized attribute: axis for operator" in said and "quantizelinear" in said:
+            # onnxruntime's quantize_static writes per-channel Q/DQ into an opset-11/12 float
+            # model with a warning only; onnxruntime refuses the result too.
+            tip = (
+                "Per-channel QuantizeLinear/DequantizeLinear (an axis) needs opset >= 13: "
+                "onnxruntime cannot load this model either. Quantize the float model again "
+                "after onnx.version_converter.convert_version(model, 13), or give the float "
+                "model itself as model.source."
+            )
+        raise ModelError(f"Model file {path} is not a valid ONNX model: {first}", tip=tip) from None
     return model
 
 
@@ -250,7 +261,14 @@ def quantize_model(config: ModelConfig, artifacts: Path, force: bool = False) ->
         raise GateError(
             f"{config.model.name}: worst {report_mod.gated_figure(report)} SNR "
             f"{fmt(report.worst_snr_db)} dB is below "
-            f"quantization.min_snr_db = {config.quantization.min_snr_db} ({paths.report}).",
+            f"quantization.min_snr_db = {config.quantization.min_snr_db}"
+            + (
+                f" (lowered to {fmt(report.min_snr_db)} dB: the pre-quantized model's own "
+                "rounding floor, less a margin)"
+                if report.min_snr_db < config.quantization.min_snr_db
+                else ""
+            )
+            + f" ({paths.report}).",
             tip="Use 16-bit types or overrides for the worst tensors, or more calibration data."
             if not fp16
             else "No precision the judge tried reaches the gate on the HTP; the report's judge "
@@ -980,6 +998,7 @@ def _steps(
         worst = float("nan") if measured is None else min(measured, worst)
     q = config.quantization
     kept = state.own is not None and state.own.kept
+    gate = kept_model_gate(q.min_snr_db, own_floor if kept else [])
     own_types = prequantized.summarize(state.source.load()) if kept else None
     report = report_mod.QuantizeReport(
         model=config.model.name,
@@ -1025,14 +1044,25 @@ def _steps(
         weights=weights,
         end_to_end=e2e,
         worst_snr_db=worst,
-        min_snr_db=q.min_snr_db,
-        passed=(q.min_snr_db <= 0 or worst >= q.min_snr_db) and preparation.passed,
+        min_snr_db=gate,
+        passed=(gate <= 0 or worst >= gate) and preparation.passed,
         preparation_check=preparation,
         prequantized=state.own,
         source_bytes=config.source_path.stat().st_size,
         timings_s=state.timings,
     )
     return report, _record(config, inputs, state, paths, report)
+
+
+def kept_model_gate(min_snr_db: float, own_floor_db: list[float]) -> float:
+    """The QDQ-vs-float gate of a model whose own quantization is kept: ``min_snr_db``, or its
+    rounding floor (how far it moves when its input moves within its own rounding) less a
+    margin, where that is lower, as compile's gate is. Its QDQ is that quantization rewritten
+    for the HTP, exact in real numbers but not in float32, and flipped roundings move it like
+    the floor does (a classifier with unfolded BatchNorms at 8 bits: 17.2 dB, floor 18.0)."""
+    if min_snr_db <= 0 or not own_floor_db:
+        return min_snr_db
+    return min(min_snr_db, min(own_floor_db) - OWN_ROUNDING_MARGIN_DB)
 
 
 def _judged_accuracy(bucket: BucketPaths, qdq: Path) -> dict[str, Any] | None:

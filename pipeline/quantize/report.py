@@ -121,7 +121,9 @@ class QuantizeReport:
     weights: WeightSharing
     end_to_end: EndToEnd
     worst_snr_db: float  # QDQ vs float, worst output of the worst bucket
-    min_snr_db: float  # the gate, quantization.min_snr_db (0 = off)
+    # the gate: quantization.min_snr_db (0 = off); a kept pre-quantized model's own rounding
+    # floor less a margin where that is lower
+    min_snr_db: float
     passed: bool
     source_bytes: int
     timings_s: dict[str, float]
@@ -530,7 +532,7 @@ def _accuracy_section(r: QuantizeReport) -> list[str]:
     lines += [f"- {n}" for n in notes]
     verdict = "passed" if r.passed else "FAILED"
     if r.min_snr_db > 0:
-        lines += ["", f"Gate: min SNR {r.min_snr_db} dB ({gated_figure(r)}) — {verdict}."]
+        lines += ["", f"Gate: min SNR {r.min_snr_db:.4g} dB ({gated_figure(r)}) — {verdict}."]
     return lines
 
 
