@@ -341,6 +341,25 @@ def test_integer_data_moves_get_their_own_dq_and_q() -> None:
     assert_same(source, converted)
 
 
+def test_an_integer_interpolating_resize_gets_its_own_dq_and_q() -> None:
+    """A QOperator segmenter upsamples its uint8 logits with a linear Resize on the integers
+    (onnxruntime runs it so); the QNN EP took no such node and the compile failed ('inserted
+    using the NHWC format ... but was not selected'). Between a DQ and a Q on the tensor's own
+    grid it is the same interpolation up to rounding: at most one step apart."""
+    b = Builder()
+    s, z = b.const(np.float32(0.05)), b.const(np.uint8(128))
+    scales = b.const(np.array([1, 1, 2, 2], np.float32))
+    resized = b.node("Resize", [b.node("QuantizeLinear", ["x", s, z]), "", scales], mode="linear")
+    source = b.model(b.node("DequantizeLinear", [resized, s, z]), out_shape=[1, 3, 16, 16])
+    converted, change = pq.qoperator_to_qdq(source)
+    assert len(change.details) == 1 and pq.float_edges(converted) == []
+    resize = next(n for n in converted.graph.node if n.op_type == "Resize")
+    producer = {o: n for n in converted.graph.node for o in n.output}
+    assert producer[resize.input[0]].op_type == "DequantizeLinear"
+    for x in inputs():
+        assert np.abs(run(source, x) - run(converted, x)).max() <= 0.05 + 1e-6
+
+
 def int8_io_model(extra_reshape: bool = True) -> onnx.ModelProto:
     """A TFLite model exported with int8 I/O (tf2onnx): the int8 input reshaped, then its DQ,
     a Conv with its bias, the Q that is the int8 output."""

@@ -597,11 +597,11 @@ def _integer_input_grids(graph: onnx.GraphProto, view: _Graph) -> dict[str, list
 
 
 def _interpolates(node: onnx.NodeProto) -> bool:
-    """A linear or cubic Resize, which onnxruntime computes on integers when a QOperator model
-    gives it one (a segmenter's uint8 logits, upsampled): between a DQ and a Q with the
-    tensor's own grid it is the same interpolation up to rounding (its weights sum to 1, so the
-    zero point passes through), as the QLinear ops' float forms are. Not exact, so it is not
-    one of the moves ``_propagate_backward`` copies a Q across."""
+    """A Resize that interpolates (linear), which onnxruntime computes on integers when a
+    QOperator model gives it one (a segmenter's uint8 logits, upsampled): between a DQ and a Q
+    with the tensor's own grid it is the same interpolation up to rounding (its weights sum to
+    1, so the zero point passes through), as the QLinear ops' float forms are. Not exact, so
+    it is not one of the moves ``_propagate_backward`` copies a Q across."""
     return node.op_type == "Resize" and node.domain in _DEFAULT and len(node.output) == 1
 
 
