@@ -17,6 +17,7 @@ from onnx import TensorProto, numpy_helper
 
 from pipeline.core.config import InputsSection, load_config
 from pipeline.core.errors import ConfigError, ModelError
+from pipeline.core.metrics import snr_db
 from pipeline.graph import edit
 from pipeline.graph import prequantized as pq
 from pipeline.graph.prepare import prepare_model
@@ -1337,3 +1338,56 @@ def test_a_kept_models_quantize_gate_is_its_rounding_floor_less_a_margin_where_l
     assert kept_model_gate(20.0, [40.0, 30.0]) == 20.0
     assert kept_model_gate(20.0, [18.0, 25.0]) == 18.0 - OWN_ROUNDING_MARGIN_DB
     assert kept_model_gate(0.0, [10.0]) == 0.0  # the gate is off
+
+
+def _relu6_model(zero: int, dtype: type = np.uint8, step: float = 6 / 127) -> onnx.ModelProto:
+    """Conv -> Clip(0, 6) -> Conv in QDQ form, the Clip's output on a grid from -6 to 6 (zero
+    point mid-range, as onnxruntime's ActivationSymmetric writes it) or 0 to 12 (zero 0)."""
+    b = Builder()
+    x = b.qdq("x", 0.04, zero, dtype)
+    conv = b.qdq(b.node("Conv", [x, b.weight([3, 3, 3, 3])], pads=[1, 1, 1, 1]), 0.05, zero, dtype)
+    clipped = b.node("Clip", [conv, b.const(np.float32(0)), b.const(np.float32(6))])
+    gated = b.qdq(clipped, step, zero, dtype)
+    out = b.qdq(b.node("Conv", [gated, b.weight([3, 3, 1, 1], 2.0**-5)]), 0.05, zero, dtype)
+    return b.model(out, out_shape=SHAPE)
+
+
+@pytest.mark.parametrize(("zero", "dtype"), [(128, np.uint8), (0, np.uint8), (0, np.int8)])
+def test_a_clip_grid_wider_than_its_bounds_is_spread_over_them(zero: int, dtype: type) -> None:
+    """The same levels over [0, 6]: the Clip's values within half an old step of the model's
+    on the CPU, the output close; a grid already within the bounds is left alone."""
+    source = _relu6_model(zero, dtype)
+    converted, change = pq.clip_bounds_on_the_grid(source)
+    assert len(change.details) == 1 and "-> its bounds [0, 6]" in change.details[0]
+    assert pq.clip_bounds_on_the_grid(converted)[1].changed is False
+    for x in inputs():
+        assert snr_db(run(source, x), run(converted, x)) > 30.0
+    within = _relu6_model(0, np.uint8, 6 / 255)
+    assert pq.clip_bounds_on_the_grid(within)[1].changed is False
+
+
+@pytest.mark.qnn
+def test_the_htp_clips_a_relu6_only_through_its_output_grid(tmp_path: Path) -> None:
+    """Measured on the simulator: the HTP leaves a quantized Clip's bounds to the saturation of
+    its output grid, so on a grid reaching past them it does not clip (0.1 dB and 10.7 dB
+    against the CPU); spread over the bounds, the model agrees with its CPU self."""
+    from pipeline.htp.probe import probe, qnn_available
+
+    if qnn_available():
+        pytest.skip(qnn_available())
+    sample = tmp_path / "sample.npz"
+    np.savez(sample, x=np.random.default_rng(0).normal(0, 2, SHAPE).astype(np.float32))
+    results = {}
+    for zero in (128, 0):
+        source = _relu6_model(zero)
+        onnx.save(source, tmp_path / f"source_{zero}.onnx")
+        for name, model in (("as_is", source), ("on_bounds", pq.for_htp(source)[0])):
+            path = tmp_path / f"{name}_{zero}.onnx"
+            onnx.save(model, path)
+            result = probe(
+                path, tmp_path / f"source_{zero}.onnx", [sample], tmp_path / path.stem, 60, 73
+            )
+            assert result.ok and (result.partitions, result.cpu_nodes) == (1, 0), result
+            results[name, zero] = result.worst_ctx_vs_float
+    assert results["as_is", 128] < 10.0 and results["as_is", 0] < 20.0, results
+    assert results["on_bounds", 128] > 30.0 and results["on_bounds", 0] > 30.0, results

@@ -19,7 +19,8 @@ QNN 2.51 HTP simulator (onnxruntime-qnn 2.7.0), see tests/test_prequantized.py:
   (zero point + 128, exact). int8 weights with or without zero point, uint8 weights, per-tensor
   and per-channel (axis 0) weights, int32 biases via DequantizeLinear: taken as they are.
 - A quantized BatchNormalization is computed wrongly (its float mean, variance and beta read
-  as quantized): ``batchnorm_as_depthwise_conv``.
+  as quantized): ``batchnorm_as_depthwise_conv``; a quantized Clip clips only through its
+  output grid's saturation: ``clip_bounds_on_the_grid``.
 - An op is only run quantized when it is a complete QDQ unit (onnxruntime's selectors: DQ on
   every input, Q on the output, same activation type in and out, int32 bias, signed weights
   for signed activations). Anything else runs as a *float* op on the HTP, and float Convs there
@@ -1039,6 +1040,85 @@ def batchnorm_as_depthwise_conv(model: onnx.ModelProto) -> tuple[onnx.ModelProto
     return _finish(model, "batchnorm_as_depthwise_conv", details)
 
 
+def clip_bounds_on_the_grid(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A quantized Clip whose output grid reaches past its bounds -> the same number of levels
+    spread over the bounds (where the grid holds zero), its Q and the DQs after it alike.
+
+    Why: the HTP does not clip in a quantized Clip; it leaves that to the saturation of the
+    output's grid. A grid wider than the bounds (an int8 symmetric grid on a ReLU6, as
+    onnxruntime writes with ActivationSymmetric; a uint8 grid from 0 to 12 on one) then passes
+    values the model clips: a ReLU6 between two Convs read 0.1 dB against the CPU, a DeepLab
+    segmenter -3 dB. On the bounds' grid the HTP's saturation is the clip; its values move by
+    less than half a step of the old grid (finer steps, never coarser).
+    """
+    model = edit.copy_model(model)
+    graph = model.graph
+    view = _Graph(graph)
+    namer = edit.FreshNames(model)
+    details = []
+    for clip in list(graph.node):
+        if clip.op_type != "Clip" or clip.domain not in _DEFAULT:
+            continue
+        bounds = _clip_bounds(clip, view.inits)
+        if bounds is None or view.activation_dq(clip.input[0]) is None:
+            continue
+        readers = view.consumers.get(clip.output[0], [])
+        params = [_params(r, view.inits) if r.op_type == QUANTIZE else None for r in readers]
+        if not params or clip.output[0] in view.outputs:
+            continue
+        first = params[0]
+        if first is None or any(not first.same(p) for p in params[1:]):
+            continue
+        low, high = _INT_RANGES[first.elem_type]
+        grid = ((low - first.zero_point) * first.scale, (high - first.zero_point) * first.scale)
+        bottom, top = max(bounds[0], grid[0]), min(bounds[1], grid[1])
+        slack = first.scale / 2
+        if not (grid[0] < bottom - slack or grid[1] > top + slack) or not bottom <= 0 <= top:
+            continue
+        scale = np.float32((top - bottom) / (high - low))
+        zero = int(np.clip(low + round(-bottom / float(scale)), low, high))
+        dequantized = [d for q in readers for d in view.consumers.get(q.output[0], [])]
+        if any(len(q.input) < 3 or q.output[0] in view.outputs for q in readers) or any(
+            d.op_type != DEQUANTIZE or len(d.input) < 3 or not first.same(_params(d, view.inits))
+            for d in dequantized
+        ):
+            continue  # the grid is read by something else too: left as it is
+        dtype = edit.numpy_dtype(first.elem_type)
+        scale_name = _initializer(graph, namer, f"{clip.output[0]}_clip_scale", scale)
+        zero_name = _initializer(
+            graph, namer, f"{clip.output[0]}_clip_zero_point", np.array(zero, dtype)
+        )
+        for node in [*readers, *dequantized]:
+            node.input[1], node.input[2] = scale_name, zero_name
+        details.append(
+            f"{edit.node_label(clip)}: output grid [{grid[0]:.4g}, {grid[1]:.4g}] -> its bounds "
+            f"[{bottom:.4g}, {top:.4g}] (the HTP saturates, it does not clip)"
+        )
+    return _finish(model, "clip_bounds_on_the_grid", details)
+
+
+def _clip_bounds(
+    clip: onnx.NodeProto, inits: dict[str, onnx.TensorProto]
+) -> tuple[float, float] | None:
+    """(min, max) of a Clip with constant bounds (inputs from opset 11, attributes before)."""
+    if any(a.name in ("min", "max") for a in clip.attribute):
+        return (
+            float(edit.attribute(clip, "min", -np.inf)),
+            float(edit.attribute(clip, "max", np.inf)),
+        )
+    bounds = []
+    for index, default in ((1, -np.inf), (2, np.inf)):
+        name = clip.input[index] if len(clip.input) > index else ""
+        if not name:
+            bounds.append(default)
+            continue
+        value = _array(inits, name)
+        if value is None or value.size != 1:
+            return None
+        bounds.append(float(value.reshape(())))
+    return bounds[0], bounds[1]
+
+
 # Normalizations whose scale (gamma) the QNN EP takes quantized only unsigned.
 _NORMS = frozenset({"LayerNormalization", "InstanceNormalization"})
 
@@ -1397,6 +1477,7 @@ HTP_STEPS = (
     matmul_bias_to_gemm,
     int32_biases,
     unsigned_activations,
+    clip_bounds_on_the_grid,
     batchnorm_as_depthwise_conv,
     signed_weights,
     unsigned_norm_scales,
