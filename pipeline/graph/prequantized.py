@@ -878,17 +878,25 @@ def signed_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     )
 
 
+# Signed activation type -> (its unsigned twin, the zero-point shift, numpy type).
+_UNSIGNED_TWIN = {
+    onnx.TensorProto.INT8: (onnx.TensorProto.UINT8, 128, np.uint8),
+    onnx.TensorProto.INT16: (onnx.TensorProto.UINT16, 32768, np.uint16),
+}
+
+
 def unsigned_activations(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """int8 activations (a QuantizeLinear of a computed tensor and the DequantizeLinears that
-    read it) -> uint8, zero point + 128: the same grid, the same values, exactly.
+    """int8/int16 activations (a QuantizeLinear of a computed tensor and the DequantizeLinears
+    that read it) -> uint8/uint16, zero point + 128/32768: the same grid, exactly.
 
     The QNN EP maps int8 activations onto the HTP's unsigned ones itself for Conv and most
-    ops, but not for all: in models that onnxruntime quantized with int8 activations
+    ops, but not for all: in models that onnxruntime quantized with signed activations
     (``ActivationSymmetric``, as for CPU int8 kernels) it declined every quantized
     BatchNormalization and HardSigmoid (a face detector in 29 partitions, a text-direction
-    classifier in 45), and a segmenter compiled whole ran at -3 dB against its CPU self; the
-    same models with these activations moved to uint8 ran whole and agreed. All or none: a
-    model with integer graph inputs or outputs (a TFLite int8 export) keeps its int8, since
+    classifier in 45), and a segmenter compiled whole ran at -3 dB against its CPU self; with
+    int16 ones it declined an Exp and a depthwise Conv and the compile failed. The same
+    models with their activations moved to unsigned ran whole and agreed. All or none: a
+    model with integer graph inputs or outputs (a TFLite int8 export) keeps its types, since
     the EP groups an op with its DQs and Q only when their types agree (a Reshape of the int8
     input, moved between a DQ and a Q, was left on the CPU with a uint8 Q after it).
     """
@@ -904,45 +912,52 @@ def unsigned_activations(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
         return edit.checked_change(model, "unsigned_activations", [])
     view = _Graph(graph)
     namer = edit.FreshNames(model)
-    shifted: dict[str, str] = {}  # int8 zero point -> its uint8 twin
+    shifted: dict[str, str] = {}  # a signed zero point -> its unsigned twin
     outputs = {o.name for o in graph.output}
 
     def unsigned_zero_point(name: str) -> str:
         if name not in shifted:
-            zero = numpy_helper.to_array(view.inits[name]).astype(np.int16) + 128
-            shifted[name] = _initializer(graph, namer, f"{name}_uint8", zero.astype(np.uint8))
+            _, shift, dtype = _UNSIGNED_TWIN[view.inits[name].data_type]
+            zero = numpy_helper.to_array(view.inits[name]).astype(np.int32) + shift
+            suffix = np.dtype(dtype).name
+            shifted[name] = _initializer(graph, namer, f"{name}_{suffix}", zero.astype(dtype))
         return shifted[name]
 
     details = []
-    retyped: set[str] = set()
+    retyped: dict[str, int] = {}
     for q in list(graph.node):
         if q.op_type != QUANTIZE or q.domain not in _QDQ_DOMAINS or len(q.input) < 3:
             continue
         if q.input[0] in view.inits or q.output[0] in outputs:
             continue
         zero = view.inits.get(q.input[2])
-        if zero is None or zero.data_type != onnx.TensorProto.INT8:
+        if zero is None or zero.data_type not in _UNSIGNED_TWIN:
             continue
         readers = view.consumers.get(q.output[0], [])
         if not readers or any(
             r.op_type != DEQUANTIZE
             or len(r.input) < 3
             or view.inits.get(r.input[2]) is None
-            or view.inits[r.input[2]].data_type != onnx.TensorProto.INT8
+            or view.inits[r.input[2]].data_type != zero.data_type
             for r in readers
         ):
             continue
+        twin, shift, _ = _UNSIGNED_TWIN[zero.data_type]
         q.input[2] = unsigned_zero_point(q.input[2])
         for attribute in q.attribute:
             if attribute.name == "output_dtype":
-                attribute.i = onnx.TensorProto.UINT8
+                attribute.i = twin
         for reader in readers:
             reader.input[2] = unsigned_zero_point(reader.input[2])
-        retyped.add(q.output[0])
-        details.append(f"{edit.node_label(q)}: int8 activation -> uint8, zero point + 128")
+        retyped[q.output[0]] = twin
+        before = onnx.TensorProto.DataType.Name(zero.data_type).lower()
+        after = onnx.TensorProto.DataType.Name(twin).lower()
+        details.append(
+            f"{edit.node_label(q)}: {before} activation -> {after}, zero point + {shift}"
+        )
     for value in graph.value_info:
         if value.name in retyped and value.type.HasField("tensor_type"):
-            value.type.tensor_type.elem_type = onnx.TensorProto.UINT8
+            value.type.tensor_type.elem_type = retyped[value.name]
     return _finish(model, "unsigned_activations", details)
 
 
