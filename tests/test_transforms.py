@@ -244,6 +244,28 @@ def test_fold_constants_makes_reshape_shape_schema_static() -> None:
     assert not noop.changed
 
 
+def test_fold_constants_reads_a_constant_sequence_and_keeps_it_a_node() -> None:
+    """A mask baked into a constant and split into a sequence (Longformer's global attention:
+    SplitToSequence, SequenceAt): onnxruntime returns the sequence as a list, whose size the
+    fold took as an array's ('list' object has no attribute 'nbytes', preparation crashed).
+    What reads the sequence folds; the sequence itself is no initializer."""
+    model = parse(
+        """<ir_version: 8, opset_import: ["": 17]>
+        g (float[4] x) => (float[4] y) {
+          c = Constant <value = int64[4] {2, 3, 4, 5}> ()
+          s = SplitToSequence <keepdims = 0> (c)
+          i = Constant <value = int64 {1}> ()
+          e = SequenceAt (s, i)
+          f = Cast <to = 1> (e)
+          y = Mul (x, f)
+        }"""
+    )
+    folded, change = t.fold_constants(model)
+    assert change.changed and ops(folded) == ["Mul"], ops(folded)
+    x = RNG.standard_normal(4).astype(np.float32)
+    np.testing.assert_array_equal(run(folded, {"x": x})[0], x * 3)
+
+
 IF_MODEL = """<ir_version: 8, opset_import: ["": 13]>
 g (float[2] x) => (float[2] y) {
   cond = Equal(sr, k)

@@ -537,6 +537,13 @@ def run_nodes(
     return dict(zip(outputs, session.run(outputs, {}), strict=True))
 
 
+def _nbytes(value: Any) -> int:
+    """Bytes of a computed value: a tensor, or a sequence of them (onnxruntime returns a list)."""
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    return sum(_nbytes(item) for item in value) if isinstance(value, (list, tuple)) else 0
+
+
 def _evaluate_constants(model: onnx.ModelProto, details: list[str], max_bytes: int) -> bool:
     """Replace every node whose inputs are all constants by initializers of its results."""
     graph = model.graph
@@ -572,7 +579,9 @@ def _evaluate_constants(model: onnx.ModelProto, details: list[str], max_bytes: i
         outs = [o for o in node.output if o]
         if any(o not in values for o in outs) or any(o in outputs for o in outs):
             continue
-        in_bytes = sum(values[i].nbytes for i in node.input if i in values)
+        if any(not isinstance(values[o], np.ndarray) for o in outs):
+            continue  # a sequence (SplitToSequence) is no initializer; what reads it may fold
+        in_bytes = sum(_nbytes(values[i]) for i in node.input if i in values)
         out_bytes = sum(values[o].nbytes for o in outs)
         if out_bytes > max(max_bytes, in_bytes):
             continue
