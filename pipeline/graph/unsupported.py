@@ -5,7 +5,8 @@ simulator, one op between two Convs, quantized, onnxruntime-qnn 2.7.0): GlobalLp
 OneHot, Trilu, a float Mod, a standalone Erf (a GELU's Erf is fused into Gelu by
 ``attention.fuse_erf_gelu`` first), CumSum reversed or exclusive, a 3D MaxPool, Pad in wrap
 mode, Sinh, Cosh, Asinh, Acosh, Atanh and Acos; and forms it takes not: Gemm with alpha or
-beta, Compress with a constant condition. The rewrites compute the same, except Erf,
+beta, Compress with a constant condition; and an integer Mod, which the HTP takes but
+computes in fp16. The rewrites compute the same, except Erf,
 whose polynomial form is within 1.5e-7 of it (Abramowitz and Stegun 7.1.26; 5e-7 in float32),
 and Mod where a / b rounds to an integer it is not (fmod's 0 or b there, a step either way).
 """
@@ -137,9 +138,61 @@ def _trilu(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     return nodes, f"{node_label(node)} -> x * the {which} triangle (k = {int(k)})"
 
 
+_SIGNED_INTEGERS = (
+    onnx.TensorProto.INT8,
+    onnx.TensorProto.INT16,
+    onnx.TensorProto.INT32,
+    onnx.TensorProto.INT64,
+)
+_UNSIGNED_INTEGERS = (
+    onnx.TensorProto.UINT8,
+    onnx.TensorProto.UINT16,
+    onnx.TensorProto.UINT32,
+    onnx.TensorProto.UINT64,
+)
+
+
+def _integer_mod(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite:
+    """An integer Mod -> a - b * (a / b), integer division truncating as C's does; with
+    fmod = 0 (Python's, the remainder takes the divisor's sign) + b where the signs differ.
+
+    Why: the HTP computes an integer Mod in fp16 (CANINE's hash embeddings, (id + 1) * prime
+    mod 16384: 25518 mod 16384 came out 9136, and beyond 65504 it saturated; its lookups read
+    the wrong rows, 5.6 dB), while its integer Div, Mul and Sub are exact."""
+    a, b = node.input
+    (out,) = node.output
+    quotient, taken = context.fresh(f"{out}_quotient"), context.fresh(f"{out}_taken")
+    python_mod = not attribute(node, "fmod", 0)
+    signed = context.elem_type(a) in _SIGNED_INTEGERS
+    remainder = context.fresh(f"{out}_remainder") if python_mod and signed else out
+    nodes = [
+        helper.make_node("Div", [a, b], [quotient]),
+        helper.make_node("Mul", [quotient, b], [taken]),
+        helper.make_node("Sub", [a, taken], [remainder]),
+    ]
+    if remainder == out:
+        return nodes, f"{node_label(node)} -> a - b * (a / b), in integers"
+    product, differ, shifted = (
+        context.fresh(f"{out}_{s}") for s in ("product", "differ", "shifted")
+    )
+    zero = context.constant(
+        np.zeros((), onnx.helper.tensor_dtype_to_np_dtype(context.elem_type(a))), f"{out}_zero"
+    )
+    nodes += [
+        helper.make_node("Mul", [remainder, b], [product]),
+        helper.make_node("Less", [product, zero], [differ]),
+        helper.make_node("Add", [remainder, b], [shifted]),
+        helper.make_node("Where", [differ, shifted, remainder], [out]),
+    ]
+    return nodes, f"{node_label(node)} -> a - b * (a / b), + b where its sign is not b's"
+
+
 def _mod(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
-    """A float Mod (fmod = 1, C's fmod) -> a - b * trunc(a / b), trunc(z) = sign(z) floor(|z|)."""
+    """A float Mod (fmod = 1, C's fmod) -> a - b * trunc(a / b), trunc(z) = sign(z) floor(|z|);
+    an integer one: ``_integer_mod``."""
     elem = context.elem_type(node.input[0])
+    if elem in _SIGNED_INTEGERS or elem in _UNSIGNED_INTEGERS:
+        return _integer_mod(node, context)
     if elem not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16) or not attribute(
         node, "fmod", 0
     ):
