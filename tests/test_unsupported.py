@@ -283,22 +283,16 @@ def hashed_lookup(rewrite: bool) -> onnx.ModelProto:
 def test_the_htp_computes_an_integer_mod_in_fp16_and_its_rewrite_exactly(tmp_path: Path) -> None:
     """Measured on the simulator: the hashed rows past 2048 come out wrong (the lookups read
     other rows), rewritten as integer division every row is right."""
-    from pipeline.htp.probe import probe, qnn_available
+    from compile_fixtures import whole_ctx_vs_float
+
+    from pipeline.htp.probe import qnn_available
 
     if qnn_available():
         pytest.skip(qnn_available())
-    onnx.save(hashed_lookup(False), tmp_path / "source.onnx")
-    onnx.save(hashed_lookup(True), tmp_path / "rewritten.onnx")
-    sample = tmp_path / "sample.npz"
-    np.savez(sample, x=np.random.default_rng(0).integers(0, 2000, (1, 64)).astype(np.int32))
-    snr = {}
-    for name in ("source", "rewritten"):
-        result = probe(
-            tmp_path / f"{name}.onnx", tmp_path / "source.onnx", [sample], tmp_path / name, 60, 73
-        )
-        assert result.ok and (result.partitions, result.cpu_nodes) == (1, 0), result
-        snr[name] = result.worst_ctx_vs_float
-    assert snr["source"] < 10.0 and snr["rewritten"] > 60.0, snr
+    models = {"float": hashed_lookup(False), "rewritten": hashed_lookup(True)}
+    ids = np.random.default_rng(0).integers(0, 2000, (1, 64)).astype(np.int32)
+    snr = whole_ctx_vs_float(tmp_path, models, [{"x": ids}])
+    assert snr["float"] < 10.0 and snr["rewritten"] > 60.0, snr
 
 
 BRANCHES = [
