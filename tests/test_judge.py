@@ -917,3 +917,18 @@ def test_lstms_kept_whole_for_the_budget_are_unrolled_when_the_htp_falls_short(
     # If a new QNN SDK's LSTM op computes its gates as well, the unrolled form is no better:
     # the native op is then kept and this says so.
     assert not lstms and "unrolled up to" in unroll["details"][-1], unroll
+
+
+def test_the_quantize_gate_holds_the_htp_judges_figure_too() -> None:
+    """A model whose lookups the HTP computed wrongly (5.6 dB there, its CPU QDQ model at
+    56.5) passed quantize and failed only at compile: the gate now reads the judge's ctx vs
+    float where the judge ran on the HTP, and says which figure it gated."""
+    from pipeline.quantize.build import judged_ctx_db
+    from pipeline.quantize.judge import HtpJudgement
+
+    assert judged_ctx_db(None) == float("inf")
+    assert judged_ctx_db(HtpJudgement("cpu", "the probe failed", ctx_vs_float_db=None)) == float(
+        "inf"
+    )
+    judged = HtpJudgement("htp", "judged on the HTP simulator", ctx_vs_float_db=5.6)
+    assert judged_ctx_db(judged) == 5.6

@@ -931,13 +931,15 @@ def test_a_kept_model_the_htp_cannot_take_whole_names_requantize(tmp_path: Path)
 
 
 @pytest.mark.qnn
-def test_a_kept_model_the_htp_computes_far_off_names_requantize(tmp_path: Path) -> None:
+def test_a_kept_model_the_htp_computes_far_off_names_requantize(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Whole on the HTP but far from itself on the CPU: a 16-bit Conv whose requantization
     factor (input x weight / output scale) is 1, where the HTP floors its accumulator to
     multiples of 256 (README: measured and not acted on), with weights of -1, 0 and 1 steps, so
     that its sums are a few hundred steps: the floor is their size, while the model's own
-    rounding floor (inputs moved by half a step) stays small. The quantize stage names
-    ``requantize = true`` before compile's gate refuses it."""
+    rounding floor (inputs moved by half a step) stays small. The quantize stage's gate, which
+    holds the judge's figure, refuses it and names ``requantize = true``."""
     from pipeline.__main__ import main
 
     b = Builder()
@@ -950,12 +952,16 @@ def test_a_kept_model_the_htp_computes_far_off_names_requantize(tmp_path: Path) 
     model = b.model(b.qdq(conv, 2.0**-6 * 0.5, 32768, np.uint16), opset=21, out_shape=SHAPE)
     config = _config(tmp_path, model)
     config.write_text(config.read_text() + "\n[compile]\nmin_snr_db = 20.0\n")
-    assert main(["quantize", "--artifacts", str(tmp_path / "a"), str(config)]) == 0
-    htp = json.loads((tmp_path / "a" / "build" / "pq" / "report.json").read_text())["htp"]
+    assert main(["quantize", "--artifacts", str(tmp_path / "a"), str(config)]) == 1
+    said = "".join(capsys.readouterr())
+    assert "the HTP judge measured its context at" in said and "requantize = true" in said, said
+    report = json.loads((tmp_path / "a" / "build" / "pq" / "report.json").read_text())
+    htp = report["htp"]
     kept = htp["rounds"][0]
     assert kept["partitions"] == 1 and kept["cpu_nodes"] == 0, kept
     assert kept["ctx_vs_qdq_db"] < 20.0, kept
     assert any("below compile's gate" in r for r in htp["remedies"]), htp["remedies"]
+    assert not report["passed"] and float(report["worst_snr_db"]) >= report["min_snr_db"]
 
 
 # -- onnxruntime's dynamic quantization --------------------------------------------------------

@@ -464,10 +464,13 @@ def _buckets_section(r: QuantizeReport) -> list[str]:
 
 
 def gated_figure(r: QuantizeReport) -> str:
-    """What the quantize gate judges: QDQ vs float, or for a model left whole in fp16 (nothing
-    quantized, so QDQ vs float would compare the float model with itself) the HTP's ctx."""
+    """What the quantize gate judges: QDQ vs float, and the HTP judge's ctx vs float where it
+    ran; for a model left whole in fp16 (nothing quantized, so QDQ vs float would compare the
+    float model with itself) the HTP's ctx alone."""
     if r.htp is not None and r.htp.whole_float16:
         return "whole-fp16 ctx vs float on the HTP"
+    if r.htp is not None and r.htp.judge == "htp" and r.htp.ctx_vs_float_db is not None:
+        return "QDQ vs float on the CPU, and ctx vs float on the HTP"
     return "QDQ vs float"
 
 
