@@ -765,6 +765,55 @@ def test_the_divergence_named_is_one_that_explains_the_output():
     assert result.first_divergence().name == "verified"
 
 
+def test_a_divergence_its_readers_do_not_carry_is_passed_over():
+    """Exposed as an output, a tensor can come out of the HTP wrong where the graph around it
+    is right (a Relu folded into its Conv read -0.5 dB, the MaxPool after it 53 dB; fp16 on it
+    moved nothing): the named tensor is one whose readers part ways too."""
+    from pipeline.core.metrics import Accuracy
+    from pipeline.htp.probe import ProbeResult, TensorAgreement
+
+    tensors = [
+        TensorAgreement("conv", "Conv", "n1", 60.0, ["relu"]),
+        TensorAgreement("relu", "Relu", "n2", -0.5, ["pool"]),
+        TensorAgreement("pool", "MaxPool", "n3", 53.0, ["head"]),
+        TensorAgreement("head", "Conv", "n4", 6.0, ["out"]),
+        TensorAgreement("out", "Sigmoid", "n5", 6.8, []),
+    ]
+    result = ProbeResult(tensors=tensors, ctx_vs_qdq={"out": Accuracy(6.8, 1e-1, 0.9)})
+    assert result.first_divergence().name == "head"
+    tensors[2] = TensorAgreement("pool", "MaxPool", "n3", 5.0, ["head"])
+    assert ProbeResult(tensors=tensors).first_divergence().name == "relu"  # carried: named
+
+
+def test_the_locator_knows_what_each_activation_is_read_into(tmp_path: Path):
+    from pipeline.htp.probe import _exposed
+
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["a"]),
+        helper.make_node("Relu", ["a"], ["r"]),
+        helper.make_node("QuantizeLinear", ["r", "s", "z"], ["rq"]),
+        helper.make_node("DequantizeLinear", ["rq", "s", "z"], ["b"]),
+        helper.make_node("Sigmoid", ["b"], ["g"]),
+        helper.make_node("QuantizeLinear", ["g", "s", "z"], ["gq"]),
+        helper.make_node("DequantizeLinear", ["gq", "s", "z"], ["c"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, [1, 4])],
+        [_init("s", np.array(0.1, np.float32)), _init("z", np.array(128, np.uint8))],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    path = tmp_path / "chain.onnx"
+    onnx.save(model, str(path))
+    _, exposed, _, readers = _exposed(str(path), tmp_path)
+    assert [t for t, _, _ in exposed] == ["a", "b", "c"]
+    assert readers == {"a": ["b"], "b": ["c"], "c": []}
+
+
 def _qdq_chain(widths: list[int]) -> onnx.ModelProto:
     """Per entry of ``widths``: x concatenated with itself ``width`` times on its channels, Relu,
     Q, DQ: dequantized activations of known, different sizes, in graph order."""
@@ -798,11 +847,11 @@ def test_the_locator_exposes_every_activation_or_a_spread_within_its_budget(tmp_
     onnx.save(_qdq_chain([1, 4, 1, 4, 1, 4, 1, 4]), str(path))
     row = 64 * 64 * 4  # bytes of one 1x1x64x64 float tensor
     sizes = [w * row for w in [1, 4, 1, 4, 1, 4, 1, 4]]
-    every, exposed, count = _exposed(str(path), tmp_path, budget=1 << 30)
+    every, exposed, count, _ = _exposed(str(path), tmp_path, budget=1 << 30)
     assert count == 8 and [t for t, _, _ in exposed] == [f"d{k}" for k in range(8)]
     assert [op for _, op, _ in exposed] == ["Relu"] * 8
     assert len(onnx.load(str(every)).graph.output) == 8
-    spread, exposed, count = _exposed(str(path), tmp_path, budget=10 * row)  # half of them
+    spread, exposed, count, _ = _exposed(str(path), tmp_path, budget=10 * row)  # half of them
     kept = [int(t[1:]) for t, _, _ in exposed]
     assert count == 8 and 1 < len(kept) < 8
     assert sum(sizes[k] for k in kept) <= 10 * row

@@ -104,6 +104,8 @@ class TensorAgreement:
     op_type: str  # the op that produced it
     node: str
     snr_db: float
+    # the dequantized activations computed from it next (through one op and its Q/DQ)
+    readers: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -152,7 +154,17 @@ class ProbeResult:
         outputs = self.worst_ctx_vs_qdq
         if outputs == outputs:  # not NaN: some output compared
             threshold = min(threshold, outputs + EXPLAINS_DB)
-        return next((t for t in self.tensors if t.snr_db < threshold), None)
+        agreement = {t.name: t.snr_db for t in self.tensors}
+
+        def carried(tensor: TensorAgreement) -> bool:
+            """Whether what reads it parts ways too: exposed as an output, a tensor can come
+            out wrong where the graph around it is right (a Relu the HTP folds into its Conv
+            read -0.5 dB, the MaxPool after it 53; a norm's Mul -0.4, the tensor after it 68.8),
+            and leaving it in fp16 moved nothing. Unknown readers count as carrying it."""
+            seen = [agreement[r] for r in tensor.readers if r in agreement]
+            return not seen or min(seen) < threshold
+
+        return next((t for t in self.tensors if t.snr_db < threshold and carried(t)), None)
 
 
 def _save(path: Path, result: ProbeResult) -> None:
@@ -440,10 +452,11 @@ def _outcome(job: ProbeJob, done: Finished, timeout_s: float) -> ProbeResult:
 
 def _exposed(
     qdq_path: str, out: Path, budget: int = EXPOSED_BYTES
-) -> tuple[Path, list[tuple[str, str, str]], int]:
-    """The QDQ model with dequantized activations as graph outputs, their producers, and how
-    many there were: all of them when they fit ``budget`` bytes a sample, else a subset spread
-    evenly over the graph by size (the first divergence is then named to within a stretch)."""
+) -> tuple[Path, list[tuple[str, str, str]], int, dict[str, list[str]]]:
+    """The QDQ model with dequantized activations as graph outputs, their producers, how many
+    there were, and which each is read into (``_dequantized_readers``): all of them when they
+    fit ``budget`` bytes a sample, else a subset spread evenly over the graph by size (the
+    first divergence is then named to within a stretch)."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -465,9 +478,38 @@ def _exposed(
             model.graph.output.append(
                 helper.make_tensor_value_info(tensor, TensorProto.FLOAT, None)
             )
+    readers = _dequantized_readers(model, inits)
     path = out / "probe_qdq.onnx"
     onnx.save(model, str(path))
-    return path, exposed, len(candidates)
+    return path, exposed, len(candidates), readers
+
+
+def _dequantized_readers(model: Any, inits: set[str]) -> dict[str, list[str]]:
+    """Each dequantized activation -> those computed from it next: its readers' outputs, each
+    through its QuantizeLinear and DequantizeLinear."""
+    readers: dict[str, list[Any]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    following: dict[str, list[str]] = {}
+    for node in model.graph.node:
+        if node.op_type != "DequantizeLinear" or node.input[0] in inits:
+            continue
+        names = []
+        for reader in readers.get(node.output[0], []):
+            if reader.op_type in ("QuantizeLinear", "DequantizeLinear"):
+                continue
+            for out in reader.output:
+                for q in readers.get(out, []):
+                    if q.op_type != "QuantizeLinear":
+                        continue
+                    names += [
+                        d.output[0]
+                        for d in readers.get(q.output[0], [])
+                        if d.op_type == "DequantizeLinear"
+                    ]
+        following[node.output[0]] = names
+    return following
 
 
 def _float_bytes(model: Any, names: list[str]) -> dict[str, int]:
@@ -520,8 +562,8 @@ def _run(job: ProbeJob, result: ProbeResult, path: Path) -> None:
             return  # the main child failed or ended, or it has every sample: nothing to help with
     if job.samples:  # an uncompressed .npz: its size is the sample's
         adapt_heap_to(Path(job.samples[0]).stat().st_size)
-    model_path, exposed, result.exposable = (
-        _exposed(job.qdq, work) if job.locate else (Path(job.qdq), [], 0)
+    model_path, exposed, result.exposable, readers = (
+        _exposed(job.qdq, work) if job.locate else (Path(job.qdq), [], 0, {})
     )
     outputs = _output_names(job.float_model)
     names = outputs + [t for t, _, _ in exposed if t not in outputs]
@@ -530,7 +572,7 @@ def _run(job: ProbeJob, result: ProbeResult, path: Path) -> None:
         if hasattr(os, "sched_setaffinity"):  # pinned for its run when helped: compare on all
             os.sched_setaffinity(0, ALL_CORES)
         stage("compare")
-        _compare(job, result, model_path, outputs, names, exposed, stash)
+        _compare(job, result, model_path, outputs, names, exposed, readers, stash)
     result.status = "ok"
     stage("done")
 
@@ -829,6 +871,7 @@ def _compare(
     outputs: list[str],
     names: list[str],
     exposed: list[tuple[str, str, str]],
+    readers: dict[str, list[str]],
     stash: Path,
 ) -> None:
     qdq = cpu_session(model_path)
@@ -862,7 +905,10 @@ def _compare(
     result.ctx_vs_qdq = vs_qdq.summary()
     result.qdq_vs_float = q_vs_f.summary()
     per_tensor = tensors.summary()
-    result.tensors = [TensorAgreement(t, op, node, per_tensor[t].snr_db) for t, op, node in exposed]
+    result.tensors = [
+        TensorAgreement(t, op, node, per_tensor[t].snr_db, readers.get(t, []))
+        for t, op, node in exposed
+    ]
 
 
 def _warm_up() -> None:
