@@ -1315,6 +1315,27 @@ def test_signed_activations_become_unsigned_exactly(signed: type) -> None:
         assert np.array_equal(run(source, x), run(converted, x))
 
 
+def test_int16_activations_stay_where_two_activations_are_multiplied() -> None:
+    """The HTP computes a 16-bit MatMul of two activations right in int16 and not in uint16
+    (qdq_htp.signed_activation_products): such a model keeps its int16, every tensor of it;
+    its int8 ones still move."""
+    b = Builder()
+    x = b.qdq("x", 2.0**-10, 0, np.int16)
+    product = b.node(
+        "MatMul", [x, b.qdq(b.node("Transpose", [x], perm=[0, 1, 3, 2]), 2.0**-10, 0, np.int16)]
+    )
+    scaled = b.qdq(product, 2.0**-8, 0, np.int16)
+    out = b.qdq(b.node("Relu", [scaled]), 2.0**-4, 0, np.int8)
+    source = b.model(out, opset=21)
+    converted, change = pq.unsigned_activations(source)
+    inits = edit.initializers_by_name(converted.graph)
+    types = {inits[n.input[2]].data_type for n in converted.graph.node if len(n.input) > 2}
+    assert TensorProto.INT16 in types and TensorProto.UINT16 not in types, types
+    assert len(change.details) == 1 and "int8 activation -> uint8" in change.details[0]
+    for x_value in inputs():
+        assert np.array_equal(run(source, x_value), run(converted, x_value))
+
+
 @pytest.mark.qnn
 def test_the_htp_computes_a_kept_batchnorm_and_int8_activations_right(tmp_path: Path) -> None:
     """Measured on the simulator: with int8 activations the QNN EP declines the quantized BN

@@ -913,6 +913,15 @@ def unsigned_activations(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
     view = _Graph(graph)
     namer = edit.FreshNames(model)
     shifted: dict[str, str] = {}  # a signed zero point -> its unsigned twin
+    # The HTP computes a 16-bit MatMul of two activations right with int16, not with uint16
+    # (qdq_htp.signed_activation_products re-encodes ours so): an attention model keeps its
+    # int16 activations, all of them, so that no unit mixes the two.
+    types = dict(_UNSIGNED_TWIN)
+    if any(
+        n.op_type == "MatMul" and all(view.activation_dq(i) is not None for i in n.input[:2])
+        for n in graph.node
+    ):
+        types.pop(onnx.TensorProto.INT16)
     outputs = {o.name for o in graph.output}
 
     def unsigned_zero_point(name: str) -> str:
@@ -931,7 +940,7 @@ def unsigned_activations(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
         if q.input[0] in view.inits or q.output[0] in outputs:
             continue
         zero = view.inits.get(q.input[2])
-        if zero is None or zero.data_type not in _UNSIGNED_TWIN:
+        if zero is None or zero.data_type not in types:
             continue
         readers = view.consumers.get(q.output[0], [])
         if not readers or any(
