@@ -2022,3 +2022,56 @@ def test_replace_nodes_leaves_nothing_of_a_rewrite_that_keeps_its_node() -> None
         "k": RNG.standard_normal((1, 2, 4, 8)).astype(np.float32),
     }
     np.testing.assert_array_equal(run(rewritten, feeds)[0], run(model, feeds)[0])
+
+
+def _depthwise(kernel: int, stride: int, pads: list[int], channels: int = 16) -> onnx.ModelProto:
+    w = np.random.default_rng(2).standard_normal((channels, 1, kernel, kernel)).astype(np.float32)
+    out = (14 + pads[0] + pads[2] - kernel) // stride + 1
+    graph = oh.make_graph(
+        [
+            oh.make_node(
+                "Conv",
+                ["x", "w"],
+                ["y"],
+                kernel_shape=[kernel, kernel],
+                strides=[stride, stride],
+                pads=pads,
+                group=channels,
+            )
+        ],
+        "depthwise",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, 14, 14])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, channels, out, out])],
+        [numpy_helper.from_array(w * 0.1, "w")],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_9x9_depthwise_conv_at_stride_2_is_widened_to_11x11_exactly() -> None:
+    source = _depthwise(9, 2, [3, 3, 4, 4])
+    wide, change = t.widen_depthwise_9x9_stride_2(source)
+    assert change.changed and "pads [4, 4, 5, 5]" in change.details[0]
+    assert [list(i.dims) for i in wide.graph.initializer] == [[16, 1, 11, 11]]
+    x = RNG.standard_normal((1, 16, 14, 14)).astype(np.float32)
+    np.testing.assert_allclose(run(wide, {"x": x})[0], run(source, {"x": x})[0], atol=1e-5)
+    for other in (_depthwise(9, 1, [4, 4, 4, 4]), _depthwise(7, 2, [3, 3, 3, 3])):
+        assert not t.widen_depthwise_9x9_stride_2(other)[1].changed
+
+
+@pytest.mark.qnn
+def test_the_htp_computes_a_9x9_depthwise_conv_at_stride_2_wrong_and_11x11_right(
+    tmp_path: Path,
+) -> None:
+    """Measured on the simulator (fp16): MixNet's mixed depthwise kernels; 7x7, 11x11 and 9x9 at
+    stride 1 are right, 9x9 at stride 2 over 32 channels or more is not."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    from pipeline.htp.probe import qnn_available
+
+    if qnn_available():
+        pytest.skip(qnn_available())
+    source = _depthwise(9, 2, [3, 3, 4, 4], channels=32)  # right over 16 channels
+    models = {"float": source, "widened": t.widen_depthwise_9x9_stride_2(source)[0]}
+    x = np.random.default_rng(1).standard_normal((1, 32, 14, 14)).astype(np.float32)
+    snr = whole_ctx_vs_float(tmp_path, models, [{"x": x}])
+    assert snr["float"] < 10.0 and snr["widened"] > 50.0, snr

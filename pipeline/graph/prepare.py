@@ -117,6 +117,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.hardswish_from_clip,  # x * Clip(x + 3, 0, 6) / 6: four ops for the HTP's one
         attention.layernorm_over_last_axis,  # the QNN EP takes LayerNorm over the last axis only
         legacy.explicit_pool_pads,  # the HTP pools non-overlapping windows over start pads wrongly
+        t.widen_depthwise_9x9_stride_2,  # the HTP's 9x9 depthwise Conv at stride 2 is wrong
         t.explicit_conv_pads,  # the HTP pads a 9x9 Conv of 3 channels wrongly (after
         # qnn_preprocess, whose optimizer folds a Pad of zeros back into the Conv)
         t.pads_of_slices_as_concat,  # the HTP pads a slice of a shared Transpose wrongly
