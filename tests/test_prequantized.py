@@ -67,10 +67,17 @@ class Builder:
         return self.node("DequantizeLinear", [self.node("QuantizeLinear", [x, s, z]), s, z])
 
     def weight(
-        self, shape: list[int], scale: float = 2.0**-6, dtype: type = np.int8, zp: int = 0
+        self,
+        shape: list[int],
+        scale: float = 2.0**-6,
+        dtype: type = np.int8,
+        zp: int = 0,
+        rng: np.random.Generator | None = None,
     ) -> str:
+        """Random integer weights, from ``rng`` where a model must not depend on the tests run
+        before it (the module's RNG otherwise)."""
         low, high = (-128, 127) if dtype == np.int8 else (0, 255)
-        q = RNG.integers(low, high + 1, shape).astype(dtype)
+        q = (rng or RNG).integers(low, high + 1, shape).astype(dtype)
         s, z = self.const(np.float32(scale), "ws"), self.const(np.array(zp, dtype), "wz")
         return self.node("DequantizeLinear", [self.const(q, "w"), s, z])
 
@@ -1386,11 +1393,14 @@ def _relu6_model(zero: int, dtype: type = np.uint8, step: float = 6 / 127) -> on
     """Conv -> Clip(0, 6) -> Conv in QDQ form, the Clip's output on a grid from -6 to 6 (zero
     point mid-range, as onnxruntime's ActivationSymmetric writes it) or 0 to 12 (zero 0)."""
     b = Builder()
+    rng = np.random.default_rng(6)  # the same weights whichever tests ran before
     x = b.qdq("x", 0.04, zero, dtype)
-    conv = b.qdq(b.node("Conv", [x, b.weight([3, 3, 3, 3])], pads=[1, 1, 1, 1]), 0.05, zero, dtype)
+    first = b.weight([3, 3, 3, 3], rng=rng)
+    conv = b.qdq(b.node("Conv", [x, first], pads=[1, 1, 1, 1]), 0.05, zero, dtype)
     clipped = b.node("Clip", [conv, b.const(np.float32(0)), b.const(np.float32(6))])
     gated = b.qdq(clipped, step, zero, dtype)
-    out = b.qdq(b.node("Conv", [gated, b.weight([3, 3, 1, 1], 2.0**-5)]), 0.05, zero, dtype)
+    second = b.weight([3, 3, 1, 1], 2.0**-5, rng=rng)
+    out = b.qdq(b.node("Conv", [gated, second]), 0.05, zero, dtype)
     return b.model(out, out_shape=SHAPE)
 
 

@@ -902,15 +902,12 @@ def unsigned_activations(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
     """
     model = edit.copy_model(model)
     graph = model.graph
-    integer_io = [
-        v.name
-        for v in (*graph.input, *graph.output)
-        if v.type.tensor_type.elem_type in _INT_RANGES
-        and v.name not in edit.initializers_by_name(graph)
-    ]
-    if integer_io:
-        return edit.checked_change(model, "unsigned_activations", [])
     view = _Graph(graph)
+    if any(
+        v.type.tensor_type.elem_type in _INT_RANGES and v.name not in view.inits
+        for v in (*graph.input, *graph.output)
+    ):  # integer graph I/O
+        return edit.checked_change(model, "unsigned_activations", [])
     namer = edit.FreshNames(model)
     shifted: dict[str, str] = {}  # a signed zero point -> its unsigned twin
     # The HTP computes a 16-bit MatMul of two activations right with int16, not with uint16

@@ -2395,7 +2395,6 @@ def widen_depthwise_9x9_stride_2(model: onnx.ModelProto) -> tuple[onnx.ModelProt
     graph = model.graph
     inits = initializers_by_name(graph)
     fresh = FreshNames(model)
-    replaced: set[str] = set()
     details = []
     for node in graph.node:
         if node.op_type != "Conv" or node.domain not in DEFAULT_DOMAINS or len(node.input) < 2:
@@ -2419,15 +2418,12 @@ def widen_depthwise_9x9_stride_2(model: onnx.ModelProto) -> tuple[onnx.ModelProt
         name = fresh(f"{node.input[1]}_11x11")
         graph.initializer.append(numpy_helper.from_array(wide, name))
         pads = [int(p) + 1 for p in attrs.get("pads", [0, 0, 0, 0])]
-        replaced.add(node.input[1])
         node.input[1] = name
         replace_attributes(node, ("kernel_shape", "pads"), kernel_shape=[11, 11], pads=pads)
         details.append(f"{node_label(node)}: 9x9 depthwise at stride 2 -> 11x11, pads {pads}")
     if not details:
         return model, Change("widen_depthwise_9x9_stride_2")
-    used = used_names(graph)
-    for unused in [i for i in graph.initializer if i.name in replaced and not used[i.name]]:
-        graph.initializer.remove(unused)  # the 9x9 weights, unless another node reads them
+    remove_dead_nodes(graph)  # the 9x9 weights, unless another node reads them
     return checked_change(model, "widen_depthwise_9x9_stride_2", details)
 
 
