@@ -2075,3 +2075,61 @@ def test_the_htp_computes_a_9x9_depthwise_conv_at_stride_2_wrong_and_11x11_right
     x = np.random.default_rng(1).standard_normal((1, 32, 14, 14)).astype(np.float32)
     snr = whole_ctx_vs_float(tmp_path, models, [{"x": x}])
     assert snr["float"] < 10.0 and snr["widened"] > 50.0, snr
+
+
+def _neutral_arithmetic() -> onnx.ModelProto:
+    """Conv -> x * 1 -> x + 0 -> Relu -> x - 0 -> x / 1, and four that change x: 0 - x, a
+    zero Add that broadcasts x to a larger shape, a non-zero Add, a zero Add as graph output."""
+    rng = np.random.default_rng(3)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
+        numpy_helper.from_array(np.ones((1, 4, 1, 1), np.float32), "ones"),
+        numpy_helper.from_array(np.zeros((4, 1, 1), np.float32), "zeros"),
+        numpy_helper.from_array(np.zeros((2, 4, 8, 8), np.float32), "wide_zeros"),
+        numpy_helper.from_array(np.full((1, 4, 1, 1), 0.5, np.float32), "half"),
+        numpy_helper.from_array(np.float32(0.0), "zero"),
+        numpy_helper.from_array(np.float32(1.0), "one"),
+    ]
+    nodes = [
+        oh.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        oh.make_node("Mul", ["ones", "c"], ["m"], name="times_one"),
+        oh.make_node("Add", ["m", "zeros"], ["a"], name="plus_zero"),
+        oh.make_node("Relu", ["a"], ["r"]),
+        oh.make_node("Sub", ["r", "zero"], ["s"], name="minus_zero"),
+        oh.make_node("Div", ["s", "one"], ["d"], name="over_one"),
+        oh.make_node("Sub", ["zero", "d"], ["negated"]),
+        oh.make_node("Add", ["d", "wide_zeros"], ["wide"]),
+        oh.make_node("Add", ["d", "half"], ["shifted"]),
+        oh.make_node("Add", ["shifted", "zero"], ["y"]),
+    ]
+    outputs = [
+        oh.make_tensor_value_info(name, TensorProto.FLOAT, [batch, 4, 8, 8])
+        for name, batch in (("negated", 1), ("wide", 2), ("y", 1))
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "neutral",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        outputs,
+        inits,
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+
+
+def test_adds_of_zero_and_products_with_one_are_dropped_exactly() -> None:
+    source = _neutral_arithmetic()
+    dropped, change = t.drop_neutral_arithmetic(source)
+    names = {n.name for n in dropped.graph.node}
+    assert not names & {"times_one", "plus_zero", "minus_zero", "over_one"}, names
+    assert len(change.details) == 4 and "Add of 0 dropped" in change.details[1]
+    assert ops(dropped).count("Add") == 3 and ops(dropped).count("Sub") == 1  # the 4 kept
+    assert {i.name for i in dropped.graph.initializer} == {
+        "w",
+        "wide_zeros",
+        "half",
+        "zero",
+    }  # "ones", "zeros" and "one" went with their nodes
+    x = RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)
+    for got, expected in zip(run(dropped, {"x": x}), run(source, {"x": x}), strict=True):
+        np.testing.assert_array_equal(got, expected)
+    assert not t.drop_neutral_arithmetic(dropped)[1].changed
