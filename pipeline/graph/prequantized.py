@@ -51,7 +51,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..core.errors import ModelError
-from . import edit
+from . import edit, qdq_htp
 from . import transforms as t
 from .edit import Change
 
@@ -1534,6 +1534,7 @@ HTP_STEPS = (
     propagate_qdq,
     split_leaky_relu,
     zero_adds_as_subs,
+    qdq_htp.requantize_after_moves,  # after propagate_qdq: the moves between two grids
 )
 
 

@@ -57,6 +57,37 @@ def _editable(model: onnx.ModelProto) -> tuple[Any, Any, dict[str, Any], dict[st
     return out, graph, inits, producer, readers_by_tensor(graph), FreshNames(out)
 
 
+def _requantized(
+    source: str, params: list[str], label: str, fresh: FreshNames
+) -> tuple[list[onnx.NodeProto], str]:
+    """Q then DQ of ``source`` on the grid of ``params`` (scale, zero point): the nodes and the
+    DQ's output, which the HTP runs as a Convert where a Q of another grid reads it."""
+    coded, decoded = fresh(f"{source}_{label}_q"), fresh(f"{source}_{label}")
+    nodes = [
+        onnx.helper.make_node(op, ins, [made], name=fresh(f"{made}_{op}"))
+        for op, ins, made in (
+            ("QuantizeLinear", [source, *params], coded),
+            ("DequantizeLinear", [coded, *params], decoded),
+        )
+    ]
+    return nodes, decoded
+
+
+def _with_added(
+    model: onnx.ModelProto,
+    edited: onnx.ModelProto,
+    added: list[onnx.NodeProto],
+    step: str,
+    details: list[str],
+) -> tuple[onnx.ModelProto, Change]:
+    """``edited`` with the ``added`` nodes in order, or ``model`` as it was when no details."""
+    if not details:
+        return model, Change(step)
+    edited.graph.node.extend(added)
+    sort_graph(edited.graph)
+    return checked_change(edited, step, details)
+
+
 def split_swish_input(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Give the direct factor of every 16-bit ``x * Sigmoid(x)`` its own requantized copy."""
     out = copy_model(model)
@@ -162,33 +193,80 @@ def signed_activation_products(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
         signed = numpy_helper.to_array(zero).astype("int32") - UINT16_TO_INT16
         zero_name = fresh(f"{q.input[2]}_int16")
         graph.initializer.append(numpy_helper.from_array(signed.astype("int16"), zero_name))
-        coded, decoded = fresh(f"{node.output[0]}_int16"), fresh(f"{node.output[0]}_from_int16")
-        added.append(
-            onnx.helper.make_node(
-                "QuantizeLinear",
-                [node.output[0], q.input[1], zero_name],
-                [coded],
-                name=fresh(f"{coded}_QuantizeLinear"),
-            )
-        )
-        added.append(
-            onnx.helper.make_node(
-                "DequantizeLinear",
-                [coded, q.input[1], zero_name],
-                [decoded],
-                name=fresh(f"{decoded}_DequantizeLinear"),
-            )
-        )
+        nodes, decoded = _requantized(node.output[0], [q.input[1], zero_name], "int16", fresh)
+        added.extend(nodes)
         q.input[0] = decoded  # consumers read the uint16 grid as before (a Convert on the HTP)
         details.append(
             f"MatMul {node.name or node.output[0]!r}: its uint16 output {node.output[0]!r} "
             "re-encoded as int16 (the HTP keeps 16 bits of both operands only then)"
         )
-    if not details:
-        return model, Change("signed_activation_products")
-    graph.node.extend(added)
-    sort_graph(graph)
-    return checked_change(out, "signed_activation_products", details)
+    return _with_added(model, out, added, "signed_activation_products", details)
+
+
+# Ops that reshape values without arithmetic and leave a change of grid to the op before them:
+# the HTP folds the requantization into that op's output (a Conv, Gather, Concat, MaxPool...,
+# through a Transpose too), but after a graph input, a Reshape or an Identity a change of zero
+# point is lost (a Reshape from zero point 32768 to 0, the grid of a ReLU that onnxruntime's
+# quantizer folded into it: 5.0 dB against the CPU), after a Slice in some graphs (19.4 dB
+# after a 1x1 Conv's Slice; right after a 3x3 one's), and DepthToSpace/SpaceToDepth lose a
+# change of scale too. A Resize counts when it picks values (mode nearest). After the ops of
+# ``PASS_THROUGH`` the change gets a requantization of its own (exact, one Convert more where
+# the HTP was right already).
+GRID_BLIND_MOVES = frozenset(
+    {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "DepthToSpace", "SpaceToDepth", "Resize"}
+)
+PASS_THROUGH = GRID_BLIND_MOVES | {"Transpose", "Slice", "Identity", "Tile", "Expand"}
+
+
+def _grid(node: onnx.NodeProto, inits: dict[str, Any]) -> tuple[bytes, bytes] | None:
+    """A per-tensor Q or DQ node's grid (scale, zero point and its type) by value: two nodes
+    may hold one grid in different initializers. None for a per-axis or computed one."""
+    if node.input[1] not in inits or (len(node.input) > 2 and node.input[2] not in inits):
+        return None
+    scale = numpy_helper.to_array(inits[node.input[1]])
+    zero = numpy_helper.to_array(inits[node.input[2]]) if len(node.input) > 2 else None
+    if scale.size != 1:
+        return None
+    return scale.tobytes(), b"" if zero is None else zero.tobytes() + str(zero.dtype).encode()
+
+
+def requantize_after_moves(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A Reshape-like op (``GRID_BLIND_MOVES``) between two different grids, after a graph input
+    or a ``PASS_THROUGH`` op -> the op on its input's grid, then a requantization to the
+    output's (Q, DQ on the input grid before the output's Q): exact, its values are on the
+    input's grid already; the HTP runs the requantization as a Convert, which it gets right."""
+    out, graph, inits, producer, readers, fresh = _editable(model)
+    added: list[onnx.NodeProto] = []
+    details: list[str] = []
+    for node in graph.node:
+        if node.op_type not in GRID_BLIND_MOVES or node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "Resize":
+            mode = next((a.s for a in node.attribute if a.name == "mode"), b"nearest")
+            if mode != b"nearest":
+                continue
+        dq = producer.get(node.input[0])
+        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] in inits:
+            continue
+        q = producer.get(dq.input[0])
+        source = producer.get(q.input[0]) if q is not None and q.input else None
+        if q is None or (source is not None and source.op_type not in PASS_THROUGH):
+            continue  # a layer before it takes the requantization into its own output
+        quantizers = readers.get(node.output[0], [])
+        if not quantizers or any(q.op_type != "QuantizeLinear" for q in quantizers):
+            continue
+        grid = _grid(dq, inits)
+        if grid is None or all(_grid(q, inits) == grid for q in quantizers):
+            continue
+        nodes, decoded = _requantized(node.output[0], list(dq.input[1:]), "on_input_grid", fresh)
+        added.extend(nodes)
+        for q in quantizers:
+            q.input[0] = decoded
+        details.append(
+            f"{node.op_type} {node.name or node.output[0]!r}: kept on its input's grid, then "
+            "requantized (the HTP moves the values without changing their grid)"
+        )
+    return _with_added(model, out, added, "requantize_after_moves", details)
 
 
 # The HTP computes an output channel of a Conv, Gemm or MatMul wrongly once its requantization

@@ -1047,6 +1047,7 @@ def _steps(
             changes.loop_shared,
             changes.hard_sigmoids or None,
             changes.raised_weight_scales or None,
+            changes.requantized_moves or None,
         ),
         mixed_precision=mixed,
         htp=judgement,

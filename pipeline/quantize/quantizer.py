@@ -284,6 +284,9 @@ def quantize(
     qdq, change = qdq_htp.weight_scales_for_htp(qdq)
     edited |= change.changed
     changes = dataclasses.replace(changes, raised_weight_scales=list(change.details))
+    qdq, change = qdq_htp.requantize_after_moves(qdq)
+    edited |= change.changed
+    changes = dataclasses.replace(changes, requantized_moves=list(change.details))
     if edited:
         with atomic_path(qdq_path) as tmp:
             onnx.save(qdq, str(tmp))

@@ -51,6 +51,7 @@ class RangeRules:
     loop_shared: int = 0  # tensors of unrolled loop iterations given one range
     hard_sigmoids: list[str] | None = None  # 16-bit HardSigmoid outputs on the HTP's grid
     raised_weight_scales: list[str] | None = None  # weight scales the HTP requantizes right
+    requantized_moves: list[str] | None = None  # Reshape-like ops between two grids split
 
 
 @dataclass(frozen=True)
@@ -309,6 +310,12 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
             "layer(s) with channels whose requantization factor (input x weight / output scale) "
             "was under 2^-22 got that factor, their weights and bias re-rounded (the HTP pins "
             "such a channel to an end of its grid; pipeline/graph/qdq_htp.py)."
+        )
+    if rules.requantized_moves:
+        lines.append(
+            f"Moves for the HTP: {len(rules.requantized_moves)} Reshape-like op(s) between two "
+            "grids kept on their input's grid and then requantized, the same values (the HTP "
+            "moves their values without the change of zero point; pipeline/graph/qdq_htp.py)."
         )
     if rules.loop_shared:
         lines.append(
