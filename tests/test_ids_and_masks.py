@@ -144,23 +144,21 @@ def test_a_mask_calibration_never_flipped_gets_its_reach() -> None:
     assert ranges["h"] == calibrated["h"] and ranges["new"] == calibrated["new"]
 
 
-def inverted_mask_model() -> onnx.ModelProto:
-    """Attention as Hugging Face exports it: ``1 - mask`` turned to bool picks finfo.min for the
-    padded keys (``masked_fill``), that bias is added to the scores, then Softmax."""
+def _masked_attention(
+    name: str, mask_nodes: list[onnx.NodeProto], constants: dict[str, float]
+) -> onnx.ModelProto:
+    """Scores x @ keys plus the ``bias`` that ``mask_nodes`` make of ``attention_mask``, then
+    Softmax and the values; ``constants`` are the mask nodes' scalars."""
     rng = np.random.default_rng(4)
     graph = oh.make_graph(
         [
-            oh.make_node("Unsqueeze", ["attention_mask", "axis"], ["mask_rows"]),
-            oh.make_node("Cast", ["mask_rows"], ["mask_float"], to=TensorProto.FLOAT),
-            oh.make_node("Sub", ["one", "mask_float"], ["inverted"]),
-            oh.make_node("Cast", ["inverted"], ["padded"], to=TensorProto.BOOL),
-            oh.make_node("Where", ["padded", "lowest", "inverted"], ["bias"]),
+            *mask_nodes,
             oh.make_node("MatMul", ["x", "keys"], ["scores"]),
             oh.make_node("Add", ["scores", "bias"], ["masked"]),
             oh.make_node("Softmax", ["masked"], ["weights"], axis=-1),
             oh.make_node("MatMul", ["weights", "values"], ["y"]),
         ],
-        "attention",
+        name,
         [
             oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 8]),
             oh.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, 16]),
@@ -168,13 +166,40 @@ def inverted_mask_model() -> onnx.ModelProto:
         [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8])],
         [
             numpy_helper.from_array(np.array([1], np.int64), "axis"),
-            numpy_helper.from_array(np.array(1.0, np.float32), "one"),
-            numpy_helper.from_array(np.array(np.finfo(np.float32).min, np.float32), "lowest"),
+            *(numpy_helper.from_array(np.array(v, np.float32), k) for k, v in constants.items()),
             numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "keys"),
             numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "values"),
         ],
     )
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+
+
+def inverted_mask_model() -> onnx.ModelProto:
+    """Attention as Hugging Face exports it: ``1 - mask`` turned to bool picks finfo.min for the
+    padded keys (``masked_fill``), that bias is added to the scores, then Softmax."""
+    return _masked_attention(
+        "attention",
+        [
+            oh.make_node("Unsqueeze", ["attention_mask", "axis"], ["mask_rows"]),
+            oh.make_node("Cast", ["mask_rows"], ["mask_float"], to=TensorProto.FLOAT),
+            oh.make_node("Sub", ["one", "mask_float"], ["inverted"]),
+            oh.make_node("Cast", ["inverted"], ["padded"], to=TensorProto.BOOL),
+            oh.make_node("Where", ["padded", "lowest", "inverted"], ["bias"]),
+        ],
+        {"one": 1.0, "lowest": float(np.finfo(np.float32).min)},
+    )
+
+
+# Calibration for the mask models: random queries, 4 to 16 of the 16 keys unmasked.
+MASK_READER = (
+    "def read(path, specs):\n"
+    "    rng = np.random.default_rng(6)\n"
+    "    for i in range(16):\n"
+    "        mask = np.zeros((1, 16), np.int64)\n"
+    "        mask[0, : 4 + i % 13] = 1\n"
+    "        yield {'x': rng.standard_normal((1, 16, 8)).astype(np.float32),\n"
+    "               'attention_mask': mask}\n"
+)
 
 
 def test_an_inverted_mask_cast_to_bool_gets_scale_one() -> None:
@@ -199,16 +224,62 @@ def test_an_inverted_mask_reads_unmasked_on_the_htp(tmp_path: Path) -> None:
     report = _quantize(
         tmp_path,
         inverted_mask_model(),
-        "def read(path, specs):\n"
-        "    rng = np.random.default_rng(6)\n"
-        "    for i in range(16):\n"
-        "        mask = np.zeros((1, 16), np.int64)\n"
-        "        mask[0, : 4 + i % 13] = 1\n"
-        "        yield {'x': rng.standard_normal((1, 16, 8)).astype(np.float32),\n"
-        "               'attention_mask': mask}\n",
+        MASK_READER,
         16,
         "auto_mixed_precision = false",
     )
     assert "inverted" in report["range_rules"]["integer_inputs"]
+    first = report["htp"]["rounds"][0]
+    assert first["label"] == "as quantized" and first["ctx_vs_qdq_db"] > 30.0, first
+
+
+def compared_mask_model() -> onnx.ModelProto:
+    """XLNet's attention mask: ``1 - mask`` moved by an Unsqueeze, compared with 0, the bool
+    turned to float and scaled into a bias added to the scores, then Softmax."""
+    return _masked_attention(
+        "compared_mask",
+        [
+            oh.make_node("Cast", ["attention_mask"], ["mask_float"], to=TensorProto.FLOAT),
+            oh.make_node("Sub", ["one", "mask_float"], ["inverted"]),
+            oh.make_node("Unsqueeze", ["inverted", "axis"], ["rows"]),
+            oh.make_node("Greater", ["rows", "zero"], ["padded"]),
+            oh.make_node("Cast", ["padded"], ["padded_float"], to=TensorProto.FLOAT),
+            oh.make_node("Mul", ["padded_float", "fill"], ["bias"]),
+        ],
+        {"one": 1.0, "zero": 0.0, "fill": -30.0},
+    )
+
+
+def test_an_inverted_mask_compared_with_zero_gets_scale_one_from_its_source() -> None:
+    """The comparison's operand and the tensor it is moved from (whose grid onnxruntime's
+    quantizer gives the Unsqueeze's output) get the integer grid; a comparison with a
+    non-integer constant, or of a non-integer tensor, is left alone."""
+    model = compared_mask_model()
+    calibrated = {"inverted": (0.0, 1.5), "rows": (0.0, 1.5), "scores": (-9.0, 9.0)}
+    levels = dict.fromkeys(calibrated, 65535)
+    ranges, changed = integer_inputs(model, calibrated, levels)
+    assert changed == ["inverted", "rows"], changed
+    assert ranges["inverted"] == ranges["rows"] == (0.0, 65535.0)
+    zero = next(i for i in model.graph.initializer if i.name == "zero")
+    zero.CopyFrom(numpy_helper.from_array(np.float32(0.5), "zero"))
+    assert integer_inputs(model, calibrated, levels)[1] == []
+    model = compared_mask_model()
+    model.graph.node[1].op_type = "Div"  # 1 / mask: not exact
+    assert integer_inputs(model, calibrated, levels)[1] == []
+
+
+@pytest.mark.skipif(bool(qnn_available()), reason="needs onnxruntime-qnn (the HTP simulator)")
+def test_a_compared_inverted_mask_reads_unmasked_on_the_htp(tmp_path: Path) -> None:
+    """On the calibrated grid the HTP computed 1 - 1 one step above 0 and (1 - mask) > 0 read
+    every key as padded (XLNet: 28.1 dB where its CPU QDQ model is at 60.5). On the integer
+    grid, from the Sub on, the quantized model is what the HTP runs."""
+    report = _quantize(
+        tmp_path,
+        compared_mask_model(),
+        MASK_READER,
+        16,
+        "auto_mixed_precision = false",
+    )
+    assert {"inverted", "rows"} <= set(report["range_rules"]["integer_inputs"])
     first = report["htp"]["rounds"][0]
     assert first["label"] == "as quantized" and first["ctx_vs_qdq_db"] > 30.0, first

@@ -443,23 +443,31 @@ _CARRIERS = frozenset(
 )
 
 
+def _integral_constants(model: Any) -> set[str]:
+    """Small float initializers whose every value is an integer (a 1 in ``1 - mask``)."""
+    from onnx import numpy_helper
+
+    names = set()
+    for init in model.graph.initializer:
+        if init.data_type in _FLOAT_TYPES and int(np.prod(init.dims)) <= 16:
+            value = numpy_helper.to_array(init)
+            if np.array_equal(value, np.round(value)):
+                names.add(init.name)
+    return names
+
+
 def integer_valued(model: Any) -> set[str]:
     """Float tensors whose every value is an integer by construction: a Cast from an integer or
     bool tensor, and what exact integer arithmetic (Add, Sub, Mul, ...), Where and shape ops
     make of those and of integral constants. A 0/1 attention mask turned to float and flipped,
     ``1 - mask``, is one."""
-    from onnx import numpy_helper
 
     types: dict[str, int] = {}
     for info in (*model.graph.input, *model.graph.value_info, *model.graph.output):
         types[info.name] = info.type.tensor_type.elem_type
-    integral: set[str] = set()  # integer/bool typed, or float holding integers
     for init in model.graph.initializer:
-        types[init.name] = init.data_type  # integer types count below; float constants here
-        if init.data_type in _FLOAT_TYPES and int(np.prod(init.dims)) <= 16:
-            value = numpy_helper.to_array(init)
-            if np.array_equal(value, np.round(value)):
-                integral.add(init.name)
+        types[init.name] = init.data_type  # integer types count below
+    integral = _integral_constants(model)  # integer/bool typed, or float holding integers
     integral |= {n for n, t in types.items() if t in _INTEGER_TYPES or t == _BOOL}
     valued: set[str] = set()
     for node in model.graph.node:
@@ -495,7 +503,8 @@ def integer_inputs(
 ) -> tuple[dict[str, Interval], list[str]]:
     """Float tensors that a Cast turns into integers or booleans, when they are graph inputs
     (ids, indices) or integers by construction (``integer_valued``), get an integer grid: the
-    range [0, levels] (or centred on 0), scale 1, so every integer in it is exact.
+    range [0, levels] (or centred on 0), scale 1, so every integer in it is exact; likewise an
+    integer-valued operand of a comparison with an integer (``_read_as_integers``).
 
     Why: Keras feeds an Embedding float ids and tf2onnx casts them to int32 for the lookup;
     with ``mask_zero`` the ids are also compared with 0, and the quantizer quantizes the input
@@ -510,16 +519,8 @@ def integer_inputs(
     """
     result = dict(ranges)
     changed = []
-    inputs = {i.name for i in model.graph.input} - {i.name for i in model.graph.initializer}
-    exact = integer_valued(model)
-    for node in model.graph.node:
-        if node.op_type != "Cast" or node.domain not in ("", "ai.onnx"):
-            continue
-        to = next((a.i for a in node.attribute if a.name == "to"), None)
-        name = node.input[0]
-        if to not in _INTEGER_TYPES | {_BOOL} or name not in result:
-            continue
-        if name not in inputs and name not in exact:
+    for name in _read_as_integers(model):
+        if name not in result:
             continue
         steps = levels.get(name, 255)
         low, high = result[name]
@@ -533,6 +534,48 @@ def integer_inputs(
             result[name] = grid
             changed.append(name)
     return result, changed
+
+
+# Ops whose output onnxruntime's QDQ quantizer puts on its input's grid (QDQDirect8BitOp).
+_SHARED_GRID_MOVES = frozenset(
+    {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Slice", "AveragePool", "TopK"}
+)
+# Comparisons whose result flips when an integer operand comes out one step off its value.
+_COMPARISONS = frozenset({"Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal"})
+
+
+def _read_as_integers(model: Any) -> list[str]:
+    """The float tensors ``integer_inputs`` puts on an integer grid, in node order: the input of
+    a Cast to an integer or bool that is a graph input or ``integer_valued``, and an
+    ``integer_valued`` operand of a comparison whose other operand is integral too (XLNet's
+    ``(1 - mask) > 0``: one step above 0 on the HTP, every key read as masked, 4.4 dB)."""
+
+    inputs = {i.name for i in model.graph.input} - {i.name for i in model.graph.initializer}
+    exact = integer_valued(model)
+    integral = exact | _integral_constants(model)
+    producer = {o: n for n in model.graph.node for o in n.output}
+
+    def with_sources(name: str) -> list[str]:
+        """``name`` and the tensors it moves from: onnxruntime's quantizer gives a Reshape's,
+        Unsqueeze's... output its input's grid, so the integer grid must start there."""
+        chain = [name]
+        node = producer.get(name)
+        while node is not None and node.op_type in _SHARED_GRID_MOVES and node.input[0] in exact:
+            chain.append(node.input[0])
+            node = producer.get(node.input[0])
+        return chain[::-1]
+
+    names: list[str] = []
+    for node in model.graph.node:
+        if node.domain not in ("", "ai.onnx") or not node.input:
+            continue
+        if node.op_type == "Cast":
+            to = next((a.i for a in node.attribute if a.name == "to"), None)
+            if to in _INTEGER_TYPES | {_BOOL} and (node.input[0] in inputs | exact):
+                names.extend(with_sources(node.input[0]))
+        elif node.op_type in _COMPARISONS and all(i in integral for i in node.input):
+            names.extend(n for i in node.input if i in exact for n in with_sources(i))
+    return list(dict.fromkeys(names))
 
 
 def unrolled_loop_ranges(ranges: dict[str, Interval]) -> tuple[dict[str, Interval], int]:

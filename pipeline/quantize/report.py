@@ -331,7 +331,8 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
     if rules.integer_inputs:
         lines.append(
             f"Integers: {len(rules.integer_inputs)} float tensor(s) that a Cast turns into "
-            "integers or booleans (ids, a flipped attention mask) quantized on an integer grid "
+            "integers or booleans or a comparison reads against an integer (ids, a flipped "
+            "attention mask), and those they are moved from, quantized on an integer grid "
             "(scale 1), so every integer is exact (pipeline/calibration/ranges.py)."
         )
     if rules.hard_sigmoids:
