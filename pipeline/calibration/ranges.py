@@ -549,7 +549,6 @@ def _read_as_integers(model: Any) -> list[str]:
     a Cast to an integer or bool that is a graph input or ``integer_valued``, and an
     ``integer_valued`` operand of a comparison whose other operand is integral too (XLNet's
     ``(1 - mask) > 0``: one step above 0 on the HTP, every key read as masked, 4.4 dB)."""
-
     inputs = {i.name for i in model.graph.input} - {i.name for i in model.graph.initializer}
     exact = integer_valued(model)
     integral = exact | _integral_constants(model)

@@ -1123,8 +1123,9 @@ def zero_adds_as_subs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
 
     Why: the HTP computes a quantized x + 0 as x on x's own grid and loses the requantization
     to the Add's output grid (a ReLU folded into its zero point, another scale): -0.1 dB
-    (uint8) and -15 dB (uint16) against the CPU QDQ model; 0 + x and x - 0 are right (``transforms.drop_neutral_arithmetic`` drops
-    the float model's own x + 0 before quantization; this is for a model quantized elsewhere).
+    (uint8) and -15 dB (uint16) against the CPU QDQ model; 0 + x and x - 0 are right.
+    ``transforms.drop_neutral_arithmetic`` drops a float model's own x + 0 before it is
+    quantized; this is for a model quantized elsewhere.
     """
     model = edit.copy_model(model)
     graph = model.graph

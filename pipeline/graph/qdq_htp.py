@@ -248,9 +248,10 @@ def requantize_after_moves(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Cha
         dq = producer.get(node.input[0])
         if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] in inits:
             continue
-        q = producer.get(dq.input[0])
-        source = producer.get(q.input[0]) if q is not None and q.input else None
-        if q is None or (source is not None and source.op_type not in PASS_THROUGH):
+        upstream = producer.get(dq.input[0])  # its Q, or None for an integer graph input
+        if upstream is not None and upstream.op_type == "QuantizeLinear":
+            upstream = producer.get(upstream.input[0])  # None for a float graph input
+        if upstream is not None and upstream.op_type not in PASS_THROUGH:
             continue  # a layer before it takes the requantization into its own output
         quantizers = readers.get(node.output[0], [])
         if not quantizers or any(q.op_type != "QuantizeLinear" for q in quantizers):
