@@ -719,3 +719,61 @@ def test_the_htp_moves_values_without_their_change_of_grid(tmp_path: Path) -> No
     assert results["requantized"] > 40.0, results
     # If a new QNN SDK requantizes through a Reshape right, this says so: the rule may go.
     assert results["qdq"] < 20.0, f"the HTP requantizes a Reshape right now: {results}"
+
+
+def noop_move_then_relu(tmp_path: Path, move: str, dropped: bool) -> None:
+    """Conv -> a ``move`` that gives back its input -> ReLU -> Conv, quantized by onnxruntime
+    (which folds the ReLU into the move's output grid) into ``tmp_path``/qdq.onnx, as it is or
+    after ``drop_noop_moves``; its float model and a sample beside it."""
+    from pipeline.graph.transforms import drop_noop_moves
+
+    rng = np.random.default_rng(RNG_SEED)
+    inits = [
+        numpy_helper.from_array(rng.normal(0, 0.3, (8, 3, 3, 3)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.normal(0, 0.3, (4, 8, 1, 1)).astype(np.float32), "w2"),
+        numpy_helper.from_array(np.array([0], np.int64), "start"),
+        numpy_helper.from_array(np.array([16], np.int64), "end"),
+        numpy_helper.from_array(np.array([2], np.int64), "axis"),
+    ]
+    moved = (
+        oh.make_node("Slice", ["c", "start", "end", "axis"], ["m"])
+        if move == "Slice"
+        else oh.make_node("Transpose", ["c"], ["m"], perm=[0, 1, 2, 3])
+    )
+    graph = oh.make_graph(
+        [
+            oh.make_node("Conv", ["x", "w1"], ["c"], pads=[1, 1, 1, 1]),
+            moved,
+            oh.make_node("Relu", ["m"], ["r"]),
+            oh.make_node("Conv", ["r", "w2"], ["y"]),
+        ],
+        "noop_move",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16, 16])],
+        inits,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model.ir_version = 10
+    if dropped:
+        model = drop_noop_moves(model)[0]
+    qdq = quantized(model, tmp_path, "uint16", every_op=True)  # writes float.onnx too
+    onnx.save(qdq, str(tmp_path / "qdq.onnx"))
+    x = np.random.default_rng(RNG_SEED + 2).normal(0, 1, (1, 3, 16, 16)).astype(np.float32)
+    np.savez(tmp_path / "sample.npz", x=x)
+
+
+@pytest.mark.qnn
+@pytest.mark.parametrize("move", ["Slice", "Transpose"])
+def test_the_htp_drops_a_noop_move_with_its_requantization(tmp_path: Path, move: str) -> None:
+    """A whole-tensor Slice or an identity Transpose between a Conv and the ReLU folded into its
+    output grid: the HTP drops the op and its requantization, and the context has nothing to do
+    with its QDQ model; without the op (``drop_noop_moves``) they agree."""
+    results = {}
+    for dropped in (False, True):
+        folder = tmp_path / ("dropped" if dropped else "as_is")
+        folder.mkdir()
+        noop_move_then_relu(folder, move, dropped)
+        results[dropped] = agreement_on_htp(folder, ("qdq",))["qdq"]
+    assert results[True] > 40.0, results
+    # If a new QNN SDK keeps such an op's requantization, this says so: the rule may go.
+    assert results[False] < 10.0, f"the HTP keeps a no-op {move}'s requantization now: {results}"

@@ -2133,3 +2133,64 @@ def test_adds_of_zero_and_products_with_one_are_dropped_exactly() -> None:
     for got, expected in zip(run(dropped, {"x": x}), run(source, {"x": x}), strict=True):
         np.testing.assert_array_equal(got, expected)
     assert not t.drop_neutral_arithmetic(dropped)[1].changed
+
+
+def _moves(noops: bool) -> onnx.ModelProto:
+    """Conv -> a chain of moves -> ReLU: each of them gives back its input (``noops``), or
+    each changes it (a half Slice, a swapping Transpose, two inputs, scale 2...)."""
+    rng = np.random.default_rng(5)
+    big = np.iinfo(np.int64).max
+    i64 = {
+        "zero": [0],
+        "end": [big if noops else 4],
+        "back": [-8 if noops else -4],
+        "end2": [big],
+        "axis": [2],
+        "axis3": [3],
+        "ones": [1, 1, 1, 1] if noops else [1, 1, 2, 1],
+        "pads": [0] * 8 if noops else [0, 0, 1, 0, 0, 0, 1, 0],
+        "shape": [1, 4, 8, 8],
+    }
+    inits = [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in i64.items()]
+    inits += [
+        numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
+        numpy_helper.from_array(np.array([1, 1, 1, 1] if noops else [1, 1, 2, 2], np.float32), "s"),
+    ]
+    nodes = [
+        oh.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        oh.make_node("Transpose", ["c"], ["t"], perm=[0, 1, 2, 3] if noops else [0, 1, 3, 2]),
+        oh.make_node("Slice", ["t", "zero", "end", "axis"], ["s1"]),
+        oh.make_node("Slice", ["s1", "back", "end2", "axis3"], ["s2"]),  # from -8 of 8
+        oh.make_node("Tile", ["s2", "ones"], ["tiled"]),
+        oh.make_node("Pad", ["tiled", "pads"], ["padded"]),
+        oh.make_node("Concat", ["padded"] if noops else ["padded", "padded"], ["joined"], axis=1),
+        oh.make_node("Resize", ["joined", "", "s"], ["resized"], mode="nearest"),
+        oh.make_node("Relu", ["resized"], ["y"]),
+    ]
+    if noops:
+        nodes.insert(-1, oh.make_node("Reshape", ["resized", "shape"], ["same"]))
+        nodes[-1].input[0] = "same"
+    graph = oh.make_graph(
+        nodes,
+        "moves",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [
+            oh.make_tensor_value_info(
+                "y", TensorProto.FLOAT, [1, 4, 8, 8] if noops else [1, 8, 20, 8]
+            )
+        ],
+        inits,
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+
+
+def test_moves_that_give_back_their_input_are_dropped_exactly() -> None:
+    source = _moves(noops=True)
+    dropped, change = t.drop_noop_moves(source)
+    assert ops(dropped) == ["Conv", "Relu"], ops(dropped)
+    assert len(change.details) == 8 and "gives back its input" in change.details[0]
+    x = RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_array_equal(run(dropped, {"x": x})[0], run(source, {"x": x})[0])
+    changing = _moves(noops=False)
+    kept, change = t.drop_noop_moves(changing)
+    assert ops(kept) == ops(changing) and not change.changed

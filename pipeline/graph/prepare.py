@@ -126,6 +126,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         attention.standard_gelu,  # qnn_preprocess fuses TF/Keras GELU into com.microsoft Gelu
         unsupported.ops_without_qnn_kernels,  # after every GELU fusion: a lone Erf, OneHot...
         t.drop_neutral_arithmetic,  # x + 0: the HTP drops the Add's requantization with it
+        t.drop_noop_moves,  # a whole-tensor Slice: the HTP drops it and its requantization
         t.fold_constants,  # fusions can leave constant subexpressions behind
         t.topological_sort,
         t.store_inferred_shapes,

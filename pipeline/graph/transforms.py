@@ -1806,6 +1806,83 @@ _NEUTRAL_OPERANDS = {
 }
 
 
+_TypedShape = Callable[[str], tuple[tuple[int, ...], int] | None]  # name -> (shape, type)
+# What a bypass rule sees: a node, the initializers, and a tensor's static shape and element
+# type (None where unknown; computed once, on first use). It returns the input to read instead
+# of the node's output and what it did, or None to keep the node.
+_Bypass = Callable[
+    [
+        onnx.NodeProto,
+        Mapping[str, onnx.TensorProto],
+        _TypedShape,
+    ],
+    tuple[str, str] | None,
+]
+
+
+def _bypassed(model: onnx.ModelProto, step: str, rule: _Bypass) -> tuple[onnx.ModelProto, Change]:
+    """``model`` without the default-domain nodes ``rule`` bypasses (their readers read the
+    input it names; a node whose output is a graph output is kept)."""
+    model = copy_model(model)
+    graph = model.graph
+    inits = initializers_by_name(graph)
+    outputs = {o.name for o in graph.output}
+    values: dict[str, onnx.ValueInfoProto] = {}
+
+    def typed_shape(name: str) -> tuple[tuple[int, ...], int] | None:
+        if not values:
+            values.update(inferred_values(model))
+        known = values.get(name)
+        shape = value_shape(known) if known is not None else None
+        return None if shape is None else (shape, known.type.tensor_type.elem_type)
+
+    mapping: dict[str, str] = {}
+    drop: set[int] = set()
+    details: list[str] = []
+    for index, node in enumerate(graph.node):
+        if node.domain not in DEFAULT_DOMAINS or not node.output or node.output[0] in outputs:
+            continue
+        found = rule(node, inits, typed_shape)
+        if found is not None:
+            mapping[node.output[0]] = found[0]
+            drop.add(index)
+            details.append(f"{node_label(node)}: {found[1]}")
+    if drop:
+        bypass_nodes(graph, drop, mapping)
+        remove_dead_nodes(graph)
+    return checked_change(model, step, details)
+
+
+def _neutral_operand(
+    node: onnx.NodeProto,
+    inits: Mapping[str, onnx.TensorProto],
+    typed_shape: _TypedShape,
+) -> tuple[str, str] | None:
+    """The other operand of x + 0, x - 0, x * 1, x / 1 that does not broadcast x."""
+    neutral = _NEUTRAL_OPERANDS.get(node.op_type)
+    if neutral is None or len(node.input) != 2:
+        return None
+    value, positions = neutral
+    for position in positions:
+        constant = inits.get(node.input[position])
+        other = node.input[1 - position]
+        if constant is None or other in inits or not other:
+            continue
+        array = numpy_helper.to_array(constant)
+        if array.dtype.kind != "f" or array.size == 0 or not np.all(array == value):
+            continue
+        known = typed_shape(other)
+        if known is None or known[1] != constant.data_type:
+            continue
+        try:
+            if np.broadcast_shapes(array.shape, known[0]) != known[0]:
+                continue  # x + zeros of a larger shape is x broadcast
+        except ValueError:
+            continue
+        return other, f"{node.op_type} of {value:g} dropped"
+    return None
+
+
 def drop_neutral_arithmetic(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """x + 0, x - 0, x * 1, x / 1 (a constant that is that value everywhere and does not
     broadcast x to a larger shape) -> x (kept where the output is a graph output).
@@ -1813,52 +1890,94 @@ def drop_neutral_arithmetic(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     The same tensors. Quantized, the HTP computes x + 0 as x on x's own grid: where the Add's
     output has another grid (a ReLU folded into it as a zero point of 0, a coarser scale), the
     requantization is lost (-0.1 dB for uint8, -15 dB for uint16 against the CPU QDQ model;
-    0 + x, x - 0, x * 1 and x / 1 are right: dropped all the same, as the ops they are). A BatchNorm or GroupNorm with its initial shift of 0
-    (timm's MixNet and PoolFormer, their affine parameters as initialized) gave such Adds:
-    MixNet-S at -13 dB on the HTP where its CPU QDQ model was at 32 dB.
+    0 + x, x - 0, x * 1 and x / 1 are right: dropped all the same, as the ops they are). A
+    BatchNorm or GroupNorm with its initial shift of 0 (timm's MixNet and PoolFormer, their
+    affine parameters as initialized) gave such Adds: MixNet-S at -13 dB on the HTP where its
+    CPU QDQ model was at 32 dB.
     """
-    model = copy_model(model)
-    graph = model.graph
-    inits = initializers_by_name(graph)
-    outputs = {o.name for o in graph.output}
-    values: dict[str, onnx.ValueInfoProto] | None = None
-    mapping: dict[str, str] = {}
-    drop: set[int] = set()
-    details: list[str] = []
-    for index, node in enumerate(graph.node):
-        neutral = _NEUTRAL_OPERANDS.get(node.op_type)
-        if neutral is None or node.domain not in DEFAULT_DOMAINS or len(node.input) != 2:
-            continue
-        if node.output[0] in outputs:
-            continue
-        value, positions = neutral
-        for position in positions:
-            constant = inits.get(node.input[position])
-            other = node.input[1 - position]
-            if constant is None or other in inits or not other:
-                continue
-            array = numpy_helper.to_array(constant)
-            if array.dtype.kind != "f" or array.size == 0 or not np.all(array == value):
-                continue
-            if values is None:
-                values = inferred_values(model)
-            known = values.get(other)
-            shape = value_shape(known) if known is not None else None
-            if shape is None or known.type.tensor_type.elem_type != constant.data_type:
-                continue
-            try:
-                if np.broadcast_shapes(array.shape, shape) != shape:
-                    continue  # x + zeros of a larger shape is x broadcast
-            except ValueError:
-                continue
-            mapping[node.output[0]] = other
-            drop.add(index)
-            details.append(f"{node_label(node)}: {node.op_type} of {value:g} dropped")
-            break
-    if drop:
-        bypass_nodes(graph, drop, mapping)
-        remove_dead_nodes(graph)
-    return checked_change(model, "drop_neutral_arithmetic", details)
+    return _bypassed(model, "drop_neutral_arithmetic", _neutral_operand)
+
+
+def _moves_nothing(
+    node: onnx.NodeProto,
+    inits: Mapping[str, onnx.TensorProto],
+    shape: tuple[int, ...],
+) -> bool:
+    """Whether ``node`` gives back its input (of static ``shape``) unchanged, shape and values."""
+
+    def constant(index: int) -> np.ndarray | None:
+        name = node.input[index] if len(node.input) > index else ""
+        return numpy_helper.to_array(inits[name]) if name in inits else None
+
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    op = node.op_type
+    if op == "Transpose":
+        perm = list(attrs.get("perm", range(len(shape) - 1, -1, -1)))
+        return perm == list(range(len(shape)))
+    if op == "Slice":
+        starts, ends = constant(1), constant(2)
+        if starts is None or ends is None:
+            return False
+        axes = constant(3) if len(node.input) > 3 and node.input[3] else np.arange(len(starts))
+        steps = constant(4) if len(node.input) > 4 and node.input[4] else np.ones(len(starts))
+        if axes is None or steps is None:
+            return False
+        for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
+            size = shape[int(axis)]
+            if step != 1 or min(max(int(start) + (size if start < 0 else 0), 0), size) != 0:
+                return False
+            if min(int(end) + (size if end < 0 else 0), size) != size:
+                return False
+        return True
+    if op == "Tile":
+        repeats = constant(1)
+        return repeats is not None and bool(np.all(repeats == 1))
+    if op == "Pad":
+        pads = constant(1)  # no padding at all: the same tensor whatever the mode and axes
+        return pads is not None and bool(np.all(pads == 0))
+    if op == "Concat":
+        return len([i for i in node.input if i]) == 1
+    if op in ("Reshape", "Expand"):
+        target = constant(1)
+        return target is not None and tuple(int(d) for d in target) == shape
+    if op == "Resize":
+        scales, sizes = constant(2), constant(3)
+        same = (scales is not None and scales.size and bool(np.all(scales == 1))) or (
+            sizes is not None and tuple(int(d) for d in sizes) == shape
+        )
+        mode = attrs.get("coordinate_transformation_mode", b"half_pixel")
+        return bool(same) and mode != b"tf_crop_and_resize"
+    return False
+
+
+_MOVES = ("Transpose", "Slice", "Tile", "Pad", "Concat", "Reshape", "Expand", "Resize")
+
+
+def drop_noop_moves(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A Transpose, Slice, Tile, Pad, Concat, Reshape, Expand or Resize that gives back its input
+    as it is (the identity permutation, a slice of the whole tensor, repeats or scales of 1...)
+    -> its input (kept where the output is a graph output).
+
+    The same tensors. PyTorch exports leave them where a shape became static (``x[:, :n]`` with
+    n the whole length). Quantized, the HTP drops such an op and with it the requantization to
+    its output grid (onnxruntime folds a ReLU after it into that grid): a Conv -> whole-tensor
+    Slice -> ReLU came out at 0.0 dB against the CPU QDQ model, an identity Transpose -0.0 dB.
+    """
+
+    def unmoved(
+        node: onnx.NodeProto,
+        inits: Mapping[str, onnx.TensorProto],
+        typed_shape: _TypedShape,
+    ) -> tuple[str, str] | None:
+        source = node.input[0] if node.op_type in _MOVES and node.input else ""
+        if not source or source in inits:
+            return None
+        known = typed_shape(source)
+        if known is None or not _moves_nothing(node, inits, known[0]):
+            return None
+        return source, "gives back its input, dropped"
+
+    return _bypassed(model, "drop_noop_moves", unmoved)
 
 
 def sequence_at_to_slices(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
