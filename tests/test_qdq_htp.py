@@ -272,6 +272,45 @@ def test_a_sum_whose_range_ends_at_a_folded_clip_is_left_alone(tmp_path: Path) -
     assert not sums_no_finer_than_inputs(qdq, clipped_outputs(model))[1].changed
 
 
+def test_a_sum_cut_far_below_its_inputs_keeps_its_own_grid() -> None:
+    """An attention-mask sum cut to the scores' span ([-26.5, 0]) from inputs on the mask's
+    -1e9 grids: on an input's grid it would round to 0 and every masked score would be read as
+    kept (CLIP's padding plus causal mask); it keeps its grid."""
+    steps = 65535.0
+    constants = {
+        "s_in": np.float32(1e9 / steps),
+        "z_in": np.uint16(65535),
+        "s_out": np.float32(26.5 / steps),
+        "z_out": np.uint16(65535),
+        "causal": np.zeros((1, 1, 4, 4), np.uint16),
+        "c_scale": np.float32(1e9 / steps),
+    }
+    nodes = [
+        oh.make_node("QuantizeLinear", ["x", "s_in", "z_in"], ["xq"]),
+        oh.make_node("DequantizeLinear", ["xq", "s_in", "z_in"], ["xd"]),
+        oh.make_node("DequantizeLinear", ["causal", "c_scale", "z_in"], ["cd"]),
+        oh.make_node("Add", ["xd", "cd"], ["total"], name="mask_sum"),
+        oh.make_node("QuantizeLinear", ["total", "s_out", "z_out"], ["tq"]),
+        oh.make_node("DequantizeLinear", ["tq", "s_out", "z_out"], ["y"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "mask_sum",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 4, 4])],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in constants.items()],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model.ir_version = 10
+    assert not sums_no_finer_than_inputs(model)[1].changed
+    constants["s_out"] = np.float32(1e8 / steps)  # a range 10x narrower: coarsened as before
+    model.graph.ClearField("initializer")
+    model.graph.initializer.extend(
+        numpy_helper.from_array(np.asarray(v), k) for k, v in constants.items()
+    )
+    assert sums_no_finer_than_inputs(model)[1].changed
+
+
 @pytest.mark.qnn
 def test_the_htp_computes_a_sum_at_its_inputs_scale_right(tmp_path: Path) -> None:
     """Relu(c - 1) folded into a 23x finer grid: the ctx ~11 dB from the CPU QDQ model; at the

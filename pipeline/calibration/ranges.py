@@ -1096,6 +1096,8 @@ def mask_fill_ranges(
     bias_low: dict[str, float] = {}  # mask bias -> the lowest value any of its Adds needs
     bias_readers: dict[str, set[str]] = {}  # mask bias -> the Adds reading it
     summed: dict[str, tuple[float, float]] = {}  # a bias + mask sum -> its cut range
+    addend_low: dict[str, float] = {}  # a mask a cut bias sums -> the lowest cut of those sums
+    addend_sums: dict[str, set[str]] = {}  # ... and the sums reading it
     producers = {o: n for n in model.graph.node for o in n.output}
     inits = {i.name: i for i in model.graph.initializer}
     for node in model.graph.node:
@@ -1152,11 +1154,42 @@ def mask_fill_ranges(
             sentinels = [i for i in node.input if i in consts and consts[i] <= MASK_SENTINEL]
             if len(sentinels) == 1 and readers.get(sentinels[0]) == 1:
                 weights[sentinels[0]] = cut
+        if node is not None and node.op_type == "Add":
+            _note_mask_addends(node, ranges, inits, cut[0], addend_low, addend_sums)
         for name in chain:
             if name in result and result[name] != cut:
                 result[name] = cut
                 changed.append(name)
+    # The masks a cut bias sums (a padding mask's bias plus a causal mask made whole): each of
+    # them cut as the sum is, where those sums are all that read it, so the Add sees inputs on
+    # grids as fine as its own (on the masks' -1e9 ones the HTP computes the cut sum wrongly).
+    for addend, low in addend_low.items():
+        if readers.get(addend) != len(addend_sums[addend]) or addend in outputs:
+            continue
+        if addend in inits:
+            weights[addend] = (low, 0.0)
+        elif addend in result and result[addend] != (low, 0.0):
+            result[addend] = (low, 0.0)
+            changed.append(addend)
     return result, weights, changed
+
+
+def _note_mask_addends(
+    add: Any,
+    ranges: dict[str, Interval],
+    inits: dict[str, Any],
+    low: float,
+    addend_low: dict[str, float],
+    addend_sums: dict[str, set[str]],
+) -> None:
+    """When both inputs of ``add`` are mask biases (0 where kept, a sentinel where masked, as
+    calibrated or as a constant holds them), note that each may be cut to ``low``."""
+    spans = [ranges.get(i) or _constant_range(inits.get(i)) for i in add.input]
+    if len(spans) != 2 or any(s is None or s[0] > MASK_SENTINEL or s[1] != 0.0 for s in spans):
+        return
+    for name in add.input:
+        addend_low[name] = min(addend_low.get(name, 0.0), low)
+        addend_sums.setdefault(name, set()).add(add.name or add.output[0])
 
 
 def read_cache(path: Any) -> tuple[Any, dict[str, tuple[float, float]]]:

@@ -451,6 +451,13 @@ def clipped_outputs(float_model: onnx.ModelProto) -> set[str]:
     return clipped
 
 
+# A sum's range cut far below its inputs' (an attention-mask sum cut to the scores' span, its
+# inputs spanning the mask's -1e9) keeps its own grid: on its coarsest input's it would hold
+# fewer levels than this, and the cut range's low end would round to 0 (CLIP's padding plus
+# causal mask: every masked score then read as unmasked, 0.7 dB at the Softmax on the CPU).
+MIN_SUM_LEVELS = 16
+
+
 def sums_no_finer_than_inputs(
     model: onnx.ModelProto,
     clipped: set[str] = frozenset(),  # type: ignore[assignment]
@@ -503,6 +510,8 @@ def sums_no_finer_than_inputs(
         zero = inits[q.input[2]]
         info = np.iinfo(numpy_helper.to_array(zero).dtype)
         low = (info.min - float(numpy_helper.to_array(zero))) * old  # the old range's low end
+        if coarsest * MIN_SUM_LEVELS > (info.max - info.min) * old:
+            continue  # the old range would fit in a few steps of the coarse grid: nothing left
         new_zero = int(np.clip(np.round(info.min - low / coarsest), info.min, info.max))
         scale_name, zero_name = fresh(f"{q.input[1]}_coarse"), fresh(f"{q.input[2]}_coarse")
         graph.initializer.append(
