@@ -133,38 +133,20 @@ def split_swish_input(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                 continue
             scale = numpy_helper.to_array(inits[dq.input[1]])
             scale_name = fresh(f"{dq.input[0]}_htp_split_scale")
-            copy_q, copy_dq = fresh(f"{dq.input[0]}_htp_split"), fresh(f"{dq.output[0]}_htp_split")
             graph.initializer.append(
                 numpy_helper.from_array((scale * SPLIT_SCALE).astype(scale.dtype), scale_name)
             )
-            zero = dq.input[2]
-            added.append(
-                onnx.helper.make_node(
-                    "QuantizeLinear",
-                    [node.input[direct], scale_name, zero],
-                    [copy_q],
-                    name=fresh(f"{copy_q}_QuantizeLinear"),
-                )
+            nodes, copy_dq = _requantized(
+                node.input[direct], [scale_name, dq.input[2]], "htp_split", fresh
             )
-            added.append(
-                onnx.helper.make_node(
-                    "DequantizeLinear",
-                    [copy_q, scale_name, zero],
-                    [copy_dq],
-                    name=fresh(f"{copy_dq}_DequantizeLinear"),
-                )
-            )
+            added.extend(nodes)
             node.input[direct] = copy_dq
             details.append(
                 f"Mul {node.name or node.output[0]!r}: x * sigmoid(x) reads a requantized copy "
                 f"of {dq.input[0]!r} (the HTP's fused 16-bit SiLU is wrong for some shapes)"
             )
             break
-    if not details:
-        return model, Change("split_swish_input")
-    graph.node.extend(added)
-    sort_graph(graph)
-    return checked_change(out, "split_swish_input", details)
+    return _with_added(model, out, added, "split_swish_input", details)
 
 
 def signed_activation_products(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
