@@ -189,3 +189,27 @@ def test_a_pre_quantized_source_passes_within_its_own_rounding_floor(tmp_path: P
     assert lenient.rounding_floor_db == floor
     tight = check_preparation("m", source, NO_INPUTS, path, samples, strict.snr_db + 4.0)
     assert not tight.passed
+
+
+def test_a_constant_input_filled_from_one_number_feeds_the_source(tmp_path: Path) -> None:
+    """``constants = { mask = 0.5 }`` for a [batch, 2, 6, 6] mask: the source model is run with
+    the mask filled to the shape [inputs] gives it, as the prepared model has it baked in."""
+    graph = oh.make_graph(
+        [oh.make_node("Add", ["x", "mask"], ["s"]), oh.make_node("Relu", ["s"], ["y"])],
+        "masked",
+        [
+            oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 6, 6]),
+            oh.make_tensor_value_info("mask", TensorProto.FLOAT, ["batch", 2, 6, 6]),
+        ],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 6, 6])],
+    )
+    source = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 13)])
+    source.ir_version = 8
+    inputs = InputsSection(dims={}, shapes={"mask": [1, 2, 6, 6]}, constants={"mask": 0.5})
+    ready, _ = prepare_model(source, inputs)
+    assert [i.name for i in ready.graph.input] == ["x"]
+    path = tmp_path / "float.onnx"
+    onnx.save(ready, str(path))
+    check = check_preparation("m", source, inputs, path, heldout(tmp_path / "h"))
+    assert not check.error and check.samples == 4
+    assert check.passed and check.snr_db is not None and check.snr_db >= 60

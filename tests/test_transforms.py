@@ -107,6 +107,30 @@ def test_bake_constant_inputs_makes_an_initializer() -> None:
     assert not noop.changed
 
 
+MASKED = """<ir_version: 8, opset_import: ["": 13]>
+g (float[1, 4] x, float[1, 4] mask, float[batch, 4] bias) => (float[1, 4] y) {
+  s = Add(x, mask)
+  y = Add(s, bias)
+}"""
+
+
+def test_bake_constant_inputs_fills_a_shape_with_one_number() -> None:
+    """A padding mask of zeros is one number in TOML, not a list of its every value."""
+    baked, change = t.bake_constant_inputs(
+        parse(MASKED), {"mask": 0.0, "bias": 0.5}, {"bias": [1, 4]}
+    )
+    assert change.details[0] == "input 'mask' baked in as constant [[0.0, 0.0, 0.0, 0.0]]"
+    values = {i.name: numpy_helper.to_array(i) for i in baked.graph.initializer}
+    assert values["mask"].shape == (1, 4) and not values["mask"].any()
+    assert values["bias"].shape == (1, 4) and (values["bias"] == 0.5).all()
+    assert [i.name for i in baked.graph.input] == ["x"]
+    fixed, _ = t.fix_input_shapes(baked, {}, {"bias": [1, 4]})  # a baked input's shape is done
+    assert [i.name for i in fixed.graph.input] == ["x"]
+    with pytest.raises(ModelError, match=r"constants.bias has shape \[\].*'\?'") as error:
+        t.bake_constant_inputs(parse(MASKED), {"bias": 0.5})  # dynamic, no [inputs] shapes
+    assert "one number to fill it" in str(error.value.tip)
+
+
 def test_bake_constant_inputs_unknown_name_has_hint() -> None:
     with pytest.raises(ModelError, match=r"'sr_'.*did you mean 'sr'\?"):
         t.bake_constant_inputs(parse(DYNAMIC), {"sr_": 16000})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,17 @@ NP_TYPES: dict[str, Any] = {
 def np_dtype(onnx_type: str) -> Any:
     """numpy dtype of an onnxruntime type string; float32 for anything else."""
     return NP_TYPES.get(onnx_type, np.float32)
+
+
+def constant_feed(value: Any, dtype: Any, shape: Sequence[object] | None) -> np.ndarray:
+    """An ``[inputs] constants`` value as the input takes it: one number given for an input of
+    more values fills its shape (a padding mask of zeros, an attention mask of ones: no one
+    writes those out in TOML); ``shape`` holds the input's sizes, a name or None where dynamic."""
+    array = np.asarray(value, dtype=dtype)
+    sizes = list(shape or ())
+    if array.ndim == 0 and sizes and all(isinstance(s, int) and s >= 0 for s in sizes):
+        return np.full(sizes, array, dtype=array.dtype)
+    return array
 
 
 def value_type_name(onnx_type: str) -> str:

@@ -58,7 +58,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
     return [
         t.set_ir_version,  # IR >= 4 first: initializers may then leave the input list
         t.drop_initializer_inputs,
-        lambda m: t.bake_constant_inputs(m, inputs.constants),
+        lambda m: t.bake_constant_inputs(m, inputs.constants, inputs.shapes),
         lambda m: t.fix_input_shapes(m, inputs.dims, inputs.shapes),
         t.float16_to_float32,  # the version converter fails on fp16 graphs
         t.float64_to_float32,  # the HTP has no float64, the quantizer quantizes none

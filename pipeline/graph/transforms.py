@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ..core.dtypes import constant_feed
 from ..core.errors import ModelError
 from .edit import (
     DEFAULT_DOMAINS,
@@ -194,12 +195,18 @@ def _shape_hint(dims: Sequence[object]) -> str:
 
 
 def bake_constant_inputs(
-    model: onnx.ModelProto, constants: Mapping[str, Any]
+    model: onnx.ModelProto,
+    constants: Mapping[str, Any],
+    shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> tuple[onnx.ModelProto, Change]:
     """Turn graph inputs with a known value (e.g. ``sr = 16000``) into initializers.
 
-    Their consumers (and whole ``If`` branches on them) can then be folded away.
+    Their consumers (and whole ``If`` branches on them) can then be folded away. A single
+    number given for an input of more values fills its shape (``[inputs] shapes`` where the
+    model leaves it dynamic): a padding mask of zeros, an attention mask of ones, which no one
+    can write out in TOML.
     """
+    shapes = shapes or {}
     model = copy_model(model)
     graph = model.graph
     inputs = {i.name: i for i in graph.input}
@@ -220,11 +227,14 @@ def bake_constant_inputs(
                 f"[inputs] constants.{name} = {value!r} does not convert to the input's type "
                 f"{onnx.TensorProto.DataType.Name(tensor_type.elem_type)}: {exc}"
             ) from None
-        if tensor_type.HasField("shape"):
+        if tensor_type.HasField("shape") or name in shapes:
             dims = tensor_type.shape.dim
             static = [
                 d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None for d in dims
             ]
+            if name in shapes:
+                static = [int(size) for size in shapes[name]]
+            array = constant_feed(array, array.dtype, static)
             if None not in static and array.size == math.prod(static):
                 array = array.reshape(static)
             if array.ndim != len(static) or any(
@@ -233,11 +243,19 @@ def bake_constant_inputs(
                 raise ModelError(
                     f"[inputs] constants.{name} has shape {list(array.shape)}, but input {name!r} "
                     f"has shape {[s if s is not None else '?' for s in static]}.",
-                    tip="Give a value of the input's shape.",
+                    tip="Give a value of the input's shape, or one number to fill it (with "
+                    "[inputs] shapes where the input's shape is dynamic).",
                 )
         graph.initializer.append(numpy_helper.from_array(array, name))
         graph.input.remove(value_info)
-        shown = array.tolist() if array.size <= 8 else f"array {list(array.shape)}"
+        filled = array.size > 1 and bool((array == array.flat[0]).all())
+        shown = (
+            array.tolist()
+            if array.size <= 8
+            else f"{array.flat[0].item()!r} filling {list(array.shape)}"
+            if filled
+            else f"array {list(array.shape)}"
+        )
         details.append(f"input {name!r} baked in as constant {shown}")
     return checked_change(model, "bake_constant_inputs", details)
 
@@ -381,7 +399,7 @@ def fix_input_shapes(
     }
     issues = []
     for name in shapes:
-        if name not in names:
+        if name not in names and name not in inits:  # an input baked in as a constant is done
             issues.append(f"[inputs] shapes names {name!r}, not an input; " + _hint(name, names))
     for param in dims:
         if param not in params:

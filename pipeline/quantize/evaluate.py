@@ -22,7 +22,7 @@ from qnn_ctx_runtime import buckets as bk
 
 from ..core.config import ModelConfig
 from ..core.cpu import cpu_session
-from ..core.dtypes import np_dtype
+from ..core.dtypes import constant_feed, np_dtype
 from ..core.fileio import sha256_file
 from ..core.layout import samples_in
 from ..core.memory import release_freed_memory
@@ -294,8 +294,13 @@ def _source_outputs(
     except Exception as exc:  # onnxruntime's own error types; the reason goes to the report
         raise _SourceDoesNotLoad(str(exc)) from exc
     source_types = {i.name: i.type for i in reference.get_inputs()}
+    source_shapes = {i.name: i.shape for i in reference.get_inputs()}
     constants = {
-        name: np.asarray(value, dtype=np_dtype(source_types[name]))
+        name: constant_feed(
+            value,
+            np_dtype(source_types[name]),
+            config.inputs.shapes.get(name, source_shapes[name]),
+        )
         for name, value in config.inputs.constants.items()
         if name in source_types
     }

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..core.config import InputsSection
 from ..core.cpu import cpu_session
-from ..core.dtypes import np_dtype
+from ..core.dtypes import constant_feed, np_dtype
 from ..core.metrics import OutputComparison, worst_snr
 from ..graph.prequantized import is_prequantized
 from .evaluate import iter_samples, run_named
@@ -75,14 +75,15 @@ class PreparationCheck:
         )
 
 
-def _feeds_for(session: Any, feeds: Feeds, constants: dict[str, Any]) -> Feeds:
+def _feeds_for(session: Any, feeds: Feeds, inputs: InputsSection) -> Feeds:
     """``feeds`` (+ baked constants) as ``session``'s inputs want them: names and dtypes."""
     result = {}
     for arg in session.get_inputs():
         if arg.name in feeds:
             result[arg.name] = feeds[arg.name].astype(np_dtype(arg.type), copy=False)
-        elif arg.name in constants:
-            result[arg.name] = np.asarray(constants[arg.name], np_dtype(arg.type))
+        elif arg.name in inputs.constants:
+            shape = inputs.shapes.get(arg.name, arg.shape)
+            result[arg.name] = constant_feed(inputs.constants[arg.name], np_dtype(arg.type), shape)
     return result
 
 
@@ -90,7 +91,7 @@ def compare(
     reference: Any,
     test: Any,
     samples: Iterable[Feeds],
-    constants: dict[str, Any],
+    inputs: InputsSection,
     optimize: bool = True,
 ) -> tuple[float, int]:
     """(worst output SNR, samples) of ``test`` against ``reference`` (models or sessions)."""
@@ -99,8 +100,8 @@ def compare(
     names = [o.name for o in ref.get_outputs()]
     comparison = OutputComparison()
     for feeds in samples:
-        expected = dict(zip(names, ref.run(names, _feeds_for(ref, feeds, constants)), strict=True))
-        comparison.add(expected, run_named(got, names, _feeds_for(got, feeds, constants)))
+        expected = dict(zip(names, ref.run(names, _feeds_for(ref, feeds, inputs)), strict=True))
+        comparison.add(expected, run_named(got, names, _feeds_for(got, feeds, inputs)))
     return worst_snr(comparison.summary()), comparison.samples
 
 
@@ -131,7 +132,7 @@ def per_step(
         if not change.changed:
             continue
         try:
-            last, _ = compare(reference, model, samples, inputs.constants, optimize)
+            last, _ = compare(reference, model, samples, inputs, optimize)
         except Exception as exc:  # onnxruntime cannot run this intermediate model
             yield StepFigure(change.step, None, f"not runnable: {type(exc).__name__}"[:120])
             continue
@@ -173,9 +174,9 @@ def check_preparation(
             reference, _ = float16_to_float32(source.load())
             label = "source model computed in float32"
         ref_session = cpu_session(reference, optimize)
-        snr, count = compare(ref_session, prepared, samples, inputs.constants, optimize)
+        snr, count = compare(ref_session, prepared, samples, inputs, optimize)
         if source.float16:
-            float16, _ = compare(source.runnable(), prepared, samples, inputs.constants)
+            float16, _ = compare(source.runnable(), prepared, samples, inputs)
     except Exception as exc:  # onnxruntime's own error types: say why, do not fail the build
         return PreparationCheck(
             MIN_PREPARED_SNR_DB, None, 0, True, label, error=f"{type(exc).__name__}: {exc}"[:300]
