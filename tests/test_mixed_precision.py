@@ -851,7 +851,8 @@ def _conv_gemm_matmul(rng: np.random.Generator) -> onnx.ModelProto:
 
 def test_int16_weights_compile_whole_on_the_htp(tmp_path: Path) -> None:
     """What mixed precision produces (int16 symmetric Conv/Gemm/MatMul weights next to
-    uint16 activations) compiles into one QNN partition and matches the float model."""
+    uint16 activations, each split into two int8 layers for the HTP) compiles into one QNN
+    partition and matches the float model."""
     pytest.importorskip("onnxruntime_qnn")
     rng = np.random.default_rng(11)
     model = _conv_gemm_matmul(rng)
@@ -864,7 +865,9 @@ def test_int16_weights_compile_whole_on_the_htp(tmp_path: Path) -> None:
     quantize_model(load_config(tmp_path / "m.toml"), tmp_path / "artifacts", force=True)
     qdq = _qdq(tmp_path)
     elem = {i.name: i.data_type for i in qdq.graph.initializer}
-    assert {elem[f"{w}_quantized"] for w in ("wc", "wg", "wm")} == {TensorProto.INT16}
+    for w in ("wc", "wg", "wm"):
+        assert elem[f"{w}_quantized"] == elem[f"{w}_quantized_rest"] == TensorProto.INT8
+    assert len(_report(tmp_path)["range_rules"]["split_weights"]) == 3
     assert _snr(_report(tmp_path)) > 40
     ctx_snr = _ctx_vs_float(tmp_path)
     (variant,) = (tmp_path / "artifacts" / "build" / "m" / "ctx").glob("*/*/variant.json")

@@ -1048,6 +1048,7 @@ def _steps(
             changes.hard_sigmoids or None,
             changes.raised_weight_scales or None,
             changes.requantized_moves or None,
+            changes.split_weights or None,
         ),
         mixed_precision=mixed,
         htp=judgement,

@@ -31,6 +31,7 @@ from ..core.config import ModelConfig
 from ..core.cpu import cpu_session
 from ..core.metrics import LABELS, comparable, worst_snr
 from ..core.progress import Progress
+from ..graph.qdq_htp import REST
 from .bias_correction import corrected_float_bias, layers
 from .evaluate import evaluate
 
@@ -165,8 +166,10 @@ def candidates(qdq: Any, elems: dict[int, str] = EIGHT_BIT) -> list[Candidate]:
 
     found: dict[str, Candidate] = {}
     # A QuantizeLinear of a DequantizeLinear's output requantizes (pipeline.graph.qdq_htp): not
-    # a float tensor of its own.
+    # a float tensor of its own. Nor is an int16 weight split into two int8 ones an 8-bit one.
     requantized = {o for n in qdq.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    split = {name.removesuffix(REST) for name in inits if name.endswith(REST)}
+    split |= {name + REST for name in split}
     for node in qdq.graph.node:
         if node.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(node.input) < 3:
             continue
@@ -180,7 +183,7 @@ def candidates(qdq: Any, elems: dict[int, str] = EIGHT_BIT) -> list[Candidate]:
             # onnxruntime renames a quantized graph output's producer to "<name>_QuantizeLinear_Input".
             name = node.input[0].removesuffix("_QuantizeLinear_Input")
             found.setdefault(name, Candidate(name, "activation", scale, zero, elem))
-        elif node.op_type == "DequantizeLinear" and node.input[0] in inits:
+        elif node.op_type == "DequantizeLinear" and node.input[0] in inits.keys() - split:
             name = node.input[0].removesuffix("_quantized")
             quantized = value(node.input[0])
             found.setdefault(name, Candidate(name, "weight", scale, zero, elem, quantized, axis))

@@ -281,6 +281,9 @@ def quantize(
     qdq, change = qdq_htp.sums_no_finer_than_inputs(qdq, qdq_htp.clipped_outputs(model))
     edited |= change.changed
     changes = dataclasses.replace(changes, coarse_sums=list(change.details))
+    qdq, change = qdq_htp.split_sixteen_bit_weights(qdq)  # before: its int8 scales may be tiny
+    edited |= change.changed
+    changes = dataclasses.replace(changes, split_weights=list(change.details))
     qdq, change = qdq_htp.weight_scales_for_htp(qdq)
     edited |= change.changed
     changes = dataclasses.replace(changes, raised_weight_scales=list(change.details))

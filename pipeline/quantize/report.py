@@ -52,6 +52,7 @@ class RangeRules:
     hard_sigmoids: list[str] | None = None  # 16-bit HardSigmoid outputs on the HTP's grid
     raised_weight_scales: list[str] | None = None  # weight scales the HTP requantizes right
     requantized_moves: list[str] | None = None  # Reshape-like ops between two grids split
+    split_weights: list[str] | None = None  # int16-weight layers as two int8-weight ones
 
 
 @dataclass(frozen=True)
@@ -316,6 +317,13 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
             f"Moves for the HTP: {len(rules.requantized_moves)} Reshape-like op(s) between two "
             "grids kept on their input's grid and then requantized, the same values (the HTP "
             "moves their values without the change of zero point; pipeline/graph/qdq_htp.py)."
+        )
+    if rules.split_weights:
+        lines.append(
+            f"16-bit weights for the HTP: {len(rules.split_weights)} Conv/Gemm/MatMul layer(s) "
+            "with int16 weights computed as two layers, their weights rounded to int8 and the "
+            "int8 residual, summed (the HTP floors a layer's accumulator with 16-bit weights to "
+            "about twice its input step times its largest weight; pipeline/graph/qdq_htp.py)."
         )
     if rules.loop_shared:
         lines.append(
