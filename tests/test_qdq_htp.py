@@ -979,3 +979,26 @@ def test_the_htp_computes_int16_weights_as_two_int8_layers_closer(
     assert figures["split"] > figures["qdq"] + 6.0, figures
     # If a new QNN SDK computes int16 weights in full, this says so: the split may then go.
     assert figures["qdq"] < 64.0, f"the HTP computes int16 weights in full now: {figures}"
+
+
+def test_a_divergence_at_a_rewritten_tensor_names_the_float_tensor_it_stands_for(
+    tmp_path: Path,
+) -> None:
+    """The judge leaves a located tensor in fp16 by naming it in an override, which only the
+    prepared float model's tensors can be: a SiLU's requantized copy stands for its source
+    (an override naming the copy failed the build), the main half of a split int16-weight
+    layer for the layer's output."""
+    from pipeline.quantize.judge import float_tensor_of
+
+    qdq = quantized(gated_conv("Sigmoid"), tmp_path, "uint16")
+    onnx.save(split_swish_input(qdq)[0], str(tmp_path / "split.onnx"))
+    copy = next(
+        o for n in onnx.load(str(tmp_path / "split.onnx")).graph.node for o in n.output
+        if o.endswith("htp_split")
+    )  # fmt: skip
+    for name in (copy, "c_DequantizeLinear_Output", "c"):
+        assert float_tensor_of(tmp_path / "split.onnx", tmp_path / "float.onnx", name) == "c"
+    layer = tmp_path / "layer"
+    layer.mkdir()
+    onnx.save(split_sixteen_bit_weights(sixteen_bit_weight_layer(layer))[0], str(layer / "q.onnx"))
+    assert float_tensor_of(layer / "q.onnx", layer / "float.onnx", "l_int8_main_q16") == "y"

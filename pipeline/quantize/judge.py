@@ -31,6 +31,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -390,8 +391,9 @@ def judge_on_htp(
                             **dict.fromkeys(weights, "int8_per_channel"),
                         },
                     )
-                elif found is not None:
-                    tensor = found.name.removesuffix("_DequantizeLinear_Output")
+                elif found is not None and (
+                    tensor := float_tensor_of(qdq_path, float_path, found.name)
+                ):
                     float16.append(tensor)
                     remedies.append(f"{tensor} ({found.op_type}) left in float16 on the HTP")
                     candidate = Candidate(
@@ -494,6 +496,46 @@ def _write_probe_record(
         compile_s=result.compile_s or None,
     )
     write_record(path, record)
+
+
+def float_tensor_of(qdq_path: Path, float_path: Path, name: str) -> str | None:
+    """The prepared float model's tensor that a QDQ model's ``name`` stands for, the one a
+    precision override can name: up through requantizations (a DQ of a Q of a tensor: the
+    quantizer's own DQ output, a SiLU's requantized copy) to their source, else down to the
+    first tensor read from it that the float model has (two int8 halves of an int16-weight
+    layer: their sum). None when neither way finds one."""
+    import onnx
+
+    float_model = onnx.load(str(float_path), load_external_data=False)
+    known = {o for n in float_model.graph.node for o in n.output}
+    known |= {i.name for i in float_model.graph.input}
+    qdq = onnx.load(str(qdq_path), load_external_data=False)
+    producer = {o: n for n in qdq.graph.node for o in n.output}
+    readers: dict[str, list[Any]] = {}
+    for node in qdq.graph.node:
+        for tensor in node.input:
+            readers.setdefault(tensor, []).append(node)
+    source = name
+    while source not in known:
+        dequantizer = producer.get(source)
+        if dequantizer is None or dequantizer.op_type != "DequantizeLinear":
+            break
+        quantizer = producer.get(dequantizer.input[0])
+        if quantizer is None or quantizer.op_type != "QuantizeLinear":
+            break
+        source = quantizer.input[0]
+    if source in known:
+        return source
+    queue, seen = [name], {name}
+    while queue:
+        for node in readers.get(queue.pop(0), []):
+            for output in node.output:
+                if output in known:
+                    return output
+                if output and output not in seen:
+                    seen.add(output)
+                    queue.append(output)
+    return None
 
 
 def channel_weights(float_path: Path) -> list[str]:
