@@ -867,6 +867,10 @@ def test_int16_weights_compile_whole_on_the_htp(tmp_path: Path) -> None:
     elem = {i.name: i.data_type for i in qdq.graph.initializer}
     for w in ("wc", "wg", "wm"):
         assert elem[f"{w}_quantized"] == elem[f"{w}_quantized_rest"] == TensorProto.INT8
+    from pipeline.quantize.judge import int16_weights_left
+
+    qdq_path = _paths(tmp_path).bucket(SINGLE_BUCKET).qdq
+    assert int16_weights_left(qdq_path, ["wc", "wg", "wm"]) == []  # no 8-bit remedy to try
     assert len(_report(tmp_path)["range_rules"]["split_weights"]) == 3
     assert _snr(_report(tmp_path)) > 40
     ctx_snr = _ctx_vs_float(tmp_path)

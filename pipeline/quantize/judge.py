@@ -375,7 +375,9 @@ def judge_on_htp(
                         len(located.tensors),
                         located.exposable,
                     )
-                sixteen = [n for n, p in current.overrides.items() if p.startswith("int16")]
+                sixteen = int16_weights_left(
+                    qdq_path, [n for n, p in current.overrides.items() if p.startswith("int16")]
+                )
                 if sixteen and not per_channel_done:
                     # Every weight to 8 bits with one scale per output channel: the format the
                     # HTP reproduces (55-80 dB against the CPU), and the finest 8-bit one.
@@ -496,6 +498,22 @@ def _write_probe_record(
         compile_s=result.compile_s or None,
     )
     write_record(path, record)
+
+
+def int16_weights_left(qdq_path: Path, names: list[str]) -> list[str]:
+    """Those of ``names`` (weights raised to int16) that reach the HTP as int16: not split into
+    two int8 layers (pipeline.graph.qdq_htp.split_sixteen_bit_weights), whose result the
+    judge's 8-bit remedy cannot improve on. A weight under another name than onnxruntime's
+    ``<name>_quantized`` counts as left."""
+    import onnx
+
+    qdq = onnx.load(str(qdq_path), load_external_data=False)
+    types = {i.name: i.data_type for i in qdq.graph.initializer}
+    return [
+        n
+        for n in names
+        if types.get(f"{n}_quantized", onnx.TensorProto.INT16) == onnx.TensorProto.INT16
+    ]
 
 
 def float_tensor_of(qdq_path: Path, float_path: Path, name: str) -> str | None:
