@@ -785,6 +785,8 @@ def test_a_prequantized_model_the_htp_fails_on_is_judged_on_the_cpu(tmp_path: Pa
     if qnn_available() and htp["judge"] == "cpu":  # the probe failed, as QNN 2.51 does
         assert "the HTP probe failed" in htp["reason"], htp
         assert [r["label"] for r in htp["rounds"]] == ["its own quantization"]
+        # ... and names the way that builds it, before compile fails the same way.
+        assert any("requantize = true" in r for r in htp["remedies"]), htp["remedies"]
 
 
 def test_quantize_stage_requantizes_when_asked(tmp_path: Path) -> None:

@@ -1536,6 +1536,7 @@ HTP_STEPS = (
     split_leaky_relu,
     zero_adds_as_subs,
     qdq_htp.requantize_after_moves,  # after propagate_qdq: the moves between two grids
+    qdq_htp.split_sixteen_bit_weights,
 )
 
 

@@ -634,6 +634,15 @@ def _measure_own(config: ModelConfig, paths: ModelPaths, state: _State) -> HtpJu
             print(f"NOTE {config.model.name}: {advice}.")
         return judgement
     why = judgement.reason.removeprefix("judged on the CPU: ")
+    failed = judgement.rounds[-1].error if judgement.rounds else ""
+    if failed:  # QNN could not build or run it: compile will fail the same way
+        advice = (
+            f"as it is, QNN fails on its own quantization ({failed.splitlines()[0][:200]}); "
+            "requantize = true in [quantization] calibrates and quantizes the float model "
+            "behind it instead"
+        )
+        judgement.remedies.append(advice)
+        print(f"NOTE {config.model.name}: {advice}.")
     return dataclasses.replace(judgement, reason=f"{nothing.reason} ({why})")
 
 
