@@ -1496,3 +1496,18 @@ def test_the_htp_drops_the_requantization_of_an_add_of_zero(tmp_path: Path, dtyp
         assert result.ok and (result.partitions, result.cpu_nodes) == (1, 0), result
         results[name] = result.worst_ctx_vs_float
     assert results["as_is"] < 10.0 and results["as_sub"] > 40.0, results
+
+
+def test_int16_weights_of_a_kept_model_reach_the_htp_as_two_int8_layers(tmp_path: Path) -> None:
+    """Its own int16 weights, which the HTP floors, are split as ours are (not exact: 15 bits
+    of weight, within a few 16-bit steps of the int16 layer on the CPU)."""
+    from test_qdq_htp import cpu_run, sixteen_bit_weight_layer
+
+    model = sixteen_bit_weight_layer(tmp_path, "Conv", relu=True)
+    ready, changes = pq.for_htp(model)
+    split = next(c for c in changes if c.step == "split_sixteen_bit_weights")
+    assert len(split.details) == 1 and split.details[0].startswith("Conv 'layer'")
+    types = {i.name: i.data_type for i in ready.graph.initializer}
+    assert types["wq"] == types["wq_rest"] == TensorProto.INT8
+    x = np.load(tmp_path / "sample.npz")["x"]
+    assert snr_db(cpu_run(model, x), cpu_run(ready, x)) > 70.0
