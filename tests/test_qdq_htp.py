@@ -1002,3 +1002,16 @@ def test_a_divergence_at_a_rewritten_tensor_names_the_float_tensor_it_stands_for
     layer.mkdir()
     onnx.save(split_sixteen_bit_weights(sixteen_bit_weight_layer(layer))[0], str(layer / "q.onnx"))
     assert float_tensor_of(layer / "q.onnx", layer / "float.onnx", "l_int8_main_q16") == "y"
+
+
+def test_int16_weights_that_int8_holds_exactly_become_int8_alone(tmp_path: Path) -> None:
+    qdq = sixteen_bit_weight_layer(tmp_path, "MatMul")
+    inits = {i.name: i for i in qdq.graph.initializer}
+    steps = np.random.default_rng(RNG_SEED).integers(-127, 128, (64, 32))
+    steps[0] = 127  # each column peaks at 127 steps of 200: int8 at 200x the scale holds it
+    inits["wq"].CopyFrom(numpy_helper.from_array((steps * 200).astype(np.int16), "wq"))
+    split, change = split_sixteen_bit_weights(qdq)
+    assert change.details == ("MatMul 'layer': int16 weights -> int8 (exact)",)
+    assert [n.op_type for n in split.graph.node].count("MatMul") == 1
+    x = np.load(tmp_path / "sample.npz")["x"]
+    np.testing.assert_array_equal(cpu_run(qdq, x), cpu_run(split, x))

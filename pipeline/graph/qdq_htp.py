@@ -542,6 +542,9 @@ def split_sixteen_bit_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
                 replace(bias_dq.input[2], np.zeros(bias_scale.size, np.int32))
             _set_axis(bias_dq, max(integers.ndim - 1, 0))
         total = node.output[0]
+        if not np.any(rest_values):  # int8 holds the weights exactly: no residual layer
+            details.append(f"{node.op_type} {node.name or total!r}: int16 weights -> int8 (exact)")
+            continue
         main_out, rest_out = fresh(f"{total}_int8_main"), fresh(f"{total}_int8_rest")
         node.output[0] = main_out
         rest_weights = fresh(f"{w_dq.output[0]}{REST}")
