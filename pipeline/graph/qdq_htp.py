@@ -355,13 +355,10 @@ def weight_scales_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
         replace(w_dq.input[0], requantized.astype(values.dtype))
         replace(w_dq.input[1], raised.astype(np.float32).reshape(scales.shape))
         if bias_dq is not None:
-            old_scale = numpy_helper.to_array(inits[bias_dq.input[1]]).astype(np.float64)
-            bias = numpy_helper.to_array(inits[bias_dq.input[0]]).astype(np.float64) * old_scale
+            old_shape = numpy_helper.to_array(inits[bias_dq.input[1]]).shape
             bias_scale = (x_scale * raised).astype(np.float32)  # the shape it had: per tensor
-            bias_scale = bias_scale.reshape(old_scale.shape)  # or per channel, like the weights
-            limit = np.iinfo(np.int32)
-            bias_values = np.round(bias / bias_scale.astype(np.float64))
-            replace(bias_dq.input[0], np.clip(bias_values, limit.min, limit.max).astype(np.int32))
+            bias_scale = bias_scale.reshape(old_shape)  # or per channel, like the weights
+            replace(bias_dq.input[0], _bias_at(inits, bias_dq, bias_scale))
             replace(bias_dq.input[1], bias_scale)
         count = int(np.sum(low))
         details.append(
@@ -530,13 +527,10 @@ def split_sixteen_bit_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
             w_dq.input.append(constant(f"{w_dq.input[0]}_zero_point", zeros))
         _set_axis(w_dq, axis)
         if bias_dq is not None:
-            old = numpy_helper.to_array(inits[bias_dq.input[1]]).astype(np.float64)
-            bias = numpy_helper.to_array(inits[bias_dq.input[0]]).astype(np.float64) * old
             x_scale = float(numpy_helper.to_array(inits[x_dq.input[1]]))
             bias_scale = (x_scale * main_scale).astype(np.float32)
-            limit = np.iinfo(np.int32)
-            integers = np.clip(np.round(bias / bias_scale), limit.min, limit.max)
-            replace(bias_dq.input[0], integers.astype(np.int32))
+            integers = _bias_at(inits, bias_dq, bias_scale)
+            replace(bias_dq.input[0], integers)
             replace(bias_dq.input[1], bias_scale)
             if len(bias_dq.input) > 2 and bias_dq.input[2]:
                 replace(bias_dq.input[2], np.zeros(bias_scale.size, np.int32))
@@ -583,6 +577,15 @@ def split_sixteen_bit_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
             f"residual {node.op_type}, summed (residual bound {bound:.3g})"
         )
     return _with_added(model, out, added, "split_sixteen_bit_weights", details)
+
+
+def _bias_at(inits: dict[str, Any], bias_dq: onnx.NodeProto, scale: np.ndarray) -> np.ndarray:
+    """The int32 integers of ``bias_dq``'s bias re-rounded at ``scale`` (clipped to int32)."""
+    old = numpy_helper.to_array(inits[bias_dq.input[1]]).astype(np.float64)
+    bias = numpy_helper.to_array(inits[bias_dq.input[0]]).astype(np.float64) * old
+    limit = np.iinfo(np.int32)
+    integers = np.round(bias / scale.astype(np.float64))
+    return np.clip(integers, limit.min, limit.max).astype(np.int32)
 
 
 def _set_axis(node: onnx.NodeProto, axis: int) -> None:
