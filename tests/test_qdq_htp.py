@@ -824,7 +824,8 @@ def sixteen_bit_weight_layer(
 ) -> onnx.ModelProto:
     """A QDQ layer with int16 weights (per output channel) on a uint16 input, as mixed precision
     raises one: a 3x3 depthwise Conv over 16 channels with one weight per channel 30x the
-    others (a segmenter's), a Gemm (transB) or a MatMul; ``relu`` folds a ReLU into the output's
+    others (a segmenter's), a Gemm (transB), a MatMul or a ConvTranspose (per output channel:
+    axis 1); ``relu`` folds a ReLU into the output's
     grid, as onnxruntime's quantizer does; ``zero_channel`` zeroes the first output channel's
     weights (onnxruntime gives such a channel a scale of 1). Writes the float layer as
     ``float.onnx`` and a sample as ``sample.npz`` beside it."""
@@ -837,6 +838,10 @@ def sixteen_bit_weight_layer(
     elif op_type == "Gemm":
         x_shape, weights = [8, 64], rng.normal(0, 1, (32, 64))
         attributes, axis, bias = {"transB": 1}, 0, rng.normal(0, 1, 32)
+    elif op_type == "ConvTranspose":  # an upsampling decoder's: 16 -> 8 channels, 2x
+        x_shape, weights = [1, 16, 8, 8], rng.normal(0, 1, (16, 8, 4, 4))
+        attributes = {"kernel_shape": [4, 4], "strides": [2, 2], "pads": [1] * 4}
+        axis, bias = 1, rng.normal(0, 1, 8)
     else:
         x_shape, weights = [1, 8, 64], rng.normal(0, 1, (64, 32))
         attributes, axis, bias = {}, 1, None
@@ -911,7 +916,8 @@ def sixteen_bit_weight_layer(
 
 
 @pytest.mark.parametrize(
-    ("op_type", "relu"), [("Conv", False), ("Conv", True), ("Gemm", True), ("MatMul", False)]
+    ("op_type", "relu"),
+    [("Conv", False), ("Conv", True), ("Gemm", True), ("MatMul", False), ("ConvTranspose", True)],
 )
 def test_int16_weights_become_two_int8_layers_and_the_cpu_result_holds(
     tmp_path: Path, op_type: str, relu: bool
@@ -957,12 +963,12 @@ def test_eight_bit_inputs_and_weights_are_left_alone(tmp_path: Path) -> None:
 
 
 @pytest.mark.qnn
-@pytest.mark.parametrize("op_type", ["Conv", "MatMul"])
+@pytest.mark.parametrize("op_type", ["Conv", "MatMul", "ConvTranspose"])
 def test_the_htp_computes_int16_weights_as_two_int8_layers_closer(
     tmp_path: Path, op_type: str
 ) -> None:
-    """On the HTP the int16 layer is 55.6 and 59.1 dB from the float layer (its accumulator
-    floored); as two int8 layers, 10-17 dB closer (65.6 and 76.0): the split."""
+    """On the HTP the int16 layer is 55.6, 59.1 and 66.3 dB from the float layer (its
+    accumulator floored); as two int8 layers, 4-17 dB closer (65.4, 75.8, 70.4): the split."""
     from pipeline.htp.probe import probe
 
     qdq = sixteen_bit_weight_layer(tmp_path, op_type)
@@ -976,9 +982,13 @@ def test_the_htp_computes_int16_weights_as_two_int8_layers_closer(
         )  # fmt: skip
         assert result.ok and result.partitions == 1 and result.cpu_nodes == 0, result.error
         figures[name] = result.worst_ctx_vs_float
-    assert figures["split"] > figures["qdq"] + 6.0, figures
+    # measured: 10, 16.7 and 4.1 dB closer; as int16 55.6, 59.1 and 66.3 dB from float
+    gain, floored = {"Conv": (6.0, 62.0), "MatMul": (6.0, 64.0), "ConvTranspose": (3.0, 69.0)}[
+        op_type
+    ]
+    assert figures["split"] > figures["qdq"] + gain, figures
     # If a new QNN SDK computes int16 weights in full, this says so: the split may then go.
-    assert figures["qdq"] < 64.0, f"the HTP computes int16 weights in full now: {figures}"
+    assert figures["qdq"] < floored, f"the HTP computes int16 weights in full now: {figures}"
 
 
 def test_a_divergence_at_a_rewritten_tensor_names_the_float_tensor_it_stands_for(

@@ -320,7 +320,8 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
         )
     if rules.split_weights:
         lines.append(
-            f"16-bit weights for the HTP: {len(rules.split_weights)} Conv/Gemm/MatMul layer(s) "
+            f"16-bit weights for the HTP: {len(rules.split_weights)} Conv/ConvTranspose/Gemm/"
+            "MatMul layer(s) "
             "with int16 weights computed as two layers, their weights rounded to int8 and the "
             "int8 residual, summed (the HTP floors a layer's accumulator with 16-bit weights to "
             "about twice its input step times its largest weight; pipeline/graph/qdq_htp.py)."
