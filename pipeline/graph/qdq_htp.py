@@ -32,10 +32,12 @@ from onnx import numpy_helper
 from .edit import (
     Change,
     FreshNames,
+    attribute,
     checked_change,
     copy_model,
     readers_by_tensor,
     remove_dead_nodes,
+    replace_attributes,
     sort_graph,
 )
 
@@ -298,12 +300,10 @@ def weight_scales_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
         return step
 
     def only_here(name: str, reader: onnx.NodeProto) -> bool:
-        """A constant that ``reader`` alone reads: rewritten in place, its name kept (mixed
-        precision and the report name weights by their initializers)."""
-        return name in inits and readers.get(name, []) == [reader]
+        return _read_only_by(inits, readers, name, reader)
 
     def replace(name: str, array: np.ndarray) -> None:
-        inits[name].CopyFrom(numpy_helper.from_array(array, name))
+        _replace_constant(inits, name, array)
 
     details: list[str] = []
     for node in graph.node:
@@ -336,7 +336,7 @@ def weight_scales_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
         low = scales < floor * (1 - 1e-6)  # float32's rounding of a raised scale is not low
         if not np.any(low):
             continue
-        axis = next((a.i for a in w_dq.attribute if a.name == "axis"), 1) % values.ndim
+        axis = attribute(w_dq, "axis", 1) % values.ndim
         shape = [1] * values.ndim
         if scales.size > 1:
             shape[axis] = scales.size
@@ -398,10 +398,9 @@ def _output_axis(node: onnx.NodeProto, rank: int) -> int | None:
     if node.op_type == "Conv":
         return 0
     if node.op_type == "Gemm":
-        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
-        return 0 if trans_b else 1
+        return 0 if attribute(node, "transB", 0) else 1
     if node.op_type == "ConvTranspose":  # [in, out / group, ...]: only ungrouped ones measured
-        return 1 if next((a.i for a in node.attribute if a.name == "group"), 1) == 1 else None
+        return 1 if attribute(node, "group", 1) == 1 else None
     return 1 if node.op_type == "MatMul" and rank == 2 else None
 
 
@@ -468,10 +467,10 @@ def split_sixteen_bit_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
         return name
 
     def replace(name: str, array: np.ndarray) -> None:
-        inits[name].CopyFrom(numpy_helper.from_array(array, name))
+        _replace_constant(inits, name, array)
 
     def only(name: str, reader: onnx.NodeProto) -> bool:
-        return name in inits and readers.get(name, []) == [reader]
+        return _read_only_by(inits, readers, name, reader)
 
     def dequantizer(tensor: str) -> onnx.NodeProto | None:
         node = producer.get(tensor)
@@ -503,7 +502,7 @@ def split_sixteen_bit_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
         values = numpy_helper.to_array(inits[w_dq.input[0]]).astype(np.float64)
         scales = numpy_helper.to_array(inits[w_dq.input[1]]).astype(np.float64)
         axis = _output_axis(node, values.ndim)
-        scale_axis = next((a.i for a in w_dq.attribute if a.name == "axis"), 1) % values.ndim
+        scale_axis = attribute(w_dq, "axis", 1) % values.ndim
         if axis is None or (scales.size > 1 and scale_axis != axis):
             continue
         shape = [1] * values.ndim
@@ -530,7 +529,7 @@ def split_sixteen_bit_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
             replace(zero_point, zeros)
         else:
             w_dq.input.append(constant(f"{w_dq.input[0]}_zero_point", zeros))
-        _set_axis(w_dq, axis)
+        replace_attributes(w_dq, (), axis=axis)
         if bias_dq is not None:
             x_scale = float(numpy_helper.to_array(inits[x_dq.input[1]]))
             bias_scale = (x_scale * main_scale).astype(np.float32)
@@ -539,7 +538,7 @@ def split_sixteen_bit_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
             replace(bias_dq.input[1], bias_scale)
             if len(bias_dq.input) > 2 and bias_dq.input[2]:
                 replace(bias_dq.input[2], np.zeros(bias_scale.size, np.int32))
-            _set_axis(bias_dq, max(integers.ndim - 1, 0))
+            replace_attributes(bias_dq, (), axis=max(integers.ndim - 1, 0))
         total = node.output[0]
         if not np.any(rest_values):  # int8 holds the weights exactly: no residual layer
             details.append(f"{node.op_type} {node.name or total!r}: int16 weights -> int8 (exact)")
@@ -593,11 +592,16 @@ def _bias_at(inits: dict[str, Any], bias_dq: onnx.NodeProto, scale: np.ndarray) 
     return np.clip(integers, limit.min, limit.max).astype(np.int32)
 
 
-def _set_axis(node: onnx.NodeProto, axis: int) -> None:
-    """Give a DequantizeLinear ``axis`` (per-channel along it), replacing any it has."""
-    kept = [a for a in node.attribute if a.name != "axis"]
-    del node.attribute[:]
-    node.attribute.extend([*kept, onnx.helper.make_attribute("axis", axis)])
+def _read_only_by(
+    inits: dict[str, Any], readers: dict[str, list[onnx.NodeProto]], name: str, reader: Any
+) -> bool:
+    """A constant that ``reader`` alone reads: rewritten in place, its name kept (mixed
+    precision and the report name weights by their initializers)."""
+    return name in inits and readers.get(name, []) == [reader]
+
+
+def _replace_constant(inits: dict[str, Any], name: str, array: np.ndarray) -> None:
+    inits[name].CopyFrom(numpy_helper.from_array(array, name))
 
 
 def _rebias(

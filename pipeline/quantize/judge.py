@@ -31,7 +31,6 @@ import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -528,11 +527,10 @@ def float_tensor_of(qdq_path: Path, float_path: Path, name: str) -> str | None:
     known = {o for n in float_model.graph.node for o in n.output}
     known |= {i.name for i in float_model.graph.input}
     qdq = onnx.load(str(qdq_path), load_external_data=False)
+    from ..graph.edit import readers_by_tensor
+
     producer = {o: n for n in qdq.graph.node for o in n.output}
-    readers: dict[str, list[Any]] = {}
-    for node in qdq.graph.node:
-        for tensor in node.input:
-            readers.setdefault(tensor, []).append(node)
+    readers = readers_by_tensor(qdq.graph)
     source = name
     while source not in known:
         dequantizer = producer.get(source)
