@@ -626,24 +626,25 @@ def _measure_own(config: ModelConfig, paths: ModelPaths, state: _State) -> HtpJu
                 f"model on the CPU, below compile's gate of {gate:.1f} dB"
             )
         if problem:  # the compile gate refuses it; say here what would build it
-            advice = (
-                f"as it is, {problem}; requantize = true in [quantization] calibrates and "
-                "quantizes the float model behind it instead"
-            )
-            judgement.remedies.append(advice)
-            print(f"NOTE {config.model.name}: {advice}.")
+            _advise_requantize(config, judgement, problem)
         return judgement
     why = judgement.reason.removeprefix("judged on the CPU: ")
     failed = judgement.rounds[-1].error if judgement.rounds else ""
     if failed:  # QNN could not build or run it: compile will fail the same way
-        advice = (
-            f"as it is, QNN fails on its own quantization ({failed.splitlines()[0][:200]}); "
-            "requantize = true in [quantization] calibrates and quantizes the float model "
-            "behind it instead"
-        )
-        judgement.remedies.append(advice)
-        print(f"NOTE {config.model.name}: {advice}.")
+        problem = f"QNN fails on its own quantization ({failed.splitlines()[0][:200]})"
+        _advise_requantize(config, judgement, problem)
     return dataclasses.replace(judgement, reason=f"{nothing.reason} ({why})")
+
+
+def _advise_requantize(config: ModelConfig, judgement: HtpJudgement, problem: str) -> None:
+    """Say, in the report's remedies and on the console, that the model does not build as it
+    is and what would: requantizing the float model behind its own quantization."""
+    advice = (
+        f"as it is, {problem}; requantize = true in [quantization] calibrates and "
+        "quantizes the float model behind it instead"
+    )
+    judgement.remedies.append(advice)
+    print(f"NOTE {config.model.name}: {advice}.")
 
 
 def _never_rebuilt(*_: object) -> None:
