@@ -1005,3 +1005,50 @@ def test_the_quantize_gate_holds_the_htp_judges_figure_too() -> None:
     )
     judged = HtpJudgement("htp", "judged on the HTP simulator", ctx_vs_float_db=5.6)
     assert judged_ctx_db(judged) == 5.6
+
+
+def test_a_candidate_that_cannot_win_on_the_cpu_is_not_run_on_the_htp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """With every remedy counted as unable to win (CANNOT_WIN_DB below zero: even a candidate
+    above the best context so far on the CPU), the 8-bit weights are measured on the CPU only,
+    shown with that figure, and the next round is the whole model in fp16, which is kept and
+    is the model on disk."""
+    from pipeline.quantize import judge
+
+    monkeypatch.setattr(judge, "CANNOT_WIN_DB", -1000.0)
+    htp = _build_dilated_int16(tmp_path, 70.0, monkeypatch)["htp"]
+    labels = [r["label"] for r in htp["rounds"]]
+    assert labels == [
+        "as quantized",
+        "the HTP diverges (locate)",
+        "weights int8 per channel",
+        "whole model in fp16",
+    ], labels
+    skipped = htp["rounds"][2]
+    assert skipped["error"].startswith("not run on the HTP")
+    assert skipped["qdq_vs_float_db"] > 40 and skipped["ctx_vs_float_db"] is None
+    assert skipped["samples"] == 0
+    assert htp["chosen"] == "whole model in fp16" and htp["whole_float16"]
+    assert any("weights int8 per channel: not run on the HTP" in r for r in htp["remedies"])
+    qdq = onnx.load(str(ModelPaths.of(tmp_path / "artifacts", "m").bucket("static").qdq))
+    assert not any(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
+    md = (tmp_path / "artifacts" / "build" / "m" / "report.md").read_text()
+    assert "not run on the HTP" in md
+
+
+def test_tensors_in_float16_that_make_the_context_worse_end_in_fp16(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The split int16 weights agree with the CPU, whose quantization is short of a 78 dB
+    target: the first remedy leaves the costliest tensors in float16. Every move of the context
+    counted as a loss (STALLED_DB below zero), the round after it is the whole model in fp16,
+    not more tensors in float16."""
+    from pipeline.quantize import judge
+
+    monkeypatch.setattr(judge, "STALLED_DB", -1000.0)
+    htp = _build_dilated_int16(tmp_path, 78.0)["htp"]
+    labels = [r["label"] for r in htp["rounds"]]
+    assert labels[0] == "as quantized" and labels[1].endswith("in float16"), labels
+    assert labels[2:] == ["whole model in fp16"], labels
+    assert any("tensors left in float16 took the context" in r for r in htp["remedies"])

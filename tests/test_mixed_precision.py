@@ -1060,3 +1060,33 @@ def test_mixed_precision_skips_the_analysis_when_16_bits_stay_hopeless(tmp_path:
     assert mixed["ceiling_snr_db"] >= mixed["before_snr_db"] + 3.0  # it would gain
     assert mixed["ceiling_snr_db"] < 200.0 - HOPELESS_DB
     assert mixed["tensors"] == [] and mixed["measured"] == 0 and mixed["rounds"] == []
+
+
+def test_candidates_measured_side_by_side_match_one_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Weights and 16-bit activations measured on worker threads (a one-thread session each)
+    give each tensor the noise it gets measured alone in this thread; large inputs run alone."""
+    from pipeline.quantize import mixed_precision as mp
+
+    rng = np.random.default_rng(32)
+    samples = [rng.normal(0, 1, (1, 3, 8, 8)).astype(np.float32) for _ in range(8)]
+    _build(tmp_path, _conv_gemm_matmul(rng), samples)
+    bucket = _paths(tmp_path).bucket(SINGLE_BUCKET)
+    feeds = [{"x": s} for s in samples]
+    kinds = {**mp.EIGHT_BIT, **mp.SIXTEEN_BIT}
+    monkeypatch.setattr(mp, "MAX_MEASURING_THREADS", 2)
+    monkeypatch.setattr(mp.os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    found, _, _, stats = mp.measure(bucket.float_model, bucket.qdq, feeds, kinds)
+    assert stats["threads"] == 2 and stats["measured"] == len(found) >= 6
+    assert {c.kind for c in found} == {"weight", "activation"}
+    monkeypatch.setattr(mp, "MAX_MEASURING_THREADS", 1)
+    alone, _, _, stats = mp.measure(bucket.float_model, bucket.qdq, feeds, kinds)
+    assert stats["threads"] == 1
+    by_name = {c.name: c.noise for c in alone}
+    for cand in found:
+        assert cand.noise == pytest.approx(by_name[cand.name], rel=1e-5), cand.name
+        assert cand.noise["y"] > 0
+    big = [{"x": np.zeros((1, 3, 1024, 1024), np.float32)}]
+    monkeypatch.setattr(mp, "MAX_MEASURING_THREADS", 2)
+    assert mp.measuring_threads(feeds) == 2 and mp.measuring_threads(big) == 1

@@ -38,14 +38,14 @@ _SAMPLES: dict[tuple[str, int, int], Feeds] = {}  # (path, size, mtime) -> its f
 _SAMPLE_BYTES = [0]
 
 
-def iter_samples(folder: Path) -> Iterator[Feeds]:
-    """The feeds saved in a held-out folder, one at a time.
+def iter_samples(folder: Path | list[Path]) -> Iterator[Feeds]:
+    """The feeds saved in a held-out folder (or these sample files), one at a time.
 
     Small ones are kept in memory after the first read (up to ``SAMPLE_CACHE_BYTES`` a
     process, keyed by the file's path, size and time): mixed precision, the judge and the end-to-end check read the
     same folder again and again (a streaming model's 300 windows: 2700 reads, 4.6 s of its
     quantize stage). The arrays are read-only; a new dict is yielded each time."""
-    for path in samples_in(folder):
+    for path in folder if isinstance(folder, list) else samples_in(folder):
         stat = path.stat()
         key = (str(path), stat.st_size, stat.st_mtime_ns)
         feeds = _SAMPLES.get(key)
@@ -175,10 +175,20 @@ def evaluate(reference_model: Path, test_model: Path, heldout: Path) -> dict[str
     return dict(_MEASURED[key])
 
 
-def _evaluate(reference_model: Path, test_model: Path, heldout: Path) -> dict[str, Accuracy]:
+def cpu_accuracy(
+    reference_model: Path, test_model: Path, samples: list[Path]
+) -> dict[str, Accuracy]:
+    """``evaluate`` on these sample files (``.npz``, in one folder), not a held-out folder's."""
+    return _evaluate(reference_model, test_model, samples)
+
+
+def _evaluate(
+    reference_model: Path, test_model: Path, heldout: Path | list[Path]
+) -> dict[str, Accuracy]:
     """One session at a time (``SampleOutputs``): the reference over every sample, then the
     test model."""
-    with tempfile.TemporaryDirectory(prefix=".evaluate-", dir=heldout.parent) as spill:
+    spill_in = heldout[0].parent.parent if isinstance(heldout, list) else heldout.parent
+    with tempfile.TemporaryDirectory(prefix=".evaluate-", dir=spill_in) as spill:
         expected = SampleOutputs(Path(spill))
         ref = KeptRuns(reference_model)
         names = ref.output_names()

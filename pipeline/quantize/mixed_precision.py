@@ -19,8 +19,10 @@ Weights go to int16 (symmetric, as QNN HTP wants 16-bit weights), activations to
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,12 @@ from .evaluate import evaluate
 ANALYSIS_SAMPLES = 8  # calibration samples the per-tensor noise is measured on
 ANALYSIS_BYTES = 256 << 20  # ... fewer when their float64 reference outputs would pass this
 ANALYSIS_BUDGET_S = 60.0  # stop measuring candidates after this; the rest rank last
+# Candidates measured side by side, a thread and a one-thread session each (gtcrn's 416
+# activations: 16.5 s one at a time with onnxruntime's thread pool, see measuring_threads):
+MAX_MEASURING_THREADS = 4
+PARALLEL_FEED_BYTES = (
+    8 << 20
+)  # ... when a sample's inputs are this small (a 1x3x1024x1024 image is 12 MiB)
 MAX_ROUNDS = 4  # re-quantizations after the first choice
 SAFETY_DB = 3.0  # aim above the target: the noise model is approximate and the HTP adds its own
 # Every 8-bit tensor at 16 bits is the most mixed precision can reach; when that ceiling is short
@@ -275,9 +283,19 @@ def _weight_feeds(
     return feeds
 
 
-def _session(model: Any) -> Any:
+def _session(model: Any, threads: int = 0) -> Any:
     # Basic optimizations only: sessions are built per candidate, and their build time counts.
-    return cpu_session(model, optimize=False)
+    return cpu_session(model, optimize=False, threads=threads)
+
+
+def measuring_threads(feeds: list[dict[str, np.ndarray]]) -> int:
+    """How many candidates are measured side by side: one a core (a session of one thread
+    each; onnxruntime runs without the GIL), one alone when a sample's inputs pass
+    ``PARALLEL_FEED_BYTES`` (two float runs of a 1024x2048 segmenter at once would double the
+    stage's peak memory)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    size = max((sum(np.asarray(v).nbytes for v in f.values()) for f in feeds), default=0)
+    return max(1, min(cores or 1, MAX_MEASURING_THREADS)) if size <= PARALLEL_FEED_BYTES else 1
 
 
 def _values(value: Any) -> np.ndarray:
@@ -351,23 +369,43 @@ def measure(
     weights = {c.name for c in found if c.kind == "weight" and c.name in initializers}
     if weights and means:
         weights |= {layer.bias for layer in layers(float_model) if layer.weight in weights}
-    shared = _session(_overridable(float_model, weights)) if weights else None
-    with Progress(len(found), "mixed precision: output noise per tensor", "tensor") as progress:
-        for cand in found:
-            if time.perf_counter() - started > ANALYSIS_BUDGET_S:
-                progress.status(f"time budget spent after {measured} of {len(found)}")
+    threads = measuring_threads(feeds)
+    one = 1 if threads > 1 else 0  # each session's own pool: one thread when they run side by side
+    shared = _session(_overridable(float_model, weights), one) if weights else None
+
+    def noise_of(cand: Candidate) -> dict[str, float]:
+        if cand.name in weights:
+            return _noise(shared, feeds, refs, _weight_feeds(float_model, cand, means))
+        return _noise(_session(_with_fake_quant(float_model, cand, means), one), feeds, refs)
+
+    with (
+        Progress(len(found), "mixed precision: output noise per tensor", "tensor") as progress,
+        ThreadPoolExecutor(threads, thread_name_prefix="measure") as pool,
+    ):
+        waiting = iter(found)
+        running: dict[Future, Candidate] = {}
+        over_budget = False
+        while True:
+            while not over_budget and len(running) < 2 * threads:
+                cand = next(waiting, None)
+                if cand is None:
+                    break
+                if time.perf_counter() - started > ANALYSIS_BUDGET_S:
+                    over_budget = True
+                    progress.status(f"time budget spent after {measured} of {len(found)}")
+                    break
+                running[pool.submit(noise_of, cand)] = cand
+            if not running:
                 break
-            if cand.name in weights:
-                overrides = _weight_feeds(float_model, cand, means)
-                cand.noise = _noise(shared, feeds, refs, overrides)
-            else:
-                alone = _with_fake_quant(float_model, cand, means)
-                cand.noise = _noise(_session(alone), feeds, refs)
-            measured += 1
-            progress.update(1)
-            if measured % 10 == 0 or measured == len(found):
-                progress.status(f"tensor {measured} of {len(found)}")
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                running.pop(future).noise = future.result()
+                measured += 1
+                progress.update(1)
+                if measured % 10 == 0 or measured == len(found):
+                    progress.status(f"tensor {measured} of {len(found)}")
     stats = {
+        "threads": threads,
         "samples": len(feeds),
         "candidates": len(found),
         "measured": measured,
