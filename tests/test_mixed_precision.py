@@ -1066,7 +1066,8 @@ def test_candidates_measured_side_by_side_match_one_at_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Weights and 16-bit activations measured on worker threads (a one-thread session each)
-    give each tensor the noise it gets measured alone in this thread; large inputs run alone."""
+    give each tensor the noise it gets measured one at a time; a model whose activations take
+    more than PARALLEL_ACTIVATION_BYTES, or whose shapes are not all known, runs one at a time."""
     from pipeline.quantize import mixed_precision as mp
 
     rng = np.random.default_rng(32)
@@ -1087,6 +1088,12 @@ def test_candidates_measured_side_by_side_match_one_at_a_time(
     for cand in found:
         assert cand.noise == pytest.approx(by_name[cand.name], rel=1e-5), cand.name
         assert cand.noise["y"] > 0
-    big = [{"x": np.zeros((1, 3, 1024, 1024), np.float32)}]
     monkeypatch.setattr(mp, "MAX_MEASURING_THREADS", 2)
-    assert mp.measuring_threads(feeds) == 2 and mp.measuring_threads(big) == 1
+    float_model = onnx.load(str(bucket.float_model))
+    size = mp.activation_bytes(float_model)
+    assert size is not None and 0 < size < 64 << 10
+    assert mp.measuring_threads(float_model) == 2
+    monkeypatch.setattr(mp, "PARALLEL_ACTIVATION_BYTES", size - 1)  # a larger model runs alone
+    assert mp.measuring_threads(float_model) == 1
+    del float_model.graph.value_info[0]  # a shape not known: alone too
+    assert mp.activation_bytes(float_model) is None and mp.measuring_threads(float_model) == 1

@@ -43,9 +43,9 @@ ANALYSIS_BUDGET_S = 60.0  # stop measuring candidates after this; the rest rank 
 # Candidates measured side by side, a thread and a one-thread session each (gtcrn's 416
 # activations: 16.5 s one at a time with onnxruntime's thread pool, see measuring_threads):
 MAX_MEASURING_THREADS = 4
-PARALLEL_FEED_BYTES = (
-    8 << 20
-)  # ... when a sample's inputs are this small (a 1x3x1024x1024 image is 12 MiB)
+# ... when every activation of one float run fits in this together (their shapes as inferred):
+# a second run at once then adds this much at most to the stage's peak memory.
+PARALLEL_ACTIVATION_BYTES = 128 << 20
 MAX_ROUNDS = 4  # re-quantizations after the first choice
 SAFETY_DB = 3.0  # aim above the target: the noise model is approximate and the HTP adds its own
 # Every 8-bit tensor at 16 bits is the most mixed precision can reach; when that ceiling is short
@@ -288,14 +288,41 @@ def _session(model: Any, threads: int = 0) -> Any:
     return cpu_session(model, optimize=False, threads=threads)
 
 
-def measuring_threads(feeds: list[dict[str, np.ndarray]]) -> int:
+def measuring_threads(model: Any) -> int:
     """How many candidates are measured side by side: one a core (a session of one thread
-    each; onnxruntime runs without the GIL), one alone when a sample's inputs pass
-    ``PARALLEL_FEED_BYTES`` (two float runs of a 1024x2048 segmenter at once would double the
-    stage's peak memory)."""
+    each; onnxruntime runs without the GIL) when all of ``model``'s activations take
+    ``PARALLEL_ACTIVATION_BYTES`` at most, else one (two float runs of a 1024x2048 segmenter at
+    once would double the stage's peak memory; so would a model whose shapes are not known)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    size = max((sum(np.asarray(v).nbytes for v in f.values()) for f in feeds), default=0)
-    return max(1, min(cores or 1, MAX_MEASURING_THREADS)) if size <= PARALLEL_FEED_BYTES else 1
+    size = activation_bytes(model)
+    if size is None or size > PARALLEL_ACTIVATION_BYTES:
+        return 1
+    return max(1, min(cores or 1, MAX_MEASURING_THREADS))
+
+
+def activation_bytes(model: Any) -> int | None:
+    """The bytes of every tensor a run of ``model`` computes, from its inferred shapes (None
+    when one of them is missing or not static)."""
+    from onnx import helper
+
+    known = {
+        v.name: v.type.tensor_type
+        for v in (*model.graph.value_info, *model.graph.output)
+        if v.type.HasField("tensor_type")
+    }
+    total = 0
+    for name in (o for n in model.graph.node for o in n.output if o):
+        tensor = known.get(name)
+        dims = (
+            [d.dim_value if d.HasField("dim_value") else -1 for d in tensor.shape.dim]
+            if tensor
+            else [-1]
+        )
+        if tensor is None or not tensor.HasField("shape") or min(dims, default=0) < 0:
+            return None
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.elem_type)).itemsize
+        total += int(np.prod(dims, dtype=np.int64)) * itemsize
+    return total
 
 
 def _values(value: Any) -> np.ndarray:
@@ -369,7 +396,7 @@ def measure(
     weights = {c.name for c in found if c.kind == "weight" and c.name in initializers}
     if weights and means:
         weights |= {layer.bias for layer in layers(float_model) if layer.weight in weights}
-    threads = measuring_threads(feeds)
+    threads = measuring_threads(float_model)
     one = 1 if threads > 1 else 0  # each session's own pool: one thread when they run side by side
     shared = _session(_overridable(float_model, weights), one) if weights else None
 
