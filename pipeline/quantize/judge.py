@@ -23,8 +23,8 @@ Each candidate is compiled and measured; the best one by context-vs-float SNR is
 round is reported. Two rounds are not spent: a remedy's candidate ``CANNOT_WIN_DB`` below the
 best context so far already on the CPU is not run on the HTP (a "not run" round, the CPU figure
 shown), and tensors left in float16 that made the context worse end the remedies in fp16 (the
-conversions around them cost this model more than they save: more of them did not help). Without onnxruntime-qnn in this environment the CPU decision stands and the
-report says so.
+conversions around them cost this model more than they save: more of them did not help).
+Without onnxruntime-qnn in this environment the CPU decision stands and the report says so.
 """
 
 from __future__ import annotations
