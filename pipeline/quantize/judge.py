@@ -45,6 +45,7 @@ from ..core.fileio import atomic_path, sha256_file
 from ..core.layout import (
     AGREE_MARGIN_DB,
     ENOUGH_MARGIN_DB,
+    ENOUGH_SAMPLES,
     HTP_BUDGET_S,
     HTP_PROBE_CTX,
     VALIDATE_SAMPLES,
@@ -246,13 +247,16 @@ def judge_on_htp(
 
         def cannot_win(label: str) -> ProbeResult | None:
             """A ``NOT_RUN`` result when the QDQ model on disk is ``CANNOT_WIN_DB`` below the
-            best context so far on the CPU already (None: it may win, run it)."""
+            best context so far on the CPU already (None: it may win, run it). On as many
+            samples as that context ran (a large model's simulator budget may have allowed a
+            few: its CPU runs of all 16 would cost more than they save), spread likewise."""
             bar = _score(best_result) - CANNOT_WIN_DB
             if not np.isfinite(bar):
                 return None
             progress.status(f"round {len(rounds) + 1}: {label}: on the CPU first")
             started = time.perf_counter()
-            on_cpu = cpu_accuracy(float_path, qdq_path, samples)
+            count = max(best_result.samples, ENOUGH_SAMPLES)
+            on_cpu = cpu_accuracy(float_path, qdq_path, spread(samples, count))
             figure = worst_snr(on_cpu)
             if not figure < bar:
                 return None
