@@ -1052,3 +1052,53 @@ def test_tensors_in_float16_that_make_the_context_worse_end_in_fp16(
     assert labels[0] == "as quantized" and labels[1].endswith("in float16"), labels
     assert labels[2:] == ["whole model in fp16"], labels
     assert any("tensors left in float16 took the context" in r for r in htp["remedies"])
+
+
+def test_a_divergence_passed_on_layer_by_layer_is_a_drift():
+    """The first diverging tensor a few dB below what it is computed from is a drift (no op
+    computed wrongly, fp16 on it mends nothing); far below its inputs, it is that op's."""
+    from pipeline.core.metrics import Accuracy
+    from pipeline.htp.probe import ProbeResult, TensorAgreement
+    from pipeline.quantize.judge import DRIFT_DB, drifts
+
+    def chain(first_db: float) -> ProbeResult:
+        tensors = [
+            TensorAgreement("x", "input", "", 90.0, ["a"]),
+            TensorAgreement("a", "Conv", "n1", first_db, ["b"]),
+            TensorAgreement("b", "Conv", "n2", 22.0, ["c"]),
+            TensorAgreement("c", "Add", "n3", 19.7, []),
+        ]
+        return ProbeResult(tensors=tensors, ctx_vs_qdq={"c": Accuracy(19.7, 1e-2, 0.99)})
+
+    drifting = chain(24.0)
+    found = drifting.first_divergence()
+    assert found.name == "b" and drifting.sources_db(found) == 24.0
+    assert drifting.sources_db(found) < found.snr_db + DRIFT_DB and drifts(drifting, found)
+    wrong = chain(45.0)  # the op that makes b parts from inputs that agree: computed otherwise
+    assert wrong.first_divergence().name == "b" and not drifts(wrong, wrong.first_divergence())
+    inputs_only = chain(24.0)  # what a graph input feeds: its source is exposed too
+    assert inputs_only.sources_db(inputs_only.tensors[1]) == 90.0
+    assert inputs_only.sources_db(inputs_only.tensors[0]) is None
+
+
+@pytest.mark.parametrize("drift", [True, False])
+def test_a_drift_goes_to_fp16_and_an_op_to_its_tensor_in_fp16(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drift: bool
+):
+    """The dilated int16 Convs diverge on the HTP; with no int16 weight counted as left (the
+    8-bit remedy off), a divergence counted as a drift (DRIFT_DB huge) goes to the whole model
+    in fp16 right after the locate, and one counted as an op's (DRIFT_DB below zero) to that
+    tensor in fp16."""
+    from pipeline.quantize import judge
+
+    monkeypatch.setattr(judge, "int16_weights_left", lambda _qdq, _names: [])
+    monkeypatch.setattr(judge, "DRIFT_DB", 1000.0 if drift else -1000.0)
+    htp = _build_dilated_int16(tmp_path, 70.0, monkeypatch)["htp"]
+    labels = [r["label"] for r in htp["rounds"]]
+    assert labels[:2] == ["as quantized", "the HTP diverges (locate)"], labels
+    if drift:
+        assert labels[2:] == ["whole model in fp16"], labels
+        assert any("layer by layer" in r for r in htp["remedies"]), htp["remedies"]
+    else:
+        assert labels[2].endswith(" in float16") and labels[2] != "whole model in fp16", labels
+        assert not any("layer by layer" in r for r in htp["remedies"])

@@ -166,6 +166,13 @@ class ProbeResult:
 
         return next((t for t in self.tensors if t.snr_db < threshold and carried(t)), None)
 
+    def sources_db(self, tensor: TensorAgreement) -> float | None:
+        """The worst agreement among the exposed tensors ``tensor`` is computed from (those
+        that list it among their readers); None when none of them was exposed (a graph input,
+        a constant)."""
+        found = [t.snr_db for t in self.tensors if tensor.name in t.readers]
+        return min(found) if found else None
+
 
 def _save(path: Path, result: ProbeResult) -> None:
     tmp = path.with_name(path.name + ".tmp")
