@@ -1085,9 +1085,12 @@ def test_candidates_measured_side_by_side_match_one_at_a_time(
     alone, _, _, stats = mp.measure(bucket.float_model, bucket.qdq, feeds, kinds)
     assert stats["threads"] == 1
     by_name = {c.name: c.noise for c in alone}
+    # (sessions of one thread against onnxruntime's pool: float sums may round otherwise)
     for cand in found:
-        assert cand.noise == pytest.approx(by_name[cand.name], rel=1e-5), cand.name
+        assert cand.noise == pytest.approx(by_name[cand.name], rel=1e-3), cand.name
         assert cand.noise["y"] > 0
+    spread = sorted(c.noise["y"] for c in found)  # a mix-up between tensors would show
+    assert spread[-1] > 2 * spread[0]
     monkeypatch.setattr(mp, "MAX_MEASURING_THREADS", 2)
     float_model = onnx.load(str(bucket.float_model))
     size = mp.activation_bytes(float_model)
