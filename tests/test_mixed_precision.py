@@ -1066,8 +1066,9 @@ def test_candidates_measured_side_by_side_match_one_at_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Weights and 16-bit activations measured on worker threads (a one-thread session each)
-    give each tensor the noise it gets measured one at a time; a model whose activations take
-    more than PARALLEL_ACTIVATION_BYTES, or whose shapes are not all known, runs one at a time."""
+    give each tensor the noise it gets measured one at a time; a model whose weights and
+    activations take more than PARALLEL_RUN_BYTES, or whose shapes are not all known, runs one
+    at a time."""
     from pipeline.quantize import mixed_precision as mp
 
     rng = np.random.default_rng(32)
@@ -1096,7 +1097,10 @@ def test_candidates_measured_side_by_side_match_one_at_a_time(
     size = mp.activation_bytes(float_model)
     assert size is not None and 0 < size < 64 << 10
     assert mp.measuring_threads(float_model) == 2
-    monkeypatch.setattr(mp, "PARALLEL_ACTIVATION_BYTES", size - 1)  # a larger model runs alone
+    weights = sum(i.ByteSize() for i in float_model.graph.initializer)
+    monkeypatch.setattr(mp, "PARALLEL_RUN_BYTES", size + weights)
+    assert mp.measuring_threads(float_model) == 2
+    monkeypatch.setattr(mp, "PARALLEL_RUN_BYTES", size + weights - 1)  # a larger one runs alone
     assert mp.measuring_threads(float_model) == 1
     del float_model.graph.value_info[0]  # a shape not known: alone too
     assert mp.activation_bytes(float_model) is None and mp.measuring_threads(float_model) == 1

@@ -43,9 +43,9 @@ ANALYSIS_BUDGET_S = 60.0  # stop measuring candidates after this; the rest rank 
 # Candidates measured side by side, a thread and a one-thread session each (gtcrn's 416
 # activations: 16.5 s one at a time with onnxruntime's thread pool, see measuring_threads):
 MAX_MEASURING_THREADS = 4
-# ... when every activation of one float run fits in this together (their shapes as inferred):
-# a second run at once then adds this much at most to the stage's peak memory.
-PARALLEL_ACTIVATION_BYTES = 128 << 20
+# ... when the weights and every activation of one float run fit in this together (shapes as
+# inferred): a second session running at once then adds this much at most to the stage's peak.
+PARALLEL_RUN_BYTES = 128 << 20
 MAX_ROUNDS = 4  # re-quantizations after the first choice
 SAFETY_DB = 3.0  # aim above the target: the noise model is approximate and the HTP adds its own
 # Every 8-bit tensor at 16 bits is the most mixed precision can reach; when that ceiling is short
@@ -290,12 +290,16 @@ def _session(model: Any, threads: int = 0) -> Any:
 
 def measuring_threads(model: Any) -> int:
     """How many candidates are measured side by side: one a core (a session of one thread
-    each; onnxruntime runs without the GIL) when all of ``model``'s activations take
-    ``PARALLEL_ACTIVATION_BYTES`` at most, else one (two float runs of a 1024x2048 segmenter at
-    once would double the stage's peak memory; so would a model whose shapes are not known)."""
+    each; onnxruntime runs without the GIL) when ``model``'s weights and activations take
+    ``PARALLEL_RUN_BYTES`` at most, else one (two float runs of a 1024x2048 segmenter, or two
+    sessions of a 400 MB encoder, at once would double the stage's peak memory; so would a model
+    whose shapes are not known)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     size = activation_bytes(model)
-    if size is None or size > PARALLEL_ACTIVATION_BYTES:
+    if size is None:
+        return 1
+    size += sum(i.ByteSize() for i in model.graph.initializer)
+    if size > PARALLEL_RUN_BYTES:
         return 1
     return max(1, min(cores or 1, MAX_MEASURING_THREADS))
 
