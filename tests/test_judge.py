@@ -643,6 +643,48 @@ def test_every_sample_runs_while_one_is_short_of_the_margin(tmp_path: Path):
     assert result.ok and result.cut_by == "" and result.samples == len(heldout), result
 
 
+@pytest.mark.parametrize("losing", [True, False])
+def test_a_round_below_the_best_so_far_stops_and_says_so(tmp_path: Path, losing: bool):
+    """A candidate whose first samples are, pooled, below the judge's best less the margin
+    (``losing_db``) cannot be kept: no new sample starts once ENOUGH_SAMPLES of them ran, the
+    same samples spread over the held-out ones whoever ran them; above it, every sample runs."""
+    from pipeline.core.layout import ENOUGH_SAMPLES
+    from pipeline.htp import probe as probe_mod
+    from pipeline.quantize.evaluate import KeptRuns, kept_outputs
+
+    bucket, heldout = _cpu_judged_dilated(tmp_path, seed=3, count=24)
+    floats = KeptRuns(bucket.float_model)
+    for path in heldout:
+        with np.load(path) as data:
+            floats.run_named(floats.output_names(), {k: data[k] for k in data.files})
+    references = kept_outputs(bucket.float_model, heldout)
+    result = probe_mod.probe(
+        bucket.qdq,
+        bucket.float_model,
+        heldout,
+        tmp_path / "losing",
+        60,
+        73,
+        timeout_s=300,
+        references=references,
+        enough_db=1000.0,  # never enough: only the losing stop can cut the round
+        losing_db=1000.0 if losing else -1000.0,
+    )
+    assert result.ok, result.error
+    if losing:
+        assert (result.cut_by, result.samples, result.requested) == (
+            "losing",
+            ENOUGH_SAMPLES,
+            len(heldout),
+        ), result
+        ran = [p for p in heldout if probe_mod.sha256_file(p) in result.sample_sha256]
+        last = len(heldout) - 1
+        spread = [round(i * last / (ENOUGH_SAMPLES - 1)) for i in range(ENOUGH_SAMPLES)]
+        assert ran == [heldout[i] for i in spread]
+    else:
+        assert result.cut_by == "" and result.samples == len(heldout), result
+
+
 def test_evidence_waits_for_running_samples_and_not_for_left_out_ones(tmp_path: Path):
     """The verdict on the first samples of the claim order: pending while one of them runs in a
     live process; enough when their pooled figure reaches the margin and each the target (one

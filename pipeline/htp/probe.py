@@ -94,6 +94,10 @@ class ProbeJob:
     qdq_references: str = ""
     agree_db: float = 0.0
     agree_samples: int = AGREE_SAMPLES
+    # ... or once ``enough_samples`` are below ``losing_db`` vs float pooled (``losing``): the
+    # judge's best candidate so far less a margin, which this one then cannot beat
+    losing: bool = False
+    losing_db: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -121,8 +125,8 @@ class ProbeResult:
     cpu_nodes: int = 0
     samples: int = 0  # compared: all of those asked for, or fewer when the budget ran out
     requested: int = 0  # asked for
-    # why fewer ran: "budget" (the simulator's time), "evidence" (enough_db) or "agreement"
-    # (agree_db: the HTP agreed with the CPU QDQ model)
+    # why fewer ran: "budget" (the simulator's time), "evidence" (enough_db), "agreement"
+    # (agree_db: the HTP agreed with the CPU QDQ model) or "losing" (below losing_db)
     cut_by: str = ""
     seconds_per_sample: float = 0.0  # the simulator's, in one process
     ctx_vs_float: dict[str, Accuracy] = field(default_factory=dict)
@@ -245,6 +249,7 @@ def probe(
     enough_floor_db: float = 0.0,
     qdq_references: list[dict[str, np.ndarray]] | None = None,
     agree_db: float = 0.0,
+    losing_db: float | None = None,
 ) -> ProbeResult:
     """Compile ``qdq`` for the HTP, run it there and compare; a dead child is a failed result.
     With ``budget_s``, the samples still unstarted after that many seconds of running are left
@@ -253,7 +258,8 @@ def probe(
     still unstarted once ``ENOUGH_SAMPLES`` have run at ``enough_db`` vs float pooled, each of
     them at ``enough_floor_db`` at least (0: ``enough_db`` each); with ``qdq_references`` (the
     CPU QDQ model's outputs on each sample) and ``agree_db``, once ``AGREE_SAMPLES`` are so and
-    at ``agree_db`` vs the CPU QDQ model, pooled."""
+    at ``agree_db`` vs the CPU QDQ model, pooled; with ``losing_db``, once ``ENOUGH_SAMPLES``
+    are below it vs float, pooled (the candidate cannot be kept)."""
     work.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / STASH, ignore_errors=True)  # outputs and claims of an earlier probe
     reference_folder = work / "references"
@@ -288,6 +294,8 @@ def probe(
         enough_floor_db=enough_floor_db,
         qdq_references=str(qdq_folder.resolve()) if agree_db else "",
         agree_db=agree_db,
+        losing=losing_db is not None and enough_db > 0,
+        losing_db=losing_db if losing_db is not None else 0.0,
     )
     warm = _SPARES.take(len(cores[1:])) if _SPARES is not None else None
     if warm is not None:  # started ahead, QNN registered: the job is all they wait for
@@ -746,7 +754,32 @@ def _enough(job: ProbeJob, stash: Path, order: list[int]) -> str:
         verdict = _pooled_verdict(job, stash, order[: job.agree_samples], agree=True)
         if verdict != "short":  # enough, or wait for them: the figures must not depend on pace
             return verdict
-    return _pooled_verdict(job, stash, order[: job.enough_samples], agree=False)
+    verdict = _pooled_verdict(job, stash, order[: job.enough_samples], agree=False)
+    if verdict == "short" and job.losing:
+        return _losing_verdict(job, stash, order[: job.enough_samples])
+    return verdict
+
+
+def _losing_verdict(job: ProbeJob, stash: Path, indices: list[int]) -> str:
+    """ "enough" once these samples ran below ``losing_db`` vs float pooled (this candidate
+    cannot be kept: the figure over them is the judge's best less a margin), "pending" while
+    some of them run in live processes, else "short"."""
+    pooled: dict[str, list[float]] = {}
+    for index in indices:
+        try:
+            noted = json.loads((stash / f"{index:04d}.db").read_text())
+        except (OSError, ValueError):
+            try:
+                mark = (stash / f"{index:04d}.claim").read_text()
+            except OSError:
+                return "short"
+            return "short" if mark == SKIPPED or not _claimer_alive(stash, index) else "pending"
+        for name, (signal, noise) in noted.get("powers", {}).items():
+            total = pooled.setdefault(name, [0.0, 0.0])
+            total[0] += signal
+            total[1] += noise
+    worst = min((power_snr_db(s, n) for s, n in pooled.values()), default=math.inf)
+    return "enough" if worst < job.losing_db else "short"
 
 
 def _cut_by(job: ProbeJob, stash: Path, order: list[int]) -> str:
@@ -755,7 +788,12 @@ def _cut_by(job: ProbeJob, stash: Path, order: list[int]) -> str:
     agreed = job.agree_db > 0 and _pooled_verdict(job, stash, order[: job.agree_samples], True)
     if agreed == "enough":
         return "agreement"
-    return "evidence" if _enough(job, stash, order) == "enough" else "budget"
+    first = order[: job.enough_samples]
+    if _pooled_verdict(job, stash, first, agree=False) == "enough":
+        return "evidence"
+    if job.losing and _losing_verdict(job, stash, first) == "enough":
+        return "losing"
+    return "budget"
 
 
 def _pooled_verdict(job: ProbeJob, stash: Path, indices: list[int], agree: bool) -> str:

@@ -20,7 +20,7 @@ from ..core.metrics import Accuracy, comparison_note, figure, worst_snr
 from ..core.records import BuildInputs
 from ..core.report import fmt, table, write_report
 from .evaluate import EndToEnd
-from .judge import Divergence, HtpJudgement
+from .judge import LOSING_MARGIN_DB, Divergence, HtpJudgement
 from .lossless import PreparationCheck
 from .mixed_precision import MixedPrecision
 
@@ -624,10 +624,18 @@ def _htp_section(r: QuantizeReport) -> list[str]:
             f"≥ {fmt(r.worst_snr_db - AGREE_BOUND_DB)} dB. Its "
             f"figures in the table are on those {AGREE_SAMPLES} samples.",
         ]
+    if any(x.requested > x.samples > 0 and x.cut_by == "losing" for x in j.rounds):
+        lines += [
+            "",
+            f"A remedy's round stops starting samples once {ENOUGH_SAMPLES} have run "
+            f"{LOSING_MARGIN_DB:g} dB or more below the best context so far, pooled "
+            "(pipeline.quantize.judge.LOSING_MARGIN_DB): it cannot be kept. Its figures are on "
+            "the samples it ran.",
+        ]
     short = [
         x
         for x in j.rounds
-        if x.requested > x.samples > 0 and x.cut_by not in ("evidence", "agreement")
+        if x.requested > x.samples > 0 and x.cut_by not in ("evidence", "agreement", "losing")
     ]
     if short:
         pace = max(x.seconds_per_sample for x in short)
