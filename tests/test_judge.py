@@ -9,6 +9,7 @@ the HTP; without QNN the CPU decision stands and the report says so.
 from __future__ import annotations
 
 import dataclasses
+import os
 import json
 import textwrap
 from pathlib import Path
@@ -407,6 +408,47 @@ def test_helpers_on_other_cores_measure_what_one_child_does_and_a_dead_one_costs
     assert (shared.partitions, shared.cpu_nodes) == (one.partitions, one.cpu_nodes) == (1, 0)
     assert shared.ctx_vs_float == one.ctx_vs_float
     assert shared.ctx_vs_qdq == one.ctx_vs_qdq and shared.qdq_vs_float == one.qdq_vs_float
+
+
+# Sitecustomize for the probe's process: every session run first sleeps (a loaded machine: the
+# wall clock stretches, the simulating thread's CPU time does not).
+SLOW_WALL_CLOCK = """\
+import time
+
+import onnxruntime
+
+_run = onnxruntime.InferenceSession.run
+
+
+def _sleepy(self, *args, **kwargs):
+    time.sleep(0.5)
+    return _run(self, *args, **kwargs)
+
+
+onnxruntime.InferenceSession.run = _sleepy
+"""
+
+
+def test_the_simulators_pace_is_its_cpu_time_not_the_wall_clock(tmp_path: Path, monkeypatch):
+    """Each HTP run half a second late by the wall clock (a sleep, as a busy machine would make
+    it): the pace the judge's rules read (SLOW_SAMPLE_S, the budget) stays the simulator's own
+    CPU time, so the same build takes the same rounds and samples however busy the machine."""
+    from pipeline.htp import probe as probe_mod
+
+    bucket, heldout = _cpu_judged_dilated(tmp_path, seed=5)
+    monkeypatch.setattr(probe_mod, "_cores", lambda count, locate: [])  # one process
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_WALL_CLOCK)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p)
+    )
+    result = probe_mod.probe(
+        bucket.qdq, bucket.float_model, heldout, tmp_path / "p", 60, 73, timeout_s=300
+    )
+    assert result.ok and result.samples == len(heldout) == 4, result.error
+    assert result.seconds > 0.5 * len(heldout)  # the sleeps happened
+    assert 0 < result.seconds_per_sample < 0.4, result.seconds_per_sample
 
 
 def test_a_helper_loads_the_context_only_while_samples_are_left(tmp_path: Path):

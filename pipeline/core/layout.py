@@ -47,7 +47,11 @@ VALIDATE_SAMPLES = 16
 # Seconds of HTP simulator time one validation (or one judge round) may spend on its samples:
 # past it, no new sample starts once HTP_MIN_SAMPLES have run. The simulator takes ~1 s a
 # sample for a 224x224 CNN and minutes for a 1024x1024 segmenter, whose 16 samples would take
-# hours; the report says on how many of the samples the figures are, and why.
+# hours; the report says on how many of the samples the figures are, and why. Counted as the
+# CPU time of the thread that runs the simulator (it computes in the caller's thread), not wall
+# time, which the machine's load stretches: the same build cuts at the same sample however busy
+# the machine is (a detector: 0.36 s a sample wall, 0.80 s with three busy loops on two cores;
+# 0.29 s of the thread's CPU either way).
 HTP_BUDGET_S = 120.0
 HTP_MIN_SAMPLES = 2  # one per simulator process on two cores: run side by side, at no extra time
 # A judge round needs no more samples once this many have each run on the HTP at least

@@ -691,17 +691,19 @@ def _run_on_htp(
     if job.run_core >= 0:
         _pin_threads(job.run_core)  # a helper has its own core: keep off it
     count = len(job.samples)
-    started, ran = time.monotonic(), 0
+    simulated, ran = 0.0, 0  # the simulator's CPU seconds in this thread, samples run
     order = _claim_order(job, count)
     for index in order:
-        if _over_budget(job, stash, started, ran) or _wait_for_evidence(job, stash, order):
+        if _over_budget(job, stash, simulated, ran) or _wait_for_evidence(job, stash, order):
             break  # the samples left unclaimed are left out, by every process alike
         if _claim(stash, index):
+            started = time.thread_time()
             _run_sample(ctx, job.samples[index], names, _stashed(stash, index))
+            simulated += time.thread_time() - started
             _note_figure(job, stash, index, names)
             ran += 1
     if ran:
-        result.seconds_per_sample = (time.monotonic() - started) / ran
+        result.seconds_per_sample = simulated / ran
     if not job.helper:
         # Whatever is unclaimed now is left out, for good: a helper claiming it after this
         # would add a sample the comparison did not wait for.
@@ -721,10 +723,10 @@ def _run_on_htp(
     release_freed_memory()
 
 
-def _over_budget(job: ProbeJob, stash: Path, started: float, ran: int) -> bool:
+def _over_budget(job: ProbeJob, stash: Path, simulated: float, ran: int) -> bool:
     """Whether the next sample would end past the budget (at this process's pace so far),
     once ``min_samples`` are claimed by all processes together."""
-    if not past_htp_budget(time.monotonic() - started, ran, job.budget_s):
+    if not past_htp_budget(simulated, ran, job.budget_s):
         return False
     return len(list(stash.glob("*.claim"))) >= job.min_samples
 

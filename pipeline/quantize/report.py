@@ -641,9 +641,10 @@ def _htp_section(r: QuantizeReport) -> list[str]:
         pace = max(x.seconds_per_sample for x in short)
         lines += [
             "",
-            f"The simulator took up to {pace:.0f} s a sample (one process): a round runs no new "
-            f"sample after {HTP_BUDGET_S:g} s (pipeline.core.layout.HTP_BUDGET_S), so its figures "
-            "are on the samples it ran (the samples column), not on every held-out sample.",
+            f"The simulator took up to {pace:.0f} s of CPU a sample (one process): a round runs "
+            f"no new sample after {HTP_BUDGET_S:g} s of it (pipeline.core.layout.HTP_BUDGET_S), "
+            "so its figures are on the samples it ran (the samples column), not on every "
+            "held-out sample.",
         ]
     if j.divergence is not None:
         d = j.divergence
