@@ -9,8 +9,8 @@ the HTP; without QNN the CPU decision stands and the report says so.
 from __future__ import annotations
 
 import dataclasses
-import os
 import json
+import os
 import textwrap
 from pathlib import Path
 from typing import Any
