@@ -569,8 +569,10 @@ def fig_judge(htp: dict[str, Any]) -> Any | None:
     for i, r in enumerate(rounds, 1):
         label = _short(str(r.get("label", "?")), 40)
         mark = "  [kept]" if r.get("label") == chosen else ""
-        error = "  [error]" if r.get("error") else ""
-        groups.append(f"{i}. {label}{mark}{error}")
+        error = str(r.get("error") or "")
+        # a remedy the CPU already showed could not win was never run on the HTP: no failure
+        note = "  [not run]" if error.startswith("not run") else "  [error]" if error else ""
+        groups.append(f"{i}. {label}{mark}{note}")
     series = [
         (
             "ctx vs float (HTP simulator)",

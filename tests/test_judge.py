@@ -1119,6 +1119,8 @@ def test_a_candidate_that_cannot_win_on_the_cpu_is_not_run_on_the_htp(
     assert not any(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
     md = (tmp_path / "artifacts" / "build" / "m" / "report.md").read_text()
     assert "not run on the HTP" in md
+    page = (tmp_path / "artifacts" / "build" / "m" / "report.html").read_text()
+    assert "3. weights int8 per channel  [not run]" in page and "[error]" not in page
 
 
 def test_tensors_in_float16_that_make_the_context_worse_end_in_fp16(
