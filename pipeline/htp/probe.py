@@ -766,22 +766,43 @@ def _losing_verdict(job: ProbeJob, stash: Path, indices: list[int]) -> str:
     """ "enough" once these samples ran below ``losing_db`` vs float pooled (this candidate
     cannot be kept: the figure over them is the judge's best less a margin), "pending" while
     some of them run in live processes, else "short"."""
-    pooled: dict[str, list[float]] = {}
+    noted, state = _noted_figures(stash, indices)
+    if state != "done":
+        return state
+    return "enough" if _pooled_worst(noted, "powers") < job.losing_db else "short"
+
+
+def _noted_figures(stash: Path, indices: list[int]) -> tuple[list[dict[str, Any]], str]:
+    """The figures ``_note_figure`` left for these samples, and "done" when every one is
+    there, "short" when one is not and nobody runs it (left out, unclaimed, its claimer
+    dead), else "pending" (the rest run in live processes)."""
+    noted, state = [], "done"
     for index in indices:
         try:
-            noted = json.loads((stash / f"{index:04d}.db").read_text())
-        except (OSError, ValueError):
+            figures = json.loads((stash / f"{index:04d}.db").read_text())
+            float(figures["worst"])
+            noted.append(figures)
+        except (OSError, ValueError, KeyError, TypeError):  # not run yet, or being written
             try:
                 mark = (stash / f"{index:04d}.claim").read_text()
             except OSError:
-                return "short"
-            return "short" if mark == SKIPPED or not _claimer_alive(stash, index) else "pending"
-        for name, (signal, noise) in noted.get("powers", {}).items():
-            total = pooled.setdefault(name, [0.0, 0.0])
+                return noted, "short"  # nobody runs it
+            if mark == SKIPPED or not _claimer_alive(stash, index):
+                return noted, "short"
+            state = "pending"
+    return noted, state
+
+
+def _pooled_worst(noted: list[dict[str, Any]], kind: str) -> float:
+    """The worst output's SNR over these samples' ``kind`` powers, pooled (each output's
+    signal powers summed over its noise powers summed); inf with none."""
+    totals: dict[str, list[float]] = {}
+    for figures in noted:
+        for name, (signal, noise) in figures.get(kind, {}).items():
+            total = totals.setdefault(name, [0.0, 0.0])
             total[0] += signal
             total[1] += noise
-    worst = min((power_snr_db(s, n) for s, n in pooled.values()), default=math.inf)
-    return "enough" if worst < job.losing_db else "short"
+    return min((power_snr_db(s, n) for s, n in totals.values()), default=math.inf)
 
 
 def _cut_by(job: ProbeJob, stash: Path, order: list[int]) -> str:
@@ -801,40 +822,17 @@ def _cut_by(job: ProbeJob, stash: Path, order: list[int]) -> str:
 def _pooled_verdict(job: ProbeJob, stash: Path, indices: list[int], agree: bool) -> str:
     """``_enough`` for these samples; ``agree``: vs the CPU QDQ model at ``agree_db`` too."""
     floor = job.enough_floor_db or job.enough_db
-    pending = False
-    pooled: dict[str, dict[str, list[float]]] = {"powers": {}, "qdq_powers": {}}
-    for index in indices:
-        try:
-            noted = json.loads((stash / f"{index:04d}.db").read_text())
-            figure = float(noted["worst"])
-        except (OSError, ValueError, KeyError, TypeError):  # not run yet, or being written
-            try:
-                mark = (stash / f"{index:04d}.claim").read_text()
-            except OSError:
-                return "short"  # nobody runs it
-            if mark == SKIPPED or not _claimer_alive(stash, index):
-                return "short"
-            pending = True
-            continue
-        if figure < floor:
-            return "short"
-        for kind, totals in pooled.items():
-            for name, (signal, noise) in noted.get(kind, {}).items():
-                total = totals.setdefault(name, [0.0, 0.0])
-                total[0] += signal
-                total[1] += noise
-    if pending:
+    noted, state = _noted_figures(stash, indices)
+    if state == "short" or any(float(figures["worst"]) < floor for figures in noted):
+        return "short"
+    if state == "pending":
         return "pending"
-
-    def worst(kind: str) -> float:
-        values = pooled[kind].values()
-        return min((power_snr_db(s, n) for s, n in values), default=math.inf)
-
     # Agreeing, the CPU QDQ model's figure over every held-out sample carries the statement
     # (pipeline.core.layout.AGREE_SAMPLES): these samples need only be at the target, pooled.
-    if worst("powers") < (floor if agree else job.enough_db):
+    if _pooled_worst(noted, "powers") < (floor if agree else job.enough_db):
         return "short"
-    if agree and (not pooled["qdq_powers"] or worst("qdq_powers") < job.agree_db):
+    has_qdq = any(figures.get("qdq_powers") for figures in noted)
+    if agree and (not has_qdq or _pooled_worst(noted, "qdq_powers") < job.agree_db):
         return "short"
     return "enough"
 

@@ -19,6 +19,7 @@ Weights go to int16 (symmetric, as QNN HTP wants 16-bit weights), activations to
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -309,23 +310,16 @@ def activation_bytes(model: Any) -> int | None:
     when one of them is missing or not static)."""
     from onnx import helper
 
-    known = {
-        v.name: v.type.tensor_type
-        for v in (*model.graph.value_info, *model.graph.output)
-        if v.type.HasField("tensor_type")
-    }
+    from ..graph.edit import value_shape
+
+    known = {v.name: v for v in (*model.graph.value_info, *model.graph.output)}
     total = 0
     for name in (o for n in model.graph.node for o in n.output if o):
-        tensor = known.get(name)
-        dims = (
-            [d.dim_value if d.HasField("dim_value") else -1 for d in tensor.shape.dim]
-            if tensor
-            else [-1]
-        )
-        if tensor is None or not tensor.HasField("shape") or min(dims, default=0) < 0:
+        shape = value_shape(known[name]) if name in known else None
+        if shape is None:
             return None
-        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.elem_type)).itemsize
-        total += int(np.prod(dims, dtype=np.int64)) * itemsize
+        elem = known[name].type.tensor_type.elem_type
+        total += math.prod(shape) * np.dtype(helper.tensor_dtype_to_np_dtype(elem)).itemsize
     return total
 
 
