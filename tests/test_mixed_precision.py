@@ -11,6 +11,7 @@ import json
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -1104,3 +1105,67 @@ def test_candidates_measured_side_by_side_match_one_at_a_time(
     assert mp.measuring_threads(float_model) == 1
     del float_model.graph.value_info[0]  # a shape not known: alone too
     assert mp.activation_bytes(float_model) is None and mp.measuring_threads(float_model) == 1
+
+
+def test_small_activations_are_measured_in_one_switched_session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Activations this small (a few hundred values: recurrent and streaming models) are
+    measured in one session whose Q/DQ pairs a switch turns on one at a time: each gets the
+    noise of a model built with only it quantized, the graph's output keeps its name, and with
+    the switch off the model computes the float model bit for bit. Larger ones get a model
+    each, with the same figures."""
+    from pipeline.quantize import mixed_precision as mp
+
+    rng = np.random.default_rng(33)
+    samples = [rng.normal(0, 1, (1, 3, 8, 8)).astype(np.float32) for _ in range(8)]
+    _build(tmp_path, _conv_gemm_matmul(rng), samples)
+    bucket = _paths(tmp_path).bucket(SINGLE_BUCKET)
+    feeds = [{"x": s} for s in samples]
+    kinds = {**mp.EIGHT_BIT, **mp.SIXTEEN_BIT}
+    float_model = onnx.load(str(bucket.float_model))
+    built: list[str] = []
+    switchable = mp._switchable
+    monkeypatch.setattr(mp, "_switchable", _recording(switchable, built))
+    switched, _, _, _ = mp.measure(bucket.float_model, bucket.qdq, feeds, kinds, ("activation",))
+    names = {c.name for c in switched}
+    assert {"x", "r", "y"} <= names and len(built) == 1  # a graph input, a middle one, the output
+    assert mp.small_activations(float_model, switched)
+
+    session = mp.cpu_session(float_model, optimize=False)
+    outputs = [o.name for o in session.get_outputs()]
+    refs = [
+        {
+            n: np.asarray(v, np.float64)
+            for n, v in zip(outputs, session.run(outputs, f), strict=True)
+        }
+        for f in feeds
+    ]
+    for cand in switched:
+        alone = mp._session(mp._with_fake_quant(float_model, cand))
+        assert cand.noise == pytest.approx(mp._noise(alone, feeds, refs), rel=1e-9), cand.name
+        assert cand.noise["y"] > 0
+    model = switchable(float_model, switched)
+    assert [o.name for o in model.graph.output] == outputs
+    off = mp.cpu_session(model, optimize=False).run(outputs, feeds[0])
+    assert np.array_equal(off[0], session.run(outputs, feeds[0])[0])
+
+    monkeypatch.setattr(mp, "SWITCH_MAX_ELEMENTS", 1)  # the same tensors counted as large
+    assert not mp.small_activations(float_model, switched)
+    each, _, _, _ = mp.measure(bucket.float_model, bucket.qdq, feeds, kinds, ("activation",))
+    assert len(built) == 1
+    by_name = {c.name: c.noise for c in each}
+    for cand in switched:
+        assert cand.noise == pytest.approx(by_name[cand.name], rel=1e-9), cand.name
+    del float_model.graph.value_info[:]  # shapes not known: a model each too
+    assert not mp.small_activations(float_model, switched)
+
+
+def _recording(function: Callable[..., Any], calls: list[str]) -> Callable[..., Any]:
+    """``function``, noting each call's name in ``calls``."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls.append(function.__name__)
+        return function(*args, **kwargs)
+
+    return wrapper
