@@ -1063,6 +1063,14 @@ def test_mixed_precision_skips_the_analysis_when_16_bits_stay_hopeless(tmp_path:
     assert mixed["tensors"] == [] and mixed["measured"] == 0 and mixed["rounds"] == []
 
 
+def _conv_gemm_matmul_built(tmp_path: Path, seed: int) -> tuple[Any, list[dict[str, Any]]]:
+    """``_conv_gemm_matmul`` quantized in ``tmp_path``: its bucket and 8 calibration feeds."""
+    rng = np.random.default_rng(seed)
+    samples = [rng.normal(0, 1, (1, 3, 8, 8)).astype(np.float32) for _ in range(8)]
+    _build(tmp_path, _conv_gemm_matmul(rng), samples)
+    return _paths(tmp_path).bucket(SINGLE_BUCKET), [{"x": s} for s in samples]
+
+
 def test_candidates_measured_side_by_side_match_one_at_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1072,11 +1080,7 @@ def test_candidates_measured_side_by_side_match_one_at_a_time(
     at a time."""
     from pipeline.quantize import mixed_precision as mp
 
-    rng = np.random.default_rng(32)
-    samples = [rng.normal(0, 1, (1, 3, 8, 8)).astype(np.float32) for _ in range(8)]
-    _build(tmp_path, _conv_gemm_matmul(rng), samples)
-    bucket = _paths(tmp_path).bucket(SINGLE_BUCKET)
-    feeds = [{"x": s} for s in samples]
+    bucket, feeds = _conv_gemm_matmul_built(tmp_path, 32)
     kinds = {**mp.EIGHT_BIT, **mp.SIXTEEN_BIT}
     monkeypatch.setattr(mp, "MAX_MEASURING_THREADS", 2)
     monkeypatch.setattr(mp.os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
@@ -1117,11 +1121,7 @@ def test_small_activations_are_measured_in_one_switched_session(
     each, with the same figures."""
     from pipeline.quantize import mixed_precision as mp
 
-    rng = np.random.default_rng(33)
-    samples = [rng.normal(0, 1, (1, 3, 8, 8)).astype(np.float32) for _ in range(8)]
-    _build(tmp_path, _conv_gemm_matmul(rng), samples)
-    bucket = _paths(tmp_path).bucket(SINGLE_BUCKET)
-    feeds = [{"x": s} for s in samples]
+    bucket, feeds = _conv_gemm_matmul_built(tmp_path, 33)
     kinds = {**mp.EIGHT_BIT, **mp.SIXTEEN_BIT}
     float_model = onnx.load(str(bucket.float_model))
     built: list[str] = []
