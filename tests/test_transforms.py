@@ -89,6 +89,48 @@ def test_drop_initializer_inputs() -> None:
     assert not again.changed
 
 
+def test_raw_initializer_data_keeps_every_value_bit_for_bit() -> None:
+    """Weights stored one value per protobuf field (as WinML and Custom Vision export them)
+    become raw bytes with the same values, type and outputs (bfloat16 too); raw ones and
+    strings stay as they are, and a model with nothing to move is returned as it is."""
+    model = parse(
+        '<ir_version: 8, opset_import: ["": 13]> g (float[2, 3] x) => (float[2, 4] y, '
+        "int64[2] s) { m = MatMul(x, w)\n y = Add(m, b)\n s = Add(k, k) }"
+    )
+    w = RNG.normal(size=(3, 4)).astype(np.float32)
+    w[0, 0] = -0.0  # the sign of a zero survives
+    b = RNG.normal(size=4).astype(np.float16).astype(np.float32)
+    model.graph.initializer.extend(
+        [
+            oh.make_tensor("w", TensorProto.FLOAT, [3, 4], w.ravel().tolist()),
+            numpy_helper.from_array(b, "b"),  # raw already
+            oh.make_tensor("k", TensorProto.INT64, [2], [7, -(2**40)]),
+            oh.make_tensor("names", TensorProto.STRING, [1], [b"a"]),
+            oh.make_tensor("bf", TensorProto.BFLOAT16, [1], [1.5]),
+        ]
+    )
+    moved, change = t.raw_initializer_data(model)
+    inits = {i.name: i for i in moved.graph.initializer}
+    assert change.details == ("3 initializer(s) stored as raw bytes: w, k, bf",)
+    for name in ("w", "k", "bf"):
+        assert inits[name].raw_data and not inits[name].float_data and not inits[name].int64_data
+    assert numpy_helper.to_array(inits["w"]).tobytes() == w.tobytes()
+    assert numpy_helper.to_array(inits["k"]).tolist() == [7, -(2**40)]
+    assert inits["bf"].data_type == TensorProto.BFLOAT16 and inits["bf"].dims == [1]
+    assert float(numpy_helper.to_array(inits["bf"])[0]) == 1.5
+    assert inits["names"].string_data == [b"a"] and not inits["names"].raw_data
+    assert model.graph.initializer[0].float_data  # input untouched
+    x = RNG.normal(size=(2, 3)).astype(np.float32)
+    runnable = edit.copy_model(model)
+    del runnable.graph.initializer[3:]
+    ran = edit.copy_model(moved)
+    del ran.graph.initializer[3:]
+    for before, after in zip(run(runnable, {"x": x}), run(ran, {"x": x}), strict=True):
+        assert before.tobytes() == after.tobytes()
+    same, again = t.raw_initializer_data(moved)
+    assert same is moved and not again.changed
+
+
 # --- fixed inputs ---------------------------------------------------------------------------
 
 DYNAMIC = """<ir_version: 8, opset_import: ["": 13]>

@@ -121,6 +121,42 @@ def set_ir_version(
     return checked_change(model, "set_ir_version", details)
 
 
+_TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data")
+
+
+def _stored_per_value(init: onnx.TensorProto) -> bool:
+    """A tensor whose values sit in a typed repeated field, one protobuf element each."""
+    return (
+        init.data_type != onnx.TensorProto.STRING
+        and init.data_location != onnx.TensorProto.EXTERNAL
+        and not init.HasField("segment")
+        and any(len(getattr(init, field)) for field in _TYPED_FIELDS)
+    )
+
+
+def raw_initializer_data(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Initializers stored value by value (float_data, int64_data... : WinML and Custom Vision
+    exports) as raw bytes instead: the same values bit for bit, and every later copy of the
+    model (each step makes one) moves a block of bytes instead of one field per value (a 2.9
+    MB classifier: 4.4 ms a copy, its 63 unchanged steps 0.38 s of its preparation)."""
+    if not any(_stored_per_value(init) for init in model.graph.initializer):
+        return checked_change(model, "raw_initializer_data", [])
+    model = copy_model(model)
+    moved = []
+    for init in model.graph.initializer:
+        if not _stored_per_value(init):
+            continue
+        values = numpy_helper.to_array(init)
+        raw = numpy_helper.from_array(values, init.name)
+        if raw.data_type != init.data_type or list(raw.dims) != list(init.dims):
+            continue  # a type numpy does not hold as itself (bfloat16...): left as it is
+        raw.doc_string = init.doc_string
+        init.CopyFrom(raw)
+        moved.append(init.name)
+    details = [f"{len(moved)} initializer(s) stored as raw bytes: {', '.join(moved[:5])}"]
+    return checked_change(model, "raw_initializer_data", details if moved else [])
+
+
 def drop_initializer_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Remove graph inputs that only shadow initializers (IR < 4 style).
 
