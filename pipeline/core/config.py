@@ -462,7 +462,8 @@ def load_config(path: str | Path, check_files: bool = True) -> ModelConfig:
 # A model name, version or bucket name becomes a folder: one safe path component.
 SAFE_COMPONENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 SAFE_COMPONENT_RULE = (
-    "1-128 characters of letters, digits, '.', '_', '+' or '-', starting with a letter or digit"
+    "1-128 characters of ASCII letters, digits, '.', '_', '+' or '-', starting with a letter or "
+    "digit (it names files on the device, where non-ASCII paths crash the QNN stack)"
 )
 
 
