@@ -36,7 +36,13 @@ from qnn_ctx_runtime import qnn
 from ..core.cpu import cpu_session
 from ..core.dtypes import np_dtype, value_type_name
 from ..core.fileio import sha256_file
-from ..core.layout import HTP_MIN_SAMPLES, HTP_PROBE_CTX, STANDALONE_DIR, past_htp_budget
+from ..core.layout import (
+    HTP_MIN_SAMPLES,
+    HTP_PROBE_CTX,
+    STANDALONE_DIR,
+    past_htp_budget,
+    simulator_seconds,
+)
 from ..core.metrics import OutputComparison, worst_snr
 from ..core.records import (
     BucketOutcome,
@@ -431,16 +437,16 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
         name: (scale, int(zero_point)) for name, (scale, zero_point) in job.output_grids.items()
     }
     vs_qdq, vs_float, qdq_vs_float = (OutputComparison(grids) for _ in range(3))
-    # The simulator's CPU seconds in this thread: past the budget, no new sample (once
+    # The simulator's CPU seconds (simulator_seconds): past the budget, no new sample (once
     # HTP_MIN_SAMPLES ran). Its CPU time, not the wall clock's, which the machine's load stretches.
     on_htp = 0.0
     for feeds in _feeds(job, bucket, ctx_session):
         ran = vs_qdq.samples
         if ran >= HTP_MIN_SAMPLES and past_htp_budget(on_htp, ran, job.validate_budget_s):
             break
-        started = time.thread_time()
+        started = simulator_seconds()
         got = dict(zip(names, ctx_session.run(names, feeds), strict=True))
-        on_htp += time.thread_time() - started
+        on_htp += simulator_seconds() - started
         ref_qdq = dict(zip(names, qdq.run(names, feeds), strict=True))
         vs_qdq.add(ref_qdq, got)
         if flt is not None:

@@ -43,7 +43,13 @@ from qnn_ctx_runtime.typed import parse, to_json_value
 
 from ..core.cpu import cpu_session
 from ..core.fileio import sha256_file
-from ..core.layout import AGREE_SAMPLES, ENOUGH_SAMPLES, HTP_MIN_SAMPLES, past_htp_budget
+from ..core.layout import (
+    AGREE_SAMPLES,
+    ENOUGH_SAMPLES,
+    HTP_MIN_SAMPLES,
+    past_htp_budget,
+    simulator_seconds,
+)
 from ..core.memory import adapt_heap_to, release_freed_memory
 from ..core.metrics import (
     Accuracy,
@@ -691,15 +697,15 @@ def _run_on_htp(
     if job.run_core >= 0:
         _pin_threads(job.run_core)  # a helper has its own core: keep off it
     count = len(job.samples)
-    simulated, ran = 0.0, 0  # the simulator's CPU seconds in this thread, samples run
+    simulated, ran = 0.0, 0  # the simulator's CPU seconds (simulator_seconds), samples run
     order = _claim_order(job, count)
     for index in order:
         if _over_budget(job, stash, simulated, ran) or _wait_for_evidence(job, stash, order):
             break  # the samples left unclaimed are left out, by every process alike
         if _claim(stash, index):
-            started = time.thread_time()
+            started = simulator_seconds()
             _run_sample(ctx, job.samples[index], names, _stashed(stash, index))
-            simulated += time.thread_time() - started
+            simulated += simulator_seconds() - started
             _note_figure(job, stash, index, names)
             ran += 1
     if ran:
