@@ -69,7 +69,7 @@ LOCATE_SAMPLES = 8  # a locator run exposes every activation: fewer samples, one
 # (whose exposed outputs change what the HTP fuses) did not find the cause, so the next round is
 # the whole model in fp16 instead of another locate (PP-OCRv4's detector: 3 rounds at 17.4 dB).
 STALLED_DB = 0.5
-# A simulator this slow (user CPU seconds a sample, layout.simulator_seconds: the machine's load
+# A simulator this slow (CPU seconds a sample, layout.simulator_seconds: the machine's load
 # does not move it, so the same build takes the same rounds) makes each per-tensor round a minute or
 # more: with the quantized model short of the target on the CPU already, the whole model in fp16
 # is the next round (a 800x608 layout detector, 10.6 s a sample quantized and 65 s in fp16: 5
