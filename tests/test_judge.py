@@ -1233,3 +1233,41 @@ def test_a_drift_goes_to_fp16_and_an_op_to_its_tensor_in_fp16(
     else:
         assert labels[2].endswith(" in float16") and labels[2] != "whole model in fp16", labels
         assert not any("layer by layer" in r for r in htp["remedies"])
+
+
+def test_a_slow_simulator_skips_the_locate_where_the_htp_alone_is_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Short only on the HTP with a simulator counted as slow (SLOW_SAMPLE_S = 0): no locate
+    (every activation exposed: the slowest round there is); 16-bit weights still go to 8 bits
+    per channel first, which the HTP reproduces and which passes here."""
+    from pipeline.quantize import judge as judge_mod
+
+    monkeypatch.setattr(judge_mod, "SLOW_SAMPLE_S", 0.0)
+    htp = _build_dilated_int16(tmp_path, 38.0, monkeypatch)["htp"]
+    labels = [r["label"] for r in htp["rounds"]]
+    assert labels == ["as quantized", "weights int8 per channel"], labels
+    assert htp["chosen"] == "weights int8 per channel" and htp.get("divergence") is None
+
+
+def test_a_slow_simulator_without_16_bit_weights_goes_to_fp16_and_locates_only_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Short only on the HTP, nothing to lower to 8 bits, a simulator counted as slow: the next
+    round is the whole model in fp16, not a locate; when even that is short of the target, the
+    report still names the first diverging tensor, from one locate at the end."""
+    from pipeline.quantize import judge as judge_mod
+
+    monkeypatch.setattr(judge_mod, "SLOW_SAMPLE_S", 0.0)
+    monkeypatch.setattr(judge_mod, "int16_weights_left", lambda _qdq, _names: [])
+    htp = _build_dilated_int16(tmp_path, 70.0, monkeypatch)["htp"]
+    labels = [r["label"] for r in htp["rounds"]]
+    # fp16 reaches 66.4 dB here, short of 70: the locate comes last, for the report
+    assert labels == ["as quantized", "whole model in fp16", "the HTP diverges (locate)"], labels
+    assert any("s a sample" in r for r in htp["remedies"]), htp["remedies"]
+    assert htp["chosen"] == "whole model in fp16" and htp["ctx_vs_float_db"] < 70.0
+    assert htp["divergence"]["op_type"] == "Conv"
+    assert htp["divergence"]["node"] in ("atrous1", "atrous2")
+    # the kept model is the one on disk, not the quantized one the locate ran on
+    qdq = onnx.load(str(ModelPaths.of(tmp_path / "artifacts", "m").bucket("static").qdq))
+    assert not any(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
