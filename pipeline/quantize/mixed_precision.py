@@ -378,10 +378,10 @@ def small_activations(model: Any, cands: list[Candidate]) -> bool:
     """Whether ``cands`` (activations) hold ``SWITCH_MAX_ELEMENTS`` values or fewer on average
     (inferred shapes; unknown ones: not small): where they do, one switchable session
     (``_switchable``) measures them all, since a run computing every Q/DQ pair costs less than
-    a model and a session per activation. Measured side by side (seconds, 2 threads): gtcrn's
-    411 activations of 744 values 11.7 -> 3.3, a DTLN 0.30 -> 0.17, a tiny DistilBERT 0.19 ->
-    0.14; but a detector's 171 of 45,000 values 4.2 -> 8.6 and SqueezeNet's 42 of 108,000 0.9 ->
-    1.9, where the Q/DQ pairs computed on every run outweigh a session."""
+    a model and a session per activation. Measured (seconds, a model each -> switched, 2
+    threads): gtcrn's 411 activations of 744 values 6.0 -> 3.3, a DTLN's 75 0.31 -> 0.17, a
+    tiny DistilBERT's 70 0.20 -> 0.14; but a detector's 171 of 45,000 values 4.2 -> 8.6 and
+    SqueezeNet's 42 of 108,000 0.9 -> 1.9: there the pairs computed on every run cost more."""
     from ..graph.edit import value_shape
 
     graph = model.graph
