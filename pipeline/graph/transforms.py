@@ -146,10 +146,12 @@ def raw_initializer_data(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
     for init in model.graph.initializer:
         if not _stored_per_value(init):
             continue
-        values = numpy_helper.to_array(init)
-        raw = numpy_helper.from_array(values, init.name)
+        try:
+            raw = numpy_helper.from_array(numpy_helper.to_array(init), init.name)
+        except (TypeError, ValueError):  # a type onnx's numpy helpers do not convert
+            continue
         if raw.data_type != init.data_type or list(raw.dims) != list(init.dims):
-            continue  # a type numpy does not hold as itself (bfloat16...): left as it is
+            continue  # a type numpy does not hold as itself: left as it is
         raw.doc_string = init.doc_string
         init.CopyFrom(raw)
         moved.append(init.name)

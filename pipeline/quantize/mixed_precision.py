@@ -32,6 +32,7 @@ import numpy as np
 
 from ..core.config import ModelConfig
 from ..core.cpu import cpu_session
+from ..core.errors import ModelError
 from ..core.metrics import LABELS, comparable, worst_snr
 from ..core.progress import Progress
 from ..graph.qdq_htp import REST
@@ -494,7 +495,10 @@ def measure(
     switch = {c.name: k for k, c in enumerate(activations)}
     switched = None
     if activations and small_activations(float_model, activations):
-        switched = _session(_switchable(float_model, activations), one)
+        try:
+            switched = _session(_switchable(float_model, activations), one)
+        except ModelError:  # onnxruntime refused the switched model: a model each, as before
+            switched = None
 
     def noise_of(cand: Candidate) -> dict[str, float]:
         if cand.name in weights:
