@@ -1169,3 +1169,28 @@ def _recording(function: Callable[..., Any], calls: list[str]) -> Callable[..., 
         return function(*args, **kwargs)
 
     return wrapper
+
+
+def test_a_switched_model_onnxruntime_refuses_falls_back_to_a_model_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should onnxruntime refuse the switched model (an op it cannot run), each activation is
+    measured in a model of its own: the same figures, no failed build."""
+    from pipeline.quantize import mixed_precision as mp
+
+    bucket, feeds = _conv_gemm_matmul_built(tmp_path, 34)
+    kinds = {**mp.EIGHT_BIT, **mp.SIXTEEN_BIT}
+    switched, _, _, _ = mp.measure(bucket.float_model, bucket.qdq, feeds, kinds, ("activation",))
+    switchable = mp._switchable
+
+    def refused(model: onnx.ModelProto, cands: list[Any]) -> onnx.ModelProto:
+        broken = switchable(model, cands)
+        broken.graph.node.append(helper.make_node("NoSuchOp", ["x"], ["nothing"]))
+        return broken
+
+    monkeypatch.setattr(mp, "_switchable", refused)
+    each, _, _, stats = mp.measure(bucket.float_model, bucket.qdq, feeds, kinds, ("activation",))
+    assert stats["measured"] == len(each) == len(switched) >= 3
+    by_name = {c.name: c.noise for c in each}
+    for cand in switched:
+        assert cand.noise == pytest.approx(by_name[cand.name], rel=1e-9), cand.name
