@@ -329,6 +329,23 @@ def judge_on_htp(
             progress.status(f"round {len(rounds)}: {shown}: {db}")
             return result
 
+        def locate() -> tuple[ProbeResult, TensorAgreement | None]:
+            """Run the locator on the QDQ model on disk; its first diverging tensor (None when
+            it found none), also the report's ``divergence`` if that is still unnamed."""
+            nonlocal divergence
+            located = run("the HTP diverges", locate=True, on=locate_samples)
+            found = located.first_divergence() if located.ok else None
+            if found is not None and divergence is None:
+                divergence = Divergence(
+                    found.name,
+                    found.op_type,
+                    found.node,
+                    found.snr_db,
+                    len(located.tensors),
+                    located.exposable,
+                )
+            return located, found
+
         tried_float16 = False
 
         def whole_float16(why: str) -> Candidate:
@@ -455,10 +472,7 @@ def judge_on_htp(
                 lower = bool(sixteen) and not per_channel_done
                 found, located = None, None
                 if result.seconds_per_sample < SLOW_SAMPLE_S:
-                    located = run("the HTP diverges", locate=True, on=locate_samples)
-                    found = located.first_divergence() if located.ok else None
-                    if found is not None and divergence is None:
-                        divergence = _divergence(located, found)
+                    located, found = locate()
                 elif unlocated is None:
                     unlocated = current  # located at the end if nothing passes
                 if lower:
@@ -544,10 +558,7 @@ def judge_on_htp(
         if unlocated is not None and divergence is None and _score(best_result) < target_db:
             # Nothing passed: the report names where the HTP parts from the CPU after all.
             builder.build(unlocated)
-            located = run("the HTP diverges", locate=True, on=locate_samples)
-            found = located.first_divergence() if located.ok else None
-            if found is not None:
-                divergence = _divergence(located, found)
+            locate()
         if (builder.built or initial) is not best:
             builder.build(best)  # leave the kept candidate on disk
         if probe_record is not None:
@@ -610,17 +621,6 @@ def _write_probe_record(
         compile_s=result.compile_s or None,
     )
     write_record(path, record)
-
-
-def _divergence(located: ProbeResult, found: TensorAgreement) -> Divergence:
-    return Divergence(
-        found.name,
-        found.op_type,
-        found.node,
-        found.snr_db,
-        len(located.tensors),
-        located.exposable,
-    )
 
 
 def drifts(located: ProbeResult, found: TensorAgreement) -> bool:
