@@ -349,6 +349,50 @@ def test_integer_data_moves_get_their_own_dq_and_q() -> None:
     assert_same(source, converted)
 
 
+def _integer_split_model() -> onnx.ModelProto:
+    """QOperator style (onnxruntime's export of YOLOv8's C2f blocks): the uint8 result of a Q
+    split in two as is, one half into a QLinearAdd with the other, both halves concatenated."""
+    b = Builder()
+    ms = "com.microsoft"
+    s, z = b.const(np.float32(0.05)), b.const(np.uint8(128))
+    ys, yz = b.const(np.float32(0.08)), b.const(np.uint8(120))
+    halves = [b.name("half"), b.name("half")]
+    split = b.const(np.array([4, 4], np.int64))
+    q = b.node("QuantizeLinear", ["x", s, z])
+    b.nodes.append(oh.make_node("Split", [q, split], halves, name="split", axis=2))
+    added = b.node("QLinearAdd", [halves[0], s, z, halves[1], s, z, ys, yz], domain=ms)
+    joined = b.node("QLinearConcat", [ys, yz, halves[0], s, z, added, ys, yz], domain=ms, axis=2)
+    return b.model(b.node("DequantizeLinear", [joined, ys, yz]), out_shape=[1, 3, 8, 8])
+
+
+def test_an_integer_split_gets_its_own_dq_and_a_q_per_output() -> None:
+    """The QNN EP took no Split of integers outside a QDQ unit: on a QOperator YOLOv8 the
+    compile failed ('inserted using the NHWC format ... but was not selected'), its Splits and
+    the Adds reading them declined. Each half of a split is a slice of its input: the same
+    grid, one Q per output, exact."""
+    source = _integer_split_model()
+    converted, change = pq.qoperator_to_qdq(source)
+    assert any("Split" in d and "on integers" in d for d in change.details), change.details
+    assert pq.float_edges(converted) == []
+    split = next(n for n in converted.graph.node if n.op_type == "Split")
+    producer = {o: n for n in converted.graph.node for o in n.output}
+    readers = {i: n for n in converted.graph.node for i in n.input}
+    assert producer[split.input[0]].op_type == "DequantizeLinear"
+    assert all(readers[o].op_type == "QuantizeLinear" for o in split.output)
+    for x in inputs():
+        diff = np.abs(run(source, x) - run(converted, x))
+        assert diff.max() <= 0.08 + 1e-6  # the QLinear ops' float forms: <= 1 step
+
+
+@pytest.mark.qnn
+def test_an_integer_split_runs_whole_on_the_htp(tmp_path: Path) -> None:
+    converted, _ = pq.for_htp(pq.qoperator_to_qdq(_integer_split_model())[0])
+    x = inputs(1)[0]
+    got, coverage = _on_htp(converted, tmp_path, x)
+    assert coverage.passed and coverage.qnn_partitions == 1, coverage.problems
+    assert np.abs(got - run(converted, x)).max() <= 0.08 + 1e-6
+
+
 def test_an_integer_interpolating_resize_gets_its_own_dq_and_q() -> None:
     """A QOperator segmenter upsamples its uint8 logits with a linear Resize on the integers
     (onnxruntime runs it so); the QNN EP took no such node and the compile failed ('inserted

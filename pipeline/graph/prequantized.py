@@ -552,9 +552,10 @@ def _integer_moves_to_qdq(model: onnx.ModelProto, details: list[str]) -> None:
         if node.op_type == QUANTIZE and node.domain in _QDQ_DOMAINS:
             grid[node.output[0]] = list(node.input[1:3])
             continue
-        if not (_commutes(node, view) or _interpolates(node)):
+        splits = _splits(node)
+        if not (splits or _commutes(node, view) or _interpolates(node)):
             continue
-        indices = _data_inputs(node)
+        indices = [0] if splits else _data_inputs(node)
         params = [grid.get(node.input[i]) for i in indices]
         if not params or any(p is None or p != params[0] for p in params):
             continue
@@ -570,14 +571,16 @@ def _integer_moves_to_qdq(model: onnx.ModelProto, details: list[str]) -> None:
                 )
             )
             node.input[index] = floated
-        out = node.output[0]
-        node.output[0] = namer(f"{out}_float")
-        graph.node.append(
-            onnx.helper.make_node(
-                QUANTIZE, [node.output[0], *qparams], [out], name=namer(f"{out}_q")
+        for position, out in enumerate(node.output):
+            if not out:
+                continue
+            node.output[position] = namer(f"{out}_float")
+            graph.node.append(
+                onnx.helper.make_node(
+                    QUANTIZE, [node.output[position], *qparams], [out], name=namer(f"{out}_q")
+                )
             )
-        )
-        grid[out] = params[0]
+            grid[out] = params[0]
         details.append(f"{edit.node_label(node)} on integers -> DQ + {node.op_type} + Q")
 
 
@@ -599,6 +602,13 @@ def _integer_input_grids(graph: onnx.GraphProto, view: _Graph) -> dict[str, list
                 break
             tensor = reader.output[0]
     return grids
+
+
+def _splits(node: onnx.NodeProto) -> bool:
+    """A Split: each output is a slice of its input, so Q(split(x)) == split(Q(x)) output by
+    output (onnxruntime's QOperator export splits the uint8 tensor of a QLinear op directly,
+    as YOLOv8's C2f blocks do), with one Q per output."""
+    return node.op_type == "Split" and node.domain in _DEFAULT
 
 
 def _interpolates(node: onnx.NodeProto) -> bool:
