@@ -10,11 +10,13 @@ So a pre-quantized model is built with its own quantization kept. Preparation cl
 model (Identity/Cast chains, Constant nodes, static shapes, If folding) but never folds its Q/DQ
 and keeps its opset: nothing needs opset 21 (no 16-bit types come from our quantizer), and the
 converter plus onnxruntime's optimizer have made such models unloadable. The quantize stage then
-only rewrites what the QNN HTP does not take, each rewrite exact (``for_htp``) but one: int16
+only rewrites what the QNN HTP does not take, each rewrite exact (``for_htp``) but two: int16
 weights on a 16-bit input, which the HTP computes with its accumulator floored, reach it as
 two int8 layers summed (``qdq_htp.split_sixteen_bit_weights``: 15 bits of weight; an
 onnxruntime-quantized a16w16 segmenter ran 6.6 dB on the HTP from itself on the CPU, split
-25.3 dB, itself on the CPU 41.6 dB from the unsplit model, where its rounding floor is 51 dB).
+25.3 dB, itself on the CPU 41.6 dB from the unsplit model, where its rounding floor is 51 dB),
+and a 16-bit ``x * Sigmoid(x)``, whose direct factor reads a requantized copy
+(``qdq_htp.split_swish_input``, half a 16-bit step: the HTP fuses the pattern wrongly).
 Measured on the QNN 2.51 HTP simulator (onnxruntime-qnn 2.7.0), see tests/test_prequantized.py:
 
 - int8 *and* uint8 activations both compile and give identical results for Conv, Gemm and
@@ -1551,12 +1553,15 @@ HTP_STEPS = (
     zero_adds_as_subs,
     qdq_htp.requantize_after_moves,  # after propagate_qdq: the moves between two grids
     qdq_htp.split_sixteen_bit_weights,  # not exact: 15 bits of weight where the HTP floors 16
+    # Not exact either (half a 16-bit step, ~90 dB down): a 16-bit SiLU the HTP fuses wrongly
+    # (an A16W8 YOLOv8n kept as quantized: 18.8 dB from itself on the HTP, 70.8 split).
+    qdq_htp.split_swish_input,
 )
 
 
 def for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Change]]:
     """The model with its own quantization, rewritten (exactly, but for int16 weights split into
-    two int8 layers) into what the QNN HTP takes;
+    two int8 layers and a 16-bit SiLU's requantized copy) into what the QNN HTP takes;
     and what each step changed. A ModelError when the model quantizes no activation at all
     (weight-only quantization): the HTP would run it in float; requantize it instead."""
     summary = summarize(model)
