@@ -770,6 +770,21 @@ def test_input_step_is_found_through_ops_that_only_move_values() -> None:
     assert pq.input_steps(float_net()) == {}
 
 
+def test_input_step_is_found_through_slices_and_a_concat() -> None:
+    """YOLOX's Focus: the input sliced four ways (every other row and column), concatenated,
+    then its first Q. An onnxruntime-quantized YOLOX's floor read inf (its HTP context 19 dB
+    from itself): the jitter had not moved the input at all."""
+    b = Builder()
+    zero, two = b.const(np.array([0], np.int64)), b.const(np.array([2], np.int64))
+    one, end = b.const(np.array([1], np.int64)), b.const(np.array([8], np.int64))
+    axis_h, axis_w = b.const(np.array([2], np.int64)), b.const(np.array([3], np.int64))
+    rows = [b.node("Slice", ["x", start, end, axis_h, two]) for start in (zero, one)]
+    parts = [b.node("Slice", [r, start, end, axis_w, two]) for r in rows for start in (zero, one)]
+    joined = b.node("Concat", parts, axis=1)
+    y = b.qdq(joined, 2.0**-4, 128)
+    assert pq.input_steps(b.model(y, out_shape=[1, 12, 4, 4])) == {"x": 2.0**-4}
+
+
 def test_rounding_floor_moves_an_input_that_is_already_on_its_grid(tmp_path: Path) -> None:
     """Integer pixels at step 1 do not move under a half-step jitter: the floor read inf and
     lowered no gate. There a quarter of the values move one whole step instead."""

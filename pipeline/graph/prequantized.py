@@ -118,6 +118,18 @@ _COMMUTING: dict[str, tuple[int, ...] | None] = {
 # Ops that only move values, never look at them: an input reaches its first Q or DQ through
 # them unchanged, and they do the same on integers as on the values they stand for.
 _VALUE_MOVES = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+# Ops whose outputs hold some of their data input's values unchanged (picked, joined, repeated):
+# an input reaches its first Q through them with its values as they were. Concat: any input.
+_VALUE_PICKS = _VALUE_MOVES | {
+    "Slice",
+    "Split",
+    "Concat",
+    "Gather",
+    "Tile",
+    "Expand",
+    "DepthToSpace",
+    "SpaceToDepth",
+}
 # Ops that take a weight and a bias: the QNN EP groups them only with an int32 bias.
 _BIASED = ("Conv", "ConvTranspose", "Gemm")
 _WEIGHTED = (*_BIASED, "MatMul")
@@ -1519,9 +1531,10 @@ def _clipped_by_q(relu: onnx.NodeProto, view: _Graph) -> bool:
 
 def input_steps(model: onnx.ModelProto) -> dict[str, float]:
     """Graph input -> the quantization step of the QuantizeLinear that reads it (per-tensor),
-    also through ops that only move its values (TFLite int8 exports reshape or transpose the
-    input before its first Q: without them the jitter moved nothing and the floor read inf).
-    An integer input (a model with int8 I/O) is already quantized: its step is 1."""
+    also through ops that only move, pick or join its values (TFLite int8 exports reshape or
+    transpose the input before its first Q, YOLOX's Focus slices it four ways and concatenates:
+    without them the jitter moved nothing and the floor read inf). An integer input (a model
+    with int8 I/O) is already quantized: its step is 1."""
     view = _Graph(model.graph)
     steps: dict[str, float] = dict.fromkeys(_integer_input_grids(model.graph, view), 1.0)
     for value in model.graph.input:
@@ -1531,8 +1544,9 @@ def input_steps(model: onnx.ModelProto) -> dict[str, float]:
         while tensors:
             tensor = tensors.pop()
             for reader in view.consumers.get(tensor, []):
-                if reader.op_type in _VALUE_MOVES and reader.input[0] == tensor:
-                    tensors.append(reader.output[0])
+                picks = reader.op_type in _VALUE_PICKS and reader.domain in _DEFAULT
+                if picks and (reader.op_type == "Concat" or reader.input[0] == tensor):
+                    tensors.extend(o for o in reader.output if o)
                     continue
                 params = _params(reader, view.inits) if reader.op_type == QUANTIZE else None
                 if params is not None:
