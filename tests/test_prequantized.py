@@ -281,6 +281,31 @@ def test_quantize_of_a_constant_folds_to_its_integers() -> None:
     assert_same(source, folded)
 
 
+def test_quantized_range_operands_fold_and_every_shape_is_static() -> None:
+    """onnxruntime's QNN config quantizes even YOLOv8's anchor arithmetic: Range(DQ(0),
+    DQ(Q(Cast(Shape(x)[3]))), DQ(1)) -> Q -> DQ, added to the activations. Left so, no shape
+    after the Range was static and preparation refused the model; the operands that only set
+    a shape fold to their values, the Range with them, and its Q to integers (its DQ stays: the
+    Add reads a quantized constant)."""
+    b = Builder()
+    x = b.qdq("x", 2.0**-5, 128)
+    width = b.node("Gather", [b.node("Shape", [x]), b.const(np.array(3, np.int64))], axis=0)
+    limit = b.qdq(b.node("Cast", [width], to=TensorProto.FLOAT), 8 / 255, 0)
+    start = b.node("DequantizeLinear", [b.const(np.uint8(0)), b.const(np.float32(1 / 255))])
+    delta = b.node("DequantizeLinear", [b.const(np.uint8(255)), b.const(np.float32(1 / 255))])
+    steps = b.qdq(b.node("Range", [start, limit, delta]), 8 / 255, 0)
+    y = b.qdq(b.node("Add", [x, steps]), 2.0**-4, 64)
+    source = b.model(y, out_shape=[1, 3, 8, 8])
+    prepared, changes = prepare_model(source, InputsSection(dims={}, shapes={}, constants={}))
+    assert_same(source, prepared)
+    assert "Range" not in ops(prepared) and "Shape" not in ops(prepared)
+    fold = next(c for c in changes if c.step == "fold_quantized_constants")
+    assert sum("a shape operand" in d for d in fold.details) == 3, fold.details
+    add = next(n for n in prepared.graph.node if n.op_type == "Add")
+    producer = {o: n for n in prepared.graph.node for o in n.output}
+    assert [producer[i].op_type for i in add.input] == ["DequantizeLinear"] * 2
+
+
 # -- QOperator -> QDQ ----------------------------------------------------------------------------
 
 

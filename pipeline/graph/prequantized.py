@@ -696,42 +696,89 @@ def standard_qdq_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     return edit.checked_change(model, "standard_qdq_ops", details)
 
 
-def fold_quantized_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """QuantizeLinear of a constant (a weight quantized at run time) -> the integer constant.
+# Operands whose *value* sets the shape of the result. A DequantizeLinear of a constant there
+# is an exporter's artifact, not a weight (onnxruntime's QNN config quantizes YOLOv8's anchor
+# Range operands): until it is folded, no shape after it is static.
+_SHAPE_OPERANDS: dict[str, tuple[int, ...]] = {
+    "Range": (0, 1, 2),
+    "Reshape": (1,),
+    "Expand": (1,),
+    "Tile": (1,),
+    "ConstantOfShape": (0,),
+    "Slice": (1, 2, 3, 4),
+    "Resize": (1, 2, 3),
+    "Upsample": (1,),
+    "Pad": (1, 3),
+    "TopK": (1,),
+    "Squeeze": (1,),
+    "Unsqueeze": (1,),
+    "Split": (1,),
+    "OneHot": (1,),
+}
 
-    Computed by onnxruntime's own QuantizeLinear kernel, so the result is what the model
-    computed on every run; the DequantizeLinear after it stays, and the QNN EP sees a
-    quantized weight. (``fold_constants`` never folds Q/DQ: that would lose the model's
-    quantization.)
+
+def _sets_shapes_only(tensor: str, readers: list[onnx.NodeProto]) -> bool:
+    """Whether every reader takes ``tensor`` as an operand that sets its result's shape."""
+    return bool(readers) and all(
+        r.domain in _DEFAULT
+        and all(
+            i in _SHAPE_OPERANDS.get(r.op_type, ()) for i, x in enumerate(r.input) if x == tensor
+        )
+        for r in readers
+    )
+
+
+def fold_quantized_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """QuantizeLinear of a constant (a weight quantized at run time) -> the integer constant;
+    and a DequantizeLinear of a constant read only as a shape operand (``_SHAPE_OPERANDS``)
+    -> its float value, then what that makes constant is folded too, until nothing changes.
+
+    Computed by onnxruntime's own kernels, so each result is what the model computed on every
+    run; the DequantizeLinear after a folded Q stays, and the QNN EP sees a quantized weight.
+    (``fold_constants`` never folds Q/DQ: that would lose the model's quantization.)
     """
     model = edit.copy_model(model)
     if not is_prequantized(model):
         return edit.checked_change(model, "fold_quantized_constants", [])
+    details: list[str] = []
+    while _fold_constant_qdq(model, details):
+        model, after = t.fold_constants(model)
+        details.extend(f"then {d}" for d in after.details)
+    return _finish(model, "fold_quantized_constants", details)
+
+
+def _fold_constant_qdq(model: onnx.ModelProto, details: list[str]) -> bool:
+    """One pass of ``fold_quantized_constants`` over ``model``, in place: whether it folded."""
     graph = model.graph
     inits = edit.initializers_by_name(graph)
     outputs = {o.name for o in graph.output}
-    details = []
+    readers = edit.readers_by_tensor(graph)
     folded: set[int] = set()
     new_inits = []
     for index, node in enumerate(graph.node):
-        if node.op_type != QUANTIZE or node.domain not in _QDQ_DOMAINS:
+        if node.op_type not in (QUANTIZE, DEQUANTIZE) or node.domain not in _QDQ_DOMAINS:
             continue
         if node.input[0] not in inits or any(i and i not in inits for i in node.input):
             continue
         if node.output[0] in outputs:
             continue
+        if node.op_type == DEQUANTIZE and not _sets_shapes_only(
+            node.output[0], readers.get(node.output[0], [])
+        ):
+            continue  # a weight: it stays quantized
         values = {i: numpy_helper.to_array(inits[i]) for i in node.input if i}
         result = t.run_nodes([node], values, model)[node.output[0]]
         new_inits.append(numpy_helper.from_array(result, node.output[0]))
         folded.add(index)
-        shape = list(result.shape)
+        role = "" if node.op_type == QUANTIZE else ", a shape operand,"
         details.append(
-            f"{edit.node_label(node)} of constant {node.input[0]!r} -> {result.dtype} {shape}"
+            f"{edit.node_label(node)} of constant {node.input[0]!r}{role} -> {result.dtype} "
+            f"{list(result.shape)}"
         )
     if folded:
         edit.drop_nodes(graph, folded)
         graph.initializer.extend(new_inits)
-    return _finish(model, "fold_quantized_constants", details)
+    return bool(folded)
 
 
 def drop_noop_casts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
