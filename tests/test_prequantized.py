@@ -539,6 +539,23 @@ def test_htp_rewrites_of_float_ops_leave_a_prequantized_model_alone() -> None:
     assert not legacy.explicit_pool_pads(model)[1].changed
 
 
+def test_an_infinite_own_scale_is_refused_naming_the_tensor_and_requantize() -> None:
+    """onnxruntime's static quantization of a transformer whose attention mask is filled with
+    -inf writes scale inf for the mask and the scores it is added to: the model's own CPU
+    output is garbage there, and QNN failed to compose the graph ("6007") after a NOTE."""
+    b = Builder()
+    x = b.qdq("x", 2.0**-5, 128)
+    s, z = b.const(np.float32(np.inf), "s"), b.const(np.uint8(0), "z")
+    masked = b.node("DequantizeLinear", [b.node("QuantizeLinear", [x, s, z]), s, z])
+    model = b.model(b.qdq(b.node("Relu", [masked]), 2.0**-4, 0), out_shape=[1, 3, 8, 8])
+    assert len(pq.unusable_scales(model)) == 2
+    with pytest.raises(ModelError) as error:
+        pq.for_htp(model)
+    assert "scale inf" in str(error.value) and "'relu" not in str(error.value)
+    assert "requantize = true" in error.value.tip
+    assert pq.unusable_scales(conv_net()) == []
+
+
 def test_a_dense_layer_as_matmul_and_bias_add_becomes_a_gemm() -> None:
     """tf2onnx writes an int8 TFLite Dense layer as MatMul + Add of an int32 DQ bias; the QNN
     EP left that DQ on the CPU (the build failed its coverage gate)."""

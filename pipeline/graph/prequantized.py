@@ -1636,11 +1636,38 @@ def for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Change]]:
             tip="Set requantize = true in [quantization]: its float model is then calibrated "
             "and quantized by the pipeline.",
         )
+    broken = unusable_scales(model)
+    if broken:
+        raise ModelError(
+            f"The model's own quantization has {len(broken)} scale(s) that are not finite and "
+            f"positive: {'; '.join(broken[:3])}. Its values there are lost even on the CPU (a "
+            "range calibrated over an attention mask filled with -inf is the usual cause), and "
+            "QNN cannot compose such a graph.",
+            tip="Set requantize = true in [quantization] (its float model is calibrated anew, "
+            "the mask fill made finite), or quantize it again with that tensor excluded.",
+        )
     changes = []
     for step in HTP_STEPS:
         model, change = step(model)
         changes.append(change)
     return model, changes
+
+
+def unusable_scales(model: onnx.ModelProto) -> list[str]:
+    """Q/DQ nodes whose constant scale is infinite, NaN, zero or negative: what each reads."""
+    inits = edit.initializers_by_name(model.graph)
+    found = []
+    for node in model.graph.node:
+        if node.op_type not in QDQ_OPS or node.domain not in _QDQ_DOMAINS:
+            continue
+        scale = inits.get(node.input[1]) if len(node.input) > 1 else None
+        if scale is None:
+            continue
+        values = numpy_helper.to_array(scale).astype(np.float64)
+        if values.size and not np.all(np.isfinite(values) & (values > 0)):
+            bad = values[~(np.isfinite(values) & (values > 0))].ravel()[0]
+            found.append(f"{edit.node_label(node)} of {node.input[0]!r} (scale {bad})")
+    return found
 
 
 # --------------------------------------------------------------------------------------------
