@@ -1050,6 +1050,25 @@ def test_an_output_too_small_for_its_own_grid_is_named(tmp_path: Path) -> None:
     assert found[0].rms == pytest.approx(0.1, rel=0.2)
 
 
+def test_the_base_model_comes_back_as_a_copy_however_the_ceiling_check_ends(
+    tmp_path: Path,
+) -> None:
+    """The model with every tensor at 16 bits replaces the base only for its evaluation: the
+    base bytes are back afterwards (a copy, not a second quantization of them), also when the
+    evaluation fails, and no copy is left beside it."""
+    from pipeline.quantize.mixed_precision import _kept_copy
+
+    qdq = tmp_path / "qdq.onnx"
+    qdq.write_bytes(b"base")
+    with _kept_copy(qdq):
+        qdq.write_bytes(b"every tensor at 16 bits")
+    assert qdq.read_bytes() == b"base"
+    with pytest.raises(RuntimeError), _kept_copy(qdq):
+        qdq.write_bytes(b"half written")
+        raise RuntimeError("the evaluation failed")
+    assert qdq.read_bytes() == b"base" and sorted(tmp_path.iterdir()) == [qdq]
+
+
 def test_mixed_precision_skips_the_analysis_when_16_bits_stay_hopeless(tmp_path: Path) -> None:
     """Every tensor at 16 bits gains here (8-bit activations), but the ceiling stays far below
     an unreachable target: no per-tensor analysis, no rounds; the HTP judge's fp16 is next."""

@@ -18,11 +18,13 @@ Weights go to int16 (symmetric, as QNN HTP wants 16-bit weights), activations to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -596,9 +598,9 @@ def raise_precision(
 
     every = {c.name: raised_type(c) for c in candidates(onnx.load(str(qdq_path)))}
     if every:
-        requantize({**every, **base_overrides})
-        ceiling = worst_snr(evaluate(float_path, qdq_path, heldout))
-        requantize(dict(base_overrides))
+        with _kept_copy(qdq_path):  # the base back as it was: a copy, not a re-quantization
+            requantize({**every, **base_overrides})
+            ceiling = worst_snr(evaluate(float_path, qdq_path, heldout))
         summary = dataclasses.replace(summary, ceiling_snr_db=ceiling)
         if ceiling < target and (
             ceiling < before + CEILING_GAIN_DB or ceiling < target - HOPELESS_DB
@@ -660,6 +662,19 @@ def raise_precision(
         ],
         rounds=rounds,
     )
+
+
+@contextlib.contextmanager
+def _kept_copy(path: Path) -> Iterator[None]:
+    """``path`` as it is now is back in place when the block ends, however it ends: a file copy
+    where re-quantizing the same choices (deterministic) did the same (a 416x416 detector's
+    quantize phase, side by side: 4.13 and 4.51 s re-quantizing, 3.95 and 4.02 s copying)."""
+    copy = path.with_name(f".{path.name}.kept")
+    shutil.copyfile(path, copy)
+    try:
+        yield
+    finally:
+        os.replace(copy, path)
 
 
 OUTLIER_RATIO = 32.0  # a channel peaking this many times the median channel is an outlier
