@@ -13,7 +13,9 @@ HTP (``pipeline.htp.probe``), and its context-vs-float SNR decides. While it is 
    (``DRIFT_DB``: a drift passed on layer by layer, which the whole model in fp16 answers);
 2. when the quantization itself is short (the HTP agrees with the CPU), the tensors that cost the
    output most *at their current precision* (16-bit activations included) go to float16, which
-   the HTP runs in fp16;
+   the HTP runs in fp16; but where the HTP is further from the CPU QDQ model than that model is
+   from float, and below the target, the whole model in fp16 runs first (tensors ranked on the
+   CPU do not mend what the HTP adds), the per-tensor rounds after it only if it is short;
 3. the whole model in fp16 on the HTP: straight away when the quantized model is already
    ``HOPELESS_DB`` short of the target on the CPU (one tensor range spanning channels whose
    scales differ by 10^4, as in PP-PicoDet's first convolutions, leaves no 16-bit scale that
