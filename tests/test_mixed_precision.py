@@ -1056,14 +1056,14 @@ def test_the_base_model_comes_back_as_a_copy_however_the_ceiling_check_ends(
     """The model with every tensor at 16 bits replaces the base only for its evaluation: the
     base bytes are back afterwards (a copy, not a second quantization of them), also when the
     evaluation fails, and no copy is left beside it."""
-    from pipeline.quantize.mixed_precision import _kept_copy
+    from pipeline.core.fileio import restored_after
 
     qdq = tmp_path / "qdq.onnx"
     qdq.write_bytes(b"base")
-    with _kept_copy(qdq):
+    with restored_after(qdq):
         qdq.write_bytes(b"every tensor at 16 bits")
     assert qdq.read_bytes() == b"base"
-    with pytest.raises(RuntimeError), _kept_copy(qdq):
+    with pytest.raises(RuntimeError), restored_after(qdq):
         qdq.write_bytes(b"half written")
         raise RuntimeError("the evaluation failed")
     assert qdq.read_bytes() == b"base" and sorted(tmp_path.iterdir()) == [qdq]

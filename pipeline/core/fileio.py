@@ -49,6 +49,20 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
         raise
 
 
+@contextlib.contextmanager
+def restored_after(target: str | os.PathLike[str]) -> Iterator[None]:
+    """``target`` as it is now is back in place when the block ends, however it ends: the
+    block may overwrite it meanwhile (a file copy where rebuilding it would cost more)."""
+    target = Path(target)
+    fd, kept_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".kept", dir=target.parent)
+    os.close(fd)
+    shutil.copyfile(target, kept_name)
+    try:
+        yield
+    finally:
+        os.replace(kept_name, target)
+
+
 def write_text(target: str | os.PathLike[str], text: str) -> None:
     with atomic_path(target) as tmp:
         tmp.write_text(text, encoding="utf-8")
