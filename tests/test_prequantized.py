@@ -105,9 +105,13 @@ class Builder:
         return model
 
 
-def run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+def run(model: onnx.ModelProto, x: np.ndarray, fused: bool = True) -> np.ndarray:
+    """The model's output on the CPU; ``fused = False``: each Q/DQ and op as written, not
+    onnxruntime's integer kernels (whose rounding differs where a rewrite makes an op fusable)."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    if not fused:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     session = ort.InferenceSession(
         model.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
@@ -118,9 +122,9 @@ def inputs(samples: int = 4) -> list[np.ndarray]:
     return [RNG.uniform(-2, 2, SHAPE).astype(np.float32) for _ in range(samples)]
 
 
-def assert_same(a: onnx.ModelProto, b: onnx.ModelProto) -> None:
+def assert_same(a: onnx.ModelProto, b: onnx.ModelProto, fused: bool = True) -> None:
     for x in inputs():
-        np.testing.assert_array_equal(run(a, x), run(b, x))
+        np.testing.assert_array_equal(run(a, x, fused), run(b, x, fused))
 
 
 def ops(model: onnx.ModelProto) -> list[str]:
@@ -671,6 +675,118 @@ def test_for_htp_on_a_vitis_style_model_is_exact_and_leaves_no_float_op() -> Non
     ]
     assert pq.float_edges(converted) == []
     assert_same(source, converted)
+
+
+def _nncf_style(channel_scales: list[float], head_quantized: bool = False) -> onnx.ModelProto:
+    """As NNCF (OpenVINO) writes a MobileNet block: Conv -> Relu -> Q/DQ with one scale per
+    channel (the depthwise Conv's input), MaxPool, the depthwise Conv, and a last Conv whose
+    result goes to a Sigmoid unquantized (its output quantized); float biases, int8
+    per-channel weights."""
+    b = Builder()
+    channels = len(channel_scales)
+
+    def per_channel(shape: list[int], scales: np.ndarray, dtype: type, axis: int) -> tuple:
+        s = b.const(scales.astype(np.float32), "pcs")
+        return s, b.const(np.zeros(shape[axis], dtype), "pcz")
+
+    def weight(shape: list[int]) -> str:
+        q = RNG.integers(-127, 128, shape).astype(np.int8)
+        s, z = per_channel(shape, np.full(shape[0], 2.0**-6), np.int8, 0)
+        return b.node("DequantizeLinear", [b.const(q, "w"), s, z], axis=0)
+
+    def bias(n: int) -> str:
+        return b.const(RNG.normal(0, 0.1, n).astype(np.float32), "b")
+
+    x = b.qdq("x", 2.0**-5, 128)
+    relu = b.node("Relu", [b.node("Conv", [x, weight([channels, 3, 1, 1]), bias(channels)])])
+    s, z = per_channel([1, channels], np.array(channel_scales), np.uint8, 1)
+    q = b.node("QuantizeLinear", [relu, s, z], axis=1)
+    pooled = b.node("MaxPool", [b.node("DequantizeLinear", [q, s, z], axis=1)], kernel_shape=[2, 2])
+    depthwise = b.node(
+        "Conv",
+        [pooled, weight([channels, 1, 3, 3]), bias(channels)],
+        group=channels,
+        pads=[1, 1, 1, 1],
+    )
+    head = b.node("Conv", [b.qdq(depthwise, 2.0**-4, 128), weight([2, channels, 1, 1]), bias(2)])
+    if head_quantized:
+        head = b.qdq(head, 2.0**-4, 128)
+    scores = b.qdq(b.node("Sigmoid", [head]), 2.0**-8, 0)
+    # flattened, as a detector's head ends (a Conv's layout would leave a Transpose on the CPU)
+    return b.model(b.qdq(b.node("Flatten", [scores]), 2.0**-8, 0), out_shape=[1, 32])
+
+
+def _per_channel_activation_qdq(model: onnx.ModelProto) -> list[str]:
+    inits = edit.initializers_by_name(model.graph)
+    return [
+        n.name
+        for n in model.graph.node
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+        and n.input[0] not in inits
+        and numpy_helper.to_array(inits[n.input[1]]).size > 1
+    ]
+
+
+def test_per_channel_activations_of_one_scale_become_per_tensor_exactly() -> None:
+    source = _nncf_style([2.0**-5] * 4, head_quantized=True)
+    converted, change = pq.per_tensor_activations(source)
+    assert change.changed and _per_channel_activation_qdq(source)
+    assert _per_channel_activation_qdq(converted) == []
+    assert_same(source, converted, fused=False)  # the per-tensor Conv becomes fusable
+
+
+def test_per_channel_activations_become_one_grid_over_all_their_ranges() -> None:
+    """Channels 8x apart in step: the grid takes the coarsest step, so that channel keeps its
+    values exactly and the finer ones are rounded onto it (and none is clipped)."""
+    scales = [2.0**-7, 2.0**-6, 2.0**-5, 2.0**-4]
+    source = _nncf_style(scales, head_quantized=True)
+    converted, change = pq.per_tensor_activations(source)
+    assert _per_channel_activation_qdq(converted) == []
+    (detail,) = change.details
+    assert (
+        "uint8 per channel (4 scales" in detail and "-> uint8 per tensor over [0, 15.94]" in detail
+    )
+    inits = edit.initializers_by_name(converted.graph)
+    (q,) = [
+        n for n in converted.graph.node if n.op_type == "QuantizeLinear" and "_pt_" in n.input[1]
+    ]
+    assert numpy_helper.to_array(inits[q.input[1]]) == np.float32(2.0**-4)
+    for x in inputs():
+        want, got = run(source, x), run(converted, x)
+        assert snr_db(want, got) > 20.0  # the finest channels rounded 8x coarser
+    assert pq.float_op_weights(source)[1].changed is False  # every op's result is quantized
+
+
+def test_weights_of_an_op_whose_result_stays_float_become_constants_exactly() -> None:
+    source = _nncf_style([2.0**-5] * 4)
+    converted, change = pq.float_op_weights(source)
+    (detail,) = change.details
+    assert "its result unquantized" in detail
+    inits = edit.initializers_by_name(converted.graph)
+    sigmoid = next(n for n in converted.graph.node if n.op_type == "Sigmoid")
+    head = next(n for n in converted.graph.node if n.output[0] == sigmoid.input[0])
+    assert all(name in inits for name in head.input[1:])  # float constants, no DequantizeLinear
+    assert_same(source, converted)
+
+
+@pytest.mark.qnn
+def test_an_nncf_style_model_runs_whole_on_the_htp(tmp_path: Path) -> None:
+    """Per-channel activations and an unquantized last Conv: as it is, the QNN EP fails the
+    compile; after for_htp, one partition with nothing on the CPU, within the coarser grid's
+    rounding of the CPU."""
+    source = _nncf_style([2.0**-7, 2.0**-6, 2.0**-5, 2.0**-4])
+    x = inputs(1)[0]
+    (tmp_path / "as_is").mkdir()
+    try:
+        _, coverage = _on_htp(source, tmp_path / "as_is", x)
+        refused = not coverage.passed
+    except Exception as error:  # onnxruntime's Fail: the EP declined the per-channel input
+        refused = "NHWC" in str(error) or "not selected" in str(error)
+    assert refused
+    converted, _ = pq.for_htp(source)
+    got, coverage = _on_htp(converted, tmp_path, x)
+    assert coverage.passed and coverage.qnn_partitions == 1, coverage.problems
+    assert snr_db(run(converted, x), got) > 25.0
 
 
 # -- requantize ------------------------------------------------------------------------------------

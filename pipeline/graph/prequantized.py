@@ -941,6 +941,143 @@ def int32_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     return _finish(model, "int32_biases", details)
 
 
+def _per_channel_grid(
+    node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]
+) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """(scales, zero points, type) of a Q/DQ with constant per-channel parameters, or None."""
+    scale = _array(inits, node.input[1]) if len(node.input) > 1 else None
+    if scale is None or scale.size < 2:
+        return None
+    zp_name = node.input[2] if len(node.input) > 2 else ""
+    if zp_name and zp_name not in inits:
+        return None
+    elem_type = inits[zp_name].data_type if zp_name else onnx.TensorProto.UINT8
+    zp = _array(inits, zp_name) if zp_name else np.zeros(scale.shape, np.int64)
+    if elem_type not in _INT_RANGES or zp.shape != scale.shape:
+        return None
+    return scale.astype(np.float64).reshape(-1), zp.astype(np.int64).reshape(-1), elem_type
+
+
+def _same_grid(a: onnx.NodeProto, b: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool:
+    grid_a, grid_b = _per_channel_grid(a, inits), _per_channel_grid(b, inits)
+    axis = [next((x.i for x in n.attribute if x.name == "axis"), 1) for n in (a, b)]
+    return (
+        grid_a is not None
+        and grid_b is not None
+        and axis[0] == axis[1]
+        and grid_a[2] == grid_b[2]
+        and np.array_equal(grid_a[0], grid_b[0])
+        and np.array_equal(grid_a[1], grid_b[1])
+    )
+
+
+def per_tensor_activations(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Activations quantized per channel (a Q/DQ pair with one scale per channel) -> one grid
+    of the same width (unsigned) over the union of the channels' ranges.
+
+    The HTP quantizes only constant tensors (weights) per channel. NNCF (OpenVINO) quantizes
+    the input of a depthwise Conv per channel; the QNN EP then declines the Conv ("inserted
+    using the NHWC format ... but was not selected") and the compile fails. A wider type would
+    keep each channel's step, but the QNN EP groups a Conv only with its input and output of
+    one type, so the grid keeps the width. Not exact: the step is the coarsest channel's, and a
+    channel is clipped at the union's bounds instead of its own.
+    """
+    model = edit.copy_model(model)
+    graph = model.graph
+    view = _Graph(graph)
+    namer = edit.FreshNames(model)
+    details: list[str] = []
+    retyped: dict[str, int] = {}
+    for q in list(graph.node):
+        if q.op_type != QUANTIZE or q.domain not in _QDQ_DOMAINS or q.input[0] in view.inits:
+            continue
+        grid = _per_channel_grid(q, view.inits)
+        readers = view.consumers.get(q.output[0], [])
+        if grid is None or not readers or q.output[0] in view.outputs:
+            continue
+        if not all(r.op_type == DEQUANTIZE and _same_grid(q, r, view.inits) for r in readers):
+            continue
+        scales, zps, elem_type = grid
+        low, high = _INT_RANGES[elem_type]
+        lowest = float(min(0.0, np.min((low - zps) * scales)))
+        highest = float(max(0.0, np.max((high - zps) * scales)))
+        if not highest > lowest:
+            continue
+        twin = _UNSIGNED_TWIN.get(elem_type, (elem_type, 0, None))[0]
+        type_low, type_high = _INT_RANGES[twin]
+        scale = np.float32((highest - lowest) / (type_high - type_low))
+        zero_point = np.clip(np.round(type_low - lowest / float(scale)), type_low, type_high)
+        unsigned = np.uint8 if twin == onnx.TensorProto.UINT8 else np.uint16
+        base = q.input[0]
+        s_name = _initializer(graph, namer, f"{base}_pt_scale", np.array(scale, np.float32))
+        z_name = _initializer(graph, namer, f"{base}_pt_zp", np.array(zero_point, unsigned))
+        for node in [q, *readers]:
+            node.input[1], node.input[2:] = s_name, [z_name]
+            kept = [a for a in node.attribute if a.name not in ("axis", "output_dtype")]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+        retyped[q.output[0]] = twin
+        details.append(
+            f"{edit.node_label(q)}: {_type_name(elem_type)} per channel ({scales.size} scales, "
+            f"{scales.min():.3g}..{scales.max():.3g}) -> {_type_name(twin)} per tensor over "
+            f"[{lowest:.4g}, {highest:.4g}]"
+        )
+    for value in graph.value_info:
+        if value.name in retyped and value.type.HasField("tensor_type"):
+            value.type.tensor_type.elem_type = retyped[value.name]
+    return _finish(model, "per_tensor_activations", details)
+
+
+def _output_quantized(node: onnx.NodeProto, view: _Graph) -> bool:
+    """Whether the op's result reaches a QuantizeLinear as the QNN EP groups it: read by one
+    directly, or (Conv, ConvTranspose) through the Relu or Clip that it fuses into the op."""
+    readers = view.consumers.get(node.output[0], [])
+    if any(r.op_type == QUANTIZE for r in readers):
+        return True
+    if node.op_type in ("Conv", "ConvTranspose") and len(readers) == 1:
+        activation = readers[0]
+        if activation.op_type in ("Relu", "Clip"):
+            after = view.consumers.get(activation.output[0], [])
+            return any(r.op_type == QUANTIZE for r in after)
+    return False
+
+
+def float_op_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Quantized weights and biases of a Conv/Gemm/MatMul whose result is left in float ->
+    their float values (what the DequantizeLinear computes, as a constant).
+
+    NNCF and TensorRT-style exports leave a model's last layers (before a Sigmoid, Softmax or
+    box decoding) unquantized at the output: such an op is no quantized unit for the QNN EP,
+    which then runs it in float on the HTP but leaves the DequantizeLinear of its constants on
+    the CPU (an int32 bias: code 3110) and the model is cut in two. Exact: the constants hold
+    the values the DequantizeLinear gave.
+    """
+    model = edit.copy_model(model)
+    graph = model.graph
+    view = _Graph(graph)
+    namer = edit.FreshNames(model)
+    details = []
+    for node in graph.node:
+        if node.op_type not in _WEIGHTED or node.domain not in _DEFAULT:
+            continue
+        if _output_quantized(node, view):
+            continue
+        folded = []
+        for index, name in enumerate(node.input):
+            dq = view.constant_dq(name) if name else None
+            if dq is None:
+                continue
+            value = _dq_value(dq, view.inits).astype(np.float32)
+            node.input[index] = _initializer(graph, namer, f"{name}_float", value)
+            folded.append(name)
+        if folded:
+            details.append(
+                f"{edit.node_label(node)} (its result unquantized): "
+                f"{', '.join(repr(f) for f in folded)} dequantized into constants"
+            )
+    return _finish(model, "float_op_weights", details)
+
+
 def signed_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """uint8 weights of an op whose activation input is int8/int16 -> int8, zero point - 128.
 
@@ -1602,6 +1739,7 @@ def input_steps(model: onnx.ModelProto) -> dict[str, float]:
 
 
 HTP_STEPS = (
+    per_tensor_activations,  # not exact; first: int32_biases needs an input grid per tensor
     matmul_bias_to_gemm,
     int32_biases,
     unsigned_activations,
@@ -1620,12 +1758,14 @@ HTP_STEPS = (
     # Exact: a uint16 product of two activations re-encoded as int16 (an A16 attention kept as
     # quantized: 42.8 dB from itself on the HTP, 67.8 re-encoded).
     qdq_htp.signed_activation_products,
+    float_op_weights,  # last: the steps before it give some ops a quantized result
 )
 
 
 def for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Change]]:
     """The model with its own quantization, rewritten (exactly, but for int16 weights split into
-    two int8 layers and a 16-bit SiLU's requantized copy) into what the QNN HTP takes;
+    two int8 layers, a 16-bit SiLU's requantized copy and activations quantized per channel
+    put on one grid) into what the QNN HTP takes;
     and what each step changed. A ModelError when the model quantizes no activation at all
     (weight-only quantization): the HTP would run it in float; requantize it instead."""
     summary = summarize(model)

@@ -221,8 +221,9 @@ def _own_quantization_section(own: OwnQuantization) -> list[str]:
         "kept: no calibration, no second quantization (set requantize = true in "
         "[quantization] to recalibrate instead). Its float reference is the model itself, run "
         "by onnxruntime on the CPU, so QDQ vs float below measures only these rewrites for "
-        "the QNN HTP, exact but for int16 weights split in two and a 16-bit SiLU's "
-        "requantized copy (pipeline/graph/prequantized.py):",
+        "the QNN HTP, exact but for int16 weights split in two, a 16-bit SiLU's "
+        "requantized copy and activations quantized per channel put on one grid "
+        "(pipeline/graph/prequantized.py):",
         "",
         table(["rewrite", "changes", "what"], rows) if rows else "No rewrite was needed.",
     ]
