@@ -769,6 +769,44 @@ def test_weights_of_an_op_whose_result_stays_float_become_constants_exactly() ->
     assert_same(source, converted)
 
 
+def _conv_then_affine(opset: int, factor: np.ndarray) -> onnx.ModelProto:
+    """DQ -> Conv (int8 weights, one scale) -> Mul and Add per channel (a BatchNormalization
+    left unfolded, as preparation writes it) -> Relu -> Q/DQ: as NNCF quantizes such a model.
+    Weights in [-127, 127], as symmetric quantizers write them (a -128 has no negation)."""
+    rng = np.random.default_rng(5)
+    b = Builder()
+    x = b.qdq("x", 2.0**-5, 128)
+    q = b.const(rng.integers(-127, 128, (4, 3, 3, 3)).astype(np.int8), "w")
+    scale, zero = b.const(np.float32(2.0**-6), "ws"), b.const(np.array(0, np.int8), "wz")
+    weight = b.node("DequantizeLinear", [q, scale, zero])
+    conv = b.node("Conv", [x, weight, b.const(rng.normal(0, 0.1, 4).astype(np.float32))])
+    scaled = b.node("Mul", [conv, b.const(factor.astype(np.float32).reshape(4, 1, 1))])
+    shift = b.const(np.float32([0.1, -0.2, 0.3, 0.0]).reshape(1, 4, 1, 1))
+    y = b.qdq(b.node("Relu", [b.node("Add", [shift, scaled])]), 2.0**-4, 0)
+    return b.model(b.qdq(b.node("Flatten", [y]), 2.0**-4, 0), opset=opset, out_shape=[1, 256])
+
+
+@pytest.mark.parametrize("opset", [11, 13])
+def test_an_affine_after_a_quantized_conv_folds_into_its_weight_scales(opset: int) -> None:
+    """Per-channel factors (one negative) go into per-channel weight scales, the integers kept
+    (negated for the negative one), the shift into the bias: the Conv then has a quantized
+    result (Relu -> Q). Below opset 13 the model is upgraded for the weights' axis."""
+    source = _conv_then_affine(opset, np.array([0.5, 2.0, -1.5, 0.75]))
+    converted, change = pq.affine_into_quantized_conv(source)
+    assert "Mul" not in ops(converted) and "Add" not in ops(converted)
+    assert ("opset upgraded to 13" in " ".join(change.details)) == (opset < 13)
+    assert edit.opset_version(converted) == 13
+    inits = edit.initializers_by_name(converted.graph)
+    conv = next(n for n in converted.graph.node if n.op_type == "Conv")
+    w_dq = next(n for n in converted.graph.node if n.output[0] == conv.input[1])
+    scales = numpy_helper.to_array(inits[w_dq.input[1]])
+    np.testing.assert_allclose(scales, 2.0**-6 * np.array([0.5, 2.0, 1.5, 0.75]))
+    for x in inputs():
+        want, got = run(source, x, fused=False), run(converted, x, fused=False)
+        assert snr_db(want, got) > 60.0  # the same but for float32 rounding flipping a step
+    assert pq.float_op_weights(converted)[1].changed is False  # a quantized unit now
+
+
 @pytest.mark.qnn
 def test_an_nncf_style_model_runs_whole_on_the_htp(tmp_path: Path) -> None:
     """Per-channel activations and an unquantized last Conv: as it is, the QNN EP fails the

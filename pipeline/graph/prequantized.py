@@ -1028,6 +1028,141 @@ def per_tensor_activations(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Cha
     return _finish(model, "per_tensor_activations", details)
 
 
+def _channel_constant(
+    view: _Graph, node: onnx.NodeProto, operand: str, channels: int
+) -> np.ndarray | None:
+    """The other operand of a Mul/Add beside ``operand``: a constant of one value per channel
+    of an NCHW result ([C, 1, 1], [1, C, 1, 1] or one value), as [C] float64; else None."""
+    if node.domain not in _DEFAULT or len(node.input) != 2 or operand not in node.input:
+        return None
+    other = node.input[1] if node.input[0] == operand else node.input[0]
+    value = _array(view.inits, other)
+    if value is None or value.dtype.kind != "f":
+        return None
+    if value.size == 1:
+        return np.full(channels, float(value.reshape(())), np.float64)
+    squeezed = [d for d in value.shape if d != 1]
+    if value.size != channels or squeezed != [channels] or len(value.shape) > 4:
+        return None
+    if value.shape[-3 if len(value.shape) >= 3 else 0] != channels or value.ndim not in (3, 4):
+        return None
+    return value.astype(np.float64).reshape(-1)
+
+
+def affine_into_quantized_conv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A per-channel Mul (and Add) after a quantized Conv -> the Conv's weight scales (and bias).
+
+    An unfolded BatchNormalization (paddle2onnx leaves them; preparation writes them as a
+    Mul and an Add) after a Conv whose weights a tool quantized (NNCF) leaves the Conv without a
+    quantized result: the QNN EP runs it and the affine in float, and onnxruntime's CPU fuses
+    them and re-quantizes the weights per tensor (a CIFAR classifier: 16.4 dB from itself on
+    the CPU). The factor of each output channel goes into its weight scale (its integers kept,
+    negated where the factor is negative and the zero point 0), the shift into the bias: exact
+    but for float32 rounding. Needs per-channel weights: a model below opset 13 is upgraded to
+    it unless one factor serves all.
+    """
+    model = edit.copy_model(model)
+    graph = model.graph
+    view = _Graph(graph)
+    namer = edit.FreshNames(model)
+    per_channel_ok = edit.opset_version(model) >= 13
+    details = []
+    for conv in list(graph.node):
+        if conv.op_type != "Conv" or conv.domain not in _DEFAULT:
+            continue
+        w_dq = view.constant_dq(conv.input[1]) if len(conv.input) > 1 else None
+        if view.activation_dq(conv.input[0]) is None or w_dq is None:
+            continue
+        weights = _array(view.inits, w_dq.input[0])
+        readers = view.consumers.get(conv.output[0], [])
+        if weights is None or weights.ndim != 4 or len(readers) != 1:
+            continue
+        channels = weights.shape[0]
+        mul = readers[0]
+        if mul.op_type != "Mul" or conv.output[0] in view.outputs:
+            continue
+        factor = _channel_constant(view, mul, conv.output[0], channels)
+        if factor is None or not np.all(factor != 0):
+            continue
+        last, shift = mul, np.zeros(channels)
+        after = view.consumers.get(mul.output[0], [])
+        if len(after) == 1 and mul.output[0] not in view.outputs and after[0].op_type == "Add":
+            added = _channel_constant(view, after[0], mul.output[0], channels)
+            if added is not None:
+                last, shift = after[0], added
+        scale = _array(view.inits, w_dq.input[1]).astype(np.float64).reshape(-1)
+        zp_name = w_dq.input[2] if len(w_dq.input) > 2 else ""
+        zero = _array(view.inits, zp_name) if zp_name else np.zeros(1, weights.dtype)
+        zero = np.broadcast_to(zero.reshape(-1), (channels,)).astype(np.int64)
+        negative = factor < 0
+        info = np.iinfo(weights.dtype)
+        flipped = -weights[negative].astype(np.int64)
+        if np.any(negative) and (
+            np.any(zero[negative]) or (flipped.size and flipped.max() > info.max)
+        ):
+            continue
+        new_scale = np.broadcast_to(scale, (channels,)) * np.abs(factor)
+        uniform = bool(np.all(new_scale == new_scale[0]))
+        if not uniform and not per_channel_ok:
+            # DequantizeLinear takes an axis from opset 13 on: upgrade (Q/DQ keep their
+            # meaning from 10 to 13) and fold again
+            upgraded, _ = t.upgrade_opset(model, 13)
+            folded, change = affine_into_quantized_conv(upgraded)
+            return edit.checked_change(
+                folded,
+                change.step,
+                [*change.details, "opset upgraded to 13 for per-channel weights"],
+            )
+        new_weights = weights.copy()
+        new_weights[negative] = flipped.astype(weights.dtype)
+        bias_name = conv.input[2] if len(conv.input) > 2 else ""
+        if bias_name:
+            b_dq = view.constant_dq(bias_name)
+            bias = (
+                _dq_value(b_dq, view.inits) if b_dq is not None else _array(view.inits, bias_name)
+            )
+            if bias is None:
+                continue
+            bias = bias.astype(np.float64).reshape(-1)
+        else:
+            bias = np.zeros(channels)
+        base = conv.name or conv.output[0]
+        w_name = _initializer(graph, namer, f"{base}_w_folded", new_weights)
+        s_name = _initializer(
+            graph,
+            namer,
+            f"{base}_w_scale_folded",
+            new_scale.astype(np.float32)[:1].reshape(())
+            if uniform
+            else new_scale.astype(np.float32),
+        )
+        z_value = zero.astype(weights.dtype)
+        z_name = _initializer(
+            graph, namer, f"{base}_w_zp_folded", z_value[:1].reshape(()) if uniform else z_value
+        )
+        w_out = namer(f"{base}_w_folded_dq")
+        attributes = {} if uniform else {"axis": 0}
+        graph.node.append(
+            onnx.helper.make_node(
+                DEQUANTIZE, [w_name, s_name, z_name], [w_out], name=namer(w_out), **attributes
+            )
+        )
+        b_name = _initializer(
+            graph, namer, f"{base}_bias_folded", (bias * factor + shift).astype(np.float32)
+        )
+        conv.input[1:] = [w_out, b_name]
+        conv.output[0] = last.output[0]
+        removed = [mul] if last is mul else [mul, last]
+        for node in removed:
+            graph.node.remove(node)
+        view.refresh()
+        details.append(
+            f"{edit.node_label(conv)}: {' and '.join(edit.node_label(n) for n in removed)} "
+            f"folded into its weight scales and bias"
+        )
+    return _finish(model, "affine_into_quantized_conv", details)
+
+
 def _output_quantized(node: onnx.NodeProto, view: _Graph) -> bool:
     """Whether the op's result reaches a QuantizeLinear as the QNN EP groups it: read by one
     directly, or (Conv, ConvTranspose) through the Relu or Clip that it fuses into the op."""
@@ -1740,6 +1875,7 @@ def input_steps(model: onnx.ModelProto) -> dict[str, float]:
 
 HTP_STEPS = (
     per_tensor_activations,  # not exact; first: int32_biases needs an input grid per tensor
+    affine_into_quantized_conv,
     matmul_bias_to_gemm,
     int32_biases,
     unsigned_activations,
