@@ -543,6 +543,23 @@ def test_htp_rewrites_of_float_ops_leave_a_prequantized_model_alone() -> None:
     assert not legacy.explicit_pool_pads(model)[1].changed
 
 
+def test_a_spelled_out_hardswish_of_a_prequantized_model_is_kept() -> None:
+    """x * Clip(x + 3, 0, 6) / 6 between a model's own Q/DQ: HardSwish in its place would round
+    differently in float32, and the Q after it makes whole steps of that."""
+    from pipeline.graph import transforms as t
+
+    def hardswish_model(quantized: bool) -> onnx.ModelProto:
+        b = Builder()
+        x = b.qdq("x", 2.0**-5, 128) if quantized else "x"
+        three, zero, six = (b.const(np.float32(v)) for v in (3.0, 0.0, 6.0))
+        clipped = b.node("Clip", [b.node("Add", [x, three]), zero, six])
+        y = b.node("Div", [b.node("Mul", [x, clipped]), six])
+        return b.model(b.qdq(y, 2.0**-4, 128) if quantized else y, opset=14)
+
+    assert t.hardswish_from_clip(hardswish_model(quantized=False))[1].changed
+    assert not t.hardswish_from_clip(hardswish_model(quantized=True))[1].changed
+
+
 def test_an_infinite_own_scale_is_refused_naming_the_tensor_and_requantize() -> None:
     """onnxruntime's static quantization of a transformer whose attention mask is filled with
     -inf writes scale inf for the mask and the scores it is added to: the model's own CPU
