@@ -824,6 +824,45 @@ def test_an_affine_after_a_quantized_conv_folds_into_its_weight_scales(opset: in
     assert pq.float_op_weights(converted)[1].changed is False  # a quantized unit now
 
 
+@pytest.mark.parametrize("opset", [11, 13])
+def test_weight_steps_of_a_channel_using_little_of_int8_get_finer_and_its_bias_grid_too(
+    opset: int,
+) -> None:
+    """Per-tensor int8 weights where one channel peaks at 127 and others at 20 and 0: those
+    channels' integers are multiplied by 4 and 2^16 and their scales divided (the same values),
+    so the int32 bias grid (input x weight scale) is that much finer and the bias moves less."""
+    b = Builder()
+    x = b.qdq("x", 2.0**-2, 128)  # a coarse input step, as NNCF gives a wide activation
+    q = RNG.integers(-20, 21, (3, 3, 3, 3)).astype(np.int8)
+    q[0, 0, 0, 0], q[2] = 127, 0
+    scale, zero = b.const(np.float32(2.0**-3), "ws"), b.const(np.array(0, np.int8), "wz")
+    weight = b.node("DequantizeLinear", [b.const(q, "w"), scale, zero])
+    bias = b.const(np.float32([0.3, -0.7, 0.45]), "b")
+    y = b.qdq(b.node("Conv", [x, weight, bias], pads=[1, 1, 1, 1]), 2.0**-3, 128)
+    source = b.model(b.qdq(b.node("Flatten", [y]), 2.0**-3, 128), opset=opset, out_shape=[1, 192])
+    finer, change = pq.finer_weight_steps(source)
+    assert change.changed and edit.opset_version(finer) == 13
+    (conv,) = [n for n in finer.graph.node if n.op_type == "Conv"]
+    inits = edit.initializers_by_name(finer.graph)
+    w_dq = next(n for n in finer.graph.node if n.output[0] == conv.input[1])
+    np.testing.assert_array_equal(
+        numpy_helper.to_array(inits[w_dq.input[1]]), np.float32([2.0**-3, 2.0**-5, 2.0**-19])
+    )
+    assert_same(source, finer, fused=False)  # the weights' values are the same
+
+    def bias_after_int32(model: onnx.ModelProto) -> np.ndarray:
+        converted, _ = pq.int32_biases(model)
+        found = edit.initializers_by_name(converted.graph)
+        (conv,) = [n for n in converted.graph.node if n.op_type == "Conv"]
+        dq = next(n for n in converted.graph.node if n.output[0] == conv.input[2])
+        return numpy_helper.to_array(found[dq.input[0]]) * numpy_helper.to_array(found[dq.input[1]])
+
+    want = np.float32([0.3, -0.7, 0.45])
+    coarse = np.abs(bias_after_int32(source) - want)  # grid 2^-5: moved by up to 2^-6
+    fine = np.abs(bias_after_int32(finer) - want)
+    assert coarse[1:].max() > 0.005 and fine[1:].max() < coarse[1:].max() / 3
+
+
 @pytest.mark.qnn
 def test_an_nncf_style_model_runs_whole_on_the_htp(tmp_path: Path) -> None:
     """Per-channel activations and an unquantized last Conv: as it is, the QNN EP fails the
