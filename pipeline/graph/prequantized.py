@@ -1075,7 +1075,6 @@ def finer_weight_steps(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     graph = model.graph
     view = _Graph(graph)
     namer = edit.FreshNames(model)
-    per_channel_ok = edit.opset_version(model) >= 13
     details = []
     for conv in graph.node:
         if conv.op_type != "Conv" or conv.domain not in _DEFAULT or len(conv.input) < 3:
@@ -1098,7 +1097,7 @@ def finer_weight_steps(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
         factor = np.where(peak > 0, 2.0 ** np.floor(np.log2(127 / np.maximum(peak, 1))), 2.0**16)
         if not np.any(factor > 1):
             continue
-        if not per_channel_ok:
+        if edit.opset_version(model) < 13:  # per-channel weights need DequantizeLinear's axis
             return _again_at_opset_13(model, finer_weight_steps)
         scale = np.broadcast_to(
             _array(view.inits, w_dq.input[1]).astype(np.float32).reshape(-1), (channels,)
