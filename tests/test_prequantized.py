@@ -863,6 +863,28 @@ def test_weight_steps_of_a_channel_using_little_of_int8_get_finer_and_its_bias_g
     assert coarse[1:].max() > 0.005 and fine[1:].max() < coarse[1:].max() / 3
 
 
+def test_an_op_read_by_its_q_and_by_a_float_op_is_no_quantized_unit() -> None:
+    """A detector head's Conv read by its Q and, unquantized, by its box decoding (a Slice):
+    the QNN EP groups an op only when Q nodes alone read it, so its weights become constants;
+    one read by Q nodes alone keeps its DequantizeLinear."""
+    b = Builder()
+    x = b.qdq("x", 2.0**-5, 128)
+    head = b.node("Conv", [x, b.weight([4, 3, 1, 1]), b.bias(4, 2.0**-11)])
+    boxes = b.node("Slice", [head, *(b.const(np.array([v], np.int64)) for v in (0, 2, 1))])
+    scores = b.qdq(head, 2.0**-4, 128)
+    joined = b.node("Concat", [b.qdq(boxes, 2.0**-4, 128), scores], axis=1)
+    source = b.model(b.qdq(b.node("Flatten", [joined]), 2.0**-4, 128), out_shape=[1, 384])
+    converted, change = pq.float_op_weights(source)
+    assert change.changed and "DequantizeLinear" not in [
+        next((p.op_type for p in converted.graph.node if p.output[0] == name), "constant")
+        for n in converted.graph.node
+        if n.op_type == "Conv"
+        for name in n.input[1:]
+    ]
+    assert_same(source, converted)
+    assert not pq.float_op_weights(conv_net())[1].changed  # read by its Q alone
+
+
 @pytest.mark.qnn
 def test_an_nncf_style_model_runs_whole_on_the_htp(tmp_path: Path) -> None:
     """Per-channel activations and an unquantized last Conv: as it is, the QNN EP fails the

@@ -1232,11 +1232,12 @@ def affine_into_quantized_conv(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
 
 
 def _output_quantized(node: onnx.NodeProto, view: _Graph) -> bool:
-    """Whether the op's result reaches a QuantizeLinear as the QNN EP groups it: read by one
-    directly, or (Conv, ConvTranspose) through the Relu or Clip that it fuses into the op."""
+    """Whether the op's result reaches a QuantizeLinear as the QNN EP groups it: read only by
+    such (a float reader beside one leaves the op ungrouped: a detector head's Conv read by its
+    box decoding and its Q), or (Conv, ConvTranspose) through the Relu or Clip that it fuses."""
     readers = view.consumers.get(node.output[0], [])
-    if any(r.op_type == QUANTIZE for r in readers):
-        return True
+    if readers and all(r.op_type == QUANTIZE for r in readers):
+        return node.output[0] not in view.outputs
     if node.op_type in ("Conv", "ConvTranspose") and len(readers) == 1:
         activation = readers[0]
         if activation.op_type in ("Relu", "Clip"):
