@@ -1092,6 +1092,10 @@ def finer_weight_steps(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
         if weights is None or weights.dtype != np.int8 or weights.ndim != 4 or np.any(zero):
             continue
         channels = weights.shape[0]
+        given = _array(view.inits, w_dq.input[1])
+        axis = next((a.i for a in w_dq.attribute if a.name == "axis"), 1)
+        if given is None or given.size not in (1, channels) or (given.size > 1 and axis != 0):
+            continue  # per tensor, or per output channel: the only scales this step refines
         peak = np.abs(weights.reshape(channels, -1).astype(np.int64)).max(axis=1)
         # a channel of zeros takes any step: one 2^16 finer leaves its bias nearly as it was
         factor = np.where(peak > 0, 2.0 ** np.floor(np.log2(127 / np.maximum(peak, 1))), 2.0**16)
@@ -1099,9 +1103,7 @@ def finer_weight_steps(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
             continue
         if edit.opset_version(model) < 13:  # per-channel weights need DequantizeLinear's axis
             return _again_at_opset_13(model, finer_weight_steps)
-        scale = np.broadcast_to(
-            _array(view.inits, w_dq.input[1]).astype(np.float32).reshape(-1), (channels,)
-        )
+        scale = np.broadcast_to(given.astype(np.float32).reshape(-1), (channels,))
         shape = (channels,) + (1,) * (weights.ndim - 1)
         base = conv.name or conv.output[0]
         q_name = _initializer(
