@@ -771,11 +771,13 @@ def test_per_channel_activations_become_one_grid_over_all_their_ranges() -> None
     for x in inputs():
         want, got = run(source, x), run(converted, x)
         assert snr_db(want, got) > 20.0  # the finest channels rounded 8x coarser
-    assert pq.float_op_weights(source)[1].changed is False  # every op's result is quantized
+    # every op's result is quantized, the Relu's on one grid now (a Q per channel groups nothing)
+    assert pq.float_op_weights(source)[1].changed
+    assert pq.float_op_weights(converted)[1].changed is False
 
 
 def test_weights_of_an_op_whose_result_stays_float_become_constants_exactly() -> None:
-    source = _nncf_style([2.0**-5] * 4)
+    source, _ = pq.per_tensor_activations(_nncf_style([2.0**-5] * 4))  # as for_htp runs them
     converted, change = pq.float_op_weights(source)
     (detail,) = change.details
     assert "its result unquantized" in detail
@@ -1724,14 +1726,18 @@ def test_a_kept_models_quantize_gate_is_its_rounding_floor_less_a_margin_where_l
     assert kept_model_gate(0.0, [10.0]) == 0.0  # the gate is off
 
 
-def _relu6_model(zero: int, dtype: type = np.uint8, step: float = 6 / 127) -> onnx.ModelProto:
+def _relu6_model(
+    zero: int, dtype: type = np.uint8, step: float = 6 / 127, fused: bool = False
+) -> onnx.ModelProto:
     """Conv -> Clip(0, 6) -> Conv in QDQ form, the Clip's output on a grid from -6 to 6 (zero
-    point mid-range, as onnxruntime's ActivationSymmetric writes it) or 0 to 12 (zero 0)."""
+    point mid-range, as onnxruntime's ActivationSymmetric writes it) or 0 to 12 (zero 0).
+    ``fused``: no Q/DQ between the first Conv and the Clip (as AMD Quark and NNCF write it)."""
     b = Builder()
     rng = np.random.default_rng(6)  # the same weights whichever tests ran before
     x = b.qdq("x", 0.04, zero, dtype)
     first = b.weight([3, 3, 3, 3], rng=rng)
-    conv = b.qdq(b.node("Conv", [x, first], pads=[1, 1, 1, 1]), 0.05, zero, dtype)
+    conv = b.node("Conv", [x, first], pads=[1, 1, 1, 1])
+    conv = conv if fused else b.qdq(conv, 0.05, zero, dtype)
     clipped = b.node("Clip", [conv, b.const(np.float32(0)), b.const(np.float32(6))])
     gated = b.qdq(clipped, step, zero, dtype)
     second = b.weight([3, 3, 1, 1], 2.0**-5, rng=rng)
@@ -1753,6 +1759,23 @@ def test_a_clip_grid_wider_than_its_bounds_is_spread_over_them(zero: int, dtype:
     assert pq.clip_bounds_on_the_grid(within)[1].changed is False
 
 
+def test_a_clip_right_after_a_quantized_conv_gets_its_bounds_grid_and_the_conv_its_unit() -> None:
+    """Conv -> Clip(0, 6) -> Q on a grid from -6 to 6: the QNN EP fuses the Clip into the Conv
+    only when it is redundant beside the grid, so the Conv was no quantized unit (its weights
+    would go float); spread over the bounds, the Conv, Clip and Q are one unit."""
+    source = _relu6_model(128, fused=True)
+    assert pq.float_op_weights(source)[1].changed  # as it is: the Clip is not redundant
+    converted, change = pq.clip_bounds_on_the_grid(source)
+    assert len(change.details) == 1 and "-> its bounds [0, 6]" in change.details[0]
+    assert pq.float_op_weights(converted)[1].changed is False
+    for x in inputs():
+        assert snr_db(run(source, x), run(converted, x)) > 30.0
+    b = Builder()  # a Relu after a Conv whose Q keeps negative values is no fusion either
+    conv = b.node("Conv", [b.qdq("x", 2.0**-5, 128), b.weight([4, 3, 1, 1])])
+    real_relu = b.model(b.qdq(b.node("Relu", [conv]), 2.0**-4, 128))
+    assert pq.float_op_weights(real_relu)[1].changed
+
+
 @pytest.mark.qnn
 def test_the_htp_clips_a_relu6_only_through_its_output_grid(tmp_path: Path) -> None:
     """Measured on the simulator: the HTP leaves a quantized Clip's bounds to the saturation of
@@ -1765,8 +1788,8 @@ def test_the_htp_clips_a_relu6_only_through_its_output_grid(tmp_path: Path) -> N
     sample = tmp_path / "sample.npz"
     np.savez(sample, x=np.random.default_rng(0).normal(0, 2, SHAPE).astype(np.float32))
     results = {}
-    for zero in (128, 0):
-        source = _relu6_model(zero)
+    for zero in (128, 0, "fused"):
+        source = _relu6_model(128, fused=True) if zero == "fused" else _relu6_model(zero)
         onnx.save(source, tmp_path / f"source_{zero}.onnx")
         for name, model in (("as_is", source), ("on_bounds", pq.for_htp(source)[0])):
             path = tmp_path / f"{name}_{zero}.onnx"
@@ -1774,10 +1797,12 @@ def test_the_htp_clips_a_relu6_only_through_its_output_grid(tmp_path: Path) -> N
             result = probe(
                 path, tmp_path / f"source_{zero}.onnx", [sample], tmp_path / path.stem, 60, 73
             )
+            if name == "as_is" and zero == "fused":  # the Conv ungrouped: a float op
+                continue
             assert result.ok and (result.partitions, result.cpu_nodes) == (1, 0), result
             results[name, zero] = result.worst_ctx_vs_float
     assert results["as_is", 128] < 10.0 and results["as_is", 0] < 20.0, results
-    assert results["on_bounds", 128] > 30.0 and results["on_bounds", 0] > 30.0, results
+    assert all(results["on_bounds", zero] > 30.0 for zero in (128, 0, "fused")), results
 
 
 def _zero_add_model(dtype: type = np.uint16) -> onnx.ModelProto:

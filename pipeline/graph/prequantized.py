@@ -1233,6 +1233,38 @@ def affine_into_quantized_conv(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
     return _finish(model, "affine_into_quantized_conv", details)
 
 
+def _fuses_into_conv(clip: onnx.NodeProto, view: _Graph) -> bool:
+    """A Clip read after a Conv/ConvTranspose whose input and weights are quantized and whose
+    result only it reads: what the QNN EP fuses into the Conv when the Clip is redundant."""
+    conv = view.producer.get(clip.input[0])
+    return (
+        conv is not None
+        and conv.op_type in ("Conv", "ConvTranspose")
+        and conv.domain in _DEFAULT
+        and view.activation_dq(conv.input[0]) is not None
+        and view.constant_dq(conv.input[1]) is not None
+        and len(view.consumers.get(conv.output[0], [])) == 1
+        and conv.output[0] not in view.outputs
+    )
+
+
+def _redundant_before(activation: onnx.NodeProto, q: onnx.NodeProto, view: _Graph) -> bool:
+    """Whether a Relu or Clip changes nothing that the Q after it keeps (the QNN EP's test for
+    fusing it into the Conv before it): the Q's range starts at zero for a Relu, lies within
+    the bounds for a Clip."""
+    params = _params(q, view.inits)
+    if params is None:
+        return False
+    low, high = _INT_RANGES[params.elem_type]
+    bottom = (low - params.zero_point) * params.scale
+    top = (high - params.zero_point) * params.scale
+    if activation.op_type == "Relu":
+        return bottom >= 0
+    bounds = _clip_bounds(activation, view.inits)
+    epsilon = float(np.finfo(np.float32).eps)
+    return bounds is not None and bounds[0] - bottom <= epsilon and top - bounds[1] <= epsilon
+
+
 def _output_quantized(node: onnx.NodeProto, view: _Graph) -> bool:
     """Whether the op's result reaches a QuantizeLinear as the QNN EP groups it: read only by
     such (a float reader beside one leaves the op ungrouped: a detector head's Conv read by its
@@ -1244,7 +1276,11 @@ def _output_quantized(node: onnx.NodeProto, view: _Graph) -> bool:
         activation = readers[0]
         if activation.op_type in ("Relu", "Clip"):
             after = view.consumers.get(activation.output[0], [])
-            return any(r.op_type == QUANTIZE for r in after)
+            return (
+                len(after) == 1
+                and after[0].op_type == QUANTIZE
+                and _redundant_before(activation, after[0], view)
+            )
     return False
 
 
@@ -1488,7 +1524,10 @@ def clip_bounds_on_the_grid(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     onnxruntime writes with ActivationSymmetric; a uint8 grid from 0 to 12 on one) then passes
     values the model clips: a ReLU6 between two Convs read 0.1 dB against the CPU, a DeepLab
     segmenter -3 dB. On the bounds' grid the HTP's saturation is the clip; its values move by
-    less than half a step of the old grid (finer steps, never coarser).
+    less than half a step of the old grid (finer steps, never coarser). So for a Clip right
+    after a quantized Conv: the QNN EP fuses the two only when the Clip is redundant beside the
+    output's grid, and a wider grid left the Conv ungrouped, its int32 bias DQ on the CPU (AMD
+    Quark's XINT8 DeepLab: 68 DQs on the CPU).
     """
     model = edit.copy_model(model)
     graph = model.graph
@@ -1499,7 +1538,9 @@ def clip_bounds_on_the_grid(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
         if clip.op_type != "Clip" or clip.domain not in _DEFAULT:
             continue
         bounds = _clip_bounds(clip, view.inits)
-        if bounds is None or view.activation_dq(clip.input[0]) is None:
+        if bounds is None or not (
+            view.activation_dq(clip.input[0]) is not None or _fuses_into_conv(clip, view)
+        ):
             continue
         readers = view.consumers.get(clip.output[0], [])
         params = [_params(r, view.inits) if r.op_type == QUANTIZE else None for r in readers]
