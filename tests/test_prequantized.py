@@ -1283,7 +1283,8 @@ def test_a_kept_model_the_htp_computes_far_off_names_requantize(
     multiples of 256 (README: measured and not acted on), with weights of -1, 0 and 1 steps, so
     that its sums are a few hundred steps: the floor is their size, while the model's own
     rounding floor (inputs moved by half a step) stays small. The quantize stage's gate, which
-    holds the judge's figure, refuses it and names ``requantize = true``."""
+    holds the judge's figure, refuses it and names ``requantize = true``, and the locator names
+    where the HTP parts from the CPU."""
     from pipeline.__main__ import main
 
     b = Builder()
@@ -1306,6 +1307,9 @@ def test_a_kept_model_the_htp_computes_far_off_names_requantize(
     assert kept["ctx_vs_qdq_db"] < 20.0, kept
     assert any("below compile's gate" in r for r in htp["remedies"]), htp["remedies"]
     assert not report["passed"] and float(report["worst_snr_db"]) >= report["min_snr_db"]
+    # nothing to decide, but the diagnosis: where the HTP and the CPU part (the Conv)
+    assert htp["divergence"]["op_type"] == "Conv" and htp["divergence"]["snr_db"] < 20.0
+    assert "the two part first at y, Conv" in said, said
 
 
 # -- onnxruntime's dynamic quantization --------------------------------------------------------

@@ -591,6 +591,9 @@ def _measure_own(config: ModelConfig, paths: ModelPaths, state: _State) -> HtpJu
         return nothing
     started = time.perf_counter()
     bucket = paths.bucket(names[0])
+    jitter = state.own.input_jitter.values() if state.own else ()
+    floors = [a.snr_db for a in jitter if a.snr_db == a.snr_db]  # NaN: no figure
+    gate = min([config.compile.min_snr_db, *(f - OWN_ROUNDING_MARGIN_DB for f in floors)])
     judgement, _ = judge_on_htp(
         config,
         state.prepared[names[0]].float_path,
@@ -602,13 +605,12 @@ def _measure_own(config: ModelConfig, paths: ModelPaths, state: _State) -> HtpJu
         paths.root,
         bucket.htp_probe,
         decide=False,
+        # compile's gate, which gates nothing at 0: below it, the locator says where
+        diagnose_below_db=gate if config.compile.min_snr_db > 0 else float("-inf"),
     )
     state.timings["judge"] = time.perf_counter() - started
     if judgement.judge == "htp":
-        kept = judgement.rounds[-1] if judgement.rounds else None
-        jitter = state.own.input_jitter.values() if state.own else ()
-        floors = [a.snr_db for a in jitter if a.snr_db == a.snr_db]  # NaN: no figure
-        gate = min([config.compile.min_snr_db, *(f - OWN_ROUNDING_MARGIN_DB for f in floors)])
+        kept = judgement.rounds[0] if judgement.rounds else None  # a locate may follow it
         problem = ""
         if kept is not None and (kept.partitions != 1 or kept.cpu_nodes):
             problem = (
@@ -625,6 +627,12 @@ def _measure_own(config: ModelConfig, paths: ModelPaths, state: _State) -> HtpJu
                 f"the HTP computes its own quantization {kept.ctx_vs_qdq_db:.1f} dB from the "
                 f"model on the CPU, below compile's gate of {gate:.1f} dB"
             )
+            where = judgement.divergence
+            if where is not None:
+                problem += (
+                    f" (the two part first at {where.tensor}, {where.op_type} "
+                    f"{where.node!r}: {where.snr_db:.1f} dB)"
+                )
         if problem:  # the compile gate refuses it; say here what would build it
             _advise_requantize(config, judgement, problem)
         return judgement

@@ -219,6 +219,7 @@ def judge_on_htp(
     cpu_snr_db: float | None = None,
     decide: bool = True,
     on_short: Callable[[], None] | None = None,
+    diagnose_below_db: float = float("-inf"),
 ) -> tuple[HtpJudgement, Candidate]:
     """Check the current QDQ model on the HTP and improve it while it is short of the target.
 
@@ -230,7 +231,9 @@ def judge_on_htp(
     the quantized model only runs on the HTP when fp16 does not reach the target either.
     ``decide = False`` (a pre-quantized model keeping its own quantization): one run, measured
     and reported, no remedy. ``on_short`` is called once, before any remedy, when the first
-    round is short of the target: it may raise to rebuild on another preparation."""
+    round is short of the target: it may raise to rebuild on another preparation.
+    ``diagnose_below_db``: with nothing to decide, a context below it is located all the same
+    (the report names where the HTP parts from the CPU)."""
     q = config.quantization
     current = Candidate("as quantized" if decide else "its own quantization", dict(overrides))
     initial = current  # on disk until the builder builds another
@@ -593,6 +596,11 @@ def judge_on_htp(
             result = attempt(candidate)
         if not tried_float16 and _score(best_result) < target_db:
             result = attempt(whole_float16("every other remedy left it short of the target"))
+        if not decide and _score(best_result) < diagnose_below_db:
+            # Nothing to decide for a model kept as it is, but one the HTP computes this far
+            # from itself gets its diagnosis: where the two part ways (an A16W8 PP-PicoDet by
+            # AMD Quark: from 61.2 dB into its first depthwise Conv to 7.9 out of it).
+            locate()
         if unlocated is not None and divergence is None and _score(best_result) < target_db:
             # Nothing passed: the report names where the HTP parts from the CPU after all.
             builder.build(unlocated)
