@@ -773,14 +773,16 @@ def test_per_channel_activations_become_one_grid_over_all_their_ranges() -> None
         assert snr_db(want, got) > 20.0  # the finest channels rounded 8x coarser
     # every op's result is quantized, the Relu's on one grid now (a Q per channel groups nothing)
     assert pq.float_op_weights(source)[1].changed
-    assert pq.float_op_weights(converted)[1].changed is False
+    moved, _ = pq.propagate_qdq(converted)  # the MaxPool's grid after it, as for_htp does
+    assert pq.float_op_weights(moved)[1].changed is False
 
 
 def test_weights_of_an_op_whose_result_stays_float_become_constants_exactly() -> None:
     source, _ = pq.per_tensor_activations(_nncf_style([2.0**-5] * 4))  # as for_htp runs them
+    source, _ = pq.propagate_qdq(source)
     converted, change = pq.float_op_weights(source)
     (detail,) = change.details
-    assert "its result unquantized" in detail
+    assert "no quantized unit" in detail
     inits = edit.initializers_by_name(converted.graph)
     sigmoid = next(n for n in converted.graph.node if n.op_type == "Sigmoid")
     head = next(n for n in converted.graph.node if n.output[0] == sigmoid.input[0])
@@ -885,6 +887,44 @@ def test_an_op_read_by_its_q_and_by_a_float_op_is_no_quantized_unit() -> None:
     ]
     assert_same(source, converted)
     assert not pq.float_op_weights(conv_net())[1].changed  # read by its Q alone
+
+
+def test_a_conv_reading_a_float_activation_gets_float_weights() -> None:
+    """A Conv whose input is left in float (PPQ after an unfolded BatchNorm) is no quantized
+    unit either, whatever quantizes its result: its weights become constants, exactly."""
+    b = Builder()
+    x = b.qdq("x", 2.0**-5, 128)
+    scaled = b.node("Mul", [x, b.const(np.float32(1.5))])  # a float op, nothing quantizes it
+    conv = b.node("Conv", [scaled, b.weight([4, 3, 1, 1]), b.bias(4, 2.0**-11)])
+    source = b.model(b.qdq(b.node("Flatten", [b.qdq(conv, 2.0**-4, 128)]), 2.0**-4, 128))
+    converted, change = pq.float_op_weights(source)
+    (detail,) = change.details
+    assert "Conv" in detail and "no quantized unit" in detail
+    assert_same(source, converted, fused=False)
+
+
+def test_a_model_onnxruntime_fuses_into_a_kernel_that_fails_runs_as_written() -> None:
+    """PPQ's OpenVINO export quantizes a MatMul's weights along K (one scale per row): the model
+    loads, but onnxruntime fuses it into a QLinearMatMul that refuses such a zero point at the
+    first run. The pipeline's CPU session then runs each Q, DQ and MatMul as written (ONNX's
+    semantics), and an error that is not that names the model instead of a raw traceback."""
+    from pipeline.core.cpu import cpu_session
+
+    b = Builder()
+    x = b.node("Reshape", [b.qdq("x", 2.0**-5, 128), b.const(np.array([1, 24, 8], np.int64))])
+    q = RNG.integers(-127, 128, (8, 4)).astype(np.int8)
+    scales, zeros = b.const(np.full(8, 2.0**-6, np.float32)), b.const(np.zeros(8, np.int8))
+    weight = b.node("DequantizeLinear", [b.const(q, "w"), scales, zeros], axis=0)
+    model = b.model(b.qdq(b.node("MatMul", [x, weight]), 2.0**-3, 128), out_shape=[1, 24, 4])
+    sample = {"x": inputs(1)[0]}
+    with pytest.raises(Exception, match="QLinearMatmul"):  # onnxruntime alone
+        ort.InferenceSession(model.SerializeToString()).run(None, sample)
+    got = cpu_session(model).run(None, sample)[0]
+    np.testing.assert_array_equal(got, run(model, sample["x"], fused=False))
+    broken = copy.deepcopy(model)
+    broken.graph.node[0].input[1] = "missing"  # fails at load: named, as before
+    with pytest.raises(ModelError, match="does not load in onnxruntime"):
+        cpu_session(broken)
 
 
 @pytest.mark.qnn

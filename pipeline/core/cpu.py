@@ -35,15 +35,56 @@ def cpu_session(
     if in_node_order:
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     payload = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
+    what = str(model) if isinstance(payload, str) else f"model {model.graph.name!r}"
     try:
-        return ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime's error types are not public
         from .errors import ModelError
 
-        what = str(model) if isinstance(payload, str) else f"model {model.graph.name!r}"
         raise ModelError(
             f"{what} does not load in onnxruntime on the CPU: {exc}",
             tip="A source model must load in onnxruntime as it is; a model the pipeline wrote "
             "(under the artifacts folder) that does not load is a pipeline bug: report it "
             "with the source model and config.",
         ) from exc
+    return _CpuSession(session, payload, options, what)
+
+
+# What onnxruntime's fused integer kernels say when a Q/DQ pattern it fused is one they cannot
+# compute (PPQ's OpenVINO export quantizes a MatMul's weights along K: "QLinearMatmul : weight
+# zero point must be a scalar ..." at the first run, though the model loads).
+_FUSED_KERNELS = ("QLinear", "QGemm", "MatMulInteger", "ConvInteger")
+
+
+class _CpuSession:
+    """An onnxruntime session that, when a fused integer kernel fails at run time, runs the
+    model again as written (each DequantizeLinear, float op and QuantizeLinear: ONNX's own
+    semantics), and otherwise names the model in a ModelError instead of a raw traceback."""
+
+    def __init__(self, session: Any, payload: Any, options: Any, what: str) -> None:
+        self._session, self._payload, self._options, self._what = session, payload, options, what
+        self._unfused = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._session.run(*args, **kwargs)
+        except Exception as exc:  # onnxruntime's error types are not public
+            if self._unfused or not any(k in str(exc) for k in _FUSED_KERNELS):
+                from .errors import ModelError
+
+                raise ModelError(
+                    f"{self._what} does not run in onnxruntime on the CPU: {exc}",
+                    tip="Check the model with onnxruntime alone; a model the pipeline wrote "
+                    "that does not run is a pipeline bug: report it with the source model.",
+                ) from exc
+        import onnxruntime as ort
+
+        self._options.add_session_config_entry("session.disable_quant_qdq", "1")
+        self._session = ort.InferenceSession(
+            self._payload, self._options, providers=["CPUExecutionProvider"]
+        )
+        self._unfused = True
+        return self.run(*args, **kwargs)

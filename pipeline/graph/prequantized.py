@@ -1284,15 +1284,23 @@ def _output_quantized(node: onnx.NodeProto, view: _Graph) -> bool:
     return False
 
 
+def _inputs_quantized(node: onnx.NodeProto, view: _Graph) -> bool:
+    """Whether every data input of a Conv/Gemm/MatMul comes from a DequantizeLinear (the
+    activation for Conv, ConvTranspose and Gemm, whose weight and bias may be constants)."""
+    data = node.input[:2] if node.op_type == "MatMul" else node.input[:1]
+    return all(view.dq_of(name) is not None for name in data)
+
+
 def float_op_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """Quantized weights and biases of a Conv/Gemm/MatMul whose result is left in float ->
-    their float values (what the DequantizeLinear computes, as a constant).
+    """Quantized weights and biases of a Conv/Gemm/MatMul whose result is left in float, or
+    whose activation input is -> their float values (what the DequantizeLinear computes).
 
     NNCF and TensorRT-style exports leave a model's last layers (before a Sigmoid, Softmax or
-    box decoding) unquantized at the output: such an op is no quantized unit for the QNN EP,
-    which then runs it in float on the HTP but leaves the DequantizeLinear of its constants on
-    the CPU (an int32 bias: code 3110) and the model is cut in two. Exact: the constants hold
-    the values the DequantizeLinear gave.
+    box decoding) unquantized at the output, and PPQ's exports can leave a Conv's input in
+    float after an unfolded BatchNorm: such an op is no quantized unit for the QNN EP, which
+    then runs it in float on the HTP but leaves the DequantizeLinear of its constants on the
+    CPU (an int32 bias: code 3110; a per-channel weight) and the model is cut in two. Exact:
+    the constants hold the values the DequantizeLinear gave.
     """
     model = edit.copy_model(model)
     graph = model.graph
@@ -1302,7 +1310,7 @@ def float_op_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     for node in graph.node:
         if node.op_type not in _WEIGHTED or node.domain not in _DEFAULT:
             continue
-        if _output_quantized(node, view):
+        if _inputs_quantized(node, view) and _output_quantized(node, view):
             continue
         folded = []
         for index, name in enumerate(node.input):
@@ -1314,7 +1322,8 @@ def float_op_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             folded.append(name)
         if folded:
             details.append(
-                f"{edit.node_label(node)} (its result unquantized): "
+                f"{edit.node_label(node)} (no quantized unit: an input or its result in "
+                "float): "
                 f"{', '.join(repr(f) for f in folded)} dequantized into constants"
             )
     return _finish(model, "float_op_weights", details)
