@@ -308,6 +308,13 @@ class _Graph:
             return None
         return node
 
+    def weight_dq(self, node: onnx.NodeProto) -> onnx.NodeProto | None:
+        """The DequantizeLinear of a Conv/Gemm/MatMul's constant weight (input 1) when its
+        activation (input 0) comes through a DequantizeLinear too: a quantized op's operands."""
+        if len(node.input) < 2 or self.activation_dq(node.input[0]) is None:
+            return None
+        return self.constant_dq(node.input[1])
+
     def activation_dq(self, name: str) -> onnx.NodeProto | None:
         node = self.dq_of(name)
         if node is None or node.input[0] in self.inits:
@@ -837,8 +844,8 @@ def matmul_bias_to_gemm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
         if node.op_type != "MatMul" or node.domain not in _DEFAULT:
             continue
         add = _only_consumer(view, node.output[0], "Add")
-        w_dq = view.constant_dq(node.input[1])
-        if add is None or w_dq is None or view.activation_dq(node.input[0]) is None:
+        w_dq = view.weight_dq(node)
+        if add is None or w_dq is None:
             continue
         bias = add.input[1] if add.input[0] == node.output[0] else add.input[0]
         weight = view.inits.get(w_dq.input[0])
@@ -1079,9 +1086,8 @@ def finer_weight_steps(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     for conv in graph.node:
         if conv.op_type != "Conv" or conv.domain not in _DEFAULT or len(conv.input) < 3:
             continue
-        w_dq = view.constant_dq(conv.input[1])
-        bias = conv.input[2]
-        if view.activation_dq(conv.input[0]) is None or w_dq is None or not bias:
+        w_dq, bias = view.weight_dq(conv), conv.input[2]
+        if w_dq is None or not bias:
             continue
         b_dq = view.constant_dq(bias)
         if b_dq is not None and view.inits[b_dq.input[0]].data_type == onnx.TensorProto.INT32:
@@ -1148,8 +1154,8 @@ def affine_into_quantized_conv(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
     for conv in list(graph.node):
         if conv.op_type != "Conv" or conv.domain not in _DEFAULT:
             continue
-        w_dq = view.constant_dq(conv.input[1]) if len(conv.input) > 1 else None
-        if view.activation_dq(conv.input[0]) is None or w_dq is None:
+        w_dq = view.weight_dq(conv)
+        if w_dq is None:
             continue
         weights = _array(view.inits, w_dq.input[0])
         readers = view.consumers.get(conv.output[0], [])
@@ -1241,8 +1247,7 @@ def _fuses_into_conv(clip: onnx.NodeProto, view: _Graph) -> bool:
         conv is not None
         and conv.op_type in ("Conv", "ConvTranspose")
         and conv.domain in _DEFAULT
-        and view.activation_dq(conv.input[0]) is not None
-        and view.constant_dq(conv.input[1]) is not None
+        and view.weight_dq(conv) is not None
         and len(view.consumers.get(conv.output[0], [])) == 1
         and conv.output[0] not in view.outputs
     )
