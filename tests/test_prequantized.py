@@ -865,6 +865,11 @@ def test_weight_steps_of_a_channel_using_little_of_int8_get_finer_and_its_bias_g
     coarse = np.abs(bias_after_int32(source) - want)  # grid 2^-5: moved by up to 2^-6
     fine = np.abs(bias_after_int32(finer) - want)
     assert coarse[1:].max() > 0.005 and fine[1:].max() < coarse[1:].max() / 3
+    on_grid = copy.deepcopy(source)  # biases on the input x weight grid already (2^-5 steps)
+    for init in on_grid.graph.initializer:
+        if init.name == bias:
+            init.CopyFrom(numpy_helper.from_array(np.float32([0.3125, -0.6875, 0.4375]), bias))
+    assert pq.finer_weight_steps(on_grid)[1].changed is False
 
 
 def test_an_op_read_by_its_q_and_by_a_float_op_is_no_quantized_unit() -> None:

@@ -1067,6 +1067,19 @@ def _again_at_opset_13(
     return edit.checked_change(result, change.step, details)
 
 
+def _bias_on_grid(conv: onnx.NodeProto, view: _Graph, weight_scale: np.ndarray) -> bool:
+    """Whether a Conv's bias values are whole multiples of input x weight scale already, the
+    grid int32_biases puts them on (a Vitis-AI model's power-of-two scales): no step moves."""
+    x_params = _params(view.activation_dq(conv.input[0]), view.inits)
+    b_dq = view.constant_dq(conv.input[2])
+    bias = _dq_value(b_dq, view.inits) if b_dq is not None else _array(view.inits, conv.input[2])
+    if x_params is None or bias is None or bias.size != weight_scale.size:
+        return False
+    grid = (np.float32(x_params.scale) * weight_scale.astype(np.float32)).astype(np.float64)
+    steps = bias.astype(np.float64).reshape(-1) / grid
+    return bool(np.all(steps == np.round(steps)))
+
+
 def finer_weight_steps(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Symmetric int8 weights of a Conv whose output channel uses a fraction of the int8 range
     (per-tensor weights: a depthwise channel at |q| <= 18 where another reaches 127) -> that
@@ -1076,7 +1089,9 @@ def finer_weight_steps(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     and a coarse weight step makes that grid coarse too: NNCF's per-tensor weights (below opset
     13) put PP-PicoDet's first biases 3 steps from zero (the bias moved by up to 1.1 where the
     output's step is 0.2; the model 2.3 dB from itself on the CPU). A finer weight step makes the
-    bias grid finer by the same factor. Per-channel weights: opset 13 at least.
+    bias grid finer by the same factor. Per-channel weights: opset 13 at least. A bias already
+    on its grid is left as it is: onnxruntime's integer kernels round other weights differently
+    (a Vitis-AI RetinaFace: inf -> 26.2 dB from itself on the CPU, for nothing).
     """
     model = edit.copy_model(model)
     graph = model.graph
@@ -1105,11 +1120,11 @@ def finer_weight_steps(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
         peak = np.abs(weights.reshape(channels, -1).astype(np.int64)).max(axis=1)
         # a channel of zeros takes any step: one 2^16 finer leaves its bias nearly as it was
         factor = np.where(peak > 0, 2.0 ** np.floor(np.log2(127 / np.maximum(peak, 1))), 2.0**16)
-        if not np.any(factor > 1):
-            continue
+        scale = np.broadcast_to(given.astype(np.float32).reshape(-1), (channels,))
+        if not np.any(factor > 1) or _bias_on_grid(conv, view, scale):
+            continue  # nothing to refine, or nothing to gain: the bias is on its grid already
         if edit.opset_version(model) < 13:  # per-channel weights need DequantizeLinear's axis
             return _again_at_opset_13(model, finer_weight_steps)
-        scale = np.broadcast_to(given.astype(np.float32).reshape(-1), (channels,))
         shape = (channels,) + (1,) * (weights.ndim - 1)
         base = conv.name or conv.output[0]
         q_name = _initializer(
