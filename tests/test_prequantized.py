@@ -17,7 +17,7 @@ from onnx import TensorProto, numpy_helper
 
 from pipeline.core.config import InputsSection, load_config
 from pipeline.core.errors import ConfigError, ModelError
-from pipeline.core.metrics import snr_db
+from pipeline.core.metrics import snr_db, worst_snr
 from pipeline.graph import edit
 from pipeline.graph import prequantized as pq
 from pipeline.graph.prepare import prepare_model
@@ -1136,6 +1136,66 @@ def test_ctx_gate_of_a_prequantized_output_follows_its_rounding_floor() -> None:
     worse = {**summary, "scores": Accuracy(18.0, 0.1, 0.99)}
     assert snr_gate(20.0, {"boxes": 11.5}, worse)[0] is False
     assert snr_gate(0.0, {}, worse) == (True, "no SNR gate")
+    # Its ctx may part from the form rewritten for the HTP yet keep to the model as it came
+    # (a rewrite moved the CPU's figure): a pre-quantized output passes on either reference.
+    rewritten = {**summary, "boxes": Accuracy(9.0, 0.6, 0.98)}
+    itself = {"boxes": Accuracy(12.0, 0.5, 0.99), "scores": Accuracy(43.0, 0.01, 1.0)}
+    assert snr_gate(20.0, {"boxes": 11.5}, rewritten)[0] is False
+    passed, gate = snr_gate(20.0, {"boxes": 11.5}, rewritten, itself)
+    assert passed and "the model itself" in gate
+    # ... but only at its own gate, and only a pre-quantized model's output.
+    assert snr_gate(20.0, {"boxes": 12.5}, rewritten, itself)[0] is False
+    assert snr_gate(20.0, {}, rewritten, itself)[0] is False
+
+
+def test_validation_passes_a_prequantized_output_on_the_model_itself(tmp_path: Path) -> None:
+    """compile's validation runs the ctx against the QDQ model (the pre-quantized model as
+    rewritten for the HTP) and the prepared source (the "float" model: the model as it came).
+    Here the rewritten form is off and the ctx's outputs are the source's: with a rounding floor
+    (a kept model) the output passes on the model itself; without one (a model this pipeline
+    quantized) it fails on ctx vs QDQ. The ctx is a CPU session of the source: validate only
+    runs it."""
+    from pipeline.compile.job import BucketJob, CompileJob
+    from pipeline.compile.worker import validate
+
+    def save(model: onnx.ModelProto, name: str) -> str:
+        path = tmp_path / name
+        onnx.save(model, str(path))
+        return str(path)
+
+    b = Builder()
+    source = save(
+        b.model(b.qdq(b.qdq("x", 2.0**-5, 128, np.uint8), 2.0**-5, 128, np.uint8)), "s.onnx"
+    )
+    b = Builder()
+    y = b.node("Add", [b.qdq("x", 2.0**-5, 128, np.uint8), b.const(np.float32(0.4))])
+    rewritten = save(b.model(b.qdq(y, 2.0**-5, 128, np.uint8)), "r.onnx")
+    samples = []
+    for index, x in enumerate(inputs(3)):
+        samples.append(str(tmp_path / f"sample_{index}.npz"))
+        np.savez(samples[-1], x=(x / 2).astype(np.float32))
+    bucket = BucketJob("static", rewritten, source, samples, "c.onnx")
+
+    def job(floors: dict[str, float]) -> CompileJob:
+        return CompileJob(
+            "pq",
+            "t",
+            [bucket],
+            str(tmp_path),
+            str(tmp_path / "r.json"),
+            60,
+            73,
+            "2.51.0",
+            [],
+            min_snr_db=20.0,
+            snr_floor_db=floors,
+        )
+
+    ctx = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+    kept = validate(job({"y": 15.0}), bucket, ctx)
+    assert worst_snr(kept.ctx_vs_qdq) < 15.0 and worst_snr(kept.ctx_vs_float) == float("inf")
+    assert kept.passed and "the model itself" in kept.gate, kept.gate
+    assert not validate(job({}), bucket, ctx).passed
 
 
 def test_a_prequantized_model_the_htp_fails_on_is_judged_on_the_cpu(tmp_path: Path) -> None:

@@ -54,8 +54,13 @@ def describe(r: VariantRecord, skipped: bool = False) -> str:
     text = (
         f"{verdict} {head}: {c.qnn_partitions if c else '-'} QNN partition(s), "
         f"{len(c.cpu_compute_nodes) if c else '-'} CPU node(s), "
-        f"ctx vs QDQ {fmt(v.worst_snr_db if v else None, 1)} dB, "
-        f"load {fmt(load.ratio if load else None, 1)}x faster than QDQ (HTP simulator, "
+        f"ctx vs QDQ {fmt(v.worst_snr_db if v else None, 1)} dB"
+        + (
+            f" (vs float {fmt(v.worst_snr_vs_float_db, 1)} dB), "
+            if v and v.worst_snr_vs_float_db is not None
+            else ", "
+        )
+        + f"load {fmt(load.ratio if load else None, 1)}x faster than QDQ (HTP simulator, "
         "not device latency)"
     )
     primary = r.sets[0] if r.sets else None

@@ -622,10 +622,14 @@ def _measure_own(config: ModelConfig, paths: ModelPaths, state: _State) -> HtpJu
             and kept.ctx_vs_qdq_db is not None
             and config.compile.min_snr_db > 0  # 0: compile gates nothing
             and kept.ctx_vs_qdq_db < gate
+            # compile passes it on either: the model as rewritten for the HTP, or as it came
+            and (kept.ctx_vs_float_db is None or kept.ctx_vs_float_db < gate)
         ):
+            itself = "" if kept.ctx_vs_float_db is None else f" ({kept.ctx_vs_float_db:.1f} dB"
+            itself += " from the model as it came)" if itself else ""
             problem = (
                 f"the HTP computes its own quantization {kept.ctx_vs_qdq_db:.1f} dB from the "
-                f"model on the CPU, below compile's gate of {gate:.1f} dB"
+                f"model on the CPU{itself}, below compile's gate of {gate:.1f} dB"
             )
             where = judgement.divergence
             if where is not None:
