@@ -213,3 +213,63 @@ def test_a_constant_input_filled_from_one_number_feeds_the_source(tmp_path: Path
     check = check_preparation("m", source, inputs, path, heldout(tmp_path / "h"))
     assert not check.error and check.samples == 4
     assert check.passed and check.snr_db is not None and check.snr_db >= 60
+
+
+def test_a_step_more_exact_than_onnxruntimes_sigmoid_is_not_blamed_for_its_error(
+    tmp_path: Path,
+) -> None:
+    """A detector's geometric-mean score, sqrt(sigmoid(a) * sigmoid(b)), over background logits:
+    onnxruntime's CPU Sigmoid is off by up to 1.5e-7 absolutely (0 below x = -17), which the
+    square root of tiny products magnifies, and preparation computes the score exactly in log
+    space (``rewrite_sqrt_of_sigmoids``). Against the source as onnxruntime computes it the
+    prepared model reads far below 60 dB; with every Sigmoid computed from exp in both, it is
+    the same function, and the report says how the reference was computed."""
+    nodes = [
+        oh.make_node("Sigmoid", ["a"], ["pa"]),
+        oh.make_node("Sigmoid", ["b"], ["pb"]),
+        oh.make_node("Mul", ["pa", "pb"], ["p"]),
+        oh.make_node("Sqrt", ["p"], ["y"]),
+    ]
+    shape = [1, 256]
+    graph = oh.make_graph(
+        nodes,
+        "score",
+        [oh.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in "ab"],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+    )
+    source = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 13)])
+    source.ir_version = 7
+    path = prepared_file(source, tmp_path)
+    assert "Sigmoid" not in {n.op_type for n in onnx.load(str(path)).graph.node}
+    folder = tmp_path / "h"
+    folder.mkdir()
+    for i in range(4):  # background: one class's logit far below zero, the other's below
+        a = RNG.uniform(-24, -10, shape).astype("f4")
+        np.savez(folder / f"sample_{i:05d}.npz", a=a, b=RNG.uniform(-8, -2, shape).astype("f4"))
+    plain, _ = lossless.compare(source, path, lossless._limited(folder, 4), NO_INPUTS)
+    assert plain < lossless.MIN_PREPARED_SNR_DB  # onnxruntime's Sigmoid, not the step
+    check = check_preparation("m", source, NO_INPUTS, path, folder)
+    assert check.passed and check.snr_db is not None and check.snr_db > 100, check
+    assert lossless.SIGMOIDS_FROM_EXP in check.reference
+
+
+def test_with_sigmoids_from_exp_a_step_that_changes_the_function_is_still_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second comparison is a second opinion on rounding, not a pass: the legacy Upsample
+    upgraded without its pinned semantics (as in the test above), after a Sigmoid, still fails
+    and the steps are measured with the Sigmoids expanded on both sides."""
+    from pipeline.graph import legacy
+
+    source = tiny(upsample=True)
+    relu = next(n for n in source.graph.node if n.op_type == "Relu")
+    relu.op_type = "Sigmoid"
+
+    def no_pin(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+        return model, Change("pin_legacy_semantics")
+
+    monkeypatch.setattr(legacy, "pin_legacy_semantics", no_pin)
+    path = prepared_file(source, tmp_path)
+    check = check_preparation("m", source, NO_INPUTS, path, heldout(tmp_path / "h"))
+    assert not check.passed and check.culprit == "upgrade_opset", check
+    assert lossless.SIGMOIDS_FROM_EXP in check.reference

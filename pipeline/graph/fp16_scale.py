@@ -434,6 +434,31 @@ def exact_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
 TANH_LIMIT = 40.0
 
 
+def sigmoids_from_exp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Every Sigmoid computed as 1 / (1 + exp(-x)), at any opset (Neg, Exp, Add, Reciprocal):
+    for comparing two float32 models on onnxruntime's CPU, not for the HTP (``exact_sigmoids``).
+
+    onnxruntime's CPU Sigmoid (MLAS's logistic) is within 1.5e-7 of the function in absolute
+    terms, so off by 10-100% under 1e-6 and 0 below about 4e-8 (x < -17), where exp stays within
+    1e-7 of it relatively. Under a square root of a product of probabilities (a detector's
+    geometric-mean score) those errors grow by orders of magnitude: a PP-PicoDet whose scores
+    the preparation computes exactly (``rewrite_sqrt_of_sigmoids``) read 53.6 dB from the
+    source, the source's own error."""
+    return _expand_each(
+        model,
+        "Sigmoid",
+        {"one": 1.0},
+        [
+            ("Neg", ("x",), "neg"),
+            ("Exp", ("neg",), "exp"),
+            ("Add", ("exp", "one"), "den"),
+            ("Reciprocal", ("den",), "sigmoid"),
+        ],
+        "sigmoid(x) = 1 / (1 + exp(-x))",
+        step="sigmoids_from_exp",
+    )
+
+
 def exact_tanhs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """In a model the HTP runs in fp16: every Tanh is computed as
     sign(x) * (1 - e) / (1 + e), e = exp(-2|x|), x clipped to +-40 (the same function in

@@ -10,6 +10,12 @@ the first step whose prefix falls below the floor is the one that changed the fu
 the report lists every step's figure. A prefix that onnxruntime cannot run (ops parked in a
 private domain across the opset upgrade) is skipped; the next runnable one is measured.
 
+Where the two part by more than the floor and the models hold Sigmoids, they are compared again
+with every Sigmoid computed from exp on both sides (``graph.fp16_scale.sigmoids_from_exp``):
+onnxruntime's CPU Sigmoid is only absolutely accurate, and a step that computes tiny
+probabilities exactly (a geometric mean of scores, in log space) must not be blamed for the
+source's own error; the report's reference says so.
+
 A float16 source is compared in float32 (its own float16 rounding is not a change of function:
 the preparation computes the same function at higher precision); the report gives the figure
 against the float16 run too.
@@ -17,7 +23,7 @@ against the float16 run too.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,9 +122,11 @@ def per_step(
     samples: list[Feeds],
     optimize: bool = True,
     lstm_nodes: int | None = None,
+    transform: Callable[[Any], Any] | None = None,
 ) -> Iterator[StepFigure]:
     """Each preparation step's prefix vs ``reference`` (a session), in order: the steps the
-    prepared model went through (``lstm_nodes`` as ``prepare_model`` had it)."""
+    prepared model went through (``lstm_nodes`` as ``prepare_model`` had it); ``transform``
+    is applied to each prefix before it runs, as it was to the reference."""
     from ..graph.prepare import preparation_steps
 
     model = source
@@ -132,7 +140,8 @@ def per_step(
         if not change.changed:
             continue
         try:
-            last, _ = compare(reference, model, samples, inputs, optimize)
+            measured = model if transform is None else transform(model)
+            last, _ = compare(reference, measured, samples, inputs, optimize)
         except Exception as exc:  # onnxruntime cannot run this intermediate model
             yield StepFigure(change.step, None, f"not runnable: {type(exc).__name__}"[:120])
             continue
@@ -191,13 +200,58 @@ def check_preparation(
             floor, snr, count, True, label, float16_snr_db=float16,
             rounding_floor_db=rounding_floor_db,
         )  # fmt: skip
+    transform = None
+    exact = _sigmoids_from_exp(reference, prepared)
+    if exact is not None:
+        try:
+            exact_session = cpu_session(exact[0], optimize)
+            exact_snr, _ = compare(exact_session, exact[1], samples, inputs, optimize)
+        except Exception:  # onnxruntime cannot run the expanded forms: the plain figure stands
+            pass
+        else:
+            snr, ref_session, transform = exact_snr, exact_session, _expand_sigmoids
+            label += f" ({SIGMOIDS_FROM_EXP})"
+            if snr >= floor:
+                return PreparationCheck(
+                    floor, snr, count, True, label, float16_snr_db=float16,
+                    rounding_floor_db=rounding_floor_db,
+                )  # fmt: skip
     steps = list(
-        per_step(source.load(), inputs, ref_session, samples[:STEP_SAMPLES], optimize, lstm_nodes)
-    )
+        per_step(
+            source.load(), inputs, ref_session, samples[:STEP_SAMPLES], optimize, lstm_nodes,
+            transform,
+        )
+    )  # fmt: skip
     return PreparationCheck(
         floor, snr, count, False, label, culprit(steps, floor), steps, float16,
         rounding_floor_db=rounding_floor_db,
     )  # fmt: skip
+
+
+SIGMOIDS_FROM_EXP = "every Sigmoid computed from exp in both models"
+
+
+def _expand_sigmoids(model: Any) -> Any:
+    from ..graph.fp16_scale import sigmoids_from_exp
+
+    return sigmoids_from_exp(model)[0]
+
+
+def _sigmoids_from_exp(reference: Any, prepared: Path) -> tuple[Any, Any] | None:
+    """(reference, prepared) with every Sigmoid computed from exp, or None when the reference
+    has none or cannot be so rewritten (``graph.fp16_scale.sigmoids_from_exp`` says why)."""
+    import onnx
+
+    from ..graph.fp16_scale import sigmoids_from_exp
+
+    try:
+        model = reference if isinstance(reference, onnx.ModelProto) else onnx.load(reference)
+        expanded, change = sigmoids_from_exp(model)
+        if not change.changed:
+            return None
+        return expanded, _expand_sigmoids(onnx.load(str(prepared)))
+    except Exception:  # a model the checker refuses once rewritten: no second opinion
+        return None
 
 
 def culprit(steps: list[StepFigure], floor: float = MIN_PREPARED_SNR_DB) -> str:
