@@ -144,6 +144,42 @@ def test_float16_source_is_compared_in_float32(tmp_path: Path) -> None:
     assert check.float16_snr_db is not None and check.float16_snr_db < check.snr_db
 
 
+def test_a_float16_model_with_float32_io_is_compared_in_float32(tmp_path: Path) -> None:
+    """onnxconverter-common's ``keep_io_types`` form: float32 inputs cast to float16, the
+    weights in Constant nodes, the result cast back. Taken for a float32 model (no float16
+    initializer, input or output), its float32 preparation was compared with its float16 run:
+    a PP-OCR classifier so converted failed at 49.3 dB (onnxruntime runs some of its float16
+    ops in float16; this small one it runs through float32 casts, so only the reference
+    tells)."""
+    from pipeline.graph.source import SourceModel, computes_in_float16
+
+    width = 16
+    nodes = [oh.make_node("Cast", ["x"], ["h0"], to=TensorProto.FLOAT16)]
+    for k in range(12):
+        weight = numpy_helper.from_array(
+            (RNG.standard_normal((width, 2 if k == 0 else width, 3, 3)) / 3).astype(np.float16)
+        )
+        nodes.append(oh.make_node("Constant", [], [f"w{k}"], value=weight))
+        nodes.append(oh.make_node("Conv", [f"h{k}", f"w{k}"], [f"c{k}"], pads=[1, 1, 1, 1]))
+        nodes.append(oh.make_node("Tanh", [f"c{k}"], [f"h{k + 1}"]))
+    nodes.append(oh.make_node("Cast", ["h12"], ["y"], to=TensorProto.FLOAT))
+    graph = oh.make_graph(
+        nodes,
+        "keep_io_types",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 6, 6])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, width, 6, 6])],
+    )
+    source = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 13)])
+    source.ir_version = 7
+    path = prepared_file(source, tmp_path)
+    samples = heldout(tmp_path / "h")
+    assert computes_in_float16(source.graph) and SourceModel.of(source).float16
+    assert not computes_in_float16(tiny().graph)
+    check = check_preparation("m", source, NO_INPUTS, path, samples)
+    assert check.passed and "float32" in check.reference, check
+    assert check.float16_snr_db is not None
+
+
 def test_culprit_names_the_unrunnable_steps_before_the_drop() -> None:
     steps = [StepFigure("a", float("inf")), StepFigure("b", None), StepFigure("c", 12.0)]
     assert culprit(steps) == "b or c"

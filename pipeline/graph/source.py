@@ -101,14 +101,8 @@ class SourceModel:
         cls, model: Any, path: Path | None = None, free_inputs: Sequence[str] = ()
     ) -> SourceModel:
         """``model``, read from the file at ``path`` (None: kept in memory)."""
-        import onnx
-
-        f16 = onnx.TensorProto.FLOAT16
-        graph = model.graph
-        float16 = any(t.data_type == f16 for t in graph.initializer) or any(
-            v.type.tensor_type.elem_type == f16 for v in (*graph.input, *graph.output)
-        )
         kept = None if path else model
+        float16 = computes_in_float16(model.graph)
         return cls(None if path is None else Path(path), kept, float16, tuple(free_inputs))
 
     def load(self) -> Any:
@@ -123,6 +117,29 @@ class SourceModel:
         if self.model is None and not self.free_inputs:
             return str(self.path)
         return self.load()
+
+
+def computes_in_float16(graph: Any) -> bool:
+    """Whether the model computes in float16 anywhere: float16 weights (initializers or
+    Constant nodes), graph inputs or outputs, or a Cast to float16. A model converted with float32
+    I/O kept (onnxconverter-common's ``keep_io_types``, as fp16 exports are usually shipped) casts
+    its inputs to float16 and holds its weights in Constants: taken for a float32 model, its
+    preparation (computed in float32) read 49 dB from it and failed the lossless check."""
+    import onnx
+
+    f16 = onnx.TensorProto.FLOAT16
+    if any(v.type.tensor_type.elem_type == f16 for v in (*graph.input, *graph.output)):
+        return True
+    for sub in edit.all_graphs(graph):
+        if any(t.data_type == f16 for t in sub.initializer):
+            return True
+        for node in sub.node:
+            for attribute in node.attribute:
+                if node.op_type == "Cast" and attribute.name == "to" and attribute.i == f16:
+                    return True
+                if attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_type == f16:
+                    return True
+    return False
 
 
 def as_source(source: Any) -> SourceModel:
