@@ -812,3 +812,51 @@ def test_a_source_whose_output_has_no_shape_field_is_loaded_as_onnxruntime_runs_
     onnx.save(broken, str(tmp_path / "broken.onnx"))
     with pytest.raises(ModelError, match="not a valid ONNX model"):
         load_source_model(tmp_path / "broken.onnx")
+
+
+def test_a_float16_source_onnxruntimes_full_optimization_crashes_on_builds(
+    tmp_path: Path,
+) -> None:
+    """onnxruntime 1.31's CPU EP dies (SIGSEGV, at session creation) with all its graph
+    optimizations on a float16 Transpose feeding a MatMul of a float16 constant, as an LSTM
+    recogniser converted to float16 with float32 I/O has it: the quantize stage, which runs the
+    source for the end-to-end and lossless checks, died with signal 11 and no report. A float16
+    source runs at onnxruntime's basic level (``SourceModel.optimize``)."""
+    import onnx
+    import onnx.helper as oh
+    from onnx import TensorProto, numpy_helper
+
+    rng = np.random.default_rng(5)
+    weight = numpy_helper.from_array(rng.standard_normal((96, 97)).astype(np.float16), "w")
+    nodes = [
+        oh.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16),
+        oh.make_node("Transpose", ["h"], ["t"], perm=[1, 0, 2]),
+        oh.make_node("MatMul", ["t", "w"], ["m"]),
+        oh.make_node("Cast", ["m"], ["y"], to=TensorProto.FLOAT),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "fp16_tail",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [10, 1, 96])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10, 97])],
+        [weight],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 13)], ir_version=7)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    # onnxruntime alone, fully optimized: the crash this guards against (in a child of its own)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import onnxruntime as o, sys; o.InferenceSession(sys.argv[1])",
+         str(tmp_path / "m.onnx")],
+        capture_output=True,
+    )  # fmt: skip
+    config = tmp_path / "m.toml"
+    config.write_text(
+        '[model]\nname = "fp16tail"\nversion = "1"\nsource = "m.onnx"\n\n'
+        '[calibration]\nkind = "random"\ninput = "x"\nsamples = 8\n'
+    )
+    done = stage_child("quantize", "--artifacts", str(tmp_path / "a"), str(config))
+    assert done.returncode == 0, (probe.returncode, done.returncode, done.stderr[-2000:])
+    report = json.loads((tmp_path / "a" / "build" / "fp16tail" / "report.json").read_text())
+    assert report["preparation_check"]["passed"], report["preparation_check"]
+    assert "float32" in report["preparation_check"]["reference"]
+    assert report["end_to_end"]["samples"] > 0, report["end_to_end"]

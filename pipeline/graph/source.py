@@ -105,6 +105,14 @@ class SourceModel:
         float16 = computes_in_float16(model.graph)
         return cls(None if path is None else Path(path), kept, float16, tuple(free_inputs))
 
+    @property
+    def optimize(self) -> bool:
+        """Whether onnxruntime may apply all its graph optimizations when running it: not to a
+        float16 model, whose full level crashed onnxruntime 1.31 at session creation (SIGSEGV,
+        the whole stage down) on a PP-OCR recogniser converted to float16 with float32 I/O;
+        the basic level runs it (``core.cpu.cpu_session``)."""
+        return not self.float16
+
     def load(self) -> Any:
         """The model (nodes in topological order; ``free_inputs`` freed)."""
         import onnx

@@ -269,8 +269,9 @@ def end_to_end(
     with tempfile.TemporaryDirectory(prefix=".end-to-end-", dir=heldout.parent) as spill:
         expected = SampleOutputs(Path(spill))
         try:
+            kept = as_source(source)
             names, failures, first_failure = _source_outputs(
-                config, as_source(source).runnable(), heldout, expected
+                config, kept.runnable(), heldout, expected, kept.optimize
             )
         except _SourceDoesNotLoad as exc:
             return EndToEnd(0, error=f"the source model does not load on the CPU EP: {exc}"[:400])
@@ -295,12 +296,16 @@ class _SourceDoesNotLoad(Exception):
 
 
 def _source_outputs(
-    config: ModelConfig, runnable: Any, heldout: Path, expected: SampleOutputs
+    config: ModelConfig,
+    runnable: Any,
+    heldout: Path,
+    expected: SampleOutputs,
+    optimize: bool = True,
 ) -> tuple[list[str], int, str]:
     """The source model's outputs on each held-out sample at its true size, into ``expected``;
     its output names, how many samples it could not run, and the first such error."""
     try:
-        reference = cpu_session(runnable)
+        reference = cpu_session(runnable, optimize)
     except Exception as exc:  # onnxruntime's own error types; the reason goes to the report
         raise _SourceDoesNotLoad(str(exc)) from exc
     source_types = {i.name: i.type for i in reference.get_inputs()}

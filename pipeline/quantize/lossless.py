@@ -175,7 +175,7 @@ def check_preparation(
     # onnxruntime's full optimization swaps Q/DQ groups for int8 kernels where the graph's
     # shape allows, so two equal graphs of different structure differ by its rounding (a
     # pre-quantized Whisper encoder: 19 dB between the source and itself with one GELU fused).
-    optimize = not is_prequantized(source.load())
+    optimize = not is_prequantized(source.load()) and source.optimize
     try:
         if source.float16:
             from ..graph.transforms import float16_to_float32
@@ -185,7 +185,7 @@ def check_preparation(
         ref_session = cpu_session(reference, optimize)
         snr, count = compare(ref_session, prepared, samples, inputs, optimize)
         if source.float16:
-            float16, _ = compare(source.runnable(), prepared, samples, inputs)
+            float16, _ = compare(source.runnable(), prepared, samples, inputs, False)
     except Exception as exc:  # onnxruntime's own error types: say why, do not fail the build
         return PreparationCheck(
             MIN_PREPARED_SNR_DB, None, 0, True, label, error=f"{type(exc).__name__}: {exc}"[:300]

@@ -238,8 +238,10 @@ def fit_crops(config: ModelConfig, source: Any, plan: plans.BucketPlan) -> plans
     CPU EP), and fit the length rule the runtime crops with; a ModelError when none fits."""
     if not plan.crops:
         return plan
-    try:
-        session = cpu_session(source)
+    from ..graph.source import computes_in_float16
+
+    try:  # a float16 source at the basic level, as graph.source.SourceModel.optimize says
+        session = cpu_session(source, optimize=not computes_in_float16(source.graph))
     except Exception as exc:  # onnxruntime's own error types
         raise ModelError(
             f"{config.model.name}: the source model does not load on the CPU EP ({exc}), so the "
