@@ -13,7 +13,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from pipeline.graph.contrib import fused_transformer_ops
+from pipeline.core.errors import ModelError
+from pipeline.graph.contrib import fused_cpu_ops, fused_transformer_ops, refuse_nchwc_layout
 
 RNG = np.random.default_rng(8)
 BATCH, SEQ, HIDDEN, HEADS, VOCAB = 2, 6, 8, 2, 20
@@ -203,3 +204,86 @@ def test_a_residual_rms_norm_computes_the_same() -> None:
     assert len(change.details) == 1 and all(n.domain == "" for n in rewritten.graph.node)
     feeds = {n: RNG.standard_normal((1, SEQ, HIDDEN)).astype(np.float32) for n in ("x", "skip")}
     np.testing.assert_allclose(run(rewritten, feeds), run(source, feeds), rtol=1e-5, atol=1e-5)
+
+
+# -- onnxruntime's CPU fusions, saved into a model ------------------------------------------------
+
+
+def small_cnn() -> onnx.ModelProto:
+    """Conv+Relu, Conv + residual Add + Relu, Conv + LeakyRelu, Conv + Clip, Conv +
+    HardSigmoid, Conv + Sigmoid, then Gemm + Relu and a MatMul of a transposed operand scaled:
+    what onnxruntime's CPU fusions write as FusedConv, FusedGemm and FusedMatMul."""
+    c = 8
+    nodes = [oh.make_node("Conv", ["x", "w0", "b0"], ["c0"], pads=[1] * 4)]
+    nodes.append(oh.make_node("Relu", ["c0"], ["r0"]))
+    nodes.append(oh.make_node("Conv", ["r0", "w1", "b1"], ["c1"], pads=[1] * 4))
+    nodes.append(oh.make_node("Add", ["c1", "r0"], ["s1"]))
+    nodes.append(oh.make_node("Relu", ["s1"], ["r1"]))
+    last = "r1"
+    for k, (op, attrs) in enumerate(
+        [("LeakyRelu", {"alpha": 0.2}), ("Clip", {}), ("HardSigmoid", {"alpha": 0.25, "beta": 0.4}),
+         ("Sigmoid", {})],
+        start=2,
+    ):  # fmt: skip
+        nodes.append(oh.make_node("Conv", [last, f"w{k}", f"b{k}"], [f"c{k}"], pads=[1] * 4))
+        extra = ["lo", "hi"] if op == "Clip" else []
+        nodes.append(oh.make_node(op, [f"c{k}", *extra], [f"a{k}"], **attrs))
+        last = f"a{k}"
+    nodes += [
+        oh.make_node("GlobalAveragePool", [last], ["g"]),
+        oh.make_node("Flatten", ["g"], ["f"]),
+        oh.make_node("Gemm", ["f", "gw", "gb"], ["h"], transB=1),
+        oh.make_node("Relu", ["h"], ["hr"]),
+        oh.make_node("Transpose", ["hr"], ["ht"], perm=[1, 0]),
+        oh.make_node("MatMul", ["mw", "ht"], ["m"]),
+        oh.make_node("Mul", ["m", "scale"], ["y"]),
+    ]
+    inits = [weight("w0", c, 3, 3, 3), weight("b0", c)]
+    inits += [t for k in range(1, 6) for t in (weight(f"w{k}", c, c, 3, 3), weight(f"b{k}", c))]
+    inits += [weight("gw", 6, c), weight("gb", 6), weight("mw", 4, 6)]
+    inits += [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in
+              (("lo", -0.5), ("hi", 0.8), ("scale", 0.5))]  # fmt: skip
+    x = oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = oh.make_tensor_value_info("y", TensorProto.FLOAT, [4, 1])
+    graph = oh.make_graph(nodes, "cnn", [x], [y], inits)
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 13)], ir_version=8)
+
+
+def saved_by_onnxruntime(source: onnx.ModelProto, level: object, path: Path) -> onnx.ModelProto:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = level
+    options.optimized_model_filepath = str(path)
+    ort.InferenceSession(source.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return onnx.load(str(path))
+
+
+def test_a_model_saved_with_onnxruntimes_cpu_fusions_is_written_back(tmp_path: Path) -> None:
+    """onnxruntime at its 'extended' level writes FusedConv (with a residual sum and each
+    activation), FusedGemm and FusedMatMul, which ONNX shape inference knows nothing of: each
+    is written back as the standard ops, computing what onnxruntime's fused kernels compute."""
+    source = small_cnn()
+    fused = saved_by_onnxruntime(
+        source, ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, tmp_path / "ext.onnx"
+    )
+    kinds = {n.op_type for n in fused.graph.node if n.domain == MS}
+    assert {"FusedConv", "FusedGemm", "FusedMatMul"} <= kinds, kinds
+    rewritten, change = fused_cpu_ops(fused)
+    assert change.changed and all(n.domain in ("", "ai.onnx") for n in rewritten.graph.node)
+    onnx.checker.check_model(rewritten)
+    feeds = {"x": RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    np.testing.assert_allclose(run(rewritten, feeds), run(fused, feeds), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(run(rewritten, feeds), run(source, feeds), rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_saved_in_onnxruntimes_nchwc_layout_is_refused(tmp_path: Path) -> None:
+    """At the 'all' level onnxruntime writes its channel-blocked x86 layout (where the CPU has
+    it): refused with the fix, not left to fail at "no static shape"."""
+    saved = saved_by_onnxruntime(
+        small_cnn(), ort.GraphOptimizationLevel.ORT_ENABLE_ALL, tmp_path / "all.onnx"
+    )
+    if not any(n.domain == "com.microsoft.nchwc" for n in saved.graph.node):
+        pytest.skip("onnxruntime writes no NCHWc layout on this CPU")
+    with pytest.raises(ModelError, match=r"com\.microsoft\.nchwc") as error:
+        refuse_nchwc_layout(saved)
+    assert "ORT_ENABLE_EXTENDED" in error.value.tip
+    assert not refuse_nchwc_layout(small_cnn())[1].changed

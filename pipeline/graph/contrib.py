@@ -9,6 +9,13 @@ none. Each is written back as the ops an exporter writes, in the forms the rest 
 and the attention rules know (a Hugging Face mask bias, scores divided by sqrt(d)), with the
 same function (onnxruntime's CPU kernels are the reference in the tests). A form outside what
 is written here (past state, a causal or 3D/4D mask, rotary embeddings) is left as it is.
+
+A model saved by onnxruntime after its CPU graph optimizations (``optimized_model_filepath``,
+``onnxruntime.tools.optimize_onnx_model``) holds its CPU EP's fused ops instead: FusedConv (a
+Conv, a residual sum and an activation), FusedGemm, FusedMatMul (transposes and a scale). They
+are written back likewise (``fused_cpu_ops``). At the 'all' level it also holds the
+com.microsoft.nchwc ops, a blocked layout for the CPU it was saved on, which is refused with the
+fix (``refuse_nchwc_layout``).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ..core.errors import ModelError
 from .edit import Change, NodeRewrite, NodeRule, attribute, node_label, replace_by_op
 
 Rewrite = tuple[list[onnx.NodeProto], str]
@@ -357,3 +365,146 @@ _REWRITES: dict[str, NodeRule] = {
 def fused_transformer_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """onnxruntime's fused encoder ops -> the standard ops they fuse (module doc)."""
     return replace_by_op(model, "fused_transformer_ops", _REWRITES, (MS,))
+
+
+# -- onnxruntime's CPU fusions -----------------------------------------------------------------
+
+NCHWC = "com.microsoft.nchwc"
+_CONV_ATTRIBUTES = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
+
+
+def _activation(
+    node: onnx.NodeProto, source: str, out: str, context: NodeRewrite, params: list[float]
+) -> list[onnx.NodeProto] | None:
+    """The standard op for a fused op's ``activation`` attribute (onnxruntime's names and
+    ``activation_params``), reading ``source`` and writing ``out``; None for one not known."""
+    kind = attribute(node, "activation", b"")
+    kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+    if kind in ("Relu", "Sigmoid", "Tanh"):
+        return [helper.make_node(kind, [source], [out])]
+    if kind == "LeakyRelu":
+        return [helper.make_node("LeakyRelu", [source], [out], alpha=params[0] if params else 0.01)]
+    if kind == "HardSigmoid" and len(params) >= 2:
+        return [helper.make_node("HardSigmoid", [source], [out], alpha=params[0], beta=params[1])]
+    if kind == "Clip" and len(params) >= 2:
+        low = context.constant(np.array(params[0], np.float32), f"{out}_min")
+        high = context.constant(np.array(params[1], np.float32), f"{out}_max")
+        return [helper.make_node("Clip", [source, low, high], [out])]
+    if not kind:
+        return [helper.make_node("Identity", [source], [out])]
+    return None
+
+
+def _fused_conv(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """FusedConv(X, W, B, Z) -> activation(Conv(X, W, B) + Z)."""
+    out = node.output[0]
+    params = [float(v) for v in attribute(node, "activation_params", [])]
+    conv = context.fresh(f"{out}_conv")
+    kept = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    options = {k: v for k, v in kept.items() if k in _CONV_ATTRIBUTES}
+    nodes = [helper.make_node("Conv", [i for i in node.input[:3] if i], [conv], **options)]
+    summed = _given(node, 3)
+    if summed:
+        total = context.fresh(f"{out}_sum")
+        nodes.append(helper.make_node("Add", [conv, summed], [total]))
+        conv = total
+    tail = _activation(node, conv, out, context, params)
+    if tail is None:
+        return None
+    what = attribute(node, "activation", b"")
+    what = what.decode() if isinstance(what, bytes) else str(what)
+    return nodes + tail, f"{node_label(node)} -> Conv{' + Add' if summed else ''}" + (
+        f" + {what}" if what else ""
+    )
+
+
+def _fused_gemm(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """FusedGemm(A, B, C) -> activation(Gemm(A, B, C))."""
+    out = node.output[0]
+    gemm = context.fresh(f"{out}_gemm")
+    options = {
+        a.name: helper.get_attribute_value(a)
+        for a in node.attribute
+        if a.name in ("alpha", "beta", "transA", "transB")
+    }
+    params = [
+        float(attribute(node, name, default))
+        for name, default in (("activation_alpha", 0.01), ("activation_beta", 0.5))
+    ]
+    tail = _activation(node, gemm, out, context, params)
+    if tail is None:
+        return None
+    nodes = [helper.make_node("Gemm", list(node.input), [gemm], **options)]
+    return nodes + tail, f"{node_label(node)} -> Gemm + activation"
+
+
+def _fused_matmul(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """FusedMatMul(A, B) -> alpha * MatMul(A', B'), A' and B' transposed in their last two
+    axes where transA / transB say so (the batch transposes are left as they are)."""
+    if attribute(node, "transBatchA", 0) or attribute(node, "transBatchB", 0):
+        return None
+    out = node.output[0]
+    operands = []
+    nodes: list[onnx.NodeProto] = []
+    for index, flag in ((0, "transA"), (1, "transB")):
+        name = node.input[index]
+        if attribute(node, flag, 0):
+            shape = context.shape(name)
+            if shape is None or len(shape) < 2:
+                return None
+            perm = [*range(len(shape) - 2), len(shape) - 1, len(shape) - 2]
+            turned = context.fresh(f"{name}_t")
+            nodes.append(helper.make_node("Transpose", [name], [turned], perm=perm))
+            name = turned
+        operands.append(name)
+    alpha = float(attribute(node, "alpha", 1.0))
+    if alpha == 1.0:
+        nodes.append(helper.make_node("MatMul", operands, [out]))
+    else:
+        product = context.fresh(f"{out}_product")
+        scale = context.constant(np.array(alpha, np.float32), f"{out}_alpha")
+        nodes += [
+            helper.make_node("MatMul", operands, [product]),
+            helper.make_node("Mul", [product, scale], [out]),
+        ]
+    return nodes, f"{node_label(node)} -> MatMul" + (f" x {alpha:g}" if alpha != 1.0 else "")
+
+
+_CPU_REWRITES: dict[str, NodeRule] = {
+    "FusedConv": _fused_conv,
+    "FusedGemm": _fused_gemm,
+    "FusedMatMul": _fused_matmul,
+}
+
+
+def fused_cpu_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """onnxruntime's CPU EP fusions saved into a model -> the standard ops they fuse (module
+    doc): ONNX shape inference knows none of them (the build stopped at "no static shape").
+    Again while that helps: a FusedMatMul's transposes need its operand's rank, which shape
+    inference gives only once the fused op before it is written back."""
+    details: list[str] = []
+    for _ in range(3):
+        model, change = replace_by_op(model, "fused_cpu_ops", _CPU_REWRITES, (MS,))
+        details += change.details
+        if not change.changed:
+            break
+    return model, Change("fused_cpu_ops", tuple(details))
+
+
+def refuse_nchwc_layout(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A ModelError for a model onnxruntime saved at its 'all' optimization level: its
+    com.microsoft.nchwc ops (Conv, ReorderInput, ReorderOutput, pools) hold the weights in a
+    channel-blocked layout for the x86 CPU it ran on, which onnxruntime itself warns is not
+    portable; without the check the build stopped at "no static shape" with a tip about dims."""
+    found = [n for n in model.graph.node if n.domain == NCHWC]
+    if found:
+        ops = sorted({n.op_type for n in found})
+        raise ModelError(
+            f"The model holds {len(found)} {NCHWC} op(s) ({', '.join(ops)}): onnxruntime saved "
+            "it after its 'all' graph optimizations, in a channel-blocked layout for the CPU it "
+            "ran on.",
+            tip="Give the model as exported (before onnxruntime optimized it), or save it at "
+            "the 'extended' level or below (SessionOptions.graph_optimization_level = "
+            "ORT_ENABLE_EXTENDED), whose fused ops the preparation writes back.",
+        )
+    return model, Change("refuse_nchwc_layout")

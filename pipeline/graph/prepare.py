@@ -59,6 +59,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.set_ir_version,  # IR >= 4 first: initializers may then leave the input list
         t.raw_initializer_data,  # before the copies every later step makes
         t.drop_initializer_inputs,
+        contrib.refuse_nchwc_layout,  # onnxruntime's 'all' level: a layout for one CPU
         lambda m: t.bake_constant_inputs(m, inputs.constants, inputs.shapes),
         lambda m: t.fix_input_shapes(m, inputs.dims, inputs.shapes),
         t.float16_to_float32,  # the version converter fails on fp16 graphs
@@ -69,6 +70,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         prequantized.upgrade_opset,  # t.upgrade_opset; a pre-quantized model keeps its opset
         prequantized.standard_qdq_ops,  # onnxruntime's com.microsoft 16-bit Q/DQ: no schema
         contrib.fused_transformer_ops,  # onnxruntime's fused Attention, SkipLayerNorm...
+        contrib.fused_cpu_ops,  # onnxruntime's FusedConv, FusedGemm, FusedMatMul
         legacy.restore_pinned_ops,
         t.expand_function_ops,  # Mish, GroupNormalization, 3 Reduce ops: the QNN EP takes none
         t.constants_to_initializers,  # the converter may add Constant nodes
