@@ -287,3 +287,39 @@ def test_a_model_saved_in_onnxruntimes_nchwc_layout_is_refused(tmp_path: Path) -
         refuse_nchwc_layout(saved)
     assert "ORT_ENABLE_EXTENDED" in error.value.tip
     assert not refuse_nchwc_layout(small_cnn())[1].changed
+
+
+@pytest.mark.parametrize("op", ["LayerNormalization", "SimplifiedLayerNormalization"])
+def test_onnxruntimes_own_norms_in_the_onnx_domain_load_and_compute_the_same(
+    op: str, tmp_path: Path
+) -> None:
+    """onnxruntime saves its LayerNormalization fusion at the model's opset (11 here, where ONNX
+    has no LayerNormalization) and its RMSNorm as SimplifiedLayerNormalization, both in the ONNX
+    domain: the checker refused such a model at load. Written out, it loads and computes what
+    onnxruntime's kernels compute on the file as it is."""
+    from pipeline.quantize.build import load_source_model
+
+    inputs = ["x", "gamma"] + (["beta"] if op == "LayerNormalization" else [])
+    nodes = [
+        oh.make_node("MatMul", ["x0", "w"], ["x"]),
+        oh.make_node(op, inputs, ["n"], axis=-1, epsilon=1e-5),
+        oh.make_node("MatMul", ["n", "w2"], ["y"]),
+    ]
+    inits = [weight("w", HIDDEN, HIDDEN), weight("gamma", HIDDEN), weight("beta", HIDDEN)]
+    inits.append(weight("w2", HIDDEN, 4))
+    graph = oh.make_graph(
+        nodes,
+        "norm",
+        [oh.make_tensor_value_info("x0", TensorProto.FLOAT, [1, SEQ, HIDDEN])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, SEQ, 4])],
+        inits,
+    )
+    saved = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 11)], ir_version=7)
+    path = tmp_path / "norm.onnx"
+    onnx.save(saved, str(path))
+    with pytest.raises(onnx.checker.ValidationError):
+        onnx.checker.check_model(saved)
+    loaded = load_source_model(path)
+    assert op not in {n.op_type for n in loaded.graph.node}
+    feeds = {"x0": (RNG.standard_normal((1, SEQ, HIDDEN)) * 3 + 1).astype(np.float32)}
+    np.testing.assert_allclose(run(loaded, feeds), run(saved, feeds), rtol=1e-4, atol=1e-5)

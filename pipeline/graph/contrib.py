@@ -27,7 +27,17 @@ import onnx
 from onnx import helper
 
 from ..core.errors import ModelError
-from .edit import Change, NodeRewrite, NodeRule, attribute, node_label, replace_by_op
+from .edit import (
+    Change,
+    FreshNames,
+    NodeRewrite,
+    NodeRule,
+    attribute,
+    copy_model,
+    node_label,
+    replace_by_op,
+    set_nodes,
+)
 
 Rewrite = tuple[list[onnx.NodeProto], str]
 MS = "com.microsoft"
@@ -508,3 +518,83 @@ def refuse_nchwc_layout(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
             "ORT_ENABLE_EXTENDED), whose fused ops the preparation writes back.",
         )
     return model, Change("refuse_nchwc_layout")
+
+
+# -- onnxruntime's own norms in the ONNX domain ------------------------------------------------
+
+_ORT_NORMS = ("LayerNormalization", "SimplifiedLayerNormalization")
+
+
+def onnx_domain_norms(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxruntime's LayerNormalization below opset 17 and SimplifiedLayerNormalization (RMSNorm)
+    in the ONNX domain, written out over the last axis in ops of any opset.
+
+    onnxruntime registers both there as its own kernels and writes them so when it saves a
+    model after its graph optimizations (a DistilBERT at opset 11: 5 LayerNormalizations),
+    where ONNX has no schema for them: the checker refused the model at load ("No Op registered
+    for LayerNormalization with domain_version of 11"). The form written is the one exporters
+    write (and onnxruntime's own fusion and ``qnn_preprocess_model`` fuse back): mean, centred
+    square through Pow(d, 2), Sqrt(var + eps), Div, scale and bias. Run before the checker;
+    a norm over other axes, or whose mean or inverse-deviation outputs are read, is left as it
+    is (the checker then says why)."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if not any(
+        n.op_type in _ORT_NORMS
+        and n.domain in ("", "ai.onnx")
+        and (n.op_type != "LayerNormalization" or opset < 17)
+        for n in model.graph.node
+    ):
+        return model
+    out = copy_model(model)
+    graph = out.graph
+    fresh = FreshNames(out)
+    nodes: list[onnx.NodeProto] = []
+
+    def constant(value: float, base: str) -> str:
+        name = fresh(base)
+        graph.initializer.append(onnx.numpy_helper.from_array(np.array(value, np.float32), name))
+        return name
+
+    for node in graph.node:
+        simplified = node.op_type == "SimplifiedLayerNormalization"
+        if (
+            node.op_type not in _ORT_NORMS
+            or node.domain not in ("", "ai.onnx")
+            or (not simplified and opset >= 17)
+            or int(attribute(node, "axis", -1)) != -1
+            or any(name for name in node.output[1:])
+        ):
+            nodes.append(node)
+            continue
+        y = node.output[0]
+        epsilon = float(attribute(node, "epsilon", 1e-5))
+        x = node.input[0]
+        name = {k: fresh(f"{y}_{k}") for k in ("mean", "centred", "square", "var", "shifted",
+                                               "std", "normed", "scaled")}  # fmt: skip
+        if simplified:  # y = x / sqrt(mean(x^2) + eps) * scale
+            centred = x
+            written = [helper.make_node("Mul", [x, x], [name["square"]])]
+        else:
+            centred = name["centred"]
+            written = [
+                helper.make_node("ReduceMean", [x], [name["mean"]], axes=[-1], keepdims=1),
+                helper.make_node("Sub", [x, name["mean"]], [centred]),
+                helper.make_node("Pow", [centred, constant(2.0, f"{y}_two")], [name["square"]]),
+            ]
+        bias = _given(node, 2)
+        written += [
+            helper.make_node("ReduceMean", [name["square"]], [name["var"]], axes=[-1], keepdims=1),
+            helper.make_node(
+                "Add", [name["var"], constant(epsilon, f"{y}_eps")], [name["shifted"]]
+            ),
+            helper.make_node("Sqrt", [name["shifted"]], [name["std"]]),
+            helper.make_node("Div", [centred, name["std"]], [name["normed"]]),
+            helper.make_node(
+                "Mul", [name["normed"], node.input[1]], [name["scaled"] if bias else y]
+            ),
+        ]
+        if bias:
+            written.append(helper.make_node("Add", [name["scaled"], bias], [y]))
+        nodes += written
+    set_nodes(graph, nodes)
+    return out

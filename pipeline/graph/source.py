@@ -24,6 +24,15 @@ def sort_nodes(model: Any) -> Any:
     return result
 
 
+def readable(model: Any) -> Any:
+    """``model`` as the checker and the preparation read it: nodes in topological order
+    (``sort_nodes``), onnxruntime's own norms in the ONNX domain written out
+    (``contrib.onnx_domain_norms``). onnxruntime runs the file as it is."""
+    from .contrib import onnx_domain_norms
+
+    return onnx_domain_norms(sort_nodes(model))
+
+
 def external_data_digests(path: Path) -> dict[str, str]:
     """SHA-256 of each external data file the model at ``path`` names (location -> digest).
 
@@ -117,7 +126,7 @@ class SourceModel:
         """The model (nodes in topological order; ``free_inputs`` freed)."""
         import onnx
 
-        model = self.model if self.model is not None else sort_nodes(onnx.load(str(self.path)))
+        model = self.model if self.model is not None else readable(onnx.load(str(self.path)))
         return edit.free_input_dims(model, self.free_inputs) if self.free_inputs else model
 
     def runnable(self) -> Any:

@@ -66,7 +66,7 @@ from ..core.records import (
 from ..core.report import fmt
 from ..graph import prequantized, transforms
 from ..graph.buckets import BucketPlan
-from ..graph.source import SourceModel, external_data_digests, sort_nodes
+from ..graph.source import SourceModel, external_data_digests, readable
 from ..graph.transforms import Change
 from ..htp.probe import spare_probes
 from ..report_html import preload_plotting, write_html_reports
@@ -140,7 +140,7 @@ def load_source_model(path: Path) -> Any:
         raise ModelError(f"Model file {path} has an empty graph; it may be truncated.")
     # ONNX wants nodes in topological order; some exporters (PyTorch 1.1) do not keep it and
     # onnxruntime runs such models anyway, so order them before the checker judges the rest.
-    model = sort_nodes(model)
+    model = readable(model)  # nodes in order, onnxruntime's own ONNX-domain norms written out
     model = _typed_io_shapes(model)
     try:
         onnx.checker.check_model(_shapes_for_the_checker(model))
