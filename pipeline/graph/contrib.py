@@ -81,7 +81,7 @@ def _simplified_layer_norm(node: onnx.NodeProto, context: NodeRewrite) -> Rewrit
     """SkipSimplifiedLayerNormalization (RMSNorm after a residual: T5) over the last axis ->
     s / sqrt(mean(s^2) + eps) * gamma, s = input + skip (+ bias), its fourth output. (The
     plain SimplifiedLayerNormalization lives in the ONNX domain, where ONNX has no schema for
-    it: such a model fails the checker at load, and the error says so.)"""
+    it: ``onnx_domain_norms`` writes it out before the checker reads the model.)"""
     skip = node.op_type.startswith("Skip")
     if int(attribute(node, "axis", -1)) != -1 or any(
         i in ((1, 2) if skip else (1,)) for i in _used_outputs(node)
