@@ -323,3 +323,29 @@ def test_onnxruntimes_own_norms_in_the_onnx_domain_load_and_compute_the_same(
     assert op not in {n.op_type for n in loaded.graph.node}
     feeds = {"x0": (RNG.standard_normal((1, SEQ, HIDDEN)) * 3 + 1).astype(np.float32)}
     np.testing.assert_allclose(run(loaded, feeds), run(saved, feeds), rtol=1e-4, atol=1e-5)
+
+
+def test_a_fused_conv_inside_an_if_branch_is_written_back() -> None:
+    """onnxruntime optimizes If/Loop bodies too (a VAD whose branches later steps lift into the
+    main graph): the rules apply there, their constants in the main graph."""
+    x = oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 6, 6])
+    y = oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])
+    branch_out = oh.make_tensor_value_info("b", TensorProto.FLOAT, [1, 4, 6, 6])
+    fused = oh.make_node(
+        "FusedConv", ["x", "w", "bias"], ["b"], domain=MS, pads=[1] * 4,
+        activation="Clip", activation_params=[-0.3, 0.4],
+    )  # fmt: skip
+    then_branch = oh.make_graph([fused], "then", [], [branch_out])
+    else_branch = oh.make_graph(
+        [oh.make_node("Conv", ["x", "w", "bias"], ["b"], pads=[1] * 4)], "else", [], [branch_out]
+    )
+    node = oh.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch)
+    inits = [weight("w", 4, 2, 3, 3), weight("bias", 4)]
+    inits.append(numpy_helper.from_array(np.array(True), "cond"))
+    source = model([node], [x], [y], inits)
+    rewritten, change = fused_cpu_ops(source)
+    assert change.changed and "(in then)" in change.details[0], change.details
+    inner = rewritten.graph.node[0].attribute
+    assert all(n.domain == "" for a in inner if a.name == "then_branch" for n in a.g.node)
+    feeds = {"x": RNG.standard_normal((1, 2, 6, 6)).astype(np.float32)}
+    np.testing.assert_allclose(run(rewritten, feeds), run(source, feeds), rtol=1e-6, atol=1e-7)

@@ -32,11 +32,13 @@ from .edit import (
     FreshNames,
     NodeRewrite,
     NodeRule,
+    all_graphs,
     attribute,
     copy_model,
     node_label,
     replace_by_op,
     set_nodes,
+    subgraphs,
 )
 
 Rewrite = tuple[list[onnx.NodeProto], str]
@@ -498,7 +500,44 @@ def fused_cpu_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         details += change.details
         if not change.changed:
             break
-    return model, Change("fused_cpu_ops", tuple(details))
+    model, inner = _fused_in_subgraphs(model)
+    return model, Change("fused_cpu_ops", tuple(details + inner))
+
+
+def _fused_in_subgraphs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """The same rules inside If/Loop/Scan bodies, which later steps lift into the main graph
+    (an If-branch VAD saved by onnxruntime); new constants go to the main graph, which every
+    body may read. Shapes are not known there: a FusedMatMul that transposes stays."""
+    bodies = [body for node in model.graph.node for body in subgraphs(node)]
+    if not any(
+        n.domain == MS and n.op_type in _CPU_REWRITES
+        for body in bodies
+        for graph in all_graphs(body)
+        for n in graph.node
+    ):
+        return model, []
+    out = copy_model(model)
+    context = NodeRewrite(out)
+    details: list[str] = []
+
+    def visit(graph: onnx.GraphProto) -> None:
+        nodes: list[onnx.NodeProto] = []
+        for node in graph.node:
+            for body in subgraphs(node):
+                visit(body)  # in place, before the node is copied into its graph's new list
+            rule = _CPU_REWRITES.get(node.op_type) if node.domain == MS else None
+            result = rule(node, context) if rule is not None else None
+            if result is None:
+                nodes.append(node)
+                continue
+            nodes.extend(result[0])
+            details.append(f"{result[1]} (in {graph.name or 'a subgraph'})")
+        set_nodes(graph, nodes)
+
+    for node in out.graph.node:
+        for body in subgraphs(node):
+            visit(body)
+    return out, details
 
 
 def refuse_nchwc_layout(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
