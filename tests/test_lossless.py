@@ -309,3 +309,23 @@ def test_with_sigmoids_from_exp_a_step_that_changes_the_function_is_still_named(
     check = check_preparation("m", source, NO_INPUTS, path, heldout(tmp_path / "h"))
     assert not check.passed and check.culprit == "upgrade_opset", check
     assert lossless.SIGMOIDS_FROM_EXP in check.reference
+
+
+def test_an_input_no_node_reads_is_dropped_and_fed_zeros_in_the_source(tmp_path: Path) -> None:
+    """onnxruntime requires a feed for a graph input that no node reads (an argument the module
+    ignores; a BatchNorm scale onnxruntime folded and left listed as an input). Preparation
+    drops it (so no sample holds it, and calibration no longer asks which input the images
+    feed); the checks that run the source feed it zeros."""
+    from pipeline.graph.transforms import drop_unread_inputs
+
+    source = tiny()
+    source.graph.input.append(oh.make_tensor_value_info("unused", TensorProto.FLOAT, [3]))
+    dropped, change = drop_unread_inputs(source)
+    assert [i.name for i in dropped.graph.input] == ["x"] and "'unused'" in change.details[0]
+    path = prepared_file(source, tmp_path)
+    assert [i.name for i in onnx.load(str(path)).graph.input] == ["x"]
+    check = check_preparation("m", source, NO_INPUTS, path, heldout(tmp_path / "h"))
+    assert check.passed and check.samples == 4 and not check.error, check
+    lonely = tiny()
+    lonely.graph.input[0].name = "never_read"  # its only input: a model of constants, kept
+    assert not drop_unread_inputs(lonely)[1].changed

@@ -37,6 +37,13 @@ def constant_feed(value: Any, dtype: Any, shape: Sequence[object] | None) -> np.
     return array
 
 
+def unread_input_feed(dtype: Any, shape: Sequence[object] | None) -> np.ndarray:
+    """Zeros for a source input that no node reads (``transforms.drop_unread_inputs`` drops it
+    from the prepared model, so no sample holds it) and that onnxruntime requires all the same;
+    a dynamic size is 1."""
+    return np.zeros([s if isinstance(s, int) and s > 0 else 1 for s in shape or ()], dtype)
+
+
 def value_type_name(onnx_type: str) -> str:
     """How a graph input/output's type is recorded: the numpy dtype name of a numeric tensor,
     ``str`` for a string tensor, onnxruntime's own name for anything else (a non-tensor output

@@ -180,6 +180,28 @@ def drop_initializer_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     return checked_change(model, "drop_initializer_inputs", details)
 
 
+def drop_unread_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Remove graph inputs that no node reads (nor the graph returns).
+
+    onnxruntime still requires a feed for them, so calibration asked which input the images
+    feed, and the context would carry an input that does nothing. An exporter leaves such an
+    input for an argument the module ignores; onnxruntime, saving an IR-3 model after folding
+    a BatchNorm, left the folded scale listed as an input. The checks that run the source feed
+    it zeros (``quantize.lossless``, ``quantize.evaluate``).
+    """
+    used = used_names(model.graph)
+    unread = [i.name for i in model.graph.input if not used[i.name]]
+    if not unread or len(unread) == len(model.graph.input):  # a model of constants: as it is
+        return model, Change("drop_unread_inputs")
+    model = copy_model(model)
+    keep = [i for i in model.graph.input if i.name not in unread]
+    del model.graph.input[:]
+    model.graph.input.extend(keep)
+    return checked_change(
+        model, "drop_unread_inputs", [f"input {name!r} is read by no node" for name in unread]
+    )
+
+
 def refuse_training_mode(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """A ModelError for a model exported from a module in training mode: a Dropout whose
     ``training_mode`` input is a constant true, or a BatchNormalization with

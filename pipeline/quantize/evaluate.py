@@ -22,7 +22,7 @@ from qnn_ctx_runtime import buckets as bk
 
 from ..core.config import ModelConfig
 from ..core.cpu import cpu_session
-from ..core.dtypes import constant_feed, np_dtype
+from ..core.dtypes import constant_feed, np_dtype, unread_input_feed
 from ..core.fileio import sha256_file
 from ..core.layout import samples_in
 from ..core.memory import release_freed_memory
@@ -327,8 +327,13 @@ def _source_outputs(
             for name, value in own.items()
             if name in source_types
         }
+        unread = {  # inputs the preparation dropped as read by no node: no sample holds them
+            name: unread_input_feed(np_dtype(kind), source_shapes[name])
+            for name, kind in source_types.items()
+            if name not in source_feeds and name not in constants
+        }
         try:
-            outputs = reference.run(names, {**source_feeds, **constants})
+            outputs = reference.run(names, {**source_feeds, **constants, **unread})
         except Exception as exc:  # e.g. the source needs an input the sample does not give
             failures += 1
             first_failure = first_failure or f"{type(exc).__name__}: {exc}"[:300]

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..core.config import InputsSection
 from ..core.cpu import cpu_session
-from ..core.dtypes import constant_feed, np_dtype
+from ..core.dtypes import constant_feed, np_dtype, unread_input_feed
 from ..core.metrics import OutputComparison, worst_snr
 from ..graph.prequantized import is_prequantized
 from .evaluate import iter_samples, run_named
@@ -82,7 +82,8 @@ class PreparationCheck:
 
 
 def _feeds_for(session: Any, feeds: Feeds, inputs: InputsSection) -> Feeds:
-    """``feeds`` (+ baked constants) as ``session``'s inputs want them: names and dtypes."""
+    """``feeds`` (+ baked constants) as ``session``'s inputs want them: names and dtypes. An
+    input neither gives is one the preparation dropped as read by no node: zeros."""
     result = {}
     for arg in session.get_inputs():
         if arg.name in feeds:
@@ -90,6 +91,8 @@ def _feeds_for(session: Any, feeds: Feeds, inputs: InputsSection) -> Feeds:
         elif arg.name in inputs.constants:
             shape = inputs.shapes.get(arg.name, arg.shape)
             result[arg.name] = constant_feed(inputs.constants[arg.name], np_dtype(arg.type), shape)
+        else:
+            result[arg.name] = unread_input_feed(np_dtype(arg.type), arg.shape)
     return result
 
 
