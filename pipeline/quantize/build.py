@@ -625,8 +625,11 @@ def _measure_own(config: ModelConfig, paths: ModelPaths, state: _State) -> HtpJu
             # compile passes it on either: the model as rewritten for the HTP, or as it came
             and (kept.ctx_vs_float_db is None or kept.ctx_vs_float_db < gate)
         ):
-            itself = "" if kept.ctx_vs_float_db is None else f" ({kept.ctx_vs_float_db:.1f} dB"
-            itself += " from the model as it came)" if itself else ""
+            itself = (
+                f" ({kept.ctx_vs_float_db:.1f} dB from the model as it came)"
+                if kept.ctx_vs_float_db is not None
+                else ""
+            )
             problem = (
                 f"the HTP computes its own quantization {kept.ctx_vs_qdq_db:.1f} dB from the "
                 f"model on the CPU{itself}, below compile's gate of {gate:.1f} dB"
