@@ -275,6 +275,29 @@ def test_a_model_saved_with_onnxruntimes_cpu_fusions_is_written_back(tmp_path: P
     np.testing.assert_allclose(run(rewritten, feeds), run(source, feeds), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("activation", "attrs"),
+    [("LeakyRelu", {"activation_alpha": 0.3}),
+     ("HardSigmoid", {"activation_alpha": 0.25, "activation_beta": 0.6}), ("Sigmoid", {})],
+)  # fmt: skip
+def test_a_fused_gemm_keeps_its_activations_own_attributes(
+    activation: str, attrs: dict[str, float]
+) -> None:
+    """FusedGemm carries the activation's attributes as activation_<name> (onnxruntime's
+    kernel requires them all; the rule reads them, not the op's defaults)."""
+    x = oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, HIDDEN])
+    y = oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
+    fused = oh.make_node(
+        "FusedGemm", ["x", "gw", "gb"], ["y"], domain=MS, transB=1, activation=activation,
+        **attrs,
+    )  # fmt: skip
+    source = model([fused], [x], [y], [weight("gw", 4, HIDDEN, scale=3.0), weight("gb", 4)])
+    rewritten, change = fused_cpu_ops(source)
+    assert change.changed and all(n.domain == "" for n in rewritten.graph.node)
+    feeds = {"x": RNG.standard_normal((2, HIDDEN)).astype(np.float32)}
+    np.testing.assert_allclose(run(rewritten, feeds), run(source, feeds), rtol=1e-6, atol=1e-7)
+
+
 def test_a_model_saved_in_onnxruntimes_nchwc_layout_is_refused(tmp_path: Path) -> None:
     """At the 'all' level onnxruntime writes its channel-blocked x86 layout (where the CPU has
     it): refused with the fix, not left to fail at "no static shape"."""

@@ -439,9 +439,15 @@ def _fused_gemm(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
         for a in node.attribute
         if a.name in ("alpha", "beta", "transA", "transB")
     }
+    # onnxruntime keeps the activation's own attributes as activation_<name>, where it had them
+    kind = attribute(node, "activation", b"")
+    kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+    defaults = {"LeakyRelu": (("alpha", 0.01),), "HardSigmoid": (("alpha", 0.2), ("beta", 0.5))}
+    if kind not in ("", "Relu", "Sigmoid", "Tanh", *defaults):
+        return None
     params = [
-        float(attribute(node, name, default))
-        for name, default in (("activation_alpha", 0.01), ("activation_beta", 0.5))
+        float(attribute(node, f"activation_{name}", default))
+        for name, default in defaults.get(kind, ())
     ]
     tail = _activation(node, gemm, out, context, params)
     if tail is None:
