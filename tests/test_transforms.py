@@ -1328,6 +1328,16 @@ def test_topological_sort_orders_and_detects_cycles() -> None:
     )  # fmt: skip
     with pytest.raises(ModelError, match="cycle"):
         t.topological_sort(oh.make_model(loop, opset_imports=[oh.make_opsetid("", 13)]))
+    # A tensor two nodes write (a converter's duplicate Cast names) is refused: sorting it
+    # pushed each reader once per producer, and those readers' readers again, without end
+    # (a 248-Cast detector grew to 7 GB in load_source_model before the checker could object).
+    twice = oh.make_graph(
+        [oh.make_node("Relu", ["x"], ["c"], name="r"), oh.make_node("Neg", ["x"], ["c"], name="n"),
+         oh.make_node("Abs", ["c"], ["y"])],
+        "g", [x], [y],
+    )  # fmt: skip
+    with pytest.raises(ModelError, match="'c' is written by two nodes"):
+        edit.sorted_order(twice)
 
 
 def test_store_inferred_shapes_fixes_stale_output_dims() -> None:

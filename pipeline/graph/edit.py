@@ -611,6 +611,14 @@ def sorted_order(graph: onnx.GraphProto) -> list[int]:
     producer: dict[str, int] = {}
     for index, node in enumerate(graph.node):
         for out in node.output:
+            if out and out in producer:  # not SSA: the sort below would never end
+                raise ModelError(
+                    f"Tensor {out!r} is written by two nodes, "
+                    f"{node_label(graph.node[producer[out]])} and {node_label(node)}: the graph "
+                    "is not in single static assignment form (onnxruntime refuses it too).",
+                    tip="Re-export or re-convert the model (a converter that renamed its "
+                    "Casts on a block list wrote the same name twice).",
+                )
             if out:
                 producer[out] = index
     waiting: list[set[str]] = []
@@ -635,9 +643,10 @@ def sorted_order(graph: onnx.GraphProto) -> list[int]:
         order.append(index)
         for out in graph.node[index].output:
             for reader in readers.get(out, ()):
-                waiting[reader].discard(out)
-                if not waiting[reader]:
-                    heapq.heappush(ready, reader)
+                if out in waiting[reader]:  # once per reader and name, so each node once
+                    waiting[reader].discard(out)
+                    if not waiting[reader]:
+                        heapq.heappush(ready, reader)
     if len(order) != len(graph.node):
         stuck = next(graph.node[i] for i, missing in enumerate(waiting) if missing)
         raise ModelError(
