@@ -385,13 +385,18 @@ NCHWC = "com.microsoft.nchwc"
 _CONV_ATTRIBUTES = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
 
 
+def _activation_kind(node: onnx.NodeProto) -> str:
+    """A fused op's ``activation`` attribute as text ("" when it has none)."""
+    kind = attribute(node, "activation", b"")
+    return kind.decode() if isinstance(kind, bytes) else str(kind)
+
+
 def _activation(
     node: onnx.NodeProto, source: str, out: str, context: NodeRewrite, params: list[float]
 ) -> list[onnx.NodeProto] | None:
     """The standard op for a fused op's ``activation`` attribute (onnxruntime's names and
     ``activation_params``), reading ``source`` and writing ``out``; None for one not known."""
-    kind = attribute(node, "activation", b"")
-    kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+    kind = _activation_kind(node)
     if kind in ("Relu", "Sigmoid", "Tanh"):
         return [helper.make_node(kind, [source], [out])]
     if kind == "LeakyRelu":
@@ -423,8 +428,7 @@ def _fused_conv(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     tail = _activation(node, conv, out, context, params)
     if tail is None:
         return None
-    what = attribute(node, "activation", b"")
-    what = what.decode() if isinstance(what, bytes) else str(what)
+    what = _activation_kind(node)
     return nodes + tail, f"{node_label(node)} -> Conv{' + Add' if summed else ''}" + (
         f" + {what}" if what else ""
     )
@@ -440,8 +444,7 @@ def _fused_gemm(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
         if a.name in ("alpha", "beta", "transA", "transB")
     }
     # onnxruntime keeps the activation's own attributes as activation_<name>, where it had them
-    kind = attribute(node, "activation", b"")
-    kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+    kind = _activation_kind(node)
     defaults = {"LeakyRelu": (("alpha", 0.01),), "HardSigmoid": (("alpha", 0.2), ("beta", 0.5))}
     if kind not in ("", "Relu", "Sigmoid", "Tanh", *defaults):
         return None
@@ -583,12 +586,17 @@ def onnx_domain_norms(model: onnx.ModelProto) -> onnx.ModelProto:
     a norm over other axes, or whose mean or inverse-deviation outputs are read, is left as it
     is (the checker then says why)."""
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if not any(
-        n.op_type in _ORT_NORMS
-        and n.domain in ("", "ai.onnx")
-        and (n.op_type != "LayerNormalization" or opset < 17)
-        for n in model.graph.node
-    ):
+
+    def written_out(node: onnx.NodeProto) -> bool:
+        return (
+            node.op_type in _ORT_NORMS
+            and node.domain in ("", "ai.onnx")
+            and (node.op_type != "LayerNormalization" or opset < 17)
+            and int(attribute(node, "axis", -1)) == -1
+            and not any(node.output[1:])
+        )
+
+    if not any(written_out(n) for n in model.graph.node):
         return model
     out = copy_model(model)
     graph = out.graph
@@ -601,16 +609,10 @@ def onnx_domain_norms(model: onnx.ModelProto) -> onnx.ModelProto:
         return name
 
     for node in graph.node:
-        simplified = node.op_type == "SimplifiedLayerNormalization"
-        if (
-            node.op_type not in _ORT_NORMS
-            or node.domain not in ("", "ai.onnx")
-            or (not simplified and opset >= 17)
-            or int(attribute(node, "axis", -1)) != -1
-            or any(name for name in node.output[1:])
-        ):
+        if not written_out(node):
             nodes.append(node)
             continue
+        simplified = node.op_type == "SimplifiedLayerNormalization"
         y = node.output[0]
         epsilon = float(attribute(node, "epsilon", 1e-5))
         x = node.input[0]
