@@ -312,9 +312,13 @@ def test_a_model_saved_in_onnxruntimes_nchwc_layout_is_refused(tmp_path: Path) -
     assert not refuse_nchwc_layout(small_cnn())[1].changed
 
 
-@pytest.mark.parametrize("op", ["LayerNormalization", "SimplifiedLayerNormalization"])
+@pytest.mark.parametrize(
+    ("op", "opset"),
+    [("LayerNormalization", 11), ("SimplifiedLayerNormalization", 11),
+     ("SimplifiedLayerNormalization", 18)],
+)  # fmt: skip
 def test_onnxruntimes_own_norms_in_the_onnx_domain_load_and_compute_the_same(
-    op: str, tmp_path: Path
+    op: str, opset: int, tmp_path: Path
 ) -> None:
     """onnxruntime saves its LayerNormalization fusion at the model's opset (11 here, where ONNX
     has no LayerNormalization) and its RMSNorm as SimplifiedLayerNormalization, both in the ONNX
@@ -337,7 +341,7 @@ def test_onnxruntimes_own_norms_in_the_onnx_domain_load_and_compute_the_same(
         [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, SEQ, 4])],
         inits,
     )
-    saved = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 11)], ir_version=7)
+    saved = oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)], ir_version=8)
     path = tmp_path / "norm.onnx"
     onnx.save(saved, str(path))
     with pytest.raises(onnx.checker.ValidationError):

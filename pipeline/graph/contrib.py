@@ -608,6 +608,15 @@ def onnx_domain_norms(model: onnx.ModelProto) -> onnx.ModelProto:
         graph.initializer.append(onnx.numpy_helper.from_array(np.array(value, np.float32), name))
         return name
 
+    def mean(source: str, target: str) -> onnx.NodeProto:
+        """ReduceMean over the last axis: its axes an attribute below opset 18, an input from 18
+        on (a SimplifiedLayerNormalization is written out at any opset)."""
+        if opset < 18:
+            return helper.make_node("ReduceMean", [source], [target], axes=[-1], keepdims=1)
+        axes = fresh(f"{target}_axes")
+        graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1], np.int64), axes))
+        return helper.make_node("ReduceMean", [source, axes], [target], keepdims=1)
+
     for node in graph.node:
         if not written_out(node):
             nodes.append(node)
@@ -615,6 +624,7 @@ def onnx_domain_norms(model: onnx.ModelProto) -> onnx.ModelProto:
         simplified = node.op_type == "SimplifiedLayerNormalization"
         y = node.output[0]
         epsilon = float(attribute(node, "epsilon", 1e-5))
+
         x = node.input[0]
         name = {k: fresh(f"{y}_{k}") for k in ("mean", "centred", "square", "var", "shifted",
                                                "std", "normed", "scaled")}  # fmt: skip
@@ -624,13 +634,13 @@ def onnx_domain_norms(model: onnx.ModelProto) -> onnx.ModelProto:
         else:
             centred = name["centred"]
             written = [
-                helper.make_node("ReduceMean", [x], [name["mean"]], axes=[-1], keepdims=1),
+                mean(x, name["mean"]),
                 helper.make_node("Sub", [x, name["mean"]], [centred]),
                 helper.make_node("Pow", [centred, constant(2.0, f"{y}_two")], [name["square"]]),
             ]
         bias = _given(node, 2)
         written += [
-            helper.make_node("ReduceMean", [name["square"]], [name["var"]], axes=[-1], keepdims=1),
+            mean(name["square"], name["var"]),
             helper.make_node(
                 "Add", [name["var"], constant(epsilon, f"{y}_eps")], [name["shifted"]]
             ),
