@@ -329,3 +329,30 @@ def test_an_input_no_node_reads_is_dropped_and_fed_zeros_in_the_source(tmp_path:
     lonely = tiny()
     lonely.graph.input[0].name = "never_read"  # its only input: a model of constants, kept
     assert not drop_unread_inputs(lonely)[1].changed
+
+
+def test_a_label_only_model_is_checked_on_its_scores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segmenter that outputs its ArgMax class map alone: the legacy Upsample upgraded
+    without its semantics moves the scores, yet the labels mostly agree and have no SNR. The
+    check compares the scores the labels come from (which preparation outputs for judging) and
+    still names the step; with the semantics kept it passes."""
+    from pipeline.graph import legacy
+
+    source = tiny(upsample=True)
+    source.graph.node.append(oh.make_node("ArgMax", ["y"], ["labels"], axis=1, keepdims=0))
+    del source.graph.output[:]
+    source.graph.output.append(oh.make_tensor_value_info("labels", TensorProto.INT64, [1, 12, 12]))
+    folder = heldout(tmp_path / "h")
+    good = check_preparation("m", source, NO_INPUTS, prepared_file(source, tmp_path), folder)
+    assert good.passed and good.snr_db is not None and good.snr_db >= 60, good
+
+    def no_pin(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+        return model, Change("pin_legacy_semantics")
+
+    monkeypatch.setattr(legacy, "pin_legacy_semantics", no_pin)
+    path = prepared_file(source, tmp_path)
+    check = check_preparation("m", source, NO_INPUTS, path, folder)
+    assert not check.passed and check.culprit == "upgrade_opset", check
+    assert check.snr_db is not None and check.snr_db < lossless.MIN_PREPARED_SNR_DB

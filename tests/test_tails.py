@@ -98,6 +98,26 @@ def classifier(string_labels: bool = True) -> onnx.ModelProto:
     return model
 
 
+def released(root: Path, model: onnx.ModelProto, name: str, inputs: str, samples: int) -> Path:
+    """``model`` through quantize, compile (the HTP simulator) and publish from a project at
+    ``root`` (random calibration, one target); the artifacts folder."""
+    from pipeline.__main__ import main
+
+    (root / "configs").mkdir(parents=True)
+    onnx.save(model, str(root / "configs" / f"{name}.onnx"))
+    config = root / "configs" / f"{name}.toml"
+    config.write_text(
+        f'[model]\nname = "{name}"\nversion = "1.0.0"\nsource = "{name}.onnx"\n{inputs}'
+        f'[calibration]\nkind = "random"\nsamples = {samples}\n'
+        '[compile]\ntargets = ["snapdragon-x-elite"]\nmin_snr_db = 20.0\n',
+        encoding="utf-8",
+    )
+    artifacts = root / "artifacts"
+    for stage in ("quantize", "compile", "publish"):
+        assert main([stage, "--artifacts", str(artifacts), str(config)]) == 0, stage
+    return artifacts
+
+
 def run(model: onnx.ModelProto | str, x: np.ndarray) -> list:
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -271,24 +291,11 @@ def test_coverage_reports_the_tail_apart_from_the_gate() -> None:
 def test_a_classifier_with_a_tail_builds_and_runs_from_its_release(tmp_path: Path) -> None:
     """quantize -> compile (HTP simulator) -> publish -> qnn_ctx_runtime.load -> run."""
     import qnn_ctx_runtime
-    from pipeline.__main__ import main
     from pipeline.core.layout import ModelPaths
     from pipeline.core.records import VariantRecord, read_record
 
     root = tmp_path / "proj"
-    (root / "configs").mkdir(parents=True)
-    onnx.save(classifier(), str(root / "configs" / "clf.onnx"))
-    config = root / "configs" / "clf.toml"
-    config.write_text(
-        '[model]\nname = "clf"\nversion = "1.0.0"\nsource = "clf.onnx"\n'
-        "[inputs]\ndims = { batch = 1 }\n"
-        '[calibration]\nkind = "random"\nsamples = 24\n'
-        '[compile]\ntargets = ["snapdragon-x-elite"]\nmin_snr_db = 20.0\n',
-        encoding="utf-8",
-    )
-    artifacts = root / "artifacts"
-    for stage in ("quantize", "compile", "publish"):
-        assert main([stage, "--artifacts", str(artifacts), str(config)]) == 0, stage
+    artifacts = released(root, classifier(), "clf", "[inputs]\ndims = { batch = 1 }\n", 24)
     paths = ModelPaths.of(artifacts, "clf")
     variant_dir = next(p for p in (paths.ctx).glob("*/snapdragon-x-elite"))
     record, why = read_record(VariantRecord, variant_dir / "variant.json")
@@ -330,3 +337,201 @@ def test_a_classifier_with_a_tail_builds_and_runs_from_its_release(tmp_path: Pat
         for key, value in want["scores"][0].items():
             assert got["scores"][0][key] == pytest.approx(value, abs=0.02)
         assert got["label"].dtype == object and got["label"].shape == want["label"].shape
+
+
+# -- label-only models: judged by the scores their labels are computed from -------------------
+
+
+def segmenter(head: str = "argmax") -> onnx.ModelProto:
+    """Conv -> Relu -> Conv (3 class scores per pixel), then only labels out: an ArgMax class
+    map (``argmax``), a per-pixel decision on the first class (``threshold``), or both."""
+    inits = [
+        numpy_helper.from_array((RNG.standard_normal((6, 3, 3, 3)) * 0.4).astype("f4"), "w1"),
+        numpy_helper.from_array((RNG.standard_normal((3, 6, 1, 1)) * 0.6).astype("f4"), "w2"),
+        numpy_helper.from_array(np.array([0.5], "f4"), "cut"),
+        numpy_helper.from_array(np.array([0], np.int64), "first"),
+    ]
+    nodes = [
+        oh.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        oh.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        oh.make_node("Conv", ["r1", "w2"], ["logits"], name="conv2"),
+        oh.make_node("ArgMax", ["logits"], ["classes"], name="argmax", axis=1, keepdims=0),
+        oh.make_node("Gather", ["logits", "first"], ["first_logit"], name="pick", axis=1),
+        oh.make_node("Greater", ["first_logit", "cut"], ["mask"], name="decide"),
+    ]
+    outputs = {
+        "argmax": [oh.make_tensor_value_info("classes", TensorProto.INT64, [1, 16, 16])],
+        "threshold": [oh.make_tensor_value_info("mask", TensorProto.BOOL, [1, 1, 16, 16])],
+    }
+    chosen = outputs.get(head, outputs["argmax"] + outputs["threshold"])
+    graph = oh.make_graph(
+        nodes,
+        "segmenter",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        chosen,
+        inits,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 13)])
+    model.ir_version = 8
+    used = {i for n in model.graph.node for i in n.input}
+    reached = {o.name for o in chosen}
+    keep = []  # only the nodes the chosen outputs need
+    for node in reversed(list(model.graph.node)):
+        if set(node.output) & reached:
+            keep.append(node)
+            reached |= set(node.input)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(keep))
+    kept_inits = [i for i in model.graph.initializer if i.name in reached and i.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept_inits)
+    onnx.checker.check_model(model)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("head", "scores"),
+    [
+        ("argmax", ["logits"]),
+        ("threshold", ["first_logit"]),
+        ("both", ["logits", "first_logit"]),
+    ],
+)
+def test_a_label_only_model_is_judged_by_its_scores(head: str, scores: list[str]) -> None:
+    """Preparation adds the float tensors the labels are computed from as outputs (listed in
+    the metadata, for the quantize stage to drop from the QDQ it ships): an ArgMax's scores,
+    a comparison's operand (the Gather that picks it computes a float: it ends the walk)."""
+    from pipeline.graph.tails import (
+        JUDGED_OUTPUTS_KEY,
+        drop_judged_outputs,
+        expose_label_scores,
+        judged_outputs,
+    )
+
+    model = segmenter(head)
+    labels = [o.name for o in model.graph.output]
+    prepared, _ = prepare_model(model, InputsSection())
+    metadata = {p.key: p.value for p in prepared.metadata_props}
+    assert judged_outputs(metadata) == scores
+    assert [o.name for o in prepared.graph.output] == labels + scores
+    assert all(edit_shape(prepared, s) for s in scores)  # typed and static, as outputs must be
+    x = RNG.standard_normal((1, 3, 16, 16)).astype("f4")
+    got = dict(zip([*labels, *scores], run(prepared, x), strict=True))
+    if "logits" in got:
+        np.testing.assert_array_equal(got["logits"].argmax(axis=1), run(model, x)[0])
+    shipped = drop_judged_outputs(prepared, judged_outputs(metadata))
+    assert [o.name for o in shipped.graph.output] == labels
+    # Once is enough: a prepared model (its scores listed) is left as it is.
+    again, change = expose_label_scores(prepared)
+    assert again is prepared and not change.changed
+    assert JUDGED_OUTPUTS_KEY in metadata
+
+
+def edit_shape(model: onnx.ModelProto, name: str) -> tuple[int, ...] | None:
+    from pipeline.graph.edit import value_shape
+
+    return next(value_shape(o) for o in model.graph.output if o.name == name)
+
+
+def test_models_with_a_figure_already_are_left_alone() -> None:
+    """A classifier whose ZipMap carries the scores, a model with any float output, an int8
+    output a QuantizeLinear writes (a value on a grid, compared as one) and labels read only
+    from a shape get no extra output."""
+    from pipeline.graph.tails import expose_label_scores
+
+    with_float = segmenter("argmax")
+    with_float.graph.output.append(
+        oh.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 3, 16, 16])
+    )
+    quantized = segmenter("argmax")
+    quantized.graph.node.append(
+        oh.make_node("QuantizeLinear", ["logits", "qs", "qz"], ["logits_q"], name="q")
+    )
+    quantized.graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array(0.1, "f4"), "qs"),
+            numpy_helper.from_array(np.array(0, np.int8), "qz"),
+        ]
+    )
+    del quantized.graph.output[:]
+    quantized.graph.output.append(
+        oh.make_tensor_value_info("logits_q", TensorProto.INT8, [1, 3, 16, 16])
+    )
+    sized = oh.make_model(
+        oh.make_graph(
+            [oh.make_node("Relu", ["x"], ["r"]), oh.make_node("Shape", ["r"], ["shape"])],
+            "sized",
+            [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+            [oh.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+        ),
+        opset_imports=[oh.make_opsetid("", 13)],
+    )
+    for model in (classifier(), with_float, quantized, sized):
+        inferred = onnx.shape_inference.infer_shapes(model)
+        same, change = expose_label_scores(inferred)
+        assert same is inferred and not change.changed, model.graph.name
+    # The segmenter itself, inferred the same way, does get its scores.
+    _, change = expose_label_scores(onnx.shape_inference.infer_shapes(segmenter("argmax")))
+    assert change.changed
+
+
+def test_a_label_only_model_is_gated_on_its_scores(tmp_path: Path) -> None:
+    """Its labels alone read "inf dB" and passed every gate; now the scores carry the figure,
+    a gate it cannot meet fails the stage naming it, and the QDQ written (on a model that
+    passes) outputs the labels only."""
+    from pipeline.__main__ import main
+    from pipeline.core.layout import ModelPaths
+
+    root = tmp_path / "proj"
+    (root / "configs").mkdir(parents=True)
+    onnx.save(segmenter("argmax"), str(root / "configs" / "seg.onnx"))
+
+    def build(min_snr_db: float) -> int:
+        config = root / "configs" / "seg.toml"
+        config.write_text(
+            '[model]\nname = "seg"\nversion = "1.0.0"\nsource = "seg.onnx"\n'
+            '[calibration]\nkind = "random"\nsamples = 16\n'
+            f'[quantization]\njudge = "cpu"\nmin_snr_db = {min_snr_db}\n'
+            f"target_snr_db = {min_snr_db}\nauto_mixed_precision = false\n",
+            encoding="utf-8",
+        )
+        return main(["quantize", "--artifacts", str(root / "artifacts"), "--force", str(config)])
+
+    paths = ModelPaths.of(root / "artifacts", "seg")
+    assert build(20.0) == 0
+    report = json.loads(paths.report.with_suffix(".json").read_text("utf-8"))
+    assert 20.0 <= report["worst_snr_db"] < 200.0  # the scores' figure, not "inf"
+    qdq = onnx.load(str(paths.bucket(report["buckets"][0]["name"]).qdq))
+    assert [o.name for o in qdq.graph.output] == ["classes"]
+    assert build(200.0) != 0  # 16-bit scores are not 200 dB from float
+
+
+@pytest.mark.qnn
+def test_a_label_only_model_ships_its_labels_judged_on_the_htp(tmp_path: Path) -> None:
+    """quantize (the HTP judge on the scores) -> compile -> publish -> run from the release:
+    the judge's figure is the scores', and the context, its record and the release output the
+    labels alone, as the user's model does."""
+    import qnn_ctx_runtime
+    from pipeline.compile.report import describe
+    from pipeline.core.layout import ModelPaths
+    from pipeline.core.records import VariantRecord, read_record
+
+    root = tmp_path / "proj"
+    artifacts = released(root, segmenter("argmax"), "seg", "", 16)
+    source = root / "configs" / "seg.onnx"
+    paths = ModelPaths.of(artifacts, "seg")
+    judged = json.loads(paths.report.with_suffix(".json").read_text("utf-8"))["htp"]
+    assert judged["judge"] == "htp", judged["reason"]
+    assert 20.0 <= judged["ctx_vs_float_db"] < 200.0  # the scores', on the simulator
+    variant_dir = next(p for p in paths.ctx.glob("*/snapdragon-x-elite"))
+    record, why = read_record(VariantRecord, variant_dir / "variant.json")
+    assert record is not None and record.validation is not None, why
+    assert [o.name for o in record.outputs] == ["classes"]
+    assert record.validation.ctx_vs_float["classes"].compared_as == LABELS
+    assert "labels as the QDQ's" in describe(record) and "inf dB" not in describe(record)
+    loaded = qnn_ctx_runtime.load(artifacts / "releases" / "seg" / "1.0.0")
+    x = RNG.standard_normal((1, 3, 16, 16)).astype(np.float32)
+    got = loaded.run({"x": x})
+    assert list(got) == ["classes"] and got["classes"].shape == (1, 16, 16)
+    agree = np.mean(got["classes"] == run(str(source), x)[0])
+    assert agree > 0.9, agree

@@ -37,6 +37,32 @@ def failure_details(e: Failure, limit: int) -> str:
     return "; ".join(parts)
 
 
+def _snr_line(v: Any) -> str:
+    return f"ctx vs QDQ {fmt(v.worst_snr_db if v else None, 1)} dB" + (
+        f" (vs float {fmt(v.worst_snr_vs_float_db, 1)} dB), "
+        if v and v.worst_snr_vs_float_db is not None
+        else ", "
+    )
+
+
+def _labels_line(v: Any) -> str:
+    """For a model whose outputs are all labels (no SNR: "inf dB" said nothing), the least
+    share of them the ctx computes as the QDQ and the float model do."""
+    if v is None or not v.ctx_vs_qdq:
+        return ""
+    if any(a.compared_as != LABELS for a in v.ctx_vs_qdq.values()):
+        return ""
+
+    def least(section: dict[str, Any]) -> str:
+        shares = [a.agreement or 0.0 for a in section.values() if a.compared_as == LABELS]
+        return f"{100.0 * min(shares):.1f}%" if shares else "-"
+
+    line = f"labels as the QDQ's {least(v.ctx_vs_qdq)}"
+    if v.ctx_vs_float:
+        line += f" (as float's {least(v.ctx_vs_float)})"
+    return line + ", "
+
+
 def describe(r: VariantRecord, skipped: bool = False) -> str:
     """The console line of one variant: verdict, coverage, accuracy and load, or the failure."""
     head = f"{r.model} {r.target} onnxruntime-qnn {r.toolchain}"
@@ -54,12 +80,7 @@ def describe(r: VariantRecord, skipped: bool = False) -> str:
     text = (
         f"{verdict} {head}: {c.qnn_partitions if c else '-'} QNN partition(s), "
         f"{len(c.cpu_compute_nodes) if c else '-'} CPU node(s), "
-        f"ctx vs QDQ {fmt(v.worst_snr_db if v else None, 1)} dB"
-        + (
-            f" (vs float {fmt(v.worst_snr_vs_float_db, 1)} dB), "
-            if v and v.worst_snr_vs_float_db is not None
-            else ", "
-        )
+        + (_labels_line(v) or _snr_line(v))
         + f"load {fmt(load.ratio if load else None, 1)}x faster than QDQ (HTP simulator, "
         "not device latency)"
     )

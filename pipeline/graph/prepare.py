@@ -135,6 +135,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.topological_sort,
         t.store_inferred_shapes,
         tails.static_tail_outputs,  # a label lookup's output: shape inference leaves it open
+        tails.expose_label_scores,  # labels alone have no SNR: judge what they are computed from
         t.set_ir_version,
     ]
 

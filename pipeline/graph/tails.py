@@ -225,3 +225,140 @@ def static_tail_outputs(model: Any) -> tuple[Any, Any]:
             dim.dim_value = int(size)
         details.append(f"tail output {value.name!r} shape -> {shape}")
     return edit.checked_change(model, "static_tail_outputs", details)
+
+
+# The prepared model's metadata key listing the outputs added only to judge accuracy by
+# (``expose_label_scores``): every comparison sees them, the QDQ model that ships does not.
+JUDGED_OUTPUTS_KEY = "qnn_ctx_pipeline.judged_outputs"
+# Ops that read only their input's shape, not its values: no score behind a label.
+_SHAPE_READERS = frozenset({"Shape", "Size"})
+# Integer outputs these ops write are values on a grid (a pre-quantized model's int8
+# outputs, compared as what they stand for), not labels.
+_QUANTIZERS = frozenset({"QuantizeLinear", "DynamicQuantizeLinear"})
+
+
+def label_scores(model: Any) -> list[str]:
+    """The float tensors a label-only model's outputs are computed from, in the order the walk
+    from its outputs meets them (see ``expose_label_scores``); [] when any output is not a
+    label. Types come from the stored value info, else from ONNX schema inference."""
+    graph = model.graph
+    if not graph.output:
+        return []
+    producers = {o: node for node in graph.node for o in node.output if o}
+    values = (*graph.input, *graph.value_info, *graph.output)
+    if len(graph.value_info) < len(producers) - len(graph.output):  # a source: infer them
+        import onnx
+
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+            values = (*inferred.input, *inferred.value_info, *inferred.output, *values)
+        except Exception:  # inference failing on an odd model: the stored types decide
+            pass
+    types = {v.name: v.type for v in values if v.type.WhichOneof("value")}
+
+    def is_float(name: str) -> bool | None:
+        kind = types.get(name)
+        if kind is None:
+            return None
+        return kind.HasField("tensor_type") and kind.tensor_type.elem_type in FLOAT_TYPES
+
+    def is_label(value: Any) -> bool:  # a tensor: a ZipMap's maps are compared as numbers
+        producer = producers.get(value.name)
+        if producer is not None and producer.op_type in _QUANTIZERS:
+            return False
+        kind = types.get(value.name, value.type)
+        return kind.HasField("tensor_type") and is_float(value.name) is False
+
+    if not all(is_label(o) for o in graph.output):
+        return []
+    constants = {i.name for i in graph.initializer} | {i.name for i in graph.input}
+    scores: list[str] = []
+    seen: set[str] = set()
+    pending = [o.name for o in reversed(graph.output)]
+    while pending:
+        name = pending.pop()
+        node = producers.get(name)
+        if name in seen or node is None or node.op_type in _SHAPE_READERS:
+            continue
+        seen.add(name)
+        for read in node.input:
+            if not read or read in constants or read in seen:
+                continue
+            if is_float(read) and producers.get(read) is not None:
+                if producers[read].op_type != "Constant" and read not in scores:
+                    scores.append(read)
+            else:
+                pending.append(read)
+    return scores
+
+
+def expose_label_scores(model: Any) -> tuple[Any, Any]:
+    """A model whose every output is a label (a segmenter's class map from ArgMax, a top-1
+    index, a detector's boolean decision, string labels from a lookup) also outputs the float
+    tensors those labels are computed from, to be judged by.
+
+    Labels have no SNR: built as it was, such a model's accuracy read "inf dB", so mixed
+    precision, the HTP judge and every gate passed it unseen, whatever the NPU computed (a
+    DeepLab ending in ArgMax: inf dB, 98.9% of its pixels agreeing). Its scores carry the
+    figure, as a classifier's probabilities do beside its labels. They are found by walking
+    back from each output through the nodes that compute non-float values (ArgMax, TopK's
+    indices, a comparison, a Cast to int, a lookup) to the first float tensors read (not
+    constants, not graph inputs, not only their shape). Their names are stored in the model's
+    metadata (``JUDGED_OUTPUTS_KEY``): the quantize stage drops them from the QDQ model it
+    writes, so the shipped context outputs what the user's model does.
+    """
+    from . import edit  # onnx: not in the compile environment, which reads summaries only
+
+    graph = model.graph
+    scores = [] if _judged_names(model) else label_scores(model)
+    scores = [s for s in scores if edit.value_shape(_value(graph, s)) is not None]
+    if not scores:
+        return model, edit.Change("expose_label_scores")
+    model = edit.copy_model(model)
+    for name in scores:
+        model.graph.output.append(_value(graph, name))
+    entry = model.metadata_props.add()
+    entry.key, entry.value = JUDGED_OUTPUTS_KEY, "\n".join(scores)
+    labels = ", ".join(repr(o.name) for o in graph.output)
+    details = [
+        f"{name!r} (what {labels} {'is' if len(graph.output) == 1 else 'are'} computed from) "
+        "output too, to judge accuracy by; the shipped model does not output it"
+        for name in scores
+    ]
+    return edit.checked_change(model, "expose_label_scores", details)
+
+
+def _value(graph: Any, name: str) -> Any:
+    """A copy of the stored value info of ``name`` (inferred shapes are stored by then)."""
+    import onnx
+
+    for value in graph.value_info:
+        if value.name == name:
+            copied = onnx.ValueInfoProto()
+            copied.CopyFrom(value)
+            return copied
+    return onnx.ValueInfoProto(name=name)
+
+
+def _judged_names(model: Any) -> list[str]:
+    for entry in model.metadata_props:
+        if entry.key == JUDGED_OUTPUTS_KEY:
+            return [n for n in entry.value.split("\n") if n]
+    return []
+
+
+def judged_outputs(metadata: Mapping[str, str]) -> list[str]:
+    """The outputs ``expose_label_scores`` added, from a model's metadata (a summary's)."""
+    return [n for n in metadata.get(JUDGED_OUTPUTS_KEY, "").split("\n") if n]
+
+
+def drop_judged_outputs(model: Any, names: Iterable[str]) -> Any:
+    """``model`` without the graph outputs ``names`` (the QDQ model that ships)."""
+    from . import edit
+
+    drop = set(names)
+    model = edit.copy_model(model)
+    kept = [o for o in model.graph.output if o.name not in drop]
+    del model.graph.output[:]
+    model.graph.output.extend(kept)
+    return model

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from qnn_ctx_runtime import buckets as bk
+from qnn_ctx_runtime.qnn import read_model_summary
 
 from ..calibration.samples import BucketSamples, Router, SampleRef, SampleSource, sample_source
 from ..core.config import ModelConfig
@@ -67,6 +68,7 @@ from ..core.report import fmt
 from ..graph import prequantized, transforms
 from ..graph.buckets import BucketPlan
 from ..graph.source import SourceModel, external_data_digests, readable
+from ..graph.tails import drop_judged_outputs, judged_outputs
 from ..graph.transforms import Change
 from ..htp.probe import spare_probes
 from ..report_html import preload_plotting, write_html_reports
@@ -1025,6 +1027,8 @@ def _steps(
         lstm_budget(plan, state.lstm_nodes),
     )
     state.timings["check_preparation"] = time.perf_counter() - started
+    for name in plan.names:  # every comparison above ran on them; the artifact does not
+        _drop_judged_outputs(floats[name], qdqs[name])
     worst_each = [worst_snr(v) for v in per_bucket.values() if v]
     worst = min(worst_each) if worst_each else float("nan")
     if judgement is not None and judgement.whole_float16:
@@ -1091,6 +1095,21 @@ def _steps(
         timings_s=state.timings,
     )
     return report, _record(config, inputs, state, paths, report)
+
+
+def _drop_judged_outputs(float_path: Path, qdq_path: Path) -> None:
+    """The QDQ model that ships outputs what the user's model does: the scores a label-only
+    model was judged by (``tails.expose_label_scores``, listed in the prepared model's
+    metadata) go once every comparison has run on them."""
+    names = judged_outputs(read_model_summary(float_path).metadata)
+    if not names:
+        return
+    import onnx
+
+    model = onnx.load(str(qdq_path), load_external_data=False)  # its weights stay where they are
+    if any(o.name in names for o in model.graph.output):
+        with atomic_path(qdq_path) as tmp:
+            onnx.save(drop_judged_outputs(model, names), str(tmp))
 
 
 def judged_ctx_db(judgement: HtpJudgement | None) -> float:

@@ -30,11 +30,14 @@ from typing import Any
 
 import numpy as np
 
+from qnn_ctx_runtime.qnn import read_model_summary
+
 from ..core.config import InputsSection
 from ..core.cpu import cpu_session
 from ..core.dtypes import constant_feed, np_dtype, unread_input_feed
 from ..core.metrics import OutputComparison, worst_snr
 from ..graph.prequantized import is_prequantized
+from ..graph.tails import judged_outputs
 from .evaluate import iter_samples, run_named
 
 MIN_PREPARED_SNR_DB = 60.0
@@ -179,12 +182,15 @@ def check_preparation(
     # shape allows, so two equal graphs of different structure differ by its rounding (a
     # pre-quantized Whisper encoder: 19 dB between the source and itself with one GELU fused).
     optimize = not is_prequantized(source.load()) and source.optimize
+    scores = judged_outputs(read_model_summary(prepared).metadata)
     try:
         if source.float16:
             from ..graph.transforms import float16_to_float32
 
             reference, _ = float16_to_float32(source.load())
             label = "source model computed in float32"
+        if scores:  # a label-only model: its labels alone would pass any preparation
+            reference = _exposing(reference if source.float16 else source.load(), len(scores))
         ref_session = cpu_session(reference, optimize)
         snr, count = compare(ref_session, prepared, samples, inputs, optimize)
         if source.float16:
@@ -203,7 +209,7 @@ def check_preparation(
             floor, snr, count, True, label, float16_snr_db=float16,
             rounding_floor_db=rounding_floor_db,
         )  # fmt: skip
-    transform = None
+    transform = (lambda m: _exposing(m, len(scores))) if scores else None
     exact = _sigmoids_from_exp(reference, prepared)
     if exact is not None:
         try:
@@ -212,7 +218,12 @@ def check_preparation(
         except Exception:  # onnxruntime cannot run the expanded forms: the plain figure stands
             pass
         else:
-            snr, ref_session, transform = exact_snr, exact_session, _expand_sigmoids
+            snr, ref_session = exact_snr, exact_session
+            transform = (
+                (lambda m: _expand_sigmoids(_exposing(m, len(scores))))
+                if scores
+                else _expand_sigmoids
+            )
             label += f" ({SIGMOIDS_FROM_EXP})"
             if snr >= floor:
                 return PreparationCheck(
@@ -232,6 +243,27 @@ def check_preparation(
 
 
 SIGMOIDS_FROM_EXP = "every Sigmoid computed from exp in both models"
+
+
+def _exposing(model: Any, count: int) -> Any:
+    """``model`` (a source, or a preparation step's prefix) also outputting the scores its
+    labels are computed from (``tails.label_scores``), when it has as many as the prepared
+    model outputs for judging: they are paired by position, as outputs the preparation
+    renamed are (the version converter renames an upgraded op's output)."""
+    import onnx
+
+    from ..graph.tails import label_scores
+
+    scores = label_scores(model)
+    if len(scores) != count:
+        return model
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    for name in scores:  # a float tensor; onnxruntime infers its shape
+        exposed.graph.output.append(
+            onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
+        )
+    return exposed
 
 
 def _expand_sigmoids(model: Any) -> Any:
