@@ -535,3 +535,18 @@ def test_a_label_only_model_ships_its_labels_judged_on_the_htp(tmp_path: Path) -
     assert list(got) == ["classes"] and got["classes"].shape == (1, 16, 16)
     agree = np.mean(got["classes"] == run(str(source), x)[0])
     assert agree > 0.9, agree
+
+
+def test_a_classifier_with_only_its_label_lookup_is_judged_by_its_probabilities() -> None:
+    """A converter's classifier without its ZipMap: a string label from ArgMax and a lookup
+    alone. The walk goes through the lookup (its class names are a constant) and the ArgMax
+    to the Softmax's probabilities; the label lookup stays the declared tail."""
+    model = classifier()
+    zipmap = next(n for n in model.graph.node if n.op_type == "ZipMap")
+    model.graph.node.remove(zipmap)
+    model.graph.output.pop()
+    prepared, _ = prepare_model(model, InputsSection(dims={"batch": 1}))
+    assert [o.name for o in prepared.graph.output] == ["label", "probs"]
+    assert model_tail(prepared).outputs == ("label",)
+    label, probs = run(prepared, RNG.standard_normal((1, 3, 8, 8)).astype("f4"))
+    assert np.asarray(label).astype(str).tolist() == [[LABEL_NAMES[int(np.argmax(probs))]]]

@@ -182,7 +182,9 @@ def check_preparation(
     # shape allows, so two equal graphs of different structure differ by its rounding (a
     # pre-quantized Whisper encoder: 19 dB between the source and itself with one GELU fused).
     optimize = not is_prequantized(source.load()) and source.optimize
-    scores = judged_outputs(read_model_summary(prepared).metadata)
+    summary = read_model_summary(prepared)
+    shapes = {o.name: list(o.shape) for o in summary.outputs}
+    scores = [(n, shapes.get(n, [])) for n in judged_outputs(summary.metadata)]
     try:
         if source.float16:
             from ..graph.transforms import float16_to_float32
@@ -190,7 +192,7 @@ def check_preparation(
             reference, _ = float16_to_float32(source.load())
             label = "source model computed in float32"
         if scores:  # a label-only model: its labels alone would pass any preparation
-            reference = _exposing(reference if source.float16 else source.load(), len(scores))
+            reference = _exposing(reference if source.float16 else source.load(), scores)
         ref_session = cpu_session(reference, optimize)
         snr, count = compare(ref_session, prepared, samples, inputs, optimize)
         if source.float16:
@@ -209,7 +211,7 @@ def check_preparation(
             floor, snr, count, True, label, float16_snr_db=float16,
             rounding_floor_db=rounding_floor_db,
         )  # fmt: skip
-    transform = (lambda m: _exposing(m, len(scores))) if scores else None
+    transform = (lambda m: _exposing(m, scores)) if scores else None
     exact = _sigmoids_from_exp(reference, prepared)
     if exact is not None:
         try:
@@ -220,9 +222,7 @@ def check_preparation(
         else:
             snr, ref_session = exact_snr, exact_session
             transform = (
-                (lambda m: _expand_sigmoids(_exposing(m, len(scores))))
-                if scores
-                else _expand_sigmoids
+                (lambda m: _expand_sigmoids(_exposing(m, scores))) if scores else _expand_sigmoids
             )
             label += f" ({SIGMOIDS_FROM_EXP})"
             if snr >= floor:
@@ -245,17 +245,22 @@ def check_preparation(
 SIGMOIDS_FROM_EXP = "every Sigmoid computed from exp in both models"
 
 
-def _exposing(model: Any, count: int) -> Any:
-    """``model`` (a source, or a preparation step's prefix) also outputting the scores its
-    labels are computed from (``tails.label_scores``), when it has as many as the prepared
-    model outputs for judging: they are paired by position, as outputs the preparation
-    renamed are (the version converter renames an upgraded op's output)."""
+def _exposing(model: Any, judged: list[tuple[str, list[int]]]) -> Any:
+    """``model`` (a source, or a preparation step's prefix) also outputting the scores a
+    label-only prepared model is judged by (``judged``: their names and shapes). By name
+    where it computes tensors so named (preparation keeps names); else the scores its own
+    labels are computed from (``tails.label_scores``), paired by position, where they are as
+    many and of the same shapes (the version converter renames an upgraded op's output; an
+    optimizer that moved a Transpose past the ArgMax left scores of another layout)."""
     import onnx
 
     from ..graph.tails import label_scores
 
-    scores = label_scores(model)
-    if len(scores) != count:
+    produced = {o for node in model.graph.node for o in node.output}
+    present = {o.name for o in model.graph.output}
+    by_name = all(name in produced for name, _ in judged)
+    scores = [name for name, _ in judged] if by_name else label_scores(model)
+    if len(scores) != len(judged) or any(name in present for name in scores):
         return model
     exposed = onnx.ModelProto()
     exposed.CopyFrom(model)
@@ -263,7 +268,19 @@ def _exposing(model: Any, count: int) -> Any:
         exposed.graph.output.append(
             onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
         )
-    return exposed
+    if by_name:
+        return exposed
+    try:
+        inferred = onnx.shape_inference.infer_shapes(exposed, strict_mode=False).graph
+    except Exception:  # no shapes to compare: not paired
+        return model
+    shapes = {
+        value.name: [d.dim_value if d.HasField("dim_value") else -1 for d in dims.dim]
+        for value in (*inferred.value_info, *inferred.output)
+        if (dims := value.type.tensor_type.shape)
+    }
+    same = all(shapes.get(name) == shape for name, (_, shape) in zip(scores, judged, strict=True))
+    return exposed if same else model
 
 
 def _expand_sigmoids(model: Any) -> Any:
