@@ -345,9 +345,10 @@ def test_a_classifier_with_a_tail_builds_and_runs_from_its_release(tmp_path: Pat
 def segmenter(head: str = "argmax") -> onnx.ModelProto:
     """Conv -> Relu -> Conv (3 class scores per pixel), then only labels out: an ArgMax class
     map (``argmax``), a per-pixel decision on the first class (``threshold``), or both."""
+    rng = np.random.default_rng(11)  # its own: the same weights whichever tests run first
     inits = [
-        numpy_helper.from_array((RNG.standard_normal((6, 3, 3, 3)) * 0.4).astype("f4"), "w1"),
-        numpy_helper.from_array((RNG.standard_normal((3, 6, 1, 1)) * 0.6).astype("f4"), "w2"),
+        numpy_helper.from_array((rng.standard_normal((6, 3, 3, 3)) * 0.4).astype("f4"), "w1"),
+        numpy_helper.from_array((rng.standard_normal((3, 6, 1, 1)) * 0.6).astype("f4"), "w2"),
         numpy_helper.from_array(np.array([0.5], "f4"), "cut"),
         numpy_helper.from_array(np.array([0], np.int64), "first"),
     ]
@@ -529,6 +530,12 @@ def test_a_label_only_model_ships_its_labels_judged_on_the_htp(tmp_path: Path) -
     assert [o.name for o in record.outputs] == ["classes"]
     assert record.validation.ctx_vs_float["classes"].compared_as == LABELS
     assert "labels as the QDQ's" in describe(record) and "inf dB" not in describe(record)
+    # The ctx gave the CPU QDQ model's labels on every pixel of the first 2 held-out samples:
+    # the scores were judged on the HTP, so the other samples were not run (seeded: it does).
+    validation = record.validation
+    assert (validation.cut_by, validation.samples) == ("labels", 2), validation
+    assert validation.requested > 2 and validation.passed
+    assert "every output is a label" in (paths.ctx / "report.md").read_text("utf-8")
     loaded = qnn_ctx_runtime.load(artifacts / "releases" / "seg" / "1.0.0")
     x = RNG.standard_normal((1, 3, 16, 16)).astype(np.float32)
     got = loaded.run({"x": x})
@@ -550,3 +557,20 @@ def test_a_classifier_with_only_its_label_lookup_is_judged_by_its_probabilities(
     assert model_tail(prepared).outputs == ("label",)
     label, probs = run(prepared, RNG.standard_normal((1, 3, 8, 8)).astype("f4"))
     assert np.asarray(label).astype(str).tolist() == [[LABEL_NAMES[int(np.argmax(probs))]]]
+
+
+def test_labels_all_agree_only_when_every_output_is_a_label_given_exactly() -> None:
+    from pipeline.compile.worker import labels_all_agree
+
+    comparison = OutputComparison()
+    comparison.add({"c": np.array([1, 2, 3])}, {"c": np.array([1, 2, 3])})
+    assert labels_all_agree(comparison.summary())
+    comparison.add({"c": np.array([1, 2, 3])}, {"c": np.array([1, 2, 0])})
+    assert not labels_all_agree(comparison.summary())  # 5 of 6: the rest are run
+    scored = OutputComparison()
+    scored.add(
+        {"c": np.array([1]), "p": np.array([0.5], "f4")},
+        {"c": np.array([1]), "p": np.array([0.5], "f4")},
+    )
+    assert not labels_all_agree(scored.summary())  # a float output: its SNR decides
+    assert not labels_all_agree({})

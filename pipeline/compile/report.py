@@ -247,6 +247,13 @@ def _notes(rows: list[_Row]) -> list[str]:
                 "(pipeline.core.layout.ENOUGH_MARGIN_DB) on the HTP, each of them the target, "
                 "so the rest were not run"
             )
+        elif v is not None and v.requested > v.samples and v.cut_by == "labels":
+            notes.append(
+                f"- **{where}** validated on {v.samples} of {v.requested} held-out samples: "
+                "every output is a label, the ctx gave the CPU QDQ model's on every element, "
+                "and the scores they are computed from were judged on the HTP by the quantize "
+                "stage, so the rest were not run"
+            )
         elif v is not None and v.requested > v.samples and v.cut_by == "agreement":
             notes.append(
                 f"- **{where}** validated on {v.samples} of {v.requested} held-out samples: "

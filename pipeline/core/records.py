@@ -225,7 +225,7 @@ class Validation:
     # held-out samples there were to run; more than ``samples`` when the simulator's time
     # budget (pipeline.core.layout.HTP_BUDGET_S) left the rest out. 0: not recorded.
     requested: int = 0
-    cut_by: str = ""  # why fewer ran: "budget", "evidence" or "agreement" (HtpProbeRecord)
+    cut_by: str = ""  # why fewer ran: "budget", "evidence", "agreement" (HtpProbeRecord), "labels"
 
 
 @dataclass(frozen=True)
