@@ -344,7 +344,8 @@ def test_a_classifier_with_a_tail_builds_and_runs_from_its_release(tmp_path: Pat
 
 def segmenter(head: str = "argmax") -> onnx.ModelProto:
     """Conv -> Relu -> Conv (3 class scores per pixel), then only labels out: an ArgMax class
-    map (``argmax``), a per-pixel decision on the first class (``threshold``), or both."""
+    map (``argmax``), that map cast to float (``float_map``), a per-pixel decision on the first
+    class (``threshold``), or the first and the last (``both``)."""
     rng = np.random.default_rng(11)  # its own: the same weights whichever tests run first
     inits = [
         numpy_helper.from_array((rng.standard_normal((6, 3, 3, 3)) * 0.4).astype("f4"), "w1"),
@@ -359,10 +360,12 @@ def segmenter(head: str = "argmax") -> onnx.ModelProto:
         oh.make_node("ArgMax", ["logits"], ["classes"], name="argmax", axis=1, keepdims=0),
         oh.make_node("Gather", ["logits", "first"], ["first_logit"], name="pick", axis=1),
         oh.make_node("Greater", ["first_logit", "cut"], ["mask"], name="decide"),
+        oh.make_node("Cast", ["classes"], ["class_map"], name="as_float", to=TensorProto.FLOAT),
     ]
     outputs = {
         "argmax": [oh.make_tensor_value_info("classes", TensorProto.INT64, [1, 16, 16])],
         "threshold": [oh.make_tensor_value_info("mask", TensorProto.BOOL, [1, 1, 16, 16])],
+        "float_map": [oh.make_tensor_value_info("class_map", TensorProto.FLOAT, [1, 16, 16])],
     }
     chosen = outputs.get(head, outputs["argmax"] + outputs["threshold"])
     graph = oh.make_graph(
@@ -395,6 +398,7 @@ def segmenter(head: str = "argmax") -> onnx.ModelProto:
     [
         ("argmax", ["logits"]),
         ("threshold", ["first_logit"]),
+        ("float_map", ["logits"]),
         ("both", ["logits", "first_logit"]),
     ],
 )
@@ -476,16 +480,19 @@ def test_models_with_a_figure_already_are_left_alone() -> None:
     assert change.changed
 
 
-def test_a_label_only_model_is_gated_on_its_scores(tmp_path: Path) -> None:
-    """Its labels alone read "inf dB" and passed every gate; now the scores carry the figure,
-    a gate it cannot meet fails the stage naming it, and the QDQ written (on a model that
-    passes) outputs the labels only."""
+@pytest.mark.parametrize("head", ["argmax", "float_map"])
+def test_a_label_only_model_is_gated_on_its_scores(tmp_path: Path, head: str) -> None:
+    """Its labels alone read "inf dB" (a float class map: the SNR of class ids) and passed
+    every gate; now the scores carry the figure, a gate it cannot meet fails the stage, and
+    the QDQ written (on a model that passes) outputs the labels only, compared as labels."""
     from pipeline.__main__ import main
     from pipeline.core.layout import ModelPaths
 
     root = tmp_path / "proj"
     (root / "configs").mkdir(parents=True)
-    onnx.save(segmenter("argmax"), str(root / "configs" / "seg.onnx"))
+    model = segmenter(head)
+    label = model.graph.output[0].name
+    onnx.save(model, str(root / "configs" / "seg.onnx"))
 
     def build(min_snr_db: float) -> int:
         config = root / "configs" / "seg.toml"
@@ -503,7 +510,9 @@ def test_a_label_only_model_is_gated_on_its_scores(tmp_path: Path) -> None:
     report = json.loads(paths.report.with_suffix(".json").read_text("utf-8"))
     assert 20.0 <= report["worst_snr_db"] < 200.0  # the scores' figure, not "inf"
     qdq = onnx.load(str(paths.bucket(report["buckets"][0]["name"]).qdq))
-    assert [o.name for o in qdq.graph.output] == ["classes"]
+    assert [o.name for o in qdq.graph.output] == [label]
+    accuracy = report["buckets"][0]["qdq_vs_float"][label]
+    assert accuracy["compared_as"] == LABELS and accuracy["agreement"] > 0.9, accuracy
     assert build(200.0) != 0  # 16-bit scores are not 200 dB from float
 
 
@@ -574,3 +583,33 @@ def test_labels_all_agree_only_when_every_output_is_a_label_given_exactly() -> N
     )
     assert not labels_all_agree(scored.summary())  # a float output: its SNR decides
     assert not labels_all_agree({})
+
+
+def test_float_outputs_that_hold_labels_are_found_by_what_computes_them(tmp_path: Path) -> None:
+    """A Cast to float of an index or a truth value, through moves: a label. A Cast of a
+    float, TopK's values and a float the labels are compared with are values."""
+    from pipeline.core.metrics import label_outputs
+    from pipeline.graph.tails import float_label_outputs
+
+    nodes = [
+        ("ArgMax", ["s"], ["i"]),
+        ("Unsqueeze", ["i", "axes"], ["u"]),
+        ("Cast", ["u"], ["class_map"]),  # an index, cast and moved
+        ("TopK", ["s", "k"], ["top_values", "top_index"]),
+        ("Cast", ["top_index"], ["top_float"]),  # TopK's indices
+        ("Cast", ["top_values"], ["values_half"]),  # its values: values
+        ("Greater", ["s", "c"], ["g"]),
+        ("Cast", ["g"], ["decision"]),  # a truth value
+        ("Cast", ["s"], ["s_half"]),  # a float cast: a value
+        ("ArgMax", ["s"], ["plain"]),  # a label by its dtype already: no Cast, not listed
+    ]
+    outputs = ["class_map", "top_float", "values_half", "decision", "s_half", "plain", "s"]
+    assert float_label_outputs(nodes, outputs) == {"class_map", "top_float", "decision"}
+    path = tmp_path / "float_map.onnx"
+    onnx.save(segmenter("float_map"), str(path))
+    assert label_outputs(path) == {"class_map"}
+    comparison = OutputComparison(labels=label_outputs(path))
+    comparison.add({"class_map": np.array([1.0, 2.0])}, {"class_map": np.array([1.0, 0.0])})
+    summary = comparison.summary()["class_map"]
+    assert summary.compared_as == LABELS and summary.agreement == 0.5
+    assert worst_snr(comparison.summary()) == float("inf")  # no SNR of class ids

@@ -44,7 +44,7 @@ from ..core.layout import (
     past_htp_budget,
     simulator_seconds,
 )
-from ..core.metrics import LABELS, OutputComparison, worst_snr
+from ..core.metrics import LABELS, OutputComparison, label_outputs, worst_snr
 from ..core.records import (
     BucketOutcome,
     Coverage,
@@ -437,7 +437,8 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
     grids = {
         name: (scale, int(zero_point)) for name, (scale, zero_point) in job.output_grids.items()
     }
-    vs_qdq, vs_float, qdq_vs_float = (OutputComparison(grids) for _ in range(3))
+    labels = label_outputs(bucket.qdq)
+    vs_qdq, vs_float, qdq_vs_float = (OutputComparison(grids, labels) for _ in range(3))
     # The simulator's CPU seconds (simulator_seconds): past the budget, no new sample (once
     # HTP_MIN_SAMPLES ran). Its CPU time, not the wall clock's, which the machine's load stretches.
     on_htp = 0.0

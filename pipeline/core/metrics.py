@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,15 +122,23 @@ def quantized_output_grids(*models: str | Path | None) -> dict[str, Grid]:
     and zero point: a model exported with int8 outputs (TFLite int8 I/O). Their integers
     are quantized values, not labels, and are compared as the values they stand for."""
     grids: dict[str, Grid] = {}
+    for found in _per_file(models, _GRIDS, _read_output_grids):
+        grids.update(found)
+    return grids
+
+
+def _per_file(
+    models: Iterable[str | Path | None], cache: dict[tuple[str, int, int], Any], read: Any
+) -> Iterator[Any]:
+    """``read(path)`` of each existing model file, kept by path, size and mtime."""
     for model in models:
         if model is None or not Path(model).is_file():
             continue
         stat = Path(model).stat()
         key = (str(model), stat.st_size, stat.st_mtime_ns)
-        if key not in _GRIDS:
-            _GRIDS[key] = _read_output_grids(Path(model))
-        grids.update(_GRIDS[key])
-    return grids
+        if key not in cache:
+            cache[key] = read(Path(model))
+        yield cache[key]
 
 
 def _read_output_grids(path: Path) -> dict[str, Grid]:
@@ -163,6 +171,27 @@ def _read_output_grids(path: Path) -> dict[str, Grid]:
     return grids
 
 
+_LABELS: dict[tuple[str, int, int], set[str]] = {}
+
+
+def label_outputs(*models: str | Path | None) -> set[str]:
+    """Graph outputs of ``models`` that hold labels in a float type (a Cast of an ArgMax map,
+    ``graph.tails.float_label_outputs``): compared as labels, as their integer forms are. Read
+    from the files' structure over mmap (no tensor data)."""
+    from qnn_ctx_runtime.qnn import read_model_summary
+
+    from ..graph.tails import float_label_outputs
+
+    def read(path: Path) -> set[str]:
+        summary = read_model_summary(path)
+        return float_label_outputs(
+            ((n.op_type, n.inputs, n.outputs) for n in summary.nodes),
+            (o.name for o in summary.outputs),
+        )
+
+    return set().union(*_per_file(models, _LABELS, read))
+
+
 def _dequantized(value: Any, grid: Grid) -> Any:
     array = np.asarray(value)
     if array.dtype.kind not in "iu":
@@ -175,11 +204,15 @@ class OutputComparison:
 
     SNR is computed over all samples pooled (sum of signal / sum of noise), which is steadier
     than averaging per-sample SNRs. Outputs in ``grids`` (``quantized_output_grids``) are
-    compared as the values their integers stand for.
+    compared as the values their integers stand for; outputs in ``labels``
+    (``label_outputs``) as labels whatever their type.
     """
 
-    def __init__(self, grids: Mapping[str, Grid] | None = None) -> None:
+    def __init__(
+        self, grids: Mapping[str, Grid] | None = None, labels: Collection[str] = ()
+    ) -> None:
         self.grids = dict(grids or {})
+        self.labels = frozenset(labels)
         self._signal: dict[str, float] = {}
         self._noise: dict[str, float] = {}
         self._max_abs: dict[str, float] = {}
@@ -201,6 +234,7 @@ class OutputComparison:
                 )
             kind, ref_array = comparable(ref)
             _, test_array = comparable(other)
+            kind = LABELS if name in self.labels else kind
             self._kind[name] = kind
             if kind == LABELS:
                 same = ref_array.shape == test_array.shape

@@ -23,7 +23,7 @@ against the float16 run too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from qnn_ctx_runtime.qnn import read_model_summary
 from ..core.config import InputsSection
 from ..core.cpu import cpu_session
 from ..core.dtypes import constant_feed, np_dtype, unread_input_feed
-from ..core.metrics import OutputComparison, worst_snr
+from ..core.metrics import OutputComparison, label_outputs, worst_snr
 from ..graph.prequantized import is_prequantized
 from ..graph.tails import judged_outputs
 from .evaluate import iter_samples, run_named
@@ -105,12 +105,14 @@ def compare(
     samples: Iterable[Feeds],
     inputs: InputsSection,
     optimize: bool = True,
+    labels: Collection[str] = (),
 ) -> tuple[float, int]:
-    """(worst output SNR, samples) of ``test`` against ``reference`` (models or sessions)."""
+    """(worst output SNR, samples) of ``test`` against ``reference`` (models or sessions);
+    ``labels``: outputs compared as labels whatever their type (``metrics.label_outputs``)."""
     ref = reference if hasattr(reference, "run") else cpu_session(reference, optimize)
     got = test if hasattr(test, "run") else cpu_session(test, optimize)
     names = [o.name for o in ref.get_outputs()]
-    comparison = OutputComparison()
+    comparison = OutputComparison(labels=labels)
     for feeds in samples:
         expected = dict(zip(names, ref.run(names, _feeds_for(ref, feeds, inputs)), strict=True))
         comparison.add(expected, run_named(got, names, _feeds_for(got, feeds, inputs)))
@@ -129,6 +131,7 @@ def per_step(
     optimize: bool = True,
     lstm_nodes: int | None = None,
     transform: Callable[[Any], Any] | None = None,
+    labels: Collection[str] = (),
 ) -> Iterator[StepFigure]:
     """Each preparation step's prefix vs ``reference`` (a session), in order: the steps the
     prepared model went through (``lstm_nodes`` as ``prepare_model`` had it); ``transform``
@@ -147,7 +150,7 @@ def per_step(
             continue
         try:
             measured = model if transform is None else transform(model)
-            last, _ = compare(reference, measured, samples, inputs, optimize)
+            last, _ = compare(reference, measured, samples, inputs, optimize, labels)
         except Exception as exc:  # onnxruntime cannot run this intermediate model
             yield StepFigure(change.step, None, f"not runnable: {type(exc).__name__}"[:120])
             continue
@@ -185,6 +188,7 @@ def check_preparation(
     summary = read_model_summary(prepared)
     shapes = {o.name: list(o.shape) for o in summary.outputs}
     scores = [(n, shapes.get(n, [])) for n in judged_outputs(summary.metadata)]
+    labels = label_outputs(prepared)  # class maps cast to float: ties flip, labels agree
     try:
         if source.float16:
             from ..graph.transforms import float16_to_float32
@@ -194,9 +198,9 @@ def check_preparation(
         if scores:  # a label-only model: its labels alone would pass any preparation
             reference = _exposing(reference if source.float16 else source.load(), scores)
         ref_session = cpu_session(reference, optimize)
-        snr, count = compare(ref_session, prepared, samples, inputs, optimize)
+        snr, count = compare(ref_session, prepared, samples, inputs, optimize, labels)
         if source.float16:
-            float16, _ = compare(source.runnable(), prepared, samples, inputs, False)
+            float16, _ = compare(source.runnable(), prepared, samples, inputs, False, labels)
     except Exception as exc:  # onnxruntime's own error types: say why, do not fail the build
         return PreparationCheck(
             MIN_PREPARED_SNR_DB, None, 0, True, label, error=f"{type(exc).__name__}: {exc}"[:300]
@@ -216,7 +220,7 @@ def check_preparation(
     if exact is not None:
         try:
             exact_session = cpu_session(exact[0], optimize)
-            exact_snr, _ = compare(exact_session, exact[1], samples, inputs, optimize)
+            exact_snr, _ = compare(exact_session, exact[1], samples, inputs, optimize, labels)
         except Exception:  # onnxruntime cannot run the expanded forms: the plain figure stands
             pass
         else:
@@ -233,7 +237,7 @@ def check_preparation(
     steps = list(
         per_step(
             source.load(), inputs, ref_session, samples[:STEP_SAMPLES], optimize, lstm_nodes,
-            transform,
+            transform, labels,
         )
     )  # fmt: skip
     return PreparationCheck(

@@ -34,7 +34,7 @@ from ..core.config import ModelConfig
 from ..core.cpu import cpu_session
 from ..core.errors import ModelError
 from ..core.fileio import restored_after
-from ..core.metrics import LABELS, comparable, worst_snr
+from ..core.metrics import LABELS, comparable, label_outputs, worst_snr
 from ..core.progress import Progress
 from ..graph.qdq_htp import REST
 from .bias_correction import corrected_float_bias, layers
@@ -459,8 +459,14 @@ def measure(
     reference = _session(float_model)
     names = [o.name for o in reference.get_outputs()]
     first = dict(zip(names, reference.run(names, feeds[0]), strict=True)) if feeds else {}
-    # Labels (strings, class ids) have no noise power; the scores they come from do.
-    names = [n for n in names if comparable(first[n])[0] != LABELS] if first else names
+    # Labels (strings, class ids, also cast to float) have no noise power; the scores they
+    # come from do.
+    labels = label_outputs(float_path)
+    names = (
+        [n for n in names if comparable(first[n])[0] != LABELS and n not in labels]
+        if first
+        else names
+    )
     # Each sample's reference outputs stay in memory (float64) for every candidate: a 21-class
     # 1024x2048 map is 352 MB a sample, and 8 of them took the process to 4.3 GiB. As many
     # samples as ANALYSIS_BYTES holds, one at least (2M pixels of a segmenter's map).
