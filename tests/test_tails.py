@@ -478,6 +478,14 @@ def test_models_with_a_figure_already_are_left_alone() -> None:
     # The segmenter itself, inferred the same way, does get its scores.
     _, change = expose_label_scores(onnx.shape_inference.infer_shapes(segmenter("argmax")))
     assert change.changed
+    # A float label read by another output (a copy of the map) is walked through, not exposed.
+    copied = segmenter("float_map")
+    copied.graph.node.append(oh.make_node("Identity", ["class_map"], ["map_copy"]))
+    copied.graph.output.append(
+        oh.make_tensor_value_info("map_copy", TensorProto.FLOAT, [1, 16, 16])
+    )
+    exposed, _ = expose_label_scores(onnx.shape_inference.infer_shapes(copied))
+    assert [o.name for o in exposed.graph.output] == ["class_map", "map_copy", "logits"]
 
 
 @pytest.mark.parametrize("head", ["argmax", "float_map"])

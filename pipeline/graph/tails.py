@@ -322,6 +322,7 @@ def label_scores(model: Any) -> list[str]:
     if not all(is_label(o) for o in graph.output):
         return []
     constants = {i.name for i in graph.initializer} | {i.name for i in graph.input}
+    outputs = {o.name for o in graph.output}  # a label read by another: walked through
     scores: list[str] = []
     seen: set[str] = set()
     pending = [o.name for o in reversed(graph.output)]
@@ -334,7 +335,7 @@ def label_scores(model: Any) -> list[str]:
         for read in node.input:
             if not read or read in constants or read in seen:
                 continue
-            if is_float(read) and producers.get(read) is not None:
+            if is_float(read) and read not in outputs and producers.get(read) is not None:
                 if producers[read].op_type != "Constant" and read not in scores:
                     scores.append(read)
             else:
@@ -391,10 +392,7 @@ def _value(graph: Any, name: str) -> Any:
 
 
 def _judged_names(model: Any) -> list[str]:
-    for entry in model.metadata_props:
-        if entry.key == JUDGED_OUTPUTS_KEY:
-            return [n for n in entry.value.split("\n") if n]
-    return []
+    return judged_outputs({entry.key: entry.value for entry in model.metadata_props})
 
 
 def judged_outputs(metadata: Mapping[str, str]) -> list[str]:
