@@ -356,3 +356,21 @@ def test_a_label_only_model_is_checked_on_its_scores(
     check = check_preparation("m", source, NO_INPUTS, path, folder)
     assert not check.passed and check.culprit == "upgrade_opset", check
     assert check.snr_db is not None and check.snr_db < lossless.MIN_PREPARED_SNR_DB
+
+
+def test_scores_are_paired_by_name_else_by_position_and_shape() -> None:
+    """The source's tensor of the judged name where it has one; else its own label scores,
+    paired by position, only where their shapes are the judged ones (an optimizer that moved
+    a Transpose past the ArgMax left scores of another layout: compared, they read 0.73 dB)."""
+    source = tiny()
+    source.graph.node.append(oh.make_node("ArgMax", ["y"], ["labels"], axis=1, keepdims=0))
+    del source.graph.output[:]
+    source.graph.output.append(oh.make_tensor_value_info("labels", TensorProto.INT64, [1, 6, 6]))
+
+    def outputs(model: onnx.ModelProto) -> list[str]:
+        return [o.name for o in model.graph.output]
+
+    assert outputs(lossless._exposing(source, [("c", [1, 2, 6, 6])])) == ["labels", "c"]
+    assert outputs(lossless._exposing(source, [("renamed", [1, 2, 6, 6])])) == ["labels", "y"]
+    assert outputs(lossless._exposing(source, [("renamed", [1, 6, 6, 2])])) == ["labels"]
+    assert outputs(lossless._exposing(source, [("a", [1]), ("b", [1])])) == ["labels"]
