@@ -58,6 +58,7 @@ from ..core.records import (
     Validation,
     read_record,
 )
+from ..graph.tails import judged_outputs
 from ..htp.isolation import die_with_parent
 from . import coverage as coverage_mod
 from .job import BucketJob, CompileJob, WorkerResult, read_message, stage_line, write_message
@@ -439,6 +440,9 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
     }
     labels = label_outputs(bucket.qdq)
     vs_qdq, vs_float, qdq_vs_float = (OutputComparison(grids, labels) for _ in range(3))
+    scored = flt is not None and bool(
+        judged_outputs(qnn.read_model_summary(bucket.float_model).metadata)
+    )  # its labels' scores were judged on the HTP (graph.tails.expose_label_scores)
     # The simulator's CPU seconds (simulator_seconds): past the budget, no new sample (once
     # HTP_MIN_SAMPLES ran). Its CPU time, not the wall clock's, which the machine's load stretches.
     on_htp = 0.0
@@ -448,7 +452,7 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
         if ran >= HTP_MIN_SAMPLES and past_htp_budget(on_htp, ran, job.validate_budget_s):
             cut_by = "budget"
             break
-        if ran >= AGREE_SAMPLES and labels_all_agree(vs_qdq.summary()):
+        if scored and ran >= AGREE_SAMPLES and labels_all_agree(vs_qdq.summary()):
             cut_by = "labels"
             break
         started = simulator_seconds()
