@@ -621,3 +621,19 @@ def test_float_outputs_that_hold_labels_are_found_by_what_computes_them(tmp_path
     summary = comparison.summary()["class_map"]
     assert summary.compared_as == LABELS and summary.agreement == 0.5
     assert worst_snr(comparison.summary()) == float("inf")  # no SNR of class ids
+
+
+@pytest.mark.qnn
+def test_labels_judged_on_the_cpu_are_validated_on_every_sample(tmp_path: Path) -> None:
+    """With the CPU as the judge nothing ran the scores on the HTP: compile validates the
+    labels on every held-out sample, not stopping at the first two that agree."""
+    from pipeline.core.layout import ModelPaths
+    from pipeline.core.records import VariantRecord, read_record
+
+    judge = '[quantization]\njudge = "cpu"\n'
+    artifacts = released(tmp_path / "proj", segmenter("argmax"), "seg", judge, 16)
+    variant_dir = next(ModelPaths.of(artifacts, "seg").ctx.glob("*/snapdragon-x-elite"))
+    record, why = read_record(VariantRecord, variant_dir / "variant.json")
+    assert record is not None and record.validation is not None, why
+    validation = record.validation
+    assert validation.cut_by != "labels" and validation.samples == validation.requested > 2

@@ -440,9 +440,11 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
     }
     labels = label_outputs(bucket.qdq)
     vs_qdq, vs_float, qdq_vs_float = (OutputComparison(grids, labels) for _ in range(3))
-    scored = flt is not None and bool(
-        judged_outputs(qnn.read_model_summary(bucket.float_model).metadata)
-    )  # its labels' scores were judged on the HTP (graph.tails.expose_label_scores)
+    scored = (  # its labels' scores were judged on the HTP (graph.tails.expose_label_scores)
+        flt is not None
+        and bool(bucket.htp_probe)
+        and bool(judged_outputs(qnn.read_model_summary(bucket.float_model).metadata))
+    )
     # The simulator's CPU seconds (simulator_seconds): past the budget, no new sample (once
     # HTP_MIN_SAMPLES ran). Its CPU time, not the wall clock's, which the machine's load stretches.
     on_htp = 0.0
