@@ -224,6 +224,12 @@ class OutputComparison:
         self._count: dict[str, int] = {}
         self.samples = 0
 
+    @classmethod
+    def for_models(cls, *models: str | Path | None) -> OutputComparison:
+        """A comparison of these model files' outputs, each compared as what it holds
+        (``quantized_output_grids``, ``label_outputs``)."""
+        return cls(quantized_output_grids(*models), label_outputs(*models))
+
     def add(self, reference: Mapping[str, Any], test: Mapping[str, Any]) -> None:
         for name, ref in reference.items():
             other = test[name]

@@ -54,9 +54,7 @@ from ..core.memory import adapt_heap_to, release_freed_memory
 from ..core.metrics import (
     Accuracy,
     OutputComparison,
-    label_outputs,
     power_snr_db,
-    quantized_output_grids,
     storable,
     worst_snr,
 )
@@ -862,15 +860,14 @@ def _note_figure(job: ProbeJob, stash: Path, index: int, names: list[str]) -> No
         expected = {k: data[k] for k in data.files}
     with np.load(_stashed(stash, index)) as saved:
         got = {n: saved[f"arr_{i}"] for i, n in enumerate(names) if n in expected}
-    grids, labels = quantized_output_grids(job.qdq), label_outputs(job.qdq)
-    comparison = OutputComparison(grids, labels)
+    comparison = OutputComparison.for_models(job.qdq)
     comparison.add(expected, got)
     figure = worst_snr(comparison.summary())
     noted = {"worst": figure if figure == figure else float("-inf"), "powers": comparison.powers()}
     if job.agree_db > 0:
         with np.load(Path(job.qdq_references) / f"{index:04d}.npz", allow_pickle=False) as data:
             on_cpu = {k: data[k] for k in data.files if k in got}
-        versus_qdq = OutputComparison(grids, labels)
+        versus_qdq = OutputComparison.for_models(job.qdq)
         versus_qdq.add(on_cpu, {k: got[k] for k in on_cpu})
         noted["qdq_powers"] = versus_qdq.powers()
     partial = stash / f".{index:04d}.{os.getpid()}.db"
@@ -928,8 +925,7 @@ def _compare(
 ) -> None:
     qdq = cpu_session(model_path)
     flt = cpu_session(job.float_model)
-    grids, labels = quantized_output_grids(model_path), label_outputs(model_path)
-    vs_float, vs_qdq, q_vs_f, tensors = (OutputComparison(grids, labels) for _ in range(4))
+    vs_float, vs_qdq, q_vs_f, tensors = (OutputComparison.for_models(model_path) for _ in range(4))
     done = _claimed(stash, len(job.samples))
     result.requested = len(job.samples)
     result.sample_sha256 = [sha256_file(Path(job.samples[i])) for i in done]

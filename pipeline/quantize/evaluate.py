@@ -26,13 +26,7 @@ from ..core.dtypes import constant_feed, np_dtype, unread_input_feed
 from ..core.fileio import sha256_file
 from ..core.layout import samples_in
 from ..core.memory import release_freed_memory
-from ..core.metrics import (
-    Accuracy,
-    OutputComparison,
-    label_outputs,
-    quantized_output_grids,
-    storable,
-)
+from ..core.metrics import Accuracy, OutputComparison, storable
 from ..core.records import folder_digest
 from ..graph.buckets import BucketPlan
 
@@ -203,10 +197,7 @@ def _evaluate(
         del ref
         release_freed_memory()  # the reference's session
         test = KeptRuns(test_model)
-        comparison = OutputComparison(
-            quantized_output_grids(reference_model, test_model),
-            label_outputs(reference_model, test_model),
-        )
+        comparison = OutputComparison.for_models(reference_model, test_model)
         for index, feeds in enumerate(iter_samples(heldout)):
             got = test.run_named(names, feeds)
             comparison.add(expected.get(index), got)
@@ -285,8 +276,7 @@ def end_to_end(
         except _SourceDoesNotLoad as exc:
             return EndToEnd(0, error=f"the source model does not load on the CPU EP: {exc}"[:400])
         release_freed_memory()  # the source's session
-        grids, labels = quantized_output_grids(*qdqs.values()), label_outputs(*qdqs.values())
-        vs_qdq, vs_float = OutputComparison(grids, labels), OutputComparison(grids, labels)
+        vs_qdq, vs_float = (OutputComparison.for_models(*qdqs.values()) for _ in range(2))
         mismatched = _compare_buckets(plan, qdqs, heldout, names, expected, vs_qdq)
         release_freed_memory()
         _compare_buckets(plan, floats, heldout, names, expected, vs_float)
@@ -411,7 +401,7 @@ def input_jitter(
     session = cpu_session(model)
     names = [o.name for o in session.get_outputs()]
     rng = np.random.default_rng(seed)
-    comparison = OutputComparison(quantized_output_grids(model), label_outputs(model))
+    comparison = OutputComparison.for_models(model)
     for feeds in iter_samples(heldout):
         moved = dict(feeds)
         for name, step in steps.items():

@@ -215,7 +215,14 @@ def check_preparation(
             floor, snr, count, True, label, float16_snr_db=float16,
             rounding_floor_db=rounding_floor_db,
         )  # fmt: skip
-    transform = (lambda m: _exposing(m, scores)) if scores else None
+
+    def exposed(model: Any) -> Any:  # a prefix outputs the scores too, as the reference does
+        return _exposing(model, scores) if scores else model
+
+    def expanded(model: Any) -> Any:
+        return _expand_sigmoids(exposed(model))
+
+    transform: Callable[[Any], Any] | None = exposed if scores else None
     exact = _sigmoids_from_exp(reference, prepared)
     if exact is not None:
         try:
@@ -225,9 +232,7 @@ def check_preparation(
             pass
         else:
             snr, ref_session = exact_snr, exact_session
-            transform = (
-                (lambda m: _expand_sigmoids(_exposing(m, scores))) if scores else _expand_sigmoids
-            )
+            transform = expanded
             label += f" ({SIGMOIDS_FROM_EXP})"
             if snr >= floor:
                 return PreparationCheck(
