@@ -14,6 +14,7 @@ from onnx import TensorProto, numpy_helper
 
 from pipeline.graph.qdq_htp import (
     clipped_outputs,
+    dequantized_integer_inputs,
     requantize_after_moves,
     signed_activation_products,
     split_sixteen_bit_weights,
@@ -1071,3 +1072,124 @@ def test_int16_weights_that_int8_holds_exactly_become_int8_alone(tmp_path: Path)
     assert [n.op_type for n in split.graph.node].count("MatMul") == 1
     x = np.load(tmp_path / "sample.npz")["x"]
     np.testing.assert_array_equal(cpu_run(qdq, x), cpu_run(split, x))
+
+
+def integer_input_model(dtype: int, extra_cast: bool = False) -> onnx.ModelProto:
+    """An integer input (PCM samples, pixels) cast to float and scaled; with ``extra_cast`` a
+    computed tensor is cast too (to float and back), which is not an input's Cast."""
+    nodes = [
+        oh.make_node("Cast", ["x"], ["xf"], name="to_float", to=TensorProto.FLOAT),
+        oh.make_node("Mul", ["xf", "gain"], ["scaled"], name="scale"),
+        oh.make_node("Abs", ["scaled"], ["y"], name="magnitude"),
+    ]
+    if extra_cast:
+        nodes += [
+            oh.make_node("Cast", ["y"], ["y16"], name="to_half", to=TensorProto.FLOAT16),
+            oh.make_node("Cast", ["y16"], ["z"], name="back", to=TensorProto.FLOAT),
+        ]
+    outputs = [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 1024])]
+    if extra_cast:
+        outputs.append(oh.make_tensor_value_info("z", TensorProto.FLOAT, [1, 1, 1024]))
+    graph = oh.make_graph(
+        nodes,
+        "integer_input",
+        [oh.make_tensor_value_info("x", dtype, [1, 1, 1024])],
+        outputs,
+        [numpy_helper.from_array(np.array(1 / 32768, np.float32), "gain")],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+def integer_samples(dtype: int) -> np.ndarray:
+    info = np.iinfo(onnx.helper.tensor_dtype_to_np_dtype(dtype))
+    rng = np.random.default_rng(RNG_SEED)
+    return rng.integers(info.min, info.max, (1, 1, 1024), endpoint=True).astype(info.dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype", [TensorProto.INT16, TensorProto.UINT16, TensorProto.INT8, TensorProto.UINT8]
+)
+def test_an_integer_inputs_cast_becomes_an_exact_dequantize(dtype: int) -> None:
+    model = integer_input_model(dtype, extra_cast=True)
+    rewritten, change = dequantized_integer_inputs(model)
+    ops = {n.name: n.op_type for n in rewritten.graph.node}
+    assert change.changed and len(change.details) == 1 and "'x'" in change.details[0]
+    assert ops["to_float"] == "DequantizeLinear"
+    assert ops["to_half"] == ops["back"] == "Cast"  # a computed tensor's Casts stay
+    x = integer_samples(dtype)
+    cpu = ["CPUExecutionProvider"]
+    before = ort.InferenceSession(model.SerializeToString(), providers=cpu).run(None, {"x": x})
+    after = ort.InferenceSession(rewritten.SerializeToString(), providers=cpu).run(None, {"x": x})
+    for old, new in zip(before, after, strict=True):
+        np.testing.assert_array_equal(old, new)
+
+
+def test_float_and_wide_integer_inputs_keep_their_casts() -> None:
+    for dtype in (TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64):
+        model = integer_input_model(dtype)
+        rewritten, change = dequantized_integer_inputs(model)
+        assert rewritten is model and not change.changed
+
+
+@pytest.mark.qnn
+@pytest.mark.parametrize("dtype", [TensorProto.INT16, TensorProto.UINT8])
+@pytest.mark.parametrize("quantize", [False, True], ids=["fp16", "qdq"])
+def test_the_htp_runs_an_integer_input_whole_and_right(
+    tmp_path: Path, dtype: int, quantize: bool
+) -> None:
+    """Cast from int16 stays on the CPU and Cast from uint8 comes out 0 or 1 in fp16 (onnxruntime-
+    qnn 2.7.0); read through the DequantizeLinear the whole graph runs on the HTP, right."""
+    from pipeline.compile.coverage import assignment_from_session, summarize
+    from qnn_ctx_runtime import qnn
+
+    model = integer_input_model(dtype)
+    if quantize:
+        model = quantized_integer_input(model, tmp_path, dtype)
+    rewritten, change = dequantized_integer_inputs(model)
+    assert change.changed
+    path = tmp_path / "rewritten.onnx"
+    onnx.save(rewritten, str(path))
+    ep = qnn.find_qnn_ep()
+    record = {"session.record_ep_graph_assignment_info": "1"}
+    session = ort.InferenceSession(
+        str(path), ep.session_options(qnn.QnnOptions("htp", 60, 73), record, 3)
+    )
+    coverage = summarize(assignment_from_session(session), qnn.read_model_summary(path))
+    assert coverage.qnn_partitions == 1 and coverage.cpu_compute_nodes == []
+    x = integer_samples(dtype)
+    expected = np.abs(x.astype(np.float32) / 32768)
+    got = session.run(None, {"x": x})[0]
+    assert snr_db(expected, got) > 50.0
+
+
+def quantized_integer_input(model: onnx.ModelProto, tmp_path: Path, dtype: int) -> onnx.ModelProto:
+    """The model with 16-bit Q/DQ on its float tensors, as the quantize stage writes it."""
+    grid = numpy_helper.from_array(np.array(2 / 65535, np.float32), "grid")
+    zero = numpy_helper.from_array(np.array(0, np.uint16), "zero")
+    scaled = numpy_helper.from_array(np.array(1 / 65535, np.float32), "step")
+    centre = numpy_helper.from_array(np.array(32768, np.uint16), "centre")
+    span = float(np.iinfo(onnx.helper.tensor_dtype_to_np_dtype(dtype)).max) * 2 / 65535
+    wide = numpy_helper.from_array(np.array(span, np.float32), "wide")
+    nodes = [
+        oh.make_node("Cast", ["x"], ["xf"], name="to_float", to=TensorProto.FLOAT),
+        oh.make_node("QuantizeLinear", ["xf", "wide", "centre"], ["xq"], name="q_x"),
+        oh.make_node("DequantizeLinear", ["xq", "wide", "centre"], ["xd"], name="dq_x"),
+        oh.make_node("Mul", ["xd", "gain"], ["scaled"], name="scale"),
+        oh.make_node("QuantizeLinear", ["scaled", "grid", "centre"], ["sq"], name="q_s"),
+        oh.make_node("DequantizeLinear", ["sq", "grid", "centre"], ["sd"], name="dq_s"),
+        oh.make_node("Abs", ["sd"], ["a"], name="magnitude"),
+        oh.make_node("QuantizeLinear", ["a", "step", "zero"], ["aq"], name="q_a"),
+        oh.make_node("DequantizeLinear", ["aq", "step", "zero"], ["y"], name="dq_a"),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "integer_input_qdq",
+        list(model.graph.input),
+        list(model.graph.output),
+        [*model.graph.initializer, grid, zero, scaled, centre, wide],
+    )
+    out = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    out.ir_version = 10
+    return out

@@ -100,6 +100,7 @@ class RangeChanges:
     raised_weight_scales: list[str] = field(default_factory=list)  # likewise
     requantized_moves: list[str] = field(default_factory=list)  # likewise
     split_weights: list[str] = field(default_factory=list)  # likewise
+    dequantized_inputs: list[str] = field(default_factory=list)  # likewise
     integer_inputs: list[str] = field(default_factory=list)  # ids on an integer grid
     unseen_ranges: list[str] = field(default_factory=list)  # flat ranges from inputs'
     loop_shared: int = 0  # tensors of unrolled loop iterations given one range

@@ -2036,6 +2036,7 @@ HTP_STEPS = (
     # Exact: a uint16 product of two activations re-encoded as int16 (an A16 attention kept as
     # quantized: 42.8 dB from itself on the HTP, 67.8 re-encoded).
     qdq_htp.signed_activation_products,
+    qdq_htp.dequantized_integer_inputs,  # exact: the HTP takes no Cast from int16 (uint8: wrong)
     float_op_weights,  # last: the steps before it give some ops a quantized result
 )
 

@@ -187,6 +187,69 @@ def signed_activation_products(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
     return _with_added(model, out, added, "signed_activation_products", details)
 
 
+# Integer graph inputs a model casts to float, and the numpy type of each (a zero point's).
+_CAST_INPUT_TYPES = {
+    onnx.TensorProto.UINT8: np.uint8,
+    onnx.TensorProto.INT8: np.int8,
+    onnx.TensorProto.UINT16: np.uint16,
+    onnx.TensorProto.INT16: np.int16,
+}
+_FLOAT_TARGETS = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
+
+
+def dequantized_integer_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A Cast to float of an 8- or 16-bit integer graph input becomes a DequantizeLinear with
+    scale 1 and zero point 0: the same values exactly, in a quantized model or a float one.
+
+    Why: the QNN HTP takes no Cast from int8, int16 or uint16 to float (validation fails and
+    the Cast stays on the CPU: a VAD fed int16 PCM, NeMo's MarbleNet, ran in two pieces), and
+    it computes a Cast from uint8 in a float (fp16) graph as a cast to bool: every nonzero
+    pixel came back 1.0. An integer input read through a DequantizeLinear is what the HTP
+    takes as a quantized input: it runs whole, its values exact (tests/test_qdq_htp.py).
+    """
+    out = copy_model(model)
+    graph = out.graph
+    fresh = FreshNames(out)
+    inputs = {
+        i.name: i.type.tensor_type.elem_type
+        for i in graph.input
+        if i.type.tensor_type.elem_type in _CAST_INPUT_TYPES
+    }
+    details: list[str] = []
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        to = attribute(node, "to", None) if node.op_type == "Cast" else None
+        if node.domain not in ("", "ai.onnx") or to not in _FLOAT_TARGETS:
+            nodes.append(node)
+            continue
+        if not node.input or node.input[0] not in inputs:
+            nodes.append(node)
+            continue
+        source = node.input[0]
+        scale, zero = fresh(f"{source}_unit_scale"), fresh(f"{source}_zero_point")
+        graph.initializer.extend(
+            [
+                numpy_helper.from_array(np.array(1.0, _FLOAT_TARGETS[to]), scale),
+                numpy_helper.from_array(np.array(0, _CAST_INPUT_TYPES[inputs[source]]), zero),
+            ]
+        )
+        nodes.append(
+            onnx.helper.make_node(
+                "DequantizeLinear", [source, scale, zero], [node.output[0]], name=node.name
+            )
+        )
+        details.append(
+            f"Cast {node.name or node.output[0]!r} of the "
+            f"{onnx.helper.tensor_dtype_to_np_dtype(inputs[source])} input {source!r}: a "
+            "DequantizeLinear (scale 1, zero point 0), which the HTP takes"
+        )
+    if not details:
+        return model, Change("dequantized_integer_inputs")
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return checked_change(out, "dequantized_integer_inputs", details)
+
+
 # Ops that reshape values without arithmetic and leave a change of grid to the op before them:
 # the HTP folds the requantization into that op's output (a Conv, Gather, Concat, MaxPool...,
 # through a Transpose too), but after a graph input, a Reshape or an Identity a change of zero

@@ -539,12 +539,14 @@ def _quantize_all(
         import onnx
 
         from ..graph.fp16_scale import exact_float16_forms, fit_float16, normal_float16_weights
+        from ..graph.qdq_htp import dequantized_integer_inputs
 
         source = onnx.load(str(prepared[name].float_path))
         model, change = fit_float16(source, calibrated_peaks())
         model, exact = exact_float16_forms(source if model is None else model)
         model, weights = normal_float16_weights(model, calibrated_peaks())
-        for step in (change, *exact, weights):
+        model, inputs = dequantized_integer_inputs(model)
+        for step in (change, *exact, weights, inputs):
             if step.changed:  # reported with the preparation steps (once: a rebuild replaces it)
                 prepared[name].changes[:] = [
                     c for c in prepared[name].changes if c.step != step.step
@@ -1078,6 +1080,7 @@ def _steps(
             changes.raised_weight_scales or None,
             changes.requantized_moves or None,
             changes.split_weights or None,
+            changes.dequantized_inputs or None,
         ),
         mixed_precision=mixed,
         htp=judgement,

@@ -290,6 +290,9 @@ def quantize(
     qdq, change = qdq_htp.requantize_after_moves(qdq)
     edited |= change.changed
     changes = dataclasses.replace(changes, requantized_moves=list(change.details))
+    qdq, change = qdq_htp.dequantized_integer_inputs(qdq)
+    edited |= change.changed
+    changes = dataclasses.replace(changes, dequantized_inputs=list(change.details))
     if edited:
         with atomic_path(qdq_path) as tmp:
             onnx.save(qdq, str(tmp))

@@ -53,6 +53,7 @@ class RangeRules:
     raised_weight_scales: list[str] | None = None  # weight scales the HTP requantizes right
     requantized_moves: list[str] | None = None  # Reshape-like ops between two grids split
     split_weights: list[str] | None = None  # int16-weight layers as two int8-weight ones
+    dequantized_inputs: list[str] | None = None  # integer inputs' Casts as DequantizeLinear
 
 
 @dataclass(frozen=True)
@@ -319,6 +320,13 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
             f"Moves for the HTP: {len(rules.requantized_moves)} Reshape-like op(s) between two "
             "grids kept on their input's grid and then requantized, the same values (the HTP "
             "moves their values without the change of zero point; pipeline/graph/qdq_htp.py)."
+        )
+    if rules.dequantized_inputs:
+        lines.append(
+            f"Integer inputs for the HTP: {len(rules.dequantized_inputs)} Cast(s) of an 8- or "
+            "16-bit integer input to float read it through a DequantizeLinear of scale 1, the "
+            "same values (the HTP takes no such Cast from int8/int16/uint16 and computes one "
+            "from uint8 as a cast to bool; pipeline/graph/qdq_htp.py)."
         )
     if rules.split_weights:
         lines.append(
