@@ -34,6 +34,7 @@ from typing import Any
 
 from .core.fileio import write_text
 from .core.layout import INDEX_HTML, REPORT_HTML, REPORT_JSON, REPORT_MD, VARIANT_FILE, ModelPaths
+from .core.metrics import BELOW_STEP
 
 # The page says so wherever a load time appears: a ratio of session creations on the build
 # machine's HTP simulator tells nothing about load latency on a device's NPU.
@@ -1163,6 +1164,8 @@ def _accuracy_section(page: _Page) -> None:
         a = _dict(section.get(out))
         if a.get("compared_as") == "labels":
             return f"{100 * (_num(a.get('agreement')) or 0):.1f}% agree"
+        if a.get("compared_as") == BELOW_STEP:
+            return f"below its step (max abs {_num(a.get('max_abs')) or 0:.3g})"
         return a.get("snr_db")
 
     def fixed(out: str, key: str, pattern: str) -> str | None:

@@ -84,3 +84,69 @@ def test_quantized_integer_outputs_compare_as_the_values_they_stand_for(tmp_path
     as_labels = OutputComparison()
     as_labels.add(reference, test)
     assert as_labels.summary()["y"].compared_as == LABELS  # without its grid: a label
+
+
+def dead_head_model(path) -> None:
+    """Two Tanh heads on QNN's fixed 16-bit grid (step 2/65536): a live one and one whose
+    weights training drove to ~0, so every value it gives is ~1e-8 (an SSR-Net's stage
+    offset, a note detector's onset probability on audio without notes)."""
+    import onnx
+    import onnx.helper as oh
+    from onnx import TensorProto, numpy_helper
+
+    step = np.float32(2 / 65536)
+    nodes = []
+    for head in ("live", "dead"):
+        nodes += [
+            oh.make_node("QuantizeLinear", [head, "step", "zero"], [f"{head}_q"]),
+            oh.make_node("DequantizeLinear", [f"{head}_q", "step", "zero"], [f"{head}_out"]),
+        ]
+    graph = oh.make_graph(
+        nodes,
+        "heads",
+        [oh.make_tensor_value_info(h, TensorProto.FLOAT, [64]) for h in ("live", "dead")],
+        [oh.make_tensor_value_info(f"{h}_out", TensorProto.FLOAT, [64]) for h in ("live", "dead")],
+        [numpy_helper.from_array(step, "step"), numpy_helper.from_array(np.int16(0), "zero")],
+    )
+    onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)]), str(path))
+
+
+def test_an_output_below_its_step_is_judged_by_its_error_not_its_snr(tmp_path) -> None:
+    """The CPU's 1e-8 against the NPU's 0 read 0 dB and failed the gate whatever the NPU did:
+    an output every reference value of which lies within one step of its grid is judged by
+    its largest error (two steps at most) and left out of the worst SNR and the pooled powers."""
+    from pipeline.core.metrics import BELOW_STEP, output_steps, worst_snr
+
+    path = tmp_path / "heads.onnx"
+    dead_head_model(path)
+    steps = output_steps(path)
+    assert steps == {"live_out": pytest.approx(2 / 65536), "dead_out": pytest.approx(2 / 65536)}
+    live = RNG.uniform(-1, 1, 64).astype(np.float32)
+    dead = (RNG.standard_normal(64) * 1e-8).astype(np.float32)
+    noisy_live = live + (RNG.standard_normal(64) * 1e-3).astype(np.float32)
+    zeros = np.zeros(64, np.float32)
+    one_step = np.full(64, 2 / 65536, np.float32)
+    for test in (zeros, one_step):
+        comparison = OutputComparison.for_models(path)
+        comparison.add(
+            {"live_out": live, "dead_out": dead}, {"live_out": noisy_live, "dead_out": test}
+        )
+        summary = comparison.summary()
+        assert summary["dead_out"].compared_as == BELOW_STEP and summary["dead_out"].snr_db < 1.0
+        assert worst_snr(summary) == summary["live_out"].snr_db > 40.0
+        assert set(comparison.powers()) == {"live_out"}
+    # Wrong by more than two steps: compared by its SNR, and the gate sees it.
+    wrong = OutputComparison.for_models(path)
+    wrong.add({"dead_out": dead}, {"dead_out": np.full(64, 0.01, np.float32)})
+    (accuracy,) = wrong.summary().values()
+    assert accuracy.compared_as is None and worst_snr(wrong.summary()) < -100.0
+
+
+def test_without_a_grid_only_values_below_float16s_smallest_are_below_the_step() -> None:
+    """A float output with no DequantizeLinear (the whole-fp16 candidate): float16 holds down to
+    2^-24, so 1e-8 is zero to it and 1e-6 is a value, compared by its SNR."""
+    from pipeline.core.metrics import BELOW_STEP
+
+    for size, kind in ((1e-8, BELOW_STEP), (1e-6, None)):
+        ref = (RNG.standard_normal(64) * size).astype(np.float32)
+        assert pooled([(ref, np.zeros_like(ref))]).compared_as == kind

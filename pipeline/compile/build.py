@@ -271,6 +271,7 @@ def make_job(
         max_partitions=settings.max_partitions,
         allowed_cpu_ops=list(settings.allowed_cpu_ops),
         output_grids=dict(inputs.record.summary.output_grids),
+        output_steps=dict(inputs.record.summary.output_steps),
         min_snr_db=settings.min_snr_db,
         snr_floor_db={
             name: floor - ROUNDING_MARGIN_DB

@@ -62,6 +62,7 @@ class CompileJob:
     # Integer outputs a QuantizeLinear writes: [scale, zero point] (the quantize record's), to
     # compare them as values.
     output_grids: dict[str, list[float]] = field(default_factory=dict)
+    output_steps: dict[str, float] = field(default_factory=dict)  # metrics.output_steps
     min_snr_db: float = 0.0
     # Per output, a lower gate for a pre-quantized model: its own rounding floor less a margin
     # (an implementation that rounds ties otherwise lands about that far from the CPU).

@@ -439,7 +439,8 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
         name: (scale, int(zero_point)) for name, (scale, zero_point) in job.output_grids.items()
     }
     labels = label_outputs(bucket.qdq)
-    vs_qdq, vs_float, qdq_vs_float = (OutputComparison(grids, labels) for _ in range(3))
+    steps = dict(job.output_steps)
+    vs_qdq, vs_float, qdq_vs_float = (OutputComparison(grids, labels, steps) for _ in range(3))
     scored = (  # its labels' scores were judged on the HTP (graph.tails.expose_label_scores)
         flt is not None
         and bool(bucket.htp_probe)

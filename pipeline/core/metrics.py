@@ -18,6 +18,12 @@ _CHUNK = 1 << 20  # values compared at a time
 # integer and bool tensors) by the share of elements that agree.
 MAP_VALUES = "map values"
 LABELS = "labels"
+# A float output whose every reference value lies within one step of its grid (the scale of the
+# DequantizeLinear writing it), or below float16's smallest value, is zero to any NPU arithmetic:
+# its SNR measures nothing (the CPU's 1e-8 against the HTP's 0 reads 0 dB). It is judged by its
+# largest error instead: within two steps it passes (``BELOW_STEP``), else it is compared by SNR.
+BELOW_STEP = "below its step"
+FLOAT16_TINY = 2.0**-24  # float16's smallest subnormal: the finest value the HTP's fp16 holds
 
 
 @dataclass(frozen=True)
@@ -27,7 +33,7 @@ class Accuracy:
     snr_db: float  # inf when identical; nan for labels (see agreement)
     max_abs: float
     cosine: float
-    compared_as: str | None = None  # None: tensor values; MAP_VALUES; LABELS
+    compared_as: str | None = None  # None: tensor values; MAP_VALUES; LABELS; BELOW_STEP
     agreement: float | None = None  # labels: fraction of elements equal to the reference
 
 
@@ -37,6 +43,8 @@ def figure(accuracy: Accuracy | None) -> float | str | None:
         return None
     if accuracy.compared_as == LABELS:
         return f"{100.0 * (accuracy.agreement or 0.0):.1f}% agree"
+    if accuracy.compared_as == BELOW_STEP:
+        return f"below its step (max abs {accuracy.max_abs:.3g})"
     return accuracy.snr_db
 
 
@@ -44,11 +52,20 @@ def comparison_note(summaries: list[Mapping[str, Accuracy]]) -> str:
     """One sentence for reports with non-tensor outputs: how those were compared."""
     kinds = {a.compared_as for s in summaries for a in s.values()} - {None}
     parts = []
+    below = ""
+    if BELOW_STEP in kinds:
+        below = (
+            "Outputs below their step (every reference value within one step of their 16-bit "
+            "grid, or below float16's smallest value: zero to any NPU arithmetic, and their SNR "
+            "measures nothing) are judged by their largest error: within two steps they pass, "
+            "and their SNR is left out of the worst."
+        )
     if MAP_VALUES in kinds:
         parts.append("sequences of maps are compared by the SNR of their values in key order")
     if LABELS in kinds:
         parts.append("labels (string/integer outputs) by the share of elements that agree")
-    return ("Non-tensor outputs: " + "; ".join(parts) + ".") if parts else ""
+    labelled = ("Non-tensor outputs: " + "; ".join(parts) + ".") if parts else ""
+    return " ".join(part for part in (labelled, below) if part)
 
 
 def comparable(value: Any) -> tuple[str | None, np.ndarray]:
@@ -171,6 +188,45 @@ def _read_output_grids(path: Path) -> dict[str, Grid]:
     return grids
 
 
+_STEPS: dict[tuple[str, int, int], dict[str, float]] = {}
+
+
+def output_steps(*models: str | Path | None) -> dict[str, float]:
+    """Float graph outputs of ``models`` written by a DequantizeLinear with a constant
+    per-tensor scale (a QDQ model's outputs): that scale, the output's step on the NPU."""
+    steps: dict[str, float] = {}
+    for found in _per_file(models, _STEPS, _read_output_steps):
+        steps.update(found)
+    return steps
+
+
+def _read_output_steps(path: Path) -> dict[str, float]:
+    from qnn_ctx_runtime.qnn import read_model_summary
+
+    summary = read_model_summary(path)  # over mmap first: most models have no such output
+    outputs = {o.name for o in summary.outputs}
+    if not any(n.op_type == "DequantizeLinear" and outputs & set(n.outputs) for n in summary.nodes):
+        return {}
+    try:  # the quantize stage's environment; a compile environment may lack onnx
+        import onnx
+        from onnx import numpy_helper
+    except ImportError:
+        return {}
+    graph = onnx.load(str(path), load_external_data=False).graph
+    inits = {i.name: i for i in graph.initializer}
+    steps = {}
+    for node in graph.node:
+        if node.op_type != "DequantizeLinear" or node.output[0] not in outputs:
+            continue
+        scale = inits.get(node.input[1]) if len(node.input) > 1 else None
+        if scale is None or scale.data_location:
+            continue
+        value = numpy_helper.to_array(scale)
+        if value.size == 1:
+            steps[node.output[0]] = float(value.reshape(()))
+    return steps
+
+
 _LABELS: dict[tuple[str, int, int], set[str]] = {}
 
 
@@ -209,10 +265,15 @@ class OutputComparison:
     """
 
     def __init__(
-        self, grids: Mapping[str, Grid] | None = None, labels: Collection[str] = ()
+        self,
+        grids: Mapping[str, Grid] | None = None,
+        labels: Collection[str] = (),
+        steps: Mapping[str, float] | None = None,
     ) -> None:
         self.grids = dict(grids or {})
         self.labels = frozenset(labels)
+        self.steps = dict(steps or {})  # float outputs' grid steps (``output_steps``)
+        self._peak: dict[str, float] = {}  # the largest |reference value| per output
         self._signal: dict[str, float] = {}
         self._noise: dict[str, float] = {}
         self._max_abs: dict[str, float] = {}
@@ -227,8 +288,8 @@ class OutputComparison:
     @classmethod
     def for_models(cls, *models: str | Path | None) -> OutputComparison:
         """A comparison of these model files' outputs, each compared as what it holds
-        (``quantized_output_grids``, ``label_outputs``)."""
-        return cls(quantized_output_grids(*models), label_outputs(*models))
+        (``quantized_output_grids``, ``label_outputs``, ``output_steps``)."""
+        return cls(quantized_output_grids(*models), label_outputs(*models), output_steps(*models))
 
     def add(self, reference: Mapping[str, Any], test: Mapping[str, Any]) -> None:
         for name, ref in reference.items():
@@ -256,7 +317,7 @@ class OutputComparison:
         copies of it whole would cost a gigabyte per comparison. float32 outputs are summed by
         float32 BLAS (10x faster than converting to float64 first, the bulk of every
         evaluation; 1e-6 relative, far below the 0.01 dB shown), float64 where that overflows."""
-        signal = noise = dot = test_power = worst = 0.0
+        signal = noise = dot = test_power = worst = peak = 0.0
         for start in range(0, max(ref.size, 1), _CHUNK):
             r, t = ref[start : start + _CHUNK], test[start : start + _CHUNK]
             fast = r.dtype == np.float32 and t.dtype == np.float32
@@ -269,17 +330,33 @@ class OutputComparison:
             dot += sums[2]
             test_power += sums[3]
             worst = max(worst, sums[4])
+            peak = max(peak, float(np.max(np.abs(r)))) if r.size else peak
         self._signal[name] = self._signal.get(name, 0.0) + signal
         self._noise[name] = self._noise.get(name, 0.0) + noise
         self._max_abs[name] = max(self._max_abs.get(name, 0.0), worst)
+        self._peak[name] = max(self._peak.get(name, 0.0), peak)
         self._dot[name] = self._dot.get(name, 0.0) + dot
         self._norm_ref[name] = self._norm_ref.get(name, 0.0) + signal
         self._norm_test[name] = self._norm_test.get(name, 0.0) + test_power
 
     def powers(self) -> dict[str, tuple[float, float]]:
         """Per numeric output: (signal, noise) power summed over the samples added, so that
-        figures of separate samples can be pooled later."""
-        return {name: (self._signal[name], self._noise[name]) for name in self._signal}
+        figures of separate samples can be pooled later. An output ``below_step`` is left out,
+        as ``worst_snr`` leaves it out."""
+        return {
+            name: (self._signal[name], self._noise[name])
+            for name in self._signal
+            if not self.below_step(name)
+        }
+
+    def below_step(self, name: str) -> bool:
+        """Whether every reference value of this float output so far lies within one step of
+        its grid (at least float16's smallest value) and the test is within two steps of it
+        everywhere: zero to the NPU, judged by that error instead of an SNR (``BELOW_STEP``)."""
+        if name not in self._peak:
+            return False
+        step = max(self.steps.get(name, 0.0), FLOAT16_TINY)
+        return self._peak[name] <= step and self._max_abs[name] <= 2 * step
 
     def summary(self) -> dict[str, Accuracy]:
         """Per output: SNR, max abs error and cosine, pooled over the samples added."""
@@ -291,15 +368,18 @@ class OutputComparison:
             snr = power_snr_db(self._signal[name], self._noise[name])
             denom = float(np.sqrt(self._norm_ref[name] * self._norm_test[name]))
             cos = self._dot[name] / denom if denom > _TINY else 1.0
-            result[name] = Accuracy(snr, self._max_abs[name], cos, self._kind.get(name))
+            kind = BELOW_STEP if self.below_step(name) else self._kind.get(name)
+            result[name] = Accuracy(snr, self._max_abs[name], cos, kind)
         return {name: result[name] for name in self._kind if name in result}
 
 
 def worst_snr(summary: Mapping[str, Accuracy]) -> float:
     """The lowest SNR over the outputs; inf when there are none (nothing differs).
 
-    Label outputs have no SNR: the scores they are derived from carry the figure.
+    Label outputs have no SNR: the scores they are derived from carry the figure. An output
+    below its step has none that means anything: its error is within two steps.
     """
     return min(
-        (v.snr_db for v in summary.values() if v.compared_as != LABELS), default=float("inf")
+        (v.snr_db for v in summary.values() if v.compared_as not in (LABELS, BELOW_STEP)),
+        default=float("inf"),
     )

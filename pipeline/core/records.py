@@ -153,6 +153,9 @@ class QuantizeSummary:
     # Integer outputs a QuantizeLinear writes (a model with int8 I/O): [scale, zero point], so
     # that compile compares them as values (its environment may have no onnx to read them).
     output_grids: dict[str, list[float]] = field(default_factory=dict)
+    # Float outputs a DequantizeLinear writes: its scale, the output's step on the NPU, so that
+    # compile judges an output below its step as quantize did (metrics.BELOW_STEP).
+    output_steps: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

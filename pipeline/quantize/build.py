@@ -51,7 +51,7 @@ from ..core.layout import (
 )
 from ..core.lock import locked
 from ..core.memory import adapt_heap_to, release_freed_memory
-from ..core.metrics import quantized_output_grids, worst_snr
+from ..core.metrics import output_steps, quantized_output_grids, worst_snr
 from ..core.records import (
     BucketArtifacts,
     BuildInputs,
@@ -1212,6 +1212,7 @@ def _record(
                     paths.bucket(state.plan.largest.name).qdq
                 ).items()
             },
+            output_steps=output_steps(paths.bucket(state.plan.largest.name).qdq),
             rounding_floor_db={
                 name: accuracy.snr_db
                 for name, accuracy in (
