@@ -166,26 +166,36 @@ def _read_output_grids(path: Path) -> dict[str, Grid]:
     quantized_types = {"int8", "uint8", "int16", "uint16"}
     if not any(o.dtype in quantized_types for o in read_model_summary(path).outputs):
         return {}
-    try:  # the quantize stage's environment; a compile environment may lack onnx
+    return {
+        name: (float(params[0]), int(params[1]))
+        for name, params in _output_writers(path, "QuantizeLinear").items()
+        if len(params) == 2
+    }
+
+
+def _output_writers(path: Path, op_type: str) -> dict[str, list[np.ndarray]]:
+    """Per graph output that a node of ``op_type`` writes with constant one-value parameters
+    (its scale and zero point, as given): those values. Empty without onnx (a compile
+    environment may lack it)."""
+    try:
         import onnx
         from onnx import numpy_helper
     except ImportError:
         return {}
-
     graph = onnx.load(str(path), load_external_data=False).graph
     inits = {i.name: i for i in graph.initializer}
     outputs = {o.name for o in graph.output}
-    grids = {}
+    found = {}
     for node in graph.node:
-        if node.op_type != "QuantizeLinear" or node.output[0] not in outputs:
+        if node.op_type != op_type or node.output[0] not in outputs:
             continue
-        params = [inits.get(name) for name in node.input[1:3]]
-        if len(params) < 2 or any(p is None or p.data_location for p in params):
+        params = [inits.get(name) for name in node.input[1:3] if name]
+        if not params or any(p is None or p.data_location for p in params):
             continue
-        scale, zero_point = (numpy_helper.to_array(p) for p in params)  # type: ignore[arg-type]
-        if scale.size == 1 and zero_point.size == 1:
-            grids[node.output[0]] = (float(scale.reshape(())), int(zero_point.reshape(())))
-    return grids
+        values = [numpy_helper.to_array(p) for p in params]  # type: ignore[arg-type]
+        if all(v.size == 1 for v in values):
+            found[node.output[0]] = [v.reshape(()) for v in values]
+    return found
 
 
 _STEPS: dict[tuple[str, int, int], dict[str, float]] = {}
@@ -207,24 +217,9 @@ def _read_output_steps(path: Path) -> dict[str, float]:
     outputs = {o.name for o in summary.outputs}
     if not any(n.op_type == "DequantizeLinear" and outputs & set(n.outputs) for n in summary.nodes):
         return {}
-    try:  # the quantize stage's environment; a compile environment may lack onnx
-        import onnx
-        from onnx import numpy_helper
-    except ImportError:
-        return {}
-    graph = onnx.load(str(path), load_external_data=False).graph
-    inits = {i.name: i for i in graph.initializer}
-    steps = {}
-    for node in graph.node:
-        if node.op_type != "DequantizeLinear" or node.output[0] not in outputs:
-            continue
-        scale = inits.get(node.input[1]) if len(node.input) > 1 else None
-        if scale is None or scale.data_location:
-            continue
-        value = numpy_helper.to_array(scale)
-        if value.size == 1:
-            steps[node.output[0]] = float(value.reshape(()))
-    return steps
+    return {
+        name: float(params[0]) for name, params in _output_writers(path, "DequantizeLinear").items()
+    }
 
 
 _LABELS: dict[tuple[str, int, int], set[str]] = {}
