@@ -526,3 +526,59 @@ def test_statistics_free_each_tensor_as_plain_inference_does() -> None:
 
     plain, stats = grown("plain"), grown("stats")
     assert stats < plain + 100, (plain, stats)
+
+
+def token_model(rows: int, through_select: bool) -> object:
+    """ids [1, 2, 16] -> (optionally a Gather picking one row of ids) -> an embedding of
+    ``rows`` rows: a character tagger's lookup."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = numpy_helper.from_array(np.ones((rows, 4), np.float32), "table")
+    pick = numpy_helper.from_array(np.array(0, np.int64), "pick")
+    nodes = []
+    ids = "ids"
+    if through_select:
+        nodes.append(helper.make_node("Gather", ["ids", "pick"], ["chars"], axis=1))
+        ids = "chars"
+    nodes.append(helper.make_node("Gather", ["table", ids], ["y"]))
+    graph = helper.make_graph(
+        nodes,
+        "tokens",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 2, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [table, pick],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize("through_select", [False, True])
+def test_random_ids_stay_inside_the_table_they_index(tmp_path: Path, through_select: bool) -> None:
+    """kind = "random" drew integer inputs in 0..255: a 126-row character embedding failed
+    ("indices element out of data bounds") before anything was measured."""
+    from pipeline.calibration.samples import index_bounds
+    from pipeline.core.cpu import cpu_session
+
+    model = token_model(126, through_select)
+    assert index_bounds(model) == {"ids": 126}
+    config = make_config(tmp_path, 'kind = "random"\nsamples = 8')
+    specs = [InputSpec("ids", (1, 2, 16), np.dtype("int64"))]
+    plan = single_bucket({"ids": (1, 2, 16)})
+    router = Router(config, plan, {"ids": np.dtype("int64")}, index_bounds(model))
+    source = sample_source(config, specs)
+    (bucket,) = plan.buckets
+    session = cpu_session(model)
+    drawn = [f["ids"] for f in BucketSamples(source, router, bucket, source.calib)]
+    assert drawn and max(int(ids.max()) for ids in drawn) < 126
+    assert max(int(ids.max()) for ids in drawn) > 100  # the whole table, not a corner of it
+    for ids in drawn:
+        session.run(None, {"ids": ids})
+
+
+def test_ids_past_the_table_blame_the_data_not_the_model() -> None:
+    from pipeline.core.cpu import cpu_session
+    from pipeline.core.errors import ModelError
+
+    session = cpu_session(token_model(126, through_select=False))
+    with pytest.raises(ModelError) as caught:
+        session.run(None, {"ids": np.full((1, 2, 16), 200, np.int64)})
+    assert "calibration data does, not the model" in (caught.value.tip or "")

@@ -519,14 +519,61 @@ def _python_source(
 
 # --- routing samples into buckets ----------------------------------------------------------------
 
+RANDOM_INTEGERS = 256  # kind = "random": integer inputs in 0..255, or below the table they index
+# Ops that pass integer ids on unchanged (into a Gather's indices).
+_ID_MOVES = frozenset(
+    {"Cast", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Slice", "Transpose"}
+)
+
+
+def index_bounds(model: Any) -> dict[str, int]:
+    """Integer graph inputs that index a constant table (Gather's indices, directly or through
+    a Cast or reshape): the table's length along the gathered axis, the smallest where several
+    read it. Random token ids of 0..255 ran past a 126-row character embedding ("indices element
+    out of data bounds"); a smoke test's ids must be ids the model has."""
+    from onnx import TensorProto
+
+    integer = {
+        TensorProto.INT64,
+        TensorProto.INT32,
+        TensorProto.INT16,
+        TensorProto.INT8,
+        TensorProto.UINT8,
+        TensorProto.UINT16,
+        TensorProto.UINT32,
+        TensorProto.UINT64,
+    }
+    graph = model.graph
+    dims = {i.name: list(i.dims) for i in graph.initializer}
+    origin = {i.name: i.name for i in graph.input if i.type.tensor_type.elem_type in integer}
+    bounds: dict[str, int] = {}
+    for node in graph.node:  # in graph order: a move's input is seen before its output
+        moves = node.op_type in _ID_MOVES or node.op_type == "Gather"  # a Gather of ids: ids
+        if moves and node.input and node.input[0] in origin:
+            origin[node.output[0]] = origin[node.input[0]]
+        elif node.op_type == "Gather" and len(node.input) > 1 and node.input[1] in origin:
+            table = dims.get(node.input[0])
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            if table and -len(table) <= axis < len(table) and table[axis] > 0:
+                name = origin[node.input[1]]
+                bounds[name] = min(bounds.get(name, table[axis]), table[axis])
+    return bounds
+
 
 class Router:
     """Checks a raw sample, picks its bucket and pads it there (missing inputs are filled)."""
 
-    def __init__(self, config: ModelConfig, plan: BucketPlan, dtypes: dict[str, np.dtype]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        plan: BucketPlan,
+        dtypes: dict[str, np.dtype],
+        index_bounds: dict[str, int] | None = None,
+    ) -> None:
         self.config = config
         self.plan = plan
         self.dtypes = dtypes
+        self.index_bounds = dict(index_bounds or {})  # random ids stay below these (token ids)
         self.rules: dict[str, list[bk.PadRule]] = {}
         for rule in plan.pads:
             self.rules.setdefault(rule.input, []).append(rule)
@@ -545,7 +592,10 @@ class Router:
             for rule in self.rules.get(name, []):
                 dims[rule.axis] = sizes[rule.dim]
             dtype = np.dtype(self.dtypes[name])
-            value = rng.standard_normal(dims) if dtype.kind == "f" else rng.integers(0, 256, dims)
+            if dtype.kind == "f":
+                value = rng.standard_normal(dims)
+            else:
+                value = rng.integers(0, self.index_bounds.get(name, RANDOM_INTEGERS), dims)
             feeds[name] = value.astype(dtype)
         return feeds
 

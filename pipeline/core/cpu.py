@@ -54,6 +54,14 @@ def cpu_session(
 # compute (PPQ's OpenVINO export quantizes a MatMul's weights along K: "QLinearMatmul : weight
 # zero point must be a scalar ..." at the first run, though the model loads).
 _FUSED_KERNELS = ("QLinear", "QGemm", "MatMulInteger", "ConvInteger")
+# onnxruntime's words for an index past its table: the data fed is wrong, not the model.
+_OUT_OF_TABLE = "out of data bounds"
+_OUT_OF_TABLE_TIP = (
+    "An input fed an index past the table it looks up (a token or character id beyond the "
+    "model's vocabulary): the calibration data does, not the model. Feed the ids the model's "
+    'own tokenizer makes (calibration.kind = "python" with a reader), or check the input\'s '
+    "dims and dtype in [inputs]."
+)
 
 
 class _CpuSession:
@@ -77,7 +85,9 @@ class _CpuSession:
 
                 raise ModelError(
                     f"{self._what} does not run in onnxruntime on the CPU: {exc}",
-                    tip="Check the model with onnxruntime alone; a model the pipeline wrote "
+                    tip=_OUT_OF_TABLE_TIP
+                    if _OUT_OF_TABLE in str(exc)
+                    else "Check the model with onnxruntime alone; a model the pipeline wrote "
                     "that does not run is a pipeline bug: report it with the source model.",
                 ) from exc
         import onnxruntime as ort

@@ -36,7 +36,14 @@ import numpy as np
 from qnn_ctx_runtime import buckets as bk
 from qnn_ctx_runtime.qnn import read_model_summary
 
-from ..calibration.samples import BucketSamples, Router, SampleRef, SampleSource, sample_source
+from ..calibration.samples import (
+    BucketSamples,
+    Router,
+    SampleRef,
+    SampleSource,
+    index_bounds,
+    sample_source,
+)
 from ..core.config import ModelConfig
 from ..core.errors import CalibrationError, ConfigError, GateError, ModelError, PipelineError
 from ..core.fileio import atomic_dir, atomic_path, link_or_copy, sha256_file
@@ -923,7 +930,12 @@ def _sample_all(config: ModelConfig, paths: ModelPaths, state: _State) -> dict[s
     calibration samples."""
     started = time.perf_counter()
     plan, largest = state.plan, state.largest
-    router = Router(config, plan, {s.name: s.dtype for s in largest.specs})
+    bounds = {}
+    if config.calibration.kind == "random":  # ids drawn within the tables they index
+        import onnx
+
+        bounds = index_bounds(onnx.load(str(largest.float_path), load_external_data=False))
+    router = Router(config, plan, {s.name: s.dtype for s in largest.specs}, bounds)
     state.samples = sample_source(config, largest.specs)
     if not state.samples.calib:
         raise CalibrationError(f"{config.model.name}: no calibration samples were selected.")
