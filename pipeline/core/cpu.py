@@ -47,7 +47,8 @@ def cpu_session(
             "(under the artifacts folder) that does not load is a pipeline bug: report it "
             "with the source model and config.",
         ) from exc
-    return _CpuSession(session, payload, options, what)
+    del payload  # a proto's serialized copy (a 1024x1024 U-Net's 176 MB): re-made if needed
+    return _CpuSession(session, model, options, what)
 
 
 # What onnxruntime's fused integer kernels say when a Q/DQ pattern it fused is one they cannot
@@ -69,8 +70,8 @@ class _CpuSession:
     model again as written (each DequantizeLinear, float op and QuantizeLinear: ONNX's own
     semantics), and otherwise names the model in a ModelError instead of a raw traceback."""
 
-    def __init__(self, session: Any, payload: Any, options: Any, what: str) -> None:
-        self._session, self._payload, self._options, self._what = session, payload, options, what
+    def __init__(self, session: Any, model: Any, options: Any, what: str) -> None:
+        self._session, self._model, self._options, self._what = session, model, options, what
         self._unfused = False
 
     def __getattr__(self, name: str) -> Any:
@@ -93,8 +94,10 @@ class _CpuSession:
         import onnxruntime as ort
 
         self._options.add_session_config_entry("session.disable_quant_qdq", "1")
+        model = self._model
+        payload = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
         self._session = ort.InferenceSession(
-            self._payload, self._options, providers=["CPUExecutionProvider"]
+            payload, self._options, providers=["CPUExecutionProvider"]
         )
         self._unfused = True
         return self.run(*args, **kwargs)

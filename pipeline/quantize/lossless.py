@@ -34,6 +34,7 @@ from qnn_ctx_runtime.qnn import read_model_summary
 
 from ..core.config import InputsSection
 from ..core.cpu import cpu_session
+from ..core.memory import release_freed_memory
 from ..core.dtypes import constant_feed, np_dtype, unread_input_feed
 from ..core.metrics import OutputComparison, label_outputs, worst_snr
 from ..graph.prequantized import is_prequantized
@@ -199,7 +200,15 @@ def check_preparation(
             reference = _exposing(reference if source.float16 else source.load(), scores)
         ref_session = cpu_session(reference, optimize)
         snr, count = compare(ref_session, prepared, samples, inputs, optimize, labels)
+        floor = MIN_PREPARED_SNR_DB
+        if rounding_floor_db is not None:
+            floor = min(floor, rounding_floor_db - OWN_ROUNDING_MARGIN_DB)
         if source.float16:
+            if snr >= floor:  # no bisection: the float32 reference's session is done with
+                # (its weights and pre-packed copies beside two more sessions of an IS-Net at
+                # 1024x1024 took the quantize stage to 1.7 GiB)
+                del ref_session, reference
+                release_freed_memory()
             float16, _ = compare(source.runnable(), prepared, samples, inputs, False, labels)
     except Exception as exc:  # onnxruntime's own error types: say why, do not fail the build
         return PreparationCheck(
@@ -207,9 +216,6 @@ def check_preparation(
         )
     if not count:
         return PreparationCheck(MIN_PREPARED_SNR_DB, None, 0, True, label, error="no samples")
-    floor = MIN_PREPARED_SNR_DB
-    if rounding_floor_db is not None:
-        floor = min(floor, rounding_floor_db - OWN_ROUNDING_MARGIN_DB)
     if snr >= floor:
         return PreparationCheck(
             floor, snr, count, True, label, float16_snr_db=float16,
