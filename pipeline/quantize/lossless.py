@@ -34,8 +34,8 @@ from qnn_ctx_runtime.qnn import read_model_summary
 
 from ..core.config import InputsSection
 from ..core.cpu import cpu_session
-from ..core.memory import release_freed_memory
 from ..core.dtypes import constant_feed, np_dtype, unread_input_feed
+from ..core.memory import release_freed_memory
 from ..core.metrics import OutputComparison, label_outputs, worst_snr
 from ..graph.prequantized import is_prequantized
 from ..graph.tails import judged_outputs
