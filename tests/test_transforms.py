@@ -2270,3 +2270,25 @@ def test_moves_that_give_back_their_input_are_dropped_exactly() -> None:
     changing = _moves(noops=False)
     kept, change = t.drop_noop_moves(changing)
     assert ops(kept) == ops(changing) and not change.changed
+
+
+def test_input_sizes_a_layer_does_not_take_are_blamed_on_the_inputs_given() -> None:
+    """A recurrent beat tracker fed 314 spectrogram bins where its Gemm takes 266 (the config's
+    [inputs] sizes for dims the export left dynamic): onnxruntime's preprocessing names the
+    node and both sizes, and the tip says which config keys set them."""
+    from pipeline.graph.transforms import qnn_preprocess
+
+    weights = numpy_helper.from_array(np.ones((266, 8), np.float32), "w")
+    graph = oh.make_graph(
+        [oh.make_node("Gemm", ["x", "w"], ["y"], name="frames_to_hidden")],
+        "tracker",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 314])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [weights],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    model.ir_version = 10
+    with pytest.raises(ModelError) as caught:
+        qnn_preprocess(model)
+    assert "314" in caught.value.message and "266" in caught.value.message
+    assert "[inputs] dims/shapes" in (caught.value.tip or "")

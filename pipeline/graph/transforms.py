@@ -2390,6 +2390,17 @@ def rewrite_reciprocal(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
 # 7. onnxruntime's QNN preprocessing
 
 
+# Shape inference's words when a layer's weights do not take the size that reaches them: with
+# static input sizes from the config, the sizes given are the usual cause (a madmom BLSTM given
+# 314 spectrogram bins where its Gemm takes 266).
+_SIZE_MISMATCH = ("Dimension mismatch", "Incompatible dimensions")
+_SIZE_MISMATCH_TIP = (
+    "A layer does not take the size that reaches it (the message names the node and both "
+    "sizes): check the sizes [inputs] dims/shapes give the inputs against what the model was "
+    "exported for (channels, features, sequence length)."
+)
+
+
 def qnn_preprocess(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """onnxruntime's ``qnn_preprocess_model``: fuses Gelu, LpNormalization, SpaceToDepth and
     (opset >= 17) LayerNormalization sequences into single ops QNN has kernels for.
@@ -2422,7 +2433,11 @@ def qnn_preprocess(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                     copy_model(work), out, fuse_layernorm=opset_version(work) >= 17
                 )
             except Exception as exc:  # onnxruntime's errors are untyped
-                raise ModelError(f"onnxruntime qnn_preprocess_model failed: {exc}") from exc
+                sizes = any(word in str(exc) for word in _SIZE_MISMATCH)
+                raise ModelError(
+                    f"onnxruntime qnn_preprocess_model failed: {exc}",
+                    tip=_SIZE_MISMATCH_TIP if sizes else None,
+                ) from exc
             result = onnx.load(out) if modified else work
     finally:
         logger.setLevel(level)
