@@ -173,6 +173,14 @@ def test_bake_constant_inputs_fills_a_shape_with_one_number() -> None:
     assert "one number to fill it" in str(error.value.tip)
 
 
+def test_bake_constant_inputs_fills_a_shape_that_dims_make_static() -> None:
+    """A batch's lengths, int64[batch_size] (NeMo's mel front end): [inputs] dims sets the
+    batch for every input, so the lengths input is one number too, without its own shape."""
+    baked, _ = t.bake_constant_inputs(parse(MASKED), {"bias": 0.5}, {}, {"batch": 1})
+    values = {i.name: numpy_helper.to_array(i) for i in baked.graph.initializer}
+    assert values["bias"].shape == (1, 4) and (values["bias"] == 0.5).all()
+
+
 def test_bake_constant_inputs_unknown_name_has_hint() -> None:
     with pytest.raises(ModelError, match=r"'sr_'.*did you mean 'sr'\?"):
         t.bake_constant_inputs(parse(DYNAMIC), {"sr_": 16000})

@@ -61,7 +61,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.drop_initializer_inputs,
         t.drop_unread_inputs,  # onnxruntime requires feeds for them all the same
         contrib.refuse_nchwc_layout,  # onnxruntime's 'all' level: a layout for one CPU
-        lambda m: t.bake_constant_inputs(m, inputs.constants, inputs.shapes),
+        lambda m: t.bake_constant_inputs(m, inputs.constants, inputs.shapes, inputs.dims),
         lambda m: t.fix_input_shapes(m, inputs.dims, inputs.shapes),
         t.float16_to_float32,  # the version converter fails on fp16 graphs
         t.float64_to_float32,  # the HTP has no float64, the quantizer quantizes none

@@ -258,15 +258,17 @@ def bake_constant_inputs(
     model: onnx.ModelProto,
     constants: Mapping[str, Any],
     shapes: Mapping[str, Sequence[int]] | None = None,
+    dims: Mapping[str, int] | None = None,
 ) -> tuple[onnx.ModelProto, Change]:
     """Turn graph inputs with a known value (e.g. ``sr = 16000``) into initializers.
 
     Their consumers (and whole ``If`` branches on them) can then be folded away. A single
-    number given for an input of more values fills its shape (``[inputs] shapes`` where the
-    model leaves it dynamic): a padding mask of zeros, an attention mask of ones, which no one
-    can write out in TOML.
+    number given for an input of more values fills its shape (``[inputs] shapes``, or
+    ``[inputs] dims`` for its named dims, where the model leaves it dynamic): a padding mask of
+    zeros, an attention mask of ones, a batch's lengths, which no one can write out in TOML.
     """
     shapes = shapes or {}
+    dims = dims or {}
     model = copy_model(model)
     graph = model.graph
     inputs = {i.name: i for i in graph.input}
@@ -288,9 +290,13 @@ def bake_constant_inputs(
                 f"{onnx.TensorProto.DataType.Name(tensor_type.elem_type)}: {exc}"
             ) from None
         if tensor_type.HasField("shape") or name in shapes:
-            dims = tensor_type.shape.dim
             static = [
-                d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None for d in dims
+                d.dim_value
+                if d.HasField("dim_value") and d.dim_value >= 0
+                else dims.get(d.dim_param)
+                if d.HasField("dim_param")
+                else None
+                for d in tensor_type.shape.dim
             ]
             if name in shapes:
                 static = [int(size) for size in shapes[name]]
