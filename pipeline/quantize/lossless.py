@@ -23,7 +23,7 @@ against the float16 run too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,21 +103,57 @@ def _feeds_for(session: Any, feeds: Feeds, inputs: InputsSection) -> Feeds:
 def compare(
     reference: Any,
     test: Any,
-    samples: Iterable[Feeds],
+    samples: list[Feeds],
     inputs: InputsSection,
     optimize: bool = True,
     labels: Collection[str] = (),
+    spill_in: Path | None = None,
 ) -> tuple[float, int]:
     """(worst output SNR, samples) of ``test`` against ``reference`` (models or sessions);
-    ``labels``: outputs compared as labels whatever their type (``metrics.label_outputs``)."""
-    ref = reference if hasattr(reference, "run") else cpu_session(reference, optimize)
-    got = test if hasattr(test, "run") else cpu_session(test, optimize)
-    names = [o.name for o in ref.get_outputs()]
-    comparison = OutputComparison(labels=labels)
-    for feeds in samples:
-        expected = dict(zip(names, ref.run(names, _feeds_for(ref, feeds, inputs)), strict=True))
-        comparison.add(expected, run_named(got, names, _feeds_for(got, feeds, inputs)))
+    ``labels``: outputs compared as labels whatever their type (``metrics.label_outputs``).
+    With ``spill_in``, a reference model runs first and alone (``_reference_outputs``)."""
+    import contextlib
+    import tempfile
+
+    folder = (
+        tempfile.TemporaryDirectory(prefix=".lossless-", dir=spill_in)
+        if spill_in is not None
+        else contextlib.nullcontext(None)
+    )
+    with folder as spill:
+        expected = _reference_outputs(reference, samples, inputs, optimize, spill)
+        got = test if hasattr(test, "run") else cpu_session(test, optimize)
+        comparison = OutputComparison(labels=labels)
+        for feeds, outputs in zip(samples, expected, strict=True):
+            comparison.add(outputs, run_named(got, list(outputs), _feeds_for(got, feeds, inputs)))
     return worst_snr(comparison.summary()), comparison.samples
+
+
+def _reference_outputs(
+    reference: Any, samples: list[Feeds], inputs: InputsSection, optimize: bool, spill: Any
+) -> Iterator[Feeds]:
+    """The reference's outputs, sample by sample: run beside the test model's, or, given a
+    ``spill`` folder and a model (not a session), all of them first, kept up to evaluate's
+    budget and the rest written there, its session closed before the test's opens. A CPU
+    session of a 1024x1024 IS-Net holds ~500 MB (weights and their pre-packed copies) beside
+    a run's ~600 MB of activations: two open at once took the quantize stage to 1.6-1.7 GiB in
+    this check."""
+    from .evaluate import SampleOutputs
+
+    ref = reference if hasattr(reference, "run") else cpu_session(reference, optimize)
+    if spill is None or hasattr(reference, "run"):
+        return (_outputs(ref, feeds, inputs) for feeds in samples)
+    kept = SampleOutputs(Path(spill))
+    for index, feeds in enumerate(samples):
+        kept.put(index, _outputs(ref, feeds, inputs))
+    del ref
+    release_freed_memory()
+    return (kept.get(index) for index in range(len(samples)))
+
+
+def _outputs(session: Any, feeds: Feeds, inputs: InputsSection) -> Feeds:
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, _feeds_for(session, feeds, inputs)), strict=True))
 
 
 def _limited(folder: Path, count: int) -> list[Feeds]:
@@ -198,24 +234,19 @@ def check_preparation(
             label = "source model computed in float32"
         if scores:  # a label-only model: its labels alone would pass any preparation
             reference = _exposing(reference if source.float16 else source.load(), scores)
-        ref_session = cpu_session(reference, optimize)
-        snr, count = compare(ref_session, prepared, samples, inputs, optimize, labels)
-        floor = MIN_PREPARED_SNR_DB
-        if rounding_floor_db is not None:
-            floor = min(floor, rounding_floor_db - OWN_ROUNDING_MARGIN_DB)
+        spill = prepared.parent
+        snr, count = compare(reference, prepared, samples, inputs, optimize, labels, spill)
         if source.float16:
-            if snr >= floor:  # no bisection: the float32 reference's session is done with
-                # (its weights and pre-packed copies beside two more sessions of an IS-Net at
-                # 1024x1024 took the quantize stage to 1.7 GiB)
-                del ref_session, reference
-                release_freed_memory()
-            float16, _ = compare(source.runnable(), prepared, samples, inputs, False, labels)
+            float16, _ = compare(source.runnable(), prepared, samples, inputs, False, labels, spill)
     except Exception as exc:  # onnxruntime's own error types: say why, do not fail the build
         return PreparationCheck(
             MIN_PREPARED_SNR_DB, None, 0, True, label, error=f"{type(exc).__name__}: {exc}"[:300]
         )
     if not count:
         return PreparationCheck(MIN_PREPARED_SNR_DB, None, 0, True, label, error="no samples")
+    floor = MIN_PREPARED_SNR_DB
+    if rounding_floor_db is not None:
+        floor = min(floor, rounding_floor_db - OWN_ROUNDING_MARGIN_DB)
     if snr >= floor:
         return PreparationCheck(
             floor, snr, count, True, label, float16_snr_db=float16,
@@ -229,6 +260,7 @@ def check_preparation(
         return _expand_sigmoids(exposed(model))
 
     transform: Callable[[Any], Any] | None = exposed if scores else None
+    ref_session = cpu_session(reference, optimize)  # kept open for the steps' bisection
     exact = _sigmoids_from_exp(reference, prepared)
     if exact is not None:
         try:
