@@ -531,21 +531,19 @@ def index_bounds(model: Any) -> dict[str, int]:
     a Cast or reshape): the table's length along the gathered axis, the smallest where several
     read it. Random token ids of 0..255 ran past a 126-row character embedding ("indices element
     out of data bounds"); a smoke test's ids must be ids the model has."""
-    from onnx import TensorProto
+    from onnx.helper import tensor_dtype_to_np_dtype
 
-    integer = {
-        TensorProto.INT64,
-        TensorProto.INT32,
-        TensorProto.INT16,
-        TensorProto.INT8,
-        TensorProto.UINT8,
-        TensorProto.UINT16,
-        TensorProto.UINT32,
-        TensorProto.UINT64,
-    }
+    from ..graph.edit import attribute
+
+    def integer(elem_type: int) -> bool:
+        try:
+            return np.dtype(tensor_dtype_to_np_dtype(elem_type)).kind in "iu"
+        except (KeyError, TypeError, ValueError):  # undefined, or no numpy type (bfloat16)
+            return False
+
     graph = model.graph
     dims = {i.name: list(i.dims) for i in graph.initializer}
-    origin = {i.name: i.name for i in graph.input if i.type.tensor_type.elem_type in integer}
+    origin = {i.name: i.name for i in graph.input if integer(i.type.tensor_type.elem_type)}
     bounds: dict[str, int] = {}
     for node in graph.node:  # in graph order: a move's input is seen before its output
         moves = node.op_type in _ID_MOVES or node.op_type == "Gather"  # a Gather of ids: ids
@@ -553,7 +551,7 @@ def index_bounds(model: Any) -> dict[str, int]:
             origin[node.output[0]] = origin[node.input[0]]
         elif node.op_type == "Gather" and len(node.input) > 1 and node.input[1] in origin:
             table = dims.get(node.input[0])
-            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            axis = attribute(node, "axis", 0)
             if table and -len(table) <= axis < len(table) and table[axis] > 0:
                 name = origin[node.input[1]]
                 bounds[name] = min(bounds.get(name, table[axis]), table[axis])
