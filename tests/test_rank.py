@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from pipeline.graph.rank import drop_leading_unit_axis
+from pipeline.graph.rank import collapse_high_rank_reshapes, drop_leading_unit_axis
 
 QUERIES = 10
 
@@ -106,3 +106,70 @@ def test_the_htp_runs_the_locations_whole_quantized(tmp_path: Path) -> None:
     from compile_fixtures import build_whole_on_htp
 
     build_whole_on_htp(tmp_path, "deformable", deformable_locations())
+
+
+def channel_mean_through_rank_6(size: int = 8, channels: int = 4) -> onnx.ModelProto:
+    """A Keras LayerNormalization over channels as tf2onnx writes it in NCHW: the mean's
+    layout move spelled Unsqueeze, rank-6 Reshape, Squeeze, Reshape (the identity), then the
+    centring, between two Convs."""
+    c = numpy_helper.from_array
+    rng = np.random.default_rng(3)
+    inits = [
+        c(rng.standard_normal((channels, channels, 3, 3)).astype(np.float32), "w1"),
+        c(rng.standard_normal((channels, channels, 1, 1)).astype(np.float32), "w2"),
+        c(np.array([1], np.int64), "channel_axis"),
+        c(np.array([0], np.int64), "front"),
+        c(np.array([1, 1, -1, 0, 0, 1], np.int64), "six"),
+        c(np.array([1, 1, size, size], np.int64), "four"),
+    ]
+    nodes = [
+        oh.make_node("Conv", ["x", "w1"], ["a"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+        oh.make_node("ReduceMean", ["a", "channel_axis"], ["mean"], keepdims=1),
+        oh.make_node("Unsqueeze", ["mean", "front"], ["mean5"]),
+        oh.make_node("Reshape", ["mean5", "six"], ["mean6"]),
+        oh.make_node("Squeeze", ["mean6", "front"], ["back5"]),
+        oh.make_node("Reshape", ["back5", "four"], ["back4"]),
+        oh.make_node("Sub", ["a", "back4"], ["centred"]),
+        oh.make_node("Conv", ["centred", "w2"], ["y"], kernel_shape=[1, 1]),
+    ]
+    for index, node in enumerate(nodes):  # named, as exporters do: qnn_preprocess then
+        node.name = f"{node.op_type}_{index}"  # keeps its input (onnxruntime's fusions unsaved)
+    graph = oh.make_graph(
+        nodes,
+        "channel_mean",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, size, size])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, channels, size, size])],
+        inits,
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def test_reshapes_through_rank_6_become_one_reshape_and_compute_the_same() -> None:
+    model = channel_mean_through_rank_6()
+    assert highest_rank(model) == 6
+    collapsed, change = collapse_high_rank_reshapes(model)
+    assert len(change.details) == 1 and "Reshape to [1, 1, 8, 8]" in change.details[0]
+    assert highest_rank(collapsed) == 4
+    ops = [n.op_type for n in collapsed.graph.node]
+    assert "Unsqueeze" not in ops and "Squeeze" not in ops and ops.count("Reshape") == 1
+    feeds = {"x": np.random.default_rng(4).standard_normal((1, 4, 8, 8)).astype(np.float32)}
+    np.testing.assert_array_equal(run(collapsed, feeds)[0], run(model, feeds)[0])
+
+
+def test_reshapes_below_rank_6_are_left() -> None:
+    """A Flatten then a Reshape at rank <= 5: nothing the HTP refuses, nothing to change."""
+    model = channel_mean_through_rank_6()
+    for init in model.graph.initializer:
+        if init.name == "six":
+            init.CopyFrom(numpy_helper.from_array(np.array([1, 1, 1, 8, 8], np.int64), "six"))
+    same, change = collapse_high_rank_reshapes(model)
+    assert not change.changed and same is model
+
+
+@pytest.mark.qnn
+def test_the_htp_runs_the_collapsed_channel_mean_whole(tmp_path: Path) -> None:
+    """Quantized and compiled by the real stages: whole on the HTP (before: the rank-6 Reshape,
+    the Squeeze and their Q/DQ on the CPU)."""
+    from compile_fixtures import build_whole_on_htp
+
+    build_whole_on_htp(tmp_path, "channel_mean", channel_mean_through_rank_6())

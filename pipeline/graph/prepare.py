@@ -41,6 +41,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
     unrolling the LSTMs QNN takes may add, for accuracy (``recurrent.unroll_recurrent_ops``;
     None: its default budget, 0: none)."""
     from . import (
+        atrous,
         attention,
         contrib,
         legacy,
@@ -83,6 +84,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.lower_data_dependent_ifs,  # the QNN EP runs no control flow
         prequantized.fold_quantized_constants,  # Q(float weight) -> its integers (own Q/DQ kept)
         prequantized.drop_noop_casts,  # Q -> Cast(same type) -> DQ; an fp16 model's float Casts
+        atrous.space_to_batch_convs,  # TF's atrous Conv as data moves -> a dilated Conv
         legacy.fold_pad_into_pool,  # Pad(-FLT_MAX) -> MaxPool: the pad value blows the range
         legacy.fold_pad_into_conv,  # Pad(0) -> Conv: the HTP fills end-only pads wrongly
         attention.finite_mask_fills,  # -inf / finfo.min mask fills: an infinite scale
@@ -95,6 +97,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         lambda m: recurrent.unroll_recurrent_ops(m, budget=lstm_nodes),
         recurrent.lower_high_rank,  # rank > 5 (an unfold as Gather) -> rank <= 5
         rank.drop_leading_unit_axis,  # rank 6 with batch 1 (deformable attention)
+        rank.collapse_high_rank_reshapes,  # tf2onnx's Unsqueeze, rank-6 Reshape, Squeeze
         t.col2im_to_conv_transpose,  # the QNN EP has no Col2Im (F.fold: VOLO's outlooker)
         recurrent.dilate_conv_transpose,  # QNN's TransposeConv2d takes dilation 1 only
         recurrent.output_padding_to_pads,  # the HTP's depthwise ConvTranspose drops it

@@ -162,3 +162,69 @@ def _apply(
         f"{touched} node(s) adjusted"
     ]
     return edit.checked_change(model, "drop_leading_unit_axis", details)
+
+
+# Ops that only reshape their first input (their other inputs constants): the same elements in
+# the same order, so any chain of them is one Reshape to its last shape.
+_RESHAPES = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
+
+
+def collapse_high_rank_reshapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A chain of reshapes through a tensor of rank > 5 -> one Reshape from its start.
+
+    Why: tf2onnx spells some layout moves as Unsqueeze, a rank-6 Reshape and a Squeeze (a
+    Keras LayerNormalization's mean over channels: [1, 1, 64, 64] -> [1, 1, 1, 64, 64, 1] ->
+    [1, 1, 64, 64, 1] -> [1, 1, 64, 64], the identity), and the HTP holds no rank-6 tensor: each
+    such chain and its Q/DQ stayed on the CPU (a fingerprint network: 4 of them, 6 partitions).
+    Reshapes keep the elements in order, so the chain is one Reshape from its first input to
+    its last shape (an identity one goes at the next step). Only chains through rank > 5 change.
+    """
+    graph = model.graph
+    if not any(n.op_type in _RESHAPES for n in graph.node):
+        return model, Change("collapse_high_rank_reshapes")
+    values = edit.inferred_values(model)
+    inits = edit.initializers_by_name(graph)
+
+    def shape(name: str) -> tuple[int, ...] | None:
+        return edit.value_shape(values[name]) if name in values else None
+
+    def reshape(node: onnx.NodeProto) -> bool:
+        return (
+            node.op_type in _RESHAPES
+            and node.domain in edit.DEFAULT_DOMAINS
+            and all(not n or n in inits for n in node.input[1:])
+        )
+
+    nodes = list(graph.node)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    plans: dict[int, tuple[str, tuple[int, ...]]] = {}
+    for index, node in enumerate(nodes):
+        out = shape(node.output[0]) if node.output else None
+        if not reshape(node) or out is None or len(out) > MAX_RANK:
+            continue
+        source, through_high = node.input[0], False
+        while (at := producer.get(source)) is not None and reshape(nodes[at]):
+            through_high |= len(shape(source) or ()) > MAX_RANK
+            source = nodes[at].input[0]
+        start = shape(source)
+        if through_high and start is not None and len(start) <= MAX_RANK:
+            plans[index] = (source, out)
+    if not plans:
+        return model, Change("collapse_high_rank_reshapes")
+    result = edit.copy_model(model)
+    fresh = edit.FreshNames(result)
+    details = {}
+    for index, (source, out) in plans.items():
+        node = result.graph.node[index]
+        target = fresh(f"{node.name or node.output[0]}_shape")
+        result.graph.initializer.append(numpy_helper.from_array(np.array(out, np.int64), target))
+        details[node.output[0]] = (
+            f"{edit.node_label(node)}: the reshapes from {source!r} -> Reshape to {list(out)}"
+        )
+        node.op_type = "Reshape"
+        del node.attribute[:]
+        node.input[:] = [source, target]
+    edit.remove_dead_nodes(result.graph)  # a chain's inner links, read by its end alone
+    produced = {o for n in result.graph.node for o in n.output}
+    shown = [line for name, line in details.items() if name in produced]
+    return edit.checked_change(result, "collapse_high_rank_reshapes", shown)
