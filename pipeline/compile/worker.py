@@ -380,6 +380,9 @@ def load_bucket(
     except Exception as exc:  # onnxruntime's error types are not importable by name
         kind, message = classify(ort_error(exc), ep.installed)
         raise StepFailed(kind, what + message) from exc
+    # A failed run would be retried on the CPU alone, which refuses the EPContext node: its
+    # error hid the QNN EP's own ("ORT Tensor data size does not match QNN tensor data size").
+    session.disable_fallback()
     if qnn.EP_NAME not in session.get_providers():
         raise StepFailed(
             "toolchain",

@@ -240,7 +240,8 @@ def space_to_batch_convs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
     replaced: dict[int, list[onnx.NodeProto]] = {}
     dropped: set[int] = set()
     details: list[str] = []
-    layouts: dict[tuple[str, tuple[int, ...]], str] = {}
+    layouts: dict[tuple[str, str, tuple[int, ...]], str] = {}
+    shapes: list[onnx.TensorProto] = []  # the targets of layout moves written as Reshapes
     for at in convs:
         conv = nodes[at]
         into_chain = _upstream(conv.input[0], nodes, producer, inits)
@@ -251,9 +252,12 @@ def space_to_batch_convs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
         if found is None:
             continue
         replacement, detail = found
+        for move in replacement:
+            if move.op_type == "Transpose":
+                _as_reshape_if_unit_axes(move, shape, shapes)
         move = replacement[0]
-        if move.op_type == "Transpose":  # one layout move per source, however many Convs read it
-            key = (move.input[0], tuple(edit.attribute(move, "perm", [])))
+        if move.op_type != "Conv":  # one layout move per source, however many Convs read it
+            key = (move.op_type, move.input[0], tuple(edit.attribute(move, "perm", [])))
             if key in layouts:
                 replacement = replacement[1:]
                 replacement[0].input[0] = layouts[key]
@@ -272,9 +276,36 @@ def space_to_batch_convs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
         elif i not in dropped:
             kept.append(node)
     edit.set_nodes(result.graph, kept)
+    result.graph.initializer.extend(shapes)
     edit.sort_graph(result.graph)
     edit.remove_dead_nodes(result.graph)  # the chains into the Convs, unless read elsewhere
     return edit.checked_change(result, STEP, details)
+
+
+def _as_reshape_if_unit_axes(
+    move: onnx.NodeProto,
+    shape: Callable[[str], tuple[int, ...] | None],
+    shapes: list[onnx.TensorProto],
+) -> None:
+    """A Transpose that moves only axes of size 1 -> the Reshape it is. On a graph input the
+    QNN EP may take a Transpose for a layout change of its own: a fingerprint network's context
+    then failed to run ("ORT Tensor data size does not match QNN tensor data size")."""
+    perm = [int(p) for p in edit.attribute(move, "perm", [])]
+    before, out = shape(move.input[0]), shape(move.output[0])  # one is new: no shape yet
+    if before is not None:
+        out = tuple(before[p] for p in perm)
+    elif out is not None:
+        before = tuple(out[perm.index(axis)] for axis in range(len(perm)))
+    else:
+        return
+    kept = [p for p in perm if before[p] != 1]
+    if kept != sorted(kept):
+        return
+    target = f"{move.output[0]}/shape"
+    shapes.append(numpy_helper.from_array(np.array(out, np.int64), target))
+    move.op_type = "Reshape"
+    del move.attribute[:]
+    move.input.append(target)
 
 
 def _rewrite(

@@ -228,3 +228,44 @@ def collapse_high_rank_reshapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto
     produced = {o for n in result.graph.node for o in n.output}
     shown = [line for name, line in details.items() if name in produced]
     return edit.checked_change(result, "collapse_high_rank_reshapes", shown)
+
+
+def input_unit_axis_transposes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A Transpose of a graph input that moves only axes of size 1 -> the Reshape it is.
+
+    Why: a grayscale NHWC input [1, H, W, 1] made NCHW by Transpose(0, 3, 1, 2) for a dilated
+    Conv while another branch reads the same input (through Unsqueeze and Reshape, as tf2onnx
+    writes a TF stem) compiled whole, but its context failed every run on the HTP simulator
+    ("ORT Tensor data size does not match QNN tensor data size", then the session fell back to
+    the CPU and refused the EPContext node; measured with both branches, either alone ran). A
+    Reshape moves the same elements and ran right. Only Transposes of graph inputs change.
+    """
+    graph = model.graph
+    inputs = {i.name: edit.value_shape(i) for i in graph.input}
+    targets: dict[int, tuple[int, ...]] = {}
+    for index, node in enumerate(graph.node):
+        if node.op_type != "Transpose" or node.domain not in edit.DEFAULT_DOMAINS:
+            continue
+        shape = inputs.get(node.input[0])
+        perm = [int(p) for p in edit.attribute(node, "perm", [])]
+        if shape is None or sorted(perm) != list(range(len(shape))) or perm == sorted(perm):
+            continue
+        moved = [p for p in perm if shape[p] != 1]
+        if moved == sorted(moved):
+            targets[index] = tuple(shape[p] for p in perm)
+    if not targets:
+        return model, Change("input_unit_axis_transposes")
+    result = edit.copy_model(model)
+    fresh = edit.FreshNames(result)
+    details = []
+    for index, out in targets.items():
+        node = result.graph.node[index]
+        target = fresh(f"{node.name or node.output[0]}_shape")
+        result.graph.initializer.append(numpy_helper.from_array(np.array(out, np.int64), target))
+        details.append(
+            f"{edit.node_label(node)} of input {node.input[0]!r} -> Reshape to {list(out)}"
+        )
+        node.op_type = "Reshape"
+        del node.attribute[:]
+        node.input.append(target)
+    return edit.checked_change(result, "input_unit_axis_transposes", details)

@@ -683,6 +683,7 @@ def _run_on_htp(
     stage("load")
     record = {"session.record_ep_graph_assignment_info": "1"}
     ctx = ort.InferenceSession(str(ctx_path), ep.session_options(qnn.QnnOptions("htp"), record, 3))
+    ctx.disable_fallback()  # a failed run retried on the CPU hides the QNN EP's own error
     # The same account compile's coverage gate keeps: Q/DQ at the graph I/O and a declared CPU
     # tail (ai.onnx.ml post-processing) are not CPU compute; counting them disqualified every
     # such model's candidates, and the judge went on to try the whole model in fp16 for nothing.

@@ -101,6 +101,7 @@ class VariantSessions:
                 qnn.QnnOptions(backend_type=self.spec.backend), config, self.log_severity
             )
             session = ort.InferenceSession(str(self.root / entry.model), sess_options=options)
+            session.disable_fallback()  # a failed NPU run must say so, not retry on the CPU
             if qnn.EP_NAME not in session.get_providers():
                 raise ReleaseError(
                     f"The QNN EP did not attach to {entry.model} (bucket {entry.name}); "
