@@ -83,7 +83,7 @@ from . import quantizer
 from . import report as report_mod
 from .evaluate import end_to_end, evaluate, input_jitter
 from .judge import Builder, HtpJudgement, judge_on_htp
-from .lossless import OWN_ROUNDING_MARGIN_DB, bucket_inputs, check_preparation
+from .lossless import OWN_ROUNDING_MARGIN_DB, PreparationCheck, bucket_inputs, check_preparation
 from .mixed_precision import MixedPrecision, raise_precision
 from .shapes import PreparedBucket, differing, initializer_digests, lstm_budget, prepare_buckets
 
@@ -966,6 +966,31 @@ def _build(
         return _steps(config, paths, inputs, timings)
 
 
+def _own_floor(state: _State) -> list[float]:
+    """A kept pre-quantized model's own rounding floors (dB), one per input jitter measured."""
+    jitter = state.own.input_jitter.values() if state.own else []
+    return [a.snr_db for a in jitter if a.snr_db == a.snr_db]
+
+
+def _check_preparation(config: ModelConfig, paths: ModelPaths, state: _State) -> PreparationCheck:
+    """Prepared float vs source on the largest bucket's held-out samples (``lossless``)."""
+    started = time.perf_counter()
+    plan = state.plan
+    largest = plan.largest
+    own_floor = _own_floor(state)
+    check = check_preparation(
+        config.model.name,
+        state.source,
+        bucket_inputs(config.inputs, largest.shapes if config.buckets.enabled else None),
+        state.prepared[largest.name].float_path,
+        paths.bucket(largest.name).heldout,
+        min(own_floor) if own_floor else None,
+        lstm_budget(plan, state.lstm_nodes),
+    )
+    state.timings["check_preparation"] = time.perf_counter() - started
+    return check
+
+
 def _steps(
     config: ModelConfig, paths: ModelPaths, inputs: BuildInputs, timings: dict[str, float]
 ) -> tuple[report_mod.QuantizeReport, QuantizeRecord]:
@@ -974,6 +999,9 @@ def _steps(
     samples = _sample_all(config, paths, state)
     adapt_heap_to(sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in state.largest.specs))
     state.own = _keep_own_quantization(config, paths, state) or state.own
+    # Before calibration holds its data and the judge its models: the check's two CPU sessions
+    # and their activations came on top of those (a DeepLab at 257x257: 228 -> 281 MiB).
+    preparation = _check_preparation(config, paths, state)
     if state.own is not None and state.own.kept:  # no calibration, no second quantization
         merged, changes, mixed = 0, quantizer.range_rules.RangeChanges(), None
         judgement = _measure_own(config, paths, state)
@@ -1008,6 +1036,7 @@ def _steps(
             state = restart.state
             release_freed_memory()
             samples = _sample_all(config, paths, state)
+            preparation = _check_preparation(config, paths, state)  # of the unrolled form
             merged, changes, mixed, judgement = _quantize_all(
                 config, paths, state.plan, state.prepared, samples, state.held_counts, state.timings
             )
@@ -1024,23 +1053,7 @@ def _steps(
     }
     e2e = end_to_end(config, state.source, plan, floats, qdqs, paths.heldout)
     state.timings["evaluate"] = time.perf_counter() - started
-    started = time.perf_counter()
-    largest = plan.largest
-    own_floor = [
-        a.snr_db
-        for a in (state.own.input_jitter.values() if state.own else [])
-        if a.snr_db == a.snr_db
-    ]
-    preparation = check_preparation(
-        config.model.name,
-        state.source,
-        bucket_inputs(config.inputs, largest.shapes if config.buckets.enabled else None),
-        floats[largest.name],
-        paths.bucket(largest.name).heldout,
-        min(own_floor) if own_floor else None,
-        lstm_budget(plan, state.lstm_nodes),
-    )
-    state.timings["check_preparation"] = time.perf_counter() - started
+    own_floor = _own_floor(state)
     for name in plan.names:  # every comparison above ran on them; the artifact does not
         _drop_judged_outputs(floats[name], qdqs[name])
     worst_each = [worst_snr(v) for v in per_bucket.values() if v]
