@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from pipeline.graph.atrous import space_to_batch_convs
+from pipeline.graph.atrous import space_to_batch_convs, split_wide_dilations
 
 RNG = np.random.default_rng(7)
 
@@ -182,3 +182,57 @@ def test_the_dilated_conv_builds_whole_on_the_htp(tmp_path: Path) -> None:
     from compile_fixtures import build_whole_on_htp
 
     build_whole_on_htp(tmp_path, "atrous", six_d_spelling())
+
+
+# --- dilations too wide for the HTP ---------------------------------------------------------
+
+
+def temporal_conv(dilations: list[int], channels: int = 128, length: int = 1000) -> onnx.ModelProto:
+    """One layer of a temporal convolution network: kernel 3 (3x3 for two dilations) at
+    ``dilations``, with a bias, a ReLU after it; the input long enough for ``length`` outputs."""
+    rank = len(dilations)
+    kernel = [3] * rank
+    spatial = [length + 2 * d for d in dilations] if rank == 1 else [16 + 2 * d for d in dilations]
+    out = [length] if rank == 1 else [16] * rank
+    weight = (RNG.standard_normal((channels, channels, *kernel)) * 0.05).astype(np.float32)
+    inits = [
+        numpy_helper.from_array(weight, "w"),
+        numpy_helper.from_array(RNG.standard_normal(channels).astype(np.float32), "b"),
+    ]
+    nodes = [
+        oh.make_node(
+            "Conv", ["x", "w", "b"], ["c"], "tcn", dilations=dilations, kernel_shape=kernel
+        ),
+        oh.make_node("Relu", ["c"], ["y"], "relu"),
+    ]
+    return _model(nodes, inits, [1, channels, *spatial], [1, channels, *out])
+
+
+def test_a_dilation_too_wide_becomes_shifted_slices_and_a_pointwise_conv() -> None:
+    for dilations in ([2048], [64, 64]):
+        channels = 128 if len(dilations) == 1 else 32
+        model = temporal_conv(dilations, channels)
+        split, change = split_wide_dilations(model)
+        assert len(change.details) == 1, (dilations, change.details)
+        ops = _ops(split)
+        assert ops["Slice"] == 3 ** len(dilations) and ops["Concat"] == 1 and ops["Conv"] == 1
+        conv = next(n for n in split.graph.node if n.op_type == "Conv")
+        assert oh.get_attribute_value(conv.attribute[0]) == [1] * len(dilations)
+        x = _input(model)
+        np.testing.assert_allclose(run(split, x), run(model, x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_dilation_the_htp_takes_is_left() -> None:
+    """Dilation 512 at 128 channels: a footprint of 131,200 values, below WIDE_FOOTPRINT."""
+    model = temporal_conv([512])
+    same, change = split_wide_dilations(model)
+    assert not change.changed and same is model
+
+
+@pytest.mark.qnn
+def test_the_split_temporal_conv_builds_whole_on_the_htp(tmp_path: Path) -> None:
+    """Dilation 2048 at 128 channels: "Failed to finalize QNN graph ... MEM_ALLOC" as it is;
+    split, one QNN partition at >= 30 dB on the HTP simulator."""
+    from compile_fixtures import build_whole_on_htp
+
+    build_whole_on_htp(tmp_path, "tcn", temporal_conv([2048]), samples=8)

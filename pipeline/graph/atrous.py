@@ -396,3 +396,125 @@ def _dilated(
         f"Conv with dilations [{bh}, {bw}], pads {pads}"
     )
     return nodes, detail
+
+
+# A dilated Conv whose kernel, spread by its dilations, covers this many input values (spans
+# times input channels per group) or more: the HTP fails to finalize the graph (measured, HTP
+# v73, 128 channels, kernel 3: dilation 1800 compiled, 2047 failed with QNN_COMMON_ERROR_MEM_ALLOC;
+# 16 channels at dilation 2048 compiled). Half the smallest failing footprint, for margin.
+WIDE_FOOTPRINT = 1 << 18
+
+
+def split_wide_dilations(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A Conv with a dilated kernel too wide for the HTP -> its taps as slices and one 1x1 Conv.
+
+    Why: a temporal convolution network (WaveNet-style, dilations doubling to 4096 over a
+    1-D signal of 7,500 samples) failed to compile at all: "Failed to finalize QNN graph ...
+    QNN_COMMON_ERROR_MEM_ALLOC". The Conv is the same sum over its taps: tap j reads the input
+    shifted by j * dilation, so the k shifted slices stacked along the channels and one 1x1
+    Conv with the taps' weights side by side compute it exactly (up to float summation order).
+    Only Convs with stride 1, one group and no pads change (a TCN pads by a Concat of zeros
+    before it, which stays as it is).
+    """
+    graph = model.graph
+    inits = edit.initializers_by_name(graph)
+    wide = [
+        i
+        for i, n in enumerate(graph.node)
+        if n.op_type == "Conv"
+        and n.domain in _DEFAULT
+        and n.input[1] in inits
+        and _footprint(n, inits[n.input[1]]) >= WIDE_FOOTPRINT
+    ]
+    if not wide:
+        return model, Change("split_wide_dilations")
+    values = edit.inferred_values(model)
+    result = edit.copy_model(model)
+    fresh = edit.FreshNames(result)
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    details = []
+    for index in wide:
+        node = result.graph.node[index]
+        shape = edit.value_shape(values[node.input[0]]) if node.input[0] in values else None
+        found = _taps(node, numpy_helper.to_array(inits[node.input[1]]), shape, fresh, result)
+        if found is not None:
+            replaced[index], detail = found
+            details.append(detail)
+    if not details:
+        return model, Change("split_wide_dilations")
+    nodes = []
+    for index, node in enumerate(result.graph.node):
+        nodes.extend(replaced.get(index, [node]))
+    edit.set_nodes(result.graph, nodes)
+    edit.remove_dead_nodes(result.graph)
+    return edit.checked_change(result, "split_wide_dilations", details)
+
+
+def _footprint(conv: onnx.NodeProto, weight: onnx.TensorProto) -> int:
+    """Input values one output reads: the dilated spans times the input channels of a group."""
+    kernel = list(weight.dims[2:])
+    dilations = edit.attribute(conv, "dilations", [1] * len(kernel))
+    if len(dilations) != len(kernel) or max(dilations, default=1) <= 1:
+        return 0
+    spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilations, strict=True)]
+    return int(np.prod(spans)) * int(weight.dims[1])
+
+
+def _taps(
+    conv: onnx.NodeProto,
+    weight: np.ndarray,
+    shape: tuple[int, ...] | None,
+    fresh: edit.FreshNames,
+    model: onnx.ModelProto,
+) -> tuple[list[onnx.NodeProto], str] | None:
+    kernel = list(weight.shape[2:])
+    rank = len(kernel)
+    dilations = [int(d) for d in edit.attribute(conv, "dilations", [1] * rank)]
+    if shape is None or len(shape) != rank + 2 or int(edit.attribute(conv, "group", 1)) != 1:
+        return None
+    if _text(edit.attribute(conv, "auto_pad", "NOTSET")) not in ("NOTSET", "VALID"):
+        return None
+    if any(int(p) for p in edit.attribute(conv, "pads", [0] * 2 * rank)):
+        return None
+    if any(int(s) != 1 for s in edit.attribute(conv, "strides", [1] * rank)):
+        return None
+    out = [n - (k - 1) * d for n, k, d in zip(shape[2:], kernel, dilations, strict=True)]
+    if min(out) <= 0:
+        return None
+    base = conv.name or conv.output[0]
+
+    def constant(values: list[int] | np.ndarray, tag: str) -> str:
+        name = fresh(f"{base}/{tag}")
+        array = np.asarray(values, np.int64) if isinstance(values, list) else values
+        model.graph.initializer.append(numpy_helper.from_array(array, name))
+        return name
+
+    axes = constant(list(range(2, rank + 2)), "tap_axes")
+    nodes, slices = [], []
+    for tap in np.ndindex(*kernel):
+        starts = [int(j) * d for j, d in zip(tap, dilations, strict=True)]
+        ends = [s + n for s, n in zip(starts, out, strict=True)]
+        sliced = fresh(f"{base}/tap{'_'.join(map(str, tap))}")
+        nodes.append(
+            helper.make_node(
+                "Slice",
+                [conv.input[0], constant(starts, "tap_starts"), constant(ends, "tap_ends"), axes],
+                [sliced],
+                sliced,
+            )
+        )
+        slices.append(sliced)
+    stacked = fresh(f"{base}/taps")
+    nodes.append(helper.make_node("Concat", slices, [stacked], stacked, axis=1))
+    # Tap-major channels: the Concat puts tap t's C channels at t * C.
+    flat = weight.reshape(weight.shape[0], weight.shape[1], -1).transpose(0, 2, 1)
+    pointwise = flat.reshape(weight.shape[0], -1, *([1] * rank)).astype(weight.dtype)
+    inputs = [stacked, constant(pointwise, "taps_weight"), *conv.input[2:]]
+    nodes.append(
+        helper.make_node("Conv", inputs, list(conv.output), conv.name, kernel_shape=[1] * rank)
+    )
+    detail = (
+        f"{edit.node_label(conv)}: kernel {kernel} at dilations {dilations} -> "
+        f"{len(slices)} shifted slices and a 1x1 Conv"
+    )
+    return nodes, detail
