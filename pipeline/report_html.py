@@ -34,7 +34,7 @@ from typing import Any
 
 from .core.fileio import write_text
 from .core.layout import INDEX_HTML, REPORT_HTML, REPORT_JSON, REPORT_MD, VARIANT_FILE, ModelPaths
-from .core.metrics import BELOW_STEP
+from .core.metrics import BELOW_STEP, PICKED
 
 # The page says so wherever a load time appears: a ratio of session creations on the build
 # machine's HTP simulator tells nothing about load latency on a device's NPU.
@@ -1166,6 +1166,8 @@ def _accuracy_section(page: _Page) -> None:
             return f"{100 * (_num(a.get('agreement')) or 0):.1f}% agree"
         if a.get("compared_as") == BELOW_STEP:
             return f"below its step (max abs {_num(a.get('max_abs')) or 0:.3g})"
+        if a.get("compared_as") == PICKED:
+            return f"picked by rank ({_num(a.get('snr_db')) or 0:.2f} dB, not gated)"
         return a.get("snr_db")
 
     def fixed(out: str, key: str, pattern: str) -> str | None:

@@ -637,3 +637,93 @@ def test_labels_judged_on_the_cpu_are_validated_on_every_sample(tmp_path: Path) 
     assert record is not None and record.validation is not None, why
     validation = record.validation
     assert validation.cut_by != "labels" and validation.samples == validation.requested > 2
+
+
+# --- outputs picked by rank (an end-to-end detector head) ---------------------------------------
+
+ANCHORS, BEST = 64, 10
+
+
+def end_to_end_head() -> onnx.ModelProto:
+    """A YOLOv10-style head: per-anchor boxes and class scores, the best score per anchor
+    ranked by TopK, the best rows' boxes gathered by its indices beside their scores."""
+    rng = np.random.default_rng(11)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w"),
+        numpy_helper.from_array(np.array([4, 4], np.int64), "split"),
+        numpy_helper.from_array(np.array([-1], np.int64), "last"),
+        numpy_helper.from_array(np.array([BEST], np.int64), "k"),
+        numpy_helper.from_array(np.array([1, 1, 4], np.int64), "reps"),
+    ]
+    nodes = [
+        oh.make_node("MatMul", ["x", "w"], ["features"]),
+        oh.make_node("Split", ["features", "split"], ["boxes", "logits"], axis=2),
+        oh.make_node("Sigmoid", ["logits"], ["scores"]),
+        oh.make_node("ReduceMax", ["scores", "last"], ["best"], keepdims=0),
+        oh.make_node("TopK", ["best", "k"], ["values", "indices"], axis=1),
+        oh.make_node("Unsqueeze", ["indices", "last"], ["indices3"]),
+        oh.make_node("Tile", ["indices3", "reps"], ["rows"]),
+        oh.make_node("GatherElements", ["boxes", "rows"], ["picked_boxes"], axis=1),
+        oh.make_node("Unsqueeze", ["values", "last"], ["values3"]),
+        oh.make_node("Concat", ["picked_boxes", "values3"], ["detections"], axis=2),
+        oh.make_node("ReduceMean", ["scores", "last"], ["mean_score"], keepdims=0),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "end_to_end",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, ANCHORS, 8])],
+        [
+            oh.make_tensor_value_info("detections", TensorProto.FLOAT, [1, BEST, 5]),
+            oh.make_tensor_value_info("mean_score", TensorProto.FLOAT, [1, ANCHORS]),
+        ],
+        inits,
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def test_rows_picked_by_rank_are_found_and_what_they_pick_from_exposed() -> None:
+    from pipeline.graph.tails import expose_selection_sources, judged_outputs, selection_outputs
+
+    model = end_to_end_head()
+    nodes = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+    assert selection_outputs(nodes, ["detections", "mean_score"]) == {"detections"}
+    exposed, change = expose_selection_sources(onnx.shape_inference.infer_shapes(model))
+    added = [o.name for o in exposed.graph.output][2:]
+    # The boxes of every anchor, the per-anchor best score TopK ranks, and the ranked values
+    # (sorted, they move smoothly); not the indices, nor anything computed from them.
+    assert set(added) == {"boxes", "best", "values3"}, added
+    meta = {e.key: e.value for e in exposed.metadata_props}
+    assert judged_outputs(meta) == added and len(change.details) == 3
+
+
+def test_an_output_picked_by_rank_is_shown_but_not_gated(tmp_path: Path) -> None:
+    """Two near-equal best scores trading ranks move whole rows of the detections: their SNR
+    is shown, the worst SNR (and so every gate) is the other outputs'."""
+    path = tmp_path / "head.onnx"
+    onnx.save(end_to_end_head(), str(path))
+    comparison = OutputComparison.for_models(path)
+    rows = np.random.default_rng(12).standard_normal((1, BEST, 5)).astype(np.float32)
+    swapped = rows[:, [1, 0, *range(2, BEST)], :]
+    scores = np.linspace(0.1, 0.9, ANCHORS, dtype=np.float32).reshape(1, ANCHORS)
+    comparison.add(
+        {"detections": rows, "mean_score": scores},
+        {"detections": swapped, "mean_score": scores * 1.001},
+    )
+    summary = comparison.summary()
+    assert summary["detections"].compared_as == "picked by rank"
+    assert summary["detections"].snr_db < 20 < worst_snr(summary) == summary["mean_score"].snr_db
+    assert "detections" not in comparison.powers()
+
+
+@pytest.mark.qnn
+def test_an_end_to_end_head_builds_judged_by_what_it_picks_from(tmp_path: Path) -> None:
+    """Quantized, judged and compiled by the real stages: whole on the HTP, its gates on the
+    boxes, scores and ranked values (>= 30 dB), the shipped model without them."""
+    from compile_fixtures import build_whole_on_htp, model_paths
+
+    build_whole_on_htp(tmp_path, "head", end_to_end_head())
+    paths = model_paths(tmp_path, "head")
+    shipped = onnx.load(str(paths.bucket("static").qdq))
+    assert [o.name for o in shipped.graph.output] == ["detections", "mean_score"]
+    report = json.loads((paths.root / "report.json").read_text())
+    assert "expose_selection_sources" in json.dumps(report["prepare"])

@@ -16,7 +16,7 @@ from qnn_ctx_runtime.toolchains import Toolchain
 
 from ..core.config import ModelConfig
 from ..core.layout import ModelPaths, VariantPaths
-from ..core.metrics import BELOW_STEP, LABELS, comparison_note
+from ..core.metrics import BELOW_STEP, LABELS, PICKED, comparison_note
 from ..core.records import Failure, QuantizeRecord, VariantRecord, read_record
 from ..core.report import fmt, table, write_report
 
@@ -115,7 +115,7 @@ def _mb(value: int | None) -> str:
 
 
 def _worst(section: dict[str, Any], pick: Callable[..., float], key: str) -> float | None:
-    skipped = (LABELS, BELOW_STEP) if key == "snr_db" else (LABELS,)  # as metrics.worst_snr
+    skipped = (LABELS, BELOW_STEP, PICKED) if key == "snr_db" else (LABELS,)  # as worst_snr
     values = [getattr(a, key) for a in section.values() if a.compared_as not in skipped]
     return pick(values) if values else None
 

@@ -45,7 +45,7 @@ from ..core.layout import (
     simulator_seconds,
 )
 from ..core.memory import release_freed_memory
-from ..core.metrics import LABELS, OutputComparison, label_outputs, worst_snr
+from ..core.metrics import LABELS, OutputComparison, label_outputs, picked_outputs, worst_snr
 from ..core.records import (
     BucketOutcome,
     Coverage,
@@ -447,7 +447,10 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
     }
     labels = label_outputs(bucket.qdq)
     steps = dict(job.output_steps)
-    vs_qdq, vs_float, qdq_vs_float = (OutputComparison(grids, labels, steps) for _ in range(3))
+    picked = picked_outputs(bucket.qdq)
+    vs_qdq, vs_float, qdq_vs_float = (
+        OutputComparison(grids, labels, steps, picked) for _ in range(3)
+    )
     scored = (  # its labels' scores were judged on the HTP (graph.tails.expose_label_scores)
         flt is not None
         and bool(bucket.htp_probe)

@@ -23,6 +23,11 @@ LABELS = "labels"
 # its SNR measures nothing (the CPU's 1e-8 against the HTP's 0 reads 0 dB). It is judged by its
 # largest error instead: within two steps it passes (``BELOW_STEP``), else it is compared by SNR.
 BELOW_STEP = "below its step"
+# A float output computed from a TopK's indices (a detector's best rows, picked by rank): near
+# ties trade places and move whole rows, so its SNR measures the ties. It is shown, left out of
+# the worst SNR and the gates; the tensors it picks from are judged in its place
+# (``graph.tails.expose_selection_sources``).
+PICKED = "picked by rank"
 FLOAT16_TINY = 2.0**-24  # float16's smallest subnormal: the finest value the HTP's fp16 holds
 
 
@@ -33,7 +38,7 @@ class Accuracy:
     snr_db: float  # inf when identical; nan for labels (see agreement)
     max_abs: float
     cosine: float
-    compared_as: str | None = None  # None: tensor values; MAP_VALUES; LABELS; BELOW_STEP
+    compared_as: str | None = None  # None: tensor values; MAP_VALUES; LABELS; BELOW_STEP; PICKED
     agreement: float | None = None  # labels: fraction of elements equal to the reference
 
 
@@ -45,6 +50,8 @@ def figure(accuracy: Accuracy | None) -> float | str | None:
         return f"{100.0 * (accuracy.agreement or 0.0):.1f}% agree"
     if accuracy.compared_as == BELOW_STEP:
         return f"below its step (max abs {accuracy.max_abs:.3g})"
+    if accuracy.compared_as == PICKED:
+        return f"picked by rank ({accuracy.snr_db:.2f} dB, not gated)"
     return accuracy.snr_db
 
 
@@ -65,7 +72,14 @@ def comparison_note(summaries: list[Mapping[str, Accuracy]]) -> str:
     if LABELS in kinds:
         parts.append("labels (string/integer outputs) by the share of elements that agree")
     labelled = ("Non-tensor outputs: " + "; ".join(parts) + ".") if parts else ""
-    return " ".join(part for part in (labelled, below) if part)
+    picked = ""
+    if PICKED in kinds:
+        picked = (
+            "Outputs picked by rank (rows gathered by a TopK's indices: near-equal scores trade "
+            "places and move whole rows) are shown but not gated; the tensors they pick from "
+            "are compared in their place."
+        )
+    return " ".join(part for part in (labelled, below, picked) if part)
 
 
 def comparable(value: Any) -> tuple[str | None, np.ndarray]:
@@ -243,6 +257,26 @@ def label_outputs(*models: str | Path | None) -> set[str]:
     return set().union(*_per_file(models, _LABELS, read))
 
 
+_PICKED: dict[tuple[str, int, int], set[str]] = {}
+
+
+def picked_outputs(*models: str | Path | None) -> set[str]:
+    """Graph outputs of ``models`` computed from a TopK's indices
+    (``graph.tails.selection_outputs``), read from the files' structure over mmap."""
+    from qnn_ctx_runtime.qnn import read_model_summary
+
+    from ..graph.tails import selection_outputs
+
+    def read(path: Path) -> set[str]:
+        summary = read_model_summary(path)
+        return selection_outputs(
+            ((n.op_type, n.inputs, n.outputs) for n in summary.nodes),
+            (o.name for o in summary.outputs),
+        )
+
+    return set().union(*_per_file(models, _PICKED, read))
+
+
 def _dequantized(value: Any, grid: Grid) -> Any:
     array = np.asarray(value)
     if array.dtype.kind not in "iu":
@@ -264,9 +298,11 @@ class OutputComparison:
         grids: Mapping[str, Grid] | None = None,
         labels: Collection[str] = (),
         steps: Mapping[str, float] | None = None,
+        picked: Collection[str] = (),
     ) -> None:
         self.grids = dict(grids or {})
         self.labels = frozenset(labels)
+        self.picked = frozenset(picked)  # outputs picked by rank (``picked_outputs``)
         self.steps = dict(steps or {})  # float outputs' grid steps (``output_steps``)
         self._peak: dict[str, float] = {}  # the largest |reference value| per output
         self._signal: dict[str, float] = {}
@@ -284,7 +320,12 @@ class OutputComparison:
     def for_models(cls, *models: str | Path | None) -> OutputComparison:
         """A comparison of these model files' outputs, each compared as what it holds
         (``quantized_output_grids``, ``label_outputs``, ``output_steps``)."""
-        return cls(quantized_output_grids(*models), label_outputs(*models), output_steps(*models))
+        return cls(
+            quantized_output_grids(*models),
+            label_outputs(*models),
+            output_steps(*models),
+            picked_outputs(*models),
+        )
 
     def add(self, reference: Mapping[str, Any], test: Mapping[str, Any]) -> None:
         for name, ref in reference.items():
@@ -297,6 +338,7 @@ class OutputComparison:
             kind, ref_array = comparable(ref)
             _, test_array = comparable(other)
             kind = LABELS if name in self.labels else kind
+            kind = PICKED if kind is None and name in self.picked else kind
             self._kind[name] = kind
             if kind == LABELS:
                 same = ref_array.shape == test_array.shape
@@ -341,7 +383,7 @@ class OutputComparison:
         return {
             name: (self._signal[name], self._noise[name])
             for name in self._signal
-            if not self.below_step(name)
+            if not self.below_step(name) and self._kind.get(name) != PICKED
         }
 
     def below_step(self, name: str) -> bool:
@@ -375,6 +417,6 @@ def worst_snr(summary: Mapping[str, Accuracy]) -> float:
     below its step has none that means anything: its error is within two steps.
     """
     return min(
-        (v.snr_db for v in summary.values() if v.compared_as not in (LABELS, BELOW_STEP)),
+        (v.snr_db for v in summary.values() if v.compared_as not in (LABELS, BELOW_STEP, PICKED)),
         default=float("inf"),
     )

@@ -141,6 +141,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.store_inferred_shapes,
         tails.static_tail_outputs,  # a label lookup's output: shape inference leaves it open
         tails.expose_label_scores,  # labels alone have no SNR: judge what they are computed from
+        tails.expose_selection_sources,  # rows picked by rank: judge what they pick from
         t.set_ir_version,
     ]
 

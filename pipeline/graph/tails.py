@@ -271,6 +271,107 @@ def float_label_outputs(
     return found
 
 
+def selection_outputs(
+    nodes: Iterable[tuple[str, Sequence[str], Sequence[str]]], outputs: Iterable[str]
+) -> set[str]:
+    """Graph outputs computed from a TopK's indices: the rows a detector's end-to-end head
+    picks (YOLOv10-style: the 300 best boxes, their scores and classes, gathered by rank).
+    ``nodes`` as for ``float_label_outputs``; label outputs are left to that.
+
+    Two near-equal scores trade ranks at the slightest difference, and every value of those
+    rows then differs: an fp16 run of such a YOLO on the CPU read 7 dB "vs float" with the
+    same detections, the quantized one 1 dB. Their SNR measures the ranking's ties, not the
+    arithmetic: the tensors they select from are judged instead (``expose_selection_sources``).
+    """
+    outputs = list(outputs)
+    labels = float_label_outputs(nodes := list(nodes), outputs)
+    picked = _picked_by_rank(nodes)
+    return {o for o in outputs if o in picked and o not in labels}
+
+
+def _picked_by_rank(nodes: list[tuple[str, Sequence[str], Sequence[str]]]) -> set[str]:
+    """Every tensor computed from a TopK's indices (``nodes`` in graph order)."""
+    picked = {outs[1] for op, _, outs in nodes if op == "TopK" and len(outs) > 1 and outs[1]}
+    for _, inputs, outs in nodes if picked else ():
+        if any(i in picked for i in inputs if i):
+            picked.update(o for o in outs if o)
+    return picked
+
+
+def selection_sources(model: Any) -> list[str]:
+    """The float tensors the selection outputs pick from (``selection_outputs``): walking back
+    from them, the first float tensors computed without any TopK index (not constants, not
+    graph inputs). A YOLOv10 head: its boxes and class scores for every anchor, and the
+    per-anchor best score the first TopK ranks."""
+    graph = model.graph
+    triples = [(n.op_type, list(n.input), list(n.output)) for n in graph.node]
+    chosen = selection_outputs(triples, (o.name for o in graph.output))
+    if not chosen:
+        return []
+    picked = _picked_by_rank(triples)
+    producers = {o: node for node in graph.node for o in node.output if o}
+    values = (*graph.input, *graph.value_info, *graph.output)
+    types = {v.name: v.type for v in values if v.type.WhichOneof("value")}
+    constants = {i.name for i in graph.initializer} | {i.name for i in graph.input}
+
+    def is_float(name: str) -> bool:
+        kind = types.get(name)
+        return bool(kind and kind.HasField("tensor_type")) and (
+            kind.tensor_type.elem_type in FLOAT_TYPES
+        )
+
+    sources: list[str] = []
+    seen: set[str] = set()
+    pending = sorted(chosen)
+    while pending:
+        name = pending.pop()
+        node = producers.get(name)
+        if name in seen or node is None or node.op_type in _SHAPE_READERS:
+            continue
+        seen.add(name)
+        for read in node.input:
+            if not read or read in constants or read in seen:
+                continue
+            if read not in picked and is_float(read) and producers.get(read) is not None:
+                if producers[read].op_type != "Constant" and read not in sources:
+                    sources.append(read)
+            elif read in picked:
+                pending.append(read)
+    return sources
+
+
+def expose_selection_sources(model: Any) -> tuple[Any, Any]:
+    """A model with outputs picked by rank (``selection_outputs``) also outputs the tensors
+    they pick from (``selection_sources``), to be judged by, as ``expose_label_scores`` does
+    for labels: listed in the same metadata entry, dropped from the QDQ model that ships."""
+    from . import edit
+
+    graph = model.graph
+    have = set(_judged_names(model))
+    sources = [
+        s
+        for s in selection_sources(model)
+        if s not in have and edit.value_shape(_value(graph, s)) is not None
+    ]
+    if not sources:
+        return model, edit.Change("expose_selection_sources")
+    model = edit.copy_model(model)
+    for name in sources:
+        model.graph.output.append(_value(graph, name))
+    names = [*_judged_names(model), *sources]
+    kept = [e for e in model.metadata_props if e.key != JUDGED_OUTPUTS_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = JUDGED_OUTPUTS_KEY, "\n".join(names)
+    details = [
+        f"{name!r} (what the outputs picked by rank select from) output too, to judge accuracy "
+        "by; the shipped model does not output it"
+        for name in sources
+    ]
+    return edit.checked_change(model, "expose_selection_sources", details)
+
+
 # The prepared model's metadata key listing the outputs added only to judge accuracy by
 # (``expose_label_scores``): every comparison sees them, the QDQ model that ships does not.
 JUDGED_OUTPUTS_KEY = "qnn_ctx_pipeline.judged_outputs"

@@ -34,7 +34,7 @@ from ..core.config import ModelConfig
 from ..core.cpu import cpu_session
 from ..core.errors import ModelError
 from ..core.fileio import restored_after
-from ..core.metrics import LABELS, comparable, label_outputs, worst_snr
+from ..core.metrics import LABELS, comparable, label_outputs, picked_outputs, worst_snr
 from ..core.progress import Progress
 from ..graph.qdq_htp import REST
 from .bias_correction import corrected_float_bias, layers
@@ -461,7 +461,7 @@ def measure(
     first = dict(zip(names, reference.run(names, feeds[0]), strict=True)) if feeds else {}
     # Labels (strings, class ids, also cast to float) have no noise power; the scores they
     # come from do.
-    labels = label_outputs(float_path)
+    labels = label_outputs(float_path) | picked_outputs(float_path)  # rows picked by rank: ties
     names = (
         [n for n in names if comparable(first[n])[0] != LABELS and n not in labels]
         if first
