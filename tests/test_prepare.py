@@ -369,3 +369,36 @@ def test_an_invalid_step_is_named_though_checks_are_deferred(
     )
     with pytest.raises(ModelError, match="'dangling_input' produced an invalid ONNX model"):
         prepare_model(cnn(), CNN_INPUTS)
+
+
+def test_an_ir_3_model_with_weights_outside_its_inputs_loads_as_onnxruntime_runs_it(
+    tmp_path: Path,
+) -> None:
+    """Before IR 4 every initializer had to be a graph input; old onnxmltools/WinML exports
+    keep their weights out of the inputs, onnxruntime runs them with those weights as constants
+    (as IR 4 reads them), and the checker refused them at load."""
+    import onnx.helper as oh
+
+    weight = numpy_helper.from_array(RNG.standard_normal((4, 3, 3, 3)).astype(np.float32), "W")
+    graph = oh.make_graph(
+        [oh.make_node("Conv", ["x", "W"], ["y"], kernel_shape=[3, 3])],
+        "ir3",
+        [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 8, 8])],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 6, 6])],
+        [weight],
+    )
+    saved = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 8)], ir_version=3)
+    path = tmp_path / "ir3.onnx"
+    onnx.save(saved, str(path))
+    with pytest.raises(onnx.checker.ValidationError, match="not in graph input"):
+        onnx.checker.check_model(saved)
+    loaded = load_source_model(path)
+    assert loaded.ir_version == 4
+    x = RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)
+    run = [
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"x": x}
+        )[0]
+        for m in (saved, loaded)
+    ]
+    np.testing.assert_array_equal(run[0], run[1])

@@ -30,7 +30,25 @@ def readable(model: Any) -> Any:
     (``contrib.onnx_domain_norms``). onnxruntime runs the file as it is."""
     from .contrib import onnx_domain_norms
 
-    return onnx_domain_norms(sort_nodes(model))
+    return onnx_domain_norms(sort_nodes(_constants_at_ir_4(model)))
+
+
+def _constants_at_ir_4(model: Any) -> Any:
+    """An IR < 4 model with initializers that are not graph inputs, read as IR 4 reads it.
+
+    Before IR 4 every initializer had to be a graph input (its default value); old WinML and
+    onnxmltools exports of waifu2x-style upscalers keep their weights out of the inputs and
+    onnxruntime runs them, taking those initializers as constants, as IR 4 means. The checker
+    refused them ("convolution_W in initializer but not in graph input"); preparation raises
+    the IR version anyway (``transforms.set_ir_version``)."""
+    if model.ir_version >= 4:
+        return model
+    inputs = {i.name for i in model.graph.input}
+    if all(init.name in inputs for init in model.graph.initializer):
+        return model
+    model = edit.copy_model(model)
+    model.ir_version = 4
+    return model
 
 
 def external_data_digests(path: Path) -> dict[str, str]:
