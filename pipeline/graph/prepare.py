@@ -43,6 +43,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
     from . import (
         atrous,
         attention,
+        concat,
         contrib,
         legacy,
         numerics,
@@ -107,6 +108,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.einsum_to_matmul,  # the QNN EP takes no Einsum (TF/Keras attention)
         spectral.stft_to_conv,  # its quantized STFT fails to compile (fp16 only)
         spectral.dft_to_matmul,  # and it takes no DFT
+        concat.split_of_concat,  # boxes and scores joined, laid out, split: one grid each
         t.rewrite_for_htp,
         t.gathernd_to_gather,  # the QNN EP takes no GatherND (transformers' mask lookups)
         t.flat_gather_indices,  # and aborts on some Gathers of rank-4 indices (as_strided)
