@@ -2564,11 +2564,12 @@ def argmax_without_keepdims(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     """ArgMax/ArgMin with keepdims=1 (ONNX's default) -> the same op with keepdims=0 and an
     Unsqueeze of its axis: the same int64 indices, the same shape.
 
-    The QNN EP compiles the keepdims form, and its context model is then refused at load
-    ("EPContext node ... is not compatible with any execution provider") when the indices are
-    a graph output, also through an Identity (measured on the simulator: a segmenter's class
-    map, a classifier's top-1); without keepdims, and with the Unsqueeze after it, the context
-    loads and its indices match the CPU's.
+    The QNN EP compiles the keepdims form, and its context then fails every run ("ORT Tensor
+    data size does not match QNN tensor data size"; onnxruntime's retry on the CPU alone used
+    to hide that behind "EPContext node ... is not compatible with any execution provider")
+    when the indices are a graph output, also through an Identity (measured on the simulator:
+    a segmenter's class map, a classifier's top-1); without keepdims, and with the Unsqueeze
+    after it, the context runs and its indices match the CPU's.
     """
     model = copy_model(model)
     graph = model.graph
