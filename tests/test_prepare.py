@@ -402,3 +402,23 @@ def test_an_ir_3_model_with_weights_outside_its_inputs_loads_as_onnxruntime_runs
         for m in (saved, loaded)
     ]
     np.testing.assert_array_equal(run[0], run[1])
+
+
+def test_a_constant_for_an_input_no_node_reads_is_taken() -> None:
+    """A tagger's ``length`` input that its graph never reads: the config that sets it, as
+    the package's own code feeds it, was refused ("not an input of the model") because the
+    unread input had been dropped before the constants were baked."""
+    import onnx.helper as oh
+
+    graph = oh.make_graph(
+        [oh.make_node("Relu", ["x"], ["y"])],
+        "unread",
+        [
+            oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4]),
+            oh.make_tensor_value_info("length", onnx.TensorProto.INT64, [1]),
+        ],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    prepared, _ = prepare_model(model, InputsSection(constants={"length": [4]}))
+    assert [i.name for i in prepared.graph.input] == ["x"]

@@ -61,9 +61,9 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.set_ir_version,  # IR >= 4 first: initializers may then leave the input list
         t.raw_initializer_data,  # before the copies every later step makes
         t.drop_initializer_inputs,
-        t.drop_unread_inputs,  # onnxruntime requires feeds for them all the same
         contrib.refuse_nchwc_layout,  # onnxruntime's 'all' level: a layout for one CPU
         lambda m: t.bake_constant_inputs(m, inputs.constants, inputs.shapes, inputs.dims),
+        t.drop_unread_inputs,  # after the constants: one may name an input no node reads
         lambda m: t.fix_input_shapes(m, inputs.dims, inputs.shapes),
         t.float16_to_float32,  # the version converter fails on fp16 graphs
         t.float64_to_float32,  # the HTP has no float64, the quantizer quantizes none
