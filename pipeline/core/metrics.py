@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -243,18 +243,9 @@ def label_outputs(*models: str | Path | None) -> set[str]:
     """Graph outputs of ``models`` that hold labels in a float type (a Cast of an ArgMax map,
     ``graph.tails.float_label_outputs``): compared as labels, as their integer forms are. Read
     from the files' structure over mmap (no tensor data)."""
-    from qnn_ctx_runtime.qnn import read_model_summary
-
     from ..graph.tails import float_label_outputs
 
-    def read(path: Path) -> set[str]:
-        summary = read_model_summary(path)
-        return float_label_outputs(
-            ((n.op_type, n.inputs, n.outputs) for n in summary.nodes),
-            (o.name for o in summary.outputs),
-        )
-
-    return set().union(*_per_file(models, _LABELS, read))
+    return _outputs_by_structure(models, _LABELS, float_label_outputs)
 
 
 _PICKED: dict[tuple[str, int, int], set[str]] = {}
@@ -263,18 +254,27 @@ _PICKED: dict[tuple[str, int, int], set[str]] = {}
 def picked_outputs(*models: str | Path | None) -> set[str]:
     """Graph outputs of ``models`` computed from a TopK's indices
     (``graph.tails.selection_outputs``), read from the files' structure over mmap."""
-    from qnn_ctx_runtime.qnn import read_model_summary
-
     from ..graph.tails import selection_outputs
+
+    return _outputs_by_structure(models, _PICKED, selection_outputs)
+
+
+def _outputs_by_structure(
+    models: tuple[str | Path | None, ...],
+    cache: dict[tuple[str, int, int], set[str]],
+    finder: Callable[[Iterable[tuple[str, Sequence[str], Sequence[str]]], Iterable[str]], set[str]],
+) -> set[str]:
+    """The outputs ``finder`` picks from each file's nodes (op, inputs, outputs) and outputs."""
+    from qnn_ctx_runtime.qnn import read_model_summary
 
     def read(path: Path) -> set[str]:
         summary = read_model_summary(path)
-        return selection_outputs(
+        return finder(
             ((n.op_type, n.inputs, n.outputs) for n in summary.nodes),
             (o.name for o in summary.outputs),
         )
 
-    return set().union(*_per_file(models, _PICKED, read))
+    return set().union(*_per_file(models, cache, read))
 
 
 def _dequantized(value: Any, grid: Grid) -> Any:

@@ -33,6 +33,8 @@ from onnx import helper, numpy_helper
 
 from . import edit
 from .edit import Change
+from .legacy import text_attribute
+from .rank import moves_only_unit_axes
 
 STEP = "space_to_batch_convs"
 # Ops that only move, copy or zero-pad elements; their other inputs must be constants.
@@ -298,8 +300,7 @@ def _as_reshape_if_unit_axes(
         before = tuple(out[perm.index(axis)] for axis in range(len(perm)))
     else:
         return
-    kept = [p for p in perm if before[p] != 1]
-    if kept != sorted(kept):
+    if not moves_only_unit_axes(before, perm):
         return
     target = f"{move.output[0]}/shape"
     shapes.append(numpy_helper.from_array(np.array(out, np.int64), target))
@@ -321,7 +322,7 @@ def _rewrite(
         return None
     if len(conv_in) != 4 or len(conv_out) != 4 or conv_in[0] == 1:
         return None
-    if _text(edit.attribute(conv, "auto_pad", "NOTSET")) not in ("NOTSET", "VALID"):
+    if text_attribute(edit.attribute(conv, "auto_pad", None), "NOTSET") not in ("NOTSET", "VALID"):
         return None
     strides, dilations = (edit.attribute(conv, a, [1, 1]) for a in ("strides", "dilations"))
     if any(s != 1 for s in (*strides, *dilations)):
@@ -347,10 +348,6 @@ def _rewrite(
             return None
         return _dilated(conv, source, end, into, out_of, own, len(chain) + len(out_chain))
     return None
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _dilated(
@@ -472,7 +469,7 @@ def _taps(
     dilations = [int(d) for d in edit.attribute(conv, "dilations", [1] * rank)]
     if shape is None or len(shape) != rank + 2 or int(edit.attribute(conv, "group", 1)) != 1:
         return None
-    if _text(edit.attribute(conv, "auto_pad", "NOTSET")) not in ("NOTSET", "VALID"):
+    if text_attribute(edit.attribute(conv, "auto_pad", None), "NOTSET") not in ("NOTSET", "VALID"):
         return None
     if any(int(p) for p in edit.attribute(conv, "pads", [0] * 2 * rank)):
         return None

@@ -39,7 +39,8 @@ def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
     return {a.name: _ATTR(a) for a in node.attribute}
 
 
-def _text(value: Any, default: str) -> str:
+def text_attribute(value: Any, default: str) -> str:
+    """A string attribute as text (onnx gives bytes); ``default`` when it is unset."""
     if value is None:
         return default
     return value.decode() if isinstance(value, bytes) else str(value)
@@ -199,7 +200,7 @@ def pin_legacy_semantics(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
             new_nodes.extend(replacement)
             continue
         attrs = _attrs(node)
-        mode = _text(attrs.get("mode"), "nearest")
+        mode = text_attribute(attrs.get("mode"), "nearest")
         if len(node.input) > 1 and node.input[1]:
             scales_name = node.input[1]
             scales = _constant(model, scales_name)
@@ -255,7 +256,7 @@ def _pad_spec(
 ) -> tuple[list[int], float] | None:
     """(pads over all axes [begin..., end...], constant value) of a constant-mode Pad."""
     attrs = _attrs(pad)
-    if _text(attrs.get("mode"), "constant") != "constant":
+    if text_attribute(attrs.get("mode"), "constant") != "constant":
         return None
     if "pads" in attrs:  # opset < 11
         pads = [int(v) for v in attrs["pads"]]
@@ -354,7 +355,7 @@ def _fold_pads(
         if not kernel and node.op_type == "Conv" and len(node.input) > 1:
             weight = inits.get(node.input[1])
             kernel = [int(d) for d in weight.dims[2:]] if weight is not None else []
-        auto_pad = _text(attrs.get("auto_pad"), "NOTSET")
+        auto_pad = text_attribute(attrs.get("auto_pad"), "NOTSET")
         if not kernel or auto_pad not in ("NOTSET", "VALID"):
             continue
         rank = len(kernel) + 2
@@ -491,7 +492,7 @@ def explicit_pool_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
         if (
             not kernel
             or int(attrs.get("ceil_mode", 0))
-            or _text(attrs.get("auto_pad"), "NOTSET") != "NOTSET"
+            or text_attribute(attrs.get("auto_pad"), "NOTSET") != "NOTSET"
             or any(d != 1 for d in dilations)
             or len([o for o in node.output if o]) != 1
             or not any(pads[i] and strides[i] >= kernel[i] for i in range(spatial))
@@ -584,7 +585,9 @@ def avg_pool_ceil_mode(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
         if not int(attrs.get("ceil_mode", 0)) or not kernel:
             continue
         spatial = len(kernel)
-        if _text(attrs.get("auto_pad"), "NOTSET") != "NOTSET" or any(d != 1 for d in dilations):
+        if text_attribute(attrs.get("auto_pad"), "NOTSET") != "NOTSET" or any(
+            d != 1 for d in dilations
+        ):
             continue
         if values is None:
             values = edit.inferred_values(model)

@@ -14,7 +14,7 @@ with any other rank > 5 tensor, or one read by an op or an axis not listed here,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -230,6 +230,13 @@ def collapse_high_rank_reshapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto
     return edit.checked_change(result, "collapse_high_rank_reshapes", shown)
 
 
+def moves_only_unit_axes(shape: Sequence[int], perm: Sequence[int]) -> bool:
+    """Whether transposing ``shape`` by ``perm`` keeps every axis longer than 1 in its order:
+    the same elements in the same order, a Reshape."""
+    kept = [p for p in perm if shape[p] != 1]
+    return kept == sorted(kept)
+
+
 def input_unit_axis_transposes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """A Transpose of a graph input that moves only axes of size 1 -> the Reshape it is.
 
@@ -250,8 +257,7 @@ def input_unit_axis_transposes(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
         perm = [int(p) for p in edit.attribute(node, "perm", [])]
         if shape is None or sorted(perm) != list(range(len(shape))) or perm == sorted(perm):
             continue
-        moved = [p for p in perm if shape[p] != 1]
-        if moved == sorted(moved):
+        if moves_only_unit_axes(shape, perm):
             targets[index] = tuple(shape[p] for p in perm)
     if not targets:
         return model, Change("input_unit_axis_transposes")

@@ -320,24 +320,13 @@ def selection_sources(model: Any) -> list[str]:
             kind.tensor_type.elem_type in FLOAT_TYPES
         )
 
-    sources: list[str] = []
-    seen: set[str] = set()
-    pending = sorted(chosen)
-    while pending:
-        name = pending.pop()
-        node = producers.get(name)
-        if name in seen or node is None or node.op_type in _SHAPE_READERS:
-            continue
-        seen.add(name)
-        for read in node.input:
-            if not read or read in constants or read in seen:
-                continue
-            if read not in picked and is_float(read) and producers.get(read) is not None:
-                if producers[read].op_type != "Constant" and read not in sources:
-                    sources.append(read)
-            elif read in picked:
-                pending.append(read)
-    return sources
+    return _first_reads(
+        sorted(chosen),
+        producers,
+        constants,
+        found=lambda read: read not in picked and is_float(read),
+        through=lambda read: read in picked,
+    )
 
 
 def expose_selection_sources(model: Any) -> tuple[Any, Any]:
@@ -355,15 +344,7 @@ def expose_selection_sources(model: Any) -> tuple[Any, Any]:
     ]
     if not sources:
         return model, edit.Change("expose_selection_sources")
-    model = edit.copy_model(model)
-    for name in sources:
-        model.graph.output.append(_value(graph, name))
-    names = [*_judged_names(model), *sources]
-    kept = [e for e in model.metadata_props if e.key != JUDGED_OUTPUTS_KEY]
-    del model.metadata_props[:]
-    model.metadata_props.extend(kept)
-    entry = model.metadata_props.add()
-    entry.key, entry.value = JUDGED_OUTPUTS_KEY, "\n".join(names)
+    model = _with_judged_outputs(model, sources)
     details = [
         f"{name!r} (what the outputs picked by rank select from) output too, to judge accuracy "
         "by; the shipped model does not output it"
@@ -424,9 +405,28 @@ def label_scores(model: Any) -> list[str]:
         return []
     constants = {i.name for i in graph.initializer} | {i.name for i in graph.input}
     outputs = {o.name for o in graph.output}  # a label read by another: walked through
-    scores: list[str] = []
+    return _first_reads(
+        [o.name for o in reversed(graph.output)],
+        producers,
+        constants,
+        found=lambda read: bool(is_float(read)) and read not in outputs,
+        through=lambda read: True,
+    )
+
+
+def _first_reads(
+    starts: list[str],
+    producers: Mapping[str, Any],
+    constants: set[str],
+    found: Callable[[str], bool],
+    through: Callable[[str], bool],
+) -> list[str]:
+    """Walking back from ``starts`` (the last first), the computed tensors read that are
+    ``found`` (not constants, graph inputs, Constant nodes' values, or what an op reads only the
+    shape of), in the order met; the walk goes on through the other reads that go ``through``."""
+    results: list[str] = []
     seen: set[str] = set()
-    pending = [o.name for o in reversed(graph.output)]
+    pending = list(starts)
     while pending:
         name = pending.pop()
         node = producers.get(name)
@@ -436,12 +436,12 @@ def label_scores(model: Any) -> list[str]:
         for read in node.input:
             if not read or read in constants or read in seen:
                 continue
-            if is_float(read) and read not in outputs and producers.get(read) is not None:
-                if producers[read].op_type != "Constant" and read not in scores:
-                    scores.append(read)
-            else:
+            if found(read) and producers.get(read) is not None:
+                if producers[read].op_type != "Constant" and read not in results:
+                    results.append(read)
+            elif through(read):
                 pending.append(read)
-    return scores
+    return results
 
 
 def expose_label_scores(model: Any) -> tuple[Any, Any]:
@@ -466,11 +466,7 @@ def expose_label_scores(model: Any) -> tuple[Any, Any]:
     scores = [s for s in scores if edit.value_shape(_value(graph, s)) is not None]
     if not scores:
         return model, edit.Change("expose_label_scores")
-    model = edit.copy_model(model)
-    for name in scores:
-        model.graph.output.append(_value(graph, name))
-    entry = model.metadata_props.add()
-    entry.key, entry.value = JUDGED_OUTPUTS_KEY, "\n".join(scores)
+    model = _with_judged_outputs(model, scores)
     labels = ", ".join(repr(o.name) for o in graph.output)
     details = [
         f"{name!r} (what {labels} {'is' if len(graph.output) == 1 else 'are'} computed from) "
@@ -478,6 +474,24 @@ def expose_label_scores(model: Any) -> tuple[Any, Any]:
         for name in scores
     ]
     return edit.checked_change(model, "expose_label_scores", details)
+
+
+def _with_judged_outputs(model: Any, names: list[str]) -> Any:
+    """A copy of ``model`` that also outputs ``names``, listed after any judged outputs it
+    has in its metadata (``JUDGED_OUTPUTS_KEY``)."""
+    from . import edit
+
+    graph = model.graph
+    listed = [*_judged_names(model), *names]
+    model = edit.copy_model(model)
+    for name in names:
+        model.graph.output.append(_value(graph, name))
+    kept = [e for e in model.metadata_props if e.key != JUDGED_OUTPUTS_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = JUDGED_OUTPUTS_KEY, "\n".join(listed)
+    return model
 
 
 def _value(graph: Any, name: str) -> Any:
