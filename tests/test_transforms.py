@@ -459,6 +459,47 @@ def test_fold_constants_keeps_results_that_would_bloat_the_model() -> None:
     assert ops(folded) == ["Expand", "Add"] and not change.changed
 
 
+def test_fold_constants_reads_a_shared_weight_once() -> None:
+    """A module applied 3 times: the exporter reads its weight through an Identity per use
+    (and a Reshape per use here). Folded, each use reads the one weight the graph holds, not a
+    copy of its own (an 85 MB transformer had grown to 642 MB); a weight that differs in one
+    value stays its own."""
+    w = (RNG.standard_normal((64, 64)) * 0.1).astype(np.float32)
+    near = w.copy()
+    near[3, 5] += 1e-3
+    model = with_inits(
+        parse(
+            """<ir_version: 8, opset_import: ["": 13]>
+            g (float[2, 64] x) => (float[2, 64] y) {
+              w1 = Identity(w)
+              w2 = Identity(w)
+              w3 = Identity(near)
+              f1 = Reshape(w, flat)
+              f2 = Reshape(w, flat)
+              a = MatMul(x, w1)
+              b = MatMul(a, w2)
+              c = MatMul(b, w3)
+              r1 = Reshape(f1, square)
+              r2 = Reshape(f2, square)
+              d = MatMul(c, r1)
+              y = MatMul(d, r2)
+            }"""
+        ),
+        ("w", w),
+        ("near", near),
+        ("flat", np.array([4096], np.int64)),
+        ("square", np.array([64, 64], np.int64)),
+    )
+    folded, change = t.fold_constants(model)
+    assert ops(folded) == ["MatMul"] * 5
+    weights = [i for i in folded.graph.initializer if i.dims and i.dims[-1] == 64]
+    assert sorted(i.name for i in weights) == ["near", "w"]
+    assert [n.input[1] for n in folded.graph.node] == ["w", "w", "near", "w", "w"]
+    assert any("equal to a constant held" in line for line in change.details)
+    x = RNG.standard_normal((2, 64)).astype(np.float32)
+    np.testing.assert_array_equal(run(folded, {"x": x})[0], run(model, {"x": x})[0])
+
+
 # --- batch norm -----------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ in pieces or fails to compile. ``pipeline.prepare`` chains the transforms in a w
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import math
 from collections import Counter
@@ -35,6 +36,7 @@ from .edit import (
     checked_change,
     copy_model,
     defined_names,
+    delete_where,
     drop_nodes,
     inferred_values,
     initializers_by_name,
@@ -70,6 +72,8 @@ TARGET_OPSET = 21
 # Constant folding keeps a node whose result would be bigger than this and than its inputs, so
 # that e.g. an Expand of a scalar does not turn into a multi-megabyte weight.
 FOLD_MAX_BYTES = 1 << 20
+# A folded result this big that equals a constant already held reads that constant instead.
+SHARED_MIN_BYTES = 1 << 12
 
 _FLOAT = onnx.TensorProto.FLOAT
 _DOUBLE = onnx.TensorProto.DOUBLE
@@ -678,8 +682,47 @@ def _evaluate_constants(model: onnx.ModelProto, details: list[str], max_bytes: i
     if not folded:
         return False
     drop_nodes(graph, folded)
-    graph.initializer.extend(new_inits)
+    held = _already_held(new_inits, inits)
+    graph.initializer.extend(t for t in new_inits if t.name not in held)
+    delete_where(graph.value_info, lambda v: v.name in held)
+    rename_tensors(graph, held)
+    if held:
+        details.append(f"{len(held)} folded result(s) equal to a constant held: read that one")
     return True
+
+
+def _already_held(
+    new_inits: list[onnx.TensorProto], inits: Mapping[str, onnx.TensorProto]
+) -> dict[str, str]:
+    """Folded results equal, byte for byte, to a constant the graph holds or to an earlier
+    result: their name -> that constant's.
+
+    Why: an exporter writes a module applied n times (shared weights, a recurrent step
+    unrolled) as n Identity (or Reshape, Cast) nodes of one initializer; folding each into a
+    copy of its own made an 85 MB transformer 642 MB, and every later step, the quantizer and
+    the context carried the copies (5 GB peak). Small results (shapes, scalars) stay apart."""
+    wanted = {
+        (t.data_type, tuple(t.dims)) for t in new_inits if len(t.raw_data) >= SHARED_MIN_BYTES
+    }
+    if not wanted:
+        return {}
+    by_content: dict[tuple[int, tuple[int, ...], bytes], str] = {}
+
+    def content(t: onnx.TensorProto) -> tuple[int, tuple[int, ...], bytes]:
+        data = t.raw_data or numpy_helper.to_array(t).tobytes()
+        return t.data_type, tuple(t.dims), hashlib.sha256(data).digest()
+
+    for t in inits.values():
+        if (t.data_type, tuple(t.dims)) in wanted and t.data_location != onnx.TensorProto.EXTERNAL:
+            by_content.setdefault(content(t), t.name)
+    held: dict[str, str] = {}
+    for t in new_inits:
+        if len(t.raw_data) < SHARED_MIN_BYTES:
+            continue
+        name = by_content.setdefault(content(t), t.name)
+        if name != t.name:
+            held[t.name] = name
+    return held
 
 
 def _fold_shape_nodes(model: onnx.ModelProto, details: list[str]) -> bool:
