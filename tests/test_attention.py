@@ -392,6 +392,67 @@ def test_a_causal_mask_made_whole_gets_finite_fills_with_the_same_result() -> No
         np.testing.assert_array_equal(run(prepared, feeds)[0], run(source, feeds)[0])
 
 
+def gathered_position_bias(shared: bool = False) -> onnx.ModelProto:
+    """A graph transformer's spatial encoder: a learned bias per pairwise distance, its padding
+    row -inf, Gathered by the distances [1, SEQ, SEQ] and moved to [1, 2, SEQ, SEQ] before it
+    is added to the scores; and the padding fill Where(mask == 0, -inf, 0), Reshaped and
+    Expanded to every head. ``shared``: the table is also read by a MatMul."""
+    table = RNG.standard_normal((5, 2)).astype(np.float32)
+    table[0] = -np.inf  # distance 0 = padding
+    inits = [
+        const("table", table),
+        const("zero", 0, np.int64),
+        const("lowest", -np.inf),
+        const("zeros", np.zeros((1, 1, 1, SEQ))),
+        const("heads", [1, 2, SEQ, SEQ], np.int64),
+        const("flat", [1, 1, 1, SEQ], np.int64),
+        const("v", RNG.standard_normal((1, 2, SEQ, 4))),
+    ]
+    nodes = [
+        oh.make_node("Gather", ["table", "distances"], ["picked"]),
+        oh.make_node("Transpose", ["picked"], ["position_bias"], perm=[0, 3, 1, 2]),
+        oh.make_node("Equal", ["mask", "zero"], ["masked"]),
+        oh.make_node("Where", ["masked", "lowest", "zeros"], ["padding"]),
+        oh.make_node("Reshape", ["padding", "flat"], ["padding_flat"]),
+        oh.make_node("Expand", ["padding_flat", "heads"], ["padding_heads"]),
+        oh.make_node("Add", ["scores", "position_bias"], ["positioned"]),
+        oh.make_node("Add", ["positioned", "padding_heads"], ["biased"]),
+        oh.make_node("Softmax", ["biased"], ["probs"], axis=-1),
+        oh.make_node("MatMul", ["probs", "v"], ["y"]),
+    ]
+    inputs = [
+        *attention_inputs(),
+        oh.make_tensor_value_info("distances", TensorProto.INT64, [1, SEQ, SEQ]),
+    ]
+    outputs = [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, SEQ, 4])]
+    if shared:
+        inits.append(const("w", RNG.standard_normal((2, 3))))
+        nodes.append(oh.make_node("MatMul", ["table", "w"], ["projected"]))
+        outputs.append(oh.make_tensor_value_info("projected", TensorProto.FLOAT, [5, 3]))
+    return model_of(nodes, inputs, outputs, inits)
+
+
+def test_a_gathered_position_bias_and_an_expanded_fill_become_finite() -> None:
+    """The -inf padding row of a Gathered bias table and a fill Expanded to every head give
+    the quantizer an infinite range (NaN scales and zero points, numpy's 'invalid value'
+    warnings); as MASK_FILL the same float result. A table something else reads stays."""
+    source = gathered_position_bias()
+    prepared, changes = prepare_model(source, NO_INPUTS)
+    inits = {i.name: numpy_helper.to_array(i) for i in prepared.graph.initializer}
+    floats = [v for v in inits.values() if v.dtype.kind == "f"]
+    assert all(np.isfinite(v).all() for v in floats)
+    assert inits["table"].min() == attention.MASK_FILL
+    assert any(c.step == "finite_mask_fills" and "'table'" in str(c.details) for c in changes)
+    for _ in range(4):
+        feeds = attention_feeds(RNG)
+        distances = RNG.integers(1, 5, (1, SEQ, SEQ))
+        distances[..., int(feeds["mask"].sum()) :] = 0
+        feeds["distances"] = distances.astype(np.int64)
+        np.testing.assert_array_equal(run(prepared, feeds)[0], run(source, feeds)[0])
+    _, change = attention.finite_mask_fills(gathered_position_bias(shared=True))
+    assert "'table'" not in str(change.details) and change.changed  # the Where fill still is
+
+
 def test_the_masks_a_mask_sum_adds_are_cut_with_it() -> None:
     """Both masks of the sum get the sum's cut: the padding bias as a range, the causal
     constant as a weight range (left at their sentinels, the sum's grid is the only fine one)."""

@@ -39,6 +39,9 @@ from .edit import Change
 MASK_FILL = -1e9
 # Ops between a masked score tensor and its Softmax that move values without changing them.
 SHAPE_OPS = frozenset({"Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity"})
+# Ops that only select or repeat the values of their first input (a mask bias on its way to
+# the scores it is added to).
+MASK_CARRIERS = SHAPE_OPS | {"Slice", "Expand", "Tile", "Gather"}
 _DEFAULT = ("", "ai.onnx")
 _MS = "com.microsoft"
 
@@ -86,9 +89,10 @@ def softmax_chains(model: onnx.ModelProto, start: str) -> list[list[str]]:
 
 def _additive_mask(model: onnx.ModelProto, start: str) -> bool:
     """True when every path from ``start`` is added to scores on their way to a Softmax:
-    through ``SHAPE_OPS`` or a Slice (of a mask made for the longest sequence), then an Add
-    whose result reaches Softmax (``softmax_chains``) or is
-    itself such a bias (T5 adds the mask to its position bias, then that to every layer's
+    through ``MASK_CARRIERS`` (a Slice of a mask made for the longest sequence, the Expand of
+    a padding bias to every head, the Gather of a learned position bias whose padding row is
+    -inf), then an Add whose result reaches Softmax (``softmax_chains``) or is itself such a
+    bias (T5 adds the mask to its position bias, then that to every layer's
     scores). One bias may feed every layer's Add."""
     plain_readers = _plain_readers(model)
 
@@ -97,7 +101,7 @@ def _additive_mask(model: onnx.ModelProto, start: str) -> bool:
         if found is None:
             return False
         for node in found:
-            if node.op_type in SHAPE_OPS | {"Slice"} and node.input[0] == name:
+            if node.op_type in MASK_CARRIERS and node.input[0] == name:
                 if not added(node.output[0]):
                     return False
             elif node.op_type != "Add" or not (
