@@ -1237,12 +1237,11 @@ def fold_conv_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                     if vector is None or (node.op_type == "Div" and not np.all(vector)):
                         continue
                     ones, zeros = np.ones(channels), np.zeros(channels)
-                    scale, shift = {
-                        "Add": (ones, vector),
-                        "Sub": (ones, -vector),
-                        "Mul": (vector, zeros),
-                        "Div": (1.0 / vector, zeros),
-                    }[node.op_type]
+                    if node.op_type in ("Add", "Sub"):  # (a Div by zero is not folded)
+                        scale, shift = ones, vector if node.op_type == "Add" else -vector
+                    else:
+                        scale = vector if node.op_type == "Mul" else 1.0 / vector
+                        shift = zeros
                 conv_label = node_label(conv)
                 if not folder.fold_conv(conv, scale, shift):
                     continue
