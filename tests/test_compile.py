@@ -6,6 +6,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import onnx
 import pytest
@@ -350,6 +351,39 @@ def test_two_targets_compile_with_full_coverage(
     after, why = read_record(QuantizeRecord, paths.record)
     assert after == quantized and after is not None and after.status == "ok", why
     assert "compile" not in json.loads(paths.record.read_text())
+
+
+@pytest.mark.qnn
+def test_each_variant_runs_in_a_worker_started_ahead(
+    two_targets: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compile starts a worker per variant before it needs it (onnxruntime imported and QNN
+    registered while the stage reads its configs and models, or while the variant before
+    runs); each variant's job goes to one, its output is the variant's compile.log, and a
+    worker nothing needs (a rerun with nothing changed) ends unused, leaving no files."""
+    from pipeline.compile import child
+
+    started: list[tuple[str, ...]] = []
+    real = child.start_module
+
+    def spy(module: str, job: Path, log: Path, options: tuple[str, ...] = ()) -> Any:
+        started.append(options)
+        return real(module, job, log, options)
+
+    monkeypatch.setattr(child, "start_module", spy)
+    config = two_targets / "configs" / "tiny.toml"
+    paths = model_paths(two_targets, "tiny")
+    assert compile_cli(two_targets, str(config), "--force") == 0
+    assert started == [(child.AWAIT,), (child.AWAIT,)]  # one per variant, none cold
+    for name in ("snapdragon-x-elite", "snapdragon-8-gen-3"):
+        record = variant(two_targets, "tiny", name)
+        assert record.passed and record.status == "ok", record.error
+        log = paths.variant(installed_pin(), name).log.read_text()
+        assert log.startswith("[compile_worker] stage: register") and "stage: done" in log
+    started.clear()
+    assert compile_cli(two_targets, str(config)) == 0  # nothing changed: no variant built
+    assert started == [(child.AWAIT,)]
+    assert not list((two_targets / "artifacts").glob(".compile-spares-*"))
 
 
 @pytest.mark.qnn

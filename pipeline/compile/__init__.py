@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 HELP = """\
 Compile QDQ models into QNN EP-context models for each target chip and pinned QNN toolchain.
@@ -56,17 +57,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qnn_ctx_runtime import qnn
     from qnn_ctx_runtime.toolchains import load_toolchains
 
     from ..core.config import EXAMPLE_CONFIGS, load_config
-    from ..core.errors import CompileError, GateError
-    from .build import compile_model, resolve_toolchain
-    from .report import describe
+    from .child import spare_workers
 
     table = load_toolchains()
     # Every config is checked (targets, pinned toolchains) before any work.
     configs = [load_config(p, check_files=False) for p in (args.configs or EXAMPLE_CONFIGS)]
+    # A worker per variant: the first starts now, warming up while this process goes on.
+    with spare_workers(args.artifacts, sum(len(set(c.compile.targets)) for c in configs)):
+        return _compile_all(args, table, configs)
+
+
+def _compile_all(args: argparse.Namespace, table: Any, configs: list[Any]) -> int:
+    from qnn_ctx_runtime import qnn
+
+    from ..core.errors import CompileError, GateError
+    from .build import compile_model, resolve_toolchain
+    from .report import describe
+
     installed = qnn.installed_qnn()
     toolchain = resolve_toolchain(table, args.toolchain, installed)
     print(

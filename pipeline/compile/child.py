@@ -10,17 +10,22 @@ infrastructure failure, never cached as the model's own.
 
 from __future__ import annotations
 
+import shutil
 import signal
-from collections.abc import Callable
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..core.records import Failure
-from ..htp.isolation import run_module
+from ..htp.isolation import Started, start_module, wait_for
 from .eplog import LogFacts, parse_ep_log
 from .job import STAGE_MARKER, CompileJob, WorkerResult, read_message, write_message
 
 WORKER = "pipeline.compile.worker"
+AWAIT = "--await"  # the worker's option: warm up, then wait for its job file to appear
 # Signals that come from outside the worker (an operator, the OOM killer, a shutdown).
 OUTSIDE_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 
@@ -42,15 +47,21 @@ def run_child(
     on_tick: Callable[[str, float], None] | None = None,
 ) -> ChildOutcome:
     """Run the worker on ``job``; kill its whole process group on timeout or interruption."""
-    job_path = work / "job.json"
-    write_message(job_path, job)
     result_path = Path(job.result)
 
     def tick(elapsed: float) -> None:
         if on_tick:
             on_tick(_read_result(result_path).stage, elapsed)
 
-    finished = run_module(WORKER, job_path, log_path, timeout_s, tick)
+    spare = _SPARES.take() if _SPARES is not None else None
+    if spare is None:
+        job_path = work / "job.json"
+        write_message(job_path, job)
+        finished = wait_for(start_module(WORKER, job_path, log_path), timeout_s, tick)
+    else:
+        _hand_over(spare, job)
+        finished = wait_for(spare, timeout_s, tick)
+        log_path.write_text(finished.log, "utf-8")  # its warm-up's lines, then the job's
     return ChildOutcome(
         result=_read_result(result_path),
         returncode=finished.returncode,
@@ -58,6 +69,71 @@ def run_child(
         seconds=finished.seconds,
         log=finished.log,
     )
+
+
+class _Spares:
+    """A worker started before it is needed, warming up (onnxruntime imported, the QNN EP
+    registered: 0.3-0.4 s of a worker's life) on the core the stage leaves idle while it reads
+    its configs and models; whoever takes it gets the next one started, while workers may still
+    be wanted."""
+
+    def __init__(self, folder: Path, wanted: int) -> None:
+        self.folder = folder
+        self.wanted = wanted
+        self.started = 0
+        self.waiting: Started | None = None
+        self._start()
+
+    def _start(self) -> None:
+        if self.started < self.wanted:
+            self.started += 1
+            job = self.folder / f"worker{self.started}.json"
+            log = self.folder / f"worker{self.started}.log"
+            self.waiting = start_module(WORKER, job, log, (AWAIT,))
+
+    def take(self) -> Started | None:
+        """A warm worker, or None (none wanted any more, or it died waiting: a cold start then
+        reports why, in the variant's own log)."""
+        spare, self.waiting = self.waiting, None
+        if spare is not None and spare.proc.poll() is not None:
+            spare.finish()
+            spare = None
+        self._start()
+        return spare
+
+    def close(self) -> None:
+        if self.waiting is not None:
+            self.waiting.kill()
+            self.waiting.finish()
+            self.waiting = None
+
+
+_SPARES: _Spares | None = None
+
+
+@contextmanager
+def spare_workers(scratch: Path, wanted: int) -> Iterator[None]:
+    """While the block runs, up to ``wanted`` workers are each started before ``run_child``
+    needs them; one that is not taken is ended on the way out, its folder removed."""
+    global _SPARES
+    if _SPARES is not None or wanted < 1:
+        yield
+        return
+    scratch.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=".compile-spares-", dir=scratch))
+    spares = _SPARES = _Spares(folder, wanted)
+    try:
+        yield
+    finally:
+        _SPARES = None
+        spares.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _hand_over(child: Started, job: CompileJob) -> None:
+    """Give a waiting worker its job (written whole, then renamed into the path it polls)."""
+    child.started = time.monotonic()  # its time is the job's, not the wait's
+    write_message(Path(child.proc.args[-1]), job)  # type: ignore[index]  # ... --await JOB
 
 
 def _read_result(path: Path) -> WorkerResult:

@@ -813,13 +813,36 @@ def run(job: CompileJob, progress: Progress) -> None:
 # -- the process -----------------------------------------------------------------------------------
 
 
+def _warm_up() -> None:
+    """What every worker does first, done while a spare waits for its job (see
+    pipeline.compile.child.spare_workers): the QNN EP's registration, kept per process. A
+    failure here is the job's to report, at its register step."""
+    try:
+        qnn.find_qnn_ep()
+    except Exception:
+        return
+
+
+def _await(job_path: Path) -> None:
+    """Wait for the parent to write the job (the worker dies with the parent, or is killed
+    unused)."""
+    while not job_path.is_file():
+        time.sleep(0.005)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeline.compile.worker JOB.json``: any failure is left in the result file."""
+    """``python -m pipeline.compile.worker [--await] JOB.json``: any failure is left in the
+    result file. ``--await``: warm up first, then wait for JOB.json to appear."""
     args = sys.argv[1:] if argv is None else argv
+    waiting = args[:1] == ["--await"]
+    args = args[1:] if waiting else args
     if len(args) != 1:
-        print("usage: python -m pipeline.compile.worker JOB.json", file=sys.stderr)
+        print("usage: python -m pipeline.compile.worker [--await] JOB.json", file=sys.stderr)
         return 2
     die_with_parent()
+    if waiting:
+        _warm_up()
+        _await(Path(args[0]))
     job = read_message(CompileJob, Path(args[0]))
     progress = Progress(Path(job.result))
     try:
