@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.graph.numerics import (
+    finite_scatter_fills,
     log_of_large_gain,
     rewrite_sqrt_of_sigmoids,
     thresholds_on_logits,
@@ -243,3 +244,63 @@ def test_the_htp_flips_a_mask_near_its_threshold_and_not_on_logits(tmp_path: Pat
     x = (np.random.default_rng(4).uniform(-0.025, 0.025, (1, 64))).astype(np.float32)
     snr = whole_ctx_vs_float(tmp_path, models, [{"x": x}])
     assert snr["exact_sigmoids"] < 30.0 and snr["logits"] > 60.0, snr
+
+
+def _max_pool_over_graphs(fill: float = -np.inf, reduction: str = "max") -> onnx.ModelProto:
+    """PyG's global max pooling as PyTorch exports it: scatter_reduce(amax, include_self=False)
+    of 6 nodes' features into 2 graphs by the batch vector, into a constant full of ``fill``."""
+    nodes = [
+        helper.make_node("Unsqueeze", ["batch", "axis"], ["column"]),
+        helper.make_node("Expand", ["column", "shape"], ["index"]),
+        helper.make_node(
+            "ScatterElements", ["empty", "index", "x"], ["y"], axis=0, reduction=reduction
+        ),
+    ]
+    inits = [
+        numpy_helper.from_array(np.full((2, 4), fill, np.float32), "empty"),
+        numpy_helper.from_array(np.array([1], np.int64), "axis"),
+        numpy_helper.from_array(np.array([6, 4], np.int64), "shape"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "pool",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [6, 4]),
+            helper.make_tensor_value_info("batch", TensorProto.INT64, [6]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    return model
+
+
+@pytest.mark.parametrize(("reduction", "fill"), [("max", -np.inf), ("min", np.inf)])
+def test_a_max_scatter_into_infinity_takes_the_least_update_instead(
+    reduction: str, fill: float
+) -> None:
+    model = _max_pool_over_graphs(fill, reduction)
+    rewritten, change = finite_scatter_fills(model)
+    assert change.changed and [n.op_type for n in rewritten.graph.node][-3:] == [
+        "ReduceMin" if reduction == "max" else "ReduceMax",
+        "Expand",
+        "ScatterElements",
+    ]
+    assert all(np.isfinite(numpy_helper.to_array(i)).all() for i in rewritten.graph.initializer)
+
+    def run(m: onnx.ModelProto, batch: list[int]) -> np.ndarray:
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        x = RNG.standard_normal((6, 4)).astype(np.float32)
+        return session.run(None, {"x": x, "batch": np.array(batch, np.int64)})
+
+    for batch in ([0, 0, 0, 1, 1, 1], [0, 1, 0, 1, 1, 0]):  # every graph gets a node
+        rng_state = RNG.bit_generator.state
+        want = run(model, batch)[0]
+        RNG.bit_generator.state = rng_state
+        np.testing.assert_array_equal(run(rewritten, batch)[0], want)
+
+
+def test_a_scatter_into_finite_data_or_a_sum_stays() -> None:
+    assert not finite_scatter_fills(_max_pool_over_graphs(0.0))[1].changed
+    assert not finite_scatter_fills(_max_pool_over_graphs(-np.inf, "add"))[1].changed

@@ -101,6 +101,7 @@ class RangeChanges:
     requantized_moves: list[str] = field(default_factory=list)  # likewise
     split_weights: list[str] = field(default_factory=list)  # likewise
     dequantized_inputs: list[str] = field(default_factory=list)  # likewise
+    scatter_sums: list[str] = field(default_factory=list)  # likewise
     integer_inputs: list[str] = field(default_factory=list)  # ids on an integer grid
     unseen_ranges: list[str] = field(default_factory=list)  # flat ranges from inputs'
     loop_shared: int = 0  # tensors of unrolled loop iterations given one range

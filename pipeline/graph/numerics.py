@@ -270,3 +270,66 @@ def thresholds_on_logits(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
     model = topological_sort(model)[0]
     remove_dead_nodes(model.graph)
     return checked_change(model, "thresholds_on_logits", details)
+
+
+# A fill this far out is no value a max (min) over real data returns: it only marks "nothing yet".
+_EMPTY_FILL = 1e30
+
+
+def finite_scatter_fills(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """ScatterElements/ScatterND taking the max (min) into a constant filled with -inf (+inf)
+    -> into the least (greatest) of its updates, broadcast to the data's shape.
+
+    PyTorch exports ``scatter_reduce(..., "amax", include_self=False)`` (PyG's global max
+    pooling over a graph's nodes) so: the infinite constant gave the quantizer an infinite
+    scale (a DequantizeLinear of scale inf in the QDQ model). The same result wherever an
+    update lands; where none does, the least update instead of -inf (which no NPU tensor
+    holds). (A molecular GNN's max readout stayed on the CPU after this all the same: QNN's
+    validation refused that ScatterElements, error 3110, which a standalone copy of it with
+    the same shapes and grids did not reproduce.)"""
+    model = copy_model(model)
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    fresh = FreshNames(model)
+    added: list[tuple[int, list[onnx.NodeProto]]] = []
+    details = []
+    for index, node in enumerate(graph.node):
+        if node.op_type not in ("ScatterElements", "ScatterND") or node.domain not in (
+            "",
+            "ai.onnx",
+        ):
+            continue
+        reduction = next((a.s for a in node.attribute if a.name == "reduction"), b"none")
+        if reduction not in (b"max", b"min") or node.input[0] not in inits:
+            continue
+        data = numpy_helper.to_array(inits[node.input[0]])
+        sign = -1.0 if reduction == b"max" else 1.0
+        if data.dtype.kind != "f" or not (data * sign >= _EMPTY_FILL).all():
+            continue
+        extreme = fresh(f"{node.input[2]}_{'least' if sign < 0 else 'greatest'}")
+        shape = fresh(f"{node.input[0]}_shape")
+        filled = fresh(f"{node.input[0]}_from_updates")
+        graph.initializer.append(numpy_helper.from_array(np.array(data.shape, np.int64), shape))
+        reduce = "ReduceMin" if sign < 0 else "ReduceMax"
+        added.append(
+            (
+                index,
+                [
+                    helper.make_node(reduce, [node.input[2]], [extreme], keepdims=0),
+                    helper.make_node("Expand", [extreme, shape], [filled]),
+                ],
+            )
+        )
+        details.append(
+            f"{node_label(node)}: its {reduction.decode()} into {sign * np.inf:g} taken into "
+            f"the {'least' if sign < 0 else 'greatest'} of its updates"
+        )
+        node.input[0] = filled
+    if not added:
+        return checked_change(model, "finite_scatter_fills", [])
+    nodes = list(graph.node)
+    for index, made in reversed(added):
+        nodes[index:index] = made
+    set_nodes(graph, nodes)
+    remove_dead_nodes(graph)
+    return checked_change(model, "finite_scatter_fills", details)

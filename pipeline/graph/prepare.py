@@ -90,6 +90,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         legacy.fold_pad_into_pool,  # Pad(-FLT_MAX) -> MaxPool: the pad value blows the range
         legacy.fold_pad_into_conv,  # Pad(0) -> Conv: the HTP fills end-only pads wrongly
         attention.finite_mask_fills,  # -inf / finfo.min mask fills: an infinite scale
+        numerics.finite_scatter_fills,  # a max-scatter into -inf (PyG's max pooling): likewise
         attention.fuse_erf_gelu,  # PyTorch's Erf-GELU: the HTP takes no quantized Erf
         t.fold_batchnorm,
         t.fold_conv_affine,  # ConvTranspose -> Add(bias): the HTP drops the Add's zero point

@@ -2037,6 +2037,9 @@ HTP_STEPS = (
     # quantized: 42.8 dB from itself on the HTP, 67.8 re-encoded).
     qdq_htp.signed_activation_products,
     qdq_htp.dequantized_integer_inputs,  # exact: the HTP takes no Cast from int16 (uint8: wrong)
+    # Not exact (a rounding onto the output's grid): the HTP adds a scatter's integers as if
+    # its data and updates were on its output's grid.
+    qdq_htp.scatter_sums_on_output_grid,
     float_op_weights,  # last: the steps before it give some ops a quantized result
 )
 

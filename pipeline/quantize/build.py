@@ -1106,6 +1106,7 @@ def _steps(
             changes.requantized_moves or None,
             changes.split_weights or None,
             changes.dequantized_inputs or None,
+            changes.scatter_sums or None,
         ),
         mixed_precision=mixed,
         htp=judgement,

@@ -293,6 +293,9 @@ def quantize(
     qdq, change = qdq_htp.dequantized_integer_inputs(qdq)
     edited |= change.changed
     changes = dataclasses.replace(changes, dequantized_inputs=list(change.details))
+    qdq, change = qdq_htp.scatter_sums_on_output_grid(qdq)
+    edited |= change.changed
+    changes = dataclasses.replace(changes, scatter_sums=list(change.details))
     if edited:
         with atomic_path(qdq_path) as tmp:
             onnx.save(qdq, str(tmp))

@@ -54,6 +54,7 @@ class RangeRules:
     requantized_moves: list[str] | None = None  # Reshape-like ops between two grids split
     split_weights: list[str] | None = None  # int16-weight layers as two int8-weight ones
     dequantized_inputs: list[str] | None = None  # integer inputs' Casts as DequantizeLinear
+    scatter_sums: list[str] | None = None  # scatter-adds' inputs onto their output's grid
 
 
 @dataclass(frozen=True)
@@ -327,6 +328,13 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
             "16-bit integer input to float read it through a DequantizeLinear of scale 1, the "
             "same values (the HTP takes no such Cast from int8/int16/uint16 and computes one "
             "from uint8 as a cast to bool; pipeline/graph/qdq_htp.py)."
+        )
+    if rules.scatter_sums:
+        lines.append(
+            f"Scatter sums for the HTP: {len(rules.scatter_sums)} ScatterElements/ScatterND "
+            "adding into its output had its data and updates requantized onto the output's "
+            "grid (the HTP adds their integers as if they were on it; "
+            "pipeline/graph/qdq_htp.py)."
         )
     if rules.split_weights:
         lines.append(
