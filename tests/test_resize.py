@@ -118,7 +118,12 @@ def sized_resize(shape: list[int], out: list[int], mode: str, coords: str) -> on
     [
         (resize_model([1, 2, 16, 16], [1, 1, 1.5, 1.5], "nearest", "half_pixel"), True),
         (resize_model([1, 2, 16, 16], [1, 1, 0.5, 0.5], "nearest", "half_pixel"), True),
-        (resize_model([1, 2, 16, 16], [1, 1, 2.0, 2.0], "nearest", "asymmetric"), False),
+        (
+            resize_model(
+                [1, 2, 16, 16], [1, 1, 2.0, 2.0], "nearest", "asymmetric", nearest_mode="floor"
+            ),
+            False,
+        ),
         (sized_resize([1, 2, 16, 16], [1, 2, 12, 12], "nearest", "half_pixel"), True),
         (sized_resize([1, 2, 16, 16], [1, 2, 32, 32], "nearest", "asymmetric"), True),
         (sized_resize([1, 2, 16, 16], [1, 2, 24, 24], "linear", "half_pixel"), False),
@@ -150,3 +155,73 @@ def test_sized_nearest_resize_builds_whole_and_right(
     model.graph.node.insert(0, oh.make_node("Conv", ["x", "w"], ["c"]))
     model.graph.node[1].input[0] = "c"
     build_whole_on_htp(tmp_path, "resize", model)
+
+
+@pytest.mark.parametrize(
+    ("scale", "coords", "rounding", "recast"),
+    [
+        (2.0, "asymmetric", "round_prefer_floor", True),  # i/2: ties only, rounded down
+        (2.0, "half_pixel", "round_prefer_floor", True),
+        (4.0, "asymmetric", "round_prefer_floor", False),  # i = 4j + 3 reads row j + 1
+        (2.0, "asymmetric", "round_prefer_ceil", False),
+    ],
+)
+def test_whole_factor_nearest_takes_the_floor_form_or_a_gather(
+    scale: float, coords: str, rounding: str, recast: bool
+) -> None:
+    """The HTP takes nearest growth by a whole factor as asymmetric/floor only (the ONNX
+    default rounding, round_prefer_floor, stays on the CPU): recast where the rows are the
+    same, else a Gather of onnxruntime's rows; the same output either way."""
+    model = resize_model(
+        [1, 2, 8, 8], [1, 1, scale, scale], "nearest", coords, nearest_mode=rounding
+    )
+    rewritten, change = resize_for_htp(model)
+    assert change.changed
+    ops = [n.op_type for n in rewritten.graph.node]
+    if recast:
+        assert ops == ["Resize"] and "recast as asymmetric, floor" in change.details[0]
+        attrs = {a.name: a.s for a in rewritten.graph.node[0].attribute if a.type == a.STRING}
+        assert attrs["nearest_mode"] == b"floor"
+        assert attrs["coordinate_transformation_mode"] == b"asymmetric"
+    else:
+        assert "Resize" not in ops
+    x = RNG.standard_normal([1, 2, 8, 8]).astype(np.float32)
+    np.testing.assert_array_equal(run(rewritten, x), run(model, x))
+    assert not resize_for_htp(rewritten)[1].changed
+
+
+@pytest.mark.qnn
+def test_default_rounding_nearest_upsampling_builds_whole(tmp_path: Path) -> None:
+    """An old paddle2onnx FPN: Conv, then nearest 2x and 4x with the default rounding. Left
+    alone, the QNN EP leaves both Resizes on the CPU (the compile gate fails: checked)."""
+    w = numpy_helper.from_array((RNG.standard_normal((2, 2, 1, 1)) * 0.5).astype("f4"), "w")
+    s2 = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "s2")
+    s4 = numpy_helper.from_array(np.array([1, 1, 4, 4], np.float32), "s4")
+    nodes = [
+        oh.make_node("Conv", ["x", "w"], ["c"]),
+        *(
+            oh.make_node(
+                "Resize",
+                ["c", "", f"s{k}"],
+                [f"up{k}"],
+                mode="nearest",
+                coordinate_transformation_mode="asymmetric",
+            )
+            for k in (2, 4)
+        ),
+        oh.make_node("Conv", ["up2", "w"], ["y2"]),
+        oh.make_node("Conv", ["up4", "w"], ["y4"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "fpn",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 8, 8])],
+        [
+            oh.make_tensor_value_info("y2", TensorProto.FLOAT, [1, 2, 16, 16]),
+            oh.make_tensor_value_info("y4", TensorProto.FLOAT, [1, 2, 32, 32]),
+        ],
+        [w, s2, s4],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 13)])
+    model.ir_version = 7
+    build_whole_on_htp(tmp_path, "fpn", model)

@@ -119,6 +119,44 @@ def _picks(size: int, scale: float, attrs: dict[str, Any], length: int | None = 
     return session.run(None, {"x": ramp})[0].reshape(-1).astype(np.int64)
 
 
+_FLOOR_FORM = {"coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}
+
+
+def _floor_form(
+    node: onnx.NodeProto, shape: tuple[int, ...], scales: np.ndarray, gathered: list[int]
+) -> tuple[list[int], str]:
+    """(axes to gather as well, what was recast) for a nearest Resize's whole-factor growth.
+
+    The HTP takes nearest growth by a whole factor s in one form, asymmetric coordinates and
+    floor rounding (row i reads i // s); the ONNX default rounding, round_prefer_floor, it
+    refuses (measured at 2x and 4x: left on the CPU; old paddle2onnx exports write it, a
+    PP-OCRv2 detector's six FPN upsamplings: 4 partitions). Where onnxruntime's rows are
+    i // s on every such axis, the node is recast to that form (the same rows); an axis
+    whose rows differ (4x with round_prefer_floor reads row j + 1 from i = 4j + 3) is taken
+    as a Gather of those rows."""
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    coords = _text(attrs.get("coordinate_transformation_mode"), "half_pixel")
+    rounding = _text(attrs.get("nearest_mode"), "round_prefer_floor")
+    if (coords, rounding) == tuple(_FLOOR_FORM.values()) or coords == "tf_crop_and_resize":
+        return [], ""
+    grown = [
+        axis
+        for axis, (size, scale) in enumerate(zip(shape, scales, strict=True))
+        if axis not in gathered and _out(size, float(scale)) != size
+    ]
+    uneven = []
+    for axis in grown:
+        scale = float(scales[axis])
+        floor_rows = np.arange(_out(shape[axis], scale)) // round(scale)
+        if not np.array_equal(_picks(shape[axis], scale, attrs), floor_rows):
+            uneven.append(axis)
+    if len(uneven) == len(grown):
+        return uneven, ""
+    # What stays a Resize (the even axes; a gathered one has scale 1 there) takes the form.
+    edit.replace_attributes(node, tuple(_FLOOR_FORM), **_FLOOR_FORM)
+    return uneven, f"nearest ({coords}, {rounding}) recast as asymmetric, floor: the same rows"
+
+
 def _end_pad(size: int, scale: float) -> int | None:
     """Smallest k <= MAX_PAD for which the HTP follows the scale on size + k rows."""
     for k in range(MAX_PAD + 1):
@@ -246,6 +284,11 @@ def resize_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                 off = [] if sizes is not None else _off_axes(shape, scales)
                 if _nearest(node):
                     off = sorted({*off, *_gathered_axes(shape, scales, sizes)})
+                    if sizes is None:
+                        uneven, recast = _floor_form(node, shape, scales, off)
+                        off = sorted({*off, *uneven})
+                        if recast:
+                            details.append(f"{edit.node_label(node)}: {recast}")
                 if off:
                     rewritten = _rewrite(node, shape, scales, off, new_init, namer, sizes)
         if rewritten is None:
