@@ -1213,3 +1213,21 @@ def test_a_switched_model_onnxruntime_refuses_falls_back_to_a_model_each(
     by_name = {c.name: c.noise for c in each}
     for cand in switched:
         assert cand.noise == pytest.approx(by_name[cand.name], rel=1e-9), cand.name
+
+
+def test_rounds_that_never_helped_are_reported_as_such() -> None:
+    """Raised tensors made it worse every round although 16 bits everywhere would reach the
+    target (a PP-OCRv5 detector: 17.8 dB at 8 bits, ceiling 28.9, rounds of 1-8 tensors at
+    17.3-17.4): the report says what was tried, not that 8-bit rounding is not the cause."""
+    from types import SimpleNamespace
+
+    from pipeline.quantize.mixed_precision import MixedPrecision, Round
+    from pipeline.quantize.report import _mixed_section
+
+    mixed = MixedPrecision(
+        25.0, 17.75, 17.75, ceiling_snr_db=28.87, rounds=[Round(1, 17.25), Round(8, 17.41)]
+    )
+    text = "\n".join(_mixed_section(SimpleNamespace(mixed_precision=mixed, multi=False)))
+    assert "no round improved the worst SNR of 17.75 dB" in text
+    assert "1: 17.25 dB, 8: 17.41 dB" in text and "16 bits it is 28.87 dB" in text
+    assert "not 8-bit rounding" not in text

@@ -420,6 +420,23 @@ def _ceiling_diagnosis(mixed: MixedPrecision) -> list[str]:
 
 def _mixed_section(r: QuantizeReport) -> list[str]:
     mixed = r.mixed_precision
+    if mixed is not None and not mixed.tensors and mixed.rounds:
+        # Raising what the analysis ranked first never helped, though 16 bits everywhere may.
+        tried = ", ".join(f"{r.tensors}: {fmt(r.snr_db)} dB" for r in mixed.rounds)
+        ceiling = mixed.ceiling_snr_db
+        return [
+            "",
+            f"Mixed precision: no round improved the worst SNR of {fmt(mixed.before_snr_db)} dB "
+            f"at 8 bits (target {fmt(mixed.target_snr_db)} dB; tensors raised: {tried}), so "
+            "none is kept"
+            + (
+                f"; with every 8-bit tensor at 16 bits it is {fmt(ceiling)} dB"
+                if ceiling is not None
+                else ""
+            )
+            + ". The tensors that matter act together, not one by one; the HTP judge's fp16 "
+            "candidates come next.",
+        ]
     if mixed is not None and not mixed.tensors and mixed.ceiling_snr_db is not None:
         return [
             "",
