@@ -331,6 +331,9 @@ def judge_on_htp(
             ctx_of[id(result)] = folder / CTX_NAME
             progress.update(1)
             db = "failed" if not result.ok else f"{result.worst_ctx_vs_float:.1f} dB vs float"
+            if result.ok and (result.partitions != 1 or result.cpu_nodes):
+                # compile's coverage gate will refuse it: said now, not minutes later
+                db += f", {result.partitions} QNN partitions and {result.cpu_nodes} CPU nodes"
             progress.status(f"round {len(rounds)}: {shown}: {db}")
             return result
 
