@@ -21,6 +21,7 @@ from pipeline.graph.fp16_scale import (
     exact_tanhs,
     finite_float16_logs,
     fit_float16,
+    float16_safe_norms,
     max_for_small_clip_floors,
     normal_float16_weights,
 )
@@ -776,3 +777,97 @@ def test_the_htp_runs_asin_whole_in_fp16_from_atan(tmp_path: Path) -> None:
     models = {"float": rewritten}  # the reference is computed on the CPU from the same form
     results = whole_ctx_vs_float(tmp_path, models, [{"x": x}])
     assert results["float"] > 50.0, results
+
+
+# --- norms whose squares overflow fp16 ---------------------------------------------------------
+
+WIDTH = 64
+
+
+def norm_block(form: str) -> onnx.ModelProto:
+    """x [1, 8, WIDTH] -> a norm over the last axis -> MatMul. ``form``: "rms" is T5's
+    x * (1 / sqrt(mean(x * x) + eps)) * w; "layer" a layer norm written out, (x - mean) /
+    sqrt(mean((x - mean) ** 2) + eps)."""
+    w = (RNG.uniform(0.5, 1.5, WIDTH)).astype(np.float32)
+    proj = (RNG.standard_normal((WIDTH, 16)) / np.sqrt(WIDTH)).astype(np.float32)
+    inits = [
+        numpy_helper.from_array(w, "w"),
+        numpy_helper.from_array(proj, "proj"),
+        numpy_helper.from_array(np.array(1e-6, np.float32), "eps"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+        numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+        numpy_helper.from_array(np.array([-1], np.int64), "last"),
+    ]
+    if form == "rms":
+        nodes = [
+            oh.make_node("Mul", ["x", "x"], ["sq"]),
+            oh.make_node("ReduceMean", ["sq", "last"], ["ms"], keepdims=1),
+            oh.make_node("Add", ["ms", "eps"], ["v"]),
+            oh.make_node("Sqrt", ["v"], ["root"]),
+            oh.make_node("Div", ["one", "root"], ["inv"]),
+            oh.make_node("Mul", ["x", "inv"], ["normed"]),
+        ]
+    else:
+        nodes = [
+            oh.make_node("ReduceMean", ["x", "last"], ["mu"], keepdims=1),
+            oh.make_node("Sub", ["x", "mu"], ["d"]),
+            oh.make_node("Pow", ["d", "two"], ["sq"]),
+            oh.make_node("ReduceMean", ["sq", "last"], ["ms"], keepdims=1),
+            oh.make_node("Add", ["ms", "eps"], ["v"]),
+            oh.make_node("Sqrt", ["v"], ["root"]),
+            oh.make_node("Div", ["d", "root"], ["normed"]),
+        ]
+    nodes += [
+        oh.make_node("Mul", ["normed", "w"], ["scaled"]),
+        oh.make_node("MatMul", ["scaled", "proj"], ["y"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "norm",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, WIDTH])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16])],
+        inits,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
+    model.ir_version = 9
+    return model
+
+
+def outlier_rows(count: int) -> list[np.ndarray]:
+    """Rows of ~1 with one channel near 3000 (a residual stream's outlier): squares near 1e7."""
+    rows = []
+    for _ in range(count):
+        x = RNG.standard_normal((1, 8, WIDTH)).astype(np.float32)
+        x[..., 5] = RNG.uniform(2000, 3000, (1, 8))
+        rows.append(x)
+    return rows
+
+
+@pytest.mark.parametrize("form", ["rms", "layer"])
+def test_a_norm_whose_squares_overflow_fp16_is_computed_over_the_row_maximum(form: str) -> None:
+    model = norm_block(form)
+    squared = "x" if form == "rms" else "d"
+    rewritten, change = float16_safe_norms(model, {squared: 3000.0})
+    assert change.changed and "root mean square" in change.details[0]
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert "ReduceMax" in ops and "Abs" in ops
+    for x in [*outlier_rows(3), np.zeros((1, 8, WIDTH), np.float32)]:
+        np.testing.assert_allclose(
+            cpu_outputs(rewritten, x), cpu_outputs(model, x), rtol=1e-4, atol=1e-5
+        )
+    assert not float16_safe_norms(model, {squared: 50.0})[1].changed  # 2500 fits fp16
+
+
+@pytest.mark.qnn
+def test_the_htp_runs_a_norm_of_large_values_in_fp16(tmp_path: Path) -> None:
+    """Measured: whole in fp16 the squares overflow (the row's outlier alone squares to 9e6)
+    and the output is garbage; over the row maximum it agrees with float."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = norm_block("rms")
+    rewritten, _ = float16_safe_norms(model, {"x": 3000.0})
+    results = whole_ctx_vs_float(
+        tmp_path, {"float": model, "rewritten": rewritten}, [{"x": x} for x in outlier_rows(2)]
+    )
+    assert results["float"] < 10.0, results
+    assert results["rewritten"] > 40.0, results

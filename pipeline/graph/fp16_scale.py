@@ -33,6 +33,7 @@ from .edit import (
     copy_model,
     initializers_by_name,
     node_label,
+    remove_dead_nodes,
     set_nodes,
     sort_graph,
     subgraphs,
@@ -814,3 +815,148 @@ def exact_float16_forms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[C
         model, change = step(model)
         changes.append(change)
     return model, changes
+
+
+# A norm's squares must stay this far below fp16's largest value (headroom for values that
+# calibration never saw, as for FLOAT16_TARGET).
+_SQUARE_LIMIT = FLOAT16_TARGET
+
+
+def _root_mean_square(
+    sqrt: onnx.NodeProto,
+    producer: Mapping[str, onnx.NodeProto],
+    inits: Mapping[str, onnx.TensorProto],
+) -> tuple[str, onnx.NodeProto, float] | None:
+    """(x, its ReduceMean, eps) when ``sqrt`` computes sqrt(mean(x * x) + eps) (or x ** 2)."""
+    add = producer.get(sqrt.input[0])
+    if add is None or add.op_type != "Add" or len(add.input) != 2:
+        return None
+    for mean_name, eps_name in (add.input, add.input[::-1]):
+        mean = producer.get(mean_name)
+        eps = inits.get(eps_name)
+        if mean is None or mean.op_type != "ReduceMean" or eps is None:
+            continue
+        eps_value = numpy_helper.to_array(eps)
+        square = producer.get(mean.input[0])
+        if eps_value.size != 1 or square is None:
+            continue
+        if square.op_type == "Mul" and square.input[0] == square.input[1]:
+            return square.input[0], mean, float(eps_value.reshape(()))
+        if square.op_type == "Pow" and square.input[1] in inits:
+            exponent = numpy_helper.to_array(inits[square.input[1]])
+            if exponent.size == 1 and float(exponent.reshape(())) == 2.0:
+                return square.input[0], mean, float(eps_value.reshape(()))
+    return None
+
+
+def float16_safe_norms(
+    model: onnx.ModelProto, peaks: Mapping[str, float]
+) -> tuple[onnx.ModelProto, Change]:
+    """x / sqrt(mean(x^2) + eps) whose squares overflow fp16 -> (x/s) / sqrt(mean((x/s)^2) +
+    (sqrt(eps)/s)^2), s = max |x| over the reduced axes: the same function, exactly, with every
+    square at most 1 and no value past |x|.
+
+    Why: RMS norms (T5, LLaMA-style encoders) and layer norms written out as ops square their
+    input; above 256 that is past fp16's largest value. A T5 encoder's residual stream reaches
+    8e4 (one outlier channel), its squares 2e10: whole in fp16 on the HTP it was -51.6 dB from
+    float; with its 17 norms so, 11.2 dB (the stream itself then overflows: not fixed here).
+    Only norms whose calibrated squares pass ``_SQUARE_LIMIT`` are rewritten; the division
+    ``x * (1 / sqrt(...))`` or ``x / sqrt(...)`` reads the rewritten root."""
+    model = copy_model(model)
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    inits = initializers_by_name(graph)
+    fresh = FreshNames(model)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    new_inits: list[onnx.TensorProto] = []
+
+    def const(value: float, base: str) -> str:
+        name = fresh(base)
+        new_inits.append(numpy_helper.from_array(np.array(value, np.float32), name))
+        return name
+
+    before: dict[int, list[onnx.NodeProto]] = {}  # id(node) -> nodes to insert before it
+    details = []
+    for node in graph.node:
+        if node.op_type != "Sqrt" or node.domain not in DEFAULT_DOMAINS:
+            continue
+        found = _root_mean_square(node, producer, inits)
+        if found is None:
+            continue
+        x, mean, eps = found
+        if peaks.get(x, 0.0) ** 2 <= _SQUARE_LIMIT:
+            continue
+        # who divides x by the root: Div(x, root), or Mul(x, Div(1, root) | Reciprocal(root))
+        divisions = []
+        for reader in readers.get(node.output[0], []):
+            if reader.op_type == "Div" and reader.input[1] == node.output[0]:
+                if reader.input[0] == x:
+                    divisions.append(reader)
+                    continue
+                one = inits.get(reader.input[0])
+                if one is None or numpy_helper.to_array(one).size != 1:
+                    break
+                if float(numpy_helper.to_array(one).reshape(())) != 1.0:
+                    break
+            elif reader.op_type != "Reciprocal":
+                break
+            muls = readers.get(reader.output[0], [])
+            if not muls or any(m.op_type != "Mul" or x not in m.input for m in muls):
+                break
+            divisions.extend(muls)
+        else:
+            if not divisions:
+                continue
+            base = node.output[0]
+            names = {
+                k: fresh(f"{base}_{k}")
+                for k in ("abs", "max", "s", "y", "yy", "mean", "se", "se2", "sum", "root")
+            }
+            axes = list(mean.input[1:2])
+            attrs = {a.name: helper.get_attribute_value(a) for a in mean.attribute}
+            made = [
+                helper.make_node("Abs", [x], [names["abs"]]),
+                helper.make_node("ReduceMax", [names["abs"], *axes], [names["max"]], **attrs),
+                helper.make_node(
+                    "Max", [names["max"], const(2.0**-14, f"{base}_floor")], [names["s"]]
+                ),
+                helper.make_node("Div", [x, names["s"]], [names["y"]]),
+                helper.make_node("Mul", [names["y"], names["y"]], [names["yy"]]),
+                helper.make_node("ReduceMean", [names["yy"], *axes], [names["mean"]], **attrs),
+                helper.make_node(
+                    "Div", [const(math.sqrt(eps), f"{base}_root_eps"), names["s"]], [names["se"]]
+                ),
+                helper.make_node("Mul", [names["se"], names["se"]], [names["se2"]]),
+                helper.make_node("Add", [names["mean"], names["se2"]], [names["sum"]]),
+                helper.make_node("Sqrt", [names["sum"]], [names["root"]]),
+            ]
+            first = True
+            for division in divisions:
+                replacement = helper.make_node(
+                    "Div",
+                    [names["y"], names["root"]],
+                    list(division.output),
+                    name=division.name or fresh(f"{base}_div"),
+                )
+                before.setdefault(id(division), []).extend([*(made if first else []), replacement])
+                first = False
+            details.append(
+                f"{node_label(mean)}: the root mean square of {x!r} (peak {peaks[x]:.3g}) "
+                "from its values over their row's largest"
+            )
+    if not details:
+        return model, Change("float16_safe_norms")
+    nodes = []
+    for node in graph.node:
+        if id(node) in before:
+            nodes.extend(before[id(node)])  # the division itself is replaced
+        else:
+            nodes.append(node)
+    set_nodes(graph, nodes)
+    graph.initializer.extend(new_inits)
+    remove_dead_nodes(graph)
+    sort_graph(graph)
+    return checked_change(model, "float16_safe_norms", details)

@@ -545,15 +545,21 @@ def _quantize_all(
     def use_float(name: str) -> None:  # the whole model in fp16 on the HTP: no quantization
         import onnx
 
-        from ..graph.fp16_scale import exact_float16_forms, fit_float16, normal_float16_weights
+        from ..graph.fp16_scale import (
+            exact_float16_forms,
+            fit_float16,
+            float16_safe_norms,
+            normal_float16_weights,
+        )
         from ..graph.qdq_htp import dequantized_integer_inputs
 
         source = onnx.load(str(prepared[name].float_path))
         model, change = fit_float16(source, calibrated_peaks())
         model, exact = exact_float16_forms(source if model is None else model)
         model, weights = normal_float16_weights(model, calibrated_peaks())
+        model, norms = float16_safe_norms(model, calibrated_peaks())
         model, inputs = dequantized_integer_inputs(model)
-        for step in (change, *exact, weights, inputs):
+        for step in (change, *exact, weights, norms, inputs):
             if step.changed:  # reported with the preparation steps (once: a rebuild replaces it)
                 prepared[name].changes[:] = [
                     c for c in prepared[name].changes if c.step != step.step
