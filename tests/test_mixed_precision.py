@@ -1231,3 +1231,14 @@ def test_rounds_that_never_helped_are_reported_as_such() -> None:
     assert "no round improved the worst SNR of 17.75 dB" in text
     assert "1: 17.25 dB, 8: 17.41 dB" in text and "16 bits it is 28.87 dB" in text
     assert "not 8-bit rounding" not in text
+
+
+def test_raising_stops_after_two_rounds_below_the_8_bit_model() -> None:
+    from pipeline.quantize.mixed_precision import Round, keep_raising
+
+    assert keep_raising([], 17.75)
+    assert keep_raising([Round(1, 17.25)], 17.75)  # one round can be noise
+    assert not keep_raising([Round(1, 17.25), Round(2, 17.26)], 17.75)
+    # a gain first, then a loss (gtcrn: 27.8 at 2 tensors, 27.7 at 4, 28.1 at 8) goes on
+    assert keep_raising([Round(2, 27.84), Round(4, 27.73)], 13.72)
+    assert keep_raising([Round(1, 17.25), Round(2, 17.26), Round(4, 18.0)], 17.75)
