@@ -404,6 +404,42 @@ def test_an_ir_3_model_with_weights_outside_its_inputs_loads_as_onnxruntime_runs
     np.testing.assert_array_equal(run[0], run[1])
 
 
+def test_a_merged_models_repeated_opset_imports_become_one_per_domain(tmp_path: Path) -> None:
+    """``onnx.compose.merge_models`` lists each domain once per merged model; the opset
+    upgrade raised only the first entry, onnxruntime read the last, and calibration's opset-18
+    ReduceMean was refused ("has input size 2 not in range"). One entry per domain, the one
+    onnxruntime runs the source at; the whole quantize stage then runs."""
+    import onnx.helper as oh
+
+    from pipeline.__main__ import main
+
+    weight = numpy_helper.from_array(RNG.standard_normal((4, 3, 3, 3)).astype(np.float32), "W")
+    graph = oh.make_graph(
+        [
+            oh.make_node("Conv", ["x", "W"], ["c"], kernel_shape=[3, 3]),
+            oh.make_node("Relu", ["c"], ["y"]),
+        ],
+        "merged",
+        [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 8, 8])],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 6, 6])],
+        [weight],
+    )
+    imports = [("", 13), ("com.microsoft", 1), ("", 17), ("com.microsoft", 1)]
+    saved = oh.make_model(graph, opset_imports=[oh.make_opsetid(d, v) for d, v in imports])
+    saved.ir_version = 8
+    path = tmp_path / "merged.onnx"
+    onnx.save(saved, str(path))
+    loaded = load_source_model(path)
+    assert [(o.domain, o.version) for o in loaded.opset_import] == [("", 17), ("com.microsoft", 1)]
+    config = tmp_path / "merged.toml"
+    config.write_text(
+        '[model]\nname = "merged"\nversion = "1.0.0"\nsource = "merged.onnx"\n'
+        '[calibration]\nkind = "random"\nsamples = 8\n[quantization]\njudge = "cpu"\n',
+        encoding="utf-8",
+    )
+    assert main(["quantize", "--artifacts", str(tmp_path / "artifacts"), str(config)]) == 0
+
+
 def test_a_constant_for_an_input_no_node_reads_is_taken() -> None:
     """A tagger's ``length`` input that its graph never reads: the config that sets it, as
     the package's own code feeds it, was refused ("not an input of the model") because the

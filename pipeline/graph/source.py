@@ -30,7 +30,30 @@ def readable(model: Any) -> Any:
     (``contrib.onnx_domain_norms``). onnxruntime runs the file as it is."""
     from .contrib import onnx_domain_norms
 
-    return onnx_domain_norms(sort_nodes(_constants_at_ir_4(model)))
+    return onnx_domain_norms(sort_nodes(_one_import_per_domain(_constants_at_ir_4(model))))
+
+
+def _one_import_per_domain(model: Any) -> Any:
+    """One opset_import entry per domain, the version onnxruntime runs the model at: the last.
+
+    ``onnx.compose.merge_models`` lists every domain once per merged model; the version
+    converter then raised only the first ("" 17 -> 21), onnxruntime read the default domain
+    from the last (still 17), and the opset-18 ReduceMean that calibration adds was refused
+    ("has input size 2 not in range [min=1, max=1]": an Arabic diacritizer ensemble from
+    PyPI)."""
+    domains = [o.domain or "ai.onnx" for o in model.opset_import]
+    if len(set(domains)) == len(domains):
+        return model
+    last = {d: o.version for d, o in zip(domains, model.opset_import, strict=True)}
+    model = edit.copy_model(model)
+    kept = []
+    for domain, entry in zip(domains, list(model.opset_import), strict=True):
+        if domain in last:
+            entry.version = last.pop(domain)
+            kept.append(entry)
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+    return model
 
 
 def _constants_at_ir_4(model: Any) -> Any:
