@@ -309,10 +309,16 @@ def test_compile_reuses_the_judges_figures_for_the_same_ctx_and_only_then(tmp_pa
     measured = compiled(force=True).validation
     assert measured.measured_by == ""
     assert measured.ctx_vs_qdq == reused.ctx_vs_qdq and measured.ctx_vs_float == reused.ctx_vs_float
-    # The record of another QDQ model: compile times the online compile itself.
+    # The record of another QDQ model: compile compiles the context itself, and that offline
+    # compile of this QDQ model is the online-compile figure (not a second compile).
+    from pipeline.compile.worker import OWN_COMPILE
+
     probe.write_text(json.dumps({**record, "qdq_sha256": "0" * 64}))
-    timed = compiled(force=True).load
-    assert timed.qdq_timed_by == "" and timed.qdq_s is not None and timed.qdq_s > 0
+    own = compiled(force=True)
+    timed = own.load
+    assert "adopted" not in folder.log.read_text()
+    assert timed.qdq_timed_by == OWN_COMPILE and timed.qdq_s is not None
+    assert own.compile_time_s is not None and 0 < timed.qdq_s <= own.compile_time_s
 
 
 def _cpu_judged_dilated(tmp_path: Path, seed: int, count: int = 16) -> tuple[Any, list[Path]]:
