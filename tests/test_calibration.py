@@ -582,3 +582,48 @@ def test_ids_past_the_table_blame_the_data_not_the_model() -> None:
     with pytest.raises(ModelError) as caught:
         session.run(None, {"ids": np.full((1, 2, 16), 200, np.int64)})
     assert "calibration data does, not the model" in (caught.value.tip or "")
+
+
+def test_a_python_reader_runs_once_per_quantize_run(tmp_path: Path) -> None:
+    """Its samples are kept while the stage runs: counting them, routing the calibration
+    samples and writing the held-out ones each ran the reader again (a refiner's reader that
+    runs the detector feeding it: three times over). Nothing of the cache is left after."""
+    import onnx
+    import onnx.helper as oh
+    from onnx import TensorProto, numpy_helper
+
+    from pipeline.__main__ import main
+
+    (tmp_path / "reader.py").write_text(
+        "import numpy as np\n"
+        "from pathlib import Path\n"
+        "def read(path, specs):\n"
+        "    with open(Path(__file__).with_name('passes.txt'), 'a') as f:\n"
+        "        f.write('pass\\n')\n"
+        "    rng = np.random.default_rng(0)\n"
+        "    for i in range(12):\n"
+        "        yield {'x': rng.normal(0, 1, (1, 3, 8, 8)).astype(np.float32)}\n"
+    )
+    weight = np.random.default_rng(1).normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32)
+    graph = oh.make_graph(
+        [oh.make_node("Conv", ["x", "w"], ["c"]), oh.make_node("Relu", ["c"], ["y"])],
+        "g",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    (tmp_path / "m.toml").write_text(
+        '[model]\nname = "m"\nversion = "1.0.0"\nsource = "m.onnx"\n'
+        '[calibration]\nkind = "python"\nreader = "reader.py:read"\nsamples = 12\n'
+        'held_out = 0.25\n[quantization]\njudge = "cpu"\n',
+        encoding="utf-8",
+    )
+    artifacts = tmp_path / "artifacts"
+    assert main(["quantize", "--artifacts", str(artifacts), str(tmp_path / "m.toml")]) == 0
+    assert (tmp_path / "passes.txt").read_text().splitlines() == ["pass"]
+    assert not list(artifacts.rglob(".reader-samples"))
+    heldout = artifacts / "build" / "m" / "heldout"
+    assert len(list(heldout.glob("*.npz"))) == 3

@@ -398,9 +398,13 @@ def describe(ref: SampleRef) -> str:
     return f"{ref.path}" + (f" at sample {ref.offset}" if ref.offset else "")
 
 
-def sample_source(config: ModelConfig, specs: list[InputSpec]) -> SampleSource:
+def sample_source(
+    config: ModelConfig, specs: list[InputSpec], cache: Path | None = None
+) -> SampleSource:
     """Where the samples of ``config`` come from; ``specs`` are the inputs of the largest bucket
-    (images and audio windows are made at that shape, everything else comes as it is)."""
+    (images and audio windows are made at that shape, everything else comes as it is).
+    ``cache``: a folder where a python reader's samples are kept as it yields them, so that
+    it runs once, not once per pass."""
     cal = config.calibration
     folder = config.resolve(cal.path) if cal.path else None
     spec_by_name = {s.name: s for s in specs}
@@ -458,7 +462,7 @@ def sample_source(config: ModelConfig, specs: list[InputSpec]) -> SampleSource:
         def loader(ref: SampleRef) -> Feeds:
             return _load_wav_window(ref, spec, config)
     elif cal.kind == "python":
-        return _python_source(config, specs, folder)
+        return _python_source(config, specs, folder, cache)
     else:  # random: seeded noise made by the router at each sample's size (smoke tests only)
         refs = [SampleRef(None, index=i) for i in range(cal.samples)]
 
@@ -477,9 +481,12 @@ def sample_source(config: ModelConfig, specs: list[InputSpec]) -> SampleSource:
 
 
 def _python_source(
-    config: ModelConfig, specs: list[InputSpec], folder: Path | None
+    config: ModelConfig, specs: list[InputSpec], folder: Path | None, cache: Path | None = None
 ) -> SampleSource:
-    """A user reader ``fn(path, specs) -> iterable of feeds``, streamed (once per pass)."""
+    """A user reader ``fn(path, specs) -> iterable of feeds``, streamed: once per pass, or,
+    with a ``cache`` folder, once, each sample kept there as an .npz while the reader runs
+    (a refiner's reader that ran the detector feeding it ran it three times over: counting,
+    routing the calibration samples, writing the held-out ones)."""
     reader = _import_reader(config.calibration.reader, config.base_dir)
     cal = config.calibration
 
@@ -493,8 +500,22 @@ def _python_source(
                 "{input name: array}.",
             ) from exc
 
+    def checked(sample: Any) -> dict[str, np.ndarray]:
+        if not isinstance(sample, dict):
+            raise CalibrationError(
+                f"calibration.reader {cal.reader!r} yielded a {type(sample).__name__}, "
+                "not a dict of {input name: array}."
+            )
+        return dict(sample)
+
     # Count what the reader really offers (up to ``samples``) so the split is exact.
-    total = sum(1 for _, _ in zip(range(cal.samples), produce(), strict=False))
+    total = 0
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+    for _, sample in zip(range(cal.samples), produce(), strict=False):
+        if cache is not None:
+            np.savez(cache / f"{total:06d}.npz", **checked(sample))
+        total += 1
     if total == 0:
         raise CalibrationError(f"calibration.reader {cal.reader!r} produced no samples.")
     refs = [SampleRef(folder, index=i) for i in range(total)]
@@ -505,14 +526,14 @@ def _python_source(
 
     def stream(wanted: list[SampleRef]) -> Iterator[tuple[SampleRef, Feeds]]:
         keep = {r.index: r for r in wanted}
+        if cache is not None:
+            for index in sorted(keep):
+                with np.load(cache / f"{index:06d}.npz") as kept:
+                    yield keep[index], {name: kept[name] for name in kept.files}
+            return
         for index, sample in zip(range(total), produce(), strict=False):
             if index in keep:
-                if not isinstance(sample, dict):
-                    raise CalibrationError(
-                        f"calibration.reader {cal.reader!r} yielded a {type(sample).__name__}, "
-                        "not a dict of {input name: array}."
-                    )
-                yield keep[index], dict(sample)
+                yield keep[index], checked(sample)
 
     return SampleSource(calib, held, lambda ref: next(v for _, v in stream([ref])), stream)
 

@@ -87,6 +87,7 @@ from .lossless import OWN_ROUNDING_MARGIN_DB, PreparationCheck, bucket_inputs, c
 from .mixed_precision import MixedPrecision, raise_precision
 from .shapes import PreparedBucket, differing, initializer_digests, lstm_budget, prepare_buckets
 
+READER_SAMPLES = ".reader-samples"  # a python reader's samples, kept while quantize runs
 TOOLS = ("onnx", "onnxruntime", "numpy", "pillow")
 # The builder's code that shapes the QDQ models: editing it rebuilds.
 CODE = ("core", "graph", "calibration", "quantize", "htp")
@@ -942,7 +943,7 @@ def _sample_all(config: ModelConfig, paths: ModelPaths, state: _State) -> dict[s
 
         bounds = index_bounds(onnx.load(str(largest.float_path), load_external_data=False))
     router = Router(config, plan, {s.name: s.dtype for s in largest.specs}, bounds)
-    state.samples = sample_source(config, largest.specs)
+    state.samples = sample_source(config, largest.specs, paths.root / READER_SAMPLES)
     if not state.samples.calib:
         raise CalibrationError(f"{config.model.name}: no calibration samples were selected.")
     state.routed = _route(config, plan, state.samples, router)
@@ -968,8 +969,13 @@ def _build(
     """Every step of a quantize run; ``timings`` gets each step's seconds as it finishes. The
     HTP judge's processes start now, warming up beside preparation and calibration."""
     judged = config.quantization.judge != "cpu"
-    with spare_probes(paths.root) if judged else contextlib.nullcontext():
-        return _steps(config, paths, inputs, timings)
+    cache = paths.root / READER_SAMPLES  # a python reader's samples, for this run only
+    shutil.rmtree(cache, ignore_errors=True)
+    try:
+        with spare_probes(paths.root) if judged else contextlib.nullcontext():
+            return _steps(config, paths, inputs, timings)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def _own_floor(state: _State) -> list[float]:
