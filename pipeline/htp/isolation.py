@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -142,7 +143,7 @@ def wait_for(
     try:
         while True:
             try:
-                child.proc.wait(timeout=0.5)
+                _wait(child.proc, 0.5)
                 break
             except subprocess.TimeoutExpired:
                 elapsed = time.monotonic() - waiting
@@ -157,6 +158,25 @@ def wait_for(
         child.finish()
         raise
     return child.finish(timed_out)
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float) -> None:
+    """``proc.wait(timeout_s)``, woken the moment the child exits where Linux gives a pidfd:
+    Popen's own wait with a timeout polls, sleeping up to 50 ms between looks (25 ms on
+    average after every probe child and compile worker of a build)."""
+    if proc.poll() is None and hasattr(os, "pidfd_open"):
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except OSError:  # an old kernel, or the child already gone: Popen's wait says which
+            fd = None
+        if fd is not None:
+            try:
+                select.select([fd], [], [], timeout_s)
+            finally:
+                os.close(fd)
+            proc.wait(timeout=0.05)  # exited (or TimeoutExpired, as before)
+            return
+    proc.wait(timeout=timeout_s)
 
 
 def kill_group(proc: subprocess.Popen, job: WindowsJob | None = None) -> None:
