@@ -183,6 +183,22 @@ def build_whole_on_htp(root: Path, name: str, model: onnx.ModelProto, samples: i
     assert record.validation is not None and record.validation.worst_snr_db > 30.0
 
 
+def quantize_on_noise(root: Path, name: str, model: onnx.ModelProto, quantization: str = "") -> int:
+    """Save ``model`` as ``<root>/<name>.onnx``, calibrate it on 8 seeded noise samples with the
+    real quantize stage (``quantization``: lines for its [quantization] section); its exit
+    code."""
+    from pipeline.__main__ import main
+
+    onnx.save(model, str(root / f"{name}.onnx"))
+    config = root / f"{name}.toml"
+    config.write_text(
+        f'[model]\nname = "{name}"\nversion = "1.0.0"\nsource = "{name}.onnx"\n'
+        f'[calibration]\nkind = "random"\nsamples = 8\n[quantization]\n{quantization}\n',
+        encoding="utf-8",
+    )
+    return main(["quantize", "--artifacts", str(root / "artifacts"), str(config)])
+
+
 def ctx_vs_qdq_on_htp(qdq: Path, float_model: Path, sample: Path, work: Path) -> float:
     """The judge's probe of ``qdq`` on one sample (Snapdragon X Elite: soc 60, HTP v73):
     asserts it runs whole on the HTP and returns its ctx vs CPU QDQ SNR in dB."""

@@ -410,8 +410,7 @@ def test_a_merged_models_repeated_opset_imports_become_one_per_domain(tmp_path: 
     ReduceMean was refused ("has input size 2 not in range"). One entry per domain, the one
     onnxruntime runs the source at; the whole quantize stage then runs."""
     import onnx.helper as oh
-
-    from pipeline.__main__ import main
+    from compile_fixtures import quantize_on_noise
 
     weight = numpy_helper.from_array(RNG.standard_normal((4, 3, 3, 3)).astype(np.float32), "W")
     graph = oh.make_graph(
@@ -431,13 +430,7 @@ def test_a_merged_models_repeated_opset_imports_become_one_per_domain(tmp_path: 
     onnx.save(saved, str(path))
     loaded = load_source_model(path)
     assert [(o.domain, o.version) for o in loaded.opset_import] == [("", 17), ("com.microsoft", 1)]
-    config = tmp_path / "merged.toml"
-    config.write_text(
-        '[model]\nname = "merged"\nversion = "1.0.0"\nsource = "merged.onnx"\n'
-        '[calibration]\nkind = "random"\nsamples = 8\n[quantization]\njudge = "cpu"\n',
-        encoding="utf-8",
-    )
-    assert main(["quantize", "--artifacts", str(tmp_path / "artifacts"), str(config)]) == 0
+    assert quantize_on_noise(tmp_path, "merged", saved, 'judge = "cpu"') == 0
 
 
 def test_a_constant_for_an_input_no_node_reads_is_taken() -> None:

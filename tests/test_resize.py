@@ -240,18 +240,12 @@ def test_the_judge_says_when_its_context_is_not_whole(
 ) -> None:
     """Without the recast, the judge's context has the Resizes on the CPU: its progress line
     says so at quantize, before compile's coverage gate refuses the model."""
-    from pipeline.__main__ import main
+    from compile_fixtures import quantize_on_noise
+
     from pipeline.graph import resize
 
     monkeypatch.setattr(resize, "_floor_form", lambda node, shape, scales, off: ([], ""))
-    onnx.save(fpn_with_default_rounding(), str(tmp_path / "fpn.onnx"))
-    config = tmp_path / "fpn.toml"
-    config.write_text(
-        '[model]\nname = "fpn"\nversion = "1.0.0"\nsource = "fpn.onnx"\n'
-        '[calibration]\nkind = "random"\nsamples = 8\n',
-        encoding="utf-8",
-    )
-    assert main(["quantize", "--artifacts", str(tmp_path / "artifacts"), str(config)]) == 0
+    assert quantize_on_noise(tmp_path, "fpn", fpn_with_default_rounding()) == 0
     captured = capsys.readouterr()
     assert re.search(
         r"as quantized: [\d.]+ dB vs float, \d+ QNN partitions and [1-9]\d* CPU "

@@ -10,17 +10,19 @@ infrastructure failure, never cached as the model's own.
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from qnn_ctx_runtime.typed import to_json_value
+
 from ..core.records import Failure
-from ..htp.isolation import Started, start_module, wait_for
+from ..htp.isolation import Started, hand_over, start_module, wait_for
 from .eplog import LogFacts, parse_ep_log
 from .job import STAGE_MARKER, CompileJob, WorkerResult, read_message, write_message
 
@@ -59,7 +61,7 @@ def run_child(
         write_message(job_path, job)
         finished = wait_for(start_module(WORKER, job_path, log_path), timeout_s, tick)
     else:
-        _hand_over(spare, job)
+        hand_over(spare, json.dumps(to_json_value(job)))
         finished = wait_for(spare, timeout_s, tick)
         log_path.write_text(finished.log, "utf-8")  # its warm-up's lines, then the job's
     return ChildOutcome(
@@ -128,12 +130,6 @@ def spare_workers(scratch: Path, wanted: int) -> Iterator[None]:
         _SPARES = None
         spares.close()
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _hand_over(child: Started, job: CompileJob) -> None:
-    """Give a waiting worker its job (written whole, then renamed into the path it polls)."""
-    child.started = time.monotonic()  # its time is the job's, not the wait's
-    write_message(Path(child.proc.args[-1]), job)  # type: ignore[index]  # ... --await JOB
 
 
 def _read_result(path: Path) -> WorkerResult:

@@ -60,7 +60,7 @@ from ..core.records import (
     read_record,
 )
 from ..graph.tails import judged_outputs
-from ..htp.isolation import die_with_parent
+from ..htp.isolation import await_job, die_with_parent
 from . import coverage as coverage_mod
 from .job import BucketJob, CompileJob, WorkerResult, read_message, stage_line, write_message
 
@@ -846,13 +846,6 @@ def _warm_up() -> None:
         return
 
 
-def _await(job_path: Path) -> None:
-    """Wait for the parent to write the job (the worker dies with the parent, or is killed
-    unused)."""
-    while not job_path.is_file():
-        time.sleep(0.005)
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m pipeline.compile.worker [--await] JOB.json``: any failure is left in the
     result file. ``--await``: warm up first, then wait for JOB.json to appear."""
@@ -865,7 +858,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     if waiting:
         _warm_up()
-        _await(Path(args[0]))
+        await_job(Path(args[0]))
     job = read_message(CompileJob, Path(args[0]))
     progress = Progress(Path(job.result))
     try:

@@ -33,6 +33,7 @@ from .edit import (
     copy_model,
     initializers_by_name,
     node_label,
+    readers_by_tensor,
     remove_dead_nodes,
     set_nodes,
     sort_graph,
@@ -867,10 +868,7 @@ def float16_safe_norms(
     producer = {o: n for n in graph.node for o in n.output}
     inits = initializers_by_name(graph)
     fresh = FreshNames(model)
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    readers = readers_by_tensor(graph)
     new_inits: list[onnx.TensorProto] = []
 
     def const(value: float, base: str) -> str:

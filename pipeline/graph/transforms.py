@@ -702,19 +702,28 @@ def _bypass_constant_identities(
     """Identity nodes of a constant: their readers read the constant itself, nothing is
     computed (the exporter's Identity per use of a shared weight: evaluated, 53 copies of 12 MB
     weights were 1.5 GB at once in the quantize process of a reaction transformer)."""
+    dropped = _bypass_identities(graph, outputs, lambda source: source in inits)
+    if dropped:
+        details.append(f"{dropped} Identity node(s) of a constant: their readers read it")
+    return bool(dropped)
+
+
+def _bypass_identities(
+    graph: onnx.GraphProto, outputs: set[str], reads: Callable[[str], bool]
+) -> int:
+    """Identity nodes whose input ``reads`` accepts, but not those writing a graph output:
+    dropped, their readers reading that input; how many."""
     mapping: dict[str, str] = {}
     drop: set[int] = set()
     for index, node in enumerate(graph.node):
         if node.op_type != "Identity" or node.domain not in DEFAULT_DOMAINS or not node.input:
             continue
-        if node.input[0] in inits and node.output[0] not in outputs:
+        if node.input[0] and reads(node.input[0]) and node.output[0] not in outputs:
             mapping[node.output[0]] = node.input[0]
             drop.add(index)
-    if not drop:
-        return False
-    bypass_nodes(graph, drop, mapping)
-    details.append(f"{len(drop)} Identity node(s) of a constant: their readers read it")
-    return True
+    if drop:
+        bypass_nodes(graph, drop, mapping)
+    return len(drop)
 
 
 def _already_held(
@@ -1932,21 +1941,11 @@ def drop_identities(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     scales (the detector's QDQ model 6.7 dB from float on the CPU).
     """
     model = copy_model(model)
-    graph = model.graph
-    outputs = {o.name for o in graph.output}
-    mapping: dict[str, str] = {}
-    drop: set[int] = set()
-    for index, node in enumerate(graph.node):
-        if node.op_type != "Identity" or node.domain not in DEFAULT_DOMAINS:
-            continue
-        if node.output[0] in outputs or not node.input or not node.input[0]:
-            continue
-        mapping[node.output[0]] = node.input[0]
-        drop.add(index)
-    if not drop:
-        return checked_change(model, "drop_identities", [])
-    bypass_nodes(graph, drop, mapping)
-    return checked_change(model, "drop_identities", [f"{len(drop)} Identity node(s) dropped"])
+    outputs = {o.name for o in model.graph.output}
+    dropped = _bypass_identities(model.graph, outputs, lambda _source: True)
+    return checked_change(
+        model, "drop_identities", [f"{dropped} Identity node(s) dropped"] if dropped else []
+    )
 
 
 # op -> (the constant that leaves the other operand as it is, the input positions it may take)

@@ -122,6 +122,24 @@ def start_module(
     return Started(proc, log, log_path, job, started)
 
 
+def hand_over(child: Started, job_text: str) -> None:
+    """Give a child started with its job file's path last on its command line, and waiting
+    for that file (``await_job``), its job: written whole, then renamed into that path. Its
+    time is the job's from now, not the wait's."""
+    path = Path(child.proc.args[-1])  # type: ignore[index]  # python -m MODULE ... JOB
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(job_text, encoding="utf-8")
+    child.started = time.monotonic()
+    partial.replace(path)
+
+
+def await_job(job_path: Path) -> None:
+    """In a child started ahead: wait for the parent to write the job (it dies with the
+    parent, or is killed unused)."""
+    while not job_path.is_file():
+        time.sleep(0.005)
+
+
 def run_module(
     module: str,
     job_path: Path,

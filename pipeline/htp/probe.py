@@ -58,7 +58,15 @@ from ..core.metrics import (
     storable,
     worst_snr,
 )
-from .isolation import Finished, Started, die_with_parent, start_module, wait_for
+from .isolation import (
+    Finished,
+    Started,
+    await_job,
+    die_with_parent,
+    hand_over,
+    start_module,
+    wait_for,
+)
 
 MODULE = "pipeline.htp.probe"
 DIVERGENCE_DB = 30.0  # HTP vs CPU QDQ below this at one tensor: they compute it differently
@@ -391,17 +399,8 @@ class _Spares:
 _SPARES: _Spares | None = None
 
 
-def _job_file(child: Started) -> Path:
-    return Path(child.proc.args[-1])  # type: ignore[index]  # argv: python -m MODULE --await JOB
-
-
 def _hand_over(child: Started, job: ProbeJob) -> None:
-    """Give a waiting child its job (written whole, then renamed into the path it polls)."""
-    path = _job_file(child)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(to_json_value(job)), encoding="utf-8")
-    child.started = time.monotonic()  # its time is the job's, not the wait's
-    partial.replace(path)
+    hand_over(child, json.dumps(to_json_value(job)))
 
 
 @contextmanager
@@ -980,12 +979,6 @@ def _warm_up() -> None:
         return
 
 
-def _await(job_path: Path) -> None:
-    """Wait for the parent to write the job (it dies with the parent, or is killed unused)."""
-    while not job_path.is_file():
-        time.sleep(0.005)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     waiting = args[:1] == [AWAIT]
@@ -996,7 +989,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     if waiting:
         _warm_up()
-        _await(Path(args[0]))
+        await_job(Path(args[0]))
     job: ProbeJob = _load(ProbeJob, Path(args[0]))
     if job.core >= 0 and hasattr(os, "sched_setaffinity"):
         # Before QNN starts its threads, which inherit the mask: the simulator's spinning
