@@ -821,9 +821,10 @@ def test_evidence_waits_for_running_samples_and_not_for_left_out_ones(tmp_path: 
 
 def test_two_samples_suffice_when_the_htp_agrees_with_the_cpu(tmp_path: Path):
     """With ``agree_db``: the first 2 of the claim order are enough when they are at the
-    target vs float (each and pooled; the margin is the CPU QDQ model's, over every held-out
-    sample) and at ``agree_db`` vs the CPU QDQ model pooled; short of that agreement, the
-    4-sample rule decides as before."""
+    target vs float pooled (one may be below it: the margin is the CPU QDQ model's, over every
+    held-out sample, which counts that sample's noise) and at ``agree_db`` vs the CPU QDQ model
+    pooled; short of that agreement, the 4-sample rule decides as before (each sample at the
+    target)."""
     from pipeline.htp import probe as probe_mod
 
     job = probe_mod.ProbeJob("q", "f", [f"s{i}" for i in range(10)], "", "", 60, 73)
@@ -850,7 +851,11 @@ def test_two_samples_suffice_when_the_htp_agrees_with_the_cpu(tmp_path: Path):
         ran(index, 35.0, 45.0)
     assert probe_mod._enough(job, tmp_path, order) == "enough"  # the 4-sample rule
     assert probe_mod._cut_by(job, tmp_path, order) == "evidence"
-    ran(3, 24.0, 60.0)  # one of the two below the target: agreement does not help
+    ran(3, 24.0, 60.0)  # one of the two below the target, agreeing: the CPU's figure, over
+    # every held-out sample, counts that sample's noise already; pooled the two are at 26.7 dB
+    assert probe_mod._pooled_verdict(job, tmp_path, order[:2], True) == "enough"
+    assert probe_mod._pooled_verdict(job, tmp_path, order[:2], False) == "short"
+    ran(0, 25.5, 60.0)  # pooled below the target: agreement does not help
     assert probe_mod._pooled_verdict(job, tmp_path, order[:2], True) == "short"
     ran(0, 26.0, 60.0)  # both at the target, short of the margin: the CPU's figure carries it
     ran(3, 26.5, 60.0)

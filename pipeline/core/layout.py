@@ -60,7 +60,7 @@ HTP_MIN_SAMPLES = 2  # one per simulator process on two cores: run side by side,
 ENOUGH_SAMPLES = 4
 ENOUGH_MARGIN_DB = 3.0
 # Fewer suffice when the HTP agrees with the CPU QDQ model: once AGREE_SAMPLES are at the target
-# (each and pooled) and the ctx is AGREE_MARGIN_DB or more closer to the CPU QDQ model (pooled)
+# (pooled: one may be below it, a sample the CPU's figure below counts too) and the ctx is AGREE_MARGIN_DB or more closer to the CPU QDQ model (pooled)
 # than that model is to float over the held-out samples, the HTP adds a noise 10x weaker than
 # the quantization's, and the ctx is within 20 log10(1 + 10^-0.5) = 2.4 dB of the CPU's figure
 # (the two noises add at worst in amplitude). Applied when the CPU QDQ model, measured on every

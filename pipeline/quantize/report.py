@@ -650,7 +650,7 @@ def _htp_section(r: QuantizeReport) -> list[str]:
         lines += [
             "",
             f"The first round stopped after {AGREE_SAMPLES} samples: at the target on the "
-            "HTP, each and pooled, its ctx was "
+            "HTP, pooled, its ctx was "
             f"{AGREE_MARGIN_DB:g} dB or more closer to the CPU QDQ model than that model is "
             "to float over every held-out sample (measured on the CPU, above the target with "
             "the margin). The HTP's own noise is then a tenth of the quantization's at most, "
