@@ -736,6 +736,57 @@ def test_every_sample_runs_while_one_is_short_of_the_margin(tmp_path: Path):
     assert result.ok and result.cut_by == "" and result.samples == len(heldout), result
 
 
+def test_the_comparison_takes_the_outputs_the_parent_passed(tmp_path: Path):
+    """The float and CPU QDQ outputs the judge's process kept are what the probe compares the
+    HTP's with (neither model runs again in the child): given the true ones, the figures are
+    those of a probe that ran both models itself; given outputs off by 2x, they are 6 dB, so
+    they are the ones compared."""
+    from pipeline.htp import probe as probe_mod
+    from pipeline.quantize.evaluate import KeptRuns, kept_outputs
+
+    bucket, heldout = _cpu_judged_dilated(tmp_path, seed=5, count=12)
+    for model in (bucket.float_model, bucket.qdq):
+        runs = KeptRuns(model)
+        for path in heldout:
+            with np.load(path) as data:
+                runs.run_named(runs.output_names(), {k: data[k] for k in data.files})
+    floats = kept_outputs(bucket.float_model, heldout)
+    qdqs = kept_outputs(bucket.qdq, heldout)
+    assert floats is not None and qdqs is not None
+
+    def run(folder: str, **given: Any) -> Any:
+        result = probe_mod.probe(
+            bucket.qdq,
+            bucket.float_model,
+            heldout,
+            tmp_path / folder,
+            60,
+            73,
+            timeout_s=300,
+            **given,
+        )
+        assert result.ok and result.samples == len(heldout), result
+        return result
+
+    def doubled(outputs: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        return [{k: v * 2 for k, v in named.items()} for named in outputs]
+
+    itself = run("itself")
+    given = run("given", references=floats, qdq_references=qdqs)
+    for name, accuracy in itself.ctx_vs_float.items():
+        assert given.ctx_vs_float[name].snr_db == pytest.approx(accuracy.snr_db, abs=0.01)
+        assert given.ctx_vs_qdq[name].snr_db == pytest.approx(
+            itself.ctx_vs_qdq[name].snr_db, abs=0.01
+        )
+        assert given.qdq_vs_float[name].snr_db == pytest.approx(
+            itself.qdq_vs_float[name].snr_db, abs=0.01
+        )
+        assert accuracy.snr_db > 20.0
+    wrong = run("wrong", references=doubled(floats), qdq_references=doubled(qdqs))
+    for figures in (wrong.ctx_vs_float, wrong.ctx_vs_qdq):  # 2x against x: 20 log10(2)
+        assert all(a.snr_db == pytest.approx(6.02, abs=0.2) for a in figures.values()), figures
+
+
 @pytest.mark.parametrize("losing", [True, False])
 def test_a_round_below_the_best_so_far_stops_and_says_so(tmp_path: Path, losing: bool):
     """A candidate whose first samples are, pooled, below the judge's best less the margin

@@ -272,20 +272,25 @@ def probe(
     them at ``enough_floor_db`` at least (0: ``enough_db`` each); with ``qdq_references`` (the
     CPU QDQ model's outputs on each sample) and ``agree_db``, once ``AGREE_SAMPLES`` are so and
     at ``agree_db`` vs the CPU QDQ model, pooled; with ``losing_db``, once ``ENOUGH_SAMPLES``
-    are below it vs float, pooled (the candidate cannot be kept)."""
+    are below it vs float, pooled (the candidate cannot be kept). Either set of outputs, where
+    given, is also what the comparison takes instead of running that model again."""
     work.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / STASH, ignore_errors=True)  # outputs and claims of an earlier probe
     reference_folder = work / "references"
     shutil.rmtree(reference_folder, ignore_errors=True)
-    if enough_db and not locate and references is not None and len(references) == len(samples):
+    # Outputs the caller has are written for the child: its early stops read them, and its
+    # comparison takes them instead of running the model again.
+    with_references = not locate and references is not None and len(references) == len(samples)
+    if with_references:
         _write_outputs(reference_folder, references)
     else:
         enough_db = 0.0
     qdq_folder = work / "qdq_references"
     shutil.rmtree(qdq_folder, ignore_errors=True)
-    if enough_db and agree_db and qdq_references is not None:
+    with_qdq = not locate and qdq_references is not None and len(qdq_references) == len(samples)
+    if with_qdq:
         _write_outputs(qdq_folder, qdq_references)
-    else:
+    if not (enough_db and agree_db and with_qdq):
         agree_db = 0.0
     for stale in [work / RESULT_NAME, work / CTX_NAME, *work.glob("probe_helper_*")]:
         stale.unlink(missing_ok=True)  # its stage or context must not pass for this probe's
@@ -302,10 +307,10 @@ def probe(
         locate=locate,
         run_core=cores[0] if cores else -1,
         budget_s=budget_s,
-        references=str(reference_folder.resolve()) if enough_db else "",
+        references=str(reference_folder.resolve()) if with_references else "",
         enough_db=enough_db,
         enough_floor_db=enough_floor_db,
-        qdq_references=str(qdq_folder.resolve()) if agree_db else "",
+        qdq_references=str(qdq_folder.resolve()) if with_qdq else "",
         agree_db=agree_db,
         losing=losing_db is not None and enough_db > 0,
         losing_db=losing_db if losing_db is not None else 0.0,
@@ -932,20 +937,33 @@ def _compare(
     readers: dict[str, list[str]],
     stash: Path,
 ) -> None:
-    qdq = cpu_session(model_path)
-    flt = cpu_session(job.float_model)
-    vs_float, vs_qdq, q_vs_f, tensors = (OutputComparison.for_models(model_path) for _ in range(4))
     done = _claimed(stash, len(job.samples))
+    # The parent's own outputs of the float (and, agreeing, of the CPU QDQ) model on these
+    # samples, where it passed them, are not computed again: neither session is created (a
+    # SqueezeNet's probe 209 -> 191 MiB at its peak, this phase's two sessions gone).
+    float_kept = _has_references(job.references, done)
+    qdq_kept = not exposed and _has_references(job.qdq_references, done)
+    qdq = None if qdq_kept else cpu_session(model_path)
+    flt = None if float_kept else cpu_session(job.float_model)
+    vs_float, vs_qdq, q_vs_f, tensors = (OutputComparison.for_models(model_path) for _ in range(4))
     result.requested = len(job.samples)
     result.sample_sha256 = [sha256_file(Path(job.samples[i])) for i in done]
     for index in done:
         # The heavier QDQ run first with nothing else alive, the float run beside its outputs,
         # and the HTP's outputs read from disk only then: at 1x3x1024x2048 a 19-class map is
         # 152 MiB a set, and two sets under the QDQ run took this process to 1.7 GiB.
-        with np.load(job.samples[index], allow_pickle=False) as data:
-            feeds = {k: data[k] for k in data.files}
-        ref_q = dict(zip(names, qdq.run(names, feeds), strict=True))
-        ref_f = dict(zip(outputs, flt.run(outputs, feeds), strict=True))
+        feeds = {}
+        if qdq is not None or flt is not None:
+            with np.load(job.samples[index], allow_pickle=False) as data:
+                feeds = {k: data[k] for k in data.files}
+        if qdq is None:
+            ref_q = _references(job.qdq_references, index)
+        else:
+            ref_q = dict(zip(names, qdq.run(names, feeds), strict=True))
+        if flt is None:
+            ref_f = _references(job.references, index)
+        else:
+            ref_f = dict(zip(outputs, flt.run(outputs, feeds), strict=True))
         del feeds
         q_vs_f.add(ref_f, {n: ref_q[n] for n in outputs})
         with np.load(_stashed(stash, index)) as saved:
@@ -966,6 +984,16 @@ def _compare(
         TensorAgreement(t, op, node, per_tensor[t].snr_db, readers.get(t, []))
         for t, op, node in exposed
     ]
+
+
+def _has_references(folder: str, indices: list[int]) -> bool:
+    """Whether ``folder`` (``_write_outputs``'s) holds a model's outputs on every one of these."""
+    return bool(folder) and all((Path(folder) / f"{i:04d}.npz").is_file() for i in indices)
+
+
+def _references(folder: str, index: int) -> dict[str, np.ndarray]:
+    with np.load(Path(folder) / f"{index:04d}.npz", allow_pickle=False) as data:
+        return {k: data[k] for k in data.files}
 
 
 def _warm_up() -> None:

@@ -304,10 +304,12 @@ def judge_on_htp(
             once ``ENOUGH_SAMPLES`` are ``LOSING_MARGIN_DB`` below that, pooled."""
             bar = _score(best_result) - LOSING_MARGIN_DB if losing else float("-inf")
             shown = label + (" (locate)" if locate else "")
-            agree_db, on_cpu = 0.0, None
+            agree_db = 0.0
+            # the CPU QDQ model's outputs, where this process kept them: the probe compares
+            # with them instead of running that model again, and they decide agreement
+            on_cpu = kept_outputs(qdq_path, samples) if on is None else None
             measured = cpu_snr_db if agree and decide and on is None else None
             if measured is not None and measured >= target_db + ENOUGH_MARGIN_DB:
-                on_cpu = kept_outputs(qdq_path, samples)
                 agree_db = measured + AGREE_MARGIN_DB
             progress.status(f"round {len(rounds) + 1}: {shown}: compile and run on the HTP")
             folder = work / f"p{len(rounds)}"
