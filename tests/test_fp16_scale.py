@@ -21,6 +21,7 @@ from pipeline.graph.fp16_scale import (
     exact_tanhs,
     finite_float16_logs,
     fit_float16,
+    float16_residual_streams,
     float16_safe_norms,
     max_for_small_clip_floors,
     normal_float16_weights,
@@ -871,3 +872,159 @@ def test_the_htp_runs_a_norm_of_large_values_in_fp16(tmp_path: Path) -> None:
     )
     assert results["float"] < 10.0, results
     assert results["rewritten"] > 40.0, results
+
+
+VOCAB = 40
+
+
+def _rms(x: str, out: str, gain: str) -> list[onnx.NodeProto]:
+    """T5's RMS norm as preparation leaves it (``rewrite_for_htp``: its Pow of 2 a Mul):
+    x * 1 / sqrt(mean(x * x) + eps) * gain."""
+    return [
+        oh.make_node("Mul", [x, x], [f"{out}_sq"]),
+        oh.make_node("ReduceMean", [f"{out}_sq", "last"], [f"{out}_ms"], keepdims=1),
+        oh.make_node("Add", [f"{out}_ms", "eps"], [f"{out}_v"]),
+        oh.make_node("Sqrt", [f"{out}_v"], [f"{out}_root"]),
+        oh.make_node("Div", ["one", f"{out}_root"], [f"{out}_inv"]),
+        oh.make_node("Mul", [x, f"{out}_inv"], [f"{out}_n"]),
+        oh.make_node("Mul", [f"{out}_n", gain], [out]),
+    ]
+
+
+def residual_block(read_by_softmax: bool = False, final: str = "rms") -> onnx.ModelProto:
+    """A T5-like encoder layer: token embeddings with one outlier channel near 5e4, an FFN
+    branch (norm, wi, Relu, wo) that adds more to it, the stream past fp16's 65504, then
+    the final norm and a projection. The embedding table is read by a tied output head too
+    (scaled down: its logits fit fp16)."""
+    rng = np.random.default_rng(23)  # its own: the same block whatever ran before
+    table = rng.standard_normal((VOCAB, WIDTH)).astype(np.float32)
+    table[:, 5] = rng.uniform(4e4, 5e4, VOCAB)
+    wi = (rng.standard_normal((WIDTH, 96)) / np.sqrt(WIDTH)).astype(np.float32)
+    wo = (rng.standard_normal((96, WIDTH)) / np.sqrt(96)).astype(np.float32)
+    wo[:, 5] = np.abs(wo[:, 5]) * 3e4
+    inits = [
+        numpy_helper.from_array(table, "table"),
+        numpy_helper.from_array(wi, "wi"),
+        numpy_helper.from_array(wo, "wo"),
+        numpy_helper.from_array(rng.uniform(0.5, 1.5, WIDTH).astype(np.float32), "g1"),
+        numpy_helper.from_array(rng.uniform(0.5, 1.5, WIDTH).astype(np.float32), "g2"),
+        numpy_helper.from_array(np.array(1e-6, np.float32), "eps"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+        numpy_helper.from_array(np.array([-1], np.int64), "last"),
+        numpy_helper.from_array(np.array(1e-4, np.float32), "head_scale"),
+        numpy_helper.from_array(np.zeros(WIDTH, np.float32), "b2"),
+    ]
+    nodes = [
+        oh.make_node("Gather", ["table", "ids"], ["h0"]),
+        *_rms("h0", "n1", "g1"),
+        oh.make_node("MatMul", ["n1", "wi"], ["hid"]),
+        oh.make_node("Relu", ["hid"], ["act"]),
+        oh.make_node("MatMul", ["act", "wo"], ["ffn"]),
+        oh.make_node("Add", ["h0", "ffn"], ["h1"]),
+        *(
+            _rms("h1", "n2", "g2")
+            if final == "rms"
+            else [oh.make_node("LayerNormalization", ["h1", "g2", "b2"], ["n2"], epsilon=1e-6)]
+        ),
+        oh.make_node("Transpose", ["table"], ["tied"], perm=[1, 0]),
+        oh.make_node("Mul", ["tied", "head_scale"], ["head"]),
+        oh.make_node("MatMul", ["n2", "head"], ["y"]),
+    ]
+    if read_by_softmax:
+        nodes.append(oh.make_node("Softmax", ["h1"], ["p"], axis=-1))
+    outputs = [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, VOCAB])]
+    if read_by_softmax:
+        outputs.append(oh.make_tensor_value_info("p", TensorProto.FLOAT, [1, 8, WIDTH]))
+    graph = oh.make_graph(
+        nodes,
+        "t5ish",
+        [oh.make_tensor_value_info("ids", TensorProto.INT64, [1, 8])],
+        outputs,
+        inits,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
+    model.ir_version = 9
+    return model
+
+
+def _stream_peaks(model: onnx.ModelProto, ids: list[np.ndarray]) -> dict[str, float]:
+    """Every float tensor's max |value| over ``ids`` (the calibrated peaks, as the build has)."""
+    names = [n.output[0] for n in model.graph.node]
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.extend(oh.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names)
+    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    peaks: dict[str, float] = {}
+    for sample in ids:
+        for name, value in zip(names, session.run(names, {"ids": sample}), strict=True):
+            peaks[name] = max(peaks.get(name, 0.0), float(np.abs(value).max()))
+    return peaks
+
+
+def token_ids(count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(29)
+    return [rng.integers(0, VOCAB, (1, 8)).astype(np.int64) for _ in range(count)]
+
+
+@pytest.mark.parametrize("final", ["rms", "layer"])
+def test_a_residual_stream_past_fp16_is_scaled_by_its_constants_and_computes_the_same(
+    final: str,
+) -> None:
+    """The stream (h0, ffn, h1) times 2^-k with the table read by the Gather, wo and the two
+    norms' eps scaled (an RMS norm's operand, a LayerNormalization's attribute); the tied head
+    still reads the table as it was. The same outputs in float32, and every stream tensor
+    under fp16's target."""
+    model = residual_block(final=final)
+    ids = token_ids(4)
+    peaks = _stream_peaks(model, ids)
+    assert peaks["h1"] > 65504.0
+    rewritten, change, factors = float16_residual_streams(model, peaks)
+    assert change.changed and "times 2^-" in change.details[0], change
+    assert set(factors) >= {"h0", "ffn", "h1"} and "y" not in factors and "n2" not in factors
+    assert all(peaks[t] * factors[t] <= FLOAT16_TARGET for t in ("h0", "ffn", "h1"))
+    if final == "rms":
+        assert factors["n2_sq"] == factors["h1"] ** 2
+    else:
+        norm = next(n for n in rewritten.graph.node if n.op_type == "LayerNormalization")
+        assert oh.get_attribute_value(norm.attribute[0]) == pytest.approx(1e-6 * factors["h1"] ** 2)
+    head = next(n for n in rewritten.graph.node if n.op_type == "Transpose")
+    assert head.input[0] == "table"  # the tied head reads the unscaled table
+    for sample in ids:
+        before = _run_ids(model, sample)
+        after = _run_ids(rewritten, sample)
+        np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-4 * np.abs(before).max())
+
+
+def _run_ids(model: onnx.ModelProto, ids: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(["y"], {"ids": ids})[0]
+
+
+def test_a_stream_read_by_anything_but_sums_and_norms_is_left_alone() -> None:
+    """A Softmax of the stream is not scale-free: no exact scaling exists, nothing changes."""
+    model = residual_block(read_by_softmax=True)
+    peaks = _stream_peaks(model, token_ids(2))
+    _, change, factors = float16_residual_streams(model, peaks)
+    assert not change.changed and not factors
+
+
+@pytest.mark.qnn
+def test_the_htp_runs_a_scaled_residual_stream_in_fp16(tmp_path: Path) -> None:
+    """Measured: whole in fp16 the stream overflows to inf and the output is lost; with only
+    its norms over the row maximum it still is; scaled (and those norms) it agrees with float."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = residual_block()
+    ids = token_ids(4)
+    peaks = _stream_peaks(model, ids)
+    norms_only, _ = float16_safe_norms(model, peaks)
+    scaled, _, factors = float16_residual_streams(model, peaks)
+    scaled, _ = float16_safe_norms(scaled, {t: p * factors.get(t, 1.0) for t, p in peaks.items()})
+    results = whole_ctx_vs_float(
+        tmp_path,
+        {"float": model, "norms_only": norms_only, "scaled": scaled},
+        [{"ids": sample} for sample in ids[:2]],
+    )
+    assert results["float"] < 10.0, results
+    assert results["norms_only"] < 10.0, results
+    assert results["scaled"] > 40.0, results

@@ -958,3 +958,224 @@ def float16_safe_norms(
     remove_dead_nodes(graph)
     sort_graph(graph)
     return checked_change(model, "float16_safe_norms", details)
+
+
+# A residual stream's tensors are read and written through these unchanged in scale (c > 0):
+# layout moves, a Relu, a mean (a layer norm's centring).
+_STREAM_HOMOGENEOUS = {
+    "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Dropout", "Flatten", "Relu",
+    "ReduceMean",
+}  # fmt: skip
+
+
+class _Stream:
+    """A residual stream to scale by c: its tensors, the constants that make it (times c) and
+    the norms that read it, whose eps become eps * c^2 (their outputs do not move)."""
+
+    def __init__(self) -> None:
+        self.tensors: set[str] = set()
+        self.squares: set[str] = set()  # tensors inside its norms, times c^2
+        self.scaled: list[tuple[onnx.NodeProto, int]] = []  # constant operands, times c
+        self.eps: list[tuple[onnx.NodeProto, int]] = []  # a norm's eps operand, times c^2
+        self.layer_norms: list[onnx.NodeProto] = []  # LayerNormalization: epsilon times c^2
+
+
+def _scalar(inits: Mapping[str, onnx.TensorProto], name: str) -> float | None:
+    init = inits.get(name)
+    if init is None or init.data_type not in _FLOAT_TYPES:
+        return None
+    value = numpy_helper.to_array(init)
+    return float(value.reshape(())) if value.size == 1 else None
+
+
+def _norm_reading(
+    square: onnx.NodeProto,
+    x: str,
+    readers: Mapping[str, list[onnx.NodeProto]],
+    inits: Mapping[str, onnx.TensorProto],
+) -> tuple[list[onnx.NodeProto], onnx.NodeProto, int, list[onnx.NodeProto]] | None:
+    """``square`` squares ``x`` into x / sqrt(mean(x^2) + eps): (the nodes from the square to
+    the root, the Add holding eps, eps's operand index, the nodes that divide x by the root)."""
+    squares = (square.op_type == "Mul" and list(square.input) == [x, x]) or (
+        square.op_type == "Pow" and square.input[0] == x and _scalar(inits, square.input[1]) == 2.0
+    )
+    if not squares:
+        return None
+
+    def only_reader(node: onnx.NodeProto, op: str) -> onnx.NodeProto | None:
+        found = readers.get(node.output[0], [])
+        return found[0] if len(found) == 1 and found[0].op_type == op else None
+
+    mean = only_reader(square, "ReduceMean")
+    add = mean and only_reader(mean, "Add")
+    root = add and only_reader(add, "Sqrt")
+    if mean is None or add is None or root is None:
+        return None
+    index = 1 if add.input[0] == mean.output[0] else 0
+    if _scalar(inits, add.input[index]) is None:
+        return None
+    divisions = []
+    for reader in readers.get(root.output[0], []):
+        if reader.op_type == "Div" and list(reader.input) == [x, root.output[0]]:
+            divisions.append(reader)
+            continue
+        inverse = reader.op_type == "Reciprocal" or (
+            reader.op_type == "Div"
+            and reader.input[1] == root.output[0]
+            and _scalar(inits, reader.input[0]) == 1.0
+        )
+        muls = readers.get(reader.output[0], []) if inverse else []
+        if not muls or any(m.op_type != "Mul" or x not in m.input for m in muls):
+            return None
+        divisions.extend(muls)
+    return ([square, mean, add, root], add, index, divisions) if divisions else None
+
+
+def _residual_stream(
+    start: str,
+    producer: Mapping[str, onnx.NodeProto],
+    readers: Mapping[str, list[onnx.NodeProto]],
+    inits: Mapping[str, onnx.TensorProto],
+    outputs: set[str],
+) -> _Stream | None:
+    """The stream ``start`` belongs to, if scaling it by c is exact with constants and eps
+    alone: every tensor made by a sum, a product with a constant (a projection, an embedding
+    table, a gain) or a homogeneous op of stream tensors, and read by those or by a norm."""
+    stream = _Stream()
+    todo = [start]
+
+    def constant_operand(node: onnx.NodeProto, index: int) -> bool:
+        if node.input[index] in inits and inits[node.input[index]].data_type in _FLOAT_TYPES:
+            stream.scaled.append((node, index))
+            return True
+        return False
+
+    while todo:
+        name = todo.pop()
+        if name in stream.tensors:
+            continue
+        if name in outputs or name not in producer:
+            return None  # a graph output or input: its scale is the user's
+        stream.tensors.add(name)
+        node = producer[name]
+        if node.domain not in DEFAULT_DOMAINS or len(node.output) != 1:
+            return None
+        op = node.op_type
+        if op in ("Add", "Sub"):
+            for index, operand in enumerate(node.input):
+                if not constant_operand(node, index):
+                    todo.append(operand)
+        elif op in ("MatMul", "Mul") and len(node.input) == 2:
+            variable = [i for i, n in enumerate(node.input) if n not in inits]
+            if len(variable) != 1 or not constant_operand(node, 1 - variable[0]):
+                return None
+        elif op == "Gemm":
+            if node.input[0] in inits or not constant_operand(node, 1):
+                return None
+            if len(node.input) > 2 and node.input[2] and not constant_operand(node, 2):
+                return None
+        elif op == "Gather":
+            if not constant_operand(node, 0):
+                return None
+        elif op in _STREAM_HOMOGENEOUS:
+            todo.append(node.input[0])
+        else:
+            return None
+        found = readers.get(name, [])
+        accounted: set[int] = set()  # a norm's square and divisions
+        for reader in found:
+            if id(reader) in accounted:  # Mul(x, x) reads x twice
+                continue
+            norm = _norm_reading(reader, name, readers, inits)
+            if norm is not None and reader.domain in DEFAULT_DOMAINS:
+                inside, add, index, divisions = norm
+                stream.squares.update(n.output[0] for n in inside)
+                stream.eps.append((add, index))
+                accounted.update(id(n) for n in [reader, *divisions])
+        for reader in found:
+            if id(reader) in accounted:
+                continue
+            if reader.domain not in DEFAULT_DOMAINS:
+                return None
+            if reader.op_type in ("Add", "Sub") or (
+                reader.op_type in _STREAM_HOMOGENEOUS and reader.input[0] == name
+            ):
+                todo.append(reader.output[0])
+            elif reader.op_type == "LayerNormalization" and reader.input[0] == name:
+                if all(n is not reader for n in stream.layer_norms):
+                    stream.layer_norms.append(reader)
+            else:
+                return None
+    return stream
+
+
+def float16_residual_streams(
+    model: onnx.ModelProto, peaks: Mapping[str, float]
+) -> tuple[onnx.ModelProto, Change, dict[str, float]]:
+    """A residual stream past fp16's range -> the same stream times c = 2^-k, exactly: the
+    constants that write into it (an embedding table, each branch's last projection, biases)
+    times c, and each norm reading it given eps * c^2, so every norm's output, and so every
+    branch and the model's outputs, are what they were. Returns the factor each tensor's values
+    were multiplied by, for the peaks of the steps after it.
+
+    Why: a T5 encoder's residual stream reaches 1.5e5 (an FFN output 8.7e4): whole in fp16 on
+    the HTP every value past 65504 is inf, and the norms reading the stream return NaN; its
+    norms computed over the row maximum (``float16_safe_norms``) took the context from -51.6 to
+    11.2 dB, the stream itself still overflowing. Nothing but sums, projections and norms may
+    touch the stream: a tensor with any other reader (a Softmax, an activation) or a graph
+    input or output in it leaves that stream as it is."""
+    model = copy_model(model)
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    readers = readers_by_tensor(graph)
+    inits = initializers_by_name(graph)
+    outputs = {o.name for o in graph.output}
+    fresh = FreshNames(model)
+    factors: dict[str, float] = {}
+    details = []
+    over = sorted(
+        (n for n, p in peaks.items() if p > FLOAT16_TARGET and n in producer),
+        key=lambda n: -peaks[n],
+    )
+    copies: dict[tuple[str, float], str] = {}
+
+    def scaled_constant(name: str, factor: float) -> str:
+        key = (name, factor)
+        if key not in copies:
+            value = numpy_helper.to_array(inits[name])
+            copies[key] = fresh(f"{name}_x{factor:g}")
+            graph.initializer.append(
+                numpy_helper.from_array((value * factor).astype(value.dtype), copies[key])
+            )
+        return copies[key]
+
+    for start in over:
+        if start in factors or producer[start].op_type not in ("Add", "Sub"):
+            continue
+        stream = _residual_stream(start, producer, readers, inits, outputs)
+        if stream is None:
+            continue
+        peak = max(peaks.get(t, 0.0) for t in stream.tensors)
+        shift = max(1, math.ceil(math.log2(peak / FLOAT16_TARGET)))
+        c = 2.0**-shift
+        for node, index in stream.scaled:
+            node.input[index] = scaled_constant(node.input[index], c)
+        for node, index in stream.eps:
+            node.input[index] = scaled_constant(node.input[index], c * c)
+        for node in stream.layer_norms:
+            eps = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+            replace = [a for a in node.attribute if a.name != "epsilon"]
+            del node.attribute[:]
+            node.attribute.extend([*replace, helper.make_attribute("epsilon", eps * c * c)])
+        factors.update(dict.fromkeys(stream.tensors, c))
+        factors.update(dict.fromkeys(stream.squares, c * c))
+        norms = len(stream.eps) + len(stream.layer_norms)
+        details.append(
+            f"{len(stream.tensors)} tensors of the stream through {start!r} (peak {peak:.3g}) "
+            f"times 2^-{shift}: {len(stream.scaled)} constant operands scaled, {norms} norms' "
+            "eps times 2^-" + str(2 * shift)
+        )
+    if not details:
+        return model, Change("float16_residual_streams"), {}
+    model, change = checked_change(model, "float16_residual_streams", details)
+    return model, change, factors

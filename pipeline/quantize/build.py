@@ -549,6 +549,7 @@ def _quantize_all(
         from ..graph.fp16_scale import (
             exact_float16_forms,
             fit_float16,
+            float16_residual_streams,
             float16_safe_norms,
             normal_float16_weights,
         )
@@ -557,10 +558,12 @@ def _quantize_all(
         source = onnx.load(str(prepared[name].float_path))
         model, change = fit_float16(source, calibrated_peaks())
         model, exact = exact_float16_forms(source if model is None else model)
-        model, weights = normal_float16_weights(model, calibrated_peaks())
-        model, norms = float16_safe_norms(model, calibrated_peaks())
+        model, streams, factors = float16_residual_streams(model, calibrated_peaks())
+        peaks = {t: p * factors.get(t, 1.0) for t, p in calibrated_peaks().items()}
+        model, weights = normal_float16_weights(model, peaks)
+        model, norms = float16_safe_norms(model, peaks)
         model, inputs = dequantized_integer_inputs(model)
-        for step in (change, *exact, weights, norms, inputs):
+        for step in (change, *exact, streams, weights, norms, inputs):
             if step.changed:  # reported with the preparation steps (once: a rebuild replaces it)
                 prepared[name].changes[:] = [
                     c for c in prepared[name].changes if c.step != step.step
