@@ -727,3 +727,23 @@ def test_an_end_to_end_head_builds_judged_by_what_it_picks_from(tmp_path: Path) 
     assert [o.name for o in shipped.graph.output] == ["detections", "mean_score"]
     report = json.loads((paths.root / "report.json").read_text())
     assert "expose_selection_sources" in json.dumps(report["prepare"])
+
+
+def test_a_summary_of_outputs_all_picked_by_rank_does_not_read_inf_db() -> None:
+    """Compile's one-line summary: with no output gated by SNR the worst is inf, which read as
+    "ctx vs QDQ inf dB (vs float inf dB)" (a YOLOv10 at 7 dB on its picked rows); it says what
+    they are and their figure instead."""
+    from types import SimpleNamespace
+
+    from pipeline.compile.report import _snr_line
+    from pipeline.core.metrics import Accuracy
+
+    picked = {"detections": Accuracy(7.0, 1248.7, 0.9, compared_as="picked by rank")}
+    validation = SimpleNamespace(
+        ctx_vs_qdq=picked, worst_snr_db=float("inf"), worst_snr_vs_float_db=float("inf")
+    )
+    line = _snr_line(validation)
+    assert "inf" not in line and "picked by rank, not gated" in line and "7.0 dB" in line
+    gated = {**picked, "scores": Accuracy(41.0, 0.01, 1.0)}
+    validation = SimpleNamespace(ctx_vs_qdq=gated, worst_snr_db=41.0, worst_snr_vs_float_db=30.0)
+    assert _snr_line(validation).startswith("ctx vs QDQ 41.0 dB (vs float 30.0 dB)")

@@ -38,6 +38,14 @@ def failure_details(e: Failure, limit: int) -> str:
 
 
 def _snr_line(v: Any) -> str:
+    picked = (
+        v is not None
+        and v.ctx_vs_qdq
+        and all(a.compared_as == PICKED for a in v.ctx_vs_qdq.values())
+    )
+    if picked:  # no output is gated by SNR: "inf dB" would say they are exact
+        worst = min(a.snr_db for a in v.ctx_vs_qdq.values())
+        return f"outputs picked by rank, not gated (ctx vs QDQ {fmt(worst, 1)} dB), "
     return f"ctx vs QDQ {fmt(v.worst_snr_db if v else None, 1)} dB" + (
         f" (vs float {fmt(v.worst_snr_vs_float_db, 1)} dB), "
         if v and v.worst_snr_vs_float_db is not None
