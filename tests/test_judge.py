@@ -710,6 +710,65 @@ def test_a_round_stops_once_enough_samples_are_well_above_the_target(
     assert noted[stop] in paths.ctx_report.read_text()
 
 
+def _outlier_row_matmul() -> tuple[onnx.ModelProto, list[np.ndarray]]:
+    """A MatMul whose weight's first row is 40x the others, read by a feature 40x smaller: one
+    int8 scale per output column spends its steps on that row, the other rows, which make the
+    output, keep ~3 of them (20.4 dB on the CPU); at 16 bits the weight is exact."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    w[0, :] *= 40.0
+    model = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])],
+            "m",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 64])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 32])],
+            [numpy_helper.from_array(w, "w")],
+        ),
+        opset_imports=[helper.make_opsetid("", 21)],
+    )
+    model.ir_version = 10
+    samples = [rng.standard_normal((1, 8, 64)) for _ in range(16)]
+    for sample in samples:
+        sample[..., 0] /= 40.0
+    return model, samples
+
+
+def test_a_context_short_where_the_htp_agrees_gets_more_16_bit_tensors(tmp_path: Path, monkeypatch):
+    """The CPU QDQ model is at 20.4 dB, the target 20: mixed precision does not run. The first
+    round's figure vs float is lowered by 2 dB (as an HTP that lost that much would give; its
+    figure vs the CPU QDQ model, ~60 dB, is left as measured): the judge raises the CPU QDQ
+    model's precision to the target plus that loss (plus mixed precision's margin) instead of
+    leaving tensors in fp16, and the next round, run as it is, passes."""
+    from pipeline.core.metrics import Accuracy
+    from pipeline.quantize import judge as judge_mod
+
+    model, samples = _outlier_row_matmul()
+    config = _write(tmp_path, model, samples, "min_snr_db = 15.0\ntarget_snr_db = 20.0\n")
+    real_probe, calls = judge_mod.probe, []
+
+    def lost_two_db(*args: Any, **kwargs: Any) -> Any:
+        result = real_probe(*args, **kwargs)
+        calls.append(result)
+        if len(calls) == 1:
+            result.ctx_vs_float = {
+                name: Accuracy(a.snr_db - 2.0, a.max_abs, a.cosine)
+                for name, a in result.ctx_vs_float.items()
+            }
+        return result
+
+    monkeypatch.setattr(judge_mod, "probe", lost_two_db)
+    quantize_model(load_config(config), tmp_path / "artifacts", force=True)
+    report = _report(tmp_path)
+    assert report["mixed_precision"]["tensors"] == []  # 20.4 dB at 8 bits: not run
+    first, second = report["htp"]["rounds"][:2]
+    assert first["ctx_vs_float_db"] < 20.0 < first["ctx_vs_qdq_db"] - 3.0, first
+    assert second["label"] == "1 more tensor(s) at 16 bits", second
+    assert second["ctx_vs_float_db"] > 40.0 and report["htp"]["chosen"] == second["label"]
+    assert "the HTP agrees with that model" in report["htp"]["remedies"][0]
+    assert "float16" not in json.dumps(report["htp"]["remedies"])
+
+
 def test_every_sample_runs_while_one_is_short_of_the_margin(tmp_path: Path):
     """Given the float outputs and a figure no sample reaches, every sample runs."""
     from pipeline.htp import probe as probe_mod

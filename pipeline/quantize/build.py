@@ -574,6 +574,23 @@ def _quantize_all(
             else:
                 onnx.save(model, str(tmp))
 
+    def raise_to(goal_db: float, base: dict[str, str]) -> dict[str, str] | None:
+        """The judge's raise: mixed precision again, aimed at ``goal_db`` on the CPU."""
+        aimed = dataclasses.replace(
+            config, quantization=dataclasses.replace(q, target_snr_db=goal_db)
+        )
+        more = raise_precision(
+            aimed,
+            prepared[probe].float_path,
+            paths.bucket(probe).qdq,
+            paths.bucket(probe).heldout,
+            samples[probe],
+            base,
+            lambda extra: quantize(probe, extra),
+            statistics.means if q.bias_correction else None,
+        )
+        return {**more.overrides, **base} if more.tensors else None
+
     # report.html at the end needs matplotlib: its ~1 s import runs while this process waits
     # for the judge's HTP probes in their child processes, instead of after them.
     preload_plotting()
@@ -584,7 +601,11 @@ def _quantize_all(
         samples_in(paths.bucket(probe).heldout),
         samples[probe],
         chosen,
-        Builder(lambda extra: quantize(probe, extra), lambda: use_float(probe)),
+        Builder(
+            lambda extra: quantize(probe, extra),
+            lambda: use_float(probe),
+            raise_to if held_counts[probe] and q.auto_mixed_precision else None,
+        ),
         paths.root,
         paths.bucket(probe).htp_probe if len(order) == 1 else None,
         mixed.after_snr_db if mixed else None,
