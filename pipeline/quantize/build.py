@@ -519,18 +519,25 @@ def _quantize_all(
     changes = {name: quantize(name, overrides) for name in order}
     mixed: MixedPrecision | None = None
     probe = max(order, key=lambda n: (held_counts[n], order.index(n)))
-    if q.auto_mixed_precision and held_counts[probe]:
-        mixed = raise_precision(
-            config,
+
+    def raise_on_probe(target_db: float, base: dict[str, str]) -> MixedPrecision:
+        """Mixed precision on the probe bucket, aimed at ``target_db`` on the CPU."""
+        aimed = dataclasses.replace(
+            config, quantization=dataclasses.replace(q, target_snr_db=target_db)
+        )
+        return raise_precision(
+            aimed,
             prepared[probe].float_path,
             paths.bucket(probe).qdq,
             paths.bucket(probe).heldout,
             samples[probe],
-            overrides,
+            base,
             lambda extra: quantize(probe, extra),
             statistics.means if q.bias_correction else None,
         )
-        mixed = dataclasses.replace(mixed, bucket=probe)
+
+    if q.auto_mixed_precision and held_counts[probe]:
+        mixed = dataclasses.replace(raise_on_probe(q.target_snr_db, overrides), bucket=probe)
     chosen = {**overrides, **(mixed.overrides if mixed else {})}
     timings["quantize"] = time.perf_counter() - t0
 
@@ -576,19 +583,7 @@ def _quantize_all(
 
     def raise_to(goal_db: float, base: dict[str, str]) -> dict[str, str] | None:
         """The judge's raise: mixed precision again, aimed at ``goal_db`` on the CPU."""
-        aimed = dataclasses.replace(
-            config, quantization=dataclasses.replace(q, target_snr_db=goal_db)
-        )
-        more = raise_precision(
-            aimed,
-            prepared[probe].float_path,
-            paths.bucket(probe).qdq,
-            paths.bucket(probe).heldout,
-            samples[probe],
-            base,
-            lambda extra: quantize(probe, extra),
-            statistics.means if q.bias_correction else None,
-        )
+        more = raise_on_probe(goal_db, base)
         return {**more.overrides, **base} if more.tensors else None
 
     # report.html at the end needs matplotlib: its ~1 s import runs while this process waits
