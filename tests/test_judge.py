@@ -236,6 +236,15 @@ def test_what_no_16_bit_grid_holds_goes_to_fp16_on_the_htp(tmp_path: Path):
     )
 
 
+def test_a_quantized_model_5_db_short_on_the_cpu_goes_to_fp16_first(tmp_path: Path):
+    """7 dB short (the imbalanced model at 0 dB, the target 7): more than the HTP has ever made
+    up over the CPU QDQ model, so the quantized model's round is not run before fp16's, which
+    passes and ends the judging."""
+    htp = _build_imbalanced(tmp_path, 7.0)["htp"]
+    assert [r["label"] for r in htp["rounds"]] == ["whole model in fp16"], htp["rounds"]
+    assert any("7 dB short on the CPU" in r for r in htp["remedies"]), htp["remedies"]
+
+
 def test_fp16_first_still_runs_the_quantized_model_when_it_falls_short(tmp_path: Path):
     """A target even fp16 misses: the quantized model runs too, and the better one is kept."""
     htp = _build_imbalanced(tmp_path, 150.0)["htp"]

@@ -17,7 +17,7 @@ HTP (``pipeline.htp.probe``), and its context-vs-float SNR decides. While it is 
    from float, and below the target, the whole model in fp16 runs first (tensors ranked on the
    CPU do not mend what the HTP adds), the per-tensor rounds after it only if it is short;
 3. the whole model in fp16 on the HTP: straight away when the quantized model is already
-   ``HOPELESS_DB`` short of the target on the CPU (one tensor range spanning channels whose
+   ``FLOAT16_FIRST_DB`` short of the target on the CPU (one tensor range spanning channels whose
    scales differ by 10^4, as in PP-PicoDet's first convolutions, leaves no 16-bit scale that
    serves them all), next when it is short there at all and the simulator takes
    ``SLOW_SAMPLE_S`` or more a sample, and always before the judge gives up short of it. On such
@@ -70,6 +70,11 @@ FLOAT16_FIRST = 4  # tensors left in float16 in the first round of that remedy (
 LOCATE_SAMPLES = 8  # a locator run exposes every activation: fewer samples, one child
 # A quantized model HOPELESS_DB below the target on the CPU (after mixed precision) goes straight
 # to fp16: raising single tensors has not closed such gaps on any model measured (PP-PicoDet: 1 dB).
+# So does one FLOAT16_FIRST_DB below it: the HTP has come out at most 3.5 dB above the CPU QDQ
+# model (a PP-OCR recogniser: 25.4 on the CPU, 28.8 on the HTP; at most 2.2 in 29 remedy rounds),
+# so its round could not pass, and on a slow simulator it cost minutes (a PP-OCRv5 text detector
+# at 960x960: 79 s before the fp16 round that passed). Should fp16 fall short, it runs after all.
+FLOAT16_FIRST_DB = 5.0
 # A remedy that moved the context by less than this changed nothing that matters: the locator
 # (whose exposed outputs change what the HTP fuses) did not find the cause, so the next round is
 # the whole model in fp16 instead of another locate (PP-OCRv4's detector: 3 rounds at 17.4 dB).
@@ -249,7 +254,7 @@ def judge_on_htp(
     not the last one tried: the caller rebuilds every bucket with it). Every candidate runs on
     the validation samples, so the kept one's figures go to ``probe_record`` for the compile
     stage to reuse (``HtpProbeRecord``). ``cpu_snr_db``, the QDQ model's worst SNR on the CPU:
-    ``HOPELESS_DB`` or more short of the target, the whole model in fp16 is tried first, and
+    ``FLOAT16_FIRST_DB`` or more short of the target, the whole model in fp16 is tried first, and
     the quantized model only runs on the HTP when fp16 does not reach the target either.
     ``decide = False`` (a pre-quantized model keeping its own quantization): one run, measured
     and reported, no remedy. ``on_short`` is called once, before any remedy, when the first
@@ -391,7 +396,7 @@ def judge_on_htp(
 
         # (candidate, its run, the QDQ digest it ran): fp16 first for a hopeless quantization
         early: tuple[Candidate, ProbeResult, str] | None = None
-        if cpu_snr_db is not None and target_db - cpu_snr_db > HOPELESS_DB:
+        if cpu_snr_db is not None and target_db - cpu_snr_db > FLOAT16_FIRST_DB:
             fp16 = whole_float16(
                 f"the quantized model is {target_db - cpu_snr_db:.0f} dB short on the CPU"
             )
