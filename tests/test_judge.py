@@ -774,8 +774,22 @@ def test_a_context_short_where_the_htp_agrees_gets_more_16_bit_tensors(tmp_path:
     assert first["ctx_vs_float_db"] < 20.0 < first["ctx_vs_qdq_db"] - 3.0, first
     assert second["label"] == "1 more tensor(s) at 16 bits", second
     assert second["ctx_vs_float_db"] > 40.0 and report["htp"]["chosen"] == second["label"]
-    assert "the HTP agrees with that model" in report["htp"]["remedies"][0]
+    assert "the HTP agrees with it" in report["htp"]["remedies"][0]
     assert "float16" not in json.dumps(report["htp"]["remedies"])
+
+
+def test_a_context_at_the_target_by_a_hair_gets_headroom_where_the_htp_agrees(tmp_path: Path):
+    """The CPU QDQ model at 20.4 dB, the target 20 (no mixed precision): the context passes by
+    under 1 dB, and the HTP agrees with the CPU, so one raise of 16-bit tensors runs and, far
+    better, is kept; the first round's candidate stays in the report."""
+    model, samples = _outlier_row_matmul()
+    config = _write(tmp_path, model, samples, "min_snr_db = 15.0\ntarget_snr_db = 20.0\n")
+    quantize_model(load_config(config), tmp_path / "artifacts", force=True)
+    report = _report(tmp_path)
+    first, second = report["htp"]["rounds"]
+    assert 20.0 <= first["ctx_vs_float_db"] < 21.0, first
+    assert second["label"] == "1 more tensor(s) at 16 bits" and second["ctx_vs_float_db"] > 40
+    assert report["htp"]["chosen"] == second["label"]
 
 
 def test_every_sample_runs_while_one_is_short_of_the_margin(tmp_path: Path):
