@@ -607,6 +607,15 @@ def _output_names(float_model: str) -> list[str]:
     return [o.name for o in onnx.load(float_model, load_external_data=False).graph.output]
 
 
+def _tensor_outputs_only(model: str) -> bool:
+    """Whether every output of ``model`` is a tensor: a ZipMap's sequence of maps, stored as
+    its values (``storable``), would no longer compare as the maps it is (``MAP_VALUES``)."""
+    import onnx
+
+    outputs = onnx.load(model, load_external_data=False).graph.output
+    return all(o.type.HasField("tensor_type") for o in outputs)
+
+
 def _stashed(stash: Path, index: int) -> Path:
     return stash / f"{index:04d}.npz"
 
@@ -941,8 +950,9 @@ def _compare(
     # The parent's own outputs of the float (and, agreeing, of the CPU QDQ) model on these
     # samples, where it passed them, are not computed again: neither session is created (a
     # SqueezeNet's probe 209 -> 191 MiB at its peak, this phase's two sessions gone).
-    float_kept = _has_references(job.references, done)
-    qdq_kept = not exposed and _has_references(job.qdq_references, done)
+    tensors_only = _tensor_outputs_only(job.float_model)
+    float_kept = tensors_only and _has_references(job.references, done)
+    qdq_kept = tensors_only and not exposed and _has_references(job.qdq_references, done)
     qdq = None if qdq_kept else cpu_session(model_path)
     flt = None if float_kept else cpu_session(job.float_model)
     vs_float, vs_qdq, q_vs_f, tensors = (OutputComparison.for_models(model_path) for _ in range(4))
