@@ -276,17 +276,26 @@ def _max_pool_over_graphs(fill: float = -np.inf, reduction: str = "max") -> onnx
     return model
 
 
+@pytest.mark.parametrize("dense", [True, False])
 @pytest.mark.parametrize(("reduction", "fill"), [("max", -np.inf), ("min", np.inf)])
 def test_a_max_scatter_into_infinity_takes_the_least_update_instead(
-    reduction: str, fill: float
+    reduction: str, fill: float, dense: bool, monkeypatch
 ) -> None:
+    """Few groups (a readout): the max over the updates masked by their group, no scatter left;
+    many (the limit lowered here): the scatter into the least update."""
+    from pipeline.graph import numerics
+
+    if not dense:
+        monkeypatch.setattr(numerics, "_MASKED_ELEMENTS", 0)
     model = _max_pool_over_graphs(fill, reduction)
     rewritten, change = finite_scatter_fills(model)
-    assert change.changed and [n.op_type for n in rewritten.graph.node][-3:] == [
-        "ReduceMin" if reduction == "max" else "ReduceMax",
-        "Expand",
-        "ScatterElements",
-    ]
+    ops = [n.op_type for n in rewritten.graph.node]
+    least = "ReduceMin" if reduction == "max" else "ReduceMax"
+    if dense:
+        assert change.changed and "ScatterElements" not in ops and "Where" in ops, ops
+        assert ops[-1] == ("ReduceMax" if reduction == "max" else "ReduceMin")
+    else:
+        assert change.changed and ops[-3:] == [least, "Expand", "ScatterElements"], ops
     assert all(np.isfinite(numpy_helper.to_array(i)).all() for i in rewritten.graph.initializer)
 
     def run(m: onnx.ModelProto, batch: list[int]) -> np.ndarray:
@@ -294,13 +303,57 @@ def test_a_max_scatter_into_infinity_takes_the_least_update_instead(
         x = RNG.standard_normal((6, 4)).astype(np.float32)
         return session.run(None, {"x": x, "batch": np.array(batch, np.int64)})
 
-    for batch in ([0, 0, 0, 1, 1, 1], [0, 1, 0, 1, 1, 0]):  # every graph gets a node
+    # every graph gets a node (negative indices count from the end, as ScatterElements does)
+    for batch in ([0, 0, 0, 1, 1, 1], [0, 1, 0, 1, 1, 0], [0, -1, 0, 1, -2, -1]):
         rng_state = RNG.bit_generator.state
         want = run(model, batch)[0]
         RNG.bit_generator.state = rng_state
         np.testing.assert_array_equal(run(rewritten, batch)[0], want)
+    rng_state = RNG.bit_generator.state  # graph 1 gets none: the least (greatest) update
+    want = run(model, [0] * 6)[0]
+    RNG.bit_generator.state = rng_state
+    got = run(rewritten, [0] * 6)[0]
+    np.testing.assert_array_equal(got[0], want[0])
+    assert np.isinf(want[1]).all() and np.isfinite(got[1]).all()
 
 
 def test_a_scatter_into_finite_data_or_a_sum_stays() -> None:
     assert not finite_scatter_fills(_max_pool_over_graphs(0.0))[1].changed
     assert not finite_scatter_fills(_max_pool_over_graphs(-np.inf, "add"))[1].changed
+
+
+@pytest.mark.qnn
+def test_a_max_readout_over_graphs_builds_whole_on_the_htp(tmp_path: Path) -> None:
+    """PyG's max pooling, by the real stages on real batch vectors: computed as a masked max
+    (no scatter left) it is whole on the HTP and close to float there (as a ScatterElements, a
+    molecular GNN's readout stayed on the CPU, QNN refusing it)."""
+    from pipeline.__main__ import main
+    from pipeline.core.layout import ModelPaths
+    from pipeline.core.records import VariantRecord, read_record
+    from pipeline.htp.probe import qnn_available
+
+    if qnn_available():
+        pytest.skip(qnn_available())
+    onnx.save(_max_pool_over_graphs(), str(tmp_path / "pool.onnx"))
+    (tmp_path / "calib").mkdir()
+    rng = np.random.default_rng(7)
+    for i in range(16):
+        batch = np.sort(rng.integers(0, 2, 6))
+        batch[0], batch[-1] = 0, 1  # every graph has a node
+        x = rng.standard_normal((6, 4)).astype(np.float32)
+        np.savez(tmp_path / "calib" / f"s{i:02d}.npz", x=x, batch=batch.astype(np.int64))
+    config = tmp_path / "pool.toml"
+    config.write_text(
+        '[model]\nname = "pool"\nversion = "1.0.0"\nsource = "pool.onnx"\n'
+        '[calibration]\nkind = "tensors"\npath = "calib"\nsamples = 16\nheld_out = 0.25\n'
+        '[compile]\ntargets = ["snapdragon-x-elite"]\nmin_snr_db = 30.0\n',
+        encoding="utf-8",
+    )
+    artifacts = tmp_path / "artifacts"
+    for stage in ("quantize", "compile"):
+        assert main([stage, "--artifacts", str(artifacts), str(config)]) == 0, stage
+    folder = next(ModelPaths.of(artifacts, "pool").ctx.glob("*/snapdragon-x-elite"))
+    record, why = read_record(VariantRecord, folder / "variant.json")
+    assert record is not None and record.coverage is not None, why
+    assert record.coverage.qnn_partitions == 1 and record.coverage.cpu_compute_nodes == []
+    assert record.validation is not None and record.validation.worst_snr_vs_float_db > 30.0

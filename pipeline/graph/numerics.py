@@ -19,9 +19,11 @@ from .edit import (
     FreshNames,
     checked_change,
     copy_model,
+    inferred_values,
     node_label,
     remove_dead_nodes,
     set_nodes,
+    value_shape,
 )
 from .transforms import scalar_const, topological_sort
 
@@ -274,6 +276,44 @@ def thresholds_on_logits(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
 
 # A fill this far out is no value a max (min) over real data returns: it only marks "nothing yet".
 _EMPTY_FILL = 1e30
+# Groups x updates a scatter's max (min) may be computed over densely, as a masked reduction.
+_MASKED_ELEMENTS = 1 << 22
+
+
+def _masked_extreme(
+    node: onnx.NodeProto,
+    groups: int,
+    index_type: int,
+    rank: int,
+    reduce: str,
+    extreme: str,
+    fresh: FreshNames,
+    inits: list[onnx.TensorProto],
+) -> list[onnx.NodeProto]:
+    """out[g] = max over n of (updates[n] where indices[n] is g (or g - groups), else
+    ``extreme``): a ScatterElements' max along axis 0 into a constant that only marks
+    "nothing yet", as elementwise ops and one reduction."""
+    base = node.output[0]
+    shape = [groups] + [1] * rank
+    ids = np.arange(groups).reshape(shape)
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(index_type)
+    names = {k: fresh(f"{base}_{k}") for k in ("ids", "wrapped", "first", "second")}
+    inits += [
+        numpy_helper.from_array(ids.astype(dtype), names["ids"]),
+        numpy_helper.from_array((ids - groups).astype(dtype), names["wrapped"]),
+        numpy_helper.from_array(np.array([0], np.int64), names["first"]),
+        numpy_helper.from_array(np.array([1], np.int64), names["second"]),
+    ]
+    made = {k: fresh(f"{base}_{k}") for k in ("index", "is", "is_wrapped", "mask", "rows", "sel")}
+    return [
+        helper.make_node("Unsqueeze", [node.input[1], names["first"]], [made["index"]]),
+        helper.make_node("Equal", [made["index"], names["ids"]], [made["is"]]),
+        helper.make_node("Equal", [made["index"], names["wrapped"]], [made["is_wrapped"]]),
+        helper.make_node("Or", [made["is"], made["is_wrapped"]], [made["mask"]]),
+        helper.make_node("Unsqueeze", [node.input[2], names["first"]], [made["rows"]]),
+        helper.make_node("Where", [made["mask"], made["rows"], extreme], [made["sel"]]),
+        helper.make_node(reduce, [made["sel"], names["second"]], list(node.output), keepdims=0),
+    ]
 
 
 def finite_scatter_fills(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -284,14 +324,18 @@ def finite_scatter_fills(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
     pooling over a graph's nodes) so: the infinite constant gave the quantizer an infinite
     scale (a DequantizeLinear of scale inf in the QDQ model). The same result wherever an
     update lands; where none does, the least update instead of -inf (which no NPU tensor
-    holds). (A molecular GNN's max readout stayed on the CPU after this all the same: QNN's
-    validation refused that ScatterElements, error 3110, which a standalone copy of it with
-    the same shapes and grids did not reproduce.)"""
+    holds). A ScatterElements along axis 0 whose groups times updates are few (a readout: a
+    batch of graphs' features) is computed densely instead, as the max over its updates masked
+    by their group (``_masked_extreme``), with no scatter left: a molecular GNN's max readout
+    stayed on the CPU as a scatter, QNN's validation refusing it (error 3110, which a
+    standalone copy of it with the same shapes and grids did not reproduce)."""
     model = copy_model(model)
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     fresh = FreshNames(model)
     added: list[tuple[int, list[onnx.NodeProto]]] = []
+    replaced: set[int] = set()  # scatters computed densely instead
+    values: dict[str, onnx.ValueInfoProto] | None = None
     details = []
     for index, node in enumerate(graph.node):
         if node.op_type not in ("ScatterElements", "ScatterND") or node.domain not in (
@@ -307,19 +351,49 @@ def finite_scatter_fills(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
         if data.dtype.kind != "f" or not (data * sign >= _EMPTY_FILL).all():
             continue
         extreme = fresh(f"{node.input[2]}_{'least' if sign < 0 else 'greatest'}")
-        shape = fresh(f"{node.input[0]}_shape")
-        filled = fresh(f"{node.input[0]}_from_updates")
-        graph.initializer.append(numpy_helper.from_array(np.array(data.shape, np.int64), shape))
         reduce = "ReduceMin" if sign < 0 else "ReduceMax"
-        added.append(
-            (
-                index,
-                [
-                    helper.make_node(reduce, [node.input[2]], [extreme], keepdims=0),
-                    helper.make_node("Expand", [extreme, shape], [filled]),
-                ],
+        least = helper.make_node(reduce, [node.input[2]], [extreme], keepdims=0)
+        if values is None:
+            values = inferred_values(model)
+        updates = values.get(node.input[2])
+        indices = values.get(node.input[1])
+        shape = value_shape(updates) if updates is not None else None
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if (
+            node.op_type == "ScatterElements"
+            and axis in (0, -data.ndim)
+            and shape is not None
+            and indices is not None
+            and value_shape(indices) == shape
+            and tuple(data.shape[1:]) == tuple(shape[1:])
+            and data.shape[0] * int(np.prod(shape)) <= _MASKED_ELEMENTS
+        ):
+            new_inits: list[onnx.TensorProto] = []
+            masked = _masked_extreme(
+                node,
+                data.shape[0],
+                indices.type.tensor_type.elem_type,
+                len(shape),
+                "ReduceMax" if sign < 0 else "ReduceMin",
+                extreme,
+                fresh,
+                new_inits,
             )
+            graph.initializer.extend(new_inits)
+            added.append((index, [least, *masked]))
+            replaced.add(index)
+            details.append(
+                f"{node_label(node)}: its {reduction.decode()} into {sign * np.inf:g} over "
+                f"{data.shape[0]} group(s) computed as the {reduction.decode()} of its updates "
+                f"masked by their group (the {'least' if sign < 0 else 'greatest'} where none)"
+            )
+            continue
+        fill_shape = fresh(f"{node.input[0]}_shape")
+        filled = fresh(f"{node.input[0]}_from_updates")
+        graph.initializer.append(
+            numpy_helper.from_array(np.array(data.shape, np.int64), fill_shape)
         )
+        added.append((index, [least, helper.make_node("Expand", [extreme, fill_shape], [filled])]))
         details.append(
             f"{node_label(node)}: its {reduction.decode()} into {sign * np.inf:g} taken into "
             f"the {'least' if sign < 0 else 'greatest'} of its updates"
@@ -329,7 +403,7 @@ def finite_scatter_fills(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
         return checked_change(model, "finite_scatter_fills", [])
     nodes = list(graph.node)
     for index, made in reversed(added):
-        nodes[index:index] = made
+        nodes[index : index + (index in replaced)] = made  # a dense form replaces its scatter
     set_nodes(graph, nodes)
     remove_dead_nodes(graph)
     return checked_change(model, "finite_scatter_fills", details)
