@@ -34,7 +34,8 @@ FRAMES, TAPS, BINS, MELS = 12, 64, 16, 8
 def log_power(gate: str = "", joined: bool = False) -> onnx.ModelProto:
     """Raw int16-scale audio -> STFT-like Conv (real, imag) -> power -> mel MatMul -> Clip ->
     10 log10: openWakeWord/torchaudio-style front ends. Also outputs the real part (degree 1),
-    which must come back unscaled. ``gate`` puts a non-homogeneous op on the input; ``joined``
+    which must come back unscaled. ``gate`` puts a non-homogeneous op on the input ("Where": a
+    constant mask zeroing the last frame, which is homogeneous); ``joined``
     also outputs the real part concatenated with the log spectrum (degrees 1 and 0 meet)."""
     real_w = (RNG.standard_normal((BINS, 1, TAPS)) / TAPS).astype(np.float32)
     imag_w = (RNG.standard_normal((BINS, 1, TAPS)) / TAPS).astype(np.float32)
@@ -42,7 +43,10 @@ def log_power(gate: str = "", joined: bool = False) -> onnx.ModelProto:
     samples = TAPS * FRAMES
     source = "x"
     nodes = []
-    if gate:
+    if gate == "Where":  # samples past the clip's length zeroed, as NeMo's preprocessor does
+        nodes.append(oh.make_node("Where", ["keep", "x", "zero"], ["gated"]))
+        source = "gated"
+    elif gate:
         nodes.append(oh.make_node(gate, ["x"], ["gated"]))
         source = "gated"
     nodes += [
@@ -76,6 +80,8 @@ def log_power(gate: str = "", joined: bool = False) -> onnx.ModelProto:
             numpy_helper.from_array(mel, "mel"),
             numpy_helper.from_array(np.array(1e-10, np.float32), "floor"),
             numpy_helper.from_array(np.array(10 / np.log(10), np.float32), "ten_over_ln10"),
+            numpy_helper.from_array(np.arange(samples).reshape(1, 1, -1) < samples - TAPS, "keep"),
+            numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
         ],
     )
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
@@ -1028,3 +1034,17 @@ def test_the_htp_runs_a_scaled_residual_stream_in_fp16(tmp_path: Path) -> None:
     assert results["float"] < 10.0, results
     assert results["norms_only"] < 10.0, results
     assert results["scaled"] > 40.0, results
+
+
+def test_fit_float16_scales_through_a_mask_that_fills_with_a_constant() -> None:
+    """A Where zeroing the samples past a clip's length (NeMo's preprocessor) is homogeneous:
+    the fill is scaled with the samples; the same function. (Last in this file: it draws from
+    the module's generator, which the tests above share.)"""
+    model = log_power("Where")
+    samples = audio(6)
+    peaks = peaks_of(model, samples)
+    fitted, change = fit_float16(model, peaks)
+    assert fitted is not None and "input 'x' scaled by 2^-" in change.details[0], change.details
+    for x in samples:
+        got, want = every_tensor(fitted, x), every_tensor(model, x)
+        np.testing.assert_allclose(got["db"], want["db"], rtol=1e-5, atol=1e-4)

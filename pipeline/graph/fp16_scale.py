@@ -127,6 +127,20 @@ def input_degrees(model: onnx.ModelProto, scaled: str) -> _Plan | str:
                 for index in range(len(node.input)):
                     if why := constant_to(node, index, out):
                         return why
+        elif op == "Where":  # a selection between two operands of one scale (a mask's fill)
+            if degrees[0]:
+                return f"{node_label(node)} selects by a scaled condition"
+            computed = {
+                d for name, d in zip(node.input[1:], degrees[1:], strict=True) if name not in inits
+            }
+            if len(computed) > 1:
+                out = Fraction(0)
+                plan.unscale += [(node, i, d) for i, d in enumerate(degrees) if d]
+            else:
+                out = next(d for d in degrees[1:] if d)
+                for index in (1, 2):
+                    if why := constant_to(node, index, out):
+                        return why
         elif op == "Pad":
             if any(degrees[1:2]) or any(degrees[3:]):
                 return f"{node_label(node)} takes scaled pads or axes"
