@@ -792,6 +792,19 @@ def test_a_context_at_the_target_by_a_hair_gets_headroom_where_the_htp_agrees(tm
     assert report["htp"]["chosen"] == second["label"]
 
 
+def test_a_context_at_the_target_by_a_hair_without_a_raise_tries_fp16(tmp_path: Path):
+    """The same model with mixed precision off (no raise to try): at the target by under 1 dB,
+    the whole model in fp16 runs next and, better, is kept."""
+    model, samples = _outlier_row_matmul()
+    settings = "min_snr_db = 15.0\ntarget_snr_db = 20.0\nauto_mixed_precision = false\n"
+    config = _write(tmp_path, model, samples, settings)
+    quantize_model(load_config(config), tmp_path / "artifacts", force=True)
+    htp = _report(tmp_path)["htp"]
+    assert [r["label"] for r in htp["rounds"]] == ["as quantized", "whole model in fp16"], htp
+    assert htp["rounds"][0]["ctx_vs_float_db"] < 21.0 and htp["whole_float16"]
+    assert any("under 1 dB above the target" in r for r in htp["remedies"]), htp["remedies"]
+
+
 def test_every_sample_runs_while_one_is_short_of_the_margin(tmp_path: Path):
     """Given the float outputs and a figure no sample reaches, every sample runs."""
     from pipeline.htp import probe as probe_mod
