@@ -117,28 +117,19 @@ def input_degrees(model: onnx.ModelProto, scaled: str) -> _Plan | str:
                 return why
         elif op == "Div":
             out = degrees[0] - degrees[1]
-        elif op in _SAME_DEGREE:
-            computed = {d for name, d in zip(node.input, degrees, strict=True) if name not in inits}
+        elif op in _SAME_DEGREE or op == "Where":
+            # Where: a selection between two operands of one scale (a mask's fill) by a
+            # scale-free condition; the others: every operand of the output's scale
+            if op == "Where" and degrees[0]:
+                return f"{node_label(node)} selects by a scaled condition"
+            operands = range(1, 3) if op == "Where" else range(len(node.input))
+            computed = {degrees[i] for i in operands if node.input[i] not in inits}
             if len(computed) > 1:  # computed tensors of different scale meet: all back to 1
                 out = Fraction(0)
                 plan.unscale += [(node, i, d) for i, d in enumerate(degrees) if d]
             else:
-                out = next(d for d in degrees if d)
-                for index in range(len(node.input)):
-                    if why := constant_to(node, index, out):
-                        return why
-        elif op == "Where":  # a selection between two operands of one scale (a mask's fill)
-            if degrees[0]:
-                return f"{node_label(node)} selects by a scaled condition"
-            computed = {
-                d for name, d in zip(node.input[1:], degrees[1:], strict=True) if name not in inits
-            }
-            if len(computed) > 1:
-                out = Fraction(0)
-                plan.unscale += [(node, i, d) for i, d in enumerate(degrees) if d]
-            else:
-                out = next(d for d in degrees[1:] if d)
-                for index in (1, 2):
+                out = next(degrees[i] for i in operands if degrees[i])
+                for index in operands:
                     if why := constant_to(node, index, out):
                         return why
         elif op == "Pad":
@@ -864,6 +855,34 @@ def _root_mean_square(
     return None
 
 
+def _divisions_by_root(
+    root: str,
+    x: str,
+    readers: Mapping[str, list[onnx.NodeProto]],
+    inits: Mapping[str, onnx.TensorProto],
+) -> list[onnx.NodeProto]:
+    """The nodes that divide ``x`` by ``root``: Div(x, root), or Mul(x, Div(1, root) |
+    Reciprocal(root)); none when any reader of the root is something else."""
+    divisions = []
+    for reader in readers.get(root, []):
+        if reader.op_type == "Div" and reader.input[1] == root:
+            if reader.input[0] == x:
+                divisions.append(reader)
+                continue
+            one = inits.get(reader.input[0])
+            if one is None or numpy_helper.to_array(one).size != 1:
+                return []
+            if float(numpy_helper.to_array(one).reshape(())) != 1.0:
+                return []
+        elif reader.op_type != "Reciprocal":
+            return []
+        muls = readers.get(reader.output[0], [])
+        if not muls or any(m.op_type != "Mul" or x not in m.input for m in muls):
+            return []
+        divisions.extend(muls)
+    return divisions
+
+
 def float16_safe_norms(
     model: onnx.ModelProto, peaks: Mapping[str, float]
 ) -> tuple[onnx.ModelProto, Change]:
@@ -901,64 +920,44 @@ def float16_safe_norms(
         x, mean, eps = found
         if peaks.get(x, 0.0) ** 2 <= _SQUARE_LIMIT:
             continue
-        # who divides x by the root: Div(x, root), or Mul(x, Div(1, root) | Reciprocal(root))
-        divisions = []
-        for reader in readers.get(node.output[0], []):
-            if reader.op_type == "Div" and reader.input[1] == node.output[0]:
-                if reader.input[0] == x:
-                    divisions.append(reader)
-                    continue
-                one = inits.get(reader.input[0])
-                if one is None or numpy_helper.to_array(one).size != 1:
-                    break
-                if float(numpy_helper.to_array(one).reshape(())) != 1.0:
-                    break
-            elif reader.op_type != "Reciprocal":
-                break
-            muls = readers.get(reader.output[0], [])
-            if not muls or any(m.op_type != "Mul" or x not in m.input for m in muls):
-                break
-            divisions.extend(muls)
-        else:
-            if not divisions:
-                continue
-            base = node.output[0]
-            names = {
-                k: fresh(f"{base}_{k}")
-                for k in ("abs", "max", "s", "y", "yy", "mean", "se", "se2", "sum", "root")
-            }
-            axes = list(mean.input[1:2])
-            attrs = {a.name: helper.get_attribute_value(a) for a in mean.attribute}
-            made = [
-                helper.make_node("Abs", [x], [names["abs"]]),
-                helper.make_node("ReduceMax", [names["abs"], *axes], [names["max"]], **attrs),
-                helper.make_node(
-                    "Max", [names["max"], const(2.0**-14, f"{base}_floor")], [names["s"]]
-                ),
-                helper.make_node("Div", [x, names["s"]], [names["y"]]),
-                helper.make_node("Mul", [names["y"], names["y"]], [names["yy"]]),
-                helper.make_node("ReduceMean", [names["yy"], *axes], [names["mean"]], **attrs),
-                helper.make_node(
-                    "Div", [const(math.sqrt(eps), f"{base}_root_eps"), names["s"]], [names["se"]]
-                ),
-                helper.make_node("Mul", [names["se"], names["se"]], [names["se2"]]),
-                helper.make_node("Add", [names["mean"], names["se2"]], [names["sum"]]),
-                helper.make_node("Sqrt", [names["sum"]], [names["root"]]),
-            ]
-            first = True
-            for division in divisions:
-                replacement = helper.make_node(
-                    "Div",
-                    [names["y"], names["root"]],
-                    list(division.output),
-                    name=division.name or fresh(f"{base}_div"),
-                )
-                before.setdefault(id(division), []).extend([*(made if first else []), replacement])
-                first = False
-            details.append(
-                f"{node_label(mean)}: the root mean square of {x!r} (peak {peaks[x]:.3g}) "
-                "from its values over their row's largest"
+        divisions = _divisions_by_root(node.output[0], x, readers, inits)
+        if not divisions:
+            continue
+        base = node.output[0]
+        names = {
+            k: fresh(f"{base}_{k}")
+            for k in ("abs", "max", "s", "y", "yy", "mean", "se", "se2", "sum", "root")
+        }
+        axes = list(mean.input[1:2])
+        attrs = {a.name: helper.get_attribute_value(a) for a in mean.attribute}
+        made = [
+            helper.make_node("Abs", [x], [names["abs"]]),
+            helper.make_node("ReduceMax", [names["abs"], *axes], [names["max"]], **attrs),
+            helper.make_node("Max", [names["max"], const(2.0**-14, f"{base}_floor")], [names["s"]]),
+            helper.make_node("Div", [x, names["s"]], [names["y"]]),
+            helper.make_node("Mul", [names["y"], names["y"]], [names["yy"]]),
+            helper.make_node("ReduceMean", [names["yy"], *axes], [names["mean"]], **attrs),
+            helper.make_node(
+                "Div", [const(math.sqrt(eps), f"{base}_root_eps"), names["s"]], [names["se"]]
+            ),
+            helper.make_node("Mul", [names["se"], names["se"]], [names["se2"]]),
+            helper.make_node("Add", [names["mean"], names["se2"]], [names["sum"]]),
+            helper.make_node("Sqrt", [names["sum"]], [names["root"]]),
+        ]
+        first = True
+        for division in divisions:
+            replacement = helper.make_node(
+                "Div",
+                [names["y"], names["root"]],
+                list(division.output),
+                name=division.name or fresh(f"{base}_div"),
             )
+            before.setdefault(id(division), []).extend([*(made if first else []), replacement])
+            first = False
+        details.append(
+            f"{node_label(mean)}: the root mean square of {x!r} (peak {peaks[x]:.3g}) "
+            "from its values over their row's largest"
+        )
     if not details:
         return model, Change("float16_safe_norms")
     nodes = []
@@ -994,27 +993,16 @@ class _Stream:
         self.layer_norms: list[onnx.NodeProto] = []  # LayerNormalization: epsilon times c^2
 
 
-def _scalar(inits: Mapping[str, onnx.TensorProto], name: str) -> float | None:
-    init = inits.get(name)
-    if init is None or init.data_type not in _FLOAT_TYPES:
-        return None
-    value = numpy_helper.to_array(init)
-    return float(value.reshape(())) if value.size == 1 else None
-
-
 def _norm_reading(
     square: onnx.NodeProto,
     x: str,
+    producer: Mapping[str, onnx.NodeProto],
     readers: Mapping[str, list[onnx.NodeProto]],
     inits: Mapping[str, onnx.TensorProto],
 ) -> tuple[list[onnx.NodeProto], onnx.NodeProto, int, list[onnx.NodeProto]] | None:
-    """``square`` squares ``x`` into x / sqrt(mean(x^2) + eps): (the nodes from the square to
-    the root, the Add holding eps, eps's operand index, the nodes that divide x by the root)."""
-    squares = (square.op_type == "Mul" and list(square.input) == [x, x]) or (
-        square.op_type == "Pow" and square.input[0] == x and _scalar(inits, square.input[1]) == 2.0
-    )
-    if not squares:
-        return None
+    """``square`` squares ``x`` into x / sqrt(mean(x^2) + eps) (``_root_mean_square``), each
+    step read by the next alone: (the nodes from the square to the root, the Add holding eps,
+    eps's operand index, the nodes that divide x by the root)."""
 
     def only_reader(node: onnx.NodeProto, op: str) -> onnx.NodeProto | None:
         found = readers.get(node.output[0], [])
@@ -1025,23 +1013,11 @@ def _norm_reading(
     root = add and only_reader(add, "Sqrt")
     if mean is None or add is None or root is None:
         return None
-    index = 1 if add.input[0] == mean.output[0] else 0
-    if _scalar(inits, add.input[index]) is None:
+    found = _root_mean_square(root, producer, inits)
+    if found is None or found[0] != x or found[1] is not mean:
         return None
-    divisions = []
-    for reader in readers.get(root.output[0], []):
-        if reader.op_type == "Div" and list(reader.input) == [x, root.output[0]]:
-            divisions.append(reader)
-            continue
-        inverse = reader.op_type == "Reciprocal" or (
-            reader.op_type == "Div"
-            and reader.input[1] == root.output[0]
-            and _scalar(inits, reader.input[0]) == 1.0
-        )
-        muls = readers.get(reader.output[0], []) if inverse else []
-        if not muls or any(m.op_type != "Mul" or x not in m.input for m in muls):
-            return None
-        divisions.extend(muls)
+    divisions = _divisions_by_root(root.output[0], x, readers, inits)
+    index = 1 if add.input[0] == mean.output[0] else 0
     return ([square, mean, add, root], add, index, divisions) if divisions else None
 
 
@@ -1100,7 +1076,7 @@ def _residual_stream(
         for reader in found:
             if id(reader) in accounted:  # Mul(x, x) reads x twice
                 continue
-            norm = _norm_reading(reader, name, readers, inits)
+            norm = _norm_reading(reader, name, producer, readers, inits)
             if norm is not None and reader.domain in DEFAULT_DOMAINS:
                 inside, add, index, divisions = norm
                 stream.squares.update(n.output[0] for n in inside)
