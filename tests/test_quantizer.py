@@ -151,6 +151,25 @@ def test_kept_runs_serve_the_same_model_on_the_same_feeds(
     assert evaluate_mod._KEPT.keys() == before.keys()
 
 
+def test_held_outputs_share_one_budget_a_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The end-to-end check's source outputs get what the kept runs leave of ``KEEP_BYTES``:
+    a full allowance spills them to disk (read back the same), a free one keeps them."""
+    from pipeline.quantize import evaluate as evaluate_mod
+
+    monkeypatch.setattr(evaluate_mod, "_KEPT_BYTES", [evaluate_mod.KEEP_BYTES])
+    outputs = {"y": RNG.standard_normal((2, 5)).astype(np.float32)}
+    full = evaluate_mod.SampleOutputs(tmp_path)
+    full.put(0, outputs)
+    assert 0 in full and (tmp_path / "000000.npz").is_file()
+    np.testing.assert_array_equal(full.get(0)["y"], outputs["y"])
+    monkeypatch.setattr(evaluate_mod, "_KEPT_BYTES", [0])
+    free = evaluate_mod.SampleOutputs(tmp_path / "unused")
+    free.put(0, outputs)
+    assert free.get(0)["y"] is outputs["y"] and not (tmp_path / "unused").exists()
+
+
 def test_matmul_weights_go_per_channel_and_stay_whole_on_the_htp(tmp_path: Path) -> None:
     """A 2-D MatMul weight gets int8 symmetric scales per output column by default, like a
     Gemm's (a MiniLM encoder at 8-bit weights: 14.9 dB per tensor, 24.5 dB per column); the

@@ -217,6 +217,28 @@ def test_outputs_are_compared_by_kind() -> None:
     assert worst_snr(summary) == summary["scores"].snr_db  # labels carry no SNR
 
 
+def test_maps_kept_as_their_values_still_compare_as_maps(tmp_path: Path) -> None:
+    """The HTP probe reads the judge's kept references (a ZipMap's maps as their values in key
+    order) instead of running the CPU models again: they must still count as maps, not as a
+    plain tensor the report would show without its note."""
+    from pipeline.core.metrics import map_outputs, storable
+
+    path = tmp_path / "classifier.onnx"
+    onnx.save(classifier(), str(path))
+    assert map_outputs(path) == {"scores"}
+    maps = [{"b": 0.25, "a": 0.75}]
+    comparison = OutputComparison.for_models(path)
+    comparison.add({"scores": storable(maps)}, {"scores": storable([{"a": 0.7, "b": 0.3}])})
+    kept = comparison.summary()["scores"]
+    direct = OutputComparison()
+    direct.add({"scores": maps}, {"scores": [{"a": 0.7, "b": 0.3}]})
+    assert kept == direct.summary()["scores"] and kept.compared_as == MAP_VALUES
+    assert OutputComparison().maps == frozenset()  # without the model: a plain tensor
+    plain = OutputComparison()
+    plain.add({"scores": storable(maps)}, {"scores": storable(maps)})
+    assert plain.summary()["scores"].compared_as is None
+
+
 def test_the_judge_keeps_a_classifiers_outputs_as_references(tmp_path: Path) -> None:
     """The float outputs the quantize stage kept are the HTP judge's references for its early
     stops: a ZipMap's scores (values in key order) and a string label are kept too, as arrays

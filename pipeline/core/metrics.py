@@ -248,6 +248,22 @@ def label_outputs(*models: str | Path | None) -> set[str]:
     return _outputs_by_structure(models, _LABELS, float_label_outputs)
 
 
+_MAPS: dict[tuple[str, int, int], set[str]] = {}
+
+
+def map_outputs(*models: str | Path | None) -> set[str]:
+    """Graph outputs of ``models`` written by a ZipMap (sequences of maps): compared by their
+    values in key order, kept as those values (``storable``) or as the maps they are."""
+    return _outputs_by_structure(models, _MAPS, _zipmap_outputs)
+
+
+def _zipmap_outputs(
+    nodes: Iterable[tuple[str, Sequence[str], Sequence[str]]], outputs: Iterable[str]
+) -> set[str]:
+    wanted = set(outputs)
+    return {name for op, _, written in nodes if op == "ZipMap" for name in written} & wanted
+
+
 _PICKED: dict[tuple[str, int, int], set[str]] = {}
 
 
@@ -299,10 +315,12 @@ class OutputComparison:
         labels: Collection[str] = (),
         steps: Mapping[str, float] | None = None,
         picked: Collection[str] = (),
+        maps: Collection[str] = (),
     ) -> None:
         self.grids = dict(grids or {})
         self.labels = frozenset(labels)
         self.picked = frozenset(picked)  # outputs picked by rank (``picked_outputs``)
+        self.maps = frozenset(maps)  # ZipMap outputs, maybe given as their values (``storable``)
         self.steps = dict(steps or {})  # float outputs' grid steps (``output_steps``)
         self._peak: dict[str, float] = {}  # the largest |reference value| per output
         self._signal: dict[str, float] = {}
@@ -325,6 +343,7 @@ class OutputComparison:
             label_outputs(*models),
             output_steps(*models),
             picked_outputs(*models),
+            map_outputs(*models),
         )
 
     def add(self, reference: Mapping[str, Any], test: Mapping[str, Any]) -> None:
@@ -339,6 +358,7 @@ class OutputComparison:
             _, test_array = comparable(other)
             kind = LABELS if name in self.labels else kind
             kind = PICKED if kind is None and name in self.picked else kind
+            kind = MAP_VALUES if kind is None and name in self.maps else kind
             self._kind[name] = kind
             if kind == LABELS:
                 same = ref_array.shape == test_array.shape

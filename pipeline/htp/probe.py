@@ -602,18 +602,10 @@ def _run(job: ProbeJob, result: ProbeResult, path: Path) -> None:
 
 
 def _output_names(float_model: str) -> list[str]:
-    import onnx
+    """Read over mmap: the child imports onnx only to expose a locator's tensors (7 MiB)."""
+    from qnn_ctx_runtime.qnn import read_model_summary
 
-    return [o.name for o in onnx.load(float_model, load_external_data=False).graph.output]
-
-
-def _tensor_outputs_only(model: str) -> bool:
-    """Whether every output of ``model`` is a tensor: a ZipMap's sequence of maps, stored as
-    its values (``storable``), would no longer compare as the maps it is (``MAP_VALUES``)."""
-    import onnx
-
-    outputs = onnx.load(model, load_external_data=False).graph.output
-    return all(o.type.HasField("tensor_type") for o in outputs)
+    return [o.name for o in read_model_summary(float_model).outputs]
 
 
 def _stashed(stash: Path, index: int) -> Path:
@@ -949,10 +941,10 @@ def _compare(
     done = _claimed(stash, len(job.samples))
     # The parent's own outputs of the float (and, agreeing, of the CPU QDQ) model on these
     # samples, where it passed them, are not computed again: neither session is created (a
-    # SqueezeNet's probe 209 -> 191 MiB at its peak, this phase's two sessions gone).
-    tensors_only = _tensor_outputs_only(job.float_model)
-    float_kept = tensors_only and _has_references(job.references, done)
-    qdq_kept = tensors_only and not exposed and _has_references(job.qdq_references, done)
+    # SqueezeNet's probe 209 -> 191 MiB at its peak, this phase's two sessions gone). A ZipMap's
+    # maps come as their values (``storable``) and still compare as maps (``map_outputs``).
+    float_kept = _has_references(job.references, done)
+    qdq_kept = not exposed and _has_references(job.qdq_references, done)
     qdq = None if qdq_kept else cpu_session(model_path)
     flt = None if float_kept else cpu_session(job.float_model)
     vs_float, vs_qdq, q_vs_f, tensors = (OutputComparison.for_models(model_path) for _ in range(4))
@@ -1010,7 +1002,6 @@ def _warm_up() -> None:
     """What every probe does first, done while it waits for its job: the imports, and the
     QNN EP's registration (kept per process). A failure here is the run's to report."""
     try:
-        import onnx  # noqa: F401
         import onnxruntime  # noqa: F401
 
         from qnn_ctx_runtime import qnn

@@ -221,11 +221,16 @@ class SampleOutputs:
     """Each held-out sample's reference outputs, so that one model's session runs at a time:
     kept in memory up to ``budget`` bytes, the rest written to ``folder`` (a build folder's
     temporary one). A CPU session holds its weights, and more once optimized (a 1024x1024
-    U-Net's 176 MB: 495 MB of process memory), and the end-to-end check had three open."""
+    U-Net's 176 MB: 495 MB of process memory), and the end-to-end check had three open.
 
-    def __init__(self, folder: Path, budget: int = KEEP_BYTES) -> None:
+    The budget is what ``KeptRuns`` leaves of ``KEEP_BYTES``: one allowance a process for the
+    outputs it holds (a 257x257 segmenter's end-to-end check held 39 MB of source outputs on
+    top of the 64 MiB kept, its build's peak; a spilled sample costs a write and a read of it).
+    """
+
+    def __init__(self, folder: Path, budget: int | None = None) -> None:
         self.folder = folder
-        self.budget = budget
+        self.budget = max(0, KEEP_BYTES - _KEPT_BYTES[0]) if budget is None else budget
         self._kept: dict[int, Feeds] = {}
         self._spilled: set[int] = set()
         self._bytes = 0
