@@ -552,6 +552,153 @@ def test_the_htp_pins_a_channel_whose_requantization_factor_is_too_small(tmp_pat
     assert results["qdq"] < 20.0, f"the HTP computes the tiny channel right now: {results}"
 
 
+def dead_channel_before_a_slope(tmp_path: Path, gate: str) -> onnx.ModelProto:
+    """A QDQ Conv (5x5, stride 2, uint16 input in [-1, 1], int8 weights per channel) whose
+    channel 3 has all-zero weights and a bias of -0.013 (always on the negative side; its weight
+    scale from a small floor range, a requantization factor of 2^-21), read by a PRelu (that
+    channel's slope 0.001) or a LeakyRelu (alpha 0.01). Writes ``float.onnx`` and
+    ``sample.npz`` beside it."""
+    rng = np.random.default_rng(RNG_SEED)
+    weights = rng.normal(0, 0.2, (16, 3, 5, 5))
+    weights[3] = 0.0
+    bias = rng.normal(0, 0.5, 16)
+    bias[3] = -0.013
+    slope = rng.uniform(0.1, 0.9, (1, 16, 1, 1))
+    slope[0, 3] = 0.001
+    x = rng.uniform(-1, 1, (1, 3, 16, 16)).astype(np.float32)
+    gated = (
+        oh.make_node("PRelu", ["cd", "sd"], ["p"])
+        if gate == "PRelu"
+        else oh.make_node("LeakyRelu", ["cd"], ["p"], alpha=0.01)
+    )
+    float_nodes = [
+        oh.make_node(
+            "Conv", ["x", "w", "b"], ["c"], kernel_shape=[5, 5], strides=[2, 2], pads=[2, 2, 2, 2]
+        ),
+        oh.make_node("PRelu", ["c", "s"], ["y"])
+        if gate == "PRelu"
+        else oh.make_node("LeakyRelu", ["c"], ["y"], alpha=0.01),
+    ]
+    io = (
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8, 8])],
+    )
+    float_model = oh.make_model(
+        oh.make_graph(
+            float_nodes,
+            "f",
+            *io,
+            [
+                numpy_helper.from_array(weights.astype(np.float32), "w"),
+                numpy_helper.from_array(bias.astype(np.float32), "b"),
+                numpy_helper.from_array(slope.astype(np.float32), "s"),
+            ],
+        ),
+        opset_imports=[oh.make_opsetid("", 21)],
+    )
+    float_model.ir_version = 10
+    onnx.save(float_model, str(tmp_path / "float.onnx"))
+    np.savez(tmp_path / "sample.npz", x=x)
+    probed = onnx.ModelProto()
+    probed.CopyFrom(float_model)
+    probed.graph.output.append(oh.make_tensor_value_info("c", TensorProto.FLOAT, None))
+    session = ort.InferenceSession(probed.SerializeToString(), providers=["CPUExecutionProvider"])
+    y_out, conv = session.run(None, {"x": x})
+
+    def grid(values: np.ndarray) -> tuple[np.float32, np.uint16]:
+        low, high = min(float(values.min()), 0.0), max(float(values.max()), 0.0)
+        step = (high - low) / 65535
+        return np.float32(step), np.uint16(round(-low / step))
+
+    xs = np.float32(2 / 65535)
+    # A dead channel's scale: the quantizer's smallest weight range over 127 steps.
+    w_scale = (np.maximum(np.abs(weights).reshape(16, -1).max(1), 2e-4) / 127).astype(np.float32)
+    (cs, cz), (ys, yz) = grid(conv), grid(y_out)
+    b_scale = (xs * w_scale).astype(np.float32)
+    inits = [
+        numpy_helper.from_array(xs, "xs"),
+        numpy_helper.from_array(np.uint16(32768), "xz"),
+        numpy_helper.from_array(
+            np.round(weights / w_scale[:, None, None, None]).astype(np.int8), "wq"
+        ),
+        numpy_helper.from_array(w_scale, "ws"),
+        numpy_helper.from_array(np.zeros(16, np.int8), "wz"),
+        numpy_helper.from_array(np.round(bias / b_scale).astype(np.int32), "bq"),
+        numpy_helper.from_array(b_scale, "bs"),
+        numpy_helper.from_array(np.zeros(16, np.int32), "bz"),
+        numpy_helper.from_array(cs, "cs"),
+        numpy_helper.from_array(cz, "cz"),
+        numpy_helper.from_array(np.round(slope / 1.5e-5).astype(np.uint16), "sq"),
+        numpy_helper.from_array(np.float32(1.5e-5), "ss"),
+        numpy_helper.from_array(np.uint16(0), "sz"),
+        numpy_helper.from_array(ys, "ys"),
+        numpy_helper.from_array(yz, "yz"),
+    ]
+    nodes = [
+        oh.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+        oh.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+        oh.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], axis=0),
+        oh.make_node("DequantizeLinear", ["bq", "bs", "bz"], ["bd"], axis=0),
+        oh.make_node(
+            "Conv",
+            ["xd", "wd", "bd"],
+            ["c"],
+            kernel_shape=[5, 5],
+            strides=[2, 2],
+            pads=[2, 2, 2, 2],
+            name="first",
+        ),
+        oh.make_node("QuantizeLinear", ["c", "cs", "cz"], ["cq"]),
+        oh.make_node("DequantizeLinear", ["cq", "cs", "cz"], ["cd"]),
+        oh.make_node("DequantizeLinear", ["sq", "ss", "sz"], ["sd"]),
+        gated,
+        oh.make_node("QuantizeLinear", ["p", "ys", "yz"], ["pq"]),
+        oh.make_node("DequantizeLinear", ["pq", "ys", "yz"], ["y"]),
+    ]
+    qdq = oh.make_model(
+        oh.make_graph(nodes, "g", *io, inits), opset_imports=[oh.make_opsetid("", 21)]
+    )
+    qdq.ir_version = 10
+    return qdq
+
+
+@pytest.mark.parametrize("gate", ["PRelu", "LeakyRelu"])
+def test_a_layer_read_by_a_slope_gets_a_larger_requantization_factor(
+    tmp_path: Path, gate: str
+) -> None:
+    qdq = dead_channel_before_a_slope(tmp_path, gate)
+    inits = {i.name: numpy_helper.to_array(i) for i in qdq.graph.initializer}
+    factors = inits["xs"] * inits["ws"] / inits["cs"]
+    assert 2.0**-22 < factors[3] < 2.0**-19  # the plain floor would leave it as it is
+    raised, change = weight_scales_for_htp(qdq)
+    assert len(change.details) == 1 and change.details[0].startswith("Conv 'first': 1 of 16 ")
+    assert "factor 2^-17 for the HTP, read by a PRelu/LeakyRelu" in change.details[0]
+    after = {i.name: numpy_helper.to_array(i) for i in raised.graph.initializer}
+    factors = inits["xs"] * after["ws"] / inits["cs"]
+    assert factors[3] >= 2.0**-17 * (1 - 1e-6)
+    np.testing.assert_array_equal(after["ws"][:3], inits["ws"][:3])  # live channels as they were
+    x = np.load(tmp_path / "sample.npz")["x"]
+    # The dead channel's bias, re-rounded at its coarser scale, moves its output by under a step.
+    assert np.abs(cpu_run(raised, x) - cpu_run(qdq, x)).max() <= float(inits["ys"]) + 1e-6
+    assert not weight_scales_for_htp(raised)[1].changed
+
+
+@pytest.mark.qnn
+@pytest.mark.parametrize("gate", ["PRelu", "LeakyRelu"])
+def test_the_htp_computes_a_dead_channel_before_a_slope_with_its_scale_raised(
+    tmp_path: Path, gate: str
+) -> None:
+    """As quantized, the HTP computes the dead channel wrongly (PRelu: 3.5 dB against the CPU
+    QDQ model, LeakyRelu: 37.6 where the rest agrees to 82); with its weight scale raised it
+    agrees. If a new QNN SDK computes it right, this says so: the larger floor may then go."""
+    qdq = dead_channel_before_a_slope(tmp_path, gate)
+    onnx.save(qdq, str(tmp_path / "qdq.onnx"))
+    onnx.save(weight_scales_for_htp(qdq)[0], str(tmp_path / "raised.onnx"))
+    results = agreement_on_htp(tmp_path, ("qdq", "raised"))
+    assert results["raised"] > 60.0, results
+    assert results["qdq"] < results["raised"] - 20.0, f"the HTP computes it right now: {results}"
+
+
 def small_head_in_a_large_concat(tmp_path: Path) -> onnx.ModelProto:
     """A QDQ Gemm on tiny activations (a 1.5e-9 input step) whose output, on its own fine grid,
     is reshaped and concatenated with box-like values up to 600 on a 0.0092 grid: a factor of

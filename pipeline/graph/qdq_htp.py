@@ -368,14 +368,23 @@ def scatter_sums_on_output_grid(model: onnx.ModelProto) -> tuple[onnx.ModelProto
 # saturated from 2^-24.9 down). A channel whose weights are all zero or nearly so gets such a
 # scale: MediaPipe's hand landmark head, the wrist's z landmark (0 on the CPU, 324 on the HTP).
 HTP_MIN_REQUANT = 2.0**-22
+# A layer whose output a PRelu or LeakyRelu reads (QNN fuses the two) goes wrong at larger
+# factors: a channel with all-zero weights and a negative bias (always on the negative side), any
+# slope from 1e-4 to 0.05, came out as its input's magnitude (43-80 where the CPU gives 2e-5)
+# up to 2^-19 and right from 2^-18 on (slopes of 0.3 and more: right at 2^-22). MediaPipe's
+# palm detector has such a channel in its first Conv: the whole model 2.3 dB on the HTP, 29.4 on
+# the CPU. Raised to 2^-17, twice the boundary measured.
+HTP_MIN_REQUANT_GATED = 2.0**-17
+GATED_READERS = frozenset({"PRelu", "LeakyRelu"})
 # Ops that only move values: the HTP may requantize a layer's output straight into the grid of
 # the tensor they lead to.
 _MOVE_ONLY = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Concat"})
 
 
 def weight_scales_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """Raise every weight scale whose requantization factor is under ``HTP_MIN_REQUANT`` to it,
-    re-rounding that channel's weights and bias (bias scale = input scale x weight scale).
+    """Raise every weight scale whose requantization factor is under ``HTP_MIN_REQUANT`` to it
+    (``HTP_MIN_REQUANT_GATED`` for a layer a PRelu/LeakyRelu reads), re-rounding that channel's
+    weights and bias (bias scale = input scale x weight scale).
 
     Such a channel's weights are below a 2^-22 output step per unit of input each: rounded on
     the coarser grid they move the output by a fraction of a step, where the HTP's own result for
@@ -410,6 +419,15 @@ def weight_scales_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
     def only_here(name: str, reader: onnx.NodeProto) -> bool:
         return _read_only_by(inits, readers, name, reader)
 
+    def gated(quantizer: onnx.NodeProto) -> bool:
+        """Whether a PRelu or LeakyRelu reads the layer's output (through its Q -> DQ)."""
+        return any(
+            reader.op_type in GATED_READERS
+            for dq in readers.get(quantizer.output[0], [])
+            if dq.op_type == "DequantizeLinear"
+            for reader in readers.get(dq.output[0], [])
+        )
+
     def replace(name: str, array: np.ndarray) -> None:
         _replace_constant(inits, name, array)
 
@@ -440,7 +458,8 @@ def weight_scales_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
         scales = numpy_helper.to_array(inits[w_dq.input[1]]).astype(np.float64)
         if np.any(numpy_helper.to_array(inits[w_dq.input[2]])):
             continue  # symmetric weights only: a zero point would move with the scale
-        floor = HTP_MIN_REQUANT * y_scale / x_scale
+        least = HTP_MIN_REQUANT_GATED if gated(quantizers[0]) else HTP_MIN_REQUANT
+        floor = least * y_scale / x_scale
         low = scales < floor * (1 - 1e-6)  # float32's rounding of a raised scale is not low
         if not np.any(low):
             continue
@@ -471,7 +490,8 @@ def weight_scales_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
         count = int(np.sum(low))
         details.append(
             f"{node.op_type} {node.name or node.output[0]!r}: {count} of {scales.size} weight "
-            f"scale(s) raised to {floor:.3g} (requantization factor 2^-22 for the HTP)"
+            f"scale(s) raised to {floor:.3g} (requantization factor 2^{np.log2(least):.0f} for "
+            f"the HTP{', read by a PRelu/LeakyRelu' if least != HTP_MIN_REQUANT else ''})"
         )
     if not details:
         return model, Change("weight_scales_for_htp")

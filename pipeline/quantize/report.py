@@ -313,8 +313,9 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
         lines.append(
             f"Weight scales for the HTP: {len(rules.raised_weight_scales)} Conv/Gemm/MatMul "
             "layer(s) with channels whose requantization factor (input x weight / output scale) "
-            "was under 2^-22 got that factor, their weights and bias re-rounded (the HTP pins "
-            "such a channel to an end of its grid; pipeline/graph/qdq_htp.py)."
+            "was under 2^-22 (2^-17 where a PRelu/LeakyRelu reads the layer) got that factor, "
+            "their weights and bias re-rounded (the HTP pins such a channel to an end of its "
+            "grid; pipeline/graph/qdq_htp.py)."
         )
     if rules.requantized_moves:
         lines.append(
