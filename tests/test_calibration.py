@@ -485,7 +485,7 @@ def test_recurrent_state_is_fed_back_by_the_calibration_pass(
 _CHAIN_PEAK = """
 import resource, sys
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 from pipeline.calibration.ranges import activation_statistics
 from pipeline.core.cpu import cpu_session
 
@@ -572,6 +572,51 @@ def test_random_ids_stay_inside_the_table_they_index(tmp_path: Path, through_sel
     assert max(int(ids.max()) for ids in drawn) > 100  # the whole table, not a corner of it
     for ids in drawn:
         session.run(None, {"ids": ids})
+
+
+def test_random_float_ids_cast_to_integers_are_ids_of_the_table(tmp_path: Path) -> None:
+    """Keras' default float Input ahead of an Embedding (tf2onnx: float input -> Cast -> Gather)
+    drew normal values, ids -2..1 once cast, which the HTP gathers wrongly (negative ids count
+    from the end in ONNX): such an input gets whole ids inside the table, as floats. A float
+    input cast to another float type and one read by no Gather stay normal."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pipeline.calibration.samples import index_bounds
+
+    table = numpy_helper.from_array(np.ones((40, 4), np.float32), "table")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["chars"], ["as_int"], to=TensorProto.INT32),
+            helper.make_node("Gather", ["table", "as_int"], ["y"]),
+            helper.make_node("Cast", ["scale"], ["as_half"], to=TensorProto.FLOAT16),
+            helper.make_node("Cast", ["as_half"], ["z"], to=TensorProto.FLOAT),
+        ],
+        "keras_ids",
+        [
+            helper.make_tensor_value_info("chars", TensorProto.FLOAT, [1, 21]),
+            helper.make_tensor_value_info("scale", TensorProto.FLOAT, [1, 3]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, None),
+        ],
+        [table],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    assert index_bounds(model) == {"chars": 40}
+    config = make_config(tmp_path, 'kind = "random"\nsamples = 8')
+    shapes = {"chars": (1, 21), "scale": (1, 3)}
+    specs = [InputSpec(n, shape, np.dtype("float32")) for n, shape in shapes.items()]
+    plan = single_bucket(shapes)
+    router = Router(config, plan, dict.fromkeys(shapes, np.dtype("float32")), index_bounds(model))
+    source = sample_source(config, specs)
+    (bucket,) = plan.buckets
+    drawn = list(BucketSamples(source, router, bucket, source.calib))
+    chars = np.concatenate([f["chars"] for f in drawn])
+    assert chars.dtype == np.float32 and np.array_equal(chars, np.round(chars))
+    assert chars.min() >= 0 and 30 < chars.max() < 40
+    scale = np.concatenate([f["scale"] for f in drawn])
+    assert scale.min() < 0 and not np.array_equal(scale, np.round(scale))  # still normal
 
 
 def test_ids_past_the_table_blame_the_data_not_the_model() -> None:
