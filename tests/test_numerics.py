@@ -14,6 +14,7 @@ from pipeline.graph.numerics import (
     finite_scatter_fills,
     log_of_large_gain,
     rewrite_sqrt_of_sigmoids,
+    split_wide_means,
     thresholds_on_logits,
 )
 
@@ -357,3 +358,119 @@ def test_a_max_readout_over_graphs_builds_whole_on_the_htp(tmp_path: Path) -> No
     assert record is not None and record.coverage is not None, why
     assert record.coverage.qnn_partitions == 1 and record.coverage.cpu_compute_nodes == []
     assert record.validation is not None and record.validation.worst_snr_vs_float_db > 30.0
+
+
+def _means(height: int, width: int) -> onnx.ModelProto:
+    """A GlobalAveragePool and a ReduceMean (axes 2, 3; keepdims 0) of a Sigmoid's output (one
+    sided, as an image in [0, 1] is), and a ReduceMean over the last axis alone."""
+    nodes = [
+        helper.make_node("Sigmoid", ["x"], ["s"]),
+        helper.make_node("GlobalAveragePool", ["s"], ["pooled"], name="pool"),
+        helper.make_node("ReduceMean", ["s", "hw"], ["flat"], keepdims=0, name="moments"),
+        helper.make_node("ReduceMean", ["s", "w"], ["rows"], name="rows"),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array([2, -1], np.int64), "hw"),
+        numpy_helper.from_array(np.array([3], np.int64), "w"),
+    ]
+    shapes = {"pooled": [1, 3, 1, 1], "flat": [1, 3], "rows": [1, 3, height, 1]}
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, d) for n, d in shapes.items()]
+    graph = helper.make_graph(
+        nodes,
+        "means",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, height, width])],
+        outputs,
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+def test_a_mean_of_over_2_15_values_is_taken_in_two_stages_exactly() -> None:
+    model = _means(256, 256)
+    split, change = split_wide_means(model)
+    assert change.details == (
+        "GlobalAveragePool 'pool': the mean of 65536 values -> of 256, then of 256 (the HTP's "
+        "sum of over 32768 overflows)",
+        "ReduceMean 'moments': the mean of 65536 values -> of 256, then of 256 (the HTP's sum "
+        "of over 32768 overflows)",
+    )
+    assert [n.op_type for n in split.graph.node].count("ReduceMean") == 5  # rows: one axis, left
+    x = RNG.standard_normal((1, 3, 256, 256)).astype(np.float32)
+    runs = [
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"x": x}
+        )
+        for m in (model, split)
+    ]
+    for got, want in zip(runs[1], runs[0], strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert not split_wide_means(split)[1].changed
+    assert not split_wide_means(_means(128, 256))[1].changed  # 32768 values: within the sum
+
+
+@pytest.mark.qnn
+def test_the_htp_sums_a_wide_quantized_mean_right_only_in_stages(tmp_path: Path) -> None:
+    """A 16-bit GlobalAveragePool over 256x256 values in [0, 1] (zero point 0): the HTP's sum
+    overflows (1.8 dB against the CPU QDQ model); the quantize stage's model, the mean split
+    (``split_wide_means``), agrees. If a new QNN SDK sums it right, this says so."""
+    from compile_fixtures import ctx_vs_qdq_on_htp, model_paths, quantize_on_noise
+
+    x = RNG.uniform(0, 1, (1, 3, 256, 256)).astype(np.float32)
+    step, mean_step = np.float32(1 / 65535), np.float32(0.6 / 65535)
+    qdq = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("QuantizeLinear", ["x", "xs", "zero"], ["xq"]),
+                helper.make_node("DequantizeLinear", ["xq", "xs", "zero"], ["xd"]),
+                helper.make_node("GlobalAveragePool", ["xd"], ["m"]),
+                helper.make_node("QuantizeLinear", ["m", "ms", "zero"], ["mq"]),
+                helper.make_node("DequantizeLinear", ["mq", "ms", "zero"], ["y"]),
+            ],
+            "gap",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 256, 256])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 1, 1])],
+            [
+                numpy_helper.from_array(step, "xs"),
+                numpy_helper.from_array(mean_step, "ms"),
+                numpy_helper.from_array(np.uint16(0), "zero"),
+            ],
+        ),
+        opset_imports=[helper.make_opsetid("", 21)],
+        ir_version=10,
+    )
+    float_model = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("GlobalAveragePool", ["x"], ["y"])],
+            "gap",
+            list(qdq.graph.input),
+            list(qdq.graph.output),
+        ),
+        opset_imports=[helper.make_opsetid("", 21)],
+        ir_version=10,
+    )
+    onnx.save(qdq, str(tmp_path / "qdq.onnx"))
+    onnx.save(float_model, str(tmp_path / "float.onnx"))
+    np.savez(tmp_path / "sample.npz", x=x)
+    as_one = ctx_vs_qdq_on_htp(
+        tmp_path / "qdq.onnx", tmp_path / "float.onnx", tmp_path / "sample.npz", tmp_path / "one"
+    )
+    pooled = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("Sigmoid", ["x"], ["s"]),
+                helper.make_node("GlobalAveragePool", ["s"], ["y"]),
+            ],
+            "pooled",
+            list(qdq.graph.input),
+            list(qdq.graph.output),
+        ),
+        opset_imports=[helper.make_opsetid("", 21)],
+        ir_version=10,
+    )
+    assert quantize_on_noise(tmp_path, "pooled", pooled, 'judge = "cpu"') == 0
+    bucket = model_paths(tmp_path, "pooled").bucket("static")
+    sample = sorted(bucket.heldout.glob("sample_*.npz"))[0]
+    staged = ctx_vs_qdq_on_htp(bucket.qdq, bucket.float_model, sample, tmp_path / "staged")
+    assert staged > 60.0, staged
+    assert as_one < 20.0, f"the HTP sums a wide mean right now: {as_one:.1f} dB"

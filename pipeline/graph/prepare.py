@@ -119,6 +119,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.argmax_without_keepdims,  # its keepdims form's context is refused at load
         resize.resize_for_htp,  # the HTP resizes by out/in, not by the scale given
         legacy.avg_pool_ceil_mode,  # the HTP's ceil-mode AveragePool is wrong
+        numerics.split_wide_means,  # the HTP's quantized mean of over 2^15 values overflows
         t.rewrite_hypot,  # after Pow(x, 2) -> Mul(x, x)
         t.rewrite_reciprocal,
         numerics.rewrite_sqrt_of_sigmoids,  # sqrt(p * q) of probabilities: 1e-10 survives neither

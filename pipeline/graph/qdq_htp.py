@@ -281,10 +281,50 @@ def requantize_after_moves(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Cha
     """A Reshape-like op (``GRID_BLIND_MOVES``) between two different grids, after a graph input
     or a ``PASS_THROUGH`` op -> the op on its input's grid, then a requantization to the
     output's (Q, DQ on the input grid before the output's Q): exact, its values are on the
-    input's grid already; the HTP runs the requantization as a Convert, which it gets right."""
+    input's grid already; the HTP runs the requantization as a Convert, which it gets right.
+
+    A Concat input that a ``PASS_THROUGH`` op wrote on another grid than the Concat's -> that
+    input requantized onto the Concat's grid first (exact: the Concat only moves values, and its
+    output's Q rounds them onto that grid the same way). The HTP folds the Concat's change of
+    grid back through the move and loses it: a Transpose (or a channel shuffle's Reshape ->
+    Transpose -> Reshape) into a Concat on a grid 18% coarser came out 19.1 dB from the CPU QDQ
+    model (Reshapes alone, or a graph input straight into the Concat: right); a YOLOv8-lite
+    face detector concatenates its ShuffleNet backbone's shuffle with the neck's upsampling:
+    19.9 dB from the CPU QDQ model on the HTP, 45.2 with the requantization."""
     out, graph, inits, producer, readers, fresh = _editable(model)
     added: list[onnx.NodeProto] = []
     details: list[str] = []
+    for node in graph.node:
+        if node.op_type != "Concat" or node.domain not in ("", "ai.onnx"):
+            continue
+        quantizers = readers.get(node.output[0], [])
+        if len(quantizers) != 1 or quantizers[0].op_type != "QuantizeLinear":
+            continue
+        target = _grid(quantizers[0], inits)
+        if target is None:
+            continue
+        moved = []
+        for slot, tensor in enumerate(node.input):
+            dq = producer.get(tensor)
+            if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] in inits:
+                continue
+            quantizer = producer.get(dq.input[0])
+            written = producer.get(quantizer.input[0]) if quantizer is not None else None
+            if written is None or quantizer.op_type != "QuantizeLinear":
+                continue
+            if written.op_type not in PASS_THROUGH or _grid(dq, inits) in (None, target):
+                continue
+            nodes, decoded = _requantized(
+                tensor, list(quantizers[0].input[1:]), "on_concat_grid", fresh
+            )
+            added.extend(nodes)
+            node.input[slot] = decoded
+            moved.append(f"{written.op_type} {written.name or written.output[0]!r}")
+        if moved:
+            details.append(
+                f"Concat {node.name or node.output[0]!r}: its input(s) from {', '.join(moved)} "
+                "requantized onto its grid first (the HTP loses a change of grid behind a move)"
+            )
     for node in graph.node:
         if node.op_type not in GRID_BLIND_MOVES or node.domain not in ("", "ai.onnx"):
             continue

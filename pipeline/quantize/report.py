@@ -319,9 +319,11 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
         )
     if rules.requantized_moves:
         lines.append(
-            f"Moves for the HTP: {len(rules.requantized_moves)} Reshape-like op(s) between two "
-            "grids kept on their input's grid and then requantized, the same values (the HTP "
-            "moves their values without the change of zero point; pipeline/graph/qdq_htp.py)."
+            f"Moves for the HTP: {len(rules.requantized_moves)} change(s) of grid around ops "
+            "that only move values made a requantization of their own, the same values: a "
+            "Reshape-like op between two grids kept on its input's, a Concat's input from a "
+            "Transpose or Reshape put on the Concat's grid first (the HTP loses such a change "
+            "of grid; pipeline/graph/qdq_htp.py)."
         )
     if rules.dequantized_inputs:
         lines.append(
