@@ -361,19 +361,31 @@ def test_a_max_readout_over_graphs_builds_whole_on_the_htp(tmp_path: Path) -> No
 
 
 def _means(height: int, width: int) -> onnx.ModelProto:
-    """A GlobalAveragePool and a ReduceMean (axes 2, 3; keepdims 0) of a Sigmoid's output (one
-    sided, as an image in [0, 1] is), and a ReduceMean over the last axis alone."""
+    """Reductions of a Sigmoid's output (one sided, as an image in [0, 1] is): a
+    GlobalAveragePool, an AveragePool over the whole map, a ReduceMean (axes 2, -1; keepdims 0)
+    and a ReduceSum (axes 2, 3), and a ReduceMean over the last axis alone."""
     nodes = [
         helper.make_node("Sigmoid", ["x"], ["s"]),
         helper.make_node("GlobalAveragePool", ["s"], ["pooled"], name="pool"),
+        helper.make_node(
+            "AveragePool", ["s"], ["window"], kernel_shape=[height, width], name="window"
+        ),
         helper.make_node("ReduceMean", ["s", "hw"], ["flat"], keepdims=0, name="moments"),
+        helper.make_node("ReduceSum", ["s", "both"], ["total"], name="total"),
         helper.make_node("ReduceMean", ["s", "w"], ["rows"], name="rows"),
     ]
     inits = [
         numpy_helper.from_array(np.array([2, -1], np.int64), "hw"),
+        numpy_helper.from_array(np.array([2, 3], np.int64), "both"),
         numpy_helper.from_array(np.array([3], np.int64), "w"),
     ]
-    shapes = {"pooled": [1, 3, 1, 1], "flat": [1, 3], "rows": [1, 3, height, 1]}
+    shapes = {
+        "pooled": [1, 3, 1, 1],
+        "window": [1, 3, 1, 1],
+        "flat": [1, 3],
+        "total": [1, 3, 1, 1],
+        "rows": [1, 3, height, 1],
+    }
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, d) for n, d in shapes.items()]
     graph = helper.make_graph(
         nodes,
@@ -388,13 +400,19 @@ def _means(height: int, width: int) -> onnx.ModelProto:
 def test_a_mean_of_over_2_15_values_is_taken_in_two_stages_exactly() -> None:
     model = _means(256, 256)
     split, change = split_wide_means(model)
-    assert change.details == (
-        "GlobalAveragePool 'pool': the mean of 65536 values -> of 256, then of 256 (the HTP's "
-        "sum of over 32768 overflows)",
-        "ReduceMean 'moments': the mean of 65536 values -> of 256, then of 256 (the HTP's sum "
-        "of over 32768 overflows)",
+    assert [d.split(":")[0] for d in change.details] == [
+        "GlobalAveragePool 'pool'",
+        "AveragePool 'window'",
+        "ReduceMean 'moments'",
+        "ReduceSum 'total'",
+    ]
+    assert change.details[0] == (
+        "GlobalAveragePool 'pool': 65536 values -> 256, then 256 (the HTP's sum of over 32768 "
+        "overflows)"
     )
-    assert [n.op_type for n in split.graph.node].count("ReduceMean") == 5  # rows: one axis, left
+    ops = [n.op_type for n in split.graph.node]
+    assert ops.count("ReduceMean") == 7 and ops.count("ReduceSum") == 2  # rows: one axis, left
+    assert "GlobalAveragePool" not in ops and "AveragePool" not in ops
     x = RNG.standard_normal((1, 3, 256, 256)).astype(np.float32)
     runs = [
         ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(

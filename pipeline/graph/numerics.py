@@ -415,15 +415,16 @@ MEAN_TERMS_MAX = 2**15
 
 
 def split_wide_means(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """A GlobalAveragePool or a ReduceMean over several axes holding more than
-    ``MEAN_TERMS_MAX`` values -> the mean over its last axis first, then over the rest.
+    """A GlobalAveragePool, an AveragePool over the whole map, or a ReduceMean / ReduceSum over
+    several axes holding more than ``MEAN_TERMS_MAX`` values -> the same reduction over its last
+    axis first, then over the rest.
 
-    Exact (a mean of equal-sized means), and each stage sums few enough values for the HTP's
-    accumulator: quantized, a GlobalAveragePool over a one-sided 16-bit input (zero point 0:
-    an image in [0, 1], a Sigmoid's output) came out at 0-2 dB from 256x256 (65536 values) on
-    and right up to 160x256; AnimeGANv3's instance norms at 480x640, 1.5 dB at the first mean
-    (the model: 24 dB from its CPU QDQ model, kept in fp16), right at 256x320 where its values
-    sum smaller. Left alone: a mean whose last axis alone is that long (nothing to split it at).
+    Exact (a mean of equal-sized means, a sum of sums), and each stage sums few enough values
+    for the HTP's accumulator: quantized, each of them over a one-sided 16-bit input (zero point
+    0: an image in [0, 1], a Sigmoid's output) came out at 0-2 dB from 256x256 (65536 values)
+    on and right up to 160x256; AnimeGANv3's instance norms at 480x640: 1.5 dB at the first
+    mean (the model 24 dB from its CPU QDQ model, kept in fp16), right at 256x320 where its
+    values sum smaller. Left alone: a reduction whose last axis alone is that long.
     """
     model = copy_model(model)
     graph = model.graph
@@ -434,28 +435,29 @@ def split_wide_means(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     details = []
     for node in graph.node:
         nodes.append(node)
-        if node.domain not in ("", "ai.onnx") or node.op_type not in (
-            "GlobalAveragePool",
-            "ReduceMean",
-        ):
+        if node.domain not in ("", "ai.onnx") or node.op_type not in _WIDE_REDUCTIONS:
             continue
         if values is None:
             values = inferred_values(model)
-        shape = value_shape(values[node.input[0]]) if node.input[0] in values else None
+        shapes = [
+            value_shape(values[t]) if t in values else None
+            for t in (*node.input[:1], node.output[0])
+        ]
+        shape = shapes[0]
         if shape is None or len(shape) < 3:
             continue
-        keepdims = 1
-        if node.op_type == "GlobalAveragePool":
-            axes = list(range(2, len(shape)))
-        else:
-            keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+        keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+        axes = list(range(2, len(shape)))  # the pools': every spatial axis
+        if node.op_type == "AveragePool" and not _whole_map_pool(node, shape, shapes[1]):
+            continue
+        if node.op_type in ("ReduceMean", "ReduceSum"):
             if len(node.input) < 2 or node.input[1] not in inits:
                 continue  # computed axes, or none (every axis: noop_with_empty_axes aside)
             axes = sorted(int(a) % len(shape) for a in numpy_helper.to_array(inits[node.input[1]]))
-        if len(axes) < 2 or int(np.prod([shape[a] for a in axes])) <= MEAN_TERMS_MAX:
+        terms = int(np.prod([shape[a] for a in axes]))
+        if len(axes) < 2 or terms <= MEAN_TERMS_MAX or shape[axes[-1]] > MEAN_TERMS_MAX:
             continue
-        if shape[axes[-1]] > MEAN_TERMS_MAX:
-            continue
+        op = "ReduceSum" if node.op_type == "ReduceSum" else "ReduceMean"
         base = node.name or node.output[0]
         last, every = fresh(f"{base}_last_axis"), fresh(f"{base}_axes")
         graph.initializer.extend(
@@ -465,17 +467,34 @@ def split_wide_means(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             ]
         )
         partial = fresh(f"{base}_over_last_axis")
-        first = helper.make_node("ReduceMean", [node.input[0], last], [partial], name=partial)
+        first = helper.make_node(op, [node.input[0], last], [partial], name=partial)
         # the rest, over every axis again: the last one is 1 now, and keepdims = 0 drops it too
         rest = helper.make_node(
-            "ReduceMean", [partial, every], [node.output[0]], name=base, keepdims=keepdims
+            op, [partial, every], [node.output[0]], name=base, keepdims=keepdims
         )
         nodes[-1:] = [first, rest]
-        terms = int(np.prod([shape[a] for a in axes]))
         details.append(
-            f"{node_label(node)}: the mean of {terms} values -> of {shape[axes[-1]]}, then of "
+            f"{node_label(node)}: {terms} values -> {shape[axes[-1]]}, then "
             f"{terms // shape[axes[-1]]} (the HTP's sum of over {MEAN_TERMS_MAX} overflows)"
         )
     if details:
         set_nodes(graph, nodes)
     return checked_change(model, "split_wide_means", details)
+
+
+_WIDE_REDUCTIONS = frozenset({"GlobalAveragePool", "AveragePool", "ReduceMean", "ReduceSum"})
+
+
+def _whole_map_pool(
+    node: onnx.NodeProto, shape: tuple[int, ...], out: tuple[int, ...] | None
+) -> bool:
+    """An AveragePool whose one window is the whole map (no pads, a 1x1 output): a mean."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    kernel = list(attrs.get("kernel_shape", []))
+    return (
+        kernel == list(shape[2:])
+        and not any(attrs.get("pads", []))
+        and attrs.get("auto_pad", b"NOTSET") in (b"NOTSET", b"VALID")
+        and out is not None
+        and all(d == 1 for d in out[2:])
+    )
