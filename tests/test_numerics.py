@@ -407,8 +407,8 @@ def test_a_mean_of_over_2_15_values_is_taken_in_two_stages_exactly() -> None:
         "ReduceSum 'total'",
     ]
     assert change.details[0] == (
-        "GlobalAveragePool 'pool': 65536 values -> 256, then 256 (the HTP's sum of over 32768 "
-        "overflows)"
+        "GlobalAveragePool 'pool': 65536 values -> 256 x 256 in turn (the HTP's sum of over "
+        "32768 overflows)"
     )
     ops = [n.op_type for n in split.graph.node]
     assert ops.count("ReduceMean") == 7 and ops.count("ReduceSum") == 2  # rows: one axis, left
@@ -425,6 +425,16 @@ def test_a_mean_of_over_2_15_values_is_taken_in_two_stages_exactly() -> None:
         np.testing.assert_allclose(got, want, rtol=1e-5)
     assert not split_wide_means(split)[1].changed
     assert not split_wide_means(_means(128, 256))[1].changed  # 32768 values: within the sum
+
+
+def test_a_wide_reduction_is_grouped_from_its_last_axis() -> None:
+    """Each stage sums at most 2^15 values (axes with their lengths, reduced last first)."""
+    from pipeline.graph.numerics import _stages
+
+    assert _stages([(2, 256), (3, 256)]) == [[3], [2]]
+    assert _stages([(1, 32), (2, 480), (3, 640)]) == [[3], [1, 2]]  # AnimeGANv3's layer norm
+    assert _stages([(1, 200), (2, 200), (3, 200)]) == [[3], [2], [1]]
+    assert _stages([(2, 8), (3, 4096)]) == [[2, 3]]
 
 
 @pytest.mark.qnn
