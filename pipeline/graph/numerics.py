@@ -425,8 +425,10 @@ def split_wide_means(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     on and right up to 160x256; AnimeGANv3's instance norms at 480x640: 1.5 dB at the first
     mean (the model 24 dB from its CPU QDQ model, kept in fp16), right at 256x320 where its
     values sum smaller. AnimeGANv3's face model normalizes over C x H x W (32 x 480 x 640):
-    9.4 dB quantized on the HTP, and -8.0 in fp16, which its 32 x 256 x 256 took. Left alone: a
-    reduction over one axis that long.
+    9.4 dB quantized on the HTP, and -8.0 in fp16, which its 32 x 256 x 256 took. A ReduceMean
+    or ReduceSum over one axis that long (a clip's energy over 4 s of 16 kHz audio) is reshaped
+    into rows first, where its length factors into rows of at most that many; left alone
+    otherwise, as is a reduction over several axes one of which is that long.
     """
     model = copy_model(model)
     graph = model.graph
@@ -446,7 +448,7 @@ def split_wide_means(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             for t in (*node.input[:1], node.output[0])
         ]
         shape = shapes[0]
-        if shape is None or len(shape) < 3:
+        if shape is None or len(shape) < (3 if "Pool" in node.op_type else 1):
             continue
         keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
         axes = list(range(2, len(shape)))  # the pools': every spatial axis
@@ -457,7 +459,19 @@ def split_wide_means(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
                 continue  # computed axes, or none (every axis: noop_with_empty_axes aside)
             axes = sorted(int(a) % len(shape) for a in numpy_helper.to_array(inits[node.input[1]]))
         terms = int(np.prod([shape[a] for a in axes]))
-        if len(axes) < 2 or terms <= MEAN_TERMS_MAX or max(shape[a] for a in axes) > MEAN_TERMS_MAX:
+        if terms <= MEAN_TERMS_MAX:
+            continue
+        if len(axes) == 1 and node.op_type in ("ReduceMean", "ReduceSum"):
+            folded = _fold_long_axis(graph, node, shape, axes[0], shapes[1], fresh)
+            if folded:
+                nodes[-1:] = folded
+                details.append(
+                    f"{node_label(node)}: {terms} values along one axis -> "
+                    f"{terms // _split_length(terms)} rows of {_split_length(terms)}, each row "
+                    f"first (the HTP's sum of over {MEAN_TERMS_MAX} overflows)"
+                )
+            continue
+        if max(shape[a] for a in axes) > MEAN_TERMS_MAX:
             continue
         stages = _stages([(a, shape[a]) for a in axes])
         op = "ReduceSum" if node.op_type == "ReduceSum" else "ReduceMean"
@@ -488,6 +502,49 @@ def split_wide_means(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
 
 
 _WIDE_REDUCTIONS = frozenset({"GlobalAveragePool", "AveragePool", "ReduceMean", "ReduceSum"})
+
+
+def _split_length(length: int) -> int:
+    """The longest row (at most ``MEAN_TERMS_MAX``) that ``length`` values fold into evenly,
+    with at most that many rows; 0 if there is none (a prime length, say)."""
+    for row in range(min(length, MEAN_TERMS_MAX), 1, -1):
+        if length % row == 0:
+            return row if length // row <= MEAN_TERMS_MAX else 0
+    return 0
+
+
+def _fold_long_axis(
+    graph: onnx.GraphProto,
+    node: onnx.NodeProto,
+    shape: tuple[int, ...],
+    axis: int,
+    out_shape: tuple[int, ...] | None,
+    fresh: FreshNames,
+) -> list[onnx.NodeProto]:
+    """A reduction over one axis of more than ``MEAN_TERMS_MAX`` values -> that axis reshaped
+    into rows, reduced over each row, then over the rows, and reshaped to the output's shape."""
+    row = _split_length(shape[axis])
+    if not row or out_shape is None:
+        return []
+    base = node.name or node.output[0]
+    folded_shape = [*shape[:axis], shape[axis] // row, row, *shape[axis + 1 :]]
+    names = {key: fresh(f"{base}_{key}") for key in ("rows", "row_axis", "both", "shape")}
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array(folded_shape, np.int64), names["rows"]),
+            numpy_helper.from_array(np.array([axis + 1], np.int64), names["row_axis"]),
+            numpy_helper.from_array(np.array([axis, axis + 1], np.int64), names["both"]),
+            numpy_helper.from_array(np.array(out_shape, np.int64), names["shape"]),
+        ]
+    )
+    folded, per_row, whole = (fresh(f"{base}_{k}") for k in ("folded", "per_row", "whole"))
+    op = node.op_type
+    return [
+        helper.make_node("Reshape", [node.input[0], names["rows"]], [folded], name=folded),
+        helper.make_node(op, [folded, names["row_axis"]], [per_row], name=per_row),
+        helper.make_node(op, [per_row, names["both"]], [whole], name=whole),
+        helper.make_node("Reshape", [whole, names["shape"]], [node.output[0]], name=base),
+    ]
 
 
 def _stages(axes: list[tuple[int, int]]) -> list[list[int]]:
