@@ -461,36 +461,22 @@ def split_wide_means(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         terms = int(np.prod([shape[a] for a in axes]))
         if terms <= MEAN_TERMS_MAX:
             continue
-        if len(axes) == 1 and node.op_type in ("ReduceMean", "ReduceSum"):
-            folded = _fold_long_axis(graph, node, shape, axes[0], shapes[1], fresh)
-            if folded:
-                nodes[-1:] = folded
+        op = "ReduceSum" if node.op_type == "ReduceSum" else "ReduceMean"
+        if len(axes) == 1 and node.op_type == op:
+            row = _split_length(terms)
+            if row and shapes[1] is not None:
+                nodes[-1:] = _fold_long_axis(graph, node, shape, axes[0], row, shapes[1], fresh)
                 details.append(
-                    f"{node_label(node)}: {terms} values along one axis -> "
-                    f"{terms // _split_length(terms)} rows of {_split_length(terms)}, each row "
-                    f"first (the HTP's sum of over {MEAN_TERMS_MAX} overflows)"
+                    f"{node_label(node)}: {terms} values along one axis -> {terms // row} rows "
+                    f"of {row}, each row first (the HTP's sum of over {MEAN_TERMS_MAX} overflows)"
                 )
             continue
         if max(shape[a] for a in axes) > MEAN_TERMS_MAX:
             continue
         stages = _stages([(a, shape[a]) for a in axes])
-        op = "ReduceSum" if node.op_type == "ReduceSum" else "ReduceMean"
-        base = node.name or node.output[0]
-        current, chain = node.input[0], []
-        for group in stages[:-1]:
-            group_axes = fresh(f"{base}_axes")
-            graph.initializer.append(numpy_helper.from_array(np.array(group, np.int64), group_axes))
-            partial = fresh(f"{base}_partial")
-            chain.append(helper.make_node(op, [current, group_axes], [partial], name=partial))
-            current = partial
-        # the last stage over every axis again: the ones reduced are 1 now, and keepdims = 0
-        # drops them too
-        every = fresh(f"{base}_axes")
-        graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), every))
-        chain.append(
-            helper.make_node(op, [current, every], [node.output[0]], name=base, keepdims=keepdims)
+        nodes[-1:] = _in_stages(
+            graph, fresh, op, node.input[0], node.output[0], stages, axes, keepdims, node.name
         )
-        nodes[-1:] = chain
         counts = " x ".join(str(int(np.prod([shape[a] for a in group]))) for group in stages)
         details.append(
             f"{node_label(node)}: {terms} values -> {counts} in turn (the HTP's sum of over "
@@ -513,37 +499,71 @@ def _split_length(length: int) -> int:
     return 0
 
 
+def _in_stages(
+    graph: onnx.GraphProto,
+    fresh: FreshNames,
+    op: str,
+    source: str,
+    target: str,
+    stages: list[list[int]],
+    axes: list[int],
+    keepdims: int,
+    name: str,
+) -> list[onnx.NodeProto]:
+    """``op`` over ``axes`` of ``source`` into ``target``, one stage per group of ``stages`` (the
+    reduced axes kept as 1), the last over every axis again: keepdims = 0 drops them all."""
+    base = name or target
+    chain = []
+    groups = [*stages[:-1], axes]
+    for index, group in enumerate(groups):
+        group_axes = fresh(f"{base}_axes")
+        graph.initializer.append(numpy_helper.from_array(np.array(group, np.int64), group_axes))
+        last = index == len(groups) - 1
+        out = target if last else fresh(f"{base}_partial")
+        attrs = {"keepdims": keepdims} if last else {}
+        chain.append(
+            helper.make_node(op, [source, group_axes], [out], name=base if last else out, **attrs)
+        )
+        source = out
+    return chain
+
+
 def _fold_long_axis(
     graph: onnx.GraphProto,
     node: onnx.NodeProto,
     shape: tuple[int, ...],
     axis: int,
-    out_shape: tuple[int, ...] | None,
+    row: int,
+    out_shape: tuple[int, ...],
     fresh: FreshNames,
 ) -> list[onnx.NodeProto]:
     """A reduction over one axis of more than ``MEAN_TERMS_MAX`` values -> that axis reshaped
-    into rows, reduced over each row, then over the rows, and reshaped to the output's shape."""
-    row = _split_length(shape[axis])
-    if not row or out_shape is None:
-        return []
+    into rows of ``row``, reduced over each row, then over the rows, and reshaped to the
+    output's shape."""
     base = node.name or node.output[0]
     folded_shape = [*shape[:axis], shape[axis] // row, row, *shape[axis + 1 :]]
-    names = {key: fresh(f"{base}_{key}") for key in ("rows", "row_axis", "both", "shape")}
+    rows, target = fresh(f"{base}_rows"), fresh(f"{base}_shape")
     graph.initializer.extend(
         [
-            numpy_helper.from_array(np.array(folded_shape, np.int64), names["rows"]),
-            numpy_helper.from_array(np.array([axis + 1], np.int64), names["row_axis"]),
-            numpy_helper.from_array(np.array([axis, axis + 1], np.int64), names["both"]),
-            numpy_helper.from_array(np.array(out_shape, np.int64), names["shape"]),
+            numpy_helper.from_array(np.array(folded_shape, np.int64), rows),
+            numpy_helper.from_array(np.array(out_shape, np.int64), target),
         ]
     )
-    folded, per_row, whole = (fresh(f"{base}_{k}") for k in ("folded", "per_row", "whole"))
-    op = node.op_type
+    folded, whole = fresh(f"{base}_folded"), fresh(f"{base}_whole")
     return [
-        helper.make_node("Reshape", [node.input[0], names["rows"]], [folded], name=folded),
-        helper.make_node(op, [folded, names["row_axis"]], [per_row], name=per_row),
-        helper.make_node(op, [per_row, names["both"]], [whole], name=whole),
-        helper.make_node("Reshape", [whole, names["shape"]], [node.output[0]], name=base),
+        helper.make_node("Reshape", [node.input[0], rows], [folded], name=folded),
+        *_in_stages(
+            graph,
+            fresh,
+            node.op_type,
+            folded,
+            whole,
+            [[axis + 1], [axis]],
+            [axis, axis + 1],
+            1,
+            whole,
+        ),
+        helper.make_node("Reshape", [whole, target], [node.output[0]], name=base),
     ]
 
 
