@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import tomllib
+import typing
 from pathlib import Path
 
 import pytest
+from venvs import REPO_ROOT
 
-from pipeline.core.config import load_config
+from pipeline.core.config import ModelConfig, load_config
 from pipeline.core.errors import ConfigError, ToolchainError
 from qnn_ctx_runtime.errors import UsageError
 from qnn_ctx_runtime.targets import get_target
@@ -250,3 +255,41 @@ def test_gray_images_take_the_default_mean_and_std(tmp_path: Path) -> None:
     two = "[calibration.image]\nchannel_order = 'GRAY'\nmean = [0.5, 0.5]\n"
     with pytest.raises(ConfigError, match=r"mean has 2 values; channel_order = 'GRAY' takes 1\."):
         load_config(write(tmp_path, MINIMAL.replace("[calibration]", two + "[calibration]")))
+
+
+def _keys(cls: type, prefix: str = "") -> list[str]:
+    """Every leaf key of a config section, dotted (``calibration.audio.window_fn``)."""
+    hints = typing.get_type_hints(cls)
+    found: list[str] = []
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("toml", True) is False:  # the config file's own path
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            found += _keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            found.append(prefix + f.name)
+    return found
+
+
+def test_readme_example_names_every_key() -> None:
+    """The README's config example promises every key with its default: a key added to the
+    config without a line there fails here, so users writing a config from the README see it."""
+    readme = (REPO_ROOT / "README.md").read_text("utf-8")
+    start = readme.index("## Model configs")
+    block = readme[start : readme.index("\n## ", start + 1)]
+    example = re.search(r"```toml\n(.*?)```", block, re.DOTALL)
+    assert example, "README.md's Model configs section has no ```toml example"
+    parsed = tomllib.loads(example.group(1))
+
+    def present(key: str) -> bool:
+        table: object = parsed
+        for part in key.split("."):
+            if not isinstance(table, dict) or part not in table:
+                return False
+            table = table[part]
+        return True
+
+    keys = _keys(ModelConfig)
+    assert len(keys) > 40, keys  # the walk found the sections' keys, not nothing
+    missing = [k for k in keys if not present(k)]
+    assert not missing, f"README.md's config example lacks {missing}"
