@@ -1095,6 +1095,34 @@ def test_a_divergence_its_readers_do_not_carry_is_passed_over():
     assert ProbeResult(tensors=tensors).first_divergence().name == "relu"  # carried: named
 
 
+def test_a_divergence_a_later_tensor_absorbs_is_passed_over():
+    """A chain of tensors can part ways and end in one that agrees: a magnitude's n / m where
+    m = n = 0 (a silent STFT bin: 0/0, computed differently), its square, 1 + it and its root,
+    all wrong, and m * root right (m = 0). The named tensor is the first whose parting reaches
+    the output; a chain that reaches a tensor of unknown readers is carried."""
+    from pipeline.core.metrics import Accuracy
+    from pipeline.htp.probe import ProbeResult, TensorAgreement
+
+    def chain(root_readers: list[str]) -> list[TensorAgreement]:
+        return [
+            TensorAgreement("ratio", "Div", "n1", -2.4, ["square"]),
+            TensorAgreement("square", "Mul", "n2", -5.1, ["sum"]),
+            TensorAgreement("sum", "Add", "n3", 6.3, ["root"]),
+            TensorAgreement("root", "Sqrt", "n4", 13.5, root_readers),
+            TensorAgreement("magnitude", "Mul", "n5", 60.4, ["bands"]),
+            TensorAgreement("bands", "MatMul", "n6", 26.0, ["out"]),
+            TensorAgreement("out", "Conv", "n7", 25.0, []),
+        ]
+
+    outputs = {"out": Accuracy(25.0, 1e-2, 0.99)}
+    assert ProbeResult(
+        tensors=chain(["magnitude"]), ctx_vs_qdq=outputs
+    ).first_divergence().name == ("bands")
+    # the root read by something not exposed: the chain may reach the output, so it is named
+    named = ProbeResult(tensors=chain(["unexposed"]), ctx_vs_qdq=outputs).first_divergence()
+    assert named.name == "ratio"
+
+
 def test_the_locator_knows_what_each_activation_is_read_into(tmp_path: Path):
     from pipeline.htp.probe import _exposed
 

@@ -74,6 +74,7 @@ DIVERGENCE_DB = 30.0  # HTP vs CPU QDQ below this at one tensor: they compute it
 # each hold them all (a 1x3x1024x2048 LR-ASPP: every activation at once took 4.3 GiB).
 EXPOSED_BYTES = 256 << 20
 EXPLAINS_DB = 3.0  # ... and at most this much above the worst output's: it explains the output
+CARRIED_TENSORS = 64  # a parting followed this far through its readers reaches the output
 CTX_NAME = "probe_ctx.onnx"
 RESULT_NAME = "probe_result.json"  # the main child's result, which its helpers watch
 # The CPUs this process may use when it starts, before it pins itself to one for its run.
@@ -171,15 +172,30 @@ class ProbeResult:
         outputs = self.worst_ctx_vs_qdq
         if outputs == outputs:  # not NaN: some output compared
             threshold = min(threshold, outputs + EXPLAINS_DB)
-        agreement = {t.name: t.snr_db for t in self.tensors}
+        by_name = {t.name: t for t in self.tensors}
 
         def carried(tensor: TensorAgreement) -> bool:
-            """Whether what reads it parts ways too: exposed as an output, a tensor can come
-            out wrong where the graph around it is right (a Relu the HTP folds into its Conv
-            read -0.5 dB, the MaxPool after it 53; a norm's Mul -0.4, the tensor after it 68.8),
-            and leaving it in fp16 moved nothing. Unknown readers count as carrying it."""
-            seen = [agreement[r] for r in tensor.readers if r in agreement]
-            return not seen or min(seen) < threshold
+            """Whether the parting reaches past what reads it: exposed as an output, a tensor
+            can come out wrong where the graph around it is right (a Relu the HTP folds into
+            its Conv read -0.5 dB, the MaxPool after it 53; a norm's Mul -0.4, the tensor after
+            it 68.8), and leaving it in fp16 moved nothing. So can a chain of them: a magnitude's
+            n / m for m = n = 0 (a silent STFT bin: 0/0, computed differently) read -2.4 dB and
+            so did the three ops after it, but the m * root that ends it agreed at 60 dB (GTCRN).
+            Followed through readers that part ways too, up to ``CARRIED_TENSORS``; a tensor
+            whose readers are unknown (not exposed, a graph output) counts as carrying it."""
+            seen, todo = {tensor.name}, [tensor]
+            while todo:
+                if len(seen) > CARRIED_TENSORS:
+                    return True
+                current = todo.pop()
+                known = [by_name[r] for r in current.readers if r in by_name]
+                if not known:
+                    return True
+                for reader in known:
+                    if reader.snr_db < threshold and reader.name not in seen:
+                        seen.add(reader.name)
+                        todo.append(reader)
+            return False
 
         return next((t for t in self.tensors if t.snr_db < threshold and carried(t)), None)
 
