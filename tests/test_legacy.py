@@ -460,6 +460,68 @@ def test_input_batchnorm_becomes_mul_add() -> None:
     assert not change.changed
 
 
+def keras_layer_norm() -> onnx.ModelProto:
+    """tf2onnx's Keras LayerNormalization over the last axis of [1, 4, 16]: the rows as the
+    channels of a [1, 4, 16, 1] tensor, their mean and variance computed in the graph and read
+    by a BatchNormalization as its statistics; gamma and beta after it, a Dense layer next."""
+    rows, features = 4, 16
+    inits = [
+        numpy_helper.from_array(np.array([1, rows, features, 1], np.int64), "as_channels"),
+        numpy_helper.from_array(np.array([1, rows, features], np.int64), "back"),
+        numpy_helper.from_array(np.array([0, 2, 3], np.int64), "stat_axes"),
+        numpy_helper.from_array(np.ones(rows, np.float32), "ones"),
+        numpy_helper.from_array(np.zeros(rows, np.float32), "zeros"),
+        numpy_helper.from_array(RNG.uniform(0.5, 1.5, features).astype("f4"), "gamma"),
+        numpy_helper.from_array(RNG.uniform(-0.5, 0.5, features).astype("f4"), "beta"),
+        numpy_helper.from_array(RNG.standard_normal((features, 8)).astype("f4") * 0.3, "dense"),
+    ]
+    make = oh.make_node
+    nodes = [
+        make("Reshape", ["x", "as_channels"], ["x4"]),
+        make("ReduceMean", ["x4", "stat_axes"], ["mean"], keepdims=0),
+        make("ReduceMean", ["x4", "stat_axes"], ["mean_kept"], keepdims=1),
+        make("Sub", ["x4", "mean_kept"], ["centred"]),
+        make("Mul", ["centred", "centred"], ["squares"]),
+        make("ReduceMean", ["squares", "stat_axes"], ["var"], keepdims=0),
+        make(
+            "BatchNormalization", ["x4", "ones", "zeros", "mean", "var"], ["normed"], epsilon=1e-3
+        ),
+        make("Reshape", ["normed", "back"], ["normed3"]),
+        make("Mul", ["normed3", "gamma"], ["scaled"]),
+        make("Add", ["scaled", "beta"], ["shifted"]),
+        make("MatMul", ["shifted", "dense"], ["y"]),
+    ]
+    return model_of(nodes, 18, inits, out_shape=[1, rows, 8], in_shape=[1, rows, features])
+
+
+def test_a_batchnorm_of_statistics_computed_in_the_graph_becomes_elementary_ops() -> None:
+    """The QNN EP takes a BatchNormalization with constant statistics only: tf2onnx's Keras
+    LayerNormalization (statistics computed in the graph) stayed on the CPU with its Q/DQ
+    (a Magika classifier in 2 partitions). Its arithmetic in elementary ops is the same."""
+    model = keras_layer_norm()
+    ready = prepared(model)
+    assert "BatchNormalization" not in {n.op_type for n in ready.graph.node}
+    shape = [1, 4, 16]
+    for _ in range(3):
+        x = (RNG.standard_normal(shape) * 3 + 1).astype(np.float32)
+        np.testing.assert_allclose(run(ready, x), run(model, x), rtol=1e-5, atol=1e-5)
+    _, change = legacy.batchnorm_of_computed_statistics(ready)
+    assert not change.changed
+    # constant statistics stay batchnorm_to_affine's (or fold_batchnorm's) case
+    params = [
+        numpy_helper.from_array(RNG.uniform(0.5, 2.0, SHAPE[1]).astype(np.float32), name)
+        for name in ("gamma", "beta", "mean", "var")
+    ]
+    bn = oh.make_node("BatchNormalization", ["x", "gamma", "beta", "mean", "var"], ["y"])
+    _, change = legacy.batchnorm_of_computed_statistics(model_of([bn], 15, params, SHAPE))
+    assert not change.changed
+
+
+@pytest.mark.qnn
+def test_a_keras_layer_norm_is_whole_on_the_htp(tmp_path: Path) -> None:
+    build_whole_on_htp(tmp_path, "keras_layer_norm", keras_layer_norm())
+
+
 @pytest.mark.qnn
 @pytest.mark.parametrize("mode", ["nearest", "linear"])
 def test_legacy_resizes_stay_whole_on_the_htp(tmp_path: Path, mode: str) -> None:

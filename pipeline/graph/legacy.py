@@ -444,6 +444,88 @@ def batchnorm_to_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
     return edit.checked_change(model, "batchnorm_to_affine", details)
 
 
+def batchnorm_of_computed_statistics(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """An inference-mode BatchNormalization whose scale, bias, mean or variance is computed in
+    the graph -> (x - mean) / Sqrt(var + eps) * scale + bias, each [C] operand unsqueezed to
+    [C, 1, ...] so that it broadcasts along axis 1 as in the BatchNormalization.
+
+    tf2onnx writes Keras' LayerNormalization as its fused-batch-norm trick: the input reshaped
+    to [1, N, ...], its mean and variance computed by ReduceMean and ReduceSumSquare, and a
+    BatchNormalization reading them as its statistics. The QNN EP takes only constant
+    statistics, so that BatchNormalization stayed on the CPU with its Q/DQ and cut the graph in
+    two (a Magika file-type classifier: 2 partitions, 7 CPU nodes). The same arithmetic in
+    elementary ops, which the HTP runs (exact up to float rounding).
+    """
+    model = edit.copy_model(model)
+    graph = model.graph
+    inits = edit.initializers_by_name(graph)
+    used = edit.used_names(graph)
+    namer = edit.FreshNames(model)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+    nodes: list[onnx.NodeProto] = []
+    constants: list[onnx.TensorProto] = []
+    details = []
+    make = onnx.helper.make_node
+    for node in graph.node:
+        attrs = _attrs(node)
+        if (
+            node.op_type != "BatchNormalization"
+            or node.domain not in _DEFAULT
+            or len(node.input) < 5
+            or all(name in inits for name in node.input[1:5])  # batchnorm_to_affine's case
+            or attrs.get("training_mode", 0)
+            or attrs.get("spatial", 1) == 0
+            or any(o and used[o] for o in node.output[1:])
+        ):
+            nodes.append(node)
+            continue
+        if values is None:
+            values = edit.inferred_values(model)
+        value = values.get(node.input[0])
+        shape = edit.value_shape(value) if value is not None else None
+        if shape is None or len(shape) < 2:
+            nodes.append(node)
+            continue
+        dtype = edit.numpy_dtype(value.type.tensor_type.elem_type)
+        base = node.name or node.output[0]
+        spread = {}  # operand -> its [C, 1, ...] form
+        if len(shape) > 2:
+            axes = namer(f"{base}_channel_axes")
+            constants.append(
+                numpy_helper.from_array(np.arange(1, len(shape) - 1, dtype=np.int64), axes)
+            )
+        for name in node.input[1:5]:
+            if name in spread:
+                continue
+            if len(shape) == 2:  # [N, C]: a [C] operand broadcasts along axis 1 as it is
+                spread[name] = name
+                continue
+            spread[name] = namer(f"{name}_per_channel")
+            nodes.append(make("Unsqueeze", [name, axes], [spread[name]], name=spread[name]))
+        scale, bias, mean, var = (spread[name] for name in node.input[1:5])
+        eps = namer(f"{base}_epsilon")
+        constants.append(
+            numpy_helper.from_array(np.array(attrs.get("epsilon", 1e-5), dtype=dtype), eps)
+        )
+        t = {k: namer(f"{base}_{k}") for k in ("centred", "var_eps", "root", "normed", "scaled")}
+        nodes += [
+            make("Sub", [node.input[0], mean], [t["centred"]], name=t["centred"]),
+            make("Add", [var, eps], [t["var_eps"]], name=t["var_eps"]),
+            make("Sqrt", [t["var_eps"]], [t["root"]], name=t["root"]),
+            make("Div", [t["centred"], t["root"]], [t["normed"]], name=t["normed"]),
+            make("Mul", [t["normed"], scale], [t["scaled"]], name=t["scaled"]),
+            make("Add", [t["scaled"], bias], [node.output[0]], name=base),
+        ]
+        details.append(
+            f"{edit.node_label(node)} (statistics computed in the graph) -> elementary ops"
+        )
+    if details:
+        graph.initializer.extend(constants)
+        edit.set_nodes(graph, nodes)
+        edit.remove_dead_nodes(graph)
+    return edit.checked_change(model, "batchnorm_of_computed_statistics", details)
+
+
 def _pool_geometry(attrs: dict[str, Any]) -> tuple[list[int], list[int], list[int], list[int]]:
     """A pool's kernel, strides, pads and dilations with ONNX's defaults."""
     kernel = [int(k) for k in attrs.get("kernel_shape", [])]

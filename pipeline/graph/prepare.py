@@ -95,6 +95,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.fold_batchnorm,
         t.fold_conv_affine,  # ConvTranspose -> Add(bias): the HTP drops the Add's zero point
         legacy.batchnorm_to_affine,  # a BatchNormalization with no Conv before it
+        legacy.batchnorm_of_computed_statistics,  # tf2onnx's Keras LayerNormalization
         atrous.split_wide_dilations,  # a TCN's dilation 4096: the HTP fails to finalize
         recurrent.normalize_recurrent_ops,  # QNN refuses even default activations spelled out
         # LSTM/GRU/RNN forms QNN refuses -> elementary ops (and LSTMs over a sequence)
