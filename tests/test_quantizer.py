@@ -170,6 +170,54 @@ def test_held_outputs_share_one_budget_a_process(
     assert free.get(0)["y"] is outputs["y"] and not (tmp_path / "unused").exists()
 
 
+def test_a_kept_reference_is_not_spilled_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``evaluate`` holds the reference's outputs while the test model runs: those the kept
+    runs already hold are taken as they are, not counted a second time against the allowance
+    and spilled (a streaming model's 300 frames were written and read back at every mixed-
+    precision round). Measured the same either way; nothing kept, they spill as before."""
+    from pipeline.quantize import evaluate as evaluate_mod
+
+    monkeypatch.setattr(evaluate_mod, "_KEPT", {})
+    monkeypatch.setattr(evaluate_mod, "_MEASURED", {})
+    heldout = tmp_path / "heldout"
+    heldout.mkdir()
+    for k in range(6):
+        x = RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)
+        np.savez(heldout / f"sample_{k:04d}.npz", x=x)
+    reference, test = tmp_path / "float.onnx", tmp_path / "test.onnx"
+    onnx.save(small_net(), str(reference))
+    changed = small_net()
+    weight = numpy_helper.to_array(changed.graph.initializer[0])
+    changed.graph.initializer[0].raw_data = (weight * 1.01).astype(np.float32).tobytes()
+    onnx.save(changed, str(test))
+    spills: list[int] = []
+    put = evaluate_mod.SampleOutputs.put
+
+    def counting_put(self, index, outputs, **how):
+        put(self, index, outputs, **how)
+        spills.extend([index] if index in self._spilled else [])
+
+    monkeypatch.setattr(evaluate_mod.SampleOutputs, "put", counting_put)
+    other = tmp_path / "other.onnx"
+    changed.graph.initializer[0].raw_data = (weight * 0.99).astype(np.float32).tobytes()
+    onnx.save(changed, str(other))
+    results = []
+    # the allowance just holds the reference's 6 runs ([1, 5] float32 each), then nothing
+    for keep in (6 * 5 * 4, 0):
+        monkeypatch.setattr(evaluate_mod, "_KEPT", {})
+        monkeypatch.setattr(evaluate_mod, "_MEASURED", {})
+        monkeypatch.setattr(evaluate_mod, "_KEPT_BYTES", [0])
+        monkeypatch.setattr(evaluate_mod, "KEEP_BYTES", keep)
+        evaluate_mod.evaluate(reference, test, heldout)  # the reference's runs kept, if they fit
+        spills.clear()  # the second comparison of the same reference: its runs served kept
+        results.append((evaluate_mod.evaluate(reference, other, heldout), len(spills)))
+    (kept, kept_spills), (unkept, unkept_spills) = results
+    assert kept_spills == 0 and unkept_spills == 6
+    assert kept["probs"].snr_db == pytest.approx(unkept["probs"].snr_db)
+
+
 def test_matmul_weights_go_per_channel_and_stay_whole_on_the_htp(tmp_path: Path) -> None:
     """A 2-D MatMul weight gets int8 symmetric scales per output column by default, like a
     Gemm's (a MiniLM encoder at 8-bit weights: 14.9 dB per tensor, 24.5 dB per column); the
