@@ -404,6 +404,43 @@ def test_an_ir_3_model_with_weights_outside_its_inputs_loads_as_onnxruntime_runs
     np.testing.assert_array_equal(run[0], run[1])
 
 
+def test_an_ir_1_model_with_opset_imports_loads_as_ir_3(tmp_path: Path) -> None:
+    """PyTorch 0.2-0.3 wrote IR version 1 beside an opset import; onnxruntime runs such a
+    file, and the checker refused it before anything else was looked at."""
+    import onnx.helper as oh
+
+    weight = numpy_helper.from_array(RNG.standard_normal((4, 3, 3, 3)).astype(np.float32), "W")
+    graph = oh.make_graph(
+        [
+            oh.make_node("Conv", ["x", "W"], ["c"], kernel_shape=[3, 3]),
+            oh.make_node("Relu", ["c"], ["y"]),
+        ],
+        "ir1",
+        [
+            oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 8, 8]),
+            oh.make_tensor_value_info("W", onnx.TensorProto.FLOAT, [4, 3, 3, 3]),
+        ],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 6, 6])],
+        [weight],
+    )
+    saved = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 7)])
+    saved.ir_version = 1
+    path = tmp_path / "ir1.onnx"
+    onnx.save(saved, str(path))
+    with pytest.raises(onnx.checker.ValidationError, match="IR version < 3"):
+        onnx.checker.check_model(saved)
+    loaded = load_source_model(path)
+    assert loaded.ir_version == 3
+    x = RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)
+    run = [
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"x": x}
+        )[0]
+        for m in (saved, loaded)
+    ]
+    np.testing.assert_array_equal(run[0], run[1])
+
+
 def test_a_merged_models_repeated_opset_imports_become_one_per_domain(tmp_path: Path) -> None:
     """``onnx.compose.merge_models`` lists each domain once per merged model; the opset
     upgrade raised only the first entry, onnxruntime read the last, and calibration's opset-18

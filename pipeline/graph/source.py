@@ -30,7 +30,23 @@ def readable(model: Any) -> Any:
     (``contrib.onnx_domain_norms``). onnxruntime runs the file as it is."""
     from .contrib import onnx_domain_norms
 
-    return onnx_domain_norms(sort_nodes(_one_import_per_domain(_constants_at_ir_4(model))))
+    return onnx_domain_norms(
+        sort_nodes(_one_import_per_domain(_constants_at_ir_4(_imports_at_ir_3(model))))
+    )
+
+
+def _imports_at_ir_3(model: Any) -> Any:
+    """An IR 1-2 model that lists opset imports, read as IR 3, the first IR with them.
+
+    PyTorch 0.2-0.3 wrote ``ir_version`` 1 beside an ``opset_import`` (a fast-neural-style
+    export from WinML's test collateral: ai.onnx 7); onnxruntime loads such files, but the
+    checker refused them ("model with IR version < 3 cannot have opset_import specified")
+    before anything else was looked at. Preparation raises the IR version anyway."""
+    if model.ir_version >= 3 or not model.opset_import:
+        return model
+    model = edit.copy_model(model)
+    model.ir_version = 3
+    return model
 
 
 def _one_import_per_domain(model: Any) -> Any:
