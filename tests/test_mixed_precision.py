@@ -235,6 +235,25 @@ def test_tanh_of_huge_cubic_keeps_its_live_range(
     assert _rebuild(tmp_path) < 25
 
 
+def test_clip_bounds_given_as_one_value_arrays_are_read(tmp_path: Path) -> None:
+    """onnxruntime runs a Clip whose bounds are [1]-shaped (an OpenCV-style colour-space graph:
+    Clip(x, [0.0], [1.0])); reading them as scalars crashed the quantize stage with a
+    traceback (numpy 2: "only 0-dimensional arrays can be converted to Python scalars")."""
+    from compile_fixtures import quantize_on_noise
+
+    model = _model(
+        [
+            helper.make_node("Mul", ["x", "gain"], ["scaled"]),
+            helper.make_node("Clip", ["scaled", "low", "high"], ["y"]),
+        ],
+        [_tensor("x", [1, 3, 4, 4])],
+        [_tensor("y", [1, 3, 4, 4])],
+        [_init("gain", np.array(0.7)), _init("low", np.array([0.0])), _init("high", [1.0])],
+    )
+    assert ranges._bounds(model)["y"] == (0.0, 1.0)
+    assert quantize_on_noise(tmp_path, "clip_1d", model, 'judge = "cpu"') == 0
+
+
 def test_live_ranges_of_clip_relu_hardsigmoid_and_no_op() -> None:
     model = _model(
         [

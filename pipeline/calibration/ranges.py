@@ -123,7 +123,10 @@ def _bounds(model: Any) -> dict[str, tuple[float | None, float | None]]:
             limits: list[float | None] = [None, None]
             for slot, index in ((0, 1), (1, 2)):
                 if len(node.input) > index and node.input[index] in inits:
-                    limits[slot] = float(numpy_helper.to_array(inits[node.input[index]]))
+                    # a scalar, or one value as [1] (onnxruntime runs that too: an OpenCV-style
+                    # colour-space graph's Clip(x, [0.0], [1.0]) crashed this read)
+                    value = numpy_helper.to_array(inits[node.input[index]]).reshape(-1)
+                    limits[slot] = float(value[0]) if value.size == 1 else None
             for attr in node.attribute:  # opset < 11
                 if attr.name == "min":
                     limits[0] = attr.f

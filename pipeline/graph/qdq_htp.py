@@ -437,7 +437,7 @@ def weight_scales_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
 
     def per_tensor(tensor: str | None) -> float | None:
         value = numpy_helper.to_array(inits[tensor]) if tensor in inits else None
-        return float(value) if value is not None and value.size == 1 else None
+        return float(value.item()) if value is not None and value.size == 1 else None
 
     def coarsest_step(quantizer: onnx.NodeProto) -> float | None:
         """The output's step, or a coarser one its values are moved into unchanged."""
@@ -581,7 +581,7 @@ def _grid_span(node: onnx.NodeProto, inits: dict[str, Any]) -> tuple[float, floa
     if scale.size != 1 or inits[node.input[2]].data_type not in SIXTEEN_BIT:
         return None
     info = np.iinfo(zero.dtype)
-    step, offset = float(scale), int(zero)
+    step, offset = float(scale.item()), int(zero.reshape(-1)[0])  # a scalar, or one as [1]
     return step * (info.min - offset), step * (info.max - offset), zero.dtype
 
 
@@ -699,7 +699,7 @@ def split_sixteen_bit_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
             w_dq.input.append(constant(f"{w_dq.input[0]}_zero_point", zeros))
         replace_attributes(w_dq, (), axis=axis)
         if bias_dq is not None:
-            x_scale = float(numpy_helper.to_array(inits[x_dq.input[1]]))
+            x_scale = float(numpy_helper.to_array(inits[x_dq.input[1]]).reshape(-1)[0])
             bias_scale = (x_scale * main_scale).astype(np.float32)
             integers = _bias_at(inits, bias_dq, bias_scale)
             replace(bias_dq.input[0], integers)
@@ -868,7 +868,7 @@ def sums_no_finer_than_inputs(
         if scale is None or zero is None or (sixteen_bit and zero.data_type not in SIXTEEN_BIT):
             return None
         value = numpy_helper.to_array(scale)
-        return float(value) if value.size == 1 else None
+        return float(value.reshape(-1)[0]) if value.size == 1 else None
 
     details: list[str] = []
     for node in graph.node:
@@ -890,7 +890,7 @@ def sums_no_finer_than_inputs(
             continue
         zero = inits[q.input[2]]
         info = np.iinfo(numpy_helper.to_array(zero).dtype)
-        low = (info.min - float(numpy_helper.to_array(zero))) * old  # the old range's low end
+        low = (info.min - float(numpy_helper.to_array(zero).reshape(-1)[0])) * old  # its low end
         if coarsest * MIN_SUM_LEVELS > (info.max - info.min) * old:
             continue  # the old range would fit in a few steps of the coarse grid: nothing left
         new_zero = int(np.clip(np.round(info.min - low / coarsest), info.min, info.max))
