@@ -1360,6 +1360,53 @@ def test_qnn_preprocess_keeps_metadata_props() -> None:
     assert not noop.changed
 
 
+def test_one_value_constants_become_scalars_where_that_means_the_same() -> None:
+    """A LayerNorm whose exponent and epsilon are stored as [1] (onnxruntime's
+    qnn_preprocess_model then failed: "only 0-dimensional arrays can be converted to Python
+    scalars"): they become scalars and it fuses; a [1] constant added to a scalar input (the
+    sum's rank is the constant's) and one a subgraph reads stay as they are."""
+    model = parse(
+        """<ir_version: 10, opset_import: ["": 21]>
+        g (float[2, 8] x, float s) => (float[2, 8] y, float[1] t) {
+            axes = Constant <value = int64[1] {-1}> ()
+            mean = ReduceMean (x, axes)
+            d = Sub(x, mean)
+            sq = Pow(d, two)
+            var = ReduceMean (sq, axes)
+            ve = Add(var, eps)
+            root = Sqrt(ve)
+            n = Div(d, root)
+            scaled = Mul(n, gamma)
+            y = Add(scaled, beta)
+            t = Add(s, one)
+        }"""
+    )
+    inits = {
+        "two": np.array([2.0], np.float32),
+        "eps": np.array([1e-5], np.float32),
+        "one": np.array([1.0], np.float32),
+        "gamma": RNG.uniform(0.5, 1.5, 8).astype(np.float32),
+        "beta": RNG.uniform(-0.5, 0.5, 8).astype(np.float32),
+    }
+    model.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in inits.items())
+    scalars, change = t.scalar_shaped_constants(model)
+    shapes = {i.name: list(i.dims) for i in scalars.graph.initializer}
+    assert shapes["two"] == shapes["eps"] == [] and shapes["one"] == [1], change.details
+    feeds = {"x": RNG.standard_normal((2, 8)).astype(np.float32), "s": np.array(2.0, np.float32)}
+    for got, want in zip(run(scalars, feeds), run(model, feeds), strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+    # the whole preparation (the axes folded, the fusion's pattern then matched): it failed
+    ln_only = edit.copy_model(model)
+    del ln_only.graph.output[1], ln_only.graph.input[1], ln_only.graph.node[-1]
+    prepared, _ = prepare_model(ln_only, InputsSection(dims={}, shapes={}, constants={}))
+    assert ops(prepared) == ["LayerNormalization"]
+    x = {"x": feeds["x"]}
+    np.testing.assert_allclose(run(prepared, x)[0], run(ln_only, x)[0], rtol=1e-5, atol=1e-5)
+    _, again = t.scalar_shaped_constants(scalars)
+    assert not again.changed
+
+
 def test_topological_sort_orders_and_detects_cycles() -> None:
     relu = oh.make_node("Relu", ["a"], ["y"], name="second")
     neg = oh.make_node("Neg", ["x"], ["a"], name="first")

@@ -126,6 +126,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         numerics.rewrite_sqrt_of_sigmoids,  # sqrt(p * q) of probabilities: 1e-10 survives neither
         numerics.thresholds_on_logits,  # sigmoid(x) > c decided near c by an HTP step: x > logit(c)
         numerics.log_of_large_gain,  # log(1 + 2^20 * magnitude): the product overflows fp16
+        t.scalar_shaped_constants,  # qnn_preprocess reads a LayerNorm's eps as a scalar
         t.qnn_preprocess,
         t.fuse_hardswish,  # qnn_preprocess splits HardSwish; the QNN EP's fp16 fusion is wrong
         t.hardswish_from_clip,  # x * Clip(x + 3, 0, 6) / 6: four ops for the HTP's one

@@ -2474,6 +2474,106 @@ _SIZE_MISMATCH_TIP = (
 )
 
 
+# Ops that broadcast their inputs numpy-style: a [1] constant read by one of them is the same as
+# a scalar wherever another input has rank 1 or more.
+_BROADCASTING = frozenset(
+    [
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Pow",
+        "Max",
+        "Min",
+        "Sum",
+        "Mean",
+        "Mod",
+        "PRelu",
+        "Equal",
+        "Less",
+        "Greater",
+        "LessOrEqual",
+        "GreaterOrEqual",
+        "And",
+        "Or",
+        "Xor",
+        "Where",
+    ]
+)
+_FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE)
+
+
+def scalar_shaped_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Float constants of shape [1] read only where a scalar means the same -> shape [].
+
+    A [1] constant broadcast against a tensor of rank >= 1 gives what a scalar gives, and a
+    Clip's bounds are scalars by the spec (onnxruntime takes [1]). But onnxruntime's
+    ``qnn_preprocess_model`` reads a LayerNorm's epsilon with ``float()``, which numpy 2 refuses
+    for a [1] array ("only 0-dimensional arrays can be converted to Python scalars": a
+    DistilBERT whose scalars were stored as [1] could not be built). Only where every reader
+    is such an op and every other input it broadcasts with has a known rank of 1 or more.
+    """
+    graph = model.graph
+    inits = initializers_by_name(graph)
+    io = {v.name for v in (*graph.input, *graph.output)}
+    candidates = {
+        name
+        for name, tensor in inits.items()
+        if list(tensor.dims) == [1] and tensor.data_type in _FLOAT_TYPES and name not in io
+    }
+    if not candidates:
+        return model, Change("scalar_shaped_constants")
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            if name in candidates:
+                readers.setdefault(name, []).append((node, index))
+    for sub in all_graphs(graph):
+        if sub is not graph:  # read inside a subgraph: left as it is
+            for node in sub.node:
+                candidates.difference_update(node.input)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+
+    def rank(name: str) -> int | None:
+        nonlocal values
+        if name in inits:
+            return len(inits[name].dims)
+        if values is None:
+            values = inferred_values(model)
+        value = values.get(name)
+        if value is None or not value.type.tensor_type.HasField("shape"):
+            return None
+        return len(value.type.tensor_type.shape.dim)
+
+    def as_scalar(node: onnx.NodeProto, index: int) -> bool:
+        if node.domain not in DEFAULT_DOMAINS:
+            return False
+        if node.op_type == "Clip":
+            return index in (1, 2)
+        if node.op_type not in _BROADCASTING or (node.op_type == "Where" and index == 0):
+            return False
+        others = [name for i, name in enumerate(node.input) if i != index and name]
+        return bool(others) and all((rank(name) or 0) >= 1 for name in others)
+
+    chosen = sorted(
+        name
+        for name in candidates
+        if readers.get(name) and all(as_scalar(node, index) for node, index in readers[name])
+    )
+    if not chosen:
+        return model, Change("scalar_shaped_constants")
+    model = copy_model(model)
+    for tensor in model.graph.initializer:
+        if tensor.name in chosen:
+            del tensor.dims[:]
+    kept = [v for v in model.graph.value_info if v.name not in chosen]  # their old [1] shape
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(kept)
+    return checked_change(
+        model, "scalar_shaped_constants", [f"{name}: [1] -> a scalar" for name in chosen]
+    )
+
+
 def qnn_preprocess(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """onnxruntime's ``qnn_preprocess_model``: fuses Gelu, LpNormalization, SpaceToDepth and
     (opset >= 17) LayerNormalization sequences into single ops QNN has kernels for.
