@@ -328,19 +328,27 @@ def ceil_pool(kernel: int, stride: int, pads: int, counts: int, size: int = 15) 
     return model
 
 
+# The prepared model's ops: the floor-mode pool's pads then go as in explicit_pool_pads (a
+# depthwise Conv, scaled where the pads do not count).
 @pytest.mark.parametrize(
-    ("kernel", "stride", "pads", "counts", "size", "ops"),
+    ("kernel", "stride", "pads", "counts", "size", "ops", "prepared_ops"),
     [
-        (2, 2, 0, 0, 15, ["AveragePool"]),  # ResNet-D's shortcut on an odd size
-        (3, 2, 0, 1, 16, ["AveragePool"]),  # counted pads, but none explicit
-        (3, 2, 1, 0, 16, ["AveragePool"]),
-        (3, 2, 1, 1, 16, ["Pad", "AveragePool"]),  # explicit pads that count
-        (3, 2, 1, 1, 7, ["AveragePool"]),  # no window overhangs: only the flag goes
-        (3, 3, 0, 1, 14, ["AveragePool"]),
+        (2, 2, 0, 0, 15, ["AveragePool"], ["Conv", "Mul"]),  # ResNet-D's shortcut, odd size
+        (3, 2, 0, 1, 16, ["AveragePool"], ["Conv", "Mul"]),  # counted pads, none explicit
+        (3, 2, 1, 0, 16, ["AveragePool"], ["Conv", "Mul"]),
+        (3, 2, 1, 1, 16, ["Pad", "AveragePool"], ["Pad", "Conv", "Mul"]),  # pads that count
+        (3, 2, 1, 1, 7, ["AveragePool"], ["Conv"]),  # no window overhangs: only the flag goes
+        (3, 3, 0, 1, 14, ["AveragePool"], ["Conv", "Mul"]),
     ],
 )
 def test_ceil_mode_average_pool_becomes_floor_mode_with_the_same_numbers(
-    kernel: int, stride: int, pads: int, counts: int, size: int, ops: list[str]
+    kernel: int,
+    stride: int,
+    pads: int,
+    counts: int,
+    size: int,
+    ops: list[str],
+    prepared_ops: list[str],
 ) -> None:
     model = ceil_pool(kernel, stride, pads, counts, size)
     rewritten, change = legacy.avg_pool_ceil_mode(model)
@@ -349,7 +357,9 @@ def test_ceil_mode_average_pool_becomes_floor_mode_with_the_same_numbers(
     assert not any(a.name == "ceil_mode" and a.i for a in pool.attribute)
     x = RNG.standard_normal([1, 2, size, size]).astype(np.float32)
     np.testing.assert_allclose(run(rewritten, x), run(model, x), rtol=1e-6, atol=1e-6)
-    assert [n.op_type for n in prepared(model).graph.node] == ops
+    ready = prepared(model)
+    assert [n.op_type for n in ready.graph.node] == prepared_ops
+    np.testing.assert_allclose(run(ready, x), run(model, x), rtol=1e-5, atol=1e-6)
 
 
 def whole_fp16_on_htp(
@@ -410,7 +420,8 @@ def disjoint_pool(op: str, kernel: int, pads: list[int], counts: int = 1, size: 
         ("AveragePool", 4, [1, 1, 1, 1], 0, 14, ["Conv", "Mul"]),
         ("AveragePool", 3, [1, 1, 0, 0], 0, 13, ["Conv", "Mul"]),
         ("MaxPool", 4, [1, 2, 1, 0], 0, 14, ["Pad", "MaxPool"]),
-        ("AveragePool", 2, [0, 0, 1, 1], 0, 13, ["AveragePool"]),  # end pads only: right
+        ("AveragePool", 2, [0, 0, 1, 1], 0, 13, ["Conv", "Mul"]),  # end pads: any padding
+        ("MaxPool", 2, [0, 0, 1, 1], 0, 13, ["MaxPool"]),  # end pads only: right
     ],
 )
 def test_a_pool_of_disjoint_windows_over_start_pads_gets_an_explicit_pad(
@@ -440,6 +451,55 @@ def test_the_htp_pools_disjoint_windows_right_after_an_explicit_pad(tmp_path: Pa
     assert results["explicit"] > 50.0, results
     # If a new QNN SDK pools these right, this says so: the rewrite is then only exact.
     assert results["own"] < 20.0, results
+
+
+@pytest.mark.qnn
+@pytest.mark.parametrize(
+    ("kernel", "pads", "counts", "size", "own_runs"),
+    [
+        (3, [1, 1, 1, 1], 0, 48, True),  # 8.0 dB own (61.8 at 24x32: the size matters)
+        (2, [1, 1, 1, 1], 1, 24, True),  # 3.4 dB own
+        (3, [0, 0, 1, 1], 0, 24, False),  # own: the simulator dies running it (SIGSEGV)
+    ],
+)
+def test_the_htp_computes_padded_overlapping_average_pools_right_as_a_conv(
+    tmp_path: Path, kernel: int, pads: list[int], counts: int, size: int, own_runs: bool
+) -> None:
+    """A padded AveragePool of overlapping windows (stride 1) is wrong on the HTP, or kills
+    the simulator, depending on its kernel, pads, count_include_pad and the map's size; the
+    depthwise Conv it becomes is right (whole model in fp16 on the simulator)."""
+    pool = oh.make_node(
+        "AveragePool",
+        ["x"],
+        ["y"],
+        kernel_shape=[kernel] * 2,
+        strides=[1, 1],
+        pads=pads,
+        count_include_pad=counts,
+    )
+    out = [size + pads[0] + pads[2] - kernel + 1, size + pads[1] + pads[3] - kernel + 1]
+    model = model_of([pool], 21, out_shape=[1, 2, *out], in_shape=[1, 2, size, size])
+    model.ir_version = 10
+    rewritten, change = legacy.explicit_pool_pads(model)
+    assert change.changed and "AveragePool" not in {n.op_type for n in rewritten.graph.node}
+    variants = {"explicit": rewritten, **({"own": model} if own_runs else {})}
+    results = whole_fp16_on_htp(tmp_path, variants, [1, 2, size, size])
+    assert results["explicit"] > 50.0, results
+    if own_runs:  # if a new QNN SDK pools these right, this says so
+        assert results["own"] < 20.0, results
+
+
+@pytest.mark.qnn
+def test_a_padded_average_pool_that_does_not_count_its_pads_builds_whole(tmp_path: Path) -> None:
+    """Quantized, its depthwise Conv and the Mul by each window's cover ratio: the ratio once
+    carried the name onnxruntime's quantizer gives the window's own scale ("<weight>_scale"),
+    and the QDQ model it wrote did not run."""
+    pool = oh.make_node(
+        "AveragePool", ["x"], ["y"], kernel_shape=[3, 3], pads=[0, 0, 2, 2], count_include_pad=0
+    )
+    model = model_of([pool], 17, out_shape=[1, 2, 16, 16], in_shape=[1, 2, 16, 16])
+    model.ir_version = 8
+    build_whole_on_htp(tmp_path, "uncounted_pads", model)
 
 
 # --- a BatchNormalization with nothing to fold into ----------------------------------------------

@@ -539,18 +539,24 @@ def _pool_geometry(attrs: dict[str, Any]) -> tuple[list[int], list[int], list[in
 
 
 def explicit_pool_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """A pool whose windows do not overlap (stride >= kernel) with padding at the start of an
-    axis -> the same windows over the same values without the pool's own pads: a MaxPool after
-    an edge Pad (a window that reaches into the padding holds the border value it copies), an
-    AveragePool as a depthwise Conv of constant 1 / window size with those pads (zeros, which
-    count), scaled back by each window's size over the cells it covers where the pads did not
-    count (count_include_pad = 0).
+    """A MaxPool whose windows do not overlap (stride >= kernel) with padding at the start of
+    an axis, and any AveragePool with padding -> the same windows over the same values without
+    the pool's own pads: a MaxPool after an edge Pad (a window that reaches into the padding
+    holds the border value it copies), an AveragePool as a depthwise Conv of constant 1 / window
+    size with those pads (zeros, which count), scaled back by each window's size over the cells
+    it covers where the pads did not count (count_include_pad = 0).
 
     Why: the QNN HTP computes such a pool wrongly, quantized and in fp16 (an AveragePool 4x4/4
     with a pad of 1: 1.2 dB, 2x2/2: -2.3 dB, 3x3/3: 0.1 dB on some sizes) and dies compiling
-    some (a native crash on a 4x4/4 MaxPool or AveragePool); overlapping windows and end pads
-    alone are right. An explicit zero Pad does not help an AveragePool: the HTP fuses it back
-    (-78 dB); the Conv is right (68 dB in fp16, 46-49 dB quantized, as any depthwise Conv).
+    some (a native crash on a 4x4/4 MaxPool or AveragePool). A padded AveragePool with
+    overlapping windows is no safer, in a way that depends on the kernel, the stride, the pads,
+    count_include_pad and the map's size (fp16, one 3x3/1 pool: 61.8 dB at 24x32 and 8.0 at
+    48x64 with pads of 1 that do not count; 2x2/1 with pads that count: 3.4 dB; end pads that
+    do not count: the simulator dies running it, SIGSEGV, as an OpenCV-style Kuwahara filter's
+    four quadrant means did), so every one is rewritten. Padded MaxPools with overlapping
+    windows were right in every case measured. An explicit zero Pad does not help an
+    AveragePool: the HTP fuses it back (-78 dB); the Conv is right (68 dB in fp16, 46-49 dB
+    quantized, as any depthwise Conv).
     A pre-quantized model keeps its pools: between its own DQ and Q the CPU computes them in
     integers, and a float Conv in their place is another rounding (35 dB apart on uint8).
     """
@@ -577,8 +583,13 @@ def explicit_pool_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
             or text_attribute(attrs.get("auto_pad"), "NOTSET") != "NOTSET"
             or any(d != 1 for d in dilations)
             or len([o for o in node.output if o]) != 1
-            or not any(pads[i] and strides[i] >= kernel[i] for i in range(spatial))
         ):
+            continue
+        if node.op_type == "MaxPool" and not any(
+            pads[i] and strides[i] >= kernel[i] for i in range(spatial)
+        ):
+            continue  # overlapping windows: the HTP's padded MaxPool is right
+        if node.op_type == "AveragePool" and not any(pads):
             continue
         base = node.name or node.output[0]
         if node.op_type == "MaxPool":
@@ -614,7 +625,8 @@ def explicit_pool_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
             scale = _window_scale(kernel, strides, pads, list(size_in[2:]), list(size_out[2:]))
             out, summed = conv.output[0], namer(f"{base}_over_window")
             conv.output[0] = summed
-            factor = namer(f"{base}_window_scale")
+            # not "<weight>_scale": onnxruntime's quantizer names the window's own scale that
+            factor = namer(f"{base}_cover_ratio")
             graph.initializer.append(numpy_helper.from_array(scale, factor))
             nodes.append(
                 onnx.helper.make_node("Mul", [summed, factor], [out], name=namer(f"{base}_scale"))
