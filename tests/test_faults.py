@@ -814,6 +814,38 @@ def test_a_source_whose_output_has_no_shape_field_is_loaded_as_onnxruntime_runs_
         load_source_model(tmp_path / "broken.onnx")
 
 
+def test_a_qonnx_model_is_refused_naming_the_export_that_builds(tmp_path: Path) -> None:
+    """Brevitas / FINN / hls4ml's QONNX writes its arbitrary-precision quantizers as Quant
+    ops, which only qonnx executes (an MLPerf Tiny keyword spotter at 3 bits); the refusal
+    names the QDQ export this pipeline builds."""
+    import onnx
+    import onnx.helper as oh
+    from onnx import numpy_helper
+
+    from pipeline.core.errors import ModelError
+    from pipeline.quantize.build import load_source_model
+
+    consts = [
+        numpy_helper.from_array(np.array(v, np.float32), n)
+        for n, v in (("scale", 0.25), ("zero", 0.0), ("bits", 3.0))
+    ]
+    quant = oh.make_node(
+        "Quant", ["x", "scale", "zero", "bits"], ["y"], signed=1, narrow=0, rounding_mode="ROUND"
+    )
+    graph = oh.make_graph(
+        [quant],
+        "qonnx",
+        [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])],
+        consts,
+    )
+    path = tmp_path / "qonnx.onnx"
+    onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 11)], ir_version=6), path)
+    with pytest.raises(ModelError, match="not a valid ONNX model") as info:
+        load_source_model(path)
+    assert "QONNX" in info.value.tip and "export_onnx_qcdq" in info.value.tip
+
+
 def test_a_float16_source_onnxruntimes_full_optimization_crashes_on_builds(
     tmp_path: Path,
 ) -> None:

@@ -23,6 +23,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -166,6 +167,15 @@ def load_source_model(path: Path) -> Any:
                 "onnxruntime cannot load this model either. Quantize the float model again "
                 "after onnx.version_converter.convert_version(model, 13), or give the float "
                 "model itself as model.source."
+            )
+        elif re.search(r"no op registered for (quant|bipolarquant|trunc|multithreshold)\b", said):
+            # Brevitas / FINN / hls4ml write QONNX's arbitrary-precision quantizers as ops of
+            # their own; no runtime but theirs executes them.
+            tip = (
+                "This is a QONNX model (Brevitas, FINN, hls4ml): its Quant ops run nowhere but in "
+                "qonnx. Export it as QDQ instead (brevitas.export.export_onnx_qcdq, or qonnx's "
+                "QuantToQCDQ transformation), which this pipeline builds with its own "
+                "quantization kept, or give the float model as model.source."
             )
         raise ModelError(f"Model file {path} is not a valid ONNX model: {first}", tip=tip) from None
     return model
