@@ -502,6 +502,52 @@ def test_a_padded_average_pool_that_does_not_count_its_pads_builds_whole(tmp_pat
     build_whole_on_htp(tmp_path, "uncounted_pads", model)
 
 
+@pytest.mark.parametrize("mode", ["SAME_UPPER", "SAME_LOWER", "VALID"])
+@pytest.mark.parametrize(
+    ("op", "kernel", "stride", "size"),
+    [
+        ("AveragePool", 3, 1, 13),
+        ("AveragePool", 2, 2, 13),  # an odd size: one cell of padding, at one end
+        ("MaxPool", 3, 2, 14),
+        ("LpPool", 2, 1, 9),
+        ("Conv", 3, 2, 15),
+        ("Conv", 4, 1, 10),  # an even kernel: the odd cell goes to one end
+    ],
+)
+def test_auto_pad_becomes_the_explicit_pads_it_means(
+    mode: str, op: str, kernel: int, stride: int, size: int
+) -> None:
+    """Keras converters write "same" layers as auto_pad; the rules that mend the HTP's padded
+    pools read explicit pads only. The same outputs, with pads instead."""
+    inits = []
+    inputs = ["x"]
+    if op == "Conv":
+        weight = RNG.standard_normal((3, 2, kernel, kernel)).astype(np.float32)
+        inits.append(numpy_helper.from_array(weight, "w"))
+        inputs.append("w")
+    node = oh.make_node(
+        op, inputs, ["y"], auto_pad=mode, strides=[stride] * 2,
+        **({} if op == "Conv" else {"kernel_shape": [kernel] * 2}),
+    )  # fmt: skip
+    model = model_of([node], 13, inits, in_shape=[1, 2, size, size])
+    model.ir_version = 8
+    explicit, change = legacy.explicit_auto_pads(model)
+    assert change.changed
+    attributes = {a.name for a in explicit.graph.node[0].attribute}
+    assert "auto_pad" not in attributes and "pads" in attributes
+    x = RNG.standard_normal([1, 2, size, size]).astype(np.float32)
+    np.testing.assert_array_equal(run(explicit, x), run(model, x))
+
+
+@pytest.mark.qnn
+def test_a_same_upper_average_pool_is_right_on_the_htp(tmp_path: Path) -> None:
+    """Made explicit, a Keras "same" AveragePool is rewritten as every padded one is."""
+    pool = oh.make_node("AveragePool", ["x"], ["y"], kernel_shape=[3, 3], auto_pad="SAME_UPPER")
+    model = model_of([pool], 13, out_shape=[1, 2, 48, 48], in_shape=[1, 2, 48, 48])
+    model.ir_version = 8
+    build_whole_on_htp(tmp_path, "same_pool", model)
+
+
 # --- a BatchNormalization with nothing to fold into ----------------------------------------------
 
 

@@ -538,6 +538,57 @@ def _pool_geometry(attrs: dict[str, Any]) -> tuple[list[int], list[int], list[in
     )
 
 
+_AUTO_PADDED = ("Conv", "MaxPool", "AveragePool", "LpPool")
+
+
+def explicit_auto_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """``auto_pad`` SAME_UPPER / SAME_LOWER / VALID on a Conv or pool of a static input ->
+    the explicit ``pads`` that ONNX defines it as (output ceil(in / stride); the padding that
+    needs split evenly, its odd cell at the end for SAME_UPPER, at the start for SAME_LOWER).
+
+    The same op. Keras converters (keras2onnx, onnxmltools, WinMLTools) write every "same"
+    layer so, and the rules that mend what the HTP computes wrongly read explicit pads only:
+    a fingerprint-minutiae network's nine SAME_UPPER AveragePools were never rewritten, though
+    the HTP computes padded AveragePools wrongly (``explicit_pool_pads``).
+    """
+    model = edit.copy_model(model)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+    details = []
+    for node in model.graph.node:
+        if node.op_type not in _AUTO_PADDED or node.domain not in _DEFAULT:
+            continue
+        attrs = _attrs(node)
+        mode = text_attribute(attrs.get("auto_pad"), "NOTSET")
+        if mode == "NOTSET" or int(attrs.get("ceil_mode", 0)):
+            continue
+        if values is None:
+            values = edit.inferred_values(model)
+        value = values.get(node.input[0])
+        shape = edit.value_shape(value) if value is not None else None
+        kernel = [int(k) for k in attrs.get("kernel_shape", [])]
+        if not kernel and node.op_type == "Conv" and node.input[1] in values:
+            weight = edit.value_shape(values[node.input[1]])
+            kernel = list(weight[2:]) if weight is not None else []
+        if shape is None or not kernel or len(shape) != len(kernel) + 2:
+            continue
+        spatial = len(kernel)
+        strides = [int(v) for v in attrs.get("strides", [1] * spatial)]
+        dilations = [int(v) for v in attrs.get("dilations", [1] * spatial)]
+        begin, end = [0] * spatial, [0] * spatial
+        if mode in ("SAME_UPPER", "SAME_LOWER"):
+            for i in range(spatial):
+                size = int(shape[2 + i])
+                out = -(-size // strides[i])
+                total = max(0, (out - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 - size)
+                small, large = total // 2, total - total // 2
+                begin[i], end[i] = (small, large) if mode == "SAME_UPPER" else (large, small)
+        elif mode != "VALID":
+            continue
+        edit.replace_attributes(node, ("auto_pad",), pads=begin + end)
+        details.append(f"{edit.node_label(node)}: auto_pad {mode} -> pads {begin + end}")
+    return edit.checked_change(model, "explicit_auto_pads", details)
+
+
 def explicit_pool_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """A MaxPool whose windows do not overlap (stride >= kernel) with padding at the start of
     an axis, and any AveragePool with padding -> the same windows over the same values without

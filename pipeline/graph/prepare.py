@@ -87,6 +87,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         prequantized.drop_noop_casts,  # Q -> Cast(same type) -> DQ; an fp16 model's float Casts
         atrous.space_to_batch_convs,  # TF's atrous Conv as data moves -> a dilated Conv
         rank.input_unit_axis_transposes,  # a gray NHWC input's Transpose: a Reshape
+        legacy.explicit_auto_pads,  # Keras' "same" layers: the pad rules read pads
         legacy.fold_pad_into_pool,  # Pad(-FLT_MAX) -> MaxPool: the pad value blows the range
         legacy.fold_pad_into_conv,  # Pad(0) -> Conv: the HTP fills end-only pads wrongly
         attention.finite_mask_fills,  # -inf / finfo.min mask fills: an infinite scale
