@@ -512,6 +512,7 @@ def test_a_padded_average_pool_that_does_not_count_its_pads_builds_whole(tmp_pat
         ("LpPool", 2, 1, 9),
         ("Conv", 3, 2, 15),
         ("Conv", 4, 1, 10),  # an even kernel: the odd cell goes to one end
+        ("DilatedConv", 3, 1, 12),  # dilation 2: the kernel spans 5 cells
     ],
 )
 def test_auto_pad_becomes_the_explicit_pads_it_means(
@@ -521,17 +522,20 @@ def test_auto_pad_becomes_the_explicit_pads_it_means(
     pools read explicit pads only. The same outputs, with pads instead."""
     inits = []
     inputs = ["x"]
-    if op == "Conv":
+    extra: dict[str, list[int]] = {"kernel_shape": [kernel] * 2}
+    if op.endswith("Conv"):
         weight = RNG.standard_normal((3, 2, kernel, kernel)).astype(np.float32)
         inits.append(numpy_helper.from_array(weight, "w"))
         inputs.append("w")
-    node = oh.make_node(
-        op, inputs, ["y"], auto_pad=mode, strides=[stride] * 2,
-        **({} if op == "Conv" else {"kernel_shape": [kernel] * 2}),
-    )  # fmt: skip
+        extra = {"dilations": [2, 2]} if op == "DilatedConv" else {}
+        op = "Conv"
+    node = oh.make_node(op, inputs, ["y"], auto_pad=mode, strides=[stride] * 2, **extra)
     model = model_of([node], 13, inits, in_shape=[1, 2, size, size])
     model.ir_version = 8
     explicit, change = legacy.explicit_auto_pads(model)
+    if "dilations" in extra and mode != "VALID":  # onnxruntime refuses it: left as it is
+        assert not change.changed
+        return
     assert change.changed
     attributes = {a.name for a in explicit.graph.node[0].attribute}
     assert "auto_pad" not in attributes and "pads" in attributes

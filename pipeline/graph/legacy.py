@@ -575,6 +575,8 @@ def explicit_auto_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
         strides = [int(v) for v in attrs.get("strides", [1] * spatial)]
         dilations = [int(v) for v in attrs.get("dilations", [1] * spatial)]
         begin, end = [0] * spatial, [0] * spatial
+        if mode.startswith("SAME") and any(d != 1 for d in dilations):
+            continue  # onnxruntime refuses it ("Dilation not supported for SAME"): left so
         if mode in ("SAME_UPPER", "SAME_LOWER"):
             for i in range(spatial):
                 size = int(shape[2 + i])
