@@ -248,6 +248,9 @@ def _notes(rows: list[_Row]) -> list[str]:
                 notes.append(f"- **{where}** {how.strip()}")
         if r.validation is not None and r.validation.measured_by:
             notes.append(f"- **{where}** validation figures measured by {r.validation.measured_by}")
+        if r.validation is not None and "lowered" in r.validation.gate:
+            # the gate line above is compile.min_snr_db; this variant was held to its floor
+            notes.append(f"- **{where}** gate applied: {r.validation.gate}")
         v = r.validation
         if v is not None and v.requested > v.samples and v.cut_by == "evidence":
             notes.append(
