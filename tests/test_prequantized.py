@@ -1222,11 +1222,23 @@ def test_a_prequantized_model_the_htp_fails_on_is_judged_on_the_cpu(tmp_path: Pa
     assert main(["quantize", "--artifacts", str(tmp_path / "a"), str(config)]) == 0
     report = json.loads((tmp_path / "a" / "build" / "pq" / "report.json").read_text())
     htp = report["htp"]
-    if qnn_available() and htp["judge"] == "cpu":  # the probe failed, as QNN 2.51 does
-        assert "the HTP probe failed" in htp["reason"], htp
-        assert [r["label"] for r in htp["rounds"]] == ["its own quantization"]
-        # ... and names the way that builds it, before compile fails the same way.
-        assert any("requantize = true" in r for r in htp["remedies"]), htp["remedies"]
+    if qnn_available():  # the reason there is none: judged on the CPU, nothing tried
+        pytest.skip(qnn_available())
+    assert htp["judge"] == "cpu", htp  # the probe failed, as QNN 2.51 does
+    assert "the HTP probe failed" in htp["reason"], htp
+    assert [r["label"] for r in htp["rounds"]] == ["its own quantization"]
+    # ... and names the way that builds it, before compile fails the same way.
+    assert any("requantize = true" in r for r in htp["remedies"]), htp["remedies"]
+    # ... and says so on the console too, not only in the report
+    from pipeline.core.records import QuantizeRecord, read_record
+    from pipeline.quantize.build import QuantizeResult
+
+    folder = tmp_path / "a" / "build" / "pq"
+    record, why = read_record(QuantizeRecord, folder / "record.json")
+    assert record is not None, why
+    assert "the HTP probe failed" in record.summary.htp_failure
+    line = QuantizeResult("pq", folder, False, record).summary_line()
+    assert "WARNING: pq did not run on the HTP" in line and "compile will meet the same" in line
 
 
 def test_quantize_stage_requantizes_when_asked(tmp_path: Path) -> None:

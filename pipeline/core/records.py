@@ -156,6 +156,9 @@ class QuantizeSummary:
     # Float outputs a DequantizeLinear writes: its scale, the output's step on the NPU, so that
     # compile judges an output below its step as quantize did (metrics.BELOW_STEP).
     output_steps: dict[str, float] = field(default_factory=dict)
+    # Why the HTP judge fell back to the CPU when its probe failed on the HTP (a native crash
+    # of the simulator, a finalize error): compile will meet the same. Empty otherwise.
+    htp_failure: str = ""
 
 
 @dataclass(frozen=True)

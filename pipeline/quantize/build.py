@@ -83,7 +83,7 @@ from ..report_html import preload_plotting, write_html_reports
 from . import quantizer
 from . import report as report_mod
 from .evaluate import end_to_end, evaluate, input_jitter
-from .judge import Builder, HtpJudgement, judge_on_htp
+from .judge import HTP_PROBE_FAILED, Builder, HtpJudgement, judge_on_htp
 from .lossless import OWN_ROUNDING_MARGIN_DB, PreparationCheck, bucket_inputs, check_preparation
 from .mixed_precision import MixedPrecision, raise_precision
 from .shapes import PreparedBucket, differing, initializer_digests, lstm_budget, prepare_buckets
@@ -108,7 +108,20 @@ class QuantizeResult:
         if self.skipped:
             return f"{self.name}: up to date, nothing to do ({report})"
         snr = self.record.summary.worst_snr_db
-        return f"{self.name}: QDQ written, worst SNR {fmt(snr)} dB -> {report}"
+        line = f"{self.name}: QDQ written, worst SNR {fmt(snr)} dB -> {report}"
+        if self.record.summary.htp_failure:  # said here, not only in the report
+            line += (
+                f"\nWARNING: {self.name} did not run on the HTP, so its precision was judged on "
+                f"the CPU: {self.record.summary.htp_failure}; compile will meet the same."
+            )
+        return line
+
+
+def _htp_failure(judgement: HtpJudgement | None) -> str:
+    """The HTP probe's failure when the judge fell back to the CPU for it, else ""."""
+    if judgement is None or judgement.judge != "cpu" or HTP_PROBE_FAILED not in judgement.reason:
+        return ""
+    return judgement.reason.removeprefix("judged on the CPU: ")[:400]
 
 
 def build_inputs(config: ModelConfig) -> BuildInputs:
@@ -1287,6 +1300,7 @@ def _record(
                 ).items()
                 if accuracy.snr_db is not None and math.isfinite(accuracy.snr_db)
             },
+            htp_failure=_htp_failure(report.htp),
         ),
     )
 

@@ -104,6 +104,7 @@ CANNOT_WIN_DB = HTP_GAP_DB
 # below its inputs (16-bit dilated weights: exact inputs, 20-30 dB out).
 DRIFT_DB = 6.0
 NOT_RUN = "not run"
+HTP_PROBE_FAILED = "the HTP probe failed"  # a judgement's reason when no candidate ran there
 # A remedy's round stops starting samples once ENOUGH_SAMPLES have run this far below the best
 # context so far, pooled: it cannot be kept (a whisper front end's Log left in fp16: -1.5 dB
 # against 2.2 on 12 samples, 68 s of simulator).
@@ -435,7 +436,7 @@ def judge_on_htp(
             return (
                 HtpJudgement(
                     "cpu",
-                    f"judged on the CPU: the HTP probe failed ({first.error[:300]})",
+                    f"judged on the CPU: {HTP_PROBE_FAILED} ({first.error[:300]})",
                     chip.name,
                     rounds=rounds,
                 ),
