@@ -810,8 +810,10 @@ def test_a_source_whose_output_has_no_shape_field_is_loaded_as_onnxruntime_runs_
     broken = model("Relu")
     broken.graph.node[1].input[0] = "missing"
     onnx.save(broken, str(tmp_path / "broken.onnx"))
-    with pytest.raises(ModelError, match="not a valid ONNX model"):
+    with pytest.raises(ModelError, match="not a valid ONNX model") as info:
         load_source_model(tmp_path / "broken.onnx")
+    # ... and whether onnxruntime can run it, which says where the fix is: in the export
+    assert "onnxruntime cannot load it either" in info.value.tip
 
 
 def test_a_qonnx_model_is_refused_naming_the_export_that_builds(tmp_path: Path) -> None:

@@ -190,8 +190,31 @@ def load_source_model(path: Path) -> Any:
                 "QuantToQCDQ transformation), which this pipeline builds with its own "
                 "quantization kept, or give the float model as model.source."
             )
+        elif not tip:
+            tip = _runtime_verdict(path)
         raise ModelError(f"Model file {path} is not a valid ONNX model: {first}", tip=tip) from None
     return model
+
+
+def _runtime_verdict(path: Path) -> str:
+    """What onnxruntime makes of a file the checker refused: it fails too (the fix is in the
+    export), or it runs it (the refusal is this pipeline's to mend: report it)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime's own error types
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return (
+            f"onnxruntime cannot load it either ({said[:300]}). Re-export it with a current "
+            "converter (opset 7 or newer: onnxruntime guarantees nothing older)."
+        )
+    return (
+        "onnxruntime loads this file: the pipeline is stricter than it here, which is a bug; "
+        "please report it with the model."
+    )
 
 
 def _bare_tensor_values(model: Any) -> list[Any]:
