@@ -27,6 +27,7 @@ from ..core.fileio import sha256_file
 from ..core.layout import samples_in
 from ..core.memory import release_freed_memory
 from ..core.metrics import Accuracy, OutputComparison, storable
+from ..core.progress import Progress
 from ..core.records import folder_digest
 from ..graph.buckets import BucketPlan
 
@@ -191,13 +192,21 @@ def _evaluate(
     """One session at a time (``SampleOutputs``): the reference over every sample, then the
     test model."""
     spill_in = heldout[0].parent.parent if isinstance(heldout, list) else heldout.parent
-    with tempfile.TemporaryDirectory(prefix=".evaluate-", dir=spill_in) as spill:
+    count = len(heldout) if isinstance(heldout, list) else len(samples_in(heldout))
+    # Silent on quick models (a log line at most every LOG_EVERY_S); a 36,637-node unrolled
+    # BiLSTM's evaluation ran 17 minutes without a line before.
+    label = f"compare {test_model.name} with {reference_model.name} on held-out samples"
+    with (
+        tempfile.TemporaryDirectory(prefix=".evaluate-", dir=spill_in) as spill,
+        Progress(2 * count, label, "run") as progress,
+    ):
         expected = SampleOutputs(Path(spill))
         ref = KeptRuns(reference_model)
         names = ref.output_names()
         for index, feeds in enumerate(iter_samples(heldout)):
             outputs = ref.run_named(names, feeds)
             expected.put(index, outputs, held_elsewhere=ref.last_kept)
+            progress.update(1)
         del ref
         release_freed_memory()  # the reference's session
         test = KeptRuns(test_model)
@@ -206,6 +215,7 @@ def _evaluate(
             got = test.run_named(names, feeds)
             comparison.add(expected.get(index), got)
             del got
+            progress.update(1)
     return comparison.summary()
 
 
