@@ -894,3 +894,45 @@ def test_a_float16_source_onnxruntimes_full_optimization_crashes_on_builds(
     assert report["preparation_check"]["passed"], report["preparation_check"]
     assert "float32" in report["preparation_check"]["reference"]
     assert report["end_to_end"]["samples"] > 0, report["end_to_end"]
+
+
+def test_an_index_past_its_table_names_whose_fault_it_is() -> None:
+    """onnxruntime's "out of data bounds": ids fed past a table are the data's fault, but a
+    constant index of the graph (a tf2onnx BiLSTM unrolled over 300 steps, run at 64 tokens:
+    its Gather of step 299) is a size set in [inputs] that the export fixed."""
+    import onnx.helper as oh
+    from onnx import TensorProto, numpy_helper
+
+    from pipeline.core.cpu import cpu_session
+    from pipeline.core.errors import ModelError
+
+    table = numpy_helper.from_array(np.ones((8, 4), np.float32), "table")
+    step = numpy_helper.from_array(np.array(9, np.int64), "step")
+    nodes = [
+        oh.make_node("Gather", ["table", "ids"], ["rows"], name="lookup"),
+        oh.make_node("Gather", ["x", "step"], ["at_step"], name="unrolled_step", axis=1),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "indices",
+        [
+            oh.make_tensor_value_info("ids", TensorProto.INT64, [3]),
+            oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, "steps"]),
+        ],
+        [
+            oh.make_tensor_value_info("rows", TensorProto.FLOAT, [3, 4]),
+            oh.make_tensor_value_info("at_step", TensorProto.FLOAT, [1]),
+        ],
+        [table, step],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 13)], ir_version=8)
+    session = cpu_session(model)
+    x = np.zeros((1, 4), np.float32)  # 4 steps where the graph reads step 9
+    with pytest.raises(ModelError) as data_fault:
+        session.run(
+            None, {"ids": np.array([1, 2, 30], np.int64), "x": np.zeros((1, 12), np.float32)}
+        )
+    with pytest.raises(ModelError) as size_fault:
+        session.run(None, {"ids": np.array([1, 2, 3], np.int64), "x": x})
+    assert "the calibration data does" in data_fault.value.tip
+    assert "constant of the graph" in size_fault.value.tip

@@ -7,6 +7,7 @@ segmenter held 4 GiB that way); without it each run returns its memory when it e
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -65,6 +66,36 @@ _OUT_OF_TABLE_TIP = (
 )
 
 
+_CONSTANT_INDEX_TIP = (
+    "The index is a constant of the graph, not data: the model was exported for a fixed size "
+    "(a loop's trip count, an unrolled sequence) that the shapes set in [inputs] changed. Set "
+    "that input back to the size the model was exported with."
+)
+
+
+def _out_of_table_tip(model: Any, message: str) -> str:
+    """The index-past-its-table tip: the data's fault, unless the failing node's indices are
+    a constant of the graph (a tf2onnx BiLSTM unrolled over 300 steps, run at 64 tokens: its
+    Gather of step 299 failed, and the tip blamed the calibration's token ids)."""
+    found = re.search(r"Name:'([^']+)'", message)
+    if found is None:
+        return _OUT_OF_TABLE_TIP
+    try:
+        import onnx
+
+        proto = (
+            model if hasattr(model, "graph") else onnx.load(str(model), load_external_data=False)
+        )
+    except Exception:  # unreadable here: the general tip
+        return _OUT_OF_TABLE_TIP
+    constants = {i.name for i in proto.graph.initializer}
+    constants |= {o for n in proto.graph.node if n.op_type == "Constant" for o in n.output}
+    node = next((n for n in proto.graph.node if n.name == found.group(1)), None)
+    if node is not None and len(node.input) > 1 and node.input[1] in constants:
+        return _CONSTANT_INDEX_TIP
+    return _OUT_OF_TABLE_TIP
+
+
 class _CpuSession:
     """An onnxruntime session that, when a fused integer kernel fails at run time, runs the
     model again as written (each DequantizeLinear, float op and QuantizeLinear: ONNX's own
@@ -86,7 +117,7 @@ class _CpuSession:
 
                 raise ModelError(
                     f"{self._what} does not run in onnxruntime on the CPU: {exc}",
-                    tip=_OUT_OF_TABLE_TIP
+                    tip=_out_of_table_tip(self._model, str(exc))
                     if _OUT_OF_TABLE in str(exc)
                     else "Check the model with onnxruntime alone; a model the pipeline wrote "
                     "that does not run is a pipeline bug: report it with the source model.",
