@@ -3,6 +3,14 @@
 The arena is off: an arena keeps each session's peak allocation for the session's lifetime, and
 the stages keep several sessions open side by side (source, float and QDQ models of a 1024x2048
 segmenter held 4 GiB that way); without it each run returns its memory when it ends.
+
+Q/DQ patterns are never fused into onnxruntime's integer kernels: a QDQ model is measured as
+ONNX defines it (each DequantizeLinear, float op and QuantizeLinear), the same on every CPU. The
+fused uint8 x int8 kernels saturate on x86 CPUs with AVX2 but no VNNI (onnxruntime's own
+quantization docs say so): a pre-quantized MobileNetV2's fused and unfused runs were 22 dB apart
+on an AMD EPYC without VNNI, so its figures depended on the machine that built it. Some fused
+kernels also refuse at run time a pattern the model as written computes (PPQ's OpenVINO export
+quantizes a MatMul's weights along K: "QLinearMatmul : weight zero point must be a scalar").
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ def cpu_session(
     # 1x3x1024x2048 U-Net's float run peaked at 1280 MiB with it, 952 MiB without (measured;
     # no slower on fastestdet).
     options.enable_mem_pattern = False
+    options.add_session_config_entry("session.disable_quant_qdq", "1")
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     if threads:
@@ -49,13 +58,9 @@ def cpu_session(
             "with the source model and config.",
         ) from exc
     del payload  # a proto's serialized copy (a 1024x1024 U-Net's 176 MB): re-made if needed
-    return _CpuSession(session, model, options, what)
+    return _CpuSession(session, model, what)
 
 
-# What onnxruntime's fused integer kernels say when a Q/DQ pattern it fused is one they cannot
-# compute (PPQ's OpenVINO export quantizes a MatMul's weights along K: "QLinearMatmul : weight
-# zero point must be a scalar ..." at the first run, though the model loads).
-_FUSED_KERNELS = ("QLinear", "QGemm", "MatMulInteger", "ConvInteger")
 # onnxruntime's words for an index past its table: the data fed is wrong, not the model.
 _OUT_OF_TABLE = "out of data bounds"
 _OUT_OF_TABLE_TIP = (
@@ -97,13 +102,11 @@ def _out_of_table_tip(model: Any, message: str) -> str:
 
 
 class _CpuSession:
-    """An onnxruntime session that, when a fused integer kernel fails at run time, runs the
-    model again as written (each DequantizeLinear, float op and QuantizeLinear: ONNX's own
-    semantics), and otherwise names the model in a ModelError instead of a raw traceback."""
+    """An onnxruntime session whose run errors name the model in a ModelError (with a tip)
+    instead of a raw traceback."""
 
-    def __init__(self, session: Any, model: Any, options: Any, what: str) -> None:
-        self._session, self._model, self._options, self._what = session, model, options, what
-        self._unfused = False
+    def __init__(self, session: Any, model: Any, what: str) -> None:
+        self._session, self._model, self._what = session, model, what
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._session, name)
@@ -112,23 +115,12 @@ class _CpuSession:
         try:
             return self._session.run(*args, **kwargs)
         except Exception as exc:  # onnxruntime's error types are not public
-            if self._unfused or not any(k in str(exc) for k in _FUSED_KERNELS):
-                from .errors import ModelError
+            from .errors import ModelError
 
-                raise ModelError(
-                    f"{self._what} does not run in onnxruntime on the CPU: {exc}",
-                    tip=_out_of_table_tip(self._model, str(exc))
-                    if _OUT_OF_TABLE in str(exc)
-                    else "Check the model with onnxruntime alone; a model the pipeline wrote "
-                    "that does not run is a pipeline bug: report it with the source model.",
-                ) from exc
-        import onnxruntime as ort
-
-        self._options.add_session_config_entry("session.disable_quant_qdq", "1")
-        model = self._model
-        payload = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
-        self._session = ort.InferenceSession(
-            payload, self._options, providers=["CPUExecutionProvider"]
-        )
-        self._unfused = True
-        return self.run(*args, **kwargs)
+            raise ModelError(
+                f"{self._what} does not run in onnxruntime on the CPU: {exc}",
+                tip=_out_of_table_tip(self._model, str(exc))
+                if _OUT_OF_TABLE in str(exc)
+                else "Check the model with onnxruntime alone; a model the pipeline wrote "
+                "that does not run is a pipeline bug: report it with the source model.",
+            ) from exc
