@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -736,6 +737,19 @@ def test_a_huge_input_bounds_the_lift() -> None:
         for m in (lifted, limited)
     ]
     assert gains[1] < gains[0]
+
+
+def test_an_input_that_stays_at_zero_lifts_quietly() -> None:
+    """A Conv whose calibrated input peak is 0 and whose bias is 0 bounds its output at 0: the
+    lift is the weights' own, with no float32 overflow warning on the console (a PP-OCRv4
+    recogniser's build printed one)."""
+    model = tiny_weights_net(1e-6)
+    bias = next(i for i in model.graph.initializer if i.name == "b1")
+    bias.CopyFrom(numpy_helper.from_array(np.zeros(16, np.float32), "b1"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, change = normal_float16_weights(model, {"x": 0.0})
+    assert change.changed
 
 
 @pytest.mark.qnn
