@@ -965,6 +965,51 @@ def test_evidence_waits_for_running_samples_and_not_for_left_out_ones(tmp_path: 
     assert probe_mod._enough(job, tmp_path, order) == "short"
 
 
+def test_samples_that_leave_an_output_below_its_step_are_no_evidence_for_it(tmp_path: Path):
+    """An output zero to the NPU (within one step of its grid) on the first samples has no SNR
+    there: they stop a round only when the float model keeps it so on every held-out sample (a
+    wake-word score of 1e-5 on silence read "inf dB" on 4 samples, 20.8 dB over all 75)."""
+    from pipeline.htp import probe as probe_mod
+
+    step = 2.0**-16
+    scale, zero = (
+        numpy_helper.from_array(np.float32(step), "s"),
+        numpy_helper.from_array(np.uint16(0), "z"),
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+            helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"]),
+        ],
+        "qdq",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        [scale, zero],
+    )
+    qdq = tmp_path / "qdq.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), qdq)
+
+    def verdict(peaks: list[float]) -> str:
+        """The first 4 samples' verdict, each below the step, the float model's outputs on the
+        held-out samples peaking at ``peaks``."""
+        folder = tmp_path / f"refs{len(list(tmp_path.glob('refs*')))}"
+        stash = folder / "stash"
+        stash.mkdir(parents=True)
+        for index, peak in enumerate(peaks):
+            np.savez(folder / f"{index:04d}.npz", y=np.array([peak], np.float32))
+        for index in range(4):
+            below = {"worst": float("inf"), "powers": {}, "below": ["y"]}
+            (stash / f"{index:04d}.db").write_text(json.dumps(below))
+        job = probe_mod.ProbeJob(
+            str(qdq), "f", [f"s{i}" for i in range(len(peaks))], "", "", 60, 73
+        )
+        job = dataclasses.replace(job, enough_db=28.0, enough_floor_db=25.0, references=str(folder))
+        return probe_mod._pooled_verdict(job, stash, [0, 1, 2, 3], agree=False)
+
+    assert verdict([1e-6] * 4 + [2.6e-4] + [1e-6] * 3) == "short"  # one reaches above the step
+    assert verdict([1e-6] * 8) == "enough"  # zero to the NPU everywhere: nothing more to learn
+
+
 def test_two_samples_suffice_when_the_htp_agrees_with_the_cpu(tmp_path: Path):
     """With ``agree_db``: the first 2 of the claim order are enough when they are at the
     target vs float pooled (one may be below it: the margin is the CPU QDQ model's, over every

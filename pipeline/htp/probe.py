@@ -52,6 +52,7 @@ from ..core.layout import (
 )
 from ..core.memory import adapt_heap_to, release_freed_memory
 from ..core.metrics import (
+    BELOW_STEP,
     Accuracy,
     OutputComparison,
     power_snr_db,
@@ -838,6 +839,34 @@ def _pooled_worst(noted: list[dict[str, Any]], kind: str) -> float:
     return min((power_snr_db(s, n) for s, n in totals.values()), default=math.inf)
 
 
+def _unrepresented(job: ProbeJob, noted: list[dict[str, Any]]) -> bool:
+    """True when an output was below its step (zero to the NPU, no SNR) on every one of these
+    samples but not on every held-out sample: they say nothing of it. A wake-word classifier's
+    score (1e-5 on silence) stopped a round at "inf dB" on 4 such samples while the CPU QDQ model
+    read 20.8 dB over all 75, where the score reached 2.6e-4."""
+    if not noted:
+        return False
+    below = set.intersection(*(set(figures.get("below", ())) for figures in noted))
+    return bool(below) and not below <= _below_on_every_sample(job)
+
+
+_BELOW_EVERYWHERE: dict[str, frozenset[str]] = {}
+
+
+def _below_on_every_sample(job: ProbeJob) -> frozenset[str]:
+    """The outputs the float model keeps below their step on every held-out sample (read once
+    a probe, from the references the parent wrote)."""
+    if job.references not in _BELOW_EVERYWHERE:
+        comparison = OutputComparison.for_models(job.qdq)
+        for path in sorted(Path(job.references).glob("*.npz")):
+            with np.load(path, allow_pickle=False) as data:
+                outputs = {k: data[k] for k in data.files}
+            comparison.add(outputs, outputs)
+        below = {n for n, a in comparison.summary().items() if a.compared_as == BELOW_STEP}
+        _BELOW_EVERYWHERE[job.references] = frozenset(below)
+    return _BELOW_EVERYWHERE[job.references]
+
+
 def _cut_by(job: ProbeJob, stash: Path, order: list[int]) -> str:
     """Why samples were left out: "agreement" (two sufficed, the HTP agreeing with the CPU QDQ
     model), "evidence" (``enough_samples`` sufficed) or "budget" (the simulator's time)."""
@@ -863,6 +892,8 @@ def _pooled_verdict(job: ProbeJob, stash: Path, indices: list[int], agree: bool)
         return "short"
     if state == "pending":
         return "pending"
+    if _unrepresented(job, noted):
+        return "short"
     # Agreeing, the CPU QDQ model's figure over every held-out sample carries the statement
     # (pipeline.core.layout.AGREE_SAMPLES): these samples need only be at the target, pooled.
     if _pooled_worst(noted, "powers") < (floor if agree else job.enough_db):
@@ -893,8 +924,13 @@ def _note_figure(job: ProbeJob, stash: Path, index: int, names: list[str]) -> No
         got = {n: saved[f"arr_{i}"] for i, n in enumerate(names) if n in expected}
     comparison = OutputComparison.for_models(job.qdq)
     comparison.add(expected, got)
-    figure = worst_snr(comparison.summary())
-    noted = {"worst": figure if figure == figure else float("-inf"), "powers": comparison.powers()}
+    summary = comparison.summary()
+    figure = worst_snr(summary)
+    noted = {
+        "worst": figure if figure == figure else float("-inf"),
+        "powers": comparison.powers(),
+        "below": sorted(n for n, a in summary.items() if a.compared_as == BELOW_STEP),
+    }
     if job.agree_db > 0:
         with np.load(Path(job.qdq_references) / f"{index:04d}.npz", allow_pickle=False) as data:
             on_cpu = {k: data[k] for k in data.files if k in got}
