@@ -1010,6 +1010,31 @@ def test_samples_that_leave_an_output_below_its_step_are_no_evidence_for_it(tmp_
     assert verdict([1e-6] * 8) == "enough"  # zero to the NPU everywhere: nothing more to learn
 
 
+def test_a_waiting_probe_tells_what_its_child_is_at(tmp_path: Path):
+    """Every PROGRESS_EVERY_S of the wait, one line from the child's files: compiling until its
+    context exists, then the samples whose HTP outputs are stashed (a partial one not yet);
+    the reaper's tick runs on every call."""
+    from pipeline.htp import probe as probe_mod
+
+    heard, ticks = [], []
+    report = probe_mod._reporting(ticks.append, heard.append, tmp_path, 3)
+    every = probe_mod.PROGRESS_EVERY_S
+    report(1.0)
+    report(every)
+    (tmp_path / probe_mod.CTX_NAME).write_bytes(b"ctx")
+    stash = tmp_path / probe_mod.STASH
+    stash.mkdir()
+    (stash / "0000.npz").write_bytes(b"")
+    (stash / ".0001.123.partial.npz").write_bytes(b"")
+    report(every + 1.0)  # too soon after the last line
+    report(2 * every)
+    assert ticks == [1.0, every, every + 1.0, 2 * every]
+    assert heard == [
+        f"compiling for the HTP, {every:.0f} s",
+        f"1 of 3 samples run on the HTP, {2 * every:.0f} s",
+    ]
+
+
 def test_two_samples_suffice_when_the_htp_agrees_with_the_cpu(tmp_path: Path):
     """With ``agree_db``: the first 2 of the claim order are enough when they are at the
     target vs float pooled (one may be below it: the margin is the CPU QDQ model's, over every

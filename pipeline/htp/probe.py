@@ -280,6 +280,7 @@ def probe(
     qdq_references: list[dict[str, np.ndarray]] | None = None,
     agree_db: float = 0.0,
     losing_db: float | None = None,
+    on_progress: Callable[[str], None] | None = None,
 ) -> ProbeResult:
     """Compile ``qdq`` for the HTP, run it there and compare; a dead child is a failed result.
     With ``budget_s``, the samples still unstarted after that many seconds of running are left
@@ -290,7 +291,10 @@ def probe(
     CPU QDQ model's outputs on each sample) and ``agree_db``, once ``AGREE_SAMPLES`` are so and
     at ``agree_db`` vs the CPU QDQ model, pooled; with ``losing_db``, once ``ENOUGH_SAMPLES``
     are below it vs float, pooled (the candidate cannot be kept). Either set of outputs, where
-    given, is also what the comparison takes instead of running that model again."""
+    given, is also what the comparison takes instead of running that model again.
+    ``on_progress`` hears what the child is at (compiling, or samples done of the requested)
+    every ``PROGRESS_EVERY_S``: a 1024x1024 segmenter's first round ran 15 minutes on the
+    simulator without a line."""
     work.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / STASH, ignore_errors=True)  # outputs and claims of an earlier probe
     reference_folder = work / "references"
@@ -343,8 +347,11 @@ def probe(
         job_path.write_text(json.dumps(to_json_value(job)), encoding="utf-8")
         helpers = _start_helpers(job, work, cores[1:])
         main = start_module(MODULE, job_path, work / "probe.log")
+    tick = _reaper(helpers)
+    if on_progress is not None:
+        tick = _reporting(tick, on_progress, work, len(samples))
     try:
-        done = wait_for(main, timeout_s, _reaper(helpers))
+        done = wait_for(main, timeout_s, tick)
     finally:
         for helper in helpers:  # the main child is done (or dead): nothing left for them
             if helper.proc.poll() is None:
@@ -459,6 +466,30 @@ def _reaper(helpers: list[Started]) -> Callable[[float], None]:
             helper.proc.poll()
 
     return tick
+
+
+PROGRESS_EVERY_S = 30.0  # how often a waiting probe tells what its child is at
+
+
+def _reporting(
+    tick: Callable[[float], None], on_progress: Callable[[str], None], work: Path, requested: int
+) -> Callable[[float], None]:
+    """``tick``, and every ``PROGRESS_EVERY_S`` of the wait: the child's step, read from its
+    files (no context yet: compiling; then the samples whose figures are noted)."""
+    told = [0.0]
+
+    def report(elapsed: float) -> None:
+        tick(elapsed)
+        if elapsed - told[0] < PROGRESS_EVERY_S:
+            return
+        told[0] = elapsed
+        if not (work / CTX_NAME).is_file():
+            on_progress(f"compiling for the HTP, {elapsed:.0f} s")
+            return
+        ran = sum(1 for _ in (work / STASH).glob("[0-9]*.npz")) if (work / STASH).is_dir() else 0
+        on_progress(f"{ran} of {requested} samples run on the HTP, {elapsed:.0f} s")
+
+    return report
 
 
 def _pin_threads(core: int) -> None:

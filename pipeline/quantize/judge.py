@@ -361,6 +361,9 @@ def judge_on_htp(
                 qdq_references=on_cpu,
                 agree_db=agree_db,
                 losing_db=bar if np.isfinite(bar) else None,
+                on_progress=lambda text: progress.status(
+                    f"round {len(rounds) + 1}: {shown}: {text}"
+                ),
             )
             rounds.append(_round(shown, result))
             ctx_of[id(result)] = folder / CTX_NAME
