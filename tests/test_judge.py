@@ -1017,7 +1017,7 @@ def test_a_waiting_probe_tells_what_its_child_is_at(tmp_path: Path):
     from pipeline.htp import probe as probe_mod
 
     heard, ticks = [], []
-    report = probe_mod._reporting(ticks.append, heard.append, tmp_path, 3)
+    report = probe_mod._reporting(ticks.append, lambda *said: heard.append(said), tmp_path, 3)
     every = probe_mod.PROGRESS_EVERY_S
     report(1.0)
     report(every)
@@ -1030,8 +1030,8 @@ def test_a_waiting_probe_tells_what_its_child_is_at(tmp_path: Path):
     report(2 * every)
     assert ticks == [1.0, every, every + 1.0, 2 * every]
     assert heard == [
-        f"compiling for the HTP, {every:.0f} s",
-        f"1 of 3 samples run on the HTP, {2 * every:.0f} s",
+        ("compiling for the HTP", every),
+        ("1 of 3 samples run on the HTP", 2 * every),
     ]
 
 

@@ -22,6 +22,17 @@ def test_a_log_gets_plain_lines_once_per_status() -> None:
     assert "\r" not in stream.getvalue() and "\x1b" not in stream.getvalue()
 
 
+def test_a_heartbeat_status_prints_each_time() -> None:
+    """A status sent with the step's seconds (a probe waiting on a slow simulator, every 30 s)
+    is printed each time, though its text is the same."""
+    stream = io.StringIO()
+    with Progress(3, "judge", "round", stream=stream) as progress:
+        progress.status("round 1: 0 of 6 samples run on the HTP", 30.0)
+        progress.status("round 1: 0 of 6 samples run on the HTP", 60.0)
+    lines = [line.split(" (")[0] for line in stream.getvalue().splitlines()]
+    assert lines == ["  judge: round 1: 0 of 6 samples run on the HTP"] * 2
+
+
 def test_counting_work_prints_a_line_when_enough_time_passed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -51,11 +51,13 @@ class Progress:
             )
 
     def status(self, text: str, seconds: float | None = None) -> None:
-        """What is being done now (and for how long); in a log, printed once per change."""
+        """What is being done now; in a log, printed once per change. With ``seconds`` (how
+        long this step has run: a heartbeat the caller sends now and then), printed each time,
+        so a log hears of a step that runs for minutes."""
         if self.bar is not None:
             shown = text if seconds is None else f"{text} {seconds:.0f} s"
             self.bar.set_postfix_str(shown, refresh=True)
-        elif text != self.last_status:
+        elif text != self.last_status or seconds is not None:
             elapsed = time.monotonic() - self.started
             print(f"  {self.desc}: {text} ({elapsed:.0f} s)", file=self.stream, flush=True)
             self.last_line = time.monotonic()

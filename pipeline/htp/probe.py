@@ -280,7 +280,7 @@ def probe(
     qdq_references: list[dict[str, np.ndarray]] | None = None,
     agree_db: float = 0.0,
     losing_db: float | None = None,
-    on_progress: Callable[[str], None] | None = None,
+    on_progress: Callable[[str, float], None] | None = None,
 ) -> ProbeResult:
     """Compile ``qdq`` for the HTP, run it there and compare; a dead child is a failed result.
     With ``budget_s``, the samples still unstarted after that many seconds of running are left
@@ -293,7 +293,7 @@ def probe(
     are below it vs float, pooled (the candidate cannot be kept). Either set of outputs, where
     given, is also what the comparison takes instead of running that model again.
     ``on_progress`` hears what the child is at (compiling, or samples done of the requested)
-    every ``PROGRESS_EVERY_S``: a 1024x1024 segmenter's first round ran 15 minutes on the
+    and the seconds waited, every ``PROGRESS_EVERY_S``: a 1024x1024 segmenter's first round ran 15 minutes on the
     simulator without a line."""
     work.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / STASH, ignore_errors=True)  # outputs and claims of an earlier probe
@@ -472,10 +472,13 @@ PROGRESS_EVERY_S = 30.0  # how often a waiting probe tells what its child is at
 
 
 def _reporting(
-    tick: Callable[[float], None], on_progress: Callable[[str], None], work: Path, requested: int
+    tick: Callable[[float], None],
+    on_progress: Callable[[str, float], None],
+    work: Path,
+    requested: int,
 ) -> Callable[[float], None]:
     """``tick``, and every ``PROGRESS_EVERY_S`` of the wait: the child's step, read from its
-    files (no context yet: compiling; then the samples whose figures are noted)."""
+    files (no context yet: compiling; then the samples whose HTP outputs are stashed)."""
     told = [0.0]
 
     def report(elapsed: float) -> None:
@@ -484,10 +487,10 @@ def _reporting(
             return
         told[0] = elapsed
         if not (work / CTX_NAME).is_file():
-            on_progress(f"compiling for the HTP, {elapsed:.0f} s")
+            on_progress("compiling for the HTP", elapsed)
             return
         ran = sum(1 for _ in (work / STASH).glob("[0-9]*.npz")) if (work / STASH).is_dir() else 0
-        on_progress(f"{ran} of {requested} samples run on the HTP, {elapsed:.0f} s")
+        on_progress(f"{ran} of {requested} samples run on the HTP", elapsed)
 
     return report
 

@@ -361,8 +361,8 @@ def judge_on_htp(
                 qdq_references=on_cpu,
                 agree_db=agree_db,
                 losing_db=bar if np.isfinite(bar) else None,
-                on_progress=lambda text: progress.status(
-                    f"round {len(rounds) + 1}: {shown}: {text}"
+                on_progress=lambda text, seconds: progress.status(
+                    f"round {len(rounds) + 1}: {shown}: {text}", seconds
                 ),
             )
             rounds.append(_round(shown, result))
