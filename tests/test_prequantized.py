@@ -936,8 +936,8 @@ def test_the_cpu_measures_a_uint8_conv_as_onnx_defines_it_on_every_cpu() -> None
     """uint8 activations near the top of their range times int8 weights of 127: onnxruntime's
     fused kernels on x86 CPUs with AVX2 but no VNNI add such products in pairs into int16 and
     saturate (53.25 read 28.0 here; a pre-quantized MobileNetV2, 22 dB from itself, on an AMD EPYC
-    without VNNI). The pipeline's
-    CPU session computes what the QDQ model means there too, as on a CPU with VNNI."""
+    without VNNI). The pipeline's CPU session computes what the QDQ model means there too, as on
+    a CPU with VNNI."""
     from pipeline.core.cpu import cpu_session
 
     b = Builder()

@@ -737,14 +737,13 @@ def normal_float16_weights(
             continue
         bias = inits.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
         offset = np.abs(numpy_helper.to_array(bias)) if bias is not None else 0.0
+        bound = magnitude.sum(axis=1) * peaks[node.input[0]] + offset
         # in float64: float32 overflows dividing by a bound near zero (a numpy warning on the
         # console; the shift is clipped anyway)
-        bound = (magnitude.sum(axis=1) * peaks[node.input[0]] + offset).astype(np.float64)
+        largest, bound = magnitude.max(axis=1).astype(np.float64), bound.astype(np.float64)
         tiny = 2.0**-126
         shift = np.minimum(
-            np.floor(
-                np.log2(WEIGHT_TARGET / np.maximum(magnitude.max(axis=1).astype(np.float64), tiny))
-            ),
+            np.floor(np.log2(WEIGHT_TARGET / np.maximum(largest, tiny))),
             np.floor(np.log2(FLOAT16_MAX / 2 / np.maximum(bound, tiny))),
         )
         shift = np.where(needy, np.clip(shift, 0, MAX_WEIGHT_LIFT), 0).astype(np.int64)

@@ -293,8 +293,8 @@ def probe(
     are below it vs float, pooled (the candidate cannot be kept). Either set of outputs, where
     given, is also what the comparison takes instead of running that model again.
     ``on_progress`` hears what the child is at (compiling, or samples done of the requested)
-    and the seconds waited, every ``PROGRESS_EVERY_S``: a 1024x1024 segmenter's first round ran 15 minutes on the
-    simulator without a line."""
+    and the seconds waited, every ``PROGRESS_EVERY_S``: a 1024x1024 segmenter's first round
+    ran 11 minutes on the simulator without a line."""
     work.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / STASH, ignore_errors=True)  # outputs and claims of an earlier probe
     reference_folder = work / "references"
@@ -884,21 +884,26 @@ def _unrepresented(job: ProbeJob, noted: list[dict[str, Any]]) -> bool:
     return bool(below) and not below <= _below_on_every_sample(job)
 
 
-_BELOW_EVERYWHERE: dict[str, frozenset[str]] = {}
+_BELOW_EVERYWHERE: dict[tuple[str, str], frozenset[str]] = {}
 
 
 def _below_on_every_sample(job: ProbeJob) -> frozenset[str]:
     """The outputs the float model keeps below their step on every held-out sample (read once
     a probe, from the references the parent wrote)."""
-    if job.references not in _BELOW_EVERYWHERE:
+    key = (job.references, job.qdq)
+    if key not in _BELOW_EVERYWHERE:
         comparison = OutputComparison.for_models(job.qdq)
         for path in sorted(Path(job.references).glob("*.npz")):
             with np.load(path, allow_pickle=False) as data:
                 outputs = {k: data[k] for k in data.files}
             comparison.add(outputs, outputs)
-        below = {n for n, a in comparison.summary().items() if a.compared_as == BELOW_STEP}
-        _BELOW_EVERYWHERE[job.references] = frozenset(below)
-    return _BELOW_EVERYWHERE[job.references]
+        _BELOW_EVERYWHERE[key] = frozenset(_below_step(comparison.summary()))
+    return _BELOW_EVERYWHERE[key]
+
+
+def _below_step(summary: dict[str, Accuracy]) -> list[str]:
+    """The outputs a comparison judged below their step (metrics.BELOW_STEP), sorted."""
+    return sorted(n for n, a in summary.items() if a.compared_as == BELOW_STEP)
 
 
 def _cut_by(job: ProbeJob, stash: Path, order: list[int]) -> str:
@@ -963,7 +968,7 @@ def _note_figure(job: ProbeJob, stash: Path, index: int, names: list[str]) -> No
     noted = {
         "worst": figure if figure == figure else float("-inf"),
         "powers": comparison.powers(),
-        "below": sorted(n for n, a in summary.items() if a.compared_as == BELOW_STEP),
+        "below": _below_step(summary),
     }
     if job.agree_db > 0:
         with np.load(Path(job.qdq_references) / f"{index:04d}.npz", allow_pickle=False) as data:
