@@ -32,9 +32,9 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from .core.accuracy import BELOW_STEP, PICKED
 from .core.fileio import write_text
 from .core.layout import INDEX_HTML, REPORT_HTML, REPORT_JSON, REPORT_MD, VARIANT_FILE, ModelPaths
-from .core.metrics import BELOW_STEP, PICKED
 
 # The page says so wherever a load time appears: a ratio of session creations on the build
 # machine's HTP simulator tells nothing about load latency on a device's NPU.

@@ -26,10 +26,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from pipeline.core.accuracy import worst_snr
 from pipeline.core.config import load_config
 from pipeline.core.fileio import link_or_copy, sha256_file, write_json
 from pipeline.core.layout import ModelPaths, sample_name
-from pipeline.core.metrics import worst_snr
 from pipeline.core.records import (
     BucketArtifacts,
     QuantizeRecord,
@@ -281,8 +281,8 @@ def write_quantize_record(
     ``evaluated``: compare QDQ with float on the held-out samples for the summary (as the
     quantize stage does); without it the summary says nothing was measured (NaN, no outputs).
     """
-    from pipeline.quantize.build import build_inputs as quantize_inputs
     from pipeline.quantize.evaluate import evaluate
+    from pipeline.quantize.reuse import build_inputs as quantize_inputs
 
     config = load_config(config_path)
     paths = model_paths(config_path.parent.parent, config.model.name)
@@ -402,3 +402,29 @@ def stock_chain(root: Path, name: str, source: Path) -> Path:
     # The stock chain measures nothing: its feeds override initializers the QDQ model bakes in.
     write_quantize_record(config, 4, evaluated=False)
     return config
+
+
+# A rerun with nothing changed reads records and digests only: none of these is imported.
+HEAVY_MODULES = ("numpy", "onnx", "onnxruntime", "matplotlib")
+
+
+def heavy_imports(*argv: str, cwd: Path) -> list[str]:
+    """The heavy modules ``python -m pipeline *argv`` imports (Python's own -X importtime
+    list); the command must succeed."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "pipeline", *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    imported = {
+        line.rpartition("|")[2].strip()
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    return sorted(imported & set(HEAVY_MODULES))

@@ -158,8 +158,9 @@ def measure(ctx: Path, build: Build):
     import onnxruntime as ort
 
     from pipeline.compile import coverage as coverage_mod
+    from pipeline.core.accuracy import worst_snr
     from pipeline.core.layout import samples_in
-    from pipeline.core.metrics import OutputComparison, worst_snr
+    from pipeline.core.metrics import OutputComparison
     from pipeline.core.records import Validation
     from qnn_ctx_runtime import qnn
 

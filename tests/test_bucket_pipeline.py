@@ -18,7 +18,7 @@ from pipeline.__main__ import main
 from pipeline.core.layout import ModelPaths, VariantPaths, release_dir
 from pipeline.core.metrics import snr_db
 from pipeline.core.records import VariantRecord, read_record
-from pipeline.example import build_sequence_model, synthetic_latent
+from pipeline.example_models import build_sequence_model, synthetic_latent
 from qnn_ctx_runtime import qnn
 from qnn_ctx_runtime.device import Device, device_for
 from qnn_ctx_runtime.errors import FeedError, ReleaseError

@@ -14,6 +14,7 @@ from compile_fixtures import (
     BUCKET,
     build_inputs,
     cnn_with_op,
+    heavy_imports,
     model_paths,
     shape_tail,
     small_cnn,
@@ -359,8 +360,8 @@ def test_each_variant_runs_in_a_worker_started_ahead(
 ) -> None:
     """compile starts a worker per variant before it needs it (onnxruntime imported and QNN
     registered while the stage reads its configs and models, or while the variant before
-    runs); each variant's job goes to one, its output is the variant's compile.log, and a
-    worker nothing needs (a rerun with nothing changed) ends unused, leaving no files."""
+    runs); each variant's job goes to one, its output is the variant's compile.log. Only the
+    variants to build get one: a rerun with nothing changed starts none, leaving no files."""
     from pipeline.compile import child
 
     started: list[tuple[str, ...]] = []
@@ -382,7 +383,16 @@ def test_each_variant_runs_in_a_worker_started_ahead(
         assert log.startswith("[compile_worker] stage: register") and "stage: done" in log
     started.clear()
     assert compile_cli(two_targets, str(config)) == 0  # nothing changed: no variant built
+    assert started == []
+    assert not list((two_targets / "artifacts").glob(".compile-spares-*"))
+    # One variant's record gone: that variant alone is built, in the one worker started.
+    gone = paths.variant(installed_pin(), "snapdragon-8-gen-3").record
+    gone.unlink()
+    kept = paths.variant(installed_pin(), "snapdragon-x-elite").record.read_bytes()
+    assert compile_cli(two_targets, str(config)) == 0
     assert started == [(child.AWAIT,)]
+    assert gone.is_file() and variant(two_targets, "tiny", "snapdragon-8-gen-3").passed
+    assert paths.variant(installed_pin(), "snapdragon-x-elite").record.read_bytes() == kept
     assert not list((two_targets / "artifacts").glob(".compile-spares-*"))
 
 
@@ -395,6 +405,9 @@ def test_rerun_is_skipped_and_embed_change_rebuilds_without_stale_files(
     capsys.readouterr()
     assert compile_cli(two_targets, str(config)) == 0
     assert capsys.readouterr().out.count("(unchanged, skipped)") == 2
+    # In its own process, the rerun reads records only: no numpy, onnx(runtime) or matplotlib.
+    argv = ("compile", "--artifacts", str(two_targets / "artifacts"), str(config))
+    assert heavy_imports(*argv, cwd=two_targets) == []
     config.write_text(config.read_text() + "embed = false\n")
     assert compile_cli(two_targets, str(config)) == 0
     assert "skipped" not in capsys.readouterr().out

@@ -749,7 +749,7 @@ def test_a_context_short_where_the_htp_agrees_gets_more_16_bit_tensors(tmp_path:
     figure vs the CPU QDQ model, ~60 dB, is left as measured): the judge raises the CPU QDQ
     model's precision to the target plus that loss (plus mixed precision's margin) instead of
     leaving tensors in fp16, and the next round, run as it is, passes."""
-    from pipeline.core.metrics import Accuracy
+    from pipeline.core.accuracy import Accuracy
     from pipeline.quantize import judge as judge_mod
 
     model, samples = _outlier_row_matmul()
@@ -1081,7 +1081,7 @@ def test_two_samples_suffice_when_the_htp_agrees_with_the_cpu(tmp_path: Path):
 
 def record_accuracy(stored: dict, like: dict) -> dict:
     """The probe record's per-output figures as the ProbeResult's type, to compare them."""
-    from pipeline.core.metrics import Accuracy
+    from pipeline.core.accuracy import Accuracy
     from qnn_ctx_runtime.typed import parse
 
     issues: list[str] = []
@@ -1128,7 +1128,7 @@ def test_the_divergence_named_is_one_that_explains_the_output():
     """The locator's tensor is the first, in graph order, that parts from the CPU QDQ model as
     far as the worst output does (within 3 dB): an earlier, milder one (a Where's unselected
     branch) is passed over; with no output figure, the first under 30 dB."""
-    from pipeline.core.metrics import Accuracy
+    from pipeline.core.accuracy import Accuracy
     from pipeline.htp.probe import ProbeResult, TensorAgreement
 
     tensors = [
@@ -1149,7 +1149,7 @@ def test_a_divergence_its_readers_do_not_carry_is_passed_over():
     """Exposed as an output, a tensor can come out of the HTP wrong where the graph around it
     is right (a Relu folded into its Conv read -0.5 dB, the MaxPool after it 53 dB; fp16 on it
     moved nothing): the named tensor is one whose readers part ways too."""
-    from pipeline.core.metrics import Accuracy
+    from pipeline.core.accuracy import Accuracy
     from pipeline.htp.probe import ProbeResult, TensorAgreement
 
     tensors = [
@@ -1170,7 +1170,7 @@ def test_a_divergence_a_later_tensor_absorbs_is_passed_over():
     m = n = 0 (a silent STFT bin: 0/0, computed differently), its square, 1 + it and its root,
     all wrong, and m * root right (m = 0). The named tensor is the first whose parting reaches
     the output; a chain that reaches a tensor of unknown readers is carried."""
-    from pipeline.core.metrics import Accuracy
+    from pipeline.core.accuracy import Accuracy
     from pipeline.htp.probe import ProbeResult, TensorAgreement
 
     def chain(root_readers: list[str]) -> list[TensorAgreement]:
@@ -1466,7 +1466,7 @@ def test_a_context_the_htp_alone_keeps_short_goes_to_fp16_before_cpu_ranked_tens
 def test_a_divergence_passed_on_layer_by_layer_is_a_drift():
     """The first diverging tensor a few dB below what it is computed from is a drift (no op
     computed wrongly, fp16 on it mends nothing); far below its inputs, it is that op's."""
-    from pipeline.core.metrics import Accuracy
+    from pipeline.core.accuracy import Accuracy
     from pipeline.htp.probe import ProbeResult, TensorAgreement
     from pipeline.quantize.judge import DRIFT_DB, drifts
 

@@ -102,7 +102,7 @@ def test_a_step_that_changes_the_function_fails_the_build(
 ) -> None:
     """Through the quantize stage: a GateError naming the step, the figures in the report."""
     from pipeline.__main__ import main
-    from pipeline.example import ensure_example
+    from pipeline.example_models import ensure_example
 
     root = tmp_path / "proj"
     ensure_example(root)

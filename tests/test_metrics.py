@@ -58,7 +58,8 @@ def test_quantized_integer_outputs_compare_as_the_values_they_stand_for(tmp_path
     import onnx.helper as oh
     from onnx import TensorProto, numpy_helper
 
-    from pipeline.core.metrics import LABELS, quantized_output_grids
+    from pipeline.core.accuracy import LABELS
+    from pipeline.core.metrics import quantized_output_grids
 
     graph = oh.make_graph(
         [oh.make_node("QuantizeLinear", ["x", "s", "z"], ["y"])],
@@ -115,7 +116,8 @@ def test_an_output_below_its_step_is_judged_by_its_error_not_its_snr(tmp_path) -
     """The CPU's 1e-8 against the NPU's 0 read 0 dB and failed the gate whatever the NPU did:
     an output every reference value of which lies within one step of its grid is judged by
     its largest error (two steps at most) and left out of the worst SNR and the pooled powers."""
-    from pipeline.core.metrics import BELOW_STEP, output_steps, worst_snr
+    from pipeline.core.accuracy import BELOW_STEP, worst_snr
+    from pipeline.core.metrics import output_steps
 
     path = tmp_path / "heads.onnx"
     dead_head_model(path)
@@ -145,7 +147,7 @@ def test_an_output_below_its_step_is_judged_by_its_error_not_its_snr(tmp_path) -
 def test_without_a_grid_only_values_below_float16s_smallest_are_below_the_step() -> None:
     """A float output with no DequantizeLinear (the whole-fp16 candidate): float16 holds down to
     2^-24, so 1e-8 is zero to it and 1e-6 is a value, compared by its SNR."""
-    from pipeline.core.metrics import BELOW_STEP
+    from pipeline.core.accuracy import BELOW_STEP
 
     for size, kind in ((1e-8, BELOW_STEP), (1e-6, None)):
         ref = (RNG.standard_normal(64) * size).astype(np.float32)

@@ -13,10 +13,11 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
+from pipeline.core.accuracy import LABELS
 from pipeline.core.config import InputsSection, load_config
 from pipeline.core.dtypes import np_dtype
 from pipeline.core.errors import ModelError
-from pipeline.core.metrics import LABELS, comparable, snr_db
+from pipeline.core.metrics import comparable, snr_db
 from pipeline.graph.prepare import dynamic_tensors, prepare_model, quantization_issues
 from pipeline.graph.tails import model_tail
 from pipeline.quantize.build import load_source_model

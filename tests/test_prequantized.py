@@ -15,9 +15,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, numpy_helper
 
+from pipeline.core.accuracy import worst_snr
 from pipeline.core.config import InputsSection, load_config
 from pipeline.core.errors import ConfigError, ModelError
-from pipeline.core.metrics import snr_db, worst_snr
+from pipeline.core.metrics import snr_db
 from pipeline.graph import edit
 from pipeline.graph import prequantized as pq
 from pipeline.graph.prepare import prepare_model
@@ -1145,7 +1146,7 @@ def test_rounding_floor_moves_an_input_that_is_already_on_its_grid(tmp_path: Pat
 
 def test_ctx_gate_of_a_prequantized_output_follows_its_rounding_floor() -> None:
     from pipeline.compile.worker import snr_gate
-    from pipeline.core.metrics import Accuracy
+    from pipeline.core.accuracy import Accuracy
 
     summary = {"boxes": Accuracy(12.8, 0.5, 0.99), "scores": Accuracy(43.0, 0.01, 1.0)}
     # A model this pipeline quantized: 20 dB for every output.
@@ -1253,7 +1254,7 @@ def test_a_prequantized_model_the_htp_fails_on_is_judged_on_the_cpu(tmp_path: Pa
     assert any("requantize = true" in r for r in htp["remedies"]), htp["remedies"]
     # ... and says so on the console too, not only in the report
     from pipeline.core.records import QuantizeRecord, read_record
-    from pipeline.quantize.build import QuantizeResult
+    from pipeline.quantize.reuse import QuantizeResult
 
     folder = tmp_path / "a" / "build" / "pq"
     record, why = read_record(QuantizeRecord, folder / "record.json")

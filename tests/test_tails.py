@@ -16,9 +16,10 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from pipeline.compile import coverage
+from pipeline.core.accuracy import LABELS, MAP_VALUES, worst_snr
 from pipeline.core.config import InputsSection
 from pipeline.core.errors import ModelError
-from pipeline.core.metrics import LABELS, MAP_VALUES, OutputComparison, comparable, worst_snr
+from pipeline.core.metrics import OutputComparison, comparable
 from pipeline.graph.prepare import prepare_model
 from pipeline.graph.tails import model_tail, summary_tail
 from qnn_ctx_runtime import qnn
@@ -758,7 +759,7 @@ def test_a_summary_of_outputs_all_picked_by_rank_does_not_read_inf_db() -> None:
     from types import SimpleNamespace
 
     from pipeline.compile.report import _snr_line
-    from pipeline.core.metrics import Accuracy
+    from pipeline.core.accuracy import Accuracy
 
     picked = {"detections": Accuracy(7.0, 1248.7, 0.9, compared_as="picked by rank")}
     validation = SimpleNamespace(
@@ -778,7 +779,7 @@ def test_a_gate_lowered_to_a_rounding_floor_is_said_in_the_compile_report() -> N
     from types import SimpleNamespace
 
     from pipeline.compile.report import _notes
-    from pipeline.core.metrics import Accuracy
+    from pipeline.core.accuracy import Accuracy
 
     lowered = (
         "worst ctx vs QDQ SNR >= 20.0 dB; lowered to the pre-quantized model's own rounding "

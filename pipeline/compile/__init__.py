@@ -57,26 +57,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qnn_ctx_runtime import qnn
     from qnn_ctx_runtime.toolchains import load_toolchains
 
     from ..core.config import EXAMPLE_CONFIGS, load_config
+    from .build import resolve_toolchain, variants_to_build
     from .child import spare_workers
 
     table = load_toolchains()
     # Every config is checked (targets, pinned toolchains) before any work.
     configs = [load_config(p, check_files=False) for p in (args.configs or EXAMPLE_CONFIGS)]
-    # A worker per variant: the first starts now, warming up while this process goes on.
-    with spare_workers(args.artifacts, sum(len(set(c.compile.targets)) for c in configs)):
-        return _compile_all(args, table, configs)
-
-
-def _compile_all(args: argparse.Namespace, table: Any, configs: list[Any]) -> int:
-    from qnn_ctx_runtime import qnn
-
-    from ..core.errors import CompileError, GateError
-    from .build import compile_model, resolve_toolchain
-    from .report import describe
-
     installed = qnn.installed_qnn()
     toolchain = resolve_toolchain(table, args.toolchain, installed)
     print(
@@ -84,6 +74,22 @@ def _compile_all(args: argparse.Namespace, table: Any, configs: list[Any]) -> in
         f"{toolchain.qnn_sdk}) and onnxruntime {installed.onnxruntime}",
         flush=True,
     )
+    wanted = sum(
+        variants_to_build(c, args.artifacts, table, toolchain, installed, args.force)
+        for c in configs
+    )
+    # A worker per variant to build: the first starts now, warming up while this process goes on.
+    with spare_workers(args.artifacts, wanted):
+        return _compile_all(args, table, configs, toolchain, installed)
+
+
+def _compile_all(
+    args: argparse.Namespace, table: Any, configs: list[Any], toolchain: Any, installed: Any
+) -> int:
+    from ..core.errors import CompileError, GateError
+    from .build import compile_model
+    from .report import describe
+
     failed = []
     for config in configs:
         built = compile_model(

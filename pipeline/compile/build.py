@@ -24,9 +24,10 @@ from qnn_ctx_runtime.targets import Target, get_target
 from qnn_ctx_runtime.toolchains import Toolchain, Toolchains
 
 from ..core.config import ModelConfig
-from ..core.errors import ModelError, ToolchainError
+from ..core.errors import ModelError, PipelineError, ToolchainError
 from ..core.fileio import atomic_dir, sha256_file
 from ..core.layout import (
+    GPU_TARGET,
     HTP_BUDGET_S,
     VALIDATE_SAMPLES,
     ModelPaths,
@@ -48,11 +49,9 @@ from ..core.records import (
 )
 from ..report_html import preload_plotting, write_html_reports
 from . import coverage as coverage_mod
-from . import gpu as gpu_variant
 from .child import interpret, run_child
 from .job import BucketJob, CompileJob
 from .report import describe, write_model_report
-from .worker import combine_validation, merge_specs
 
 # The builder's code that decides what a variant is: editing it rebuilds.
 CODE = ("core", "compile")
@@ -291,6 +290,44 @@ class Built:
     seconds: float = 0.0
 
 
+def reusable_variant(
+    inputs: ModelInputs, toolchain: Toolchain, onnxruntime: str, target: Target
+) -> VariantRecord | None:
+    """The variant on disk when it was built from exactly these inputs, else None."""
+    folder = inputs.paths.variant(toolchain.onnxruntime_qnn, target.name)
+    existing = existing_variant(folder)
+    if existing is None or existing.inputs_digest != variant_digest(
+        inputs, toolchain, onnxruntime, target
+    ):
+        return None
+    return existing
+
+
+def variants_to_build(
+    config: ModelConfig,
+    artifacts: Path,
+    table: Toolchains,
+    toolchain: Toolchain,
+    installed: qnn.InstalledQnn,
+    force: bool = False,
+) -> int:
+    """How many HTP variants of ``config`` this run will build with ``toolchain``: as many
+    workers are warmed up, so a rerun with nothing changed starts none. A model that cannot be
+    compiled counts none; ``compile_model`` says why."""
+    targets = {get_target(n) for n in config.compile.targets}
+    if toolchain not in table.selected(config.compile.toolchains):
+        return 0
+    if force:
+        return len(targets)
+    try:
+        inputs = model_inputs(config, artifacts)
+    except PipelineError:
+        return 0
+    return sum(
+        reusable_variant(inputs, toolchain, installed.onnxruntime, t) is None for t in targets
+    )
+
+
 def existing_variant(folder: VariantPaths) -> VariantRecord | None:
     """The variant on disk, if its record parses and every file it lists is there."""
     record, _ = read_record(VariantRecord, folder.record)
@@ -311,9 +348,14 @@ def build_variant(
     config = inputs.config
     folder = inputs.paths.variant(toolchain.onnxruntime_qnn, target.name)
     digest = variant_digest(inputs, toolchain, installed.onnxruntime, target)
-    existing = existing_variant(folder)
-    if not force and existing is not None and existing.inputs_digest == digest:
+    existing = None if force else reusable_variant(inputs, toolchain, installed.onnxruntime, target)
+    if existing is not None:
         return Built(existing, folder.root, skipped=True)
+    # Imported for a variant that is built: a rerun with nothing changed reads records only,
+    # without numpy or matplotlib (whose import in a thread would contend with it).
+    from .worker import combine_validation, merge_specs
+
+    preload_plotting()  # report.html at the end: its import overlaps the variants' workers
     # k buckets: compiled (twice when a shared set is validated through the standalone one),
     # loaded and validated in one child, so the time limit grows with them.
     timeout = config.compile.timeout_s * max(1, len(inputs.buckets))
@@ -422,10 +464,9 @@ def compile_model(
         )
         return []
     inputs = model_inputs(config, artifacts)
-    preload_plotting()  # report.html at the end: its import overlaps the variants' workers
     precision = config.compile.gpu
     gpu_wanted = precision != "off"
-    others = frozenset({gpu_variant.GPU_TARGET} if gpu_wanted else ())
+    others = frozenset({GPU_TARGET} if gpu_wanted else ())
     _remove_stale(inputs.paths, wanted, toolchain, targets, others)
     built: list[Built] = []
     label = f"{config.model.name} qnn {toolchain.onnxruntime_qnn}"
@@ -439,7 +480,9 @@ def compile_model(
             progress.write(describe(result.record, result.skipped))
             progress.update()
         if gpu_wanted:  # the float/fp16 model for QNN's GPU backend, a published fallback
-            progress.status(f"{gpu_variant.GPU_TARGET}: start")
+            from . import gpu as gpu_variant
+
+            progress.status(f"{GPU_TARGET}: start")
             record, folder, skipped, seconds = gpu_variant.build(
                 inputs, toolchain, installed, precision, force, log_severity
             )

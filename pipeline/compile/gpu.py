@@ -36,11 +36,12 @@ import numpy as np
 from qnn_ctx_runtime import qnn
 from qnn_ctx_runtime.toolchains import Toolchain
 
+from ..core.accuracy import worst_snr
 from ..core.cpu import cpu_session
 from ..core.errors import ToolchainError
 from ..core.fileio import atomic_dir
 from ..core.layout import GPU_TARGET, VALIDATE_SAMPLES, VariantPaths, spread
-from ..core.metrics import OutputComparison, worst_snr
+from ..core.metrics import OutputComparison
 from ..core.records import (
     BucketOutcome,
     CtxSet,

@@ -14,9 +14,9 @@ from typing import Any
 from qnn_ctx_runtime.targets import Target
 from qnn_ctx_runtime.toolchains import Toolchain
 
+from ..core.accuracy import BELOW_STEP, LABELS, PICKED, comparison_note
 from ..core.config import ModelConfig
 from ..core.layout import ModelPaths, VariantPaths
-from ..core.metrics import BELOW_STEP, LABELS, PICKED, comparison_note
 from ..core.records import Failure, QuantizeRecord, VariantRecord, read_record
 from ..core.report import fmt, table, write_report
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from qnn_ctx_runtime import qnn
 
+from ..core.accuracy import LABELS, worst_snr
 from ..core.cpu import cpu_session
 from ..core.dtypes import np_dtype, value_type_name
 from ..core.fileio import sha256_file
@@ -45,7 +46,7 @@ from ..core.layout import (
     simulator_seconds,
 )
 from ..core.memory import release_freed_memory
-from ..core.metrics import LABELS, OutputComparison, label_outputs, picked_outputs, worst_snr
+from ..core.metrics import OutputComparison, label_outputs, picked_outputs
 from ..core.records import (
     BucketOutcome,
     Coverage,

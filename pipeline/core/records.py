@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 from qnn_ctx_runtime.buckets import CropRule, PadRule
 from qnn_ctx_runtime.typed import parse, to_json_value
 
+from .accuracy import Accuracy
 from .fileio import sha256_file, write_json
-from .metrics import Accuracy
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 RecordT = TypeVar("RecordT")

@@ -90,41 +90,6 @@ def _constants_at_ir_4(model: Any) -> Any:
     return model
 
 
-def external_data_digests(path: Path) -> dict[str, str]:
-    """SHA-256 of each external data file the model at ``path`` names (location -> digest).
-
-    Why: the weights of a model saved with external data are not in the .onnx file, so its
-    digest alone would call a build with new weights up to date and a release built from them
-    would not record them. A file that is missing is left to the model load's own error.
-    """
-    import onnx
-
-    from ..core.fileio import sha256_file
-
-    try:
-        if b"location" not in Path(path).read_bytes():  # no external data: skip the parse
-            return {}
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception:  # not ONNX: the model load names the file and the fix
-        return {}
-    locations: set[str] = set()
-    for graph in edit.all_graphs(model.graph):
-        tensors = [*graph.initializer, *(s.values for s in graph.sparse_initializer)]
-        for node in graph.node:
-            tensors += [a.t for a in node.attribute if a.HasField("t")]
-        for tensor in tensors:
-            if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                entries = {e.key: e.value for e in tensor.external_data}
-                if "location" in entries:
-                    locations.add(entries["location"])
-    folder = Path(path).parent
-    return {
-        location: sha256_file(folder / location)
-        for location in sorted(locations)
-        if (folder / location).is_file()
-    }
-
-
 def onnxruntime_load_error(model: Any) -> str | None:
     """Why onnxruntime's CPU EP refuses to load ``model`` (first line), or None when it loads.
 

@@ -41,6 +41,7 @@ import numpy as np
 
 from qnn_ctx_runtime.typed import parse, to_json_value
 
+from ..core.accuracy import BELOW_STEP, Accuracy, worst_snr
 from ..core.cpu import cpu_session
 from ..core.fileio import sha256_file
 from ..core.layout import (
@@ -51,14 +52,7 @@ from ..core.layout import (
     simulator_seconds,
 )
 from ..core.memory import adapt_heap_to, release_freed_memory
-from ..core.metrics import (
-    BELOW_STEP,
-    Accuracy,
-    OutputComparison,
-    power_snr_db,
-    storable,
-    worst_snr,
-)
+from ..core.metrics import OutputComparison, power_snr_db, storable
 from .isolation import (
     Finished,
     Started,

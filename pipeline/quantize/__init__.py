@@ -34,11 +34,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..core.config import EXAMPLE_CONFIGS, load_config
     from ..core.errors import GateError
-    from .build import quantize_model
+    from .reuse import reused
 
     configs = list(args.configs)
     if not configs:
-        from ..example import ensure_bucket_example, ensure_example
+        from ..example_models import ensure_bucket_example, ensure_example
 
         ensure_example(Path("."))
         ensure_bucket_example(Path("."))
@@ -47,7 +47,12 @@ def run(args: argparse.Namespace) -> int:
     failures: list[str] = []
     for config in loaded:
         try:
-            result = quantize_model(config, args.artifacts, force=args.force)
+            # Asked first without the builder: numpy and onnx are imported for a changed model only.
+            result = None if args.force else reused(config, args.artifacts)
+            if result is None:
+                from .build import quantize_model
+
+                result = quantize_model(config, args.artifacts, force=args.force)
         except GateError as exc:
             print(f"FAILED {config.model.name}: {exc}")
             failures.append(config.model.name)

@@ -45,6 +45,7 @@ from ..calibration.samples import (
     index_bounds,
     sample_source,
 )
+from ..core.accuracy import worst_snr
 from ..core.config import ModelConfig
 from ..core.errors import CalibrationError, ConfigError, GateError, ModelError, PipelineError
 from ..core.fileio import atomic_dir, atomic_path, link_or_copy, sha256_file
@@ -59,23 +60,21 @@ from ..core.layout import (
 )
 from ..core.lock import locked
 from ..core.memory import adapt_heap_to, release_freed_memory
-from ..core.metrics import output_steps, quantized_output_grids, worst_snr
+from ..core.metrics import output_steps, quantized_output_grids
 from ..core.records import (
     BucketArtifacts,
     BuildInputs,
     HtpProbeRecord,
     QuantizeRecord,
     QuantizeSummary,
-    code_digest,
     folder_digest,
     read_record,
-    tool_versions,
     write_record,
 )
 from ..core.report import fmt
 from ..graph import prequantized, transforms
 from ..graph.buckets import BucketPlan
-from ..graph.source import SourceModel, external_data_digests, readable
+from ..graph.source import SourceModel, readable
 from ..graph.tails import drop_judged_outputs, judged_outputs
 from ..graph.transforms import Change
 from ..htp.probe import spare_probes
@@ -86,35 +85,12 @@ from .evaluate import end_to_end, evaluate, input_jitter
 from .judge import HTP_PROBE_FAILED, Builder, HtpJudgement, judge_on_htp
 from .lossless import OWN_ROUNDING_MARGIN_DB, PreparationCheck, bucket_inputs, check_preparation
 from .mixed_precision import MixedPrecision, raise_precision
+from .reuse import QuantizeResult, build_inputs, reusable
 from .shapes import PreparedBucket, differing, initializer_digests, lstm_budget, prepare_buckets
 
 READER_SAMPLES = ".reader-samples"  # a python reader's samples, kept while quantize runs
-TOOLS = ("onnx", "onnxruntime", "numpy", "pillow")
-# The builder's code that shapes the QDQ models: editing it rebuilds.
-CODE = ("core", "graph", "calibration", "quantize", "htp")
 HELDOUT_FROM_CALIBRATION = 8  # samples that validate a bucket no held-out sample fits
 Feeds = dict[str, np.ndarray]
-
-
-@dataclasses.dataclass
-class QuantizeResult:
-    name: str
-    folder: Path
-    skipped: bool
-    record: QuantizeRecord
-
-    def summary_line(self) -> str:
-        report = self.folder / "report.md"
-        if self.skipped:
-            return f"{self.name}: up to date, nothing to do ({report})"
-        snr = self.record.summary.worst_snr_db
-        line = f"{self.name}: QDQ written, worst SNR {fmt(snr)} dB -> {report}"
-        if self.record.summary.htp_failure:  # said here, not only in the report
-            line += (
-                f"\nWARNING: {self.name} did not run on the HTP, so its precision was judged on "
-                f"the CPU: {self.record.summary.htp_failure}; compile will meet the same."
-            )
-        return line
 
 
 def _htp_failure(judgement: HtpJudgement | None) -> str:
@@ -122,26 +98,6 @@ def _htp_failure(judgement: HtpJudgement | None) -> str:
     if judgement is None or judgement.judge != "cpu" or HTP_PROBE_FAILED not in judgement.reason:
         return ""
     return judgement.reason.removeprefix("judged on the CPU: ")[:400]
-
-
-def build_inputs(config: ModelConfig) -> BuildInputs:
-    """Everything that determines the build; equal inputs mean the outputs can be reused."""
-    source = config.source_path
-    calibration = config.resolve(config.calibration.path) if config.calibration.path else None
-    reader_file = config.calibration.reader.rpartition(":")[0]
-    reader_digest = ""
-    if reader_file.endswith(".py") and config.resolve(reader_file).is_file():
-        reader_digest = sha256_file(config.resolve(reader_file))
-    return BuildInputs(
-        source=str(source),
-        source_sha256=sha256_file(source),
-        config_digest=config.quantize_digest(),
-        calibration_digest=folder_digest(calibration) if calibration else "",
-        reader_digest=reader_digest,
-        code=code_digest(*CODE),
-        tools=tool_versions(*TOOLS),
-        source_data=external_data_digests(source) if source.is_file() else {},
-    )
 
 
 def load_source_model(path: Path) -> Any:
@@ -267,26 +223,13 @@ def _shapes_for_the_checker(model: Any) -> Any:
     return checked
 
 
-def _reusable(paths: ModelPaths, record: QuantizeRecord | None, inputs: BuildInputs) -> bool:
-    return (
-        record is not None
-        and record.status == "ok"
-        and record.inputs == inputs
-        and paths.report.is_file()
-        and all(
-            paths.bucket(b.name).qdq.is_file() and paths.bucket(b.name).float_model.is_file()
-            for b in record.buckets
-        )
-    )
-
-
 @locked("quantize")
 def quantize_model(config: ModelConfig, artifacts: Path, force: bool = False) -> QuantizeResult:
     """Build (or reuse) the QDQ models of every bucket of one config."""
     paths = ModelPaths.of(artifacts, config.model.name)
     inputs = build_inputs(config)
     record, _ = read_record(QuantizeRecord, paths.record)
-    if not force and _reusable(paths, record, inputs):
+    if not force and reusable(paths, record, inputs):
         assert record is not None
         write_html_reports(paths.root)  # only re-rendered if missing or out of date
         return QuantizeResult(config.model.name, paths.root, True, record)

@@ -20,13 +20,14 @@ import numpy as np
 
 from qnn_ctx_runtime import buckets as bk
 
+from ..core.accuracy import Accuracy
 from ..core.config import ModelConfig
 from ..core.cpu import cpu_session
 from ..core.dtypes import constant_feed, np_dtype, unread_input_feed
 from ..core.fileio import sha256_file
 from ..core.layout import samples_in
 from ..core.memory import release_freed_memory
-from ..core.metrics import Accuracy, OutputComparison, storable
+from ..core.metrics import OutputComparison, storable
 from ..core.progress import Progress
 from ..core.records import folder_digest
 from ..graph.buckets import BucketPlan

@@ -46,6 +46,7 @@ import numpy as np
 
 from qnn_ctx_runtime.targets import Target, get_target
 
+from ..core.accuracy import worst_snr
 from ..core.config import ModelConfig
 from ..core.fileio import atomic_path, sha256_file
 from ..core.layout import (
@@ -57,7 +58,6 @@ from ..core.layout import (
     VALIDATE_SAMPLES,
     spread,
 )
-from ..core.metrics import worst_snr
 from ..core.progress import Progress
 from ..core.records import HtpProbeRecord, write_record
 from ..htp.probe import CTX_NAME, ProbeResult, TensorAgreement, probe, qnn_available

@@ -32,11 +32,12 @@ import numpy as np
 
 from qnn_ctx_runtime.qnn import read_model_summary
 
+from ..core.accuracy import worst_snr
 from ..core.config import InputsSection
 from ..core.cpu import cpu_session
 from ..core.dtypes import constant_feed, np_dtype, unread_input_feed
 from ..core.memory import release_freed_memory
-from ..core.metrics import OutputComparison, label_outputs, worst_snr
+from ..core.metrics import OutputComparison, label_outputs
 from ..graph.prequantized import is_prequantized
 from ..graph.tails import judged_outputs
 from .evaluate import iter_samples, run_named

@@ -30,11 +30,12 @@ from typing import Any
 
 import numpy as np
 
+from ..core.accuracy import LABELS, worst_snr
 from ..core.config import ModelConfig
 from ..core.cpu import cpu_session
 from ..core.errors import ModelError
 from ..core.fileio import restored_after
-from ..core.metrics import LABELS, comparable, label_outputs, picked_outputs, worst_snr
+from ..core.metrics import comparable, label_outputs, picked_outputs
 from ..core.progress import Progress
 from ..graph.qdq_htp import REST
 from .bias_correction import corrected_float_bias, layers

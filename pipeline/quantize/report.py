@@ -8,6 +8,7 @@ from pathlib import Path
 from qnn_ctx_runtime.buckets import CropRule, PadRule
 
 from ..calibration.ranges import BiasFloor
+from ..core.accuracy import Accuracy, comparison_note, figure, worst_snr
 from ..core.layout import (
     AGREE_BOUND_DB,
     AGREE_MARGIN_DB,
@@ -16,7 +17,6 @@ from ..core.layout import (
     ENOUGH_SAMPLES,
     HTP_BUDGET_S,
 )
-from ..core.metrics import Accuracy, comparison_note, figure, worst_snr
 from ..core.records import BuildInputs
 from ..core.report import fmt, table, write_report
 from .evaluate import EndToEnd

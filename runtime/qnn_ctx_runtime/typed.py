@@ -12,6 +12,7 @@ Standard library only: this module runs on the device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
 import typing
@@ -95,8 +96,15 @@ def parse(tp: Any, value: Any, where: str, issues: list[str]) -> Any:
     return float(value) if tp is float else value
 
 
+@functools.cache
+def _type_hints(cls: Any) -> dict[str, Any]:
+    """A dataclass's resolved field types, once per class: resolving them is most of the time
+    a record takes to parse."""
+    return typing.get_type_hints(cls)
+
+
 def _parse_object(cls: Any, table: dict[str, Any], where: str, issues: list[str]) -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     fields = dataclasses.fields(cls)
     names = {f.name for f in fields}
     prefix = f"{where}." if where else ""
