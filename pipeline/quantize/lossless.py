@@ -23,7 +23,7 @@ against the float16 run too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,6 +113,24 @@ def compare(
     """(worst output SNR, samples) of ``test`` against ``reference`` (models or sessions);
     ``labels``: outputs compared as labels whatever their type (``metrics.label_outputs``).
     With ``spill_in``, a reference model runs first and alone (``_reference_outputs``)."""
+    return compare_each([(reference, optimize)], test, samples, inputs, optimize, labels, spill_in)[
+        0
+    ]
+
+
+def compare_each(
+    references: Sequence[tuple[Any, bool]],
+    test: Any,
+    samples: list[Feeds],
+    inputs: InputsSection,
+    optimize: bool = True,
+    labels: Collection[str] = (),
+    spill_in: Path | None = None,
+) -> list[tuple[float, int]]:
+    """``compare`` against each of ``references`` (a model or session, and whether
+    onnxruntime optimizes it), with the test model run once per sample for all of them: a
+    float16 source is compared both computed in float32 and as it is, and a 1024x1024
+    segmenter's prepared model took 4 s a run on the CPU."""
     import contextlib
     import tempfile
 
@@ -122,34 +140,51 @@ def compare(
         else contextlib.nullcontext(None)
     )
     with folder as spill:
-        expected = _reference_outputs(reference, samples, inputs, optimize, spill)
+        expected = [
+            _reference_outputs(model, samples, inputs, own, spill, len(references), index)
+            for index, (model, own) in enumerate(references)
+        ]
         got = test if hasattr(test, "run") else cpu_session(test, optimize)
-        comparison = OutputComparison(labels=labels)
-        for feeds, outputs in zip(samples, expected, strict=True):
-            comparison.add(outputs, run_named(got, list(outputs), _feeds_for(got, feeds, inputs)))
-    return worst_snr(comparison.summary()), comparison.samples
+        comparisons = [OutputComparison(labels=labels) for _ in references]
+        for feeds, *outputs in zip(samples, *expected, strict=True):
+            names = list(
+                dict.fromkeys(n for reference_outputs in outputs for n in reference_outputs)
+            )
+            ran = run_named(got, names, _feeds_for(got, feeds, inputs))
+            for comparison, reference_outputs in zip(comparisons, outputs, strict=True):
+                comparison.add(reference_outputs, {n: ran[n] for n in reference_outputs})
+    return [(worst_snr(c.summary()), c.samples) for c in comparisons]
 
 
 def _reference_outputs(
-    reference: Any, samples: list[Feeds], inputs: InputsSection, optimize: bool, spill: Any
+    reference: Any,
+    samples: list[Feeds],
+    inputs: InputsSection,
+    optimize: bool,
+    spill: Any,
+    sharing: int = 1,
+    index: int = 0,
 ) -> Iterator[Feeds]:
     """The reference's outputs, sample by sample: run beside the test model's, or, given a
     ``spill`` folder and a model (not a session), all of them first, kept up to evaluate's
-    budget and the rest written there, its session closed before the test's opens. A CPU
-    session of a 1024x1024 IS-Net holds ~500 MB (weights and their pre-packed copies) beside
-    a run's ~600 MB of activations: two open at once took the quantize stage to 1.6-1.7 GiB in
-    this check."""
+    budget (split between the ``sharing`` references of one comparison) and the rest written
+    there, its session closed before the next opens. A CPU session of a 1024x1024 IS-Net holds
+    ~500 MB (weights and their pre-packed copies) beside a run's ~600 MB of activations: two
+    open at once took the quantize stage to 1.6-1.7 GiB in this check."""
     from .evaluate import SampleOutputs
 
     ref = reference if hasattr(reference, "run") else cpu_session(reference, optimize)
     if spill is None or hasattr(reference, "run"):
         return (_outputs(ref, feeds, inputs) for feeds in samples)
-    kept = SampleOutputs(Path(spill))
-    for index, feeds in enumerate(samples):
-        kept.put(index, _outputs(ref, feeds, inputs))
+    folder = Path(spill) / f"reference{index}"
+    folder.mkdir()
+    kept = SampleOutputs(folder)
+    kept.budget //= sharing
+    for position, feeds in enumerate(samples):
+        kept.put(position, _outputs(ref, feeds, inputs))
     del ref
     release_freed_memory()
-    return (kept.get(index) for index in range(len(samples)))
+    return (kept.get(position) for position in range(len(samples)))
 
 
 def _outputs(session: Any, feeds: Feeds, inputs: InputsSection) -> Feeds:
@@ -236,9 +271,12 @@ def check_preparation(
         if scores:  # a label-only model: its labels alone would pass any preparation
             reference = _exposing(reference if source.float16 else source.load(), scores)
         spill = prepared.parent
-        snr, count = compare(reference, prepared, samples, inputs, optimize, labels, spill)
-        if source.float16:
-            float16, _ = compare(source.runnable(), prepared, samples, inputs, False, labels, spill)
+        references = [(reference, optimize)]
+        if source.float16:  # the float16 run, for the report: the prepared model runs once
+            references.append((source.runnable(), False))
+        figures = compare_each(references, prepared, samples, inputs, optimize, labels, spill)
+        snr, count = figures[0]
+        float16 = figures[1][0] if source.float16 else None
     except Exception as exc:  # onnxruntime's own error types: say why, do not fail the build
         return PreparationCheck(
             MIN_PREPARED_SNR_DB, None, 0, True, label, error=f"{type(exc).__name__}: {exc}"[:300]
