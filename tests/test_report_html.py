@@ -146,11 +146,12 @@ def test_whole_build_page_has_every_plot_and_section(full: Path) -> None:
 def test_page_is_redrawn_only_when_what_it_shows_changes(full: Path) -> None:
     paths = model_paths(full, "cnn")
     page = paths.root / REPORT_HTML
-    before = page.stat().st_mtime_ns
+    index = full / "artifacts" / "build" / INDEX_HTML
+    before, index_before = page.stat().st_mtime_ns, index.stat().st_mtime_ns
     config = full / "cnn.toml"
     assert main(["quantize", "--artifacts", str(full / "artifacts"), str(config)]) == 0
-    assert compile_cli(full, config) == 0  # both up to date: the page is left as it is
-    assert page.stat().st_mtime_ns == before
+    assert compile_cli(full, config) == 0  # both up to date: the pages are left as they are
+    assert page.stat().st_mtime_ns == before and index.stat().st_mtime_ns == index_before
     variant = next(paths.ctx.glob("*/snapdragon-x-elite/variant.json"))
     saved = variant.read_bytes()
     figures = paths.root / report_html.FIGURES
@@ -168,6 +169,7 @@ def test_page_is_redrawn_only_when_what_it_shows_changes(full: Path) -> None:
         variant.write_text(json.dumps(data), encoding="utf-8")
         assert report_html.write_html_reports(paths.root) == page
         assert "1234.5" in page.read_text(encoding="utf-8")
+        assert index.stat().st_mtime_ns != index_before  # a report it reads changed
         # Only the plots drawn from the variants are drawn again (and the old ones removed);
         # the quantize report's plots are the files drawn before.
         again = drawn()
