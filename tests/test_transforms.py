@@ -1978,6 +1978,43 @@ def test_tensor_names_with_semicolons_become_plain_inside_only() -> None:
     np.testing.assert_array_equal(run(renamed, {"x": x})[0], run(model, {"x": x})[0])
 
 
+def test_names_the_quantizer_would_give_are_freed_and_it_quantizes(tmp_path: Path) -> None:
+    """A tensor ``s`` and a constant ``s_scale``: onnxruntime's quantizer adds ``s``'s scale
+    under that name and then reads the model's constant as it (here a bias scale of the
+    constant's shape, a ValueError). Renamed, it quantizes; the graph's own names stay."""
+    from compile_fixtures import _quantize_qnn
+
+    rng = np.random.default_rng(4)
+    model = with_inits(
+        parse(
+            '<ir_version: 8, opset_import: ["": 21]> g (float[1, 5] x) => (float[1, 16] y) {'
+            " d = Sub(x, s_offset) \n s = Mul(d, s_scale) \n y = Gemm(s, w, b) }"
+        ),
+        ("s_offset", rng.normal(0, 1, 5).astype(np.float32)),
+        ("s_scale", rng.uniform(0.5, 2, 5).astype(np.float32)),
+        ("w", rng.normal(0, 1, (5, 16)).astype(np.float32)),
+        ("b", rng.normal(0, 1, 16).astype(np.float32)),
+    )
+    renamed, change = t.quantizer_free_names(model)
+    assert change.details == ("s_scale -> s_scale_of_model",)
+    assert [v.name for v in (*renamed.graph.input, *renamed.graph.output)] == ["x", "y"]
+    x = rng.normal(0, 1, (1, 5)).astype(np.float32)
+    np.testing.assert_array_equal(run(renamed, {"x": x})[0], run(model, {"x": x})[0])
+    samples = [{"x": rng.normal(0, 1, (1, 5)).astype(np.float32)} for _ in range(4)]
+    for name, candidate in (("as_named", model), ("freed", renamed)):
+        onnx.save(candidate, tmp_path / f"{name}.onnx")
+    with pytest.raises(ValueError, match="could not be broadcast"):
+        _quantize_qnn(tmp_path / "as_named.onnx", tmp_path / "as_named_qdq.onnx", samples)
+    _quantize_qnn(tmp_path / "freed.onnx", tmp_path / "freed_qdq.onnx", samples)
+    # A graph output named like a derived name keeps it: the tensor it derives from is renamed.
+    output_named = parse(
+        '<ir_version: 8, opset_import: ["": 21]> g (float[2] x) => (float[2] r_scale) {'
+        " r = Relu(x) \n r_scale = Neg(r) }"
+    )
+    _, change = t.quantizer_free_names(output_named)
+    assert change.details == ("r -> r_of_model",)
+
+
 @pytest.mark.qnn
 def test_the_htp_locator_runs_once_names_are_plain(tmp_path: Path) -> None:
     """A Gemm output named as TFLite converters name it, read by a Sigmoid: exposing it (the

@@ -46,6 +46,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         concat,
         contrib,
         legacy,
+        ml,
         numerics,
         prequantized,
         rank,
@@ -75,6 +76,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         contrib.fused_transformer_ops,  # onnxruntime's fused Attention, SkipLayerNorm...
         contrib.fused_cpu_ops,  # onnxruntime's FusedConv, FusedGemm, FusedMatMul
         legacy.restore_pinned_ops,
+        ml.standard_ml_ops,  # a scikit-learn Scaler, Imputer...: arithmetic the NPU runs
         t.expand_function_ops,  # Mish, GroupNormalization, 3 Reduce ops: the QNN EP takes none
         t.constants_to_initializers,  # the converter may add Constant nodes
         t.fold_constants,
@@ -144,6 +146,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.drop_neutral_arithmetic,  # x + 0: the HTP drops the Add's requantization with it
         t.drop_noop_moves,  # a whole-tensor Slice: the HTP drops it and its requantization
         t.fold_constants,  # fusions can leave constant subexpressions behind
+        t.quantizer_free_names,  # T and T_scale: the quantizer takes the model's for its own
         t.topological_sort,
         t.store_inferred_shapes,
         tails.static_tail_outputs,  # a label lookup's output: shape inference leaves it open

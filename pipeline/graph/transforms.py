@@ -1930,6 +1930,56 @@ def plain_tensor_names(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     )
 
 
+# Names onnxruntime's quantizer gives what it makes for a tensor T: T + each of these.
+QUANTIZER_SUFFIXES = (
+    "_scale",
+    "_zero_point",
+    "_quantized",
+    "_QuantizeLinear",
+    "_QuantizeLinear_Input",
+    "_QuantizeLinear_Output",
+    "_DequantizeLinear",
+    "_DequantizeLinear_Input",
+    "_DequantizeLinear_Output",
+)
+
+
+def quantizer_free_names(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A tensor named as onnxruntime's quantizer names what it makes for another tensor (T and
+    ``T_scale``, ``T_zero_point``, ...) -> a fresh name.
+
+    The quantizer adds T's scale as an initializer ``T_scale`` without looking whether one
+    exists, then looks it up by name and finds the model's own: a Scaler rewritten as Sub and
+    Mul by a constant ``scaled_scale`` behind a tensor ``scaled`` gave the Gemm reading it a
+    bias scale of the constant's shape ("operands could not be broadcast together with shapes
+    (5,) (16,)"). The graph's own inputs and outputs keep their names; a model with its own
+    Q/DQ is left as its quantizer named it (the pipeline does not quantize it again).
+    """
+    model = copy_model(model)
+    graph = model.graph
+    if any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in graph.node):
+        return checked_change(model, "quantizer_free_names", [])
+    io = {v.name for v in (*graph.input, *graph.output)}
+    names = {i.name for i in graph.initializer} | {o for n in graph.node for o in n.output if o}
+    names |= {i.name for i in graph.input}
+    fresh = FreshNames(model)
+    mapping: dict[str, str] = {}
+    for name in sorted(names):
+        for suffix in QUANTIZER_SUFFIXES:
+            owner = name.removesuffix(suffix)
+            if owner == name or owner not in names:
+                continue
+            # Rename the one the app does not see: the derived-looking name, else its owner.
+            if name not in io:
+                mapping[name] = fresh(f"{owner}_{suffix.strip('_').lower()}_of_model")
+            elif owner not in io:
+                mapping[owner] = fresh(f"{owner}_of_model")
+            break
+    rename_tensors(graph, mapping)
+    details = [f"{old} -> {new}" for old, new in mapping.items()]
+    return checked_change(model, "quantizer_free_names", details)
+
+
 def drop_identities(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Identity nodes -> their readers read the Identity's input (kept where the output is a
     graph output).

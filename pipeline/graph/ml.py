@@ -1,0 +1,209 @@
+"""ai.onnx.ml ops that are plain arithmetic, rewritten into the standard ops that compute it.
+
+Converters from scikit-learn (skl2onnx, onnxmltools) write a StandardScaler, MinMaxScaler or
+RobustScaler in front of a network as an ai.onnx.ml ``Scaler``, a SimpleImputer as an
+``Imputer``, a Normalizer as a ``Normalizer``, a Binarizer as a ``Binarizer`` and a linear model
+as a ``LinearRegressor``. The QNN EP runs no ai.onnx.ml op, and ONNX infers no shape for their
+outputs: an MLP regressor behind a Scaler had no static shape anywhere and its build stopped.
+Each computes what a few standard ops compute, as onnxruntime's kernels do it
+(onnxruntime/core/providers/cpu/ml): Sub and Mul, Where of IsNaN, Greater, a row's norm with a
+norm of 0 leaving the row as it is, Gemm. Written so, it runs on the NPU and inference goes on.
+
+Only the model's head is rewritten: an op behind an ai.onnx.ml op that stays (a
+LinearClassifier's Normalizer) is part of the CPU tail (``graph.tails``) and stays with it.
+Inputs of rank 1 or 2 only, where onnxruntime's per-feature stride is the last axis.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from . import edit
+from .edit import Change, NodeRewrite
+
+ML_DOMAIN = "ai.onnx.ml"
+Rule = Callable[[onnx.NodeProto, NodeRewrite], list[onnx.NodeProto] | None]
+
+
+def _features(node: onnx.NodeProto, context: NodeRewrite) -> int | None:
+    """The per-feature length onnxruntime's kernel cycles through (the last axis of a rank-1
+    or rank-2 input), None for an input of another or unknown rank."""
+    shape = context.shape(node.input[0])
+    if shape is None or not 1 <= len(shape) <= 2:
+        return None
+    return shape[-1]
+
+
+def _as_float(node: onnx.NodeProto, context: NodeRewrite, made: list[onnx.NodeProto]) -> str:
+    """The node's input as float32 (a Cast appended to ``made`` for an integer input, as the
+    kernels convert each value)."""
+    x = node.input[0]
+    if context.elem_type(x) in (None, TensorProto.FLOAT):
+        return x
+    cast = context.fresh(f"{x}_float")
+    made.append(helper.make_node("Cast", [x], [cast], to=TensorProto.FLOAT))
+    return cast
+
+
+def _per_feature(values: list[float], features: int) -> np.ndarray | None:
+    """One value per feature or one for all, as float32; None for any other length."""
+    if len(values) not in (1, features):
+        return None
+    return np.asarray(values, np.float32)
+
+
+def _scaler(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.NodeProto] | None:
+    """Y = (X - offset) * scale."""
+    features = _features(node, context)
+    offset = _per_feature(list(edit.attribute(node, "offset", [])), features or 0)
+    scale = _per_feature(list(edit.attribute(node, "scale", [])), features or 0)
+    if features is None or offset is None or scale is None or offset.size != scale.size:
+        return None
+    made: list[onnx.NodeProto] = []
+    x = _as_float(node, context, made)
+    base = node.output[0]
+    shifted = context.fresh(f"{base}_shifted")
+    made += [
+        helper.make_node("Sub", [x, context.constant(offset, f"{base}_offset")], [shifted]),
+        helper.make_node("Mul", [shifted, context.constant(scale, f"{base}_factor")], [base]),
+    ]
+    return made
+
+
+def _imputer(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.NodeProto] | None:
+    """Each X equal to replaced_value_float (NaN: each NaN) -> its feature's imputed value."""
+    features = _features(node, context)
+    imputed = _per_feature(list(edit.attribute(node, "imputed_value_floats", [])), features or 0)
+    replaced = edit.attribute(node, "replaced_value_float", None)
+    if features is None or imputed is None or replaced is None:
+        return None
+    if context.elem_type(node.input[0]) != TensorProto.FLOAT:
+        return None
+    x, base = node.input[0], node.output[0]
+    hit = context.fresh(f"{base}_missing")
+    if math.isnan(replaced):
+        test = helper.make_node("IsNaN", [x], [hit])
+    else:
+        value = context.constant(np.asarray(replaced, np.float32), f"{base}_replaced")
+        test = helper.make_node("Equal", [x, value], [hit])
+    fill = context.constant(imputed, f"{base}_imputed")
+    return [test, helper.make_node("Where", [hit, fill, x], [base])]
+
+
+def _binarizer(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.NodeProto] | None:
+    """Y = 1 where X > threshold, else 0 (onnxruntime's default threshold is not the spec's:
+    a node without one is left alone)."""
+    threshold = edit.attribute(node, "threshold", None)
+    if threshold is None or context.elem_type(node.input[0]) != TensorProto.FLOAT:
+        return None
+    base = node.output[0]
+    above = context.fresh(f"{base}_above")
+    limit = context.constant(np.asarray(threshold, np.float32), f"{base}_threshold")
+    return [
+        helper.make_node("Greater", [node.input[0], limit], [above]),
+        helper.make_node("Cast", [above], [base], to=TensorProto.FLOAT),
+    ]
+
+
+def _normalizer(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.NodeProto] | None:
+    """Each row divided by its MAX, L1 or L2 norm; a row whose norm is 0 stays as it is."""
+    norm = edit.attribute(node, "norm", b"MAX")
+    norm = norm.decode() if isinstance(norm, bytes) else str(norm)
+    if _features(node, context) is None or norm not in ("MAX", "L1", "L2"):
+        return None
+    made: list[onnx.NodeProto] = []
+    x = _as_float(node, context, made)
+    base = node.output[0]
+    name = {k: context.fresh(f"{base}_{k}") for k in ("term", "total", "norm", "zero", "divisor")}
+    reduce = "ReduceMax" if norm == "MAX" else "ReduceSum"
+    if norm == "L1":
+        made.append(helper.make_node("Abs", [x], [name["term"]]))
+    elif norm == "L2":
+        made.append(helper.make_node("Mul", [x, x], [name["term"]]))
+    term = x if norm == "MAX" else name["term"]
+    total = name["norm"] if norm != "L2" else name["total"]
+    # axes an input: ReduceSum's since opset 13, ReduceMax's since 18
+    if edit.opset_version(context.model) >= (18 if reduce == "ReduceMax" else 13):
+        axes = context.constant(np.array([-1], np.int64), f"{base}_axes")
+        made.append(helper.make_node(reduce, [term, axes], [total], keepdims=1))
+    else:
+        made.append(helper.make_node(reduce, [term], [total], axes=[-1], keepdims=1))
+    if norm == "L2":
+        made.append(helper.make_node("Sqrt", [total], [name["norm"]]))
+    zero = context.constant(np.asarray(0.0, np.float32), f"{base}_zero")
+    one = context.constant(np.asarray(1.0, np.float32), f"{base}_one")
+    made += [
+        helper.make_node("Equal", [name["norm"], zero], [name["zero"]]),
+        helper.make_node("Where", [name["zero"], one, name["norm"]], [name["divisor"]]),
+        helper.make_node("Div", [x, name["divisor"]], [base]),
+    ]
+    return made
+
+
+def _linear_regressor(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.NodeProto] | None:
+    """Y = X W^T + intercepts (post_transform NONE; onnxruntime takes float X only)."""
+    shape = context.shape(node.input[0])
+    post = edit.attribute(node, "post_transform", b"NONE")
+    post = post.decode() if isinstance(post, bytes) else str(post)
+    targets = int(edit.attribute(node, "targets", 1))
+    coefficients = np.asarray(edit.attribute(node, "coefficients", []), np.float32)
+    if shape is None or len(shape) != 2 or post != "NONE":
+        return None
+    if context.elem_type(node.input[0]) != TensorProto.FLOAT:
+        return None
+    if coefficients.size != targets * shape[1]:
+        return None
+    base = node.output[0]
+    inputs = [node.input[0], context.constant(coefficients.reshape(targets, shape[1]), f"{base}_w")]
+    intercepts = list(edit.attribute(node, "intercepts", []))
+    if len(intercepts) == targets:  # onnxruntime ignores intercepts of another length
+        inputs.append(context.constant(np.asarray(intercepts, np.float32), f"{base}_b"))
+    return [helper.make_node("Gemm", inputs, [base], transB=1)]
+
+
+RULES: dict[str, Rule] = {
+    "Scaler": _scaler,
+    "Imputer": _imputer,
+    "Binarizer": _binarizer,
+    "Normalizer": _normalizer,
+    "LinearRegressor": _linear_regressor,
+}
+
+
+def _behind_ml_ops(graph: onnx.GraphProto) -> set[str]:
+    """Tensors computed from the output of an ai.onnx.ml node (nodes in topological order)."""
+    tainted: set[str] = set()
+    for node in graph.node:
+        if node.domain == ML_DOMAIN or any(i in tainted for i in node.input):
+            tainted.update(o for o in node.output if o)
+    return tainted
+
+
+def standard_ml_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """The ai.onnx.ml ops at the model's head that ``RULES`` can write as standard ops, so
+    written; a chain of them one by one (each rewrite gives the next its input's shape)."""
+    details: list[str] = []
+    for _ in range(sum(n.domain == ML_DOMAIN for n in model.graph.node)):
+        behind = _behind_ml_ops(model.graph)
+
+        def rewrite(
+            node: onnx.NodeProto, context: NodeRewrite, behind: set[str] = behind
+        ) -> tuple[list[onnx.NodeProto], str] | None:
+            rule = RULES.get(node.op_type)
+            if node.domain != ML_DOMAIN or rule is None or any(i in behind for i in node.input):
+                return None
+            made = rule(node, context)
+            if made is None:
+                return None
+            return made, f"{edit.node_label(node)} -> {'+'.join(n.op_type for n in made)}"
+
+        model, change = edit.replace_nodes(model, "standard_ml_ops", rewrite)
+        if not change.changed:
+            break
+        details += change.details
+    return edit.checked_change(model, "standard_ml_ops", details)
