@@ -126,6 +126,26 @@ def test_an_imputer_of_a_value_replaces_that_value() -> None:
     np.testing.assert_array_equal(run(rewritten(model), x), run(model, x))
 
 
+def test_a_column_transformer_selects_scales_and_joins_columns_as_standard_ops() -> None:
+    """skl2onnx's ColumnTransformer: ArrayFeatureExtractor picks columns, each group is
+    scaled (or cast), a FeatureVectorizer joins them; all exact, no ml op left."""
+    nodes = [
+        ml("ArrayFeatureExtractor", ["x", "first"], "a"),
+        ml("ArrayFeatureExtractor", ["x", "rest"], "b"),
+        ml("Scaler", ["a"], "a_scaled", offset=[1.0, 2.0], scale=[0.5, 0.25]),
+        ml("FeatureVectorizer", ["a_scaled", "b"], "y", inputdimensions=[2, 3]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array([0, 3], np.int64), "first"),
+        numpy_helper.from_array(np.array([[1, 2, 4]], np.int64), "rest"),  # any shape: flat
+    ]
+    model = ml_model(nodes, inits, shape=[4, FEATURES])
+    result = rewritten(model)
+    assert [n.op_type for n in result.graph.node] == ["Gather", "Gather", "Sub", "Mul", "Concat"]
+    x = features(4)
+    np.testing.assert_array_equal(run(result, x), run(model, x))
+
+
 def test_ops_it_cannot_write_exactly_stay() -> None:
     """A rank-3 input (onnxruntime's stride is then not one axis), an unknown post transform,
     a Binarizer without its threshold (onnxruntime's default is not the spec's), and a

@@ -2,16 +2,19 @@
 
 Converters from scikit-learn (skl2onnx, onnxmltools) write a StandardScaler, MinMaxScaler or
 RobustScaler in front of a network as an ai.onnx.ml ``Scaler``, a SimpleImputer as an
-``Imputer``, a Normalizer as a ``Normalizer``, a Binarizer as a ``Binarizer`` and a linear model
-as a ``LinearRegressor``. The QNN EP runs no ai.onnx.ml op, and ONNX infers no shape for their
-outputs: an MLP regressor behind a Scaler had no static shape anywhere and its build stopped.
-Each computes what a few standard ops compute, as onnxruntime's kernels do it
+``Imputer``, a Normalizer as a ``Normalizer``, a Binarizer as a ``Binarizer``, a
+ColumnTransformer's columns as ``ArrayFeatureExtractor`` and ``FeatureVectorizer``, and a
+linear model as a ``LinearRegressor``. The QNN EP runs no ai.onnx.ml op, and ONNX infers no
+shape for their outputs: an MLP regressor behind a Scaler had no static shape anywhere and its
+build stopped. Each computes what a few standard ops compute, as onnxruntime's kernels do it
 (onnxruntime/core/providers/cpu/ml): Sub and Mul, Where of IsNaN, Greater, a row's norm with a
-norm of 0 leaving the row as it is, Gemm. Written so, it runs on the NPU and inference goes on.
+norm of 0 leaving the row as it is, Gather, Concat, Gemm. Written so, it runs on the NPU and
+inference goes on.
 
 Only the model's head is rewritten: an op behind an ai.onnx.ml op that stays (a
 LinearClassifier's Normalizer) is part of the CPU tail (``graph.tails``) and stays with it.
-Inputs of rank 1 or 2 only, where onnxruntime's per-feature stride is the last axis.
+Where onnxruntime's kernel cycles through features with a stride (Scaler, Imputer,
+Normalizer), only inputs of rank 1 or 2, whose stride is the last axis.
 """
 
 from __future__ import annotations
@@ -166,7 +169,49 @@ def _linear_regressor(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.N
     return [helper.make_node("Gemm", inputs, [base], transB=1)]
 
 
+def _feature_extractor(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.NodeProto] | None:
+    """Z = X[..., indices] for constant indices within the last axis (a ColumnTransformer's
+    column selection). A label lookup (computed indices into class labels) is not one."""
+    shape = context.shape(node.input[0])
+    indices = context.inits.get(node.input[1])
+    if shape is None or len(shape) < 2 or indices is None:
+        return None
+    if context.elem_type(node.input[0]) != TensorProto.FLOAT:
+        return None
+    picked = onnx.numpy_helper.to_array(indices).astype(np.int64).reshape(-1)
+    if picked.size == 0 or picked.min() < 0 or picked.max() >= shape[-1]:
+        return None
+    where = context.constant(picked, f"{node.output[0]}_columns")
+    return [helper.make_node("Gather", [node.input[0], where], [node.output[0]], axis=-1)]
+
+
+def _feature_vectorizer(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.NodeProto] | None:
+    """Y = the inputs side by side as float, each [N, its inputdimensions entry] (an input of
+    another width would be padded or cut by onnxruntime: left alone)."""
+    widths = list(edit.attribute(node, "inputdimensions", []))
+    shapes = [context.shape(name) for name in node.input]
+    if len(widths) != len(node.input) or any(s is None or len(s) != 2 for s in shapes):
+        return None
+    if len({s[0] for s in shapes}) != 1 or any(
+        s[1] != w for s, w in zip(shapes, widths, strict=True)
+    ):
+        return None
+    made: list[onnx.NodeProto] = []
+    parts = []
+    for name in node.input:
+        if context.elem_type(name) == TensorProto.FLOAT:
+            parts.append(name)
+            continue
+        cast = context.fresh(f"{name}_float")
+        made.append(helper.make_node("Cast", [name], [cast], to=TensorProto.FLOAT))
+        parts.append(cast)
+    made.append(helper.make_node("Concat", parts, [node.output[0]], axis=1))
+    return made
+
+
 RULES: dict[str, Rule] = {
+    "ArrayFeatureExtractor": _feature_extractor,
+    "FeatureVectorizer": _feature_vectorizer,
     "Scaler": _scaler,
     "Imputer": _imputer,
     "Binarizer": _binarizer,
