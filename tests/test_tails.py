@@ -800,3 +800,20 @@ def test_a_gate_lowered_to_a_rounding_floor_is_said_in_the_compile_report() -> N
     notes = "\n".join(_notes([row(lowered)]))
     assert "gate applied" in notes and "dense 7.5 dB" in notes
     assert "gate applied" not in "\n".join(_notes([row("worst ctx vs QDQ SNR >= 20.0 dB")]))
+    # The console line says it too: "ok ... ctx vs QDQ 19.3 dB" read as a pass at 20 dB.
+    from pipeline.compile.report import describe
+
+    def line(gate: str) -> str:
+        validation = row(gate).record.validation
+        validation.worst_snr_db, validation.worst_snr_vs_float_db = 19.3, 19.3
+        record = SimpleNamespace(
+            model="kws", target="snapdragon-x-elite", toolchain="2.7.0", status="ok",
+            coverage=SimpleNamespace(qnn_partitions=1, cpu_compute_nodes=[], problems=[]),
+            validation=validation, load=None, sets=[], passed=True,
+        )  # fmt: skip
+        return describe(record)  # type: ignore[arg-type]
+
+    assert line(lowered).endswith(
+        "; passed on the pre-quantized model's own rounding floor (dense 7.5 dB)"
+    )
+    assert "rounding floor" not in line("worst ctx vs QDQ SNR >= 20.0 dB")

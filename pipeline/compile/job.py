@@ -19,6 +19,8 @@ from qnn_ctx_runtime.typed import parse, to_json_value
 from ..core.records import BucketOutcome, CtxSet, Failure, LoadTimes, Memory
 
 STAGE_MARKER = "[compile_worker] stage: "
+# In a validation gate's text where a pre-quantized model's output is held to its own floor.
+LOWERED_GATE = "lowered to the pre-quantized model's own rounding floor, less a margin"
 T = TypeVar("T")
 
 

@@ -19,6 +19,7 @@ from ..core.config import ModelConfig
 from ..core.layout import ModelPaths, VariantPaths
 from ..core.records import Failure, QuantizeRecord, VariantRecord, read_record
 from ..core.report import fmt, table, write_report
+from .job import LOWERED_GATE
 
 
 def failure_details(e: Failure, limit: int) -> str:
@@ -104,6 +105,9 @@ def describe(r: VariantRecord, skipped: bool = False) -> str:
     problems = list(c.problems) if c else []
     if v and not v.passed:
         problems.append(f"validation: {v.gate} (worst {fmt(v.worst_snr_db, 1)} dB)")
+    elif v and LOWERED_GATE in v.gate:  # a low figure that passed: say on which gate
+        lowered = v.gate.split(f"{LOWERED_GATE}: ", 1)[1].split(";", 1)[0]
+        text += f"; passed on the pre-quantized model's own rounding floor ({lowered})"
     return text + (" -- " + "; ".join(problems) if problems else "")
 
 

@@ -63,7 +63,15 @@ from ..core.records import (
 from ..graph.tails import judged_outputs
 from ..htp.isolation import await_job, die_with_parent
 from . import coverage as coverage_mod
-from .job import BucketJob, CompileJob, WorkerResult, read_message, stage_line, write_message
+from .job import (
+    LOWERED_GATE,
+    BucketJob,
+    CompileJob,
+    WorkerResult,
+    read_message,
+    stage_line,
+    write_message,
+)
 
 # ORT's own record of which EP runs which node: the coverage report is built from it.
 RECORD_ASSIGNMENT = {"session.record_ep_graph_assignment_info": "1"}
@@ -547,7 +555,7 @@ def snr_gate(
     gate = f"worst ctx vs QDQ SNR >= {min_snr_db} dB"
     if lowered:
         shown = ", ".join(f"{name} {value:.1f} dB" for name, value in lowered.items())
-        gate += f"; lowered to the pre-quantized model's own rounding floor, less a margin: {shown}"
+        gate += f"; {LOWERED_GATE}: {shown}"
     if floors:
         gate += (
             "; a pre-quantized model's output passes on ctx vs the model itself as well (its "
