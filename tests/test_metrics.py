@@ -17,6 +17,26 @@ def pooled(pairs: list[tuple[np.ndarray, np.ndarray]]):
     return comparison.summary()["y"]
 
 
+def test_the_same_infinity_on_both_sides_is_left_out_and_one_sided_is_an_error() -> None:
+    """Masked scores (-inf where a mask rules a position out, as a pitch tracker's bins
+    outside its range): every implementation computes that -inf exactly, and summed it made
+    the SNR nan; the finite positions carry the figure. An infinity on one side only stays
+    an infinite error."""
+    ref = RNG.standard_normal(1000).astype(np.float32)
+    test = ref + (RNG.standard_normal(1000) * 1e-2).astype(np.float32)
+    masked_ref, masked_test = ref.copy(), test.copy()
+    masked_ref[::7] = masked_test[::7] = -np.inf
+    keep = np.ones(1000, bool)
+    keep[::7] = False
+    got = pooled([(masked_ref, masked_test)])
+    assert got.snr_db == pytest.approx(snr_db(ref[keep], test[keep]), abs=1e-3)
+    assert np.isfinite(got.max_abs)
+    masked_test[::7] = -65504.0  # the HTP's fp16 saturates the -inf it was given
+    assert pooled([(masked_ref, masked_test)]).snr_db == pytest.approx(got.snr_db, abs=1e-3)
+    masked_test[3] = -np.inf  # only the test has it
+    assert pooled([(masked_ref, masked_test)]).snr_db == -np.inf
+
+
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e6, 1e20])
 def test_float32_sums_agree_with_float64(scale: float) -> None:
     """float32 BLAS sums (the fast path) give the float64 figures to 1e-3 dB; at 1e20 the

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx.helper as oh
+import onnx.parser
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, numpy_helper
@@ -717,6 +718,49 @@ def test_rows_picked_by_rank_are_found_and_what_they_pick_from_exposed() -> None
     assert set(added) == {"boxes", "best", "values3"}, added
     meta = {e.key: e.value for e in exposed.metadata_props}
     assert judged_outputs(meta) == added and len(change.details) == 3
+
+
+def test_values_picked_at_an_argmax_are_picked_by_rank_and_a_label_lookup_is_not() -> None:
+    """A pitch tracker: its estimate averages the bins around the peak bin an ArgMax finds
+    (GatherElements at ArgMax + offsets), and its confidence is read at the peak: near-equal
+    bins trade the peak (an HTP build read the estimate 18.9 dB from the CPU with the same
+    logits 51.6 dB apart), so both are picked by rank and the logits judged instead. A
+    classifier's label lookup of an ArgMax picks no values and stays a label."""
+    from pipeline.graph.tails import selection_outputs, selection_sources
+
+    model = onnx.parser.parse_model(
+        """<ir_version: 10, opset_import: ["": 21]>
+        g (float[1, 40] x) => (float[1] estimate, float[1] confidence) {
+            logits = Relu(x)
+            peak = ArgMax<axis = 1>(logits)
+            window = Add(peak, offsets)
+            picked = GatherElements<axis = 1>(logits, window)
+            weights = Softmax<axis = 1>(picked)
+            bins = Cast<to = 1>(window)
+            weighted = Mul(weights, bins)
+            estimate = ReduceSum<keepdims = 0>(weighted, axes)
+            probs = Sigmoid(logits)
+            best = Squeeze(peak)
+            confidence = Gather<axis = 1>(probs, best)
+        }"""
+    )
+    model.graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([[-1, 0, 1]], np.int64), "offsets"),
+            numpy_helper.from_array(np.array([1], np.int64), "axes"),
+        ]
+    )
+    nodes = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+    assert selection_outputs(nodes, ["estimate", "confidence"]) == {"estimate", "confidence"}
+    assert set(selection_sources(onnx.shape_inference.infer_shapes(model))) == {
+        "logits",
+        "probs",
+    }
+    lookup = [
+        ("ArgMax", ["scores"], ["index"]),
+        ("ArrayFeatureExtractor", ["classes", "index"], ["label"]),
+    ]
+    assert selection_outputs(lookup, ["label"]) == set()
 
 
 def test_an_output_picked_by_rank_is_shown_but_not_gated(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from .accuracy import BELOW_STEP, LABELS, MAP_VALUES, PICKED, Accuracy
 
 _TINY = 1e-20
 _CHUNK = 1 << 20  # values compared at a time
+FLOAT16_MAX = 65504.0  # float16's largest finite value
 FLOAT16_TINY = 2.0**-24  # float16's smallest subnormal: the finest value the HTP's fp16 holds
 
 
@@ -75,6 +77,23 @@ def _sums(r: np.ndarray, t: np.ndarray) -> tuple[float, float, float, float, flo
     e = r - t
     worst = float(np.max(np.abs(e))) if e.size else 0.0
     return float(r @ r), float(e @ e), float(r @ t), float(t @ t), worst
+
+
+def _sums_of_finite(r: np.ndarray, t: np.ndarray) -> tuple[float, float, float, float, float]:
+    """``_sums`` without the positions where the reference holds an infinity and the test
+    the same one, or saturated to fp16's largest value of that sign: a masked score (-inf
+    where a mask rules a position out, a pitch tracker's bins outside its range) is a
+    sentinel, not a value to measure, and summed it made the SNR nan (the HTP's fp16 pads
+    with -65504 where the model says -inf). An infinity the reference does not hold is an
+    infinite error; a NaN stays a NaN (the figure shows it)."""
+    if np.isnan(r).any() or np.isnan(t).any():
+        return _sums(r, t)
+    finite = np.isfinite(r) & np.isfinite(t)
+    agree = np.isinf(r) & (np.sign(t) == np.sign(r)) & (np.abs(t) >= FLOAT16_MAX)
+    sums = _sums(r[finite], t[finite])
+    if np.all(finite | agree):
+        return sums
+    return sums[0], math.inf, sums[2], sums[3], math.inf
 
 
 # (scale, zero point) of an integer output that a QuantizeLinear writes.
@@ -316,6 +335,8 @@ class OutputComparison:
                 sums = _sums(r, t) if fast else None
             if sums is None or not np.isfinite(sums).all():
                 sums = _sums(np.asarray(r, np.float64), np.asarray(t, np.float64))
+            if not np.isfinite(sums).all():
+                sums = _sums_of_finite(np.asarray(r, np.float64), np.asarray(t, np.float64))
             signal += sums[0]
             noise += sums[1]
             dot += sums[2]

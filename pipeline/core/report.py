@@ -21,7 +21,7 @@ def fmt(value: Any, digits: int = 2) -> str:
         return "yes" if value else "no"
     if isinstance(value, float):
         if math.isinf(value):
-            return "inf"
+            return "inf" if value > 0 else "-inf"
         if math.isnan(value):
             return "nan"
         return f"{value:.{digits}f}"

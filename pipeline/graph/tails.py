@@ -275,7 +275,9 @@ def selection_outputs(
     nodes: Iterable[tuple[str, Sequence[str], Sequence[str]]], outputs: Iterable[str]
 ) -> set[str]:
     """Graph outputs computed from a TopK's indices: the rows a detector's end-to-end head
-    picks (YOLOv10-style: the 300 best boxes, their scores and classes, gathered by rank).
+    picks (YOLOv10-style: the 300 best boxes, their scores and classes, gathered by rank); or
+    from values picked at an ArgMax's index (a pitch tracker's estimate around its peak bin:
+    near-equal bins trade the peak as near-equal scores trade ranks).
     ``nodes`` as for ``float_label_outputs``; label outputs are left to that.
 
     Two near-equal scores trade ranks at the slightest difference, and every value of those
@@ -289,13 +291,35 @@ def selection_outputs(
     return {o for o in outputs if o in picked and o not in labels}
 
 
+# Ops that pick values at the indices of their second input.
+_PICKERS = frozenset({"Gather", "GatherElements", "GatherND"})
+
+
 def _picked_by_rank(nodes: list[tuple[str, Sequence[str], Sequence[str]]]) -> set[str]:
-    """Every tensor computed from a TopK's indices (``nodes`` in graph order)."""
+    """Every tensor computed from a TopK's indices, or from values picked at an index an
+    ArgMax/ArgMin computes (``nodes`` in graph order): a pitch tracker averaging the bins
+    around its peak bin, a confidence read at the best class. A label lookup (an ai.onnx.ml
+    ArrayFeatureExtractor of class names) picks no values and is left to the labels."""
+    return _ranked(nodes)[0]
+
+
+def _ranked(
+    nodes: list[tuple[str, Sequence[str], Sequence[str]]],
+) -> tuple[set[str], set[str]]:
+    """(``_picked_by_rank``'s tensors, those computed from an ArgMax/ArgMin index alone)."""
     picked = {outs[1] for op, _, outs in nodes if op == "TopK" and len(outs) > 1 and outs[1]}
-    for _, inputs, outs in nodes if picked else ():
+    best: set[str] = set()  # an ArgMax/ArgMin's index and what is computed from it
+    for op, inputs, outs in nodes:
+        written = [o for o in outs if o]
         if any(i in picked for i in inputs if i):
-            picked.update(o for o in outs if o)
-    return picked
+            picked.update(written)
+        elif op in INDEX_OPS:
+            best.update(written)
+        elif op in _PICKERS and len(inputs) > 1 and inputs[1] in best:
+            picked.update(written)
+        elif any(i in best for i in inputs if i):
+            best.update(written)
+    return picked, best
 
 
 def selection_sources(model: Any) -> list[str]:
@@ -308,7 +332,8 @@ def selection_sources(model: Any) -> list[str]:
     chosen = selection_outputs(triples, (o.name for o in graph.output))
     if not chosen:
         return []
-    picked = _picked_by_rank(triples)
+    picked, best = _ranked(triples)
+    ranked = picked | best  # a peak's index cast to float is no value to judge either
     producers = {o: node for node in graph.node for o in node.output if o}
     values = (*graph.input, *graph.value_info, *graph.output)
     types = {v.name: v.type for v in values if v.type.WhichOneof("value")}
@@ -324,8 +349,8 @@ def selection_sources(model: Any) -> list[str]:
         sorted(chosen),
         producers,
         constants,
-        found=lambda read: read not in picked and is_float(read),
-        through=lambda read: read in picked,
+        found=lambda read: read not in ranked and is_float(read),
+        through=lambda read: read in ranked,
     )
 
 
