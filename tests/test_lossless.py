@@ -97,6 +97,33 @@ def test_a_step_that_changes_the_function_is_named(
     assert "upgrade_opset" in check.message("m")
 
 
+def test_a_model_that_moves_as_far_with_its_float_arithmetic_reordered_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The floor drops to the source's figure against itself, run by onnxruntime with its
+    graph optimizations and without, less 3 dB: an ill-conditioned model (a fingerprint
+    network: 53.2 dB from itself so) cannot be held nearer than that by any preparation. A
+    well-conditioned one is its own exact copy so, and the plain floor stands."""
+    from pipeline.graph import legacy
+
+    source = tiny(upsample=True)
+    samples = lossless._limited(heldout(tmp_path / "h"), 4)
+    own = lossless.float_floor(source, samples, NO_INPUTS)
+    assert own is not None and own > 100  # the plain floor stands: the step above is named
+    monkeypatch.setattr(
+        legacy, "pin_legacy_semantics", lambda m: (m, Change("pin_legacy_semantics"))
+    )
+    path = prepared_file(source, tmp_path)
+    failed = check_preparation("m", source, NO_INPUTS, path, tmp_path / "h")
+    assert not failed.passed and failed.snr_db is not None and failed.float_floor_db == own
+    for floor, passes in ((failed.snr_db + 2.0, True), (failed.snr_db + 4.0, False)):
+        monkeypatch.setattr(lossless, "float_floor", lambda *args, f=floor: f)
+        check = check_preparation("m", source, NO_INPUTS, path, tmp_path / "h")
+        assert check.passed is passes and check.float_floor_db == floor
+        assert check.min_snr_db == pytest.approx(floor - lossless.OWN_ROUNDING_MARGIN_DB)
+        assert (check.culprit == "") is passes
+
+
 def test_a_step_that_changes_the_function_fails_the_build(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
