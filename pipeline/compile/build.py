@@ -290,17 +290,10 @@ class Built:
     seconds: float = 0.0
 
 
-def reusable_variant(
-    inputs: ModelInputs, toolchain: Toolchain, onnxruntime: str, target: Target
-) -> VariantRecord | None:
-    """The variant on disk when it was built from exactly these inputs, else None."""
-    folder = inputs.paths.variant(toolchain.onnxruntime_qnn, target.name)
+def reusable_variant(folder: VariantPaths, digest: str) -> VariantRecord | None:
+    """The variant on disk when it was built from inputs of this ``variant_digest``."""
     existing = existing_variant(folder)
-    if existing is None or existing.inputs_digest != variant_digest(
-        inputs, toolchain, onnxruntime, target
-    ):
-        return None
-    return existing
+    return existing if existing is not None and existing.inputs_digest == digest else None
 
 
 def variants_to_build(
@@ -324,7 +317,12 @@ def variants_to_build(
     except PipelineError:
         return 0
     return sum(
-        reusable_variant(inputs, toolchain, installed.onnxruntime, t) is None for t in targets
+        reusable_variant(
+            inputs.paths.variant(toolchain.onnxruntime_qnn, t.name),
+            variant_digest(inputs, toolchain, installed.onnxruntime, t),
+        )
+        is None
+        for t in targets
     )
 
 
@@ -348,7 +346,7 @@ def build_variant(
     config = inputs.config
     folder = inputs.paths.variant(toolchain.onnxruntime_qnn, target.name)
     digest = variant_digest(inputs, toolchain, installed.onnxruntime, target)
-    existing = None if force else reusable_variant(inputs, toolchain, installed.onnxruntime, target)
+    existing = None if force else reusable_variant(folder, digest)
     if existing is not None:
         return Built(existing, folder.root, skipped=True)
     # Imported for a variant that is built: a rerun with nothing changed reads records only,

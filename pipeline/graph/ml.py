@@ -63,9 +63,11 @@ def _per_feature(values: list[float], features: int) -> np.ndarray | None:
 def _scaler(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.NodeProto] | None:
     """Y = (X - offset) * scale."""
     features = _features(node, context)
-    offset = _per_feature(list(edit.attribute(node, "offset", [])), features or 0)
-    scale = _per_feature(list(edit.attribute(node, "scale", [])), features or 0)
-    if features is None or offset is None or scale is None or offset.size != scale.size:
+    if features is None:
+        return None
+    offset = _per_feature(list(edit.attribute(node, "offset", [])), features)
+    scale = _per_feature(list(edit.attribute(node, "scale", [])), features)
+    if offset is None or scale is None or offset.size != scale.size:
         return None
     made: list[onnx.NodeProto] = []
     x = _as_float(node, context, made)
@@ -81,9 +83,11 @@ def _scaler(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.NodeProto] 
 def _imputer(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.NodeProto] | None:
     """Each X equal to replaced_value_float (NaN: each NaN) -> its feature's imputed value."""
     features = _features(node, context)
-    imputed = _per_feature(list(edit.attribute(node, "imputed_value_floats", [])), features or 0)
+    if features is None:
+        return None
+    imputed = _per_feature(list(edit.attribute(node, "imputed_value_floats", [])), features)
     replaced = edit.attribute(node, "replaced_value_float", None)
-    if features is None or imputed is None or replaced is None:
+    if imputed is None or replaced is None:
         return None
     if context.elem_type(node.input[0]) != TensorProto.FLOAT:
         return None
