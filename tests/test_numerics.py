@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -11,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.graph.numerics import (
+    bounded_atan_ratios,
     finite_scatter_fills,
     log_of_large_gain,
     rewrite_sqrt_of_sigmoids,
@@ -552,6 +554,27 @@ def test_the_htp_sums_a_wide_quantized_mean_right_only_in_stages(tmp_path: Path)
     assert as_one < 20.0, f"the HTP sums a wide mean right now: {as_one:.1f} dB"
 
 
+def _with_and_without(
+    root: Path, monkeypatch: pytest.MonkeyPatch, step: str, name: str, model: onnx.ModelProto
+) -> list[tuple[Any, Path]]:
+    """``model`` through the quantize stage on noise (CPU judge, no gate), with the preparation
+    step ``numerics.<step>`` and then with it switched off: each build's static bucket and
+    folder."""
+    from compile_fixtures import model_paths, quantize_on_noise
+
+    from pipeline.graph import numerics
+
+    built = []
+    for label in ("with", "without"):
+        if label == "without":
+            monkeypatch.setattr(numerics, step, lambda m: (m, numerics.Change(step)))
+        folder = root / label
+        folder.mkdir()
+        assert quantize_on_noise(folder, name, model, 'judge = "cpu"\nmin_snr_db = 0.0') == 0
+        built.append((model_paths(folder, name).bucket("static"), folder))
+    return built
+
+
 @pytest.mark.qnn
 def test_the_htp_sums_a_long_axis_right_only_in_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -560,9 +583,7 @@ def test_the_htp_sums_a_long_axis_right_only_in_rows(
     overflows (3.0 dB against the CPU QDQ model), in rows it agrees (86.8). Both through the
     quantize stage, the first with the rule switched off. If a new QNN SDK sums it right, this
     says so."""
-    from compile_fixtures import ctx_vs_qdq_on_htp, model_paths, quantize_on_noise
-
-    from pipeline.graph import numerics
+    from compile_fixtures import ctx_vs_qdq_on_htp
 
     model = helper.make_model(
         helper.make_graph(
@@ -579,18 +600,161 @@ def test_the_htp_sums_a_long_axis_right_only_in_rows(
         ir_version=10,
     )
     results = {}
-    for label in ("rows", "one_sum"):
-        if label == "one_sum":
-            monkeypatch.setattr(
-                numerics, "split_wide_means", lambda m: (m, numerics.Change("split_wide_means"))
-            )
-        folder = tmp_path / label
-        folder.mkdir()
-        assert quantize_on_noise(folder, "long", model, 'judge = "cpu"\nmin_snr_db = 0.0') == 0
-        bucket = model_paths(folder, "long").bucket("static")
+    built = _with_and_without(tmp_path, monkeypatch, "split_wide_means", "long", model)
+    for label, (bucket, folder) in zip(("rows", "one_sum"), built, strict=True):
         ops = [n.op_type for n in onnx.load(str(bucket.float_model)).graph.node]
         assert (ops.count("ReduceMean") == 2) == (label == "rows"), ops
         sample = sorted(bucket.heldout.glob("sample_*.npz"))[0]
         results[label] = ctx_vs_qdq_on_htp(bucket.qdq, bucket.float_model, sample, folder / "w")
     assert results["rows"] > 60.0, results
     assert results["one_sum"] < 20.0, f"the HTP sums a long axis right now: {results}"
+
+
+def _atan2(exporter: str, divisor: str = "computed", shared: bool = False) -> onnx.ModelProto:
+    """A Conv whose two channels are y and x, then atan2(y, x) as ``exporter`` writes it:
+    "torch" (Div, Atan, +-pi by the signs), "tf2onnx" (x + sign(x)^2 - 1 against a 0 divisor,
+    the angle times sign(x)^2, +-pi after) or "atan" (Atan(y / x) alone). ``divisor``
+    "constant" divides by a constant instead; ``shared``: the quotient is an output too."""
+    rng = np.random.default_rng(5)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((2, 4, 3, 3)) * 0.3).astype(np.float32), "w"),
+        numpy_helper.from_array(np.array(np.pi, np.float32), "pi"),
+        numpy_helper.from_array(np.array(np.pi / 2, np.float32), "half_pi"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+        numpy_helper.from_array(np.array(0.7, np.float32), "fixed"),
+    ]
+    make = helper.make_node
+    nodes = [
+        make("Conv", ["a", "w"], ["c"], pads=[1, 1, 1, 1]),
+        make("Split", ["c"], ["y", "x"], axis=1, num_outputs=2),
+    ]
+    x = "x" if divisor == "computed" else "fixed"
+    if exporter == "tf2onnx":
+        nodes += [
+            make("Sign", ["x"], ["sx"]),
+            make("Mul", ["sx", "sx"], ["sx2"]),
+            make("Sub", ["sx2", "one"], ["sx2m1"]),
+            make("Add", ["x", "sx2m1"], ["safe_x"]),
+        ]
+        x = "safe_x"
+    nodes += [make("Div", ["y", x], ["slope"]), make("Atan", ["slope"], ["atan"])]
+    out = "atan"
+    if exporter == "torch":
+        nodes += [
+            make("Add", ["atan", "pi"], ["plus"]),
+            make("Sub", ["atan", "pi"], ["minus"]),
+            make("Greater", ["y", "zero"], ["upper"]),
+            make("Where", ["upper", "plus", "minus"], ["left"]),
+            make("Less", ["x", "zero"], ["is_left"]),
+            make("Where", ["is_left", "left", "atan"], ["angle"]),
+        ]
+        out = "angle"
+    elif exporter == "tf2onnx":
+        nodes += [
+            make("Mul", ["sx2", "atan"], ["kept"]),
+            make("Sign", ["y"], ["sy"]),
+            make("Sub", ["one", "sx"], ["one_m_sx"]),
+            make("Mul", ["sy", "one_m_sx"], ["turn"]),
+            make("Mul", ["turn", "half_pi"], ["offset"]),
+            make("Add", ["kept", "offset"], ["angle"]),
+        ]
+        out = "angle"
+    outputs = [helper.make_tensor_value_info(out, TensorProto.FLOAT, [1, 1, 32, 32])]
+    if shared:
+        outputs.append(helper.make_tensor_value_info("slope", TensorProto.FLOAT, [1, 1, 32, 32]))
+    graph = helper.make_graph(
+        nodes,
+        "atan2",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, 4, 32, 32])],
+        outputs,
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+def _fields(count: int) -> list[dict[str, np.ndarray]]:
+    """Seeded noise fields; among the first four, some pixel's |y / x| exceeds fp16's 65504."""
+    return [
+        {"a": np.random.default_rng(seed).standard_normal((1, 4, 32, 32)).astype(np.float32)}
+        for seed in range(count)
+    ]
+
+
+@pytest.mark.parametrize("exporter", ["torch", "tf2onnx", "atan"])
+def test_atan_of_a_quotient_is_taken_from_a_ratio_in_0_1(exporter: str) -> None:
+    """The same angles in float (to rounding), where x is 0 (+-pi/2, as atan(+-inf)) and on
+    every octant; the quotient and its Div are gone."""
+    source = _atan2(exporter)
+    rewritten, change = bounded_atan_ratios(source)
+    assert len(change.details) == 1 and "min(|y|, |x|) / max(|y|, |x|)" in change.details[0]
+    assert "slope" not in {o for n in rewritten.graph.node for o in n.output}
+    before = ort.InferenceSession(source.SerializeToString(), providers=["CPUExecutionProvider"])
+    after = ort.InferenceSession(rewritten.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = _fields(3)
+    # A zero input: y = x = 0 everywhere (torch's quotient is NaN there, left out below).
+    feeds.append({"a": np.zeros((1, 4, 32, 32), np.float32)})
+    for feed in feeds:
+        (want,), (got,) = before.run(None, feed), after.run(None, feed)
+        finite = np.isfinite(want)
+        np.testing.assert_allclose(got[finite], want[finite], atol=2e-6)
+        assert np.all(np.abs(got) <= np.pi + 1e-6)
+    axis = helper.make_graph(
+        [
+            helper.make_node("Div", ["y", "x"], ["slope"]),
+            helper.make_node("Atan", ["slope"], ["angle"]),
+        ],
+        "axes",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [8]) for n in ("y", "x")],
+        [helper.make_tensor_value_info("angle", TensorProto.FLOAT, [8])],
+    )
+    plain = helper.make_model(axis, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    rewritten, change = bounded_atan_ratios(plain)  # graph inputs are computed tensors too
+    assert change.changed
+    y = np.array([1, -1, 0, 2, -3, 0.5, -0.5, 0], np.float32)
+    x = np.array([0, 0, 1, -2, -1, 4, -4, 0], np.float32)
+    session = ort.InferenceSession(
+        rewritten.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    (got,) = session.run(None, {"y": y, "x": x})
+    with np.errstate(divide="ignore"):
+        want = np.arctan(y[:7].astype(np.float64) / x[:7])
+    np.testing.assert_allclose(got[:7], want, atol=1e-6)
+    assert got[7] == 0.0  # the origin's angle, where torch's y / x is NaN
+
+
+def test_a_constant_divisor_or_a_shared_quotient() -> None:
+    """A constant divisor keeps the quotient in y's range: nothing to do. A quotient read
+    elsewhere stays for that reader; the Atan still takes the bounded form."""
+    assert not bounded_atan_ratios(_atan2("torch", divisor="constant"))[1].changed
+    rewritten, change = bounded_atan_ratios(_atan2("torch", shared=True))
+    assert change.changed
+    assert "slope" in {o for n in rewritten.graph.node for o in n.output}
+
+
+@pytest.mark.qnn
+def test_the_htp_takes_atan2_from_a_bounded_ratio(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Measured on the simulator: unquantized (fp16), the quotient's atan2 is -61 dB from the
+    float model and the bounded form 65 dB; quantized by the quantize stage on noise (its
+    mixed precision raising what the CPU asks), 31.5 dB against 74 dB."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    from pipeline.htp.probe import probe, qnn_available
+
+    if qnn_available():
+        pytest.skip(qnn_available())
+    source = _atan2("torch")
+    models = {"float": source, "bounded": bounded_atan_ratios(source)[0]}
+    (tmp_path / "fp16").mkdir()
+    fp16 = whole_ctx_vs_float(tmp_path / "fp16", models, _fields(4))
+    assert fp16["bounded"] > 50.0 and fp16["float"] < 0.0, fp16
+    quantized = {}
+    built = _with_and_without(tmp_path, monkeypatch, "bounded_atan_ratios", "atan2", source)
+    for label, (bucket, folder) in zip(("ratio", "quotient"), built, strict=True):
+        samples = sorted(bucket.heldout.glob("sample_*.npz"))
+        result = probe(bucket.qdq, bucket.float_model, samples, folder / "w", 60, 73)
+        assert result.ok and result.partitions == 1 and result.cpu_nodes == 0, result.error
+        quantized[label] = result.worst_ctx_vs_float
+    assert quantized["ratio"] > 60.0 and quantized["quotient"] < 45.0, quantized

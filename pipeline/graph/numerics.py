@@ -595,3 +595,96 @@ def _whole_map_pool(
         and out is not None
         and all(d == 1 for d in out[2:])
     )
+
+
+# Keeps min / max of |y| and |x| from dividing 0 by 0 where both are 0 (torch's y / x there is
+# NaN; the angle of the origin is 0 here). Above fp16's smallest normal value, so the HTP's fp16
+# arithmetic keeps it; it moves nothing whose larger side exceeds it.
+ATAN_EPS = 1e-7
+
+
+def bounded_atan_ratios(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Atan(y / x) -> the same angle from min(|y|, |x|) / max(|y|, |x|), a ratio in [0, 1].
+
+    Why: ONNX has no atan2, so exporters (torch.onnx, tf2onnx) divide y by x, take Atan and
+    fix the quadrant after. Where x nears 0 the quotient spans millions (a fingerprint
+    network's orientation head peaks at 4.1e6), which no 16-bit grid holds (a step of ~126)
+    and fp16 overflows, while the angle it encodes is bounded. Here t = atan(min / max) lies in
+    [0, pi/4]; where |y| > |x| the angle is pi/2 - t; its sign is y's times x's, taken with
+    two Wheres (a product y * x could overflow fp16). Equal to atan(y / x) up to float rounding;
+    x = 0 gives +-pi/2 = atan(+-inf) as before. Only a Div of two computed tensors is
+    rewritten (a constant divisor keeps the quotient in the numerator's own range); a Div read
+    elsewhere stays for its other readers.
+    """
+    model = copy_model(model)
+    graph = model.graph
+    producer = _producers(graph)
+    inits = {t.name for t in graph.initializer}
+    fresh = FreshNames(model)
+    constants: list[onnx.TensorProto] = []
+    nodes: list[onnx.NodeProto] = []
+    details = []
+    for node in graph.node:
+        div = producer.get(node.input[0]) if node.op_type == "Atan" and node.input else None
+        if (
+            node.domain not in ("", "ai.onnx")
+            or div is None
+            or div.op_type != "Div"
+            or div.domain not in ("", "ai.onnx")
+            or any(_constant(name, inits, producer) for name in div.input)
+        ):
+            nodes.append(node)
+            continue
+        y, x = div.input
+        base = node.name or node.output[0]
+        t = {k: fresh(f"{base}_bounded_{k}") for k in ATAN_TENSORS}
+        constants += [
+            numpy_helper.from_array(np.array(ATAN_EPS, np.float32), t["eps"]),
+            numpy_helper.from_array(np.array(np.pi / 2, np.float32), t["half_pi"]),
+            numpy_helper.from_array(np.array(0.0, np.float32), t["zero"]),
+        ]
+        for op, inputs, out in (
+            ("Abs", [y], "abs_y"),
+            ("Abs", [x], "abs_x"),
+            ("Min", [t["abs_y"], t["abs_x"]], "low"),
+            ("Max", [t["abs_y"], t["abs_x"]], "high"),
+            ("Max", [t["high"], t["eps"]], "den"),
+            ("Div", [t["low"], t["den"]], "ratio"),
+            ("Atan", [t["ratio"]], "angle"),
+            ("Sub", [t["half_pi"], t["angle"]], "steep_angle"),
+            ("Greater", [t["abs_y"], t["abs_x"]], "steep"),
+            ("Where", [t["steep"], t["steep_angle"], t["angle"]], "first"),
+            ("Neg", [t["first"]], "first_neg"),
+            ("Less", [y, t["zero"]], "y_neg"),
+            ("Where", [t["y_neg"], t["first_neg"], t["first"]], "signed"),
+            ("Neg", [t["signed"]], "signed_neg"),
+            ("Less", [x, t["zero"]], "x_neg"),
+        ):
+            nodes.append(helper.make_node(op, inputs, [t[out]], name=fresh(f"{base}_{out}")))
+        nodes.append(
+            helper.make_node(
+                "Where", [t["x_neg"], t["signed_neg"], t["signed"]], [node.output[0]], name=base
+            )
+        )
+        details.append(
+            f"{node_label(node)} of {node_label(div)}: atan(y / x) -> "
+            "atan(min(|y|, |x|) / max(|y|, |x|)) with its octant restored"
+        )
+    if not details:
+        return checked_change(model, "bounded_atan_ratios", [])
+    graph.initializer.extend(constants)
+    set_nodes(graph, nodes)
+    remove_dead_nodes(graph)  # each Div read by its Atan alone
+    model, _ = topological_sort(model)
+    return checked_change(model, "bounded_atan_ratios", details)
+
+
+def _constant(name: str, inits: set[str], producer: dict[str, onnx.NodeProto]) -> bool:
+    node = producer.get(name)
+    return name in inits or (node is not None and node.op_type == "Constant")
+
+
+ATAN_TENSORS = (
+    "eps", "half_pi", "zero", "abs_y", "abs_x", "low", "high", "den", "ratio", "angle",
+    "steep_angle", "steep", "first", "first_neg", "y_neg", "signed", "signed_neg", "x_neg",
+)  # fmt: skip

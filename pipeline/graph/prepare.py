@@ -125,6 +125,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         legacy.avg_pool_ceil_mode,  # the HTP's ceil-mode AveragePool is wrong
         numerics.split_wide_means,  # the HTP's quantized mean of over 2^15 values overflows
         t.rewrite_hypot,  # after Pow(x, 2) -> Mul(x, x)
+        numerics.bounded_atan_ratios,  # atan2 as Atan(y / x): a quotient of millions near x = 0
         t.rewrite_reciprocal,
         numerics.rewrite_sqrt_of_sigmoids,  # sqrt(p * q) of probabilities: 1e-10 survives neither
         numerics.thresholds_on_logits,  # sigmoid(x) > c decided near c by an HTP step: x > logit(c)
