@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -738,7 +739,8 @@ def test_the_htp_takes_atan2_from_a_bounded_ratio(
 ) -> None:
     """Measured on the simulator: unquantized (fp16), the quotient's atan2 is -61 dB from the
     float model and the bounded form 65 dB; quantized by the quantize stage on noise (its
-    mixed precision raising what the CPU asks), 31.5 dB against 74 dB."""
+    mixed precision raising nothing: both meet the target on the CPU), 31.3 dB against 45.2.
+    The angle is compared around the circle (``metrics.the_short_way_round``)."""
     from compile_fixtures import whole_ctx_vs_float
 
     from pipeline.htp.probe import probe, qnn_available
@@ -757,4 +759,6 @@ def test_the_htp_takes_atan2_from_a_bounded_ratio(
         result = probe(bucket.qdq, bucket.float_model, samples, folder / "w", 60, 73)
         assert result.ok and result.partitions == 1 and result.cpu_nodes == 0, result.error
         quantized[label] = result.worst_ctx_vs_float
-    assert quantized["ratio"] > 60.0 and quantized["quotient"] < 45.0, quantized
+    report = json.loads((tmp_path / "with/artifacts/build/atan2/report.json").read_text("utf-8"))
+    assert report["buckets"][0]["qdq_vs_float"]["angle"]["compared_as"] == "angles"
+    assert quantized["ratio"] > 40.0 and quantized["quotient"] < quantized["ratio"] - 10, quantized

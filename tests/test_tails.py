@@ -861,3 +861,27 @@ def test_a_gate_lowered_to_a_rounding_floor_is_said_in_the_compile_report() -> N
         "; passed on the pre-quantized model's own rounding floor (dense 7.5 dB)"
     )
     assert "rounding floor" not in line("worst ctx vs QDQ SNR >= 20.0 dB")
+
+
+def test_an_atan2_output_is_an_angle_through_element_wise_ops_and_moves() -> None:
+    """torch.onnx's atan2 (Div, Atan, +-pi by the signs) is an angle output, so is a Concat
+    of it with a score map; an Atan followed by a Conv, or a model without one, is not."""
+    from pipeline.graph.tails import angle_outputs
+
+    atan2 = [
+        ("Div", ["y", "x"], ["slope"]),
+        ("Atan", ["slope"], ["atan"]),
+        ("Add", ["atan", "pi"], ["plus"]),
+        ("Sub", ["atan", "pi"], ["minus"]),
+        ("Greater", ["y", "zero"], ["upper"]),
+        ("Where", ["upper", "plus", "minus"], ["left"]),
+        ("Less", ["x", "zero"], ["is_left"]),
+        ("Where", ["is_left", "left", "atan"], ["angle"]),
+        ("Sigmoid", ["s"], ["score"]),
+        ("Unsqueeze", ["angle", "axes"], ["angle_1"]),
+        ("Concat", ["angle_1", "score"], ["head"]),
+        ("Conv", ["angle_1", "w"], ["mixed"]),
+    ]
+    outputs = ["angle", "head", "score", "mixed", "is_left"]
+    assert angle_outputs(atan2, outputs) == {"angle", "head"}
+    assert angle_outputs(atan2[:1] + atan2[8:9], ["slope", "score"]) == set()

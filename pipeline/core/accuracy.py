@@ -24,6 +24,10 @@ BELOW_STEP = "below its step"
 # the worst SNR and the gates; the tensors it picks from are judged in its place
 # (``graph.tails.expose_selection_sources``).
 PICKED = "picked by rank"
+# A float output computed from an Atan (``graph.tails.angle_outputs``): where the reference and
+# the test are both angles in [-pi, pi] more than pi apart, the test is taken the short way
+# round the circle (one value just across the cut at +-pi is the same direction). Gated.
+ANGLES = "angles"
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class Accuracy:
     snr_db: float  # inf when identical; nan for labels (see agreement)
     max_abs: float
     cosine: float
-    compared_as: str | None = None  # None: tensor values; MAP_VALUES; LABELS; BELOW_STEP; PICKED
+    compared_as: str | None = None  # None: values; MAP_VALUES; LABELS; BELOW_STEP; PICKED; ANGLES
     agreement: float | None = None  # labels: fraction of elements equal to the reference
 
 
@@ -74,7 +78,14 @@ def comparison_note(summaries: list[Mapping[str, Accuracy]]) -> str:
             "places and move whole rows) are shown but not gated; the tensors they pick from "
             "are compared in their place."
         )
-    return " ".join(part for part in (labelled, below, picked) if part)
+    angles = ""
+    if ANGLES in kinds:
+        angles = (
+            "Angle outputs (computed from an Atan through element-wise ops) are compared the "
+            "short way round the circle: a value put just across the cut at +-pi is the same "
+            "direction, and counts by its distance around it."
+        )
+    return " ".join(part for part in (labelled, below, picked, angles) if part)
 
 
 def worst_snr(summary: Mapping[str, Accuracy]) -> float:

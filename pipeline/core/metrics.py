@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .accuracy import BELOW_STEP, LABELS, MAP_VALUES, PICKED, Accuracy
+from .accuracy import ANGLES, BELOW_STEP, LABELS, MAP_VALUES, PICKED, Accuracy
 
 _TINY = 1e-20
 _CHUNK = 1 << 20  # values compared at a time
@@ -228,6 +229,35 @@ def picked_outputs(*models: str | Path | None) -> set[str]:
     return _outputs_by_structure(models, _PICKED, selection_outputs)
 
 
+_ANGLES: dict[tuple[str, int, int], set[str]] = {}
+
+
+def angle_outputs(*models: str | Path | None) -> set[str]:
+    """Graph outputs of ``models`` computed from an Atan (``graph.tails.angle_outputs``), read
+    from the files' structure over mmap."""
+    from ..graph.tails import angle_outputs as finder
+
+    return _outputs_by_structure(models, _ANGLES, finder)
+
+
+# An angle output's values as a quantized or fp16 model writes them: pi, a step or a rounding
+# beyond it (fp16's pi is 3.1406; a 16-bit grid over [-pi, pi] rounds to 1e-4).
+ANGLE_BOUND = np.pi * 1.01
+
+
+def the_short_way_round(r: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """``t`` with 2 pi taken off or added where ``r`` and ``t`` are both angles (within
+    ``ANGLE_BOUND``) more than pi apart: the same direction, measured around the circle."""
+    with np.errstate(invalid="ignore"):
+        d = t - r
+        far = (np.abs(d) > np.pi) & (np.abs(r) <= ANGLE_BOUND) & (np.abs(t) <= ANGLE_BOUND)
+    if not far.any():
+        return t
+    moved = np.array(t, copy=True)
+    moved[far] -= (np.sign(d[far]) * 2.0 * np.pi).astype(moved.dtype)
+    return moved
+
+
 def _outputs_by_structure(
     models: tuple[str | Path | None, ...],
     cache: dict[tuple[str, int, int], set[str]],
@@ -253,6 +283,25 @@ def _dequantized(value: Any, grid: Grid) -> Any:
     return (array.astype(np.float64) - grid[1]) * grid[0]
 
 
+@dataclass(frozen=True)
+class OutputKinds:
+    """Outputs compared as other than plain values, read from a model's structure: labels in a
+    float type (``label_outputs``) and angles (``angle_outputs``)."""
+
+    labels: frozenset[str] = frozenset()
+    angles: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, *models: str | Path | None) -> OutputKinds:
+        return cls(frozenset(label_outputs(*models)), frozenset(angle_outputs(*models)))
+
+    def comparison(self) -> OutputComparison:
+        return OutputComparison(labels=self.labels, angles=self.angles)
+
+
+PLAIN = OutputKinds()  # every output compared as its values
+
+
 class OutputComparison:
     """Accumulates reference/test pairs per output over samples, without keeping the samples.
 
@@ -269,8 +318,10 @@ class OutputComparison:
         steps: Mapping[str, float] | None = None,
         picked: Collection[str] = (),
         maps: Collection[str] = (),
+        angles: Collection[str] = (),
     ) -> None:
         self.grids = dict(grids or {})
+        self.angles = frozenset(angles)  # outputs computed from an Atan (``angle_outputs``)
         self.labels = frozenset(labels)
         self.picked = frozenset(picked)  # outputs picked by rank (``picked_outputs``)
         self.maps = frozenset(maps)  # ZipMap outputs, maybe given as their values (``storable``)
@@ -297,6 +348,7 @@ class OutputComparison:
             output_steps(*models),
             picked_outputs(*models),
             map_outputs(*models),
+            angle_outputs(*models),
         )
 
     def add(self, reference: Mapping[str, Any], test: Mapping[str, Any]) -> None:
@@ -312,6 +364,7 @@ class OutputComparison:
             kind = LABELS if name in self.labels else kind
             kind = PICKED if kind is None and name in self.picked else kind
             kind = MAP_VALUES if kind is None and name in self.maps else kind
+            kind = ANGLES if kind is None and name in self.angles else kind
             self._kind[name] = kind
             if kind == LABELS:
                 same = ref_array.shape == test_array.shape
@@ -328,8 +381,10 @@ class OutputComparison:
         float32 BLAS (10x faster than converting to float64 first, the bulk of every
         evaluation; 1e-6 relative, far below the 0.01 dB shown), float64 where that overflows."""
         signal = noise = dot = test_power = worst = peak = 0.0
+        angles = self._kind.get(name) == ANGLES
         for start in range(0, max(ref.size, 1), _CHUNK):
             r, t = ref[start : start + _CHUNK], test[start : start + _CHUNK]
+            t = the_short_way_round(r, t) if angles else t
             fast = r.dtype == np.float32 and t.dtype == np.float32
             with np.errstate(over="ignore", invalid="ignore"):  # an overflow falls back
                 sums = _sums(r, t) if fast else None

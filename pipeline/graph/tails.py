@@ -271,6 +271,32 @@ def float_label_outputs(
     return found
 
 
+# Ops through which a value computed from an Atan stays an angle element for element:
+# arithmetic on it (the quadrant's +-pi, a sign), selections and moves. An op that mixes
+# elements (Conv, MatMul, a reduction, a resize) makes it something else.
+_ANGLE_CARRIERS = _MOVES | frozenset(
+    {
+        "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Where", "Min", "Max", "Clip", "Concat",
+        "Slice", "Split", "Gather", "Tile", "QuantizeLinear", "DequantizeLinear",
+    }
+)  # fmt: skip
+
+
+def angle_outputs(
+    nodes: Iterable[tuple[str, Sequence[str], Sequence[str]]], outputs: Iterable[str]
+) -> set[str]:
+    """Graph outputs computed from an Atan through element-wise ops and moves: angles (an
+    atan2's direction in [-pi, pi], as exporters write it; ``nodes`` as for
+    ``float_label_outputs``). A direction just across the cut at +-pi is the same direction:
+    compared as numbers, a fingerprint network's orientation map read 8.4 dB for values an
+    implementation put on the other side of the cut (``metrics.OutputComparison``)."""
+    angles: set[str] = set()
+    for op, inputs, outs in nodes:
+        if op == "Atan" or (op in _ANGLE_CARRIERS and any(i in angles for i in inputs if i)):
+            angles.update(o for o in outs if o)
+    return {o for o in outputs if o in angles}
+
+
 def selection_outputs(
     nodes: Iterable[tuple[str, Sequence[str], Sequence[str]]], outputs: Iterable[str]
 ) -> set[str]:

@@ -23,7 +23,7 @@ against the float16 run too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from ..core.config import InputsSection
 from ..core.cpu import cpu_session
 from ..core.dtypes import constant_feed, np_dtype, unread_input_feed
 from ..core.memory import release_freed_memory
-from ..core.metrics import OutputComparison, label_outputs
+from ..core.metrics import PLAIN, OutputKinds
 from ..graph.prequantized import is_prequantized
 from ..graph.tails import judged_outputs
 from .evaluate import iter_samples, run_named
@@ -111,13 +111,13 @@ def compare(
     samples: list[Feeds],
     inputs: InputsSection,
     optimize: bool = True,
-    labels: Collection[str] = (),
+    kinds: OutputKinds = PLAIN,
     spill_in: Path | None = None,
 ) -> tuple[float, int]:
     """(worst output SNR, samples) of ``test`` against ``reference`` (models or sessions);
-    ``labels``: outputs compared as labels whatever their type (``metrics.label_outputs``).
+    ``kinds``: outputs compared as labels or angles whatever their type (``metrics.OutputKinds``).
     With ``spill_in``, a reference model runs first and alone (``_reference_outputs``)."""
-    return compare_each([(reference, optimize)], test, samples, inputs, optimize, labels, spill_in)[
+    return compare_each([(reference, optimize)], test, samples, inputs, optimize, kinds, spill_in)[
         0
     ]
 
@@ -128,7 +128,7 @@ def compare_each(
     samples: list[Feeds],
     inputs: InputsSection,
     optimize: bool = True,
-    labels: Collection[str] = (),
+    kinds: OutputKinds = PLAIN,
     spill_in: Path | None = None,
 ) -> list[tuple[float, int]]:
     """``compare`` against each of ``references`` (a model or session, and whether
@@ -149,7 +149,7 @@ def compare_each(
             for index, (model, own) in enumerate(references)
         ]
         got = test if hasattr(test, "run") else cpu_session(test, optimize)
-        comparisons = [OutputComparison(labels=labels) for _ in references]
+        comparisons = [kinds.comparison() for _ in references]
         for feeds, *outputs in zip(samples, *expected, strict=True):
             names = list(
                 dict.fromkeys(n for reference_outputs in outputs for n in reference_outputs)
@@ -208,7 +208,7 @@ def per_step(
     optimize: bool = True,
     lstm_nodes: int | None = None,
     transform: Callable[[Any], Any] | None = None,
-    labels: Collection[str] = (),
+    kinds: OutputKinds = PLAIN,
 ) -> Iterator[StepFigure]:
     """Each preparation step's prefix vs ``reference`` (a session), in order: the steps the
     prepared model went through (``lstm_nodes`` as ``prepare_model`` had it); ``transform``
@@ -227,7 +227,7 @@ def per_step(
             continue
         try:
             measured = model if transform is None else transform(model)
-            last, _ = compare(reference, measured, samples, inputs, optimize, labels)
+            last, _ = compare(reference, measured, samples, inputs, optimize, kinds)
         except Exception as exc:  # onnxruntime cannot run this intermediate model
             yield StepFigure(change.step, None, f"not runnable: {type(exc).__name__}"[:120])
             continue
@@ -265,7 +265,7 @@ def check_preparation(
     summary = read_model_summary(prepared)
     shapes = {o.name: list(o.shape) for o in summary.outputs}
     scores = [(n, shapes.get(n, [])) for n in judged_outputs(summary.metadata)]
-    labels = label_outputs(prepared)  # class maps cast to float: ties flip, labels agree
+    kinds = OutputKinds.of(prepared)  # class maps cast to float: ties flip, labels agree
     try:
         if source.float16:
             from ..graph.transforms import float16_to_float32
@@ -278,7 +278,7 @@ def check_preparation(
         references = [(reference, optimize)]
         if source.float16:  # the float16 run, for the report: the prepared model runs once
             references.append((source.runnable(), False))
-        figures = compare_each(references, prepared, samples, inputs, optimize, labels, spill)
+        figures = compare_each(references, prepared, samples, inputs, optimize, kinds, spill)
         snr, count = figures[0]
         float16 = figures[1][0] if source.float16 else None
     except Exception as exc:  # onnxruntime's own error types: say why, do not fail the build
@@ -292,7 +292,7 @@ def check_preparation(
         floor = min(floor, rounding_floor_db - OWN_ROUNDING_MARGIN_DB)
     float_floor_db = None
     if snr < floor and optimize:
-        float_floor_db = float_floor(reference, samples, inputs, labels)
+        float_floor_db = float_floor(reference, samples, inputs, kinds)
         if float_floor_db is not None:
             floor = min(floor, float_floor_db - OWN_ROUNDING_MARGIN_DB)
     if snr >= floor:
@@ -313,7 +313,7 @@ def check_preparation(
     if exact is not None:
         try:
             exact_session = cpu_session(exact[0], optimize)
-            exact_snr, _ = compare(exact_session, exact[1], samples, inputs, optimize, labels)
+            exact_snr, _ = compare(exact_session, exact[1], samples, inputs, optimize, kinds)
         except Exception:  # onnxruntime cannot run the expanded forms: the plain figure stands
             pass
         else:
@@ -328,7 +328,7 @@ def check_preparation(
     steps = list(
         per_step(
             source.load(), inputs, ref_session, samples[:STEP_SAMPLES], optimize, lstm_nodes,
-            transform, labels,
+            transform, kinds,
         )
     )  # fmt: skip
     return PreparationCheck(
@@ -338,7 +338,7 @@ def check_preparation(
 
 
 def float_floor(
-    reference: Any, samples: list[Feeds], inputs: InputsSection, labels: Collection[str] = ()
+    reference: Any, samples: list[Feeds], inputs: InputsSection, kinds: OutputKinds = PLAIN
 ) -> float | None:
     """The worst output SNR of ``reference`` (a model) against itself, run by onnxruntime with
     its graph optimizations and without: the same function, its float32 arithmetic fused and
@@ -347,7 +347,7 @@ def float_floor(
     model 53.19 dB from it, and the build failed blaming fix_input_shapes). None when
     onnxruntime cannot run it so."""
     try:
-        return compare_each([(reference, True)], reference, samples, inputs, False, labels)[0][0]
+        return compare_each([(reference, True)], reference, samples, inputs, False, kinds)[0][0]
     except Exception:  # onnxruntime's own error types: the plain floor stands
         return None
 
