@@ -1414,6 +1414,19 @@ def test_a_kept_model_the_htp_cannot_take_whole_names_requantize(tmp_path: Path)
     assert any("requantize = true" in r for r in htp["remedies"]), htp["remedies"]
 
 
+def _floored_conv() -> onnx.ModelProto:
+    """A 16-bit Conv whose requantization factor is 1 and whose weights are -1, 0 and 1 steps:
+    the HTP floors its sums of a few hundred steps to multiples of 256."""
+    b = Builder()
+    x = b.qdq("x", 2.0**-6, 32768, np.uint16)  # the test inputs, uniform in [-2, 2]
+    small = RNG.integers(-1, 2, (3, 3, 3, 3)).astype(np.int8)  # -1, 0, 1 times the scale
+    weight = b.node(
+        "DequantizeLinear", [b.const(small, "w"), b.const(np.float32(0.5)), b.const(np.int8(0))]
+    )
+    conv = b.node("Conv", [x, weight, b.bias(3, 2.0**-6 * 0.5)], pads=[1] * 4)
+    return b.model(b.qdq(conv, 2.0**-6 * 0.5, 32768, np.uint16), opset=21, out_shape=SHAPE)
+
+
 @pytest.mark.qnn
 def test_a_kept_model_the_htp_computes_far_off_names_requantize(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -1427,15 +1440,7 @@ def test_a_kept_model_the_htp_computes_far_off_names_requantize(
     where the HTP parts from the CPU."""
     from pipeline.__main__ import main
 
-    b = Builder()
-    x = b.qdq("x", 2.0**-6, 32768, np.uint16)  # the test inputs, uniform in [-2, 2]
-    small = RNG.integers(-1, 2, (3, 3, 3, 3)).astype(np.int8)  # -1, 0, 1 times the scale
-    weight = b.node(
-        "DequantizeLinear", [b.const(small, "w"), b.const(np.float32(0.5)), b.const(np.int8(0))]
-    )
-    conv = b.node("Conv", [x, weight, b.bias(3, 2.0**-6 * 0.5)], pads=[1] * 4)
-    model = b.model(b.qdq(conv, 2.0**-6 * 0.5, 32768, np.uint16), opset=21, out_shape=SHAPE)
-    config = _config(tmp_path, model)
+    config = _config(tmp_path, _floored_conv())
     config.write_text(config.read_text() + "\n[compile]\nmin_snr_db = 20.0\n")
     assert main(["quantize", "--artifacts", str(tmp_path / "a"), str(config)]) == 1
     said = "".join(capsys.readouterr())
@@ -1450,6 +1455,31 @@ def test_a_kept_model_the_htp_computes_far_off_names_requantize(
     # nothing to decide, but the diagnosis: where the HTP and the CPU part (the Conv)
     assert htp["divergence"]["op_type"] == "Conv" and htp["divergence"]["snr_db"] < 20.0
     assert "the two part first at y, Conv" in said, said
+
+
+@pytest.mark.qnn
+def test_a_kept_model_that_builds_under_the_target_names_requantize(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same Conv with the gates lowered below what the HTP computes: it builds, and
+    the report's remedies and the console still say that it is under the target and that
+    requantize = true is the other road."""
+    from pipeline.__main__ import main
+    from pipeline.htp.probe import qnn_available
+
+    if qnn_available():
+        pytest.skip(qnn_available())
+    config = _config(tmp_path, _floored_conv())
+    gates = config.read_text().replace("min_snr_db = 20.0", "min_snr_db = 1.0")
+    config.write_text(gates + "\n[compile]\nmin_snr_db = 1.0\n")
+    assert main(["quantize", "--artifacts", str(tmp_path / "a"), str(config)]) == 0
+    said = "".join(capsys.readouterr())
+    report = json.loads((tmp_path / "a" / "build" / "pq" / "report.json").read_text())
+    kept = report["htp"]["rounds"][0]
+    assert 1.0 < kept["ctx_vs_qdq_db"] < 25.0  # the default target
+    (remedy,) = report["htp"]["remedies"]
+    assert "under the target" in remedy and "requantize = true" in remedy, remedy
+    assert "under the target" in said and report["passed"]
 
 
 # -- onnxruntime's dynamic quantization --------------------------------------------------------

@@ -668,6 +668,18 @@ def _measure_own(config: ModelConfig, paths: ModelPaths, state: _State) -> HtpJu
                 )
         if problem:  # the compile gate refuses it; say here what would build it
             _advise_requantize(config, judgement, problem)
+        elif (
+            kept is not None
+            and kept.ctx_vs_qdq_db is not None
+            and kept.ctx_vs_qdq_db < config.quantization.target_snr_db
+        ):  # it builds, short of the target: say what else there is
+            _advise_requantize(
+                config,
+                judgement,
+                f"the HTP computes its own quantization {kept.ctx_vs_qdq_db:.1f} dB from the "
+                f"model on the CPU, under the target of {config.quantization.target_snr_db:g} "
+                "dB (it builds)",
+            )
         return judgement
     why = judgement.reason.removeprefix("judged on the CPU: ")
     failed = judgement.rounds[-1].error if judgement.rounds else ""
@@ -679,7 +691,9 @@ def _measure_own(config: ModelConfig, paths: ModelPaths, state: _State) -> HtpJu
 
 def _advise_requantize(config: ModelConfig, judgement: HtpJudgement, problem: str) -> None:
     """Say, in the report's remedies and on the console, that the model does not build as it
-    is and what would: requantizing the float model behind its own quantization."""
+    is (or builds under the target) and what else there is: requantizing the float model
+    behind its own quantization (a keyword embedder kept at 24.3 dB reached 46.6 dB so, and a
+    turn detector 12.6 -> 46.0 dB, each against its float model)."""
     advice = (
         f"as it is, {problem}; requantize = true in [quantization] calibrates and "
         "quantizes the float model behind it instead"
