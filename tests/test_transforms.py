@@ -1523,6 +1523,43 @@ def test_the_opset_upgrade_converts_without_the_weights_bytes_to_the_same_model(
     assert not edit.restore_weight_data(bare, model)
 
 
+def test_a_model_of_ai_onnx_ml_ops_alone_gets_the_default_domain_without_conversion() -> None:
+    """onnxmltools wrote classifiers importing ai.onnx.ml alone (onnxruntime's own
+    datasets/logreg_iris.onnx): the converter read "opset 0" and failed. There is nothing of
+    the default domain to convert: its import is added, and the ai.onnx.ml ops reach the rule
+    that says the NPU runs none of them."""
+    graph = oh.make_graph(
+        [
+            oh.make_node(
+                "LinearClassifier",
+                ["x"],
+                ["label", "scores"],
+                domain="ai.onnx.ml",
+                coefficients=[0.5, -0.25, 1.0, 0.75],
+                intercepts=[0.1, -0.1],
+                classlabels_ints=[0, 1],
+                post_transform="LOGISTIC",
+            )
+        ],
+        "iris",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+        [
+            oh.make_tensor_value_info("label", TensorProto.INT64, [1]),
+            oh.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 2]),
+        ],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("ai.onnx.ml", 1)], ir_version=3)
+    upgraded, change = t.upgrade_opset(model)
+    assert change.details == ("no ai.onnx import -> opset 21",)
+    assert {(o.domain, o.version) for o in upgraded.opset_import} == {("ai.onnx.ml", 1), ("", 21)}
+    assert upgraded.graph == model.graph
+    session = ort.InferenceSession(upgraded.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.array([[1.0, 2.0]], np.float32)
+    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for got, want in zip(session.run(None, {"x": x}), before.run(None, {"x": x}), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize(
     ("data_shape", "index"),
     [

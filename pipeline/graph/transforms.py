@@ -1484,6 +1484,14 @@ def upgrade_opset(
     current = opset_version(model)
     if current >= target:
         return checked_change(copy_model(model), "upgrade_opset", [])
+    if not current and not any(
+        n.domain in ("", "ai.onnx") for g in all_graphs(model.graph) for n in g.node
+    ):  # only other domains' ops (an onnxmltools classifier imports ai.onnx.ml alone): the
+        # converter reads "opset 0" and fails; there is nothing of the default domain to convert
+        model = copy_model(model)
+        model.opset_import.append(onnx.helper.make_opsetid("", target))
+        model.ir_version = max(model.ir_version, min_ir_version(model))
+        return checked_change(model, "upgrade_opset", [f"no ai.onnx import -> opset {target}"])
     legacy = sorted(
         {n.op_type for g in all_graphs(model.graph) for n in g.node} & (_LEGACY_OPS | {"Crop"})
     )
