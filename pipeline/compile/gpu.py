@@ -153,7 +153,7 @@ def _compare(model: Path, float_model: Path, samples: list[Path], gpu_outputs: l
     reference = cpu_session(float_model)
     names = [o.name for o in reference.get_outputs()]
     test = cpu_session(model) if gpu_outputs is None else None
-    comparison = OutputComparison()
+    comparison = OutputComparison.for_models(float_model)  # labels, angles... as elsewhere
     for index, sample in enumerate(samples):
         with np.load(sample) as data:
             feeds = {k: data[k] for k in data.files}
