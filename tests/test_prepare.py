@@ -153,6 +153,61 @@ def test_model_outputs_cut_the_source_before_its_post_processing() -> None:
         cut_at_outputs(model, ["boxes", "score"])
 
 
+def test_a_cut_keeps_an_ai_onnx_ml_outputs_declared_shape() -> None:
+    """onnx infers a TreeEnsembleClassifier's label without a shape; cut at it, the model
+    took that as its output and failed onnx's check in the first step with a tip calling it a
+    bug (a LightGBM classifier from PyPI, label kept, ZipMap left out). The source's declared
+    output is kept; the preparation then says the NPU runs none of it."""
+    from pipeline.graph.transforms import cut_at_outputs
+
+    trees = onnx.helper.make_node(
+        "TreeEnsembleClassifier",
+        ["x"],
+        ["label", "scores"],
+        domain="ai.onnx.ml",
+        class_ids=[0, 1],
+        class_nodeids=[1, 2],
+        class_treeids=[0, 0],
+        class_weights=[1.0, 1.0],
+        classlabels_int64s=[0, 1],
+        nodes_falsenodeids=[2, 0, 0],
+        nodes_featureids=[0, 0, 0],
+        nodes_modes=["BRANCH_LEQ", "LEAF", "LEAF"],
+        nodes_nodeids=[0, 1, 2],
+        nodes_treeids=[0, 0, 0],
+        nodes_truenodeids=[1, 0, 0],
+        nodes_values=[0.5, 0.0, 0.0],
+    )
+    zipmap = onnx.helper.make_node(
+        "ZipMap", ["scores"], ["probabilities"], domain="ai.onnx.ml", classlabels_int64s=[0, 1]
+    )
+    maps = onnx.helper.make_sequence_type_proto(
+        onnx.helper.make_map_type_proto(
+            onnx.TensorProto.INT64, onnx.helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, None)
+        )
+    )
+    graph = onnx.helper.make_graph(
+        [trees, zipmap],
+        "trees",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3])],
+        [
+            onnx.helper.make_tensor_value_info("label", onnx.TensorProto.INT64, [1]),
+            onnx.helper.make_value_info("probabilities", maps),
+        ],
+    )
+    model = onnx.helper.make_model(
+        graph,
+        opset_imports=[onnx.helper.make_opsetid("", 9), onnx.helper.make_opsetid("ai.onnx.ml", 1)],
+        ir_version=4,
+    )
+    cut = cut_at_outputs(model, ["label"])
+    onnx.checker.check_model(cut)
+    assert [o.name for o in cut.graph.output] == ["label"]
+    assert cut.graph.output[0].type.tensor_type.shape.dim[0].dim_value == 1
+    with pytest.raises(ModelError, match="Nothing in this model can run on the NPU"):
+        prepare_model(cut, InputsSection())
+
+
 def test_a_detector_cut_before_its_nms_builds(tmp_path: Path) -> None:
     """The quantize stage with [model] outputs: the part before the NMS is the model every
     figure refers to (the source as cut), and its QDQ model ends at those tensors."""
