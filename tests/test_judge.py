@@ -425,6 +425,56 @@ def test_helpers_on_other_cores_measure_what_one_child_does_and_a_dead_one_costs
     assert shared.ctx_vs_qdq == one.ctx_vs_qdq and shared.qdq_vs_float == one.qdq_vs_float
 
 
+# Sitecustomize for the probe's processes: the main child kills itself with SIGKILL at its
+# first session run, as the kernel's out-of-memory killer does (an outside kill).
+MAIN_KILLED = """\
+import os
+import signal
+import sys
+from pathlib import Path
+
+import onnxruntime
+
+_run = onnxruntime.InferenceSession.run
+
+
+def _killed(self, *args, **kwargs):
+    if Path(sys.argv[-1]).name == "probe_job.json":
+        print("# LIBNATIVE: start-up noise, as QNN prints it", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _run(self, *args, **kwargs)
+
+
+onnxruntime.InferenceSession.run = _killed
+"""
+
+
+def test_a_probe_killed_from_outside_says_so_not_qnns_start_up_noise(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A SIGKILL from outside (the OOM killer on a 45 MB diffusion UNet's quantized compile)
+    read "died in compile (signal SIGKILL): # LIBNATIVE: No alternate configuration..." (QNN's
+    start-up line, not the cause); it now says who kills that way."""
+    import os
+
+    from pipeline.htp import probe as probe_mod
+
+    bucket, heldout = _cpu_judged_dilated(tmp_path, seed=5, count=4)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(MAIN_KILLED)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p)
+    )
+    monkeypatch.setattr(probe_mod, "_cores", lambda count, locate: [])
+    result = probe_mod.probe(
+        bucket.qdq, bucket.float_model, heldout, tmp_path / "w", 60, 73, timeout_s=300
+    )
+    assert not result.ok
+    assert "signal SIGKILL, killed from outside the build" in result.error, result.error
+    assert "out-of-memory killer" in result.error and "LIBNATIVE" not in result.error
+
+
 # Sitecustomize for the probe's process: every session run first sleeps (a loaded machine: the
 # wall clock stretches, the simulator's CPU time does not).
 SLOW_WALL_CLOCK = """\

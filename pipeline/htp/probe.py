@@ -498,6 +498,14 @@ def _pin_threads(core: int) -> None:
         return  # this is no Linux: the helpers still help
 
 
+# QNN's native libraries print this at every start: it tells nothing of how a child died.
+_START_NOISE = "# LIBNATIVE:"
+
+
+def _telling(line: str) -> bool:
+    return bool(line.strip()) and not line.lstrip().startswith(_START_NOISE)
+
+
 def _outcome(job: ProbeJob, done: Finished, timeout_s: float) -> ProbeResult:
     """The child's result file, or a failed result saying how it died."""
     try:
@@ -507,10 +515,15 @@ def _outcome(job: ProbeJob, done: Finished, timeout_s: float) -> ProbeResult:
     if done.timed_out:
         result.status, result.error = "failed", f"timed out after {timeout_s:g} s in {result.stage}"
     elif result.status != "ok" and not result.error:
-        tail = [line for line in done.log.splitlines() if line.strip()][-2:]
+        tail = [line for line in done.log.splitlines() if _telling(line)][-2:]
+        outside = (
+            ", killed from outside the build: the kernel's out-of-memory killer or an operator"
+            if done.killed_from_outside()
+            else ""
+        )
         result.status = "failed"
-        result.error = (
-            f"the HTP child died in {result.stage} ({done.signal_name()}): " + " / ".join(tail)
+        result.error = f"the HTP child died in {result.stage} ({done.signal_name()}{outside})" + (
+            ": " + " / ".join(tail) if tail else ""
         )
     result.seconds = done.seconds
     return result
