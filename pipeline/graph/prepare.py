@@ -77,6 +77,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         contrib.fused_cpu_ops,  # onnxruntime's FusedConv, FusedGemm, FusedMatMul
         legacy.restore_pinned_ops,
         ml.standard_ml_ops,  # a scikit-learn Scaler, Imputer...: arithmetic the NPU runs
+        refuse_cpu_only,  # nothing left for the NPU: say so now, not after 90 steps' copies
         t.expand_function_ops,  # Mish, GroupNormalization, 3 Reduce ops: the QNN EP takes none
         t.constants_to_initializers,  # the converter may add Constant nodes
         t.fold_constants,
@@ -174,6 +175,8 @@ def prepare_model(
         with edit.checks_deferred():
             prepared, changes = _run_steps(model, inputs, on_step, lstm_nodes)
         edit.check(prepared, "preparation (the steps together)")
+    except NothingForTheNpu:
+        raise  # a refusal, not a broken model: no step to find
     except Exception:
         _run_steps(model, inputs, lstm_nodes=lstm_nodes)  # raises at the step at fault
         raise
@@ -182,16 +185,38 @@ def prepare_model(
     return prepared, changes
 
 
-def _require_npu_part(model: onnx.ModelProto) -> None:
+class NothingForTheNpu(ModelError):
+    """Every node of the model is declared CPU post-processing (``_require_npu_part``)."""
+
+
+def refuse_cpu_only(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """``_require_npu_part`` as a step, once the ai.onnx.ml ops that become standard ops have:
+    a LightGBM classifier's 30 MB of trees took every later step's copy (2 minutes) before the
+    end's check said the NPU runs none of it. Identities and Casts (which later steps drop,
+    or leave as all the NPU would run) count as nothing here."""
+    _require_npu_part(model, moves=EARLY_MOVES)
+    return model, edit.Change("refuse_cpu_only", ())
+
+
+EARLY_MOVES = frozenset({"Identity", "Cast"})
+
+
+def _require_npu_part(model: onnx.ModelProto, moves: frozenset[str] = frozenset()) -> None:
     """A ModelError when every node is declared CPU post-processing (a tree ensemble, a
-    linear classifier of ai.onnx.ml ops): the QNN HTP backend runs none of them, so a build
-    would end at compile with an empty context, minutes later."""
+    linear classifier of ai.onnx.ml ops), but for ``moves``: the QNN HTP backend runs none of
+    them, so a build would end at compile with an empty context, minutes later."""
     tail = model_tail(model)
-    if tail and len(tail.nodes) == len(model.graph.node):
+    nodes = model.graph.node
+    rest = [n for i, n in enumerate(nodes) if i not in tail.nodes]
+    if tail and all(n.op_type in moves and n.domain in ("", "ai.onnx") for n in rest):
         ops = sorted(
-            {f"{n.domain}:{n.op_type}" if n.domain else n.op_type for n in model.graph.node}
+            {
+                f"{n.domain}:{n.op_type}" if n.domain else n.op_type
+                for i, n in enumerate(nodes)
+                if i in tail.nodes
+            }
         )
-        raise ModelError(
+        raise NothingForTheNpu(
             f"Nothing in this model can run on the NPU: all its {len(tail.nodes)} node(s) "
             f"({', '.join(ops)}) are ai.onnx.ml or label post-processing, which the QNN HTP "
             "backend does not run.",
