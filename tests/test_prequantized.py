@@ -1576,6 +1576,13 @@ def test_a_dynamically_quantized_model_is_built_from_its_float_model(tmp_path: P
     assert report["worst_snr_db"] > 20
     text = (tmp_path / "a" / "build" / "pq" / "report.md").read_text()
     assert "float model behind the pre-quantized source" in text  # not the user's file
+    # ... and how far the user's file itself is from that float model, measured on the same
+    # samples: its own 8-bit activations, quantized at run time, are not exact.
+    shipped = report["end_to_end"]["shipped_vs_source"]
+    assert set(shipped) == set(report["end_to_end"]["qdq_vs_source"]), shipped
+    figures = [float(a["snr_db"]) for a in shipped.values()]
+    assert all(10.0 < f < 100.0 for f in figures), figures
+    assert "The quantized file as shipped is" in text
 
 
 def test_an_integer_bias_added_before_the_cast_becomes_the_conv_bias() -> None:

@@ -1085,7 +1085,9 @@ def _steps(
         or (evaluate(floats[n], qdqs[n], paths.bucket(n).heldout) if state.held_counts[n] else {})
         for n in plan.names
     }
-    e2e = end_to_end(config, state.source, plan, floats, qdqs, paths.heldout)
+    requantized = state.own is not None and not state.own.kept
+    shipped = config.source_path if requantized else None  # its figures are vs the float behind
+    e2e = end_to_end(config, state.source, plan, floats, qdqs, paths.heldout, shipped)
     state.timings["evaluate"] = time.perf_counter() - started
     own_floor = _own_floor(state)
     for name in plan.names:  # every comparison above ran on them; the artifact does not

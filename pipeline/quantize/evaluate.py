@@ -230,6 +230,10 @@ class EndToEnd:
     source_failures: int = 0  # samples the source model itself could not run
     shape_mismatches: int = 0  # outputs whose cropped shape differs from the true-size run
     error: str = ""  # why nothing could be measured
+    # A requantized model (requantize = true, or quantized at run time): its file as shipped vs
+    # the float model behind it, the source of the figures above (``_shipped_vs_source``).
+    shipped_vs_source: dict[str, Accuracy] = field(default_factory=dict)
+    shipped_error: str = ""
 
 
 class SampleOutputs:
@@ -284,9 +288,11 @@ def end_to_end(
     floats: dict[str, Path],
     qdqs: dict[str, Path],
     heldout: Path,
+    shipped: Path | None = None,
 ) -> EndToEnd:
     """Held-out samples at their true size through the buckets, vs the source model (a
-    ``ModelProto`` or a ``pipeline.graph.source.SourceModel``).
+    ``ModelProto`` or a ``pipeline.graph.source.SourceModel``); with ``shipped`` (the file of a
+    model requantized from the float model behind it), that file vs the source too.
 
     One model at a time: the source over every sample first (its outputs kept, or spilled to a
     temporary folder beside ``heldout``), then the QDQ buckets, then the float ones, each
@@ -303,6 +309,10 @@ def end_to_end(
         except _SourceDoesNotLoad as exc:
             return EndToEnd(0, error=f"the source model does not load on the CPU EP: {exc}"[:400])
         release_freed_memory()  # the source's session
+        shipped_figures: tuple[dict[str, Accuracy], str] = ({}, "")
+        if shipped is not None:
+            shipped_figures = _shipped_vs_source(config, shipped, names, heldout, expected)
+            release_freed_memory()
         vs_qdq, vs_float = (OutputComparison.for_models(*qdqs.values()) for _ in range(2))
         mismatched = _compare_buckets(plan, qdqs, heldout, names, expected, vs_qdq)
         release_freed_memory()
@@ -314,6 +324,8 @@ def end_to_end(
         source_failures=failures,
         shape_mismatches=mismatched,
         error="" if vs_qdq.samples else (first_failure or "no held-out samples"),
+        shipped_vs_source=shipped_figures[0],
+        shipped_error=shipped_figures[1],
     )
 
 
@@ -334,39 +346,65 @@ def _source_outputs(
         reference = cpu_session(runnable, optimize)
     except Exception as exc:  # onnxruntime's own error types; the reason goes to the report
         raise _SourceDoesNotLoad(str(exc)) from exc
-    source_types = {i.name: i.type for i in reference.get_inputs()}
-    source_shapes = {i.name: i.shape for i in reference.get_inputs()}
-    constants = {
-        name: constant_feed(
-            value,
-            np_dtype(source_types[name]),
-            config.inputs.shapes.get(name, source_shapes[name]),
-        )
-        for name, value in config.inputs.constants.items()
-        if name in source_types
-    }
     names = [o.name for o in reference.get_outputs()]
     failures, first_failure = 0, ""
+    for index, outputs in _true_size_runs(config, reference, names, heldout):
+        if isinstance(outputs, Exception):  # e.g. the source needs an input no sample gives
+            failures += 1
+            first_failure = first_failure or f"{type(outputs).__name__}: {outputs}"[:300]
+            continue
+        expected.put(index, outputs)
+        del outputs
+    return names, failures, first_failure
+
+
+def _true_size_runs(
+    config: ModelConfig, session: Any, names: list[str], heldout: Path
+) -> Iterator[tuple[int, Feeds | Exception]]:
+    """``session`` (a model as the user gave it) on each held-out sample at its true size: the
+    sample's inputs in the model's types, the config's constants, and inputs the preparation
+    dropped as read by no node; the outputs ``names``, or the exception the run raised."""
+    types = {i.name: i.type for i in session.get_inputs()}
+    shapes = {i.name: i.shape for i in session.get_inputs()}
+    constants = {
+        name: constant_feed(
+            value, np_dtype(types[name]), config.inputs.shapes.get(name, shapes[name])
+        )
+        for name, value in config.inputs.constants.items()
+        if name in types
+    }
     for index, own in enumerate(iter_samples(heldout)):
-        source_feeds = {
-            name: value.astype(np_dtype(source_types[name]))
-            for name, value in own.items()
-            if name in source_types
-        }
+        feeds = {n: v.astype(np_dtype(types[n])) for n, v in own.items() if n in types}
         unread = {  # inputs the preparation dropped as read by no node: no sample holds them
-            name: unread_input_feed(np_dtype(kind), source_shapes[name])
-            for name, kind in source_types.items()
-            if name not in source_feeds and name not in constants
+            n: unread_input_feed(np_dtype(kind), shapes[n])
+            for n, kind in types.items()
+            if n not in feeds and n not in constants
         }
         try:
-            outputs = reference.run(names, {**source_feeds, **constants, **unread})
-        except Exception as exc:  # e.g. the source needs an input the sample does not give
-            failures += 1
-            first_failure = first_failure or f"{type(exc).__name__}: {exc}"[:300]
+            outputs = session.run(names, {**feeds, **constants, **unread})
+        except Exception as exc:
+            yield index, exc
             continue
-        expected.put(index, dict(zip(names, outputs, strict=True)))
-        del outputs, source_feeds, own
-    return names, failures, first_failure
+        yield index, dict(zip(names, outputs, strict=True))
+
+
+def _shipped_vs_source(
+    config: ModelConfig, shipped: Path, names: list[str], heldout: Path, expected: SampleOutputs
+) -> tuple[dict[str, Accuracy], str]:
+    """A requantized model's file as shipped (its own quantization, dynamic or static) against
+    the float model behind it, which every other figure is measured against: how far the
+    user's quantized model itself is from that reference. (summary, why not measured)."""
+    try:
+        session = cpu_session(shipped)
+    except Exception as exc:  # onnxruntime's own error types
+        return {}, f"{type(exc).__name__}: {exc}"[:300]
+    comparison = OutputComparison.for_models(shipped)
+    for index, outputs in _true_size_runs(config, session, names, heldout):
+        if isinstance(outputs, Exception) or index not in expected:
+            continue
+        comparison.add(expected.get(index), outputs)
+    del session
+    return comparison.summary(), "" if comparison.samples else "no held-out sample ran"
 
 
 def _compare_buckets(

@@ -598,6 +598,15 @@ def _accuracy_section(r: QuantizeReport) -> list[str]:
         notes.append(f"{e2e.source_failures} held-out sample(s) did not run on the source model.")
     if e2e.shape_mismatches:
         notes.append(f"{e2e.shape_mismatches} cropped output(s) differ in shape from the source.")
+    if e2e.shipped_vs_source:
+        shipped = worst_snr(e2e.shipped_vs_source)
+        notes.append(
+            f"The quantized file as shipped is {fmt(shipped)} dB (worst output) from that float "
+            f"model on the same samples, the {kept} {fmt(worst_snr(e2e.qdq_vs_source))} dB: its "
+            "own quantization's distance from the model every figure here is measured against."
+        )
+    elif e2e.shipped_error:
+        notes.append(f"The quantized file as shipped could not be compared: {e2e.shipped_error}")
     lines += [f"- {n}" for n in notes]
     verdict = "passed" if r.passed else "FAILED"
     if r.min_snr_db > 0:
