@@ -412,12 +412,14 @@ def test_helpers_on_other_cores_measure_what_one_child_does_and_a_dead_one_costs
     )
     shared = run("shared")
     helper_log = (tmp_path / "shared" / "probe_helper_1.log").read_text()
+    helper_file = tmp_path / "shared" / "probe_helper_1.json"
+    delivered = json.loads(helper_file.read_text())["samples"] if helper_file.is_file() else 0
+    # The parent ends a helper still running when the main child is done: on a loaded machine
+    # that can be after its last sample and before its final "ok". What it delivered counts.
     if action == "die":
-        assert not (tmp_path / "shared" / "probe_helper_1.json").is_file() or (
-            '"status": "ok"' not in (tmp_path / "shared" / "probe_helper_1.json").read_text()
-        ), helper_log
+        assert delivered == 0, helper_log
     else:
-        assert '"status": "ok"' in (tmp_path / "shared" / "probe_helper_1.json").read_text()
+        assert delivered >= 1, helper_file.read_text()
     assert shared.samples == one.samples == 4
     assert shared.ctx_sha256 == one.ctx_sha256 and shared.sample_sha256 == one.sample_sha256
     assert (shared.partitions, shared.cpu_nodes) == (one.partitions, one.cpu_nodes) == (1, 0)
