@@ -391,6 +391,7 @@ def load_ctx(request: dict[str, Any]) -> dict[str, Any]:
 
     from pipeline.compile import coverage
     from pipeline.core import metrics
+    from pipeline.core.accuracy import worst_snr
     from qnn_ctx_runtime import qnn
 
     path = request["ctx"]
@@ -440,7 +441,7 @@ def load_ctx(request: dict[str, Any]) -> dict[str, Any]:
             dict(zip(names, (np.asarray(w, np.float32) for w in want), strict=True)),
             dict(zip(names, (np.asarray(g, np.float32) for g in got), strict=True)),
         )
-    result["snr_db"] = metrics.worst_snr(comparison.summary())
+    result["snr_db"] = worst_snr(comparison.summary())
     return result
 
 
