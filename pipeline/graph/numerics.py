@@ -598,8 +598,8 @@ def _whole_map_pool(
 
 
 # Keeps min / max of |y| and |x| from dividing 0 by 0 where both are 0 (torch's y / x there is
-# NaN; the angle of the origin is 0 here). Above fp16's smallest normal value, so the HTP's fp16
-# arithmetic keeps it; it moves nothing whose larger side exceeds it.
+# NaN; the angle of the origin is 0 here). Above fp16's smallest subnormal (6e-8), so the HTP's
+# fp16 arithmetic does not flush it to 0; it moves nothing whose larger side exceeds it.
 ATAN_EPS = 1e-7
 
 
