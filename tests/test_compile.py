@@ -197,15 +197,20 @@ def _passed_bucket() -> BucketOutcome:
     return BucketOutcome(cov, [], [], val)
 
 
-def test_death_in_qdq_benchmark_keeps_the_variant() -> None:
-    """If only the QDQ reference session (online compile) dies, the ctx artifact still counts."""
-    result = WorkerResult(
+def _benchmarking() -> WorkerResult:
+    """A worker that validated its context and is timing the QDQ model's online compile."""
+    return WorkerResult(
         stage="benchmark",
         status="running",
         buckets={BUCKET: _passed_bucket()},
         load=LoadTimes(runs=3, ctx_s=0.01, all_s=0.01, buckets={BUCKET: 0.01}),
         timing_online_compile=True,
     )
+
+
+def test_death_in_qdq_benchmark_keeps_the_variant() -> None:
+    """If only the QDQ reference session (online compile) dies, the ctx artifact still counts."""
+    result = _benchmarking()
     log = "[compile_worker] stage: benchmark\nterminate called after throwing\n  what():  boom\n"
     status, failure = interpret(ChildOutcome(result, -6, False, 1.0, log), 60)
     assert status == "ok" and failure is None
@@ -217,6 +222,24 @@ def test_death_in_qdq_benchmark_keeps_the_variant() -> None:
     assert status == "failed" and failure is not None
     assert failure.kind == "abort" and failure.stage == "load" and failure.abort == "boom"
     assert not failure.infrastructure
+
+
+def test_a_worker_stopped_for_memory_is_named_so_and_never_cached() -> None:
+    """The build's memory guard SIGKILLs the worker: that is 'memory' (what it held, where),
+    not an outside kill nor the model's crash, and like an outside kill it is never reused."""
+    held = "it held 21.3 GiB resident with 0.9 GiB of the machine's 23.5 GiB left available"
+    result = WorkerResult(stage="compile", status="running")
+    outcome = ChildOutcome(result, -signal.SIGKILL, False, 30.0, "# LIBNATIVE: x\n", held)
+    status, failure = interpret(outcome, 900)
+    assert status == "failed" and failure is not None
+    assert failure.kind == "memory" and failure.stage == "compile" and failure.infrastructure
+    assert failure.message.startswith("the worker ran out of memory in step 'compile': it held")
+    assert "SIGKILL" not in failure.message
+    # Past the context, only the QDQ model's online compile (the load reference) died so.
+    result = _benchmarking()
+    status, failure = interpret(ChildOutcome(result, -9, False, 30.0, "", held), 900)
+    assert status == "ok" and failure is None and result.load is not None
+    assert "ran out of memory (it held 21.3 GiB" in (result.load.qdq_error or "")
 
 
 def test_outside_kill_is_not_the_models_failure() -> None:

@@ -717,6 +717,69 @@ def test_kill_without_process_groups_still_kills_the_child(monkeypatch) -> None:
     assert child.returncode is not None and child.returncode != 0
 
 
+MEMORY_HOG = """\
+import threading
+
+import numpy as np
+
+held = np.ones({size}, np.uint8)  # every page written: resident
+threading.Event().wait()  # never set: only the guard ends this child
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").is_file(), reason="the guard reads Linux's /proc")
+def test_a_child_past_its_memory_is_stopped_and_says_what_it_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child that holds more than the guard allows is killed with its group and its end says
+    what it held: not a bare SIGKILL, not "killed from outside" (a hang forever otherwise)."""
+    from pipeline.htp import isolation
+    from pipeline.htp.probe import ProbeJob, _outcome
+
+    (tmp_path / "hog_module.py").write_text(MEMORY_HOG.format(size=400 << 20))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    job = tmp_path / "job.json"
+    child = isolation.start_module("hog_module", job, tmp_path / "hog.log")
+    guard = isolation.MemoryGuard(reserve_bytes=0, limit_bytes=300 << 20)
+    done = isolation.wait_for(child, 3600, memory=guard)
+    assert not done.timed_out and done.returncode == -signal.SIGKILL, done
+    held = float(done.out_of_memory.split()[2])  # "it held 0.41 GiB resident, over the ..."
+    assert 0.29 < held < 1.0 and "over the 0.29 GiB allowed" in done.out_of_memory, done
+    assert not done.killed_from_outside()
+    assert isolation.group_resident_bytes(child.proc.pid) == 0, "its group outlived the stop"
+    # The HTP judge's probe reports it so.
+    probe_job = ProbeJob("q.onnx", "f.onnx", [], str(tmp_path), str(tmp_path / "none.json"), 60, 73)
+    result = _outcome(probe_job, done, 3600)
+    assert result.status == "failed"
+    assert result.error.startswith("the HTP child ran out of memory in ") and "GiB" in result.error
+
+
+def test_the_machines_guard_stops_a_child_only_when_the_machine_runs_short(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default guard keeps 5% of the machine (512 MiB at least) and has no cap of its own;
+    it stops a group only when what is left available is under its reserve while that group
+    holds more than the reserve (the machine's state is faked: this group's is measured)."""
+    from pipeline.htp import isolation
+
+    guard = isolation.MemoryGuard.for_machine()
+    assert guard.reserve_bytes >= 512 << 20 and guard.limit_bytes == 0
+    assert guard.verdict(2**22 + 7) == ""  # no such group: nothing held
+    if not Path("/proc/meminfo").is_file():
+        assert guard.verdict(os.getpgrp()) == ""  # nothing to read: nothing checked
+        return
+    held = isolation.group_resident_bytes(os.getpgrp())
+    assert held > 32 << 20, held  # this test's own process (numpy, onnx imported) at least
+    reserve = held // 2
+    machine = {"MemTotal": 24 << 30, "MemAvailable": reserve - 1}
+    monkeypatch.setattr(isolation, "_meminfo", lambda: machine)
+    verdict = isolation.MemoryGuard(reserve).verdict(os.getpgrp())
+    assert "left available" in verdict and "of the machine's 24.0 GiB" in verdict, verdict
+    assert isolation.MemoryGuard(2 * held).verdict(os.getpgrp()) == ""  # holds under the reserve
+    machine["MemAvailable"] = reserve  # not short
+    assert isolation.MemoryGuard(reserve).verdict(os.getpgrp()) == ""
+
+
 @pytest.mark.skipif(sys.platform != "win32", reason="job objects are Windows' own")
 def test_windows_worker_dies_with_its_parent(tmp_path: Path) -> None:
     """A parent killed outright (TerminateProcess) takes its job object, and the worker, along."""

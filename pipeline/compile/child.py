@@ -39,6 +39,7 @@ class ChildOutcome:
     timed_out: bool
     seconds: float
     log: str
+    out_of_memory: str = ""  # stopped by the build for the machine's memory: what it held
 
 
 def run_child(
@@ -70,6 +71,7 @@ def run_child(
         timed_out=finished.timed_out,
         seconds=finished.seconds,
         log=finished.log,
+        out_of_memory=finished.out_of_memory,
     )
 
 
@@ -188,17 +190,23 @@ def interpret(outcome: ChildOutcome, timeout_s: float) -> tuple[str, Failure | N
     stage = result.stage
     # Facts from the failing step's own output; the whole log only adds context.
     facts = parse_ep_log(stage_log(outcome.log, stage))
-    died = outcome.timed_out or result.status not in ("ok", "failed")
+    died = outcome.timed_out or outcome.out_of_memory or result.status not in ("ok", "failed")
     if died and result.timing_online_compile and result.load is not None:
         # The ctx compiled, loaded and validated; only the QDQ model's online compile (the load
         # benchmark's reference) died. The artifact is fine; the load ratio is unknown.
-        why = "timed out" if outcome.timed_out else _describe_death(outcome, facts)
+        why = (
+            "timed out"
+            if outcome.timed_out
+            else f"ran out of memory ({outcome.out_of_memory})"
+            if outcome.out_of_memory
+            else _describe_death(outcome, facts)
+        )
         result.load = replace(
             result.load, qdq_error=f"creating the QDQ session with QNN (online compile) {why}"
         )
         result.timing_online_compile = False
         return "ok", None
-    if result.status == "ok" and not outcome.timed_out:
+    if result.status == "ok" and not (outcome.timed_out or outcome.out_of_memory):
         return "ok", None
     if outcome.timed_out:
         failure = Failure(
@@ -206,6 +214,13 @@ def interpret(outcome: ChildOutcome, timeout_s: float) -> tuple[str, Failure | N
             "timeout",
             f"no result after {timeout_s:g} s in step '{stage}' (hang, or a model too big for "
             "compile.timeout_s)",
+        )
+    elif outcome.out_of_memory:
+        failure = Failure(
+            stage,
+            "memory",
+            f"the worker ran out of memory in step '{stage}': {outcome.out_of_memory}; free "
+            "memory (or build this target on a larger machine) and run compile again",
         )
     elif result.status == "failed" and result.error is not None:
         failure = result.error

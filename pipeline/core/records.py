@@ -324,7 +324,7 @@ class Failure:
     """Why a variant failed: the step, a kind, the message, and what the EP log said."""
 
     stage: str
-    kind: str  # abort | crash | timeout | compose | toolchain | verify | error | killed
+    kind: str  # abort | crash | timeout | compose | toolchain | verify | error | killed | memory
     message: str
     nodes: list[str] = field(default_factory=list)
     op_types: list[str] = field(default_factory=list)
@@ -335,8 +335,9 @@ class Failure:
 
     @property
     def infrastructure(self) -> bool:
-        """Killed from outside (not by the model): never cached as the model's failure."""
-        return self.kind == "killed"
+        """Killed from outside, or stopped for the machine's memory (not the model's own
+        doing, or not on every machine): never cached as the model's failure."""
+        return self.kind in ("killed", "memory")
 
 
 @dataclass(frozen=True)

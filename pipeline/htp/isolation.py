@@ -32,12 +32,14 @@ ANSI_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 @dataclass
 class Finished:
-    """How the child ended: exit status (negative: the signal), whether the time ran out."""
+    """How the child ended: exit status (negative: the signal), whether the time ran out, and
+    whether the build stopped it for the machine's memory (what it held, and what was left)."""
 
     returncode: int | None
     timed_out: bool
     seconds: float
     log: str
+    out_of_memory: str = ""
 
     def signal_name(self) -> str:
         code = self.returncode
@@ -50,7 +52,13 @@ class Finished:
 
     def killed_from_outside(self) -> bool:
         code = self.returncode
-        if self.timed_out or code is None or code >= 0 or "terminate called" in self.log:
+        if (
+            self.timed_out
+            or self.out_of_memory
+            or code is None
+            or code >= 0
+            or "terminate called" in self.log
+        ):
             return False
         try:
             return signal.Signals(-code) in OUTSIDE_SIGNALS
@@ -83,7 +91,7 @@ class Started:
     def kill(self) -> None:
         kill_group(self.proc, self.job)
 
-    def finish(self, timed_out: bool = False) -> Finished:
+    def finish(self, timed_out: bool = False, out_of_memory: str = "") -> Finished:
         """Close the log (plain text, no ANSI codes) and the job; how the child ended."""
         self.log.close()
         if self.job is not None:
@@ -93,7 +101,8 @@ class Started:
         plain = ANSI_CODES.sub("", text)
         if plain != text:  # onnxruntime colours its log lines even into a file; logs stay plain
             path.write_text(plain, "utf-8")
-        return Finished(self.proc.returncode, timed_out, time.monotonic() - self.started, plain)
+        seconds = time.monotonic() - self.started
+        return Finished(self.proc.returncode, timed_out, seconds, plain, out_of_memory)
 
 
 def start_module(
@@ -152,12 +161,18 @@ def run_module(
 
 
 def wait_for(
-    child: Started, timeout_s: float, on_tick: Callable[[float], None] | None = None
+    child: Started,
+    timeout_s: float,
+    on_tick: Callable[[float], None] | None = None,
+    memory: MemoryGuard | None = None,
 ) -> Finished:
-    """Wait for a started child, killed (with what it started) after ``timeout_s`` from now or
-    on Ctrl-C; how it ended."""
+    """Wait for a started child, killed (with what it started) after ``timeout_s`` from now,
+    on Ctrl-C, or when ``memory`` (by default: the machine's, ``MemoryGuard.for_machine``)
+    says it holds what the machine cannot spare; how it ended."""
+    guard = memory if memory is not None else MemoryGuard.for_machine()
     waiting = time.monotonic()
     timed_out = False
+    out_of_memory = ""
     try:
         while True:
             try:
@@ -167,6 +182,10 @@ def wait_for(
                 elapsed = time.monotonic() - waiting
                 if on_tick:
                     on_tick(elapsed)
+                out_of_memory = guard.verdict(child.proc.pid)
+                if out_of_memory:
+                    child.kill()
+                    break
                 if elapsed > timeout_s:
                     timed_out = True
                     child.kill()
@@ -175,7 +194,94 @@ def wait_for(
         child.kill()
         child.finish()
         raise
-    return child.finish(timed_out)
+    return child.finish(timed_out, out_of_memory)
+
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryGuard:
+    """When a child (with what it started) must be stopped for memory: when the machine has
+    less than ``reserve_bytes`` available while the child holds more than that, or when the
+    child holds more than ``limit_bytes`` (0: no cap of its own).
+
+    Why: QNN's HTP compile of a 2103-node diffusion UNet grew to 23.8 GiB of a 24 GiB machine;
+    the kernel's out-of-memory killer ended it (it may as well have picked the build or the
+    user's editor) and the build could only report a SIGKILL. Stopped first, the child's end
+    names what it held and what was left. Linux only (``/proc``); elsewhere nothing is checked.
+    """
+
+    reserve_bytes: int
+    limit_bytes: int = 0
+
+    @classmethod
+    def for_machine(cls) -> MemoryGuard:
+        """Keep 5% of the machine's memory, 512 MiB at least, for everything else."""
+        total = _meminfo().get("MemTotal", 0)
+        return cls(max(512 << 20, total // 20))
+
+    def verdict(self, pgid: int) -> str:
+        """Why the process group ``pgid`` must stop now, or "" (also where /proc is absent)."""
+        if self.limit_bytes:
+            held = group_resident_bytes(pgid)
+            if held > self.limit_bytes:
+                return (
+                    f"it held {held / GIB:.2f} GiB resident, over the "
+                    f"{self.limit_bytes / GIB:.2f} GiB allowed"
+                )
+        info = _meminfo()  # first: the group's processes are only read when the machine is short
+        available, total = info.get("MemAvailable"), info.get("MemTotal", 0)
+        if available is None or available >= self.reserve_bytes:
+            return ""
+        held = group_resident_bytes(pgid)
+        if held <= self.reserve_bytes:
+            return ""
+        return (
+            f"it held {held / GIB:.1f} GiB resident with {available / GIB:.1f} GiB of the "
+            f"machine's {total / GIB:.1f} GiB left available (the build stops a child below "
+            f"{self.reserve_bytes / GIB:.1f} GiB, before the kernel's out-of-memory killer picks "
+            "a process)"
+        )
+
+
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes ({} where there is none)."""
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return {}
+    found = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        fields = rest.split()
+        if fields and fields[0].isdigit():
+            found[key] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    return found
+
+
+def group_resident_bytes(pgid: int) -> int:
+    """The resident memory of every process in process group ``pgid`` (0 where /proc is absent
+    or the group is gone)."""
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    total = 0
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes()
+            # after the command name (which may hold spaces and parentheses): state, ppid, pgrp
+            fields = stat[stat.rindex(b")") + 2 :].split()
+            if int(fields[2]) != pgid:
+                continue
+            total += int(Path(f"/proc/{entry}/statm").read_bytes().split()[1]) * page
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+    return total
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float) -> None:

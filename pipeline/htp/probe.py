@@ -514,6 +514,9 @@ def _outcome(job: ProbeJob, done: Finished, timeout_s: float) -> ProbeResult:
         result = ProbeResult()
     if done.timed_out:
         result.status, result.error = "failed", f"timed out after {timeout_s:g} s in {result.stage}"
+    elif done.out_of_memory:
+        result.status = "failed"
+        result.error = f"the HTP child ran out of memory in {result.stage}: {done.out_of_memory}"
     elif result.status != "ok" and not result.error:
         tail = [line for line in done.log.splitlines() if _telling(line)][-2:]
         outside = (
