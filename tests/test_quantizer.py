@@ -380,3 +380,87 @@ def test_a_long_comparison_shows_progress_in_a_log(
     evaluate_mod.cpu_accuracy(model, model, sorted(heldout.glob("*.npz")))
     err = capsys.readouterr().err
     assert "compare float.onnx with float.onnx on held-out samples: 6 of 6 runs" in err, err
+
+
+def detector_head(class_bias: float = -6.0) -> onnx.ModelProto:
+    """A detector's packed output, as YOLOv8 writes it: 4 rows of boxes decoded to pixels
+    (a Sigmoid x 640) and 2 rows of class probabilities (mostly small), concatenated on the
+    channel axis and transposed to [1, anchors, 6]."""
+    rng = np.random.default_rng(31)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((4, 8, 1)).astype(np.float32), "wb"),
+        numpy_helper.from_array(0.3 * rng.standard_normal((2, 8, 1)).astype(np.float32), "wc"),
+        numpy_helper.from_array(np.full(2, class_bias, np.float32), "bc"),
+        numpy_helper.from_array(np.array(640.0, np.float32), "pixels"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "wb"], ["box_logits"]),
+        helper.make_node("Sigmoid", ["box_logits"], ["box_unit"]),
+        helper.make_node("Mul", ["box_unit", "pixels"], ["box"]),
+        helper.make_node("Conv", ["x", "wc", "bc"], ["class_logits"]),
+        helper.make_node("Sigmoid", ["class_logits"], ["classes"]),
+        helper.make_node("Concat", ["box", "classes"], ["packed"], axis=1, name="pack"),
+        helper.make_node("Transpose", ["packed"], ["y"], perm=[0, 2, 1]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "head",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, 6])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+def test_an_output_packing_parts_of_different_scale_stays_float_from_its_concat() -> None:
+    """Boxes to 640 px beside probabilities under 1: the Concat and the move after it stay
+    float. Parts of one scale, or a Concat read by more than moves, are left to one grid."""
+    from pipeline.calibration.ranges import PACKED_RATIO, packed_outputs
+
+    model = detector_head()
+    ranges = {"box": (0.0, 640.0), "classes": (0.0, 0.5), "packed": (0.0, 640.0), "y": (0.0, 640.0)}
+    kept = packed_outputs(model, ranges)
+    assert set(kept) == {"packed", "y"}
+    assert "'y' packs parts peaking at 0.5 and 640 in Concat 'pack'" in kept["y"]
+    close = {**ranges, "classes": (0.0, 640.0 / PACKED_RATIO * 1.01)}
+    assert packed_outputs(model, close) == {}
+    assert packed_outputs(model, {"box": (0.0, 640.0)}) == {}  # a part never calibrated
+    model.graph.node[-1].CopyFrom(helper.make_node("Relu", ["packed"], ["y"]))
+    assert packed_outputs(model, ranges) == {}  # computed on: not a packing of results
+
+
+@pytest.mark.qnn
+def test_a_packed_output_keeps_its_small_part_precise_on_the_htp(tmp_path: Path) -> None:
+    """Built with the real stages: whole on the HTP, the output made in fp16 from its Concat on,
+    and the class probabilities there close to float, where the output's one uint16 grid for
+    0..640 px would have left them a few dozen steps (computed: far below)."""
+    pytest.importorskip("onnxruntime_qnn")
+    import onnxruntime as ort
+    from compile_fixtures import build_whole_on_htp, model_paths
+
+    from qnn_ctx_runtime import qnn
+
+    model = detector_head()
+    build_whole_on_htp(tmp_path, "head", model)
+    paths = model_paths(tmp_path, "head")
+    qdq = onnx.load(str(paths.bucket("static").qdq))
+    producer = {o: n for n in qdq.graph.node for o in n.output}
+    assert producer["y"].op_type == "Transpose" and producer["packed"].op_type == "Concat"
+    assert "Packed outputs kept in float" in (paths.root / "report.md").read_text()
+    ctx = next(paths.ctx.glob("*/snapdragon-x-elite/*.onnx"))
+    options = qnn.find_qnn_ep().session_options(qnn.QnnOptions("htp", 60, 73))
+    htp = ort.InferenceSession(str(ctx), options)
+    cpu = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(5)
+    got, want = [], []
+    for _ in range(4):
+        x = rng.standard_normal((1, 8, 64)).astype(np.float32)
+        got.append(htp.run(None, {"x": x})[0][..., 4:])
+        want.append(cpu.run(None, {"x": x})[0][..., 4:])
+    classes, reference = np.concatenate(got), np.concatenate(want)
+
+    def snr(test: np.ndarray) -> float:
+        return float(10 * np.log10(np.sum(reference**2) / np.sum((test - reference) ** 2)))
+
+    shared_grid = np.round(reference / (640.0 / 65535)) * (640.0 / 65535)
+    assert snr(classes) > 40.0 and snr(shared_grid) < 30.0, (snr(classes), snr(shared_grid))

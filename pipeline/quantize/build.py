@@ -1143,6 +1143,7 @@ def _steps(
             changes.split_weights or None,
             changes.dequantized_inputs or None,
             changes.scatter_sums or None,
+            changes.packed_outputs or None,
         ),
         mixed_precision=mixed,
         htp=judgement,

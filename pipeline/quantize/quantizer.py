@@ -227,7 +227,17 @@ def quantize(
     q = config.quantization
     model = onnx.load(str(float_path))
     op_types = q.overrides.op_types
-    tensor_overrides = {**per_channel_weights(model, q.per_channel), **tensor_overrides}
+    _, calibrated = range_rules.read_cache(ranges_file)
+    packed = {
+        t: why
+        for t, why in range_rules.packed_outputs(model, calibrated).items()
+        if t not in tensor_overrides
+    }
+    tensor_overrides = {
+        **per_channel_weights(model, q.per_channel),
+        **dict.fromkeys(packed, "float16"),
+        **tensor_overrides,
+    }
     tensor_types = dict(tensor_overrides)
     for node in model.graph.node:
         if node.op_type in op_types:
@@ -265,6 +275,8 @@ def quantize(
         )
     finally:
         tuned.unlink(missing_ok=True)
+    reasons = sorted(set(packed.values()))
+    changes = dataclasses.replace(changes, packed_outputs=reasons)
     # Edits of the quantized model: one load, one write for both.
     qdq = onnx.load(str(qdq_path))
     edited = False

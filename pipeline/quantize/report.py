@@ -55,6 +55,7 @@ class RangeRules:
     split_weights: list[str] | None = None  # int16-weight layers as two int8-weight ones
     dequantized_inputs: list[str] | None = None  # integer inputs' Casts as DequantizeLinear
     scatter_sums: list[str] | None = None  # scatter-adds' inputs onto their output's grid
+    packed_outputs: list[str] | None = None  # outputs packing parts of different scale, in fp16
 
 
 @dataclass(frozen=True)
@@ -375,6 +376,13 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
             "integers or booleans or a comparison reads against an integer (ids, a flipped "
             "attention mask), and those they are moved from, quantized on an integer grid "
             "(scale 1), so every integer is exact (pipeline/calibration/ranges.py)."
+        )
+    if rules.packed_outputs:
+        lines.append(
+            "Packed outputs kept in float (fp16 on the HTP) from their Concat on, each part at "
+            "its own precision (pipeline/calibration/ranges.py `packed_outputs`): "
+            + "; ".join(rules.packed_outputs)
+            + "."
         )
     if rules.hard_sigmoids:
         lines.append(
