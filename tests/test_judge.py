@@ -255,6 +255,8 @@ def test_fp16_first_still_runs_the_quantized_model_when_it_falls_short(tmp_path:
     assert not any(n.op_type == "QuantizeLinear" for n in onnx.load(str(qdq)).graph.node)
     report = ModelPaths.of(tmp_path / "artifacts", "m").report.read_text("utf-8")
     assert "SNR fp16 model vs float (dB)" in report and "SNR QDQ vs float" not in report
+    # Its CPU figure is the float32 graph's, and the table says so.
+    assert "For the whole model in fp16 the CPU column is its float32 graph" in report
 
 
 def test_cpu_judge_keeps_the_cpu_decision_and_says_so(tmp_path: Path):

@@ -111,6 +111,9 @@ HTP_PROBE_FAILED = "the HTP probe failed"  # a judgement's reason when no candid
 LOSING_MARGIN_DB = 3.0
 
 
+WHOLE_FLOAT16 = "whole model in fp16"  # the candidate's label
+
+
 @dataclass(frozen=True)
 class JudgeRound:
     """One candidate, compiled and run on the HTP."""
@@ -401,7 +404,7 @@ def judge_on_htp(
             else:
                 remedies.append(f"the whole model in fp16 on the HTP (no quantization): {why}")
             tried_float16 = True
-            return Candidate("whole model in fp16", {}, whole_float16=True)
+            return Candidate(WHOLE_FLOAT16, {}, whole_float16=True)
 
         # (candidate, its run, the QDQ digest it ran): fp16 first for a hopeless quantization
         early: tuple[Candidate, ProbeResult, str] | None = None

@@ -20,7 +20,7 @@ from ..core.layout import (
 from ..core.records import BuildInputs
 from ..core.report import fmt, table, write_report
 from .evaluate import EndToEnd
-from .judge import LOSING_MARGIN_DB, Divergence, HtpJudgement
+from .judge import LOSING_MARGIN_DB, WHOLE_FLOAT16, Divergence, HtpJudgement
 from .lossless import PreparationCheck
 from .mixed_precision import MixedPrecision
 
@@ -667,6 +667,13 @@ def _htp_section(r: QuantizeReport) -> list[str]:
         "",
     ]
     lines += ["", table(headers, rows)]
+    if any(x.label == WHOLE_FLOAT16 and x.qdq_vs_float_db is not None for x in j.rounds):
+        lines += [
+            "",
+            f"For the {WHOLE_FLOAT16} the CPU column is its float32 graph on the CPU EP, which "
+            "computes it in float32: it says how exact the graph's fp16 rewrites are, not what "
+            "fp16 arithmetic does; the HTP column is the fp16 figure.",
+        ]
     enough = [x for x in j.rounds if x.requested > x.samples > 0 and x.cut_by == "evidence"]
     if enough:
         lines += [
