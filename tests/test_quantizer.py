@@ -446,7 +446,12 @@ def test_a_packed_output_keeps_its_small_part_precise_on_the_htp(tmp_path: Path)
     qdq = onnx.load(str(paths.bucket("static").qdq))
     producer = {o: n for n in qdq.graph.node for o in n.output}
     assert producer["y"].op_type == "Transpose" and producer["packed"].op_type == "Concat"
-    assert "Packed outputs kept in float" in (paths.root / "report.md").read_text()
+    report = (paths.root / "report.md").read_text()
+    assert "Packed outputs kept in float" in report
+    # Each part has its row in the accuracy table, the classes' own figure there too.
+    assert "| y / box | part: " in report and "| y / classes | part: " in report
+    notes = (paths.ctx / "report.md").read_text()
+    assert "Parts of the outputs a Concat packs" in notes and "'y / classes' " in notes
     ctx = next(paths.ctx.glob("*/snapdragon-x-elite/*.onnx"))
     options = qnn.find_qnn_ep().session_options(qnn.QnnOptions("htp", 60, 73))
     htp = ort.InferenceSession(str(ctx), options)

@@ -894,3 +894,87 @@ def test_an_atan2_output_is_an_angle_through_element_wise_ops_and_moves() -> Non
     outputs = ["angle", "head", "score", "mixed", "is_left"]
     assert angle_outputs(atan2, outputs) == {"angle", "head"}
     assert angle_outputs(atan2[:1] + atan2[8:9], ["slope", "score"]) == set()
+
+
+def packed_model(quantized: bool = False) -> onnx.ModelProto:
+    """boxes [1, 4, 3] and scores [1, 2, 3] packed on axis 1, transposed and flattened to
+    [1, 18] as a detector's head writes them; ``quantized``: the Concat's inputs through a
+    Q/DQ pair each, as a QDQ model has them."""
+    nodes = []
+    sources = []
+    for name in ("boxes", "scores"):
+        if quantized:
+            nodes += [
+                oh.make_node("QuantizeLinear", [name, "s", "z"], [f"{name}_q"]),
+                oh.make_node("DequantizeLinear", [f"{name}_q", "s", "z"], [f"{name}_dq"]),
+            ]
+        sources.append(f"{name}_dq" if quantized else name)
+    nodes += [
+        oh.make_node("Concat", sources, ["packed"], axis=1),
+        oh.make_node("Transpose", ["packed"], ["rows"], perm=[0, 2, 1]),
+        oh.make_node("Reshape", ["rows", "flat"], ["y"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "packed",
+        [
+            oh.make_tensor_value_info("boxes", TensorProto.FLOAT, [1, 4, 3]),
+            oh.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 2, 3]),
+        ],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 18])],
+        [
+            numpy_helper.from_array(np.array([1, -1], np.int64), "flat"),
+            numpy_helper.from_array(np.array(0.01, np.float32), "s"),
+            numpy_helper.from_array(np.array(0, np.uint16), "z"),
+        ],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_packed_outputs_parts_are_followed_through_its_moves(quantized: bool) -> None:
+    """Each part's elements of the output, as onnxruntime moves them (its values marked by
+    part), named by the tensor packed (a QDQ model's by its float model's name)."""
+    from pipeline.graph.tails import packed_output_parts
+
+    model = packed_model(quantized)
+    parts = packed_output_parts(model)
+    assert [name for name, _ in parts["y"]] == ["y / boxes", "y / scores"]
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {
+        "boxes": np.full((1, 4, 3), 1.0, np.float32),
+        "scores": np.zeros((1, 2, 3), np.float32),
+    }
+    marked = session.run(None, feeds)[0].reshape(-1)
+    boxes, scores = (mask for _, mask in parts["y"])
+    assert boxes.sum() == 12 and scores.sum() == 6 and not (boxes & scores).any()
+    assert (marked[boxes] == 1.0).all() and (marked[scores] == 0.0).all()
+
+
+def test_an_output_not_packed_by_moves_alone_has_no_parts() -> None:
+    from pipeline.graph.tails import packed_output_parts
+
+    model = packed_model()
+    model.graph.node[-1].CopyFrom(oh.make_node("Relu", ["rows"], ["y2"]))
+    model.graph.node.append(oh.make_node("Reshape", ["y2", "flat"], ["y"]))
+    assert packed_output_parts(model) == {}
+
+
+def test_parts_are_compared_apart_shown_and_not_gated() -> None:
+    """The small part's own figure, far under the output's; worst_snr and the pooled powers
+    leave it out (the output is gated as it was)."""
+    from pipeline.core.accuracy import PART
+
+    mask = np.zeros(18, bool)
+    mask[[4, 5, 10, 11, 16, 17]] = True  # where a [1, 3, 6] row of 4 boxes + 2 scores puts them
+    rng = np.random.default_rng(3)
+    reference = np.where(mask, rng.uniform(0, 0.5, 18), rng.uniform(0, 640, 18))
+    test = reference + np.where(mask, 0.05, 0.05)  # the same error everywhere
+    comparison = OutputComparison(parts={"y": [("y / boxes", ~mask), ("y / scores", mask)]})
+    comparison.add({"y": reference.reshape(1, 18)}, {"y": test.reshape(1, 18)})
+    summary = comparison.summary()
+    assert list(summary) == ["y", "y / boxes", "y / scores"]
+    assert summary["y / scores"].compared_as == PART and summary["y"].compared_as is None
+    assert summary["y / scores"].snr_db < summary["y"].snr_db - 30
+    assert worst_snr(summary) == summary["y"].snr_db
+    assert set(comparison.powers()) == {"y"}

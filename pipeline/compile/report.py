@@ -14,7 +14,7 @@ from typing import Any
 from qnn_ctx_runtime.targets import Target
 from qnn_ctx_runtime.toolchains import Toolchain
 
-from ..core.accuracy import BELOW_STEP, LABELS, PICKED, comparison_note
+from ..core.accuracy import BELOW_STEP, LABELS, PART, PICKED, comparison_note
 from ..core.config import ModelConfig
 from ..core.layout import ModelPaths, VariantPaths
 from ..core.records import Failure, QuantizeRecord, VariantRecord, read_record
@@ -127,7 +127,8 @@ def _mb(value: int | None) -> str:
 
 
 def _worst(section: dict[str, Any], pick: Callable[..., float], key: str) -> float | None:
-    skipped = (LABELS, BELOW_STEP, PICKED) if key == "snr_db" else (LABELS,)  # as worst_snr
+    # as worst_snr; a part's max abs and cosine are its output's already
+    skipped = (LABELS, BELOW_STEP, PICKED, PART) if key == "snr_db" else (LABELS, PART)
     values = [getattr(a, key) for a in section.values() if a.compared_as not in skipped]
     return pick(values) if values else None
 
@@ -239,7 +240,16 @@ def _notes(rows: list[_Row]) -> list[str]:
                 f"post-processing, non-tensor outputs): {names}"
             )
         if r.validation is not None:
-            how = comparison_note([r.validation.ctx_vs_qdq])
+            own = {n: a for n, a in r.validation.ctx_vs_qdq.items() if a.compared_as != PART}
+            how = comparison_note([own])
+            parts = {n: a for n, a in r.validation.ctx_vs_float.items() if a.compared_as == PART}
+            if parts:
+                shown = ", ".join(f"'{n}' {fmt(a.snr_db, 1)} dB" for n, a in parts.items())
+                how += (
+                    " Parts of the outputs a Concat packs, each on its own elements, ctx vs "
+                    f"float (shown, not gated: the output's figure is mostly its largest part's): "
+                    f"{shown}."
+                )
             labels = {
                 name: a.agreement
                 for name, a in r.validation.ctx_vs_float.items()

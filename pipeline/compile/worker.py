@@ -46,7 +46,13 @@ from ..core.layout import (
     simulator_seconds,
 )
 from ..core.memory import release_freed_memory
-from ..core.metrics import OutputComparison, angle_outputs, label_outputs, picked_outputs
+from ..core.metrics import (
+    OutputComparison,
+    angle_outputs,
+    label_outputs,
+    packed_parts,
+    picked_outputs,
+)
 from ..core.records import (
     BucketOutcome,
     Coverage,
@@ -467,8 +473,9 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
     labels = label_outputs(bucket.qdq)
     steps = dict(job.output_steps)
     picked, angles = picked_outputs(bucket.qdq), angle_outputs(bucket.qdq)
+    parts = packed_parts(bucket.float_model or None, bucket.qdq)
     vs_qdq, vs_float, qdq_vs_float = (
-        OutputComparison(grids, labels, steps, picked, angles=angles) for _ in range(3)
+        OutputComparison(grids, labels, steps, picked, angles=angles, parts=parts) for _ in range(3)
     )
     scored = (  # its labels' scores were judged on the HTP (graph.tails.expose_label_scores)
         flt is not None

@@ -28,6 +28,10 @@ PICKED = "picked by rank"
 # the test are both angles in [-pi, pi] more than pi apart, the test is taken the short way
 # round the circle (one value just across the cut at +-pi is the same direction). Gated.
 ANGLES = "angles"
+# One part of an output a Concat packs (``graph.tails.packed_output_parts``: a detector's class
+# probabilities beside its pixel boxes), compared on its own elements: the output's one SNR is
+# its largest part's energy. Shown, and named where it is short; the output itself is gated.
+PART = "part of a packed output"
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,8 @@ class Accuracy:
     snr_db: float  # inf when identical; nan for labels (see agreement)
     max_abs: float
     cosine: float
-    compared_as: str | None = None  # None: values; MAP_VALUES; LABELS; BELOW_STEP; PICKED; ANGLES
+    # None: values; MAP_VALUES; LABELS; BELOW_STEP; PICKED; ANGLES; PART
+    compared_as: str | None = None
     agreement: float | None = None  # labels: fraction of elements equal to the reference
 
 
@@ -51,6 +56,8 @@ def figure(accuracy: Accuracy | None) -> float | str | None:
         return f"below its step (max abs {accuracy.max_abs:.3g})"
     if accuracy.compared_as == PICKED:
         return f"picked by rank ({accuracy.snr_db:.2f} dB, not gated)"
+    if accuracy.compared_as == PART:
+        return f"part: {accuracy.snr_db:.2f} dB"
     return accuracy.snr_db
 
 
@@ -85,7 +92,15 @@ def comparison_note(summaries: list[Mapping[str, Accuracy]]) -> str:
             "short way round the circle: a value put just across the cut at +-pi is the same "
             "direction, and counts by its distance around it."
         )
-    return " ".join(part for part in (labelled, below, picked, angles) if part)
+    packed = ""
+    if PART in kinds:
+        packed = (
+            "Rows 'output / tensor' are the parts of an output a Concat packs, each compared on "
+            "its own elements: the output's SNR is mostly its largest part's, and a small part "
+            "(a detector's class probabilities beside its pixel boxes) may be far below it. "
+            "They are shown, not gated."
+        )
+    return " ".join(part for part in (labelled, below, picked, angles, packed) if part)
 
 
 def worst_snr(summary: Mapping[str, Accuracy]) -> float:
@@ -95,6 +110,10 @@ def worst_snr(summary: Mapping[str, Accuracy]) -> float:
     below its step has none that means anything: its error is within two steps.
     """
     return min(
-        (v.snr_db for v in summary.values() if v.compared_as not in (LABELS, BELOW_STEP, PICKED)),
+        (
+            v.snr_db
+            for v in summary.values()
+            if v.compared_as not in (LABELS, BELOW_STEP, PICKED, PART)
+        ),
         default=float("inf"),
     )

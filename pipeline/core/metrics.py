@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .accuracy import ANGLES, BELOW_STEP, LABELS, MAP_VALUES, PICKED, Accuracy
+from .accuracy import ANGLES, BELOW_STEP, LABELS, MAP_VALUES, PART, PICKED, Accuracy
 
 _TINY = 1e-20
 _CHUNK = 1 << 20  # values compared at a time
@@ -276,6 +276,34 @@ def _outputs_by_structure(
     return set().union(*_per_file(models, cache, read))
 
 
+Parts = dict[str, list[tuple[str, np.ndarray]]]  # output -> (part name, mask over its elements)
+_PARTS: dict[tuple[str, int, int], Parts] = {}
+
+
+def packed_parts(*models: str | Path | None) -> Parts:
+    """The parts of the graph outputs a Concat packs (``graph.tails.packed_output_parts``), from
+    the first of ``models`` that has any; the file is loaded (without external data) only where
+    its structure, read over mmap, has such an output."""
+
+    def read(path: Path) -> Parts:
+        from qnn_ctx_runtime.qnn import read_model_summary
+
+        from ..graph.tails import packed_output_candidates, packed_output_parts
+
+        summary = read_model_summary(path)
+        nodes = ((n.op_type, n.inputs, n.outputs) for n in summary.nodes)
+        if not packed_output_candidates(nodes, (o.name for o in summary.outputs)):
+            return {}
+        import onnx
+
+        try:
+            return packed_output_parts(onnx.load(str(path), load_external_data=False))
+        except Exception:  # a part's figure is a report's extra, never fatal
+            return {}
+
+    return next((parts for parts in _per_file(models, _PARTS, read) if parts), {})
+
+
 def _dequantized(value: Any, grid: Grid) -> Any:
     array = np.asarray(value)
     if array.dtype.kind not in "iu":
@@ -319,8 +347,10 @@ class OutputComparison:
         picked: Collection[str] = (),
         maps: Collection[str] = (),
         angles: Collection[str] = (),
+        parts: Parts | None = None,
     ) -> None:
         self.grids = dict(grids or {})
+        self.parts = dict(parts or {})  # packed outputs' parts, compared apart (``PART``)
         self.angles = frozenset(angles)  # outputs computed from an Atan (``angle_outputs``)
         self.labels = frozenset(labels)
         self.picked = frozenset(picked)  # outputs picked by rank (``picked_outputs``)
@@ -349,6 +379,7 @@ class OutputComparison:
             picked_outputs(*models),
             map_outputs(*models),
             angle_outputs(*models),
+            packed_parts(*models),
         )
 
     def add(self, reference: Mapping[str, Any], test: Mapping[str, Any]) -> None:
@@ -373,7 +404,18 @@ class OutputComparison:
                 self._count[name] = self._count.get(name, 0) + max(ref_array.size, 1)
                 continue
             self._add_values(name, np.ravel(ref_array), np.ravel(test_array))
+            if kind is None and name in self.parts:
+                self._add_parts(name, np.ravel(ref_array), np.ravel(test_array))
         self.samples += 1
+
+    def _add_parts(self, name: str, ref: np.ndarray, test: np.ndarray) -> None:
+        """Each part of a packed output on its own elements (a shape that does not match the
+        parts, a bucket's cropped output, gets none)."""
+        for part, mask in self.parts[name]:
+            if mask.size != ref.size or mask.size != test.size:
+                return
+            self._kind[part] = PART
+            self._add_values(part, ref[mask], test[mask])
 
     def _add_values(self, name: str, ref: np.ndarray, test: np.ndarray) -> None:
         """Sums a chunk at a time: a 1024x2048 segmentation map is 40 M values, and float64
@@ -413,7 +455,7 @@ class OutputComparison:
         return {
             name: (self._signal[name], self._noise[name])
             for name in self._signal
-            if not self.below_step(name) and self._kind.get(name) != PICKED
+            if not self.below_step(name) and self._kind.get(name) not in (PICKED, PART)
         }
 
     def below_step(self, name: str) -> bool:
@@ -435,6 +477,7 @@ class OutputComparison:
             snr = power_snr_db(self._signal[name], self._noise[name])
             denom = float(np.sqrt(self._norm_ref[name] * self._norm_test[name]))
             cos = self._dot[name] / denom if denom > _TINY else 1.0
-            kind = BELOW_STEP if self.below_step(name) else self._kind.get(name)
+            kind = self._kind.get(name)
+            kind = BELOW_STEP if kind != PART and self.below_step(name) else kind
             result[name] = Accuracy(snr, self._max_abs[name], cos, kind)
         return {name: result[name] for name in self._kind if name in result}
