@@ -1252,6 +1252,34 @@ def test_rounds_that_never_helped_are_reported_as_such() -> None:
     assert "not 8-bit rounding" not in text
 
 
+def test_tensors_raised_unmeasured_say_so_instead_of_nan() -> None:
+    """The analysis' time budget ran out after 4 of 63 tensors (a 736x1280 face detector):
+    the rest raised in graph order read "not measured" and the report says why."""
+    from types import SimpleNamespace
+
+    from pipeline.quantize.mixed_precision import MixedPrecision, RaisedTensor, Round
+    from pipeline.quantize.report import _mixed_section
+
+    mixed = MixedPrecision(
+        25.0,
+        17.05,
+        23.28,
+        tensors=[
+            RaisedTensor("a.weight", "weight", "int16_per_channel", 19.5),
+            RaisedTensor("b.weight", "weight", "int16_per_channel", float("nan")),
+        ],
+        rounds=[Round(2, 23.28)],
+        candidates=63,
+        measured=4,
+        analysis_s=39.0,
+    )
+    text = "\n".join(_mixed_section(SimpleNamespace(mixed_precision=mixed, multi=False)))
+    assert "| b.weight | weight | int16_per_channel | not measured |" in text
+    assert "| a.weight | weight | int16_per_channel | 19.50 |" in text and "nan" not in text
+    assert "1 of them were raised without a measurement" in text
+    assert "after 4 of 63 tensors (39.00 s)" in text
+
+
 def test_raising_stops_after_two_rounds_below_the_8_bit_model() -> None:
     from pipeline.quantize.mixed_precision import Round, keep_raising
 

@@ -1262,6 +1262,13 @@ def test_a_prequantized_model_the_htp_fails_on_is_judged_on_the_cpu(tmp_path: Pa
     assert "the HTP probe failed" in record.summary.htp_failure
     line = QuantizeResult("pq", folder, False, record).summary_line()
     assert "WARNING: pq did not run on the HTP" in line and "compile will meet the same" in line
+    # A build under its target says so on its line (it passed the gate, not the aim).
+    import dataclasses
+
+    summary = dataclasses.replace(record.summary, worst_snr_db=22.0)
+    under = QuantizeResult("pq", folder, False, dataclasses.replace(record, summary=summary))
+    assert "worst SNR 22.00 dB (under the target of 25.00 dB) ->" in under.summary_line(25.0)
+    assert "under the target" not in under.summary_line(20.0) + under.summary_line()
 
 
 def test_quantize_stage_requantizes_when_asked(tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"FAILED {config.model.name}: {exc}")
             failures.append(config.model.name)
             continue
-        print(result.summary_line())
+        print(result.summary_line(config.quantization.target_snr_db))
     if failures:
         raise GateError(f"{len(failures)} model(s) failed their gate: {', '.join(failures)}.")
     return 0

@@ -470,9 +470,24 @@ def _mixed_section(r: QuantizeReport) -> list[str]:
     if mixed is None or not mixed.tensors:
         return []
     where = f" (chosen on bucket {mixed.bucket}, applied to all)" if r.multi else ""
-    rows = [[t.name, t.kind, t.to, t.alone_snr_db] for t in mixed.tensors[:12]]
+    unmeasured = [t for t in mixed.tensors if t.alone_snr_db != t.alone_snr_db]  # nan
+    rows = [
+        [t.name, t.kind, t.to, "not measured" if t in unmeasured else t.alone_snr_db]
+        for t in mixed.tensors[:12]
+    ]
     if len(mixed.tensors) > 12:
         rows.append([f"… {len(mixed.tensors) - 12} more", "", "", ""])
+    budget = (
+        [
+            "",
+            f"{len(unmeasured)} of them were raised without a measurement of their own: the "
+            f"analysis' time budget ran out after {mixed.measured} of {mixed.candidates} "
+            f"tensors ({fmt(mixed.analysis_s)} s), and those it left follow the measured ones "
+            "in graph order.",
+        ]
+        if unmeasured
+        else []
+    )
     return [
         "",
         f"Mixed precision{where}: raised {len(mixed.tensors)} tensor(s) to 16 bit; worst SNR "
@@ -481,6 +496,7 @@ def _mixed_section(r: QuantizeReport) -> list[str]:
         "last column is the output SNR with only that tensor at 8 bit.",
         "",
         table(["tensor", "kind", "to", "output SNR alone (dB)"], rows),
+        *budget,
     ]
 
 

@@ -37,12 +37,17 @@ class QuantizeResult:
     skipped: bool
     record: QuantizeRecord
 
-    def summary_line(self) -> str:
+    def summary_line(self, target_snr_db: float | None = None) -> str:
+        """The stage's line for this model; ``target_snr_db``: said when the build is under
+        it (it passed the gate, not the aim)."""
         report = self.folder / "report.md"
         if self.skipped:
             return f"{self.name}: up to date, nothing to do ({report})"
         snr = self.record.summary.worst_snr_db
-        line = f"{self.name}: QDQ written, worst SNR {fmt(snr)} dB -> {report}"
+        short = ""
+        if target_snr_db is not None and snr < target_snr_db:
+            short = f" (under the target of {fmt(target_snr_db)} dB)"
+        line = f"{self.name}: QDQ written, worst SNR {fmt(snr)} dB{short} -> {report}"
         if self.record.summary.htp_failure:  # said here, not only in the report
             line += (
                 f"\nWARNING: {self.name} did not run on the HTP, so its precision was judged on "
