@@ -856,7 +856,7 @@ def test_a_gate_lowered_to_a_rounding_floor_is_said_in_the_compile_report() -> N
     # The console line says it too: "ok ... ctx vs QDQ 19.3 dB" read as a pass at 20 dB.
     from pipeline.compile.report import describe
 
-    def line(gate: str) -> str:
+    def line(gate: str, target: float | None = None) -> str:
         validation = row(gate).record.validation
         validation.worst_snr_db, validation.worst_snr_vs_float_db = 19.3, 19.3
         record = SimpleNamespace(
@@ -864,12 +864,15 @@ def test_a_gate_lowered_to_a_rounding_floor_is_said_in_the_compile_report() -> N
             coverage=SimpleNamespace(qnn_partitions=1, cpu_compute_nodes=[], problems=[]),
             validation=validation, load=None, sets=[], passed=True,
         )  # fmt: skip
-        return describe(record)  # type: ignore[arg-type]
+        return describe(record, False, target)  # type: ignore[arg-type]
 
     assert line(lowered).endswith(
         "; passed on the pre-quantized model's own rounding floor (dense 7.5 dB)"
     )
     assert "rounding floor" not in line("worst ctx vs QDQ SNR >= 20.0 dB")
+    # Under quantization's target vs float, the line says so (it passed the gate, not the aim).
+    assert "(vs float 19.3 dB, under the target of 25.0 dB)" in line(lowered, 25.0)
+    assert "under the target" not in line(lowered, 19.0) + line(lowered)
 
 
 def test_an_atan2_output_is_an_angle_through_element_wise_ops_and_moves() -> None:

@@ -475,7 +475,9 @@ def compile_model(
                 inputs, toolchain, installed, target, force, log_severity, progress
             )
             built.append(result)
-            progress.write(describe(result.record, result.skipped))
+            progress.write(
+                describe(result.record, result.skipped, config.quantization.target_snr_db)
+            )
             progress.update()
         if gpu_wanted:  # the float/fp16 model for QNN's GPU backend, a published fallback
             from . import gpu as gpu_variant

@@ -38,7 +38,7 @@ def failure_details(e: Failure, limit: int) -> str:
     return "; ".join(parts)
 
 
-def _snr_line(v: Any) -> str:
+def _snr_line(v: Any, target_snr_db: float | None = None) -> str:
     picked = (
         v is not None
         and v.ctx_vs_qdq
@@ -47,10 +47,14 @@ def _snr_line(v: Any) -> str:
     if picked:  # no output is gated by SNR: "inf dB" would say they are exact
         worst = min(a.snr_db for a in v.ctx_vs_qdq.values())
         return f"outputs picked by rank, not gated (ctx vs QDQ {fmt(worst, 1)} dB), "
+    vs_float = v.worst_snr_vs_float_db if v else None
+    under = (
+        f", under the target of {fmt(target_snr_db, 1)} dB"
+        if vs_float is not None and target_snr_db is not None and vs_float < target_snr_db
+        else ""
+    )
     return f"ctx vs QDQ {fmt(v.worst_snr_db if v else None, 1)} dB" + (
-        f" (vs float {fmt(v.worst_snr_vs_float_db, 1)} dB), "
-        if v and v.worst_snr_vs_float_db is not None
-        else ", "
+        f" (vs float {fmt(vs_float, 1)} dB{under}), " if vs_float is not None else ", "
     )
 
 
@@ -72,8 +76,10 @@ def _labels_line(v: Any) -> str:
     return line + ", "
 
 
-def describe(r: VariantRecord, skipped: bool = False) -> str:
-    """The console line of one variant: verdict, coverage, accuracy and load, or the failure."""
+def describe(r: VariantRecord, skipped: bool = False, target_snr_db: float | None = None) -> str:
+    """The console line of one variant: verdict, coverage, accuracy and load, or the failure;
+    ``target_snr_db`` (quantization's): said when the ctx is under it vs float (it passed the
+    gate, not the aim)."""
     head = f"{r.model} {r.target} onnxruntime-qnn {r.toolchain}"
     if skipped:
         head += " (unchanged, skipped)"
@@ -89,7 +95,7 @@ def describe(r: VariantRecord, skipped: bool = False) -> str:
     text = (
         f"{verdict} {head}: {c.qnn_partitions if c else '-'} QNN partition(s), "
         f"{len(c.cpu_compute_nodes) if c else '-'} CPU node(s), "
-        + (_labels_line(v) or _snr_line(v))
+        + (_labels_line(v) or _snr_line(v, target_snr_db))
         + f"load {fmt(load.ratio if load else None, 1)}x faster than QDQ (HTP simulator, "
         "not device latency)"
     )
