@@ -390,17 +390,11 @@ def test_short_python_reader_split_is_exact(tmp_path: Path) -> None:
     assert (len(list(calib)), len(list(held))) == (3, 2)
 
 
-def test_recurrent_state_is_fed_back_by_the_calibration_pass(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The calibration pass runs the float model anyway: its state outputs carry the next
-    window, so the reader does not run the model a second time, and the states (and ranges)
-    are those of the reader running it itself."""
+def streaming_rnn() -> object:
+    """A window of 64 samples drives an 8-wide state through a decay and a Tanh: state s in,
+    s_out out (``calibration.recurrent``), y its sum."""
     import onnx
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
-
-    from pipeline.calibration.ranges import activation_statistics
 
     rng = np.random.default_rng(3)
     w = numpy_helper.from_array(rng.standard_normal((64, 8)).astype(np.float32) * 0.05, "w")
@@ -424,9 +418,23 @@ def test_recurrent_state_is_fed_back_by_the_calibration_pass(
         ],
         [w, half],
     )
-    model = onnx.shape_inference.infer_shapes(
+    return onnx.shape_inference.infer_shapes(
         helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
     )
+
+
+def test_recurrent_state_is_fed_back_by_the_calibration_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The calibration pass runs the float model anyway: its state outputs carry the next
+    window, so the reader does not run the model a second time, and the states (and ranges)
+    are those of the reader running it itself."""
+    import onnx
+    import onnxruntime as ort
+
+    from pipeline.calibration.ranges import activation_statistics
+
+    model = streaming_rnn()
     model_path = tmp_path / "rnn.onnx"
     onnx.save(model, str(model_path))
     folder = tmp_path / "wav"
@@ -672,3 +680,35 @@ def test_a_python_reader_runs_once_per_quantize_run(tmp_path: Path) -> None:
     assert not list(artifacts.rglob(".reader-samples"))
     heldout = artifacts / "build" / "m" / "heldout"
     assert len(list(heldout.glob("*.npz"))) == 3
+
+
+def test_a_streaming_model_is_also_measured_fed_its_own_state(tmp_path: Path) -> None:
+    """The quantize stage, on a streaming model with calibration.recurrent: its held-out
+    windows follow one another, so the report also gives the QDQ model fed its own state."""
+    import json
+
+    import onnx
+
+    from pipeline.__main__ import main
+
+    onnx.save(streaming_rnn(), str(tmp_path / "rnn.onnx"))  # type: ignore[arg-type]
+    folder = tmp_path / "wav"
+    folder.mkdir()
+    for name, freq in (("a", 3), ("b", 7)):
+        write_wav(folder / f"{name}.wav", 8000 * np.sin(np.arange(64 * 24) * freq / 64))
+    config = tmp_path / "rnn.toml"
+    config.write_text(
+        '[model]\nname = "rnn"\nversion = "1.0.0"\nsource = "rnn.onnx"\n'
+        '[calibration]\nkind = "audio"\npath = "wav"\nheld_out = 0.25\nsamples = 48\n'
+        'input = "a"\nrecurrent = { s = "s_out" }\n[calibration.audio]\nwindow = 64\n'
+        '[quantization]\njudge = "cpu"\n',
+        encoding="utf-8",
+    )
+    assert main(["quantize", "--artifacts", str(tmp_path / "artifacts"), str(config)]) == 0
+    build = tmp_path / "artifacts" / "build" / "rnn"
+    loop = json.loads((build / "report.json").read_text())["closed_loop"]
+    assert set(loop) == {"y"} and loop["y"]["snr_db"] > 0, loop
+    assert (
+        "- Closed loop (each held-out window fed the QDQ model's own state"
+        in (build / "report.md").read_text()
+    )

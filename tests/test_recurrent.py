@@ -884,3 +884,81 @@ def test_the_iterations_of_an_unrolled_loop_share_one_range() -> None:
     assert ranges["h__it0"] == ranges["h__it1"] == ranges["h__it2"] == (-1.0, 2.0)
     assert ranges["h__it0_1"] == ranges["h__it1_1"] == (-5.0, 6.0)
     assert ranges["x"] == (0.0, 1.0)
+
+
+def leaky_integrator(gain: float) -> onnx.ModelProto:
+    """state_out = 0.95 * state + gain * x; y = tanh(state_out): a streaming model whose error
+    in its state compounds window after window when it is fed its own state."""
+    nodes = [
+        oh.make_node("Mul", ["state", "decay"], ["kept"]),
+        oh.make_node("Mul", ["x", "gain"], ["added"]),
+        oh.make_node("Add", ["kept", "added"], ["state_out"]),
+        oh.make_node("Tanh", ["state_out"], ["y"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "integrator",
+        [
+            oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4]),
+            oh.make_tensor_value_info("state", TensorProto.FLOAT, [1, 4]),
+        ],
+        [
+            oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4]),
+            oh.make_tensor_value_info("state_out", TensorProto.FLOAT, [1, 4]),
+        ],
+        [
+            numpy_helper.from_array(np.array(0.95, np.float32), "decay"),
+            numpy_helper.from_array(np.array(gain, np.float32), "gain"),
+        ],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def test_a_streaming_model_fed_its_own_state_is_measured_closed_loop(tmp_path) -> None:
+    """Held-out windows carry the float model's state (as calibration.recurrent stores them);
+    fed its own, a model 2% off in its input gain drifts: the closed loop's figure is far below
+    the windows' own, and a run restarts where a stored state does not follow the window
+    before (a new file's zeros, a tail's first window)."""
+    from pipeline.core.layout import sample_name
+    from pipeline.quantize.evaluate import closed_loop, evaluate
+
+    reference, test = tmp_path / "float.onnx", tmp_path / "test.onnx"
+    onnx.save(leaky_integrator(0.1), str(reference))
+    onnx.save(leaky_integrator(0.102), str(test))
+    session = ort.InferenceSession(str(reference), providers=["CPUExecutionProvider"])
+    heldout = tmp_path / "heldout"
+    heldout.mkdir()
+    rng = np.random.default_rng(4)
+    index = 0
+    for run in range(2):  # two streams, each from its own state
+        state = np.full((1, 4), 0.5 * run, np.float32)
+        for _ in range(40):
+            x = (1.0 + rng.standard_normal((1, 4))).astype(np.float32)
+            np.savez(heldout / sample_name(index), x=x, state=state)
+            state = session.run(["state_out"], {"x": x, "state": state})[0]
+            index += 1
+    windows = evaluate(reference, test, heldout)
+    loop = closed_loop(reference, test, heldout, {"state": "state_out"})
+    assert set(loop) == {"y"}  # the state itself is not what an app reads
+    assert loop["y"].snr_db < windows["y"].snr_db - 10.0, (loop, windows)
+    # The run boundary: the second stream restarts from its stored state, not from the state
+    # the test model carried to the end of the first (which gives another figure).
+    tested = ort.InferenceSession(str(test), providers=["CPUExecutionProvider"])
+
+    def by_hand(restart: bool) -> float:
+        signal = noise = 0.0
+        own = None
+        for number in range(80):
+            with np.load(heldout / sample_name(number)) as data:
+                x, stored = data["x"], data["state"]
+            want = session.run(["y"], {"x": x, "state": stored})[0]
+            fed = stored if own is None or (restart and number == 40) else own
+            got, own = tested.run(["y", "state_out"], {"x": x, "state": fed})
+            signal += float(np.sum(want.astype(np.float64) ** 2))
+            noise += float(np.sum((got.astype(np.float64) - want) ** 2))
+        return 10 * np.log10(signal / noise)
+
+    assert loop["y"].snr_db == pytest.approx(by_hand(restart=True), abs=1e-4)
+    assert abs(by_hand(restart=False) - by_hand(restart=True)) > 0.1
+    # Windows that never follow one another carry nothing: no closed-loop figure.
+    assert closed_loop(reference, test, heldout, {"state": "y"}) == {}

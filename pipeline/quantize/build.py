@@ -81,7 +81,7 @@ from ..htp.probe import spare_probes
 from ..report_html import preload_plotting, write_html_reports
 from . import quantizer
 from . import report as report_mod
-from .evaluate import end_to_end, evaluate, input_jitter
+from .evaluate import closed_loop, end_to_end, evaluate, input_jitter
 from .judge import HTP_PROBE_FAILED, Builder, HtpJudgement, judge_on_htp
 from .lossless import OWN_ROUNDING_MARGIN_DB, PreparationCheck, bucket_inputs, check_preparation
 from .mixed_precision import MixedPrecision, raise_precision
@@ -702,16 +702,34 @@ def _advise_requantize(config: ModelConfig, judgement: HtpJudgement, problem: st
     print(f"NOTE {config.model.name}: {advice}.")
 
 
+def _closed_loop(
+    config: ModelConfig, state: _State, paths: ModelPaths, judgement: HtpJudgement | None
+) -> dict[str, Accuracy]:
+    """A streaming model's QDQ model fed its own state (``evaluate.closed_loop``); {} for
+    other models, and for one kept whole in fp16 (float32 on the CPU: only the HTP has its
+    fp16 state)."""
+    recurrent = dict(config.calibration.recurrent or {})
+    name = state.plan.names[0]
+    if not recurrent or len(state.plan.names) != 1 or not state.held_counts[name]:
+        return {}
+    if judgement is not None and judgement.whole_float16:
+        return {}
+    bucket = paths.bucket(name)
+    return closed_loop(state.prepared[name].float_path, bucket.qdq, bucket.heldout, recurrent)
+
+
 def _note_short_parts(config: ModelConfig, per_bucket: dict[str, dict[str, Accuracy]]) -> None:
     """Name on the console the parts of packed outputs (``accuracy.PART``) below the target on
     the CPU: the report shows them, but the output's one figure, mostly its largest part's,
-    hides them (FastestDet's 80 class probabilities at 19.9 dB inside an output at 32.0)."""
+    hides them (FastestDet's 80 class probabilities at 19.9 dB inside an output at 32.0). A
+    streaming model's state (h beside c) is left to the closed loop's figure."""
     target = config.quantization.target_snr_db
+    states = tuple(f"{out} / " for out in (config.calibration.recurrent or {}).values())
     short = {
         name: a.snr_db
         for summary in per_bucket.values()
         for name, a in summary.items()
-        if a.compared_as == PART and a.snr_db < target
+        if a.compared_as == PART and a.snr_db < target and not name.startswith(states)
     }
     if short:
         shown = ", ".join(f"'{n}' {v:.1f} dB" for n, v in sorted(short.items()))
@@ -1108,6 +1126,7 @@ def _steps(
     requantized = state.own is not None and not state.own.kept
     shipped = config.source_path if requantized else None  # its figures are vs the float behind
     e2e = end_to_end(config, state.source, plan, floats, qdqs, paths.heldout, shipped)
+    loop = _closed_loop(config, state, paths, judgement)
     state.timings["evaluate"] = time.perf_counter() - started
     own_floor = _own_floor(state)
     for name in plan.names:  # every comparison above ran on them; the artifact does not
@@ -1115,6 +1134,13 @@ def _steps(
     worst_each = [worst_snr(v) for v in per_bucket.values() if v]
     worst = min(worst_each) if worst_each else float("nan")
     _note_short_parts(config, per_bucket)
+    if loop and worst_snr(loop) < config.quantization.target_snr_db:
+        print(
+            f"NOTE {config.model.name}: fed its own state window after window (as a streaming "
+            f"app runs it) the QDQ model is {worst_snr(loop):.1f} dB from float on the CPU, under "
+            f"the target of {config.quantization.target_snr_db:g} dB (not gated; every other "
+            "figure feeds it the float model's state)."
+        )
     if judgement is not None and judgement.whole_float16:
         # No quantization: "QDQ vs float" compares the float model with itself (inf). What
         # the gate must judge is what the HTP computes in fp16 (an fp16 overflow: -51.6 dB).
@@ -1173,6 +1199,7 @@ def _steps(
         crops=list(plan.crops),
         weights=weights,
         end_to_end=e2e,
+        closed_loop=loop,
         worst_snr_db=worst,
         min_snr_db=gate,
         passed=(gate <= 0 or min(worst, judged) >= gate) and preparation.passed,
