@@ -920,7 +920,7 @@ def test_a_streaming_model_fed_its_own_state_is_measured_closed_loop(tmp_path) -
     the windows' own, and a run restarts where a stored state does not follow the window
     before (a new file's zeros, a tail's first window)."""
     from pipeline.core.layout import sample_name
-    from pipeline.quantize.evaluate import closed_loop, evaluate
+    from pipeline.quantize.evaluate import carried_states, closed_loop, evaluate
 
     reference, test = tmp_path / "float.onnx", tmp_path / "test.onnx"
     onnx.save(leaky_integrator(0.1), str(reference))
@@ -962,3 +962,11 @@ def test_a_streaming_model_fed_its_own_state_is_measured_closed_loop(tmp_path) -
     assert abs(by_hand(restart=False) - by_hand(restart=True)) > 0.1
     # Windows that never follow one another carry nothing: no closed-loop figure.
     assert closed_loop(reference, test, heldout, {"state": "y"}) == {}
+    # Undeclared (a python reader carrying the state itself), the pair is found in the windows;
+    # every other window alone (a reader yielding every k-th) follows nothing.
+    assert carried_states(reference, heldout) == {"state": "state_out"}
+    sparse = tmp_path / "sparse"
+    sparse.mkdir()
+    for k, number in enumerate(range(0, 80, 2)):
+        (sparse / sample_name(k)).hardlink_to(heldout / sample_name(number))
+    assert carried_states(reference, sparse) == {}

@@ -81,7 +81,7 @@ from ..htp.probe import spare_probes
 from ..report_html import preload_plotting, write_html_reports
 from . import quantizer
 from . import report as report_mod
-from .evaluate import closed_loop, end_to_end, evaluate, input_jitter
+from .evaluate import carried_states, closed_loop, end_to_end, evaluate, input_jitter
 from .judge import HTP_PROBE_FAILED, Builder, HtpJudgement, judge_on_htp
 from .lossless import OWN_ROUNDING_MARGIN_DB, PreparationCheck, bucket_inputs, check_preparation
 from .mixed_precision import MixedPrecision, raise_precision
@@ -708,14 +708,16 @@ def _closed_loop(
     """A streaming model's QDQ model fed its own state (``evaluate.closed_loop``); {} for
     other models, and for one kept whole in fp16 (float32 on the CPU: only the HTP has its
     fp16 state)."""
-    recurrent = dict(config.calibration.recurrent or {})
     name = state.plan.names[0]
-    if not recurrent or len(state.plan.names) != 1 or not state.held_counts[name]:
+    if len(state.plan.names) != 1 or not state.held_counts[name]:
         return {}
     if judgement is not None and judgement.whole_float16:
         return {}
-    bucket = paths.bucket(name)
-    return closed_loop(state.prepared[name].float_path, bucket.qdq, bucket.heldout, recurrent)
+    bucket, reference = paths.bucket(name), state.prepared[name].float_path
+    recurrent = dict(config.calibration.recurrent or {}) or carried_states(
+        reference, bucket.heldout
+    )
+    return closed_loop(reference, bucket.qdq, bucket.heldout, recurrent) if recurrent else {}
 
 
 def _note_short_parts(config: ModelConfig, per_bucket: dict[str, dict[str, Accuracy]]) -> None:

@@ -500,6 +500,40 @@ def input_jitter(
 _SAME_STATE_RTOL = 1e-4
 
 
+def carried_states(reference_model: Path, heldout: Path) -> dict[str, str]:
+    """State input -> the output that feeds it, found in the held-out windows themselves: an
+    input that, window after window, holds what an output of the same shape gave on the window
+    before (non-zero), twice at least. A python reader that carries a stream's state itself
+    declares no ``calibration.recurrent``; an image-to-image model, whose output is never its
+    next input, has none. Nothing runs for a model with no input shaped like an output."""
+    from qnn_ctx_runtime.qnn import read_model_summary
+
+    summary = read_model_summary(reference_model)
+    shapes = {(o.dtype, tuple(o.shape)) for o in summary.outputs}
+    inputs = {i.name for i in summary.inputs if (i.dtype, tuple(i.shape)) in shapes}
+    if not inputs:
+        return {}
+    ref = KeptRuns(reference_model)
+    names = ref.output_names()
+    pairs: dict[tuple[str, str], int] = {}
+    previous: Feeds | None = None
+    for feeds in iter_samples(heldout):
+        outputs = ref.run_named(names, feeds)
+        if previous is not None:
+            for inp in inputs & set(feeds):
+                value = np.asarray(feeds[inp])
+                if value.dtype.kind != "f" or not np.any(value):
+                    continue
+                for out, before in previous.items():
+                    if before.shape == value.shape and np.allclose(
+                        value, before, rtol=_SAME_STATE_RTOL, atol=1e-6
+                    ):
+                        pairs[(inp, out)] = pairs.get((inp, out), 0) + 1
+        previous = {n: np.asarray(v) for n, v in outputs.items() if np.asarray(v).dtype.kind == "f"}
+    found = {inp: out for (inp, out), count in sorted(pairs.items()) if count >= 2}
+    return found if len(set(found.values())) == len(found) else {}
+
+
 def closed_loop(
     reference_model: Path, test_model: Path, heldout: Path, recurrent: dict[str, str]
 ) -> dict[str, Accuracy]:
