@@ -276,7 +276,8 @@ def _outputs_by_structure(
     return set().union(*_per_file(models, cache, read))
 
 
-Parts = dict[str, list[tuple[str, np.ndarray]]]  # output -> (part name, mask over its elements)
+# output -> (its parts' names, each flat element's part index: ``graph.tails.packed_output_parts``)
+Parts = dict[str, tuple[list[str], np.ndarray]]
 _PARTS: dict[tuple[str, int, int], Parts] = {}
 
 
@@ -369,9 +370,10 @@ class OutputComparison:
         self.samples = 0
 
     @classmethod
-    def for_models(cls, *models: str | Path | None) -> OutputComparison:
+    def for_models(cls, *models: str | Path | None, parts: Parts | None = None) -> OutputComparison:
         """A comparison of these model files' outputs, each compared as what it holds
-        (``quantized_output_grids``, ``label_outputs``, ``output_steps``)."""
+        (``quantized_output_grids``, ``label_outputs``, ``output_steps``); ``parts``: the
+        packed outputs' parts when not the files' own (``packed_parts``; {} for none)."""
         return cls(
             quantized_output_grids(*models),
             label_outputs(*models),
@@ -379,7 +381,7 @@ class OutputComparison:
             picked_outputs(*models),
             map_outputs(*models),
             angle_outputs(*models),
-            packed_parts(*models),
+            packed_parts(*models) if parts is None else parts,
         )
 
     def add(self, reference: Mapping[str, Any], test: Mapping[str, Any]) -> None:
@@ -411,9 +413,11 @@ class OutputComparison:
     def _add_parts(self, name: str, ref: np.ndarray, test: np.ndarray) -> None:
         """Each part of a packed output on its own elements (a shape that does not match the
         parts, a bucket's cropped output, gets none)."""
-        for part, mask in self.parts[name]:
-            if mask.size != ref.size or mask.size != test.size:
-                return
+        names, labels = self.parts[name]
+        if labels.size != ref.size or labels.size != test.size:
+            return
+        for index, part in enumerate(names):
+            mask = labels == index  # one part's at a time
             self._kind[part] = PART
             self._add_values(part, ref[mask], test[mask])
 

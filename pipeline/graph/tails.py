@@ -604,9 +604,10 @@ def packed_output_candidates(
     return found
 
 
-def packed_output_parts(model: Any) -> dict[str, list[tuple[str, Any]]]:
+def packed_output_parts(model: Any) -> dict[str, tuple[list[str], Any]]:
     """Graph outputs written by a Concat through moves alone -> (each part's name: the output
-    and the tensor concatenated, its elements as a boolean mask over the flat output).
+    and the tensor concatenated; over the flat output, the index of the part each element is
+    of: one small integer an element, whatever the number of parts).
 
     Why: an output that packs parts of different scale (a detector's pixel boxes beside its
     class probabilities) is judged by one SNR over all its elements, the large part's energy:
@@ -646,7 +647,7 @@ def packed_output_parts(model: Any) -> dict[str, list[tuple[str, Any]]]:
             return numpy_helper.to_array(node.attribute[0].t)
         return None
 
-    found: dict[str, list[tuple[str, Any]]] = {}
+    found: dict[str, tuple[list[str], Any]] = {}
     for output in sorted(candidates):
         chain = []
         name = output
@@ -658,8 +659,9 @@ def packed_output_parts(model: Any) -> dict[str, list[tuple[str, Any]]]:
         if any(shapes.get(p) is None for p in parts):
             continue
         axis = next((a.i for a in concat.attribute if a.name == "axis"), 0)
+        index_type = np.int8 if len(parts) < 128 else np.int32
         labels = np.concatenate(
-            [np.full(shapes[p], k, np.int32) for k, p in enumerate(parts)], axis=axis
+            [np.full(shapes[p], k, index_type) for k, p in enumerate(parts)], axis=axis
         )
         for node in reversed(chain):
             labels = _moved(node, labels, constant)
@@ -667,9 +669,11 @@ def packed_output_parts(model: Any) -> dict[str, list[tuple[str, Any]]]:
                 break
         if labels is None or list(labels.shape) != (shapes.get(output) or list(labels.shape)):
             continue
-        flat = labels.reshape(-1)
         named = [_before_quantization(p, writer) for p in parts]  # a QDQ model's as its float's
-        found[output] = [(f"{output} / {p}", flat == k) for k, p in enumerate(named)]
+        found[output] = (
+            [f"{output} / {p}" for p in named],
+            np.ascontiguousarray(labels).reshape(-1),
+        )
     return found
 
 

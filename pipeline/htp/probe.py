@@ -52,7 +52,7 @@ from ..core.layout import (
     simulator_seconds,
 )
 from ..core.memory import adapt_heap_to, release_freed_memory
-from ..core.metrics import OutputComparison, power_snr_db, storable
+from ..core.metrics import OutputComparison, packed_parts, power_snr_db, storable
 from .isolation import (
     Finished,
     Started,
@@ -1051,7 +1051,13 @@ def _compare(
     qdq_kept = not exposed and _has_references(job.qdq_references, done)
     qdq = None if qdq_kept else cpu_session(model_path)
     flt = None if float_kept else cpu_session(job.float_model)
-    vs_float, vs_qdq, q_vs_f, tensors = (OutputComparison.for_models(model_path) for _ in range(4))
+    # The real outputs' parts are the QDQ model's; a located run's model exposes every
+    # activation as an output, and its Concats' are not parts to compare.
+    parts = packed_parts(job.qdq)
+    vs_float, vs_qdq, q_vs_f = (
+        OutputComparison.for_models(model_path, parts=parts) for _ in range(3)
+    )
+    tensors = OutputComparison.for_models(model_path, parts={})
     result.requested = len(job.samples)
     result.sample_sha256 = [sha256_file(Path(job.samples[i])) for i in done]
     for index in done:
