@@ -823,6 +823,9 @@ def test_a_summary_of_outputs_all_picked_by_rank_does_not_read_inf_db() -> None:
     gated = {**picked, "scores": Accuracy(41.0, 0.01, 1.0)}
     validation = SimpleNamespace(ctx_vs_qdq=gated, worst_snr_db=41.0, worst_snr_vs_float_db=30.0)
     assert _snr_line(validation).startswith("ctx vs QDQ 41.0 dB (vs float 30.0 dB)")
+    # Stopped early (the judge's evidence, the simulator's budget): the line says on how many.
+    validation.requested, validation.samples = 16, 4
+    assert _snr_line(validation).startswith("ctx vs QDQ 41.0 dB on 4 of 16 samples (vs float")
 
 
 def test_a_gate_lowered_to_a_rounding_floor_is_said_in_the_compile_report() -> None:
@@ -873,6 +876,7 @@ def test_a_gate_lowered_to_a_rounding_floor_is_said_in_the_compile_report() -> N
     # Under quantization's target vs float, the line says so (it passed the gate, not the aim).
     assert "(vs float 19.3 dB, under the target of 25.0 dB)" in line(lowered, 25.0)
     assert "under the target" not in line(lowered, 19.0) + line(lowered)
+    assert " samples" not in line(lowered)  # all 16 ran
 
 
 def test_an_atan2_output_is_an_angle_through_element_wise_ops_and_moves() -> None:
