@@ -774,8 +774,11 @@ def test_the_machines_guard_stops_a_child_only_when_the_machine_runs_short(
     machine = {"MemTotal": 24 << 30, "MemAvailable": reserve - 1}
     monkeypatch.setattr(isolation, "_meminfo", lambda: machine)
     verdict = isolation.MemoryGuard(reserve).verdict(os.getpgrp())
-    assert "left available" in verdict and "of the machine's 24.0 GiB" in verdict, verdict
+    assert "left available" in verdict and "of the machine's 24.0 GiB (and its swap)" in verdict
     assert isolation.MemoryGuard(2 * held).verdict(os.getpgrp()) == ""  # holds under the reserve
+    machine["SwapFree"] = 1  # free swap is room too: the kernel pages out, kills nothing yet
+    assert isolation.MemoryGuard(reserve).verdict(os.getpgrp()) == ""
+    machine["SwapFree"] = 0
     machine["MemAvailable"] = reserve  # not short
     assert isolation.MemoryGuard(reserve).verdict(os.getpgrp()) == ""
 

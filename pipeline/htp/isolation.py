@@ -203,8 +203,8 @@ GIB = 1 << 30
 @dataclass(frozen=True)
 class MemoryGuard:
     """When a child (with what it started) must be stopped for memory: when the machine has
-    less than ``reserve_bytes`` available while the child holds more than that, or when the
-    child holds more than ``limit_bytes`` (0: no cap of its own).
+    less than ``reserve_bytes`` available (memory and free swap) while the child holds more
+    than that, or when the child holds more than ``limit_bytes`` (0: no cap of its own).
 
     Why: QNN's HTP compile of a 2103-node diffusion UNet grew to 23.8 GiB of a 24 GiB machine;
     the kernel's out-of-memory killer ended it (it may as well have picked the build or the
@@ -232,14 +232,19 @@ class MemoryGuard:
                 )
         info = _meminfo()  # first: the group's processes are only read when the machine is short
         available, total = info.get("MemAvailable"), info.get("MemTotal", 0)
-        if available is None or available >= self.reserve_bytes:
+        if available is None:
+            return ""
+        # Free swap counts as room: with it the kernel pages out and the child goes on (slowly);
+        # only with memory and swap both nearly gone does its out-of-memory killer pick.
+        available += info.get("SwapFree", 0)
+        if available >= self.reserve_bytes:
             return ""
         held = group_resident_bytes(pgid)
         if held <= self.reserve_bytes:
             return ""
         return (
             f"it held {held / GIB:.1f} GiB resident with {available / GIB:.1f} GiB of the "
-            f"machine's {total / GIB:.1f} GiB left available (the build stops a child below "
+            f"machine's {total / GIB:.1f} GiB (and its swap) left available (the build stops a child below "
             f"{self.reserve_bytes / GIB:.1f} GiB, before the kernel's out-of-memory killer picks "
             "a process)"
         )
