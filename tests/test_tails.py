@@ -821,7 +821,9 @@ def test_a_summary_of_outputs_all_picked_by_rank_does_not_read_inf_db() -> None:
     line = _snr_line(validation)
     assert "inf" not in line and "picked by rank, not gated" in line and "7.0 dB" in line
     gated = {**picked, "scores": Accuracy(41.0, 0.01, 1.0)}
-    validation = SimpleNamespace(ctx_vs_qdq=gated, worst_snr_db=41.0, worst_snr_vs_float_db=30.0)
+    validation = SimpleNamespace(
+        ctx_vs_qdq=gated, worst_snr_db=41.0, worst_snr_vs_float_db=30.0, requested=16, samples=16
+    )
     assert _snr_line(validation).startswith("ctx vs QDQ 41.0 dB (vs float 30.0 dB)")
     # Stopped early (the judge's evidence, the simulator's budget): the line says on how many.
     validation.requested, validation.samples = 16, 4

@@ -55,8 +55,7 @@ def _snr_line(v: Any, target_snr_db: float | None = None) -> str:
     )
     # Figures on some of the held-out samples (the judge's early stop, the simulator's time
     # budget) say so: a harvest's headline on 4 of 16 read 6 dB above its worst over all 16.
-    requested, ran = (getattr(v, "requested", 0), getattr(v, "samples", 0)) if v else (0, 0)
-    some = f" on {ran} of {requested} samples" if requested > ran > 0 else ""
+    some = f" on {v.samples} of {v.requested} samples" if v and v.requested > v.samples > 0 else ""
     return f"ctx vs QDQ {fmt(v.worst_snr_db if v else None, 1)} dB{some}" + (
         f" (vs float {fmt(vs_float, 1)} dB{under}), " if vs_float is not None else ", "
     )

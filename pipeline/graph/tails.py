@@ -671,10 +671,15 @@ def packed_output_parts(model: Any) -> dict[str, tuple[list[str], Any]]:
             continue
         named = [_before_quantization(p, writer) for p in parts]  # a QDQ model's as its float's
         found[output] = (
-            [f"{output} / {p}" for p in named],
+            [part_name(output, p) for p in named],
             np.ascontiguousarray(labels).reshape(-1),
         )
     return found
+
+
+def part_name(output: str, tensor: str) -> str:
+    """How a packed output's part is named in comparisons and reports: "output / tensor"."""
+    return f"{output} / {tensor}"
 
 
 def _before_quantization(name: str, writer: Mapping[str, Any]) -> str:

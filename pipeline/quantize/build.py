@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,7 @@ from ..core.report import fmt
 from ..graph import prequantized, transforms
 from ..graph.buckets import BucketPlan
 from ..graph.source import SourceModel, readable
-from ..graph.tails import drop_judged_outputs, judged_outputs
+from ..graph.tails import drop_judged_outputs, judged_outputs, part_name
 from ..graph.transforms import Change
 from ..htp.probe import spare_probes
 from ..report_html import preload_plotting, write_html_reports
@@ -702,36 +702,56 @@ def _advise_requantize(config: ModelConfig, judgement: HtpJudgement, problem: st
     print(f"NOTE {config.model.name}: {advice}.")
 
 
-def _closed_loop(
-    config: ModelConfig, state: _State, paths: ModelPaths, judgement: HtpJudgement | None
-) -> dict[str, Accuracy]:
-    """A streaming model's QDQ model fed its own state (``evaluate.closed_loop``); {} for
-    other models, and for one kept whole in fp16 (float32 on the CPU: only the HTP has its
-    fp16 state)."""
+def _stream_states(config: ModelConfig, state: _State, paths: ModelPaths) -> dict[str, str]:
+    """A streaming model's state input -> the output that feeds it: ``calibration.recurrent``,
+    or found in its held-out windows (``evaluate.carried_states``); {} for other models."""
     name = state.plan.names[0]
     if len(state.plan.names) != 1 or not state.held_counts[name]:
         return {}
-    if judgement is not None and judgement.whole_float16:
+    declared = dict(config.calibration.recurrent or {})
+    return declared or carried_states(state.prepared[name].float_path, paths.bucket(name).heldout)
+
+
+def _closed_loop(
+    config: ModelConfig,
+    state: _State,
+    paths: ModelPaths,
+    states: dict[str, str],
+    judgement: HtpJudgement | None,
+) -> dict[str, Accuracy]:
+    """The QDQ model fed its own ``states`` (``evaluate.closed_loop``), named on the console
+    under the target; {} without states, and for a model kept whole in fp16 (float32 on the
+    CPU: only the HTP has its fp16 state)."""
+    if not states or (judgement is not None and judgement.whole_float16):
         return {}
-    bucket, reference = paths.bucket(name), state.prepared[name].float_path
-    recurrent = dict(config.calibration.recurrent or {}) or carried_states(
-        reference, bucket.heldout
-    )
-    return closed_loop(reference, bucket.qdq, bucket.heldout, recurrent) if recurrent else {}
+    name = state.plan.names[0]
+    bucket = paths.bucket(name)
+    loop = closed_loop(state.prepared[name].float_path, bucket.qdq, bucket.heldout, states)
+    target = config.quantization.target_snr_db
+    if loop and worst_snr(loop) < target:
+        print(
+            f"NOTE {config.model.name}: fed its own state window after window (as a streaming "
+            f"app runs it) the QDQ model is {worst_snr(loop):.1f} dB from float on the CPU, under "
+            f"the target of {target:g} dB (not gated; every other figure feeds it the float "
+            "model's state)."
+        )
+    return loop
 
 
-def _note_short_parts(config: ModelConfig, per_bucket: dict[str, dict[str, Accuracy]]) -> None:
+def _note_short_parts(
+    config: ModelConfig, per_bucket: dict[str, dict[str, Accuracy]], states: Iterable[str]
+) -> None:
     """Name on the console the parts of packed outputs (``accuracy.PART``) below the target on
     the CPU: the report shows them, but the output's one figure, mostly its largest part's,
     hides them (FastestDet's 80 class probabilities at 19.9 dB inside an output at 32.0). A
-    streaming model's state (h beside c) is left to the closed loop's figure."""
+    streaming model's state outputs (``states``: h beside c) are left to the closed loop."""
     target = config.quantization.target_snr_db
-    states = tuple(f"{out} / " for out in (config.calibration.recurrent or {}).values())
+    of_states = tuple(part_name(out, "") for out in states)
     short = {
         name: a.snr_db
         for summary in per_bucket.values()
         for name, a in summary.items()
-        if a.compared_as == PART and a.snr_db < target and not name.startswith(states)
+        if a.compared_as == PART and a.snr_db < target and not name.startswith(of_states)
     }
     if short:
         shown = ", ".join(f"'{n}' {v:.1f} dB" for n, v in sorted(short.items()))
@@ -1128,21 +1148,15 @@ def _steps(
     requantized = state.own is not None and not state.own.kept
     shipped = config.source_path if requantized else None  # its figures are vs the float behind
     e2e = end_to_end(config, state.source, plan, floats, qdqs, paths.heldout, shipped)
-    loop = _closed_loop(config, state, paths, judgement)
+    states = _stream_states(config, state, paths)
+    loop = _closed_loop(config, state, paths, states, judgement)
     state.timings["evaluate"] = time.perf_counter() - started
     own_floor = _own_floor(state)
     for name in plan.names:  # every comparison above ran on them; the artifact does not
         _drop_judged_outputs(floats[name], qdqs[name])
     worst_each = [worst_snr(v) for v in per_bucket.values() if v]
     worst = min(worst_each) if worst_each else float("nan")
-    _note_short_parts(config, per_bucket)
-    if loop and worst_snr(loop) < config.quantization.target_snr_db:
-        print(
-            f"NOTE {config.model.name}: fed its own state window after window (as a streaming "
-            f"app runs it) the QDQ model is {worst_snr(loop):.1f} dB from float on the CPU, under "
-            f"the target of {config.quantization.target_snr_db:g} dB (not gated; every other "
-            "figure feeds it the float model's state)."
-        )
+    _note_short_parts(config, per_bucket, states.values())
     if judgement is not None and judgement.whole_float16:
         # No quantization: "QDQ vs float" compares the float model with itself (inf). What
         # the gate must judge is what the HTP computes in fp16 (an fp16 overflow: -51.6 dB).

@@ -500,6 +500,13 @@ def input_jitter(
 _SAME_STATE_RTOL = 1e-4
 
 
+def _follows(state: np.ndarray, before: np.ndarray) -> bool:
+    """Whether a window's stored ``state`` is the output ``before`` of the window before it."""
+    return state.shape == before.shape and np.allclose(
+        state, before, rtol=_SAME_STATE_RTOL, atol=1e-6
+    )
+
+
 def carried_states(reference_model: Path, heldout: Path) -> dict[str, str]:
     """State input -> the output that feeds it, found in the held-out windows themselves: an
     input that, window after window, holds what an output of the same shape gave on the window
@@ -525,9 +532,7 @@ def carried_states(reference_model: Path, heldout: Path) -> dict[str, str]:
                 if value.dtype.kind != "f" or not np.any(value):
                     continue
                 for out, before in previous.items():
-                    if before.shape == value.shape and np.allclose(
-                        value, before, rtol=_SAME_STATE_RTOL, atol=1e-6
-                    ):
+                    if _follows(value, before):
                         pairs[(inp, out)] = pairs.get((inp, out), 0) + 1
         previous = {n: np.asarray(v) for n, v in outputs.items() if np.asarray(v).dtype.kind == "f"}
     found = {inp: out for (inp, out), count in sorted(pairs.items()) if count >= 2}
@@ -559,7 +564,7 @@ def closed_loop(
     for feeds in iter_samples(heldout):
         expected = ref.run_named(names, feeds)
         continues = previous_reference is not None and all(
-            np.allclose(feeds[inp], previous_reference[out], rtol=_SAME_STATE_RTOL, atol=1e-6)
+            _follows(np.asarray(feeds[inp]), previous_reference[out])
             for inp, out in recurrent.items()
         )
         run_feeds = dict(feeds)
