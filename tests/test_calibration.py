@@ -13,10 +13,12 @@ from pipeline.calibration.samples import (
     InputSpec,
     Router,
     SampleRef,
+    SampleSource,
     sample_source,
 )
 from pipeline.core.config import ModelConfig, load_config
 from pipeline.core.errors import CalibrationError
+from pipeline.graph import buckets as bk
 from pipeline.graph.buckets import single_bucket
 
 SPEC = [InputSpec("x", (1, 3, 8, 8), np.dtype("float32"))]
@@ -333,8 +335,8 @@ def test_python_reader_and_fill_others(tmp_path: Path) -> None:
     assert np.all(next(iter(calib))["state"] == 0)
 
 
-def test_recurrent_python_reader_holds_out_the_streams_tail(tmp_path: Path) -> None:
-    """A streaming reader's windows stay neighbours on both sides of the split."""
+def test_recurrent_python_reader_holds_out_a_run_of_the_stream(tmp_path: Path) -> None:
+    """A streaming reader's held-out windows stay neighbours (``_split_runs``)."""
     (tmp_path / "reader.py").write_text(
         "import numpy as np\n"
         "def read(path, specs):\n"
@@ -348,8 +350,8 @@ def test_recurrent_python_reader_holds_out_the_streams_tail(tmp_path: Path) -> N
     )
     specs = [*SPEC, InputSpec("state", (2, 4), np.dtype("float32"))]
     calib, held = build_samples(config, specs)
-    assert [ref.index for ref in calib.refs] == list(range(9))
-    assert [ref.index for ref in held.refs] == [9, 10, 11]
+    assert [ref.index for ref in calib.refs] == [0, 1, 2, 3, 7, 8, 9, 10, 11]
+    assert [ref.index for ref in held.refs] == [4, 5, 6]
 
 
 def test_python_reader_import_error(tmp_path: Path) -> None:
@@ -423,6 +425,15 @@ def streaming_rnn() -> object:
     )
 
 
+def rnn_samples(config: ModelConfig) -> tuple[SampleSource, Router, bk.Bucket]:
+    """The sample source, router and only bucket of ``streaming_rnn`` under ``config``."""
+    specs = [InputSpec("a", (1, 64), np.dtype("float32")), InputSpec("s", (1, 8), "float32")]
+    plan = single_bucket({s.name: s.shape for s in specs})
+    router = Router(config, plan, {s.name: np.dtype("float32") for s in specs})
+    (bucket,) = plan.buckets
+    return sample_source(config, specs), router, bucket
+
+
 def test_recurrent_state_is_fed_back_by_the_calibration_pass(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -446,11 +457,7 @@ def test_recurrent_state_is_fed_back_by_the_calibration_pass(
         'kind = "audio"\npath = "wav"\nheld_out = 0.25\nsamples = 16\ninput = "a"\n'
         'recurrent = { s = "s_out" }\n[calibration.audio]\nwindow = 64',
     )
-    specs = [InputSpec("a", (1, 64), np.dtype("float32")), InputSpec("s", (1, 8), "float32")]
-    plan = single_bucket({s.name: s.shape for s in specs})
-    router = Router(config, plan, {s.name: np.dtype("float32") for s in specs})
-    source = sample_source(config, specs)
-    (bucket,) = plan.buckets
+    source, router, bucket = rnn_samples(config)
 
     runs = [0]
 
@@ -682,33 +689,123 @@ def test_a_python_reader_runs_once_per_quantize_run(tmp_path: Path) -> None:
     assert len(list(heldout.glob("*.npz"))) == 3
 
 
+def rnn_and_reader(tmp_path: Path, reader: str) -> None:
+    """``streaming_rnn`` as rnn.onnx and ``reader`` (numpy imported) as reader.py."""
+    import onnx
+
+    onnx.save(streaming_rnn(), str(tmp_path / "rnn.onnx"))  # type: ignore[arg-type]
+    (tmp_path / "reader.py").write_text("import numpy as np\n" + reader)
+
+
+def closed_loop_of_rnn(tmp_path: Path, calibration: str) -> tuple[dict, Path]:
+    """Quantize ``rnn.onnx`` (judge on the CPU) with this [calibration] table: the report's
+    closed-loop figures and the build folder."""
+    import json
+
+    from pipeline.__main__ import main
+
+    config = tmp_path / "rnn.toml"
+    config.write_text(
+        '[model]\nname = "rnn"\nversion = "1.0.0"\nsource = "rnn.onnx"\n'
+        f'[calibration]\n{calibration}\n[quantization]\njudge = "cpu"\n',
+        encoding="utf-8",
+    )
+    assert main(["quantize", "--artifacts", str(tmp_path / "artifacts"), str(config)]) == 0
+    build = tmp_path / "artifacts" / "build" / "rnn"
+    return json.loads((build / "report.json").read_text())["closed_loop"], build
+
+
 def test_a_streaming_model_is_also_measured_fed_its_own_state(tmp_path: Path) -> None:
     """The quantize stage, on a streaming model with calibration.recurrent: its held-out
     windows follow one another, so the report also gives the QDQ model fed its own state."""
-    import json
 
     import onnx
-
-    from pipeline.__main__ import main
 
     onnx.save(streaming_rnn(), str(tmp_path / "rnn.onnx"))  # type: ignore[arg-type]
     folder = tmp_path / "wav"
     folder.mkdir()
     for name, freq in (("a", 3), ("b", 7)):
         write_wav(folder / f"{name}.wav", 8000 * np.sin(np.arange(64 * 24) * freq / 64))
-    config = tmp_path / "rnn.toml"
-    config.write_text(
-        '[model]\nname = "rnn"\nversion = "1.0.0"\nsource = "rnn.onnx"\n'
-        '[calibration]\nkind = "audio"\npath = "wav"\nheld_out = 0.25\nsamples = 48\n'
-        'input = "a"\nrecurrent = { s = "s_out" }\n[calibration.audio]\nwindow = 64\n'
-        '[quantization]\njudge = "cpu"\n',
-        encoding="utf-8",
+    loop, build = closed_loop_of_rnn(
+        tmp_path,
+        'kind = "audio"\npath = "wav"\nheld_out = 0.25\nsamples = 48\ninput = "a"\n'
+        'recurrent = { s = "s_out" }\n[calibration.audio]\nwindow = 64',
     )
-    assert main(["quantize", "--artifacts", str(tmp_path / "artifacts"), str(config)]) == 0
-    build = tmp_path / "artifacts" / "build" / "rnn"
-    loop = json.loads((build / "report.json").read_text())["closed_loop"]
     assert set(loop) == {"y"} and loop["y"]["snr_db"] > 0, loop
     assert (
         "- Closed loop (each held-out window fed the QDQ model's own state"
         in (build / "report.md").read_text()
     )
+
+
+def test_a_streams_held_out_windows_are_runs_spread_over_it() -> None:
+    """Runs of consecutive windows (each of 2 at least), the calibration windows shared out
+    before, between and after them; a short stream falls back to every k-th window."""
+    from pipeline.calibration.samples import HELDOUT_RUNS, SampleRef, _split_runs
+
+    refs = [SampleRef(None, index=i) for i in range(100)]
+    calib, held = _split_runs(refs, 0.25)
+    indices = [r.index for r in held]
+    assert len(held) == 25 and len(calib) == 75
+    starts = [i for i, index in enumerate(indices) if i == 0 or index != indices[i - 1] + 1]
+    lengths = np.diff([*starts, len(indices)])
+    assert len(starts) == HELDOUT_RUNS and lengths.min() >= 2, indices
+    assert indices[0] > 0 and indices[-1] < 99  # calibration windows at both ends
+    assert sorted(r.index for r in calib + held) == list(range(100))
+    short_calib, short_held = _split_runs(refs[:3], 0.25)
+    assert len(short_held) == 1 and len(short_calib) == 2
+
+
+def test_a_readers_stream_is_measured_fed_its_own_state(tmp_path: Path) -> None:
+    """A python reader that carries a streaming model's state itself, with no
+    calibration.recurrent: its windows are held out in runs (an input shaped like an output),
+    the state pairs are found in them, and the report gives the QDQ model fed its own state.
+    Every k-th window held out, no window continued another and there was no such figure."""
+
+    rnn_and_reader(
+        tmp_path,
+        "import onnxruntime as ort\n"
+        "from pathlib import Path\n"
+        "def read(path, specs):\n"
+        "    model = str(Path(__file__).with_name('rnn.onnx'))\n"
+        "    session = ort.InferenceSession(model, providers=['CPUExecutionProvider'])\n"
+        "    for freq in (3, 7):\n"
+        "        wave = 0.25 * np.sin(np.arange(64 * 24) * freq / 64).astype(np.float32)\n"
+        "        s = np.zeros((1, 8), np.float32)\n"
+        "        for k in range(24):\n"
+        "            feeds = {'a': wave[None, 64 * k : 64 * (k + 1)], 's': s}\n"
+        "            yield feeds\n"
+        "            s = session.run(['s_out'], feeds)[0]\n",
+    )
+    loop, _ = closed_loop_of_rnn(
+        tmp_path, 'kind = "python"\nreader = "reader.py:read"\nsamples = 48\nheld_out = 0.25'
+    )
+    assert set(loop) == {"y"} and loop["y"]["snr_db"] > 0, loop
+
+
+def test_a_declared_state_is_not_carried_across_the_held_out_run(tmp_path: Path) -> None:
+    """With calibration.recurrent, the calibration pass carries the float model's state from
+    window to window of a reader's stream, but not from the window before a held-out run to
+    the one after it: that window gets the state its reader gave it."""
+    rnn_and_reader(
+        tmp_path,
+        "def read(path, specs):\n"
+        "    for i in range(12):\n"
+        "        yield {'a': np.full((1, 64), 0.01 * (i + 1), np.float32),\n"
+        "               's': np.full((1, 8), 100.0 + i, np.float32)}\n",
+    )
+    config = make_config(
+        tmp_path,
+        'kind = "python"\nreader = "reader.py:read"\nsamples = 12\nheld_out = 0.25\n'
+        'recurrent = { s = "s_out" }',
+    )
+    source, router, bucket = rnn_samples(config)
+    states = {
+        ref.index: float(feeds["s"][0, 0])
+        for ref, feeds in BucketSamples(
+            source, router, bucket, source.calib, tmp_path / "rnn.onnx"
+        ).items()
+    }
+    assert sorted(states) == [0, 1, 2, 3, 7, 8, 9, 10, 11]
+    assert states[0] == 100.0 and states[7] == 107.0  # each run starts from its reader's state
+    assert all(abs(states[i]) <= 1.0 for i in (1, 2, 3, 8, 9, 10, 11))  # carried: a Tanh's

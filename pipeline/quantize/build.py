@@ -81,7 +81,14 @@ from ..htp.probe import spare_probes
 from ..report_html import preload_plotting, write_html_reports
 from . import quantizer
 from . import report as report_mod
-from .evaluate import carried_states, closed_loop, end_to_end, evaluate, input_jitter
+from .evaluate import (
+    carried_states,
+    closed_loop,
+    end_to_end,
+    evaluate,
+    input_jitter,
+    state_like_inputs,
+)
 from .judge import HTP_PROBE_FAILED, Builder, HtpJudgement, judge_on_htp
 from .lossless import OWN_ROUNDING_MARGIN_DB, PreparationCheck, bucket_inputs, check_preparation
 from .mixed_precision import MixedPrecision, raise_precision
@@ -1025,7 +1032,8 @@ def _sample_all(config: ModelConfig, paths: ModelPaths, state: _State) -> dict[s
 
         bounds = index_bounds(onnx.load(str(largest.float_path), load_external_data=False))
     router = Router(config, plan, {s.name: s.dtype for s in largest.specs}, bounds)
-    state.samples = sample_source(config, largest.specs, paths.root / READER_SAMPLES)
+    stream = len(plan.names) == 1 and bool(state_like_inputs(largest.float_path))
+    state.samples = sample_source(config, largest.specs, paths.root / READER_SAMPLES, stream)
     if not state.samples.calib:
         raise CalibrationError(f"{config.model.name}: no calibration samples were selected.")
     state.routed = _route(config, plan, state.samples, router)

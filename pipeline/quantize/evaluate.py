@@ -507,17 +507,23 @@ def _follows(state: np.ndarray, before: np.ndarray) -> bool:
     )
 
 
+def state_like_inputs(model: Path) -> set[str]:
+    """Inputs shaped like an output (same dtype and shape): where a stream's state may come
+    back in. An image-to-image model has them too; ``carried_states`` tells the two apart."""
+    from qnn_ctx_runtime.qnn import read_model_summary
+
+    summary = read_model_summary(model)
+    shapes = {(o.dtype, tuple(o.shape)) for o in summary.outputs}
+    return {i.name for i in summary.inputs if (i.dtype, tuple(i.shape)) in shapes}
+
+
 def carried_states(reference_model: Path, heldout: Path) -> dict[str, str]:
     """State input -> the output that feeds it, found in the held-out windows themselves: an
     input that, window after window, holds what an output of the same shape gave on the window
     before (non-zero), twice at least. A python reader that carries a stream's state itself
     declares no ``calibration.recurrent``; an image-to-image model, whose output is never its
     next input, has none. Nothing runs for a model with no input shaped like an output."""
-    from qnn_ctx_runtime.qnn import read_model_summary
-
-    summary = read_model_summary(reference_model)
-    shapes = {(o.dtype, tuple(o.shape)) for o in summary.outputs}
-    inputs = {i.name for i in summary.inputs if (i.dtype, tuple(i.shape)) in shapes}
+    inputs = state_like_inputs(reference_model)
     if not inputs:
         return {}
     ref = KeptRuns(reference_model)
