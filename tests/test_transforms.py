@@ -1868,6 +1868,63 @@ def test_flatten_gemm_biases_gives_one_value_per_column(
     assert not t.flatten_gemm_biases(flat)[1].changed
 
 
+def gemm_with_computed_bias(trans_b: int = 0, beta: float = 1.0) -> onnx.ModelProto:
+    """x [1, 64] @ W + s (an input: a recurrent cell's state term), then Tanh."""
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((8, 64) if trans_b else (64, 8)).astype(np.float32) * 0.05
+    graph = oh.make_graph(
+        [
+            oh.make_node("Gemm", ["x", "w", "s"], ["p"], transB=trans_b, beta=beta),
+            oh.make_node("Tanh", ["p"], ["y"]),
+        ],
+        "g",
+        [
+            oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64]),
+            oh.make_tensor_value_info("s", TensorProto.FLOAT, [1, 8]),
+        ],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize(("trans_b", "beta"), [(0, 1.0), (1, 0.5)])
+def test_a_gemms_computed_bias_is_added_after_it(trans_b: int, beta: float) -> None:
+    model = gemm_with_computed_bias(trans_b, beta)
+    split, change = t.gemm_computed_bias_as_add(model)
+    assert change.changed and ops(split) == ["Gemm", *(["Mul"] if beta != 1 else []), "Add", "Tanh"]
+    assert list(split.graph.node[0].input) == ["x", "w"]
+    feeds = {"x": RNG.standard_normal((1, 64)).astype(np.float32)}
+    assert_same(model, split, {**feeds, "s": RNG.standard_normal((1, 8)).astype(np.float32)})
+    assert not t.gemm_computed_bias_as_add(split)[1].changed
+    assert not t.gemm_computed_bias_as_add(gemm_with_bias([6]))[1].changed  # a constant C stays
+
+
+def test_a_cell_whose_gemm_adds_a_computed_term_runs_whole_on_the_htp(tmp_path: Path) -> None:
+    """Quantized with its Gemm's computed C, the QNN EP left the weight's DequantizeLinear on
+    the CPU (1 CPU node); as Gemm + Add the ctx is whole on the HTP. The HTP judge is off so
+    that the quantized model itself reaches compile's coverage gate."""
+    from pipeline.__main__ import main
+    from pipeline.core.layout import ModelPaths
+    from pipeline.core.records import VariantRecord, read_record
+
+    onnx.save(gemm_with_computed_bias(), str(tmp_path / "cell.onnx"))
+    config = tmp_path / "cell.toml"
+    config.write_text(
+        '[model]\nname = "cell"\nversion = "1.0.0"\nsource = "cell.onnx"\n'
+        '[calibration]\nkind = "random"\nsamples = 16\n[quantization]\njudge = "cpu"\n'
+        '[compile]\ntargets = ["snapdragon-x-elite"]\nmin_snr_db = 30.0\n',
+        encoding="utf-8",
+    )
+    artifacts = tmp_path / "artifacts"
+    for stage in ("quantize", "compile"):
+        assert main([stage, "--artifacts", str(artifacts), str(config)]) == 0, stage
+    folder = next(ModelPaths.of(artifacts, "cell").ctx.glob("*/snapdragon-x-elite"))
+    record, why = read_record(VariantRecord, folder / "variant.json")
+    assert record is not None and record.coverage is not None, why
+    assert record.coverage.qnn_partitions == 1 and record.coverage.cpu_compute_nodes == []
+
+
 def test_a_gemm_bias_per_row_is_left_alone() -> None:
     model = gemm_with_bias([1, 6])
     model.graph.initializer[1].CopyFrom(numpy_helper.from_array(np.ones((2, 6), np.float32), "c"))

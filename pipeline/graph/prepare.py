@@ -133,6 +133,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         numerics.log_of_large_gain,  # log(1 + 2^20 * magnitude): the product overflows fp16
         t.scalar_shaped_constants,  # qnn_preprocess reads a LayerNorm's eps as a scalar
         t.qnn_preprocess,
+        t.gemm_computed_bias_as_add,  # its MatMul + Add fusion: the QNN EP leaves a DQ on the CPU
         t.fuse_hardswish,  # qnn_preprocess splits HardSwish; the QNN EP's fp16 fusion is wrong
         t.hardswish_from_clip,  # x * Clip(x + 3, 0, 6) / 6: four ops for the HTP's one
         attention.layernorm_over_last_axis,  # the QNN EP takes LayerNorm over the last axis only

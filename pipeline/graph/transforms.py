@@ -2800,6 +2800,56 @@ def flatten_gemm_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
     return checked_change(model, "flatten_gemm_biases", details)
 
 
+def gemm_computed_bias_as_add(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A Gemm whose C is computed (not an initializer) -> the Gemm without C, then an Add of C
+    (times beta): the same values, C broadcast to the product's [M, N] as Gemm does.
+
+    qnn_preprocess_model's optimizer fuses MatMul + Add into a Gemm whatever the Add's other
+    input is; quantized, the QNN EP then leaves that Gemm's weight DequantizeLinear on the CPU
+    (a recurrent cell's input MatMul plus its state term: 1 CPU node, and the HTP judge fell
+    back to fp16). Gemm(A, B) + Add runs whole on the HTP.
+    """
+    model = copy_model(model)
+    graph = model.graph
+    inits = initializers_by_name(graph)
+    fresh = FreshNames(model)
+    nodes: list[onnx.NodeProto] = []
+    details = []
+    for node in graph.node:
+        computed = (
+            node.op_type == "Gemm"
+            and node.domain in DEFAULT_DOMAINS
+            and len(node.input) >= 3
+            and node.input[2] != ""
+            and node.input[2] not in inits
+        )
+        if not computed:
+            nodes.append(node)
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        beta = float(attrs.pop("beta", 1.0))
+        bias, output = node.input[2], node.output[0]
+        product = fresh(f"{output}_product")
+        nodes.append(
+            onnx.helper.make_node(
+                "Gemm", list(node.input[:2]), [product], name=node.name or fresh("gemm"), **attrs
+            )
+        )
+        if beta != 1.0:
+            factor, scaled = fresh(f"{bias}_beta"), fresh(f"{bias}_times_beta")
+            graph.initializer.append(numpy_helper.from_array(np.array(beta, np.float32), factor))
+            nodes.append(onnx.helper.make_node("Mul", [bias, factor], [scaled], name=scaled))
+            bias = scaled
+        nodes.append(
+            onnx.helper.make_node("Add", [product, bias], [output], name=fresh(f"{output}_add"))
+        )
+        details.append(f"{node_label(node)}: its computed C {node.input[2]!r} added after it")
+    if details:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return checked_change(model, "gemm_computed_bias_as_add", details)
+
+
 def argmax_without_keepdims(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """ArgMax/ArgMin with keepdims=1 (ONNX's default) -> the same op with keepdims=0 and an
     Unsqueeze of its axis: the same int64 indices, the same shape.
