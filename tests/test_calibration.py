@@ -697,9 +697,11 @@ def rnn_and_reader(tmp_path: Path, reader: str) -> None:
     (tmp_path / "reader.py").write_text("import numpy as np\n" + reader)
 
 
-def closed_loop_of_rnn(tmp_path: Path, calibration: str) -> tuple[dict, Path]:
-    """Quantize ``rnn.onnx`` (judge on the CPU) with this [calibration] table: the report's
-    closed-loop figures and the build folder."""
+def closed_loop_of_rnn(
+    tmp_path: Path, calibration: str, quantization: str = ""
+) -> tuple[dict, Path]:
+    """Quantize ``rnn.onnx`` (judge on the CPU) with this [calibration] table (and these
+    [quantization] lines): the report's closed-loop figures and the build folder."""
     import json
 
     from pipeline.__main__ import main
@@ -707,7 +709,7 @@ def closed_loop_of_rnn(tmp_path: Path, calibration: str) -> tuple[dict, Path]:
     config = tmp_path / "rnn.toml"
     config.write_text(
         '[model]\nname = "rnn"\nversion = "1.0.0"\nsource = "rnn.onnx"\n'
-        f'[calibration]\n{calibration}\n[quantization]\njudge = "cpu"\n',
+        f'[calibration]\n{calibration}\n[quantization]\njudge = "cpu"\n{quantization}\n',
         encoding="utf-8",
     )
     assert main(["quantize", "--artifacts", str(tmp_path / "artifacts"), str(config)]) == 0
@@ -781,6 +783,61 @@ def test_a_readers_stream_is_measured_fed_its_own_state(tmp_path: Path) -> None:
         tmp_path, 'kind = "python"\nreader = "reader.py:read"\nsamples = 48\nheld_out = 0.25'
     )
     assert set(loop) == {"y"} and loop["y"]["snr_db"] > 0, loop
+
+
+def test_compile_runs_a_streams_ctx_fed_its_own_state_on_the_htp(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The quantize record names the stream's state pairs, and compile runs the ctx on the HTP
+    simulator fed its own state over the held-out windows in order: its figure is in the
+    variant's validation and the compile report; under the target, a console NOTE."""
+    import json
+
+    from pipeline.__main__ import main
+    from pipeline.core.records import QuantizeRecord, VariantRecord, read_record
+
+    rnn_and_reader(
+        tmp_path,
+        "import onnxruntime as ort\n"
+        "from pathlib import Path\n"
+        "def read(path, specs):\n"
+        "    model = str(Path(__file__).with_name('rnn.onnx'))\n"
+        "    session = ort.InferenceSession(model, providers=['CPUExecutionProvider'])\n"
+        "    wave = 0.25 * np.sin(np.arange(64 * 48) * 5 / 64).astype(np.float32)\n"
+        "    s = np.zeros((1, 8), np.float32)\n"
+        "    for k in range(48):\n"
+        "        feeds = {'a': wave[None, 64 * k : 64 * (k + 1)], 's': s}\n"
+        "        yield feeds\n"
+        "        s = session.run(['s_out'], feeds)[0]\n",
+    )
+    _, build = closed_loop_of_rnn(
+        tmp_path,
+        'kind = "python"\nreader = "reader.py:read"\nsamples = 48\nheld_out = 0.25',
+        "target_snr_db = 200.0",  # no ctx reaches it: the NOTE shows
+    )
+    record, why = read_record(QuantizeRecord, build / "record.json")
+    assert record is not None and record.summary.stream_states == {"s": "s_out"}, why
+    capsys.readouterr()
+    config = str(tmp_path / "rnn.toml")
+    assert main(["compile", "--artifacts", str(tmp_path / "artifacts"), config]) == 0
+    (variant_json,) = (build / "ctx").rglob("variant.json")
+    variant, why = read_record(VariantRecord, variant_json)
+    assert variant is not None and variant.validation is not None, why
+    v = variant.validation
+    assert set(v.closed_loop) == {"y"} and 20 < v.closed_loop["y"].snr_db < 200, v.closed_loop
+    assert v.closed_loop_windows == 12 and v.closed_loop_carried == 6  # 6 runs of 2 windows
+    assert (
+        "fed its own state window after window on the HTP"
+        in (build / "ctx" / "report.md").read_text()
+    )
+    assert (
+        json.loads((build / "ctx" / "report.json").read_text())["variants"][0]["validation"][
+            "closed_loop_windows"
+        ]
+        == 12
+    )
+    out = capsys.readouterr().out
+    assert "NOTE rnn snapdragon-x-elite: fed its own state" in out and "200.0 dB" in out, out
 
 
 def test_a_declared_state_is_not_carried_across_the_held_out_run(tmp_path: Path) -> None:

@@ -27,6 +27,8 @@ from ..core.config import ModelConfig
 from ..core.errors import ModelError, PipelineError, ToolchainError
 from ..core.fileio import atomic_dir, sha256_file
 from ..core.layout import (
+    CLOSED_LOOP_BUDGET_S,
+    CLOSED_LOOP_WINDOWS,
     GPU_TARGET,
     HTP_BUDGET_S,
     VALIDATE_SAMPLES,
@@ -51,7 +53,7 @@ from ..report_html import preload_plotting, write_html_reports
 from . import coverage as coverage_mod
 from .child import interpret, run_child
 from .job import BucketJob, CompileJob
-from .report import describe, write_model_report
+from .report import closed_loop_note, describe, write_model_report
 
 # The builder's code that decides what a variant is: editing it rebuilds.
 CODE = ("core", "compile")
@@ -218,6 +220,7 @@ def variant_digest(
         "code": code_digest(*CODE),
         "validate_samples": VALIDATE_SAMPLES,
         "validate_budget_s": HTP_BUDGET_S,
+        "closed_loop": [CLOSED_LOOP_WINDOWS, CLOSED_LOOP_BUDGET_S],
     }
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -238,6 +241,7 @@ def make_job(
     config = inputs.config
     settings = config.compile
     multi = len(inputs.buckets) > 1
+    states = {} if multi else dict(inputs.record.summary.stream_states)
     buckets = []
     for bucket in inputs.buckets:
         where = inputs.paths.bucket(bucket.name)
@@ -251,6 +255,7 @@ def make_job(
                     config.model.name, bucket.name if multi else None, target, toolchain
                 ),
                 htp_probe=str(where.htp_probe.resolve()) if where.htp_probe.is_file() else "",
+                stream=[str(p.resolve()) for p in inputs.heldout[bucket.name]] if states else [],
             )
         )
     return CompileJob(
@@ -278,6 +283,9 @@ def make_job(
         },
         validate_samples=VALIDATE_SAMPLES,
         validate_budget_s=HTP_BUDGET_S,
+        stream_states=states,
+        closed_loop_windows=CLOSED_LOOP_WINDOWS,
+        closed_loop_budget_s=CLOSED_LOOP_BUDGET_S,
         seed=config.calibration.seed,
     )
 
@@ -475,9 +483,11 @@ def compile_model(
                 inputs, toolchain, installed, target, force, log_severity, progress
             )
             built.append(result)
-            progress.write(
-                describe(result.record, result.skipped, config.quantization.target_snr_db)
-            )
+            target_snr = config.quantization.target_snr_db
+            progress.write(describe(result.record, result.skipped, target_snr))
+            note = closed_loop_note(result.record, target_snr)
+            if note:
+                progress.write(note)
             progress.update()
         if gpu_wanted:  # the float/fp16 model for QNN's GPU backend, a published fallback
             from . import gpu as gpu_variant

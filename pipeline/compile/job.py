@@ -39,6 +39,9 @@ class BucketJob:
     heldout: list[str]
     ctx_name: str
     htp_probe: str = ""  # the quantize stage's HtpProbeRecord of this QDQ, if it left one
+    # A streaming model: every held-out window in order (``heldout`` is spread over them), for
+    # the closed loop (``CompileJob.stream_states``).
+    stream: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,12 @@ class CompileJob:
     validate_samples: int = 16
     validate_budget_s: float = 0.0  # HTP seconds for validation (core.layout.HTP_BUDGET_S); 0: none
     probe_timeout_s: float = 300.0
+    # A streaming model's state input -> the output that feeds it (the quantize record's): the
+    # ctx is also run fed its own state over ``BucketJob.stream``: this many windows at most,
+    # none started after this many HTP seconds (core.layout.CLOSED_LOOP_WINDOWS, ..._BUDGET_S).
+    stream_states: dict[str, str] = field(default_factory=dict)
+    closed_loop_windows: int = 0
+    closed_loop_budget_s: float = 0.0
     seed: int = 0
 
     @property

@@ -14,7 +14,7 @@ from typing import Any
 from qnn_ctx_runtime.targets import Target
 from qnn_ctx_runtime.toolchains import Toolchain
 
-from ..core.accuracy import BELOW_STEP, LABELS, PART, PICKED, comparison_note
+from ..core.accuracy import BELOW_STEP, LABELS, PART, PICKED, comparison_note, worst_snr
 from ..core.config import ModelConfig
 from ..core.layout import ModelPaths, VariantPaths
 from ..core.records import Failure, QuantizeRecord, VariantRecord, read_record
@@ -58,6 +58,32 @@ def _snr_line(v: Any, target_snr_db: float | None = None) -> str:
     some = f" on {v.samples} of {v.requested} samples" if v and v.requested > v.samples > 0 else ""
     return f"ctx vs QDQ {fmt(v.worst_snr_db if v else None, 1)} dB{some}" + (
         f" (vs float {fmt(vs_float, 1)} dB{under}), " if vs_float is not None else ", "
+    )
+
+
+def closed_loop_text(v: Any) -> str:
+    """A streaming model's ctx fed its own state on the HTP (``Validation.closed_loop``), in
+    words; "" when it was not run."""
+    if v is None or not v.closed_loop:
+        return ""
+    shown = ", ".join(f"{n} {fmt(a.snr_db, 1)} dB" for n, a in v.closed_loop.items())
+    return (
+        f"fed its own state window after window on the HTP (closed loop, as a streaming app "
+        f"runs it) the ctx is {fmt(worst_snr(v.closed_loop), 1)} dB from float ({shown}) over "
+        f"{v.closed_loop_windows} held-out windows in order, {v.closed_loop_carried} of them fed "
+        "its own state; shown, not gated (every other figure feeds each window the float "
+        "model's state)"
+    )
+
+
+def closed_loop_note(r: VariantRecord, target_snr_db: float) -> str:
+    """The console's NOTE when the closed loop is under the target, else ""."""
+    v = r.validation
+    if v is None or not v.closed_loop or worst_snr(v.closed_loop) >= target_snr_db:
+        return ""
+    return (
+        f"NOTE {r.model} {r.target}: {closed_loop_text(v)}; under the target of "
+        f"{fmt(target_snr_db, 1)} dB."
     )
 
 
@@ -269,6 +295,8 @@ def _notes(rows: list[_Row]) -> list[str]:
                 how += f" Labels agreeing with the float model: {shown}."
             if how:
                 notes.append(f"- **{where}** {how.strip()}")
+        if r.validation is not None and r.validation.closed_loop:
+            notes.append(f"- **{where}** {closed_loop_text(r.validation)}.")
         if r.validation is not None and r.validation.measured_by:
             notes.append(f"- **{where}** validation figures measured by {r.validation.measured_by}")
         if r.validation is not None and "lowered" in r.validation.gate:

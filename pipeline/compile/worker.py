@@ -18,6 +18,7 @@ coverage and validation run on that set. The record says which set was validated
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -33,7 +34,7 @@ import numpy as np
 
 from qnn_ctx_runtime import qnn
 
-from ..core.accuracy import LABELS, worst_snr
+from ..core.accuracy import LABELS, Accuracy, worst_snr
 from ..core.cpu import cpu_session
 from ..core.dtypes import np_dtype, value_type_name
 from ..core.fileio import sha256_file
@@ -66,6 +67,7 @@ from ..core.records import (
     Validation,
     read_record,
 )
+from ..core.stream import run_closed_loop
 from ..graph.tails import judged_outputs
 from ..htp.isolation import await_job, die_with_parent
 from . import coverage as coverage_mod
@@ -521,6 +523,55 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
     )
 
 
+def closed_loop_on_htp(
+    job: CompileJob, bucket: BucketJob, ctx_session: Any
+) -> tuple[int, int, dict[str, Accuracy]] | None:
+    """The ctx fed its own state window after window on the HTP, as a streaming app runs it,
+    vs the float model on the held-out windows in order (``core.stream.run_closed_loop``), for
+    up to ``job.closed_loop_windows`` windows and ``job.closed_loop_budget_s`` of simulator time. None for a model with no stream
+    state, or when no window continued another; else (windows run, windows fed the ctx's own
+    state, the figures per output). Why here and not only on the CPU: what the
+    state feeds back is what the NPU computed (a whole-fp16 model's state is fp16 only on the
+    HTP; the CPU runs that graph in float32)."""
+    if not job.stream_states or not bucket.stream or not bucket.float_model:
+        return None
+    flt = cpu_session(bucket.float_model)
+    names = [o.name for o in ctx_session.get_outputs()]
+    if set(names) != {o.name for o in flt.get_outputs()}:
+        return None  # outputs renamed on the way: the pairs cannot be matched
+    comparison = OutputComparison(
+        {n: (scale, int(zero_point)) for n, (scale, zero_point) in job.output_grids.items()},
+        label_outputs(bucket.qdq),
+        dict(job.output_steps),
+        picked_outputs(bucket.qdq),
+        angles=angle_outputs(bucket.qdq),
+    )
+    on_htp = [0.0]
+
+    def on_the_htp(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        started = simulator_seconds()
+        got = dict(zip(names, ctx_session.run(names, feeds), strict=True))
+        on_htp[0] += simulator_seconds() - started
+        return got
+
+    def windows() -> Iterator[dict[str, np.ndarray]]:
+        for path in bucket.stream:
+            with np.load(path, allow_pickle=False) as data:
+                yield {k: data[k] for k in data.files}
+
+    ran, carried = run_closed_loop(
+        windows(),
+        lambda feeds: dict(zip(names, flt.run(names, feeds), strict=True)),
+        on_the_htp,
+        job.stream_states,
+        comparison.add,
+        lambda ran: (
+            ran < 2 or (ran < job.closed_loop_windows and on_htp[0] < job.closed_loop_budget_s)
+        ),
+    )
+    return (ran, carried, comparison.summary()) if carried else None
+
+
 def labels_all_agree(summary: dict[str, Any]) -> bool:
     """Whether every output is a label and the ctx gave the CPU QDQ model's label on every
     element so far. The quantize stage judged the scores such labels are computed from on the
@@ -663,6 +714,9 @@ def combine_validation(per_bucket: dict[str, Validation]) -> Validation:
         gate=largest.gate,
         measured_by=largest.measured_by if len({s.measured_by for s in sections}) == 1 else "",
         requested=sum(s.requested or s.samples for s in sections),
+        closed_loop=largest.closed_loop,  # a streaming model has one bucket
+        closed_loop_windows=largest.closed_loop_windows,
+        closed_loop_carried=largest.closed_loop_carried,
         cut_by=next(
             (
                 c
@@ -826,10 +880,19 @@ def run(job: CompileJob, progress: Progress) -> None:
             validation = probe_validation(job, ep, bucket, ctxs[bucket.name]) or validate(
                 job, bucket, sessions[bucket.name]
             )
+            loop = closed_loop_on_htp(job, bucket, sessions[bucket.name])
         except Exception as exc:  # onnxruntime's error types are not importable by name
             kind_, message = classify(ort_error(exc), ep.installed)
             what = f"bucket {bucket.name}: " if job.multi else ""
             raise StepFailed(kind_, f"{what}validation run failed: {message}") from exc
+        if loop is not None:
+            ran, carried, summary = loop
+            validation = dataclasses.replace(
+                validation,
+                closed_loop=summary,
+                closed_loop_windows=ran,
+                closed_loop_carried=carried,
+            )
         outcome = result.buckets[bucket.name]
         result.buckets[bucket.name] = BucketOutcome(
             outcome.coverage, outcome.inputs, outcome.outputs, validation

@@ -54,6 +54,11 @@ VALIDATE_SAMPLES = 16
 # at the same sample however busy the machine is.
 HTP_BUDGET_S = 120.0
 HTP_MIN_SAMPLES = 2  # one per simulator process on two cores: run side by side, at no extra time
+# A streaming model's ctx fed its own state (compile's closed loop): its held-out windows run in
+# order, one after another (no sample shared out to a second core or skipped), up to
+# CLOSED_LOOP_WINDOWS of them, and no new one after CLOSED_LOOP_BUDGET_S of HTP simulator time.
+CLOSED_LOOP_WINDOWS = 64
+CLOSED_LOOP_BUDGET_S = 10.0
 # A judge round needs no more samples once this many have each run on the HTP at least
 # ENOUGH_MARGIN_DB above the target SNR vs float: the figure over them is above it too (a pooled
 # SNR is at least its samples' lowest), and the choice it decides is made.

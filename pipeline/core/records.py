@@ -159,6 +159,10 @@ class QuantizeSummary:
     # Why the HTP judge fell back to the CPU when its probe failed on the HTP (a native crash
     # of the simulator, a finalize error): compile will meet the same. Empty otherwise.
     htp_failure: str = ""
+    # A streaming model's state input -> the output that feeds it (``calibration.recurrent``, or
+    # found in its held-out windows): the state an app carries from call to call, which compile
+    # feeds the ctx back on the HTP (``Validation.closed_loop``). Empty for other models.
+    stream_states: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -232,6 +236,12 @@ class Validation:
     # budget (pipeline.core.layout.HTP_BUDGET_S) left the rest out. 0: not recorded.
     requested: int = 0
     cut_by: str = ""  # why fewer ran: "budget", "evidence", "agreement" (HtpProbeRecord), "labels"
+    # A streaming model's ctx fed its own state window after window on the HTP, vs float on the
+    # held-out windows in order (``core.stream.run_closed_loop``): shown, not gated. How many
+    # windows ran, and how many of them were fed the ctx's own state.
+    closed_loop: dict[str, Accuracy] = field(default_factory=dict)
+    closed_loop_windows: int = 0
+    closed_loop_carried: int = 0
 
 
 @dataclass(frozen=True)

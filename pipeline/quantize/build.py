@@ -1224,6 +1224,7 @@ def _steps(
         weights=weights,
         end_to_end=e2e,
         closed_loop=loop,
+        stream_states=states,
         worst_snr_db=worst,
         min_snr_db=gate,
         passed=(gate <= 0 or min(worst, judged) >= gate) and preparation.passed,
@@ -1356,6 +1357,7 @@ def _record(
                 if accuracy.snr_db is not None and math.isfinite(accuracy.snr_db)
             },
             htp_failure=_htp_failure(report.htp),
+            stream_states=dict(report.stream_states),
         ),
     )
 

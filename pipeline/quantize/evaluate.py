@@ -30,6 +30,7 @@ from ..core.memory import release_freed_memory
 from ..core.metrics import OutputComparison, storable
 from ..core.progress import Progress
 from ..core.records import folder_digest
+from ..core.stream import follows, run_closed_loop
 from ..graph.buckets import BucketPlan
 
 Feeds = dict[str, np.ndarray]
@@ -495,18 +496,6 @@ def input_jitter(
     return comparison.summary()
 
 
-# A window's stored state input is the float model's state output on the window before it (the
-# same run of a stream) when they agree this closely; otherwise a run starts there.
-_SAME_STATE_RTOL = 1e-4
-
-
-def _follows(state: np.ndarray, before: np.ndarray) -> bool:
-    """Whether a window's stored ``state`` is the output ``before`` of the window before it."""
-    return state.shape == before.shape and np.allclose(
-        state, before, rtol=_SAME_STATE_RTOL, atol=1e-6
-    )
-
-
 def state_like_inputs(model: Path) -> set[str]:
     """Inputs shaped like an output (same dtype and shape): where a stream's state may come
     back in. An image-to-image model has them too; ``carried_states`` tells the two apart."""
@@ -538,7 +527,7 @@ def carried_states(reference_model: Path, heldout: Path) -> dict[str, str]:
                 if value.dtype.kind != "f" or not np.any(value):
                     continue
                 for out, before in previous.items():
-                    if _follows(value, before):
+                    if follows(value, before):
                         pairs[(inp, out)] = pairs.get((inp, out), 0) + 1
         previous = {n: np.asarray(v) for n, v in outputs.items() if np.asarray(v).dtype.kind == "f"}
     found = {inp: out for (inp, out), count in sorted(pairs.items()) if count >= 2}
@@ -551,34 +540,18 @@ def closed_loop(
     """``test_model`` fed its own state, window after window, as a streaming app runs it,
     against ``reference_model`` on the held-out windows as stored (whose state inputs are the
     reference's own outputs: ``calibration.recurrent``); ``recurrent``: state input -> the
-    output that feeds it. Empty when no window continues another.
-
-    Why: every other figure feeds each window the float model's state, so an error the test
-    model feeds back never compounds there. A streaming Silero v6 read 38.6 dB so and 19.8 dB
-    fed its own state on the HTP. A run of the stream starts where a window's stored state is
-    not the reference's state after the window before it (a file's first window, or the first
-    held out of its tail): there the stored state is used. The state outputs themselves are
-    not compared (they drift where the outputs an app reads may not), unless they are all."""
+    output that feeds it (``core.stream.run_closed_loop``). Empty when no window continues
+    another. The state outputs themselves are not compared (they drift where the outputs an
+    app reads may not), unless they are all."""
     ref = KeptRuns(reference_model)
     test = KeptRuns(test_model)
     names = ref.output_names()
-    read = [n for n in names if n not in recurrent.values()] or names  # what the app reads
     comparison = OutputComparison.for_models(reference_model, test_model)
-    carried = 0
-    previous_reference: Feeds | None = None
-    own_state: Feeds | None = None
-    for feeds in iter_samples(heldout):
-        expected = ref.run_named(names, feeds)
-        continues = previous_reference is not None and all(
-            _follows(np.asarray(feeds[inp]), previous_reference[out])
-            for inp, out in recurrent.items()
-        )
-        run_feeds = dict(feeds)
-        if continues and own_state is not None:
-            run_feeds.update(own_state)
-            carried += 1
-        got = test.run_named(names, run_feeds)
-        comparison.add({n: expected[n] for n in read}, {n: got[n] for n in read})
-        previous_reference = {out: np.asarray(expected[out]) for out in recurrent.values()}
-        own_state = {inp: np.asarray(got[out]) for inp, out in recurrent.items()}
+    _, carried = run_closed_loop(
+        iter_samples(heldout),
+        lambda feeds: ref.run_named(names, feeds),
+        lambda feeds: test.run_named(names, feeds),
+        recurrent,
+        comparison.add,
+    )
     return comparison.summary() if carried else {}

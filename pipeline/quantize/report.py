@@ -138,6 +138,8 @@ class QuantizeReport:
     # A streaming model (calibration.recurrent): the QDQ model fed its own state window after
     # window vs float (``evaluate.closed_loop``); every other figure feeds it float's state.
     closed_loop: dict[str, Accuracy] = field(default_factory=dict)
+    # ... its state pairs: state input -> the output that feeds it (compile runs the ctx so too)
+    stream_states: dict[str, str] = field(default_factory=dict)
 
     @property
     def multi(self) -> bool:
