@@ -697,6 +697,25 @@ def rnn_and_reader(tmp_path: Path, reader: str) -> None:
     (tmp_path / "reader.py").write_text("import numpy as np\n" + reader)
 
 
+def state_carrying_reader(freqs: tuple[int, ...], windows: int) -> str:
+    """A reader's source: a sine per frequency in ``windows`` windows of 64, the state of
+    ``streaming_rnn`` carried from window to window by the float model, as an app does."""
+    return (
+        "import onnxruntime as ort\n"
+        "from pathlib import Path\n"
+        "def read(path, specs):\n"
+        "    model = str(Path(__file__).with_name('rnn.onnx'))\n"
+        "    session = ort.InferenceSession(model, providers=['CPUExecutionProvider'])\n"
+        f"    for freq in {freqs!r}:\n"
+        f"        wave = 0.25 * np.sin(np.arange(64 * {windows}) * freq / 64).astype(np.float32)\n"
+        "        s = np.zeros((1, 8), np.float32)\n"
+        f"        for k in range({windows}):\n"
+        "            feeds = {'a': wave[None, 64 * k : 64 * (k + 1)], 's': s}\n"
+        "            yield feeds\n"
+        "            s = session.run(['s_out'], feeds)[0]\n"
+    )
+
+
 def closed_loop_of_rnn(
     tmp_path: Path, calibration: str, quantization: str = ""
 ) -> tuple[dict, Path]:
@@ -764,21 +783,7 @@ def test_a_readers_stream_is_measured_fed_its_own_state(tmp_path: Path) -> None:
     the state pairs are found in them, and the report gives the QDQ model fed its own state.
     Every k-th window held out, no window continued another and there was no such figure."""
 
-    rnn_and_reader(
-        tmp_path,
-        "import onnxruntime as ort\n"
-        "from pathlib import Path\n"
-        "def read(path, specs):\n"
-        "    model = str(Path(__file__).with_name('rnn.onnx'))\n"
-        "    session = ort.InferenceSession(model, providers=['CPUExecutionProvider'])\n"
-        "    for freq in (3, 7):\n"
-        "        wave = 0.25 * np.sin(np.arange(64 * 24) * freq / 64).astype(np.float32)\n"
-        "        s = np.zeros((1, 8), np.float32)\n"
-        "        for k in range(24):\n"
-        "            feeds = {'a': wave[None, 64 * k : 64 * (k + 1)], 's': s}\n"
-        "            yield feeds\n"
-        "            s = session.run(['s_out'], feeds)[0]\n",
-    )
+    rnn_and_reader(tmp_path, state_carrying_reader(freqs=(3, 7), windows=24))
     loop, _ = closed_loop_of_rnn(
         tmp_path, 'kind = "python"\nreader = "reader.py:read"\nsamples = 48\nheld_out = 0.25'
     )
@@ -796,20 +801,7 @@ def test_compile_runs_a_streams_ctx_fed_its_own_state_on_the_htp(
     from pipeline.__main__ import main
     from pipeline.core.records import QuantizeRecord, VariantRecord, read_record
 
-    rnn_and_reader(
-        tmp_path,
-        "import onnxruntime as ort\n"
-        "from pathlib import Path\n"
-        "def read(path, specs):\n"
-        "    model = str(Path(__file__).with_name('rnn.onnx'))\n"
-        "    session = ort.InferenceSession(model, providers=['CPUExecutionProvider'])\n"
-        "    wave = 0.25 * np.sin(np.arange(64 * 48) * 5 / 64).astype(np.float32)\n"
-        "    s = np.zeros((1, 8), np.float32)\n"
-        "    for k in range(48):\n"
-        "        feeds = {'a': wave[None, 64 * k : 64 * (k + 1)], 's': s}\n"
-        "        yield feeds\n"
-        "        s = session.run(['s_out'], feeds)[0]\n",
-    )
+    rnn_and_reader(tmp_path, state_carrying_reader(freqs=(5,), windows=48))
     _, build = closed_loop_of_rnn(
         tmp_path,
         'kind = "python"\nreader = "reader.py:read"\nsamples = 48\nheld_out = 0.25',
