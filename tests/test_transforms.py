@@ -1898,6 +1898,14 @@ def test_a_gemms_computed_bias_is_added_after_it(trans_b: int, beta: float) -> N
     assert_same(model, split, {**feeds, "s": RNG.standard_normal((1, 8)).astype(np.float32)})
     assert not t.gemm_computed_bias_as_add(split)[1].changed
     assert not t.gemm_computed_bias_as_add(gemm_with_bias([6]))[1].changed  # a constant C stays
+    dequantized = gemm_with_bias([6])  # C = DequantizeLinear(int32 bias): constant too
+    bias = dequantized.graph.initializer[1]
+    bias.CopyFrom(numpy_helper.from_array(np.arange(6, dtype=np.int32), "c_int32"))
+    dequantized.graph.initializer.append(numpy_helper.from_array(np.float32(0.01), "c_scale"))
+    dequantized.graph.node.insert(
+        0, oh.make_node("DequantizeLinear", ["c_int32", "c_scale"], ["c"], name="c_dq")
+    )
+    assert not t.gemm_computed_bias_as_add(dequantized)[1].changed
 
 
 def test_a_cell_whose_gemm_adds_a_computed_term_runs_whole_on_the_htp(tmp_path: Path) -> None:

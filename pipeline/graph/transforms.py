@@ -2807,11 +2807,15 @@ def gemm_computed_bias_as_add(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
     qnn_preprocess_model's optimizer fuses MatMul + Add into a Gemm whatever the Add's other
     input is; quantized, the QNN EP then leaves that Gemm's weight DequantizeLinear on the CPU
     (a recurrent cell's input MatMul plus its state term: 1 CPU node, and the HTP judge fell
-    back to fp16). Gemm(A, B) + Add runs whole on the HTP.
+    back to fp16). Gemm(A, B) + Add runs whole on the HTP. A C computed from constants alone
+    stays (a pre-quantized model's bias, DequantizeLinear of its int32 values).
     """
     model = copy_model(model)
     graph = model.graph
-    inits = initializers_by_name(graph)
+    constant = set(initializers_by_name(graph))
+    for node in graph.node:  # in graph order: what only constants feed is constant
+        if all(name in constant for name in node.input if name):
+            constant.update(node.output)
     fresh = FreshNames(model)
     nodes: list[onnx.NodeProto] = []
     details = []
@@ -2821,7 +2825,7 @@ def gemm_computed_bias_as_add(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
             and node.domain in DEFAULT_DOMAINS
             and len(node.input) >= 3
             and node.input[2] != ""
-            and node.input[2] not in inits
+            and node.input[2] not in constant
         )
         if not computed:
             nodes.append(node)
