@@ -1289,3 +1289,26 @@ def test_raising_stops_after_two_rounds_below_the_8_bit_model() -> None:
     # a gain first, then a loss (gtcrn: 27.8 at 2 tensors, 27.7 at 4, 28.1 at 8) goes on
     assert keep_raising([Round(2, 27.84), Round(4, 27.73)], 13.72)
     assert keep_raising([Round(1, 17.25), Round(2, 17.26), Round(4, 18.0)], 17.75)
+
+
+def test_the_per_tensor_noise_is_measured_on_as_many_samples_as_its_values_need(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to 8 samples, but no more than it takes for the outputs to hold ANALYSIS_VALUES
+    values over them (two at least): each sample is a float run per candidate, and a large
+    detector spent its time budget after 4 of 63 tensors on 8."""
+    from pipeline.quantize import mixed_precision as mp
+
+    bucket, feeds = _conv_gemm_matmul_built(tmp_path, 32)
+    kinds = {**mp.EIGHT_BIT, **mp.SIXTEEN_BIT}
+    *_, stats = mp.measure(bucket.float_model, bucket.qdq, feeds, kinds)
+    assert stats["samples"] == 8  # a few values a sample: all of them
+    values = sum(
+        int(np.prod(o.shape)) for o in ort.InferenceSession(bucket.float_model).get_outputs()
+    )
+    monkeypatch.setattr(mp, "ANALYSIS_VALUES", 3 * values)
+    *_, stats = mp.measure(bucket.float_model, bucket.qdq, feeds, kinds)
+    assert stats["samples"] == 3
+    monkeypatch.setattr(mp, "ANALYSIS_VALUES", values // 2)
+    *_, stats = mp.measure(bucket.float_model, bucket.qdq, feeds, kinds)
+    assert stats["samples"] == 2

@@ -43,6 +43,11 @@ from .evaluate import evaluate
 
 ANALYSIS_SAMPLES = 8  # calibration samples the per-tensor noise is measured on
 ANALYSIS_BYTES = 256 << 20  # ... fewer when their float64 reference outputs would pass this
+# ... and no more than it takes for the outputs to hold this many values over them (two samples
+# at least): a tensor's output noise over a million values is a steady figure, and each sample
+# is a float run per candidate. A face detector at 736x1280 (883k output values a sample) ran 8
+# a candidate, ~10 s each: the time budget was spent after 4 of its 63 tensors.
+ANALYSIS_VALUES = 1 << 20
 ANALYSIS_BUDGET_S = 60.0  # stop measuring candidates after this; the rest rank last
 # Candidates measured side by side, a thread and a one-thread session each (gtcrn's 416
 # activations: 16.5 s one at a time with onnxruntime's thread pool, see measuring_threads):
@@ -470,9 +475,12 @@ def measure(
     )
     # Each sample's reference outputs stay in memory (float64) for every candidate: a 21-class
     # 1024x2048 map is 352 MB a sample, and 8 of them took the process to 4.3 GiB. As many
-    # samples as ANALYSIS_BYTES holds, one at least (2M pixels of a segmenter's map).
-    per_sample = sum(8 * int(np.asarray(first[n]).size) for n in names) if first else 0
-    feeds = feeds[: max(1, ANALYSIS_BYTES // per_sample)] if per_sample else feeds
+    # samples as ANALYSIS_BYTES holds, one at least (2M pixels of a segmenter's map), and as
+    # ANALYSIS_VALUES needs, two at least.
+    values = sum(int(np.asarray(first[n]).size) for n in names) if first else 0
+    if values:
+        wanted = max(2, -(-ANALYSIS_VALUES // values))
+        feeds = feeds[: max(1, min(ANALYSIS_BYTES // (8 * values), wanted))]
     refs = [
         {n: _values(v) for n, v in zip(names, reference.run(names, f), strict=True)} for f in feeds
     ]
