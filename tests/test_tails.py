@@ -848,7 +848,7 @@ def test_a_gate_lowered_to_a_rounding_floor_is_said_in_the_compile_report() -> N
     def row(gate: str) -> SimpleNamespace:
         validation = SimpleNamespace(
             gate=gate, ctx_vs_qdq=figures, ctx_vs_float=figures, measured_by="", passed=True,
-            requested=16, samples=16, cut_by="",
+            requested=16, samples=16, cut_by="", closed_loop={},
         )  # fmt: skip
         record = SimpleNamespace(
             error=None, coverage=None, validation=validation, load=None, shared_load_probe=""
