@@ -54,6 +54,7 @@ COLOURS = {
     "ctx_vs_qdq": "#1f77b4",
     "ctx_vs_float": "#ff7f0e",
     "qdq_vs_float": "#2ca02c",
+    "closed_loop": "#8c564b",  # a stream's ctx fed its own state (compile's closed loop)
     "qdq_load": "#9467bd",
     "ctx_load": "#1f77b4",
     "all_load": "#17becf",
@@ -636,6 +637,8 @@ def _accuracy_groups(
     """(group labels, comparison -> values) over every variant, bucket and output."""
     groups: list[str] = []
     values: dict[str, list[float | None]] = {k: [] for k in COLOURS if "_vs_" in k}
+    if any(_dict(v.get("validation")).get("closed_loop") for v in variants):
+        values["closed_loop"] = []
     several = len(variants) > 1
     for v in variants:
         buckets = _dict(v.get("buckets"))
@@ -679,6 +682,7 @@ def fig_accuracy(variants: list[dict[str, Any]], gate_db: float | None = None) -
         "ctx_vs_qdq": "ctx (HTP) vs QDQ (CPU)",
         "ctx_vs_float": "ctx (HTP) vs float (CPU)",
         "qdq_vs_float": "QDQ vs float (both CPU)",
+        "closed_loop": "ctx (HTP) fed its own state vs float",
     }
     series = [(labels[k], COLOURS[k], vals[: len(groups)]) for k, vals in values.items()]
     lines = max(g.count("\n") + 1 for g in groups)

@@ -278,3 +278,19 @@ def test_unreadable_report_is_named_on_the_page(tmp_path: Path) -> None:
     assert warnings == [] and page is not None
     text = check_self_contained(page)
     assert "report.json could not be read" in text and "Not compiled yet" in text
+
+
+def test_a_streams_closed_loop_is_a_bar_of_the_accuracy_plot() -> None:
+    """A streaming model's ctx fed its own state (compile's closed loop) is a fourth bar per
+    output it was measured on; its state outputs, read by no app, have none."""
+    figure = {"snr_db": 30.0}
+    validation = {
+        "ctx_vs_qdq": {"y": figure, "state": figure},
+        "ctx_vs_float": {"y": figure, "state": figure},
+        "qdq_vs_float": {"y": figure, "state": figure},
+        "closed_loop": {"y": {"snr_db": 21.5}},
+    }
+    groups, values = report_html._accuracy_groups([{"validation": validation}])
+    assert groups == ["y", "state"] and values["closed_loop"] == [21.5, None]
+    _, plain = report_html._accuracy_groups([{"validation": {**validation, "closed_loop": {}}}])
+    assert "closed_loop" not in plain
