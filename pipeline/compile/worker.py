@@ -527,12 +527,12 @@ def closed_loop_on_htp(
     job: CompileJob, bucket: BucketJob, ctx_session: Any
 ) -> tuple[int, int, dict[str, Accuracy]] | None:
     """The ctx fed its own state window after window on the HTP, as a streaming app runs it,
-    vs the float model on the held-out windows in order (``core.stream.run_closed_loop``), for
-    up to ``job.closed_loop_windows`` windows and ``job.closed_loop_budget_s`` of simulator time. None for a model with no stream
-    state, or when no window continued another; else (windows run, windows fed the ctx's own
-    state, the figures per output). Why here and not only on the CPU: what the
-    state feeds back is what the NPU computed (a whole-fp16 model's state is fp16 only on the
-    HTP; the CPU runs that graph in float32)."""
+    vs the float model on the held-out windows in order (``core.stream.run_closed_loop``):
+    ``job.closed_loop_windows`` at most, none started after ``job.closed_loop_budget_s`` of
+    simulator time. None for a model with no stream state, or when no window continued
+    another; else (windows run, windows fed the ctx's own state, the figures per output).
+    Why on the HTP and not only on the CPU: the state fed back is what the NPU computed (a
+    whole-fp16 model's state is fp16 on the HTP alone; the CPU runs that graph in float32)."""
     if not job.stream_states or not bucket.stream or not bucket.float_model:
         return None
     flt = cpu_session(bucket.float_model)
