@@ -716,6 +716,17 @@ def state_carrying_reader(freqs: tuple[int, ...], windows: int) -> str:
     )
 
 
+def rnn_and_wavs(tmp_path: Path) -> None:
+    """``streaming_rnn`` as rnn.onnx, and two wav files of sines, 24 windows of 64, in wav/."""
+    import onnx
+
+    onnx.save(streaming_rnn(), str(tmp_path / "rnn.onnx"))  # type: ignore[arg-type]
+    folder = tmp_path / "wav"
+    folder.mkdir()
+    for name, freq in (("a", 3), ("b", 7)):
+        write_wav(folder / f"{name}.wav", 8000 * np.sin(np.arange(64 * 24) * freq / 64))
+
+
 def closed_loop_of_rnn(
     tmp_path: Path, calibration: str, quantization: str = ""
 ) -> tuple[dict, Path]:
@@ -740,13 +751,7 @@ def test_a_streaming_model_is_also_measured_fed_its_own_state(tmp_path: Path) ->
     """The quantize stage, on a streaming model with calibration.recurrent: its held-out
     windows follow one another, so the report also gives the QDQ model fed its own state."""
 
-    import onnx
-
-    onnx.save(streaming_rnn(), str(tmp_path / "rnn.onnx"))  # type: ignore[arg-type]
-    folder = tmp_path / "wav"
-    folder.mkdir()
-    for name, freq in (("a", 3), ("b", 7)):
-        write_wav(folder / f"{name}.wav", 8000 * np.sin(np.arange(64 * 24) * freq / 64))
+    rnn_and_wavs(tmp_path)
     loop, build = closed_loop_of_rnn(
         tmp_path,
         'kind = "audio"\npath = "wav"\nheld_out = 0.25\nsamples = 48\ninput = "a"\n'
@@ -858,3 +863,59 @@ def test_a_declared_state_is_not_carried_across_the_held_out_run(tmp_path: Path)
     assert sorted(states) == [0, 1, 2, 3, 7, 8, 9, 10, 11]
     assert states[0] == 100.0 and states[7] == 107.0  # each run starts from its reader's state
     assert all(abs(states[i]) <= 1.0 for i in (1, 2, 3, 8, 9, 10, 11))  # carried: a Tanh's
+
+
+def test_a_state_the_audio_does_not_feed_is_carried_not_zeros(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Audio windows feed ``a``; the state input ``s``, shaped like the output ``s_out`` alone,
+    is carried from it window to window (inferred, said on the console and in the report), so
+    it is calibrated on real states and the closed loop has a figure. At zeros, as before, its
+    range was [0, 0]: an app's real states would clip to nothing."""
+    import json
+
+    rnn_and_wavs(tmp_path)
+    loop, build = closed_loop_of_rnn(
+        tmp_path,
+        'kind = "audio"\npath = "wav"\nheld_out = 0.25\nsamples = 48\ninput = "a"\n'
+        "[calibration.audio]\nwindow = 64",
+    )
+    report = json.loads((build / "report.json").read_text())
+    assert report["recurrent_inferred"] == {"s": "s_out"} and set(loop) == {"y"}
+    assert "calibration.recurrent inferred: { s = 's_out' }" in capsys.readouterr().out
+    state_range = json.loads((build / "ranges.json").read_text())["data"]["s"]
+    low, high = state_range["lowest"]["data"][0], state_range["highest"]["data"][0]
+    assert high - low > 0.1, state_range
+
+
+@pytest.mark.parametrize(
+    ("outputs", "pairs", "unpaired"),
+    [
+        (["hn", "cn"], {"h": "hn", "c": "cn"}, []),  # two of a shape, told apart by name
+        (["o1", "o2"], {}, ["h", "c"]),  # two of a shape, nothing to tell them apart
+    ],
+)
+def test_unfed_states_pair_by_shape_then_by_name(
+    tmp_path: Path, outputs: list[str], pairs: dict, unpaired: list
+) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    from pipeline.quantize.evaluate import unfed_states
+
+    def value(name: str, shape: list[int]) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["h", "c"], [outputs[0]]),
+            helper.make_node("Sub", ["h", "c"], [outputs[1]]),
+            helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0),
+        ],
+        "g",
+        [value("x", [1, 64]), value("h", [1, 8]), value("c", [1, 8])],
+        [value("y", []), value(outputs[0], [1, 8]), value(outputs[1], [1, 8])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    assert unfed_states(tmp_path / "m.onnx", "x") == (pairs, unpaired)

@@ -88,6 +88,7 @@ from .evaluate import (
     evaluate,
     input_jitter,
     state_like_inputs,
+    unfed_states,
 )
 from .judge import HTP_PROBE_FAILED, Builder, HtpJudgement, judge_on_htp
 from .lossless import OWN_ROUNDING_MARGIN_DB, PreparationCheck, bucket_inputs, check_preparation
@@ -709,6 +710,34 @@ def _advise_requantize(config: ModelConfig, judgement: HtpJudgement, problem: st
     print(f"NOTE {config.model.name}: {advice}.")
 
 
+def _inferred_recurrent(config: ModelConfig, state: _State) -> tuple[ModelConfig, dict[str, str]]:
+    """A streaming model calibrated on audio or images with no ``calibration.recurrent``: its
+    state inputs, which the data does not feed, carried from the outputs that feed them
+    (``evaluate.unfed_states``) instead of zeros. Zeros calibrate a state input to [0, 0], and
+    the app's real states would then clip to nothing, while every held-out figure, zeros too,
+    said the model was fine. Said on the console; a declared ``recurrent`` is never changed."""
+    cal = config.calibration
+    if cal.recurrent or cal.kind not in ("audio", "images") or len(state.plan.names) != 1:
+        return config, {}
+    pairs, unpaired = unfed_states(state.largest.float_path, cal.input)
+    name = config.model.name
+    if unpaired:
+        print(
+            f"NOTE {name}: state input(s) {', '.join(unpaired)} are shaped like several outputs, "
+            "none named after them: calibrated at zeros. Set calibration.recurrent = "
+            '{ state_in = "state_out" } to carry each from the output that feeds it.'
+        )
+    if not pairs:
+        return config, {}
+    shown = ", ".join(f"{inp} = {out!r}" for inp, out in pairs.items())
+    print(
+        f"NOTE {name}: calibration.recurrent inferred: {{ {shown} }} (state inputs the "
+        f"{cal.kind} do not feed, each shaped like the output that feeds it): carried window "
+        "to window, not zeros. Declare calibration.recurrent to choose otherwise."
+    )
+    return dataclasses.replace(config, calibration=dataclasses.replace(cal, recurrent=pairs)), pairs
+
+
 def _stream_states(config: ModelConfig, state: _State, paths: ModelPaths) -> dict[str, str]:
     """A streaming model's state input -> the output that feeds it: ``calibration.recurrent``,
     or found in its held-out windows (``evaluate.carried_states``); {} for other models."""
@@ -1098,6 +1127,7 @@ def _steps(
 ) -> tuple[report_mod.QuantizeReport, QuantizeRecord]:
     state = _prepare_all(config, paths, timings)
     release_freed_memory()  # the source and preparation's copies (see pipeline.core.memory)
+    config, inferred = _inferred_recurrent(config, state)
     samples = _sample_all(config, paths, state)
     adapt_heap_to(sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in state.largest.specs))
     state.own = _keep_own_quantization(config, paths, state) or state.own
@@ -1225,6 +1255,7 @@ def _steps(
         end_to_end=e2e,
         closed_loop=loop,
         stream_states=states,
+        recurrent_inferred=inferred,
         worst_snr_db=worst,
         min_snr_db=gate,
         passed=(gate <= 0 or min(worst, judged) >= gate) and preparation.passed,

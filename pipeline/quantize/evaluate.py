@@ -506,6 +506,33 @@ def state_like_inputs(model: Path) -> set[str]:
     return {i.name for i in summary.inputs if (i.dtype, tuple(i.shape)) in shapes}
 
 
+def unfed_states(model: Path, fed: str) -> tuple[dict[str, str], list[str]]:
+    """State inputs the data does not feed (any float input but ``fed`` shaped like an output)
+    paired with the output that feeds them: the one output of that shape, or among several the
+    one whose name starts with the input's (h -> hn, state -> stateN), each output once.
+    Returns (input -> output, inputs left unpaired: no output told apart by name)."""
+    from qnn_ctx_runtime.qnn import read_model_summary
+
+    summary = read_model_summary(model)
+    pairs: dict[str, str] = {}
+    unpaired: list[str] = []
+    for spec in summary.inputs:
+        if spec.name == fed or not spec.dtype.startswith("float"):
+            continue
+        same = [
+            o.name
+            for o in summary.outputs
+            if (o.dtype, tuple(o.shape)) == (spec.dtype, tuple(spec.shape))
+            and o.name not in pairs.values()
+        ]
+        named = [o for o in same if o.lower().startswith(spec.name.lower())]
+        if len(same) == 1 or len(named) == 1:
+            pairs[spec.name] = same[0] if len(same) == 1 else named[0]
+        elif same:
+            unpaired.append(spec.name)
+    return pairs, unpaired
+
+
 def carried_states(reference_model: Path, heldout: Path) -> dict[str, str]:
     """State input -> the output that feeds it, found in the held-out windows themselves: an
     input that, window after window, holds what an output of the same shape gave on the window

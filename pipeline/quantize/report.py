@@ -140,6 +140,8 @@ class QuantizeReport:
     closed_loop: dict[str, Accuracy] = field(default_factory=dict)
     # ... its state pairs: state input -> the output that feeds it (compile runs the ctx so too)
     stream_states: dict[str, str] = field(default_factory=dict)
+    # ... of which inferred, not declared (build._inferred_recurrent)
+    recurrent_inferred: dict[str, str] = field(default_factory=dict)
 
     @property
     def multi(self) -> bool:
@@ -636,6 +638,13 @@ def _accuracy_section(r: QuantizeReport) -> list[str]:
         )
     elif e2e.shipped_error:
         notes.append(f"The quantized file as shipped could not be compared: {e2e.shipped_error}")
+    if r.recurrent_inferred:
+        shown = ", ".join(f"{inp} <- {out}" for inp, out in r.recurrent_inferred.items())
+        notes.append(
+            f"State inputs carried window to window from the outputs that feed them, inferred "
+            f"(no calibration.recurrent; the data does not feed them, each is shaped like that "
+            f"output): {shown}. Zeros would calibrate them to nothing."
+        )
     if r.closed_loop:
         shown = ", ".join(
             f"{name} {fmt(a.snr_db)} dB"
