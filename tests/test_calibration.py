@@ -918,4 +918,23 @@ def test_unfed_states_pair_by_shape_then_by_name(
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
     onnx.save(model, str(tmp_path / "m.onnx"))
-    assert unfed_states(tmp_path / "m.onnx", "x") == (pairs, unpaired)
+    assert unfed_states(tmp_path / "m.onnx", {"x"}) == (pairs, unpaired)
+
+
+def test_a_state_a_reader_does_not_yield_is_carried_too(tmp_path: Path) -> None:
+    """A python reader that yields the audio windows only: the state input it leaves out is
+    inferred and carried as for audio files (the pairs read from the first sample's inputs)."""
+    rnn_and_reader(
+        tmp_path,
+        "def read(path, specs):\n"
+        "    wave = 0.25 * np.sin(np.arange(64 * 48) * 5 / 64).astype(np.float32)\n"
+        "    for k in range(48):\n"
+        "        yield {'a': wave[None, 64 * k : 64 * (k + 1)]}\n",
+    )
+    loop, build = closed_loop_of_rnn(
+        tmp_path, 'kind = "python"\nreader = "reader.py:read"\nsamples = 48\nheld_out = 0.25'
+    )
+    import json
+
+    assert json.loads((build / "report.json").read_text())["recurrent_inferred"] == {"s": "s_out"}
+    assert set(loop) == {"y"}

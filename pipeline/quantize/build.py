@@ -710,16 +710,16 @@ def _advise_requantize(config: ModelConfig, judgement: HtpJudgement, problem: st
     print(f"NOTE {config.model.name}: {advice}.")
 
 
-def _inferred_recurrent(config: ModelConfig, state: _State) -> tuple[ModelConfig, dict[str, str]]:
-    """A streaming model calibrated on audio or images with no ``calibration.recurrent``: its
-    state inputs, which the data does not feed, carried from the outputs that feed them
+def _inferred_recurrent(
+    config: ModelConfig, state: _State, fed: set[str]
+) -> tuple[ModelConfig, dict[str, str]]:
+    """A streaming model with no ``calibration.recurrent`` whose data does not feed its state
+    inputs (``fed``: what a sample holds): those carried from the outputs that feed them
     (``evaluate.unfed_states``) instead of zeros. Zeros calibrate a state input to [0, 0], and
     the app's real states would then clip to nothing, while every held-out figure, zeros too,
     said the model was fine. Said on the console; a declared ``recurrent`` is never changed."""
     cal = config.calibration
-    if cal.recurrent or cal.kind not in ("audio", "images") or len(state.plan.names) != 1:
-        return config, {}
-    pairs, unpaired = unfed_states(state.largest.float_path, cal.input)
+    pairs, unpaired = unfed_states(state.largest.float_path, fed)
     name = config.model.name
     if unpaired:
         print(
@@ -732,8 +732,8 @@ def _inferred_recurrent(config: ModelConfig, state: _State) -> tuple[ModelConfig
     shown = ", ".join(f"{inp} = {out!r}" for inp, out in pairs.items())
     print(
         f"NOTE {name}: calibration.recurrent inferred: {{ {shown} }} (state inputs the "
-        f"{cal.kind} do not feed, each shaped like the output that feeds it): carried window "
-        "to window, not zeros. Declare calibration.recurrent to choose otherwise."
+        "calibration data does not feed, each shaped like the output that feeds it): carried "
+        "window to window, not zeros. Declare calibration.recurrent to choose otherwise."
     )
     return dataclasses.replace(config, calibration=dataclasses.replace(cal, recurrent=pairs)), pairs
 
@@ -863,6 +863,7 @@ class _State:
     borrowed: list[str] = dataclasses.field(default_factory=list)
     own: report_mod.OwnQuantization | None = None  # the source brought its own quantization
     lstm_nodes: int | None = None  # the LSTM unroll budget preparation had (None: default)
+    recurrent_inferred: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def largest(self) -> PreparedBucket:
@@ -1050,9 +1051,12 @@ def _unroll_lstms_the_htp_computes_short(
     return unrolled
 
 
-def _sample_all(config: ModelConfig, paths: ModelPaths, state: _State) -> dict[str, BucketSamples]:
+def _sample_all(
+    config: ModelConfig, paths: ModelPaths, state: _State
+) -> tuple[ModelConfig, dict[str, BucketSamples]]:
     """Route the calibration samples into buckets, write the held-out samples; each bucket's
-    calibration samples."""
+    calibration samples, and the config with the state pairs it inferred
+    (``_inferred_recurrent``)."""
     started = time.perf_counter()
     plan, largest = state.plan, state.largest
     bounds = {}
@@ -1060,17 +1064,20 @@ def _sample_all(config: ModelConfig, paths: ModelPaths, state: _State) -> dict[s
         import onnx
 
         bounds = index_bounds(onnx.load(str(largest.float_path), load_external_data=False))
-    router = Router(config, plan, {s.name: s.dtype for s in largest.specs}, bounds)
     stream = len(plan.names) == 1 and bool(state_like_inputs(largest.float_path))
     state.samples = sample_source(config, largest.specs, paths.root / READER_SAMPLES, stream)
     if not state.samples.calib:
         raise CalibrationError(f"{config.model.name}: no calibration samples were selected.")
+    if stream and not config.calibration.recurrent and config.calibration.kind != "random":
+        _, first = next(state.samples.iterate(state.samples.calib[:1]))
+        config, state.recurrent_inferred = _inferred_recurrent(config, state, set(first))
+    router = Router(config, plan, {s.name: s.dtype for s in largest.specs}, bounds)
     state.routed = _route(config, plan, state.samples, router)
     state.held_counts, state.borrowed = _write_heldout(
         paths, plan, state.samples, router, state.routed, largest.float_path
     )
     state.timings["route"] = time.perf_counter() - started
-    return {
+    return config, {
         name: BucketSamples(
             state.samples,
             router,
@@ -1127,8 +1134,7 @@ def _steps(
 ) -> tuple[report_mod.QuantizeReport, QuantizeRecord]:
     state = _prepare_all(config, paths, timings)
     release_freed_memory()  # the source and preparation's copies (see pipeline.core.memory)
-    config, inferred = _inferred_recurrent(config, state)
-    samples = _sample_all(config, paths, state)
+    config, samples = _sample_all(config, paths, state)
     adapt_heap_to(sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in state.largest.specs))
     state.own = _keep_own_quantization(config, paths, state) or state.own
     # Before calibration holds its data and the judge its models: the check's two CPU sessions
@@ -1167,7 +1173,7 @@ def _steps(
             restart.state.own = state.own
             state = restart.state
             release_freed_memory()
-            samples = _sample_all(config, paths, state)
+            config, samples = _sample_all(config, paths, state)
             preparation = _check_preparation(config, paths, state)  # of the unrolled form
             merged, changes, mixed, judgement = _quantize_all(
                 config, paths, state.plan, state.prepared, samples, state.held_counts, state.timings
@@ -1255,7 +1261,7 @@ def _steps(
         end_to_end=e2e,
         closed_loop=loop,
         stream_states=states,
-        recurrent_inferred=inferred,
+        recurrent_inferred=state.recurrent_inferred,
         worst_snr_db=worst,
         min_snr_db=gate,
         passed=(gate <= 0 or min(worst, judged) >= gate) and preparation.passed,

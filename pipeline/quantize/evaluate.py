@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -506,18 +506,19 @@ def state_like_inputs(model: Path) -> set[str]:
     return {i.name for i in summary.inputs if (i.dtype, tuple(i.shape)) in shapes}
 
 
-def unfed_states(model: Path, fed: str) -> tuple[dict[str, str], list[str]]:
-    """State inputs the data does not feed (any float input but ``fed`` shaped like an output)
+def unfed_states(model: Path, fed: Iterable[str]) -> tuple[dict[str, str], list[str]]:
+    """State inputs the data does not feed (a float input not in ``fed`` shaped like an output)
     paired with the output that feeds them: the one output of that shape, or among several the
     one whose name starts with the input's (h -> hn, state -> stateN), each output once.
     Returns (input -> output, inputs left unpaired: no output told apart by name)."""
     from qnn_ctx_runtime.qnn import read_model_summary
 
     summary = read_model_summary(model)
+    fed = set(fed)
     pairs: dict[str, str] = {}
     unpaired: list[str] = []
     for spec in summary.inputs:
-        if spec.name == fed or not spec.dtype.startswith("float"):
+        if spec.name in fed or not spec.dtype.startswith("float"):
             continue
         same = [
             o.name
