@@ -938,3 +938,27 @@ def test_a_state_a_reader_does_not_yield_is_carried_too(tmp_path: Path) -> None:
 
     assert json.loads((build / "report.json").read_text())["recurrent_inferred"] == {"s": "s_out"}
     assert set(loop) == {"y"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_streams_wav_windows_are_taken_in_runs(tmp_path: Path, stream: bool) -> None:
+    """Fewer samples than windows: spread over each file, unless the model carries a state
+    the data does not feed (``stream``), whose calibration pass goes from a window to the
+    next one: then a run from each file's start."""
+    folder = tmp_path / "wav"
+    folder.mkdir()
+    for name in ("a", "b"):
+        write_wav(folder / f"{name}.wav", np.arange(64 * 20) % 1000)
+    config = make_config(
+        tmp_path,
+        'kind = "audio"\npath = "wav"\nheld_out = 0.25\nsamples = 16\ninput = "a"\n'
+        "[calibration.audio]\nwindow = 64",
+    )
+    specs = [InputSpec("a", (1, 64), np.dtype("float32")), InputSpec("s", (1, 8), "float32")]
+    source = sample_source(config, specs, stream=stream)
+    steps = {
+        step
+        for path in {r.path for r in source.calib}
+        for step in np.diff([r.offset for r in source.calib if r.path == path]).tolist()
+    }
+    assert steps == {64} if stream else max(steps) > 64  # 16 of 40 windows: neighbours, or not

@@ -431,7 +431,9 @@ def sample_source(
     (images and audio windows are made at that shape, everything else comes as it is).
     ``cache``: a folder where a python reader's samples are kept as it yields them, so that
     it runs once, not once per pass. ``stream``: the model may carry a state from window to
-    window (an input shaped like an output), so a reader's windows are held out in runs."""
+    window (an input shaped like an output, not the one the data feeds), so a reader's windows
+    are held out in runs, and a wav file's windows are taken in runs from its start (the state
+    a calibration pass carries, or infers, goes from a window to the next one)."""
     cal = config.calibration
     folder = config.resolve(cal.path) if cal.path else None
     spec_by_name = {s.name: s for s in specs}
@@ -496,7 +498,7 @@ def sample_source(
         def loader(ref: SampleRef) -> Feeds:
             return {}
 
-    if cal.recurrent and by_file:
+    if (cal.recurrent or stream) and by_file:
         chosen = _pick_runs(refs, cal.samples)  # state is only meaningful across neighbours
     else:
         chosen = [refs[i] for i in _pick(len(refs), cal.samples)]

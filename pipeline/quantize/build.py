@@ -1064,7 +1064,12 @@ def _sample_all(
         import onnx
 
         bounds = index_bounds(onnx.load(str(largest.float_path), load_external_data=False))
-    stream = len(plan.names) == 1 and bool(state_like_inputs(largest.float_path))
+    # The input audio windows or images feed (a model with one input: that one) is no state.
+    specs = largest.specs
+    fed = {config.calibration.input or (specs[0].name if len(specs) == 1 else "")}
+    if config.calibration.kind not in ("audio", "images"):
+        fed = set()
+    stream = len(plan.names) == 1 and bool(state_like_inputs(largest.float_path) - fed)
     state.samples = sample_source(config, largest.specs, paths.root / READER_SAMPLES, stream)
     if not state.samples.calib:
         raise CalibrationError(f"{config.model.name}: no calibration samples were selected.")
