@@ -823,6 +823,9 @@ def test_compile_runs_a_streams_ctx_fed_its_own_state_on_the_htp(
     v = variant.validation
     assert set(v.closed_loop) == {"y"} and 20 < v.closed_loop["y"].snr_db < 200, v.closed_loop
     assert v.closed_loop_windows == 12 and v.closed_loop_carried == 6  # 6 runs of 2 windows
+    # the CPU QDQ model on the same windows, beside it: the HTP adds little to its noise here
+    assert set(v.closed_loop_qdq) == {"y"}
+    assert abs(v.closed_loop_qdq["y"].snr_db - v.closed_loop["y"].snr_db) < 6.0
     assert (
         "fed its own state window after window on the HTP"
         in (build / "ctx" / "report.md").read_text()

@@ -67,11 +67,18 @@ def closed_loop_text(v: Any) -> str:
     if v is None or not v.closed_loop:
         return ""
     shown = ", ".join(f"{n} {fmt(a.snr_db, 1)} dB" for n, a in v.closed_loop.items())
+    on_cpu = (
+        f"; the CPU QDQ model fed its own state on the same windows: "
+        f"{fmt(worst_snr(v.closed_loop_qdq), 1)} dB (the quantize report's closed loop runs every "
+        "held-out window)"
+        if v.closed_loop_qdq
+        else ""
+    )
     return (
         f"fed its own state window after window on the HTP (closed loop, as a streaming app "
         f"runs it) the ctx is {fmt(worst_snr(v.closed_loop), 1)} dB from float ({shown}) over "
         f"{v.closed_loop_windows} held-out windows in order, {v.closed_loop_carried} of them fed "
-        "its own state; shown, not gated (every other figure feeds each window the float "
+        f"its own state{on_cpu}; shown, not gated (every other figure feeds each window the float "
         "model's state)"
     )
 

@@ -242,6 +242,8 @@ class Validation:
     closed_loop: dict[str, Accuracy] = field(default_factory=dict)
     closed_loop_windows: int = 0
     closed_loop_carried: int = 0
+    # ... and the CPU QDQ model fed its own state on the same windows ({} for a whole-fp16 model)
+    closed_loop_qdq: dict[str, Accuracy] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
