@@ -838,6 +838,10 @@ def test_compile_runs_a_streams_ctx_fed_its_own_state_on_the_htp(
     )
     out = capsys.readouterr().out
     assert "NOTE rnn snapdragon-x-elite: fed its own state" in out and "200.0 dB" in out, out
+    # The release tells the app which output to feed back into which input.
+    assert main(["publish", "--artifacts", str(tmp_path / "artifacts"), config]) == 0
+    (manifest,) = (tmp_path / "artifacts" / "releases").rglob("manifest.json")
+    assert json.loads(manifest.read_text())["quantization"]["stream_states"] == {"s": "s_out"}
 
 
 def test_a_declared_state_is_not_carried_across_the_held_out_run(tmp_path: Path) -> None:
