@@ -789,10 +789,12 @@ def test_a_readers_stream_is_measured_fed_its_own_state(tmp_path: Path) -> None:
     Every k-th window held out, no window continued another and there was no such figure."""
 
     rnn_and_reader(tmp_path, state_carrying_reader(freqs=(3, 7), windows=24))
-    loop, _ = closed_loop_of_rnn(
+    loop, build = closed_loop_of_rnn(
         tmp_path, 'kind = "python"\nreader = "reader.py:read"\nsamples = 48\nheld_out = 0.25'
     )
     assert set(loop) == {"y"} and loop["y"]["snr_db"] > 0, loop
+    report = (build / "report.json").read_text()
+    assert '"recurrent_inferred": {}' in report  # it feeds the state itself: nothing inferred
 
 
 def test_compile_runs_a_streams_ctx_fed_its_own_state_on_the_htp(
@@ -969,3 +971,22 @@ def test_a_streams_wav_windows_are_taken_in_runs(tmp_path: Path, stream: bool) -
         for step in np.diff([r.offset for r in source.calib if r.path == path]).tolist()
     }
     assert steps == {64} if stream else max(steps) > 64  # 16 of 40 windows: neighbours, or not
+
+
+def test_a_state_a_reader_yields_as_zeros_is_carried(tmp_path: Path) -> None:
+    """A reader that yields the state input as zeros window after window feeds it nothing:
+    inferred and carried as if it left it out (a reader that carries it gives zeros on a
+    stream's first window only, and is left alone: the other stream tests)."""
+    rnn_and_reader(
+        tmp_path,
+        "def read(path, specs):\n"
+        "    wave = 0.25 * np.sin(np.arange(64 * 48) * 5 / 64).astype(np.float32)\n"
+        "    for k in range(48):\n"
+        "        yield {'a': wave[None, 64 * k : 64 * (k + 1)], 's': np.zeros((1, 8), np.float32)}\n",
+    )
+    _, build = closed_loop_of_rnn(
+        tmp_path, 'kind = "python"\nreader = "reader.py:read"\nsamples = 48\nheld_out = 0.25'
+    )
+    import json
+
+    assert json.loads((build / "report.json").read_text())["recurrent_inferred"] == {"s": "s_out"}

@@ -710,6 +710,21 @@ def _advise_requantize(config: ModelConfig, judgement: HtpJudgement, problem: st
     print(f"NOTE {config.model.name}: {advice}.")
 
 
+FED_CHECK_SAMPLES = 8  # the first calibration samples read for the inputs the data feeds
+
+
+def _fed_inputs(source: SampleSource) -> set[str]:
+    """The inputs the first calibration samples hold, but one that is zeros in each of them: a
+    reader that yields a state input as zeros window after window does not feed it (a reader
+    that carries it gives zeros on a stream's first window only)."""
+    held: set[str] | None = None
+    moving: set[str] = set()
+    for _, sample in source.iterate(source.calib[:FED_CHECK_SAMPLES]):
+        held = set(sample) if held is None else held & set(sample)
+        moving |= {name for name, value in sample.items() if np.any(np.asarray(value))}
+    return (held or set()) & moving
+
+
 def _inferred_recurrent(
     config: ModelConfig, state: _State, fed: set[str]
 ) -> tuple[ModelConfig, dict[str, str]]:
@@ -1075,8 +1090,11 @@ def _sample_all(
     if not state.samples.calib:
         raise CalibrationError(f"{config.model.name}: no calibration samples were selected.")
     if stream and not config.calibration.recurrent and config.calibration.kind != "random":
-        _, first = next(state.samples.iterate(state.samples.calib[:1]))
-        config, state.recurrent_inferred = _inferred_recurrent(config, state, set(first))
+        config, state.recurrent_inferred = _inferred_recurrent(
+            config,
+            state,
+            _fed_inputs(state.samples) | fed,  # silence is still the audio's
+        )
     router = Router(config, plan, {s.name: s.dtype for s in largest.specs}, bounds)
     state.routed = _route(config, plan, state.samples, router)
     state.held_counts, state.borrowed = _write_heldout(
