@@ -930,25 +930,6 @@ def test_unfed_states_pair_by_shape_then_by_name(
     assert unfed_states(tmp_path / "m.onnx", {"x"}) == (pairs, unpaired)
 
 
-def test_a_state_a_reader_does_not_yield_is_carried_too(tmp_path: Path) -> None:
-    """A python reader that yields the audio windows only: the state input it leaves out is
-    inferred and carried as for audio files (the pairs read from the first sample's inputs)."""
-    rnn_and_reader(
-        tmp_path,
-        "def read(path, specs):\n"
-        "    wave = 0.25 * np.sin(np.arange(64 * 48) * 5 / 64).astype(np.float32)\n"
-        "    for k in range(48):\n"
-        "        yield {'a': wave[None, 64 * k : 64 * (k + 1)]}\n",
-    )
-    loop, build = closed_loop_of_rnn(
-        tmp_path, 'kind = "python"\nreader = "reader.py:read"\nsamples = 48\nheld_out = 0.25'
-    )
-    import json
-
-    assert json.loads((build / "report.json").read_text())["recurrent_inferred"] == {"s": "s_out"}
-    assert set(loop) == {"y"}
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_streams_wav_windows_are_taken_in_runs(tmp_path: Path, stream: bool) -> None:
     """Fewer samples than windows: spread over each file, unless the model carries a state
@@ -973,20 +954,27 @@ def test_a_streams_wav_windows_are_taken_in_runs(tmp_path: Path, stream: bool) -
     assert steps == {64} if stream else max(steps) > 64  # 16 of 40 windows: neighbours, or not
 
 
-def test_a_state_a_reader_yields_as_zeros_is_carried(tmp_path: Path) -> None:
-    """A reader that yields the state input as zeros window after window feeds it nothing:
-    inferred and carried as if it left it out (a reader that carries it gives zeros on a
-    stream's first window only, and is left alone: the other stream tests)."""
+@pytest.mark.parametrize(
+    "yielded",
+    ["{'a': window}", "{'a': window, 's': np.zeros((1, 8), np.float32)}"],
+    ids=["audio-alone", "state-as-zeros"],
+)
+def test_a_state_a_reader_does_not_feed_is_carried(tmp_path: Path, yielded: str) -> None:
+    """A python reader that yields the audio windows alone, or the state input as zeros window
+    after window, feeds the state nothing: it is inferred and carried as for audio files (a
+    reader that carries it gives zeros on a stream's first window only, and is left alone)."""
     rnn_and_reader(
         tmp_path,
         "def read(path, specs):\n"
         "    wave = 0.25 * np.sin(np.arange(64 * 48) * 5 / 64).astype(np.float32)\n"
         "    for k in range(48):\n"
-        "        yield {'a': wave[None, 64 * k : 64 * (k + 1)], 's': np.zeros((1, 8), np.float32)}\n",
+        "        window = wave[None, 64 * k : 64 * (k + 1)]\n"
+        f"        yield {yielded}\n",
     )
-    _, build = closed_loop_of_rnn(
+    loop, build = closed_loop_of_rnn(
         tmp_path, 'kind = "python"\nreader = "reader.py:read"\nsamples = 48\nheld_out = 0.25'
     )
     import json
 
     assert json.loads((build / "report.json").read_text())["recurrent_inferred"] == {"s": "s_out"}
+    assert set(loop) == {"y"}
