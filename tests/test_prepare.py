@@ -208,6 +208,35 @@ def test_a_cut_keeps_an_ai_onnx_ml_outputs_declared_shape() -> None:
         prepare_model(cut, InputsSection())
 
 
+def test_a_cut_at_a_tensor_whose_rank_only_preparation_tells_builds() -> None:
+    """A Reshape to a shape the source computes at run time (paddle2onnx's dynamic dims) has no
+    rank onnx can infer from the source; cut there, it was refused at once ("not even its
+    rank": a PP-Structure table model's backbone output, which built at 43.5 dB before). Its
+    shape is static once preparation bakes and folds the shape: it builds."""
+    from pipeline.graph.transforms import cut_at_outputs
+
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Reshape", ["x", "shape"], ["r"]),
+            onnx.helper.make_node("Transpose", ["r"], ["t"], perm=[1, 0]),
+            onnx.helper.make_node("Relu", ["t"], ["y"]),
+        ],
+        "reshaped",
+        [
+            onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 12]),
+            onnx.helper.make_tensor_value_info("shape", onnx.TensorProto.INT64, ["k"]),
+        ],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+    )
+    model = onnx.helper.make_model(
+        graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8
+    )
+    cut = cut_at_outputs(model, ["t"])
+    prepared, _ = prepare_model(cut, InputsSection(constants={"shape": [3, 4]}))
+    (output,) = prepared.graph.output
+    assert [d.dim_value for d in output.type.tensor_type.shape.dim] == [4, 3]
+
+
 def test_a_detector_cut_before_its_nms_builds(tmp_path: Path) -> None:
     """The quantize stage with [model] outputs: the part before the NMS is the model every
     figure refers to (the source as cut), and its QDQ model ends at those tensors."""

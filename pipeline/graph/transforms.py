@@ -420,17 +420,6 @@ def cut_at_outputs(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.Model
     for value in cut.graph.output:  # an ai.onnx.ml op's output is inferred without a shape
         if value.name in declared and not value.type.tensor_type.HasField("shape"):
             value.CopyFrom(declared[value.name])
-    shapeless = [
-        v.name
-        for v in cut.graph.output
-        if v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")
-    ]
-    if shapeless:
-        raise ModelError(
-            f"[model] outputs: onnx cannot tell the shape of {shapeless} (not even its rank).",
-            tip="Name tensors whose shape inference finds, e.g. a Conv's or a Concat's output "
-            "before the post-processing.",
-        )
     del cut.opset_import[:]
     cut.opset_import.extend(model.opset_import)
     cut.ir_version = model.ir_version
