@@ -165,10 +165,9 @@ def test_preparation_keeps_the_tail_typed_and_static(string_labels: bool) -> Non
         assert got[1][0][key] == pytest.approx(want[1][0][key], rel=1e-5, abs=1e-6)
 
 
-def test_a_model_that_is_all_tail_is_refused_at_preparation() -> None:
-    """A model of ai.onnx.ml ops only (a tree ensemble, a linear classifier) leaves nothing for
-    the NPU: preparation says so, rather than compile finding an empty context."""
-    node = oh.make_node(
+def linear_classifier() -> onnx.NodeProto:
+    """A two-class ai.onnx.ml LinearClassifier on x [*, 2]: label and scores."""
+    return oh.make_node(
         "LinearClassifier",
         ["x"],
         ["label", "scores"],
@@ -178,6 +177,12 @@ def test_a_model_that_is_all_tail_is_refused_at_preparation() -> None:
         coefficients=[0.5, -0.5, 1.0, 2.0],
         intercepts=[0.0, 0.1],
     )
+
+
+def test_a_model_that_is_all_tail_is_refused_at_preparation() -> None:
+    """A model of ai.onnx.ml ops only (a tree ensemble, a linear classifier) leaves nothing for
+    the NPU: preparation says so, rather than compile finding an empty context."""
+    node = linear_classifier()
     graph = oh.make_graph(
         [node],
         "linear",
@@ -987,3 +992,36 @@ def test_parts_are_compared_apart_shown_and_not_gated() -> None:
     assert summary["y / scores"].snr_db < summary["y"].snr_db - 30
     assert worst_snr(summary) == summary["y"].snr_db
     assert set(comparison.powers()) == {"y"}
+
+
+def test_a_cpu_only_model_given_another_size_is_refused_for_what_it_is(tmp_path: Path) -> None:
+    """An ai.onnx.ml-only model whose [inputs] shapes changes the size it fixes: the refusal
+    says the NPU runs none of it, not that the size may be wrong (a logistic regression from
+    onnxruntime's datasets, declared [3, 2], given [1, 4]: the tip said to give it its size)."""
+    from pipeline.__main__ import main
+
+    node = linear_classifier()
+    graph = oh.make_graph(
+        [node],
+        "linear",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [3, 2])],
+        [
+            oh.make_tensor_value_info("label", TensorProto.INT64, [3]),
+            oh.make_tensor_value_info("scores", TensorProto.FLOAT, [3, 2]),
+        ],
+    )
+    model = oh.make_model(
+        graph, opset_imports=[oh.make_opsetid("", 13), oh.make_opsetid("ai.onnx.ml", 1)]
+    )
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "linear.onnx"))
+    config = tmp_path / "linear.toml"
+    config.write_text(
+        '[model]\nname = "linear"\nversion = "1.0.0"\nsource = "linear.onnx"\n'
+        '[inputs]\nshapes = { x = [1, 2] }\n[calibration]\nkind = "random"\nsamples = 4\n',
+        encoding="utf-8",
+    )
+    assert main(["quantize", "--artifacts", str(tmp_path / "artifacts"), str(config)]) == 1
+    report = (tmp_path / "artifacts" / "build" / "linear" / "report.md").read_text()
+    assert "Nothing in this model can run on the NPU" in report
+    assert "a size the model fixes" not in report and "exported for" not in report

@@ -74,6 +74,7 @@ from ..core.records import (
 from ..core.report import fmt
 from ..graph import prequantized, transforms
 from ..graph.buckets import BucketPlan
+from ..graph.prepare import NothingForTheNpu
 from ..graph.source import SourceModel, readable
 from ..graph.tails import drop_judged_outputs, judged_outputs, part_name
 from ..graph.transforms import Change
@@ -928,7 +929,7 @@ def _prepare_all(
             assert isinstance(item, PreparedBucket)
             prepared[item.bucket.name] = item
     except ModelError as exc:
-        if not resized:
+        if not resized or isinstance(exc, NothingForTheNpu):  # a refusal, not a size's fault
             raise
         # Strict shape inference cannot see past an op it has no schema for (a legacy
         # ImageScaler): a graph that bakes its size may fail only later, in a step's own terms.
