@@ -744,7 +744,9 @@ def test_a_child_past_its_memory_is_stopped_and_says_what_it_held(
     done = isolation.wait_for(child, 3600, memory=guard)
     assert not done.timed_out and done.returncode == -signal.SIGKILL, done
     held = float(done.out_of_memory.split()[2])  # "it held 0.41 GiB resident, over the ..."
-    assert 0.29 < held < 1.0 and "over the 0.29 GiB allowed" in done.out_of_memory, done
+    # Stopped anywhere past its 300 MiB (0.293 GiB, shown as 0.29) and before its 400: how far
+    # past depends on how fast it grew between two looks, which the machine's load decides.
+    assert 0.29 <= held < 1.0 and "over the 0.29 GiB allowed" in done.out_of_memory, done
     assert not done.killed_from_outside()
     assert isolation.group_resident_bytes(child.proc.pid) == 0, "its group outlived the stop"
     # The HTP judge's probe reports it so.
