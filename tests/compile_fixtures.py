@@ -159,9 +159,12 @@ def write_config(root: Path, name: str, compile_section: str, source: str | None
     return path
 
 
-def build_whole_on_htp(root: Path, name: str, model: onnx.ModelProto, samples: int = 16) -> None:
-    """Quantize and compile ``model`` with the real stages (random calibration, one target) and
-    assert that the ctx is whole on the HTP and ≥ 30 dB from the float model there."""
+def build_whole_on_htp(
+    root: Path, name: str, model: onnx.ModelProto, samples: int = 16, quantization: str = ""
+) -> None:
+    """Quantize and compile ``model`` with the real stages (random calibration, one target;
+    ``quantization``: lines for its [quantization] section) and assert that the ctx is whole on
+    the HTP and ≥ 30 dB from the float model there."""
     from pipeline.__main__ import main
     from pipeline.core.records import VariantRecord, read_record
 
@@ -169,7 +172,7 @@ def build_whole_on_htp(root: Path, name: str, model: onnx.ModelProto, samples: i
     config = root / f"{name}.toml"
     config.write_text(
         f'[model]\nname = "{name}"\nversion = "1.0.0"\nsource = "{name}.onnx"\n'
-        f'[calibration]\nkind = "random"\nsamples = {samples}\n'
+        f'[calibration]\nkind = "random"\nsamples = {samples}\n[quantization]\n{quantization}\n'
         '[compile]\ntargets = ["snapdragon-x-elite"]\nmin_snr_db = 30.0\n',
         encoding="utf-8",
     )

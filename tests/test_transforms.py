@@ -1912,25 +1912,7 @@ def test_a_cell_whose_gemm_adds_a_computed_term_runs_whole_on_the_htp(tmp_path: 
     """Quantized with its Gemm's computed C, the QNN EP left the weight's DequantizeLinear on
     the CPU (1 CPU node); as Gemm + Add the ctx is whole on the HTP. The HTP judge is off so
     that the quantized model itself reaches compile's coverage gate."""
-    from pipeline.__main__ import main
-    from pipeline.core.layout import ModelPaths
-    from pipeline.core.records import VariantRecord, read_record
-
-    onnx.save(gemm_with_computed_bias(), str(tmp_path / "cell.onnx"))
-    config = tmp_path / "cell.toml"
-    config.write_text(
-        '[model]\nname = "cell"\nversion = "1.0.0"\nsource = "cell.onnx"\n'
-        '[calibration]\nkind = "random"\nsamples = 16\n[quantization]\njudge = "cpu"\n'
-        '[compile]\ntargets = ["snapdragon-x-elite"]\nmin_snr_db = 30.0\n',
-        encoding="utf-8",
-    )
-    artifacts = tmp_path / "artifacts"
-    for stage in ("quantize", "compile"):
-        assert main([stage, "--artifacts", str(artifacts), str(config)]) == 0, stage
-    folder = next(ModelPaths.of(artifacts, "cell").ctx.glob("*/snapdragon-x-elite"))
-    record, why = read_record(VariantRecord, folder / "variant.json")
-    assert record is not None and record.coverage is not None, why
-    assert record.coverage.qnn_partitions == 1 and record.coverage.cpu_compute_nodes == []
+    build_whole_on_htp(tmp_path, "cell", gemm_with_computed_bias(), quantization='judge = "cpu"')
 
 
 def test_a_gemm_bias_per_row_is_left_alone() -> None:

@@ -50,6 +50,7 @@ from ..core.layout import (
 from ..core.memory import release_freed_memory
 from ..core.metrics import (
     OutputComparison,
+    Parts,
     angle_outputs,
     label_outputs,
     packed_parts,
@@ -456,6 +457,22 @@ def _feeds(job: CompileJob, bucket: BucketJob, session: Any) -> Iterator[dict[st
         yield feeds
 
 
+def output_comparison(
+    job: CompileJob, bucket: BucketJob, parts: Parts | None = None
+) -> OutputComparison:
+    """A comparison of this bucket's outputs as the quantize stage compared them: integer
+    outputs on their grids, labels, steps, outputs picked by rank, angles (and ``parts``)."""
+    grids = {n: (scale, int(zero_point)) for n, (scale, zero_point) in job.output_grids.items()}
+    return OutputComparison(
+        grids,
+        label_outputs(bucket.qdq),
+        dict(job.output_steps),
+        picked_outputs(bucket.qdq),
+        angles=angle_outputs(bucket.qdq),
+        parts=parts,
+    )
+
+
 def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation:
     """ctx on QNN (the HTP simulator on x86_64) vs QDQ and float on the CPU EP."""
     qdq = cpu_session(bucket.qdq)
@@ -470,16 +487,8 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
     float_map = dict(
         zip(names, float_names if set(names) - set(float_names) else names, strict=False)
     )
-    grids = {
-        name: (scale, int(zero_point)) for name, (scale, zero_point) in job.output_grids.items()
-    }
-    labels = label_outputs(bucket.qdq)
-    steps = dict(job.output_steps)
-    picked, angles = picked_outputs(bucket.qdq), angle_outputs(bucket.qdq)
     parts = packed_parts(bucket.float_model or None, bucket.qdq)
-    vs_qdq, vs_float, qdq_vs_float = (
-        OutputComparison(grids, labels, steps, picked, angles=angles, parts=parts) for _ in range(3)
-    )
+    vs_qdq, vs_float, qdq_vs_float = (output_comparison(job, bucket, parts) for _ in range(3))
     scored = (  # its labels' scores were judged on the HTP (graph.tails.expose_label_scores)
         flt is not None
         and bool(bucket.htp_probe)
@@ -544,15 +553,6 @@ def closed_loop_on_htp(
     if set(names) != {o.name for o in flt.get_outputs()}:
         return None  # outputs renamed on the way: the pairs cannot be matched
 
-    def comparison() -> OutputComparison:
-        return OutputComparison(
-            {n: (scale, int(zero_point)) for n, (scale, zero_point) in job.output_grids.items()},
-            label_outputs(bucket.qdq),
-            dict(job.output_steps),
-            picked_outputs(bucket.qdq),
-            angles=angle_outputs(bucket.qdq),
-        )
-
     def reference(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return dict(zip(names, flt.run(names, feeds), strict=True))
 
@@ -569,7 +569,7 @@ def closed_loop_on_htp(
             with np.load(path, allow_pickle=False) as data:
                 yield {k: data[k] for k in data.files}
 
-    htp = comparison()
+    htp = output_comparison(job, bucket)
     ran, carried = run_closed_loop(
         windows(),
         reference,
@@ -582,7 +582,7 @@ def closed_loop_on_htp(
     )
     if not carried:
         return None
-    cpu = comparison()
+    cpu = output_comparison(job, bucket)
     if qnn.read_model_summary(bucket.qdq).nodes_of("QuantizeLinear"):
         qdq = cpu_session(bucket.qdq)
         run_closed_loop(
