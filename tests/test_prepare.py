@@ -103,6 +103,71 @@ def test_prepare_names_tensors_that_stay_dynamic_and_their_op() -> None:
     assert "as many values as the data decides" in (info.value.tip or "")  # no dims fix it
 
 
+def string_encoder_model(version: int) -> onnx.ModelProto:
+    """A grapheme-to-phoneme classifier's shape: letters -> ai.onnx.ml LabelEncoder -> ids ->
+    an embedding -> a layer (version 1 of the encoder, as an old exporter wrote it, has no
+    inferred output shape; version 2 has one)."""
+    h = onnx.helper
+    encoding = (
+        {"classes_strings": ["-", "a", "b", "c"], "default_int64": 0}
+        if version == 1
+        else {"keys_strings": ["a", "b", "c"], "values_int64s": [1, 2, 3], "default_int64": 0}
+    )
+    nodes = [
+        h.make_node(
+            "LabelEncoder", ["letters"], ["ids"], "encode", domain="ai.onnx.ml", **encoding
+        ),
+        h.make_node("Gather", ["table", "ids"], ["embedded"]),
+        h.make_node("MatMul", ["embedded", "weight"], ["y"]),
+    ]
+    table = RNG.standard_normal((4, 3)).astype(np.float32)
+    weight = RNG.standard_normal((3, 2)).astype(np.float32)
+    graph = h.make_graph(
+        nodes,
+        "g2p",
+        [h.make_tensor_value_info("letters", onnx.TensorProto.STRING, [1, 8])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 8, 2])],
+        [numpy_helper.from_array(table, "table"), numpy_helper.from_array(weight, "weight")],
+    )
+    opsets = [h.make_opsetid("", 13), h.make_opsetid("ai.onnx.ml", version)]
+    return h.make_model(graph, ir_version=8, opset_imports=opsets)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_prepare_refuses_string_inputs_naming_the_encoder_and_the_cut(version: int) -> None:
+    """Strings in: version 1 of the encoder stopped the build with every tensor after it
+    "dynamic" and a tip to fix [inputs] dims; version 2 got through preparation and died in
+    calibration on a numpy error (object arrays in the sample files). Now both are refused at
+    once, with the op that reads the strings and the cut that builds the numeric part."""
+    model = string_encoder_model(version)
+    letters = np.array([["a", "b", "z", "c", "a", "a", "b", "c"]], dtype=object)
+    assert run(model, {"letters": letters})[0].shape == (1, 8, 2)  # a model onnxruntime runs
+    with pytest.raises(ModelError) as info:
+        prepare_model(model, InputsSection())
+    assert "Input 'letters' holds strings, read by ai.onnx.ml:LabelEncoder 'encode'" in str(
+        info.value
+    )
+    tip = info.value.tip or ""
+    assert "input_names=['ids']" in tip and "[inputs]" not in tip  # no dims fix it
+
+
+def test_prepare_names_an_unshaped_ml_op_in_front_of_the_network() -> None:
+    """A Normalizer over rank 3 (not rewritten: onnxruntime's kernel strides over the last
+    axis of rank 1 or 2 only) leaves its output without an inferred shape, and every tensor
+    after it dynamic: the refusal names that op, not the dims."""
+    model = onnx.parser.parse_model(
+        '<ir_version: 8, opset_import: ["": 13, "ai.onnx.ml": 1]> g (float[1, 2, 4] x) => '
+        '(float[1, 2, 3] y) { n = ai.onnx.ml.Normalizer<norm = "L2">(x) '
+        "y = MatMul(n, w) }"
+    )
+    weight = RNG.standard_normal((4, 3)).astype(np.float32)
+    model.graph.initializer.append(numpy_helper.from_array(weight, "w"))
+    with pytest.raises(ModelError) as info:
+        prepare_model(model, InputsSection())
+    assert "computed from 'n', which ai.onnx.ml:Normalizer writes in front" in str(info.value)
+    assert "input_names=['n']" in (info.value.tip or "")
+
+
 def detector_with_nms() -> onnx.ModelProto:
     """A detector exported 'with post': a Conv head, then NMS keeps as many boxes as the data
     decides."""

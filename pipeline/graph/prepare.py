@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..core.errors import ModelError
 from . import edit
-from .tails import model_tail
+from .tails import STRING_TYPE, model_tail
 
 if TYPE_CHECKING:
     import onnx
@@ -65,6 +65,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         contrib.refuse_nchwc_layout,  # onnxruntime's 'all' level: a layout for one CPU
         lambda m: t.bake_constant_inputs(m, inputs.constants, inputs.shapes, inputs.dims),
         t.drop_unread_inputs,  # after the constants: one may name an input no node reads
+        refuse_string_inputs,  # the NPU computes on numbers: the app encodes strings
         lambda m: t.fix_input_shapes(m, inputs.dims, inputs.shapes),
         t.float16_to_float32,  # the version converter fails on fp16 graphs
         t.float64_to_float32,  # the HTP has no float64, the quantizer quantizes none
@@ -252,11 +253,15 @@ DATA_SIZED_OPS = frozenset({"NonMaxSuppression", "NonZero", "Unique", "Compress"
 def _require_static(model: onnx.ModelProto) -> None:
     """A ModelError naming the tensors preparation left without a static shape."""
     dynamic = edit.dynamic_outputs(model)
+    in_tail: set[str] = set()
     if dynamic:  # a declared CPU tail (labels, score maps) needs no static shape
         tail = model_tail(model)
         in_tail = {o for i in tail.nodes for o in model.graph.node[i].output}
         dynamic = [(name, node) for name, node in dynamic if name not in in_tail]
     if dynamic:
+        opaque = _opaque_sources(model, dynamic, in_tail)
+        if opaque:
+            raise opaque
         shown = [
             f"{name!r} (graph input)" if node is None else f"{name!r} from {edit.node_label(node)}"
             for name, node in dynamic[:10]
@@ -292,6 +297,74 @@ def _require_static(model: onnx.ModelProto) -> None:
             + ".",
             tip=tip,
         )
+
+
+def _opaque_sources(
+    model: onnx.ModelProto, dynamic: list[tuple[str, onnx.NodeProto | None]], in_tail: set[str]
+) -> ModelError | None:
+    """The refusal when what stays shapeless is computed from an op of the CPU tail's kind
+    (ai.onnx.ml) standing in *front* of the network, or None.
+
+    Why: onnx infers no shape for what some ai.onnx.ml ops write (a Normalizer over rank 3, an
+    old LabelEncoder), so every tensor of the network after one was listed as dynamic with a tip
+    to fix [inputs] dims, which cannot help. Such ops stay on the CPU only as a tail, after the
+    NPU part; in front of it they must leave the model."""
+    writer = {o: n for n in model.graph.node for o in n.output}
+    for name, node in dynamic:
+        read = next((i for i in node.input if i in in_tail), None) if node is not None else None
+        if read is None:
+            continue
+        source = writer[read]
+        op = f"{source.domain}:{source.op_type}" if source.domain else source.op_type
+        after = f" (and {len(dynamic) - 1} more tensor(s) after it)" if len(dynamic) > 1 else ""
+        return ModelError(
+            f"{name!r} from {edit.node_label(node)}{after} has no static shape: it is computed "
+            f"from {read!r}, which {op} writes in front of the network. The QNN HTP backend "
+            "does not run that op, onnx's shape inference gives its output no shape, and such "
+            "ops stay on the CPU only after the NPU part (post-processing), not before it.",
+            tip=f"Run {op} in the app and build the model from {read!r} on "
+            f"({_cut_at(read)}), or re-export the model without it.",
+        )
+    return None
+
+
+def _cut_at(tensor: str) -> str:
+    return f"onnx.utils.extract_model(source, out, input_names=[{tensor!r}], output_names=...)"
+
+
+def refuse_string_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A ModelError for a graph input that holds strings (or a sequence or a map), naming the
+    op that reads it and how to build the numeric part instead.
+
+    Why: a grapheme-to-phoneme classifier reads letters through an ai.onnx.ml LabelEncoder; its
+    build stopped with every tensor of the network "dynamic" and a tip to fix [inputs] dims (an
+    old LabelEncoder's output has no inferred shape), or, with a newer one, in calibration with
+    a numpy error (string samples are object arrays, which the sample files cannot hold). The
+    NPU computes on numbers: the strings are encoded in the app, as a tokenizer's are."""
+    graph = model.graph
+    inits = {i.name for i in graph.initializer}
+    for value in graph.input:
+        kind = value.type.WhichOneof("value")
+        if value.name in inits or (
+            kind == "tensor_type" and value.type.tensor_type.elem_type != STRING_TYPE
+        ):
+            continue
+        held = "strings" if kind == "tensor_type" else f"a {kind.removesuffix('_type')}"
+        reader = next((n for n in graph.node if value.name in n.input), None)
+        if reader is None:
+            continue  # an unread input is dropped before this step
+        op = f"{reader.domain}:{reader.op_type}" if reader.domain else reader.op_type
+        out = reader.output[0]
+        raise ModelError(
+            f"Input {value.name!r} holds {held}, read by {op} "
+            + (repr(reader.name) if reader.name else f"(which writes {out!r})")
+            + ": the NPU "
+            "computes on numbers only, and this pipeline builds models whose inputs are "
+            "numeric tensors.",
+            tip=f"Encode the input in the app (what {op} computes) and build the model from "
+            f"{out!r} on, that encoding as its input: {_cut_at(out)}.",
+        )
+    return model, edit.Change("refuse_string_inputs", ())
 
 
 # A float32 activation range this wide only comes from overflow (inf/NaN) during calibration.
