@@ -1,5 +1,5 @@
 """ai.onnx.ml ops that are plain arithmetic (a scikit-learn Scaler, Imputer, Normalizer,
-Binarizer, LinearRegressor) rewritten into standard ops: the same numbers as onnxruntime's own
+Binarizer, LinearRegressor, a LabelEncoder of numbers) rewritten into standard ops: the same numbers as onnxruntime's own
 kernels, static shapes behind them, and the NPU running the model whole."""
 
 from __future__ import annotations
@@ -236,6 +236,141 @@ def test_a_scaled_mlp_builds_whole_on_the_npu(tmp_path: Path) -> None:
 
     artifacts = released(tmp_path, scaled_mlp(), "mlp", "[inputs]\ndims = { N = 1 }\n", 24)
     folder = next(ModelPaths.of(artifacts, "mlp").ctx.glob("*/snapdragon-x-elite"))
+    record, why = read_record(VariantRecord, folder / "variant.json")
+    assert record is not None and record.coverage is not None, why
+    assert record.coverage.qnn_partitions == 1 and record.coverage.cpu_compute_nodes == []
+    assert not record.coverage.cpu_tail_nodes
+    assert record.passed
+
+
+def encoder_model(
+    keys: dict[str, object], values: dict[str, object], in_type: int, out_type: int, **attrs: object
+) -> onnx.ModelProto:
+    """x [3, FEATURES] -> a LabelEncoder of numbers (ai.onnx.ml 2: numeric keys) -> y."""
+    graph = oh.make_graph(
+        [ml("LabelEncoder", ["x"], "y", **keys, **values, **attrs)],
+        "encode",
+        [oh.make_tensor_value_info("x", in_type, [3, FEATURES])],
+        [oh.make_tensor_value_info("y", out_type, [3, FEATURES])],
+    )
+    opsets = [oh.make_opsetid("", 17), oh.make_opsetid("ai.onnx.ml", 2)]
+    return oh.make_model(graph, ir_version=8, opset_imports=opsets)
+
+
+IDS = {"keys_int64s": [0, 3, 7, -2, 40]}
+
+
+@pytest.mark.parametrize(
+    ("keys", "values", "in_type", "out_type", "attrs"),
+    [
+        (IDS, {"values_floats": [0.5, -1.25, 3.0, 7.5, 0.1]}, TensorProto.INT64, TensorProto.FLOAT, {}),
+        (IDS, {"values_floats": [0.5, -1.25, 3.0, 7.5, 0.1]}, TensorProto.INT64, TensorProto.FLOAT,
+         {"default_float": 2.5}),
+        (IDS, {"values_int64s": [10, 11, 12, -13, 14]}, TensorProto.INT64, TensorProto.INT64, {}),
+        ({"keys_floats": [0.5, 1.5, -2.0]}, {"values_int64s": [1, 2, 3]}, TensorProto.FLOAT,
+         TensorProto.INT64, {"default_int64": 9}),
+    ],
+    ids=["ids-to-floats", "ids-to-floats-default", "ids-to-ids", "floats-to-ids"],
+)  # fmt: skip
+def test_a_label_encoder_of_numbers_computes_what_onnxruntimes_kernel_does(
+    keys: dict[str, object],
+    values: dict[str, object],
+    in_type: int,
+    out_type: int,
+    attrs: dict[str, object],
+) -> None:
+    """A category id -> its encoding, in front of a network: one Equal per key and a MatMul
+    picking the match's value, the default where none matches, as onnxruntime's kernel."""
+    model = encoder_model(keys, values, in_type, out_type, **attrs)
+    result = rewritten(model)
+    key_list = list(next(iter(keys.values())))  # type: ignore[call-overload]
+    pool = np.asarray([*key_list, 1, 2, 100, -5], np.float32)  # every key and some misses
+    x = RNG.choice(pool, size=(3, FEATURES)).astype(
+        np.int64 if in_type == TensorProto.INT64 else np.float32
+    )
+    want, got = run(model, x), run(result, x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_label_encoder_it_cannot_write_exactly_stays() -> None:
+    """Integer values a float32 cannot hold, duplicate keys, and keys of another type than the
+    input's are left to the CPU (as a tail after the network, or named in front of it)."""
+    cases = [
+        encoder_model(
+            IDS, {"values_int64s": [1, 2, 3, 4, 2**25]}, TensorProto.INT64, TensorProto.INT64
+        ),
+        encoder_model(
+            {"keys_int64s": [1, 1, 2, 3, 4]},
+            {"values_floats": [0.0, 1.0, 2.0, 3.0, 4.0]},
+            TensorProto.INT64,
+            TensorProto.FLOAT,
+        ),
+        encoder_model(
+            {"keys_floats": [1.0, 2.0]}, {"values_floats": [0.0, 1.0]}, TensorProto.INT64,
+            TensorProto.FLOAT,
+        ),
+    ]  # fmt: skip
+    for model in cases:
+        result, change = standard_ml_ops(model)
+        assert not change.changed and [n.op_type for n in result.graph.node] == ["LabelEncoder"]
+
+
+def encoded_mlp() -> onnx.ModelProto:
+    """Category ids [1, FEATURES] -> a LabelEncoder (id -> a learned value, unknown ids -> 0;
+    half of the random calibration's ids 0..255 are keys) -> MatMul/Relu/MatMul: an encoder
+    in front of the network."""
+    hidden = 8
+    w1 = numpy_helper.from_array(RNG.standard_normal((FEATURES, hidden)).astype("f4"), "w1")
+    w2 = numpy_helper.from_array(RNG.standard_normal((hidden, 2)).astype("f4"), "w2")
+    encode = ml(
+        "LabelEncoder", ["x"], "encoded", keys_int64s=list(range(0, 256, 2)),
+        values_floats=RNG.standard_normal(128).tolist(), default_float=0.0,
+    )  # fmt: skip
+    nodes = [
+        encode,
+        oh.make_node("MatMul", ["encoded", "w1"], ["h"]),
+        oh.make_node("Relu", ["h"], ["r"]),
+        oh.make_node("MatMul", ["r", "w2"], ["y"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "encoded_mlp",
+        [oh.make_tensor_value_info("x", TensorProto.INT64, [1, FEATURES])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])],
+        [w1, w2],
+    )
+    opsets = [oh.make_opsetid("", 17), oh.make_opsetid("ai.onnx.ml", 2)]
+    return oh.make_model(graph, ir_version=8, opset_imports=opsets)
+
+
+def test_an_encoder_in_front_of_the_network_is_not_its_cpu_tail() -> None:
+    """Only what follows the network is the declared CPU tail: an encoder left in front of it
+    (here: one with keys past LOOKUP_KEYS) is a CPU node the coverage gate counts."""
+    from pipeline.graph.ml import LOOKUP_KEYS
+    from pipeline.graph.tails import model_tail
+
+    model = encoded_mlp()
+    encode = model.graph.node[0]
+    for attr in encode.attribute:
+        if attr.name == "keys_int64s":
+            attr.ints[:] = range(LOOKUP_KEYS + 1)
+        if attr.name == "values_floats":
+            attr.floats[:] = [0.5] * (LOOKUP_KEYS + 1)
+    assert not standard_ml_ops(model)[1].changed
+    assert not model_tail(model)
+
+
+@pytest.mark.qnn
+def test_an_encoded_mlp_builds_whole_on_the_npu(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime_qnn")
+    from test_tails import released
+
+    from pipeline.core.layout import ModelPaths
+    from pipeline.core.records import VariantRecord, read_record
+
+    artifacts = released(tmp_path, encoded_mlp(), "encoded", "", 24)
+    folder = next(ModelPaths.of(artifacts, "encoded").ctx.glob("*/snapdragon-x-elite"))
     record, why = read_record(VariantRecord, folder / "variant.json")
     assert record is not None and record.coverage is not None, why
     assert record.coverage.qnn_partitions == 1 and record.coverage.cpu_compute_nodes == []

@@ -3,8 +3,9 @@
 Converters from scikit-learn (skl2onnx, onnxmltools) write a StandardScaler, MinMaxScaler or
 RobustScaler in front of a network as an ai.onnx.ml ``Scaler``, a SimpleImputer as an
 ``Imputer``, a Normalizer as a ``Normalizer``, a Binarizer as a ``Binarizer``, a
-ColumnTransformer's columns as ``ArrayFeatureExtractor`` and ``FeatureVectorizer``, and a
-linear model as a ``LinearRegressor``. The QNN EP runs no ai.onnx.ml op, and ONNX infers no
+ColumnTransformer's columns as ``ArrayFeatureExtractor`` and ``FeatureVectorizer``, a
+linear model as a ``LinearRegressor``, and a category id's learned value as a numeric
+``LabelEncoder``. The QNN EP runs no ai.onnx.ml op, and ONNX infers no
 shape for their outputs: an MLP regressor behind a Scaler had no static shape anywhere and its
 build stopped. Each computes what a few standard ops compute, as onnxruntime's kernels do it
 (onnxruntime/core/providers/cpu/ml): Sub and Mul, Where of IsNaN, Greater, a row's norm with a
@@ -213,7 +214,86 @@ def _feature_vectorizer(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx
     return made
 
 
+LOOKUP_KEYS = 4096  # a LabelEncoder's keys written as one Equal each: [..., keys] at once
+
+
+def _lookup_table(node: onnx.NodeProto, kind: str) -> tuple[np.ndarray, int] | None:
+    """A LabelEncoder's numeric ``keys`` or ``values`` (``kind``) and their elem type, from
+    whichever of its attribute forms it has (``*_int64s``, ``*_floats``, ``*_tensor``)."""
+    for suffix, elem in (("int64s", TensorProto.INT64), ("floats", TensorProto.FLOAT)):
+        found = edit.attribute(node, f"{kind}_{suffix}", None)
+        if found is not None:
+            return np.asarray(found, np.int64 if elem == TensorProto.INT64 else np.float32), elem
+    tensor = edit.attribute(node, f"{kind}_tensor", None)
+    if tensor is not None and tensor.data_type in (TensorProto.INT64, TensorProto.FLOAT):
+        return onnx.numpy_helper.to_array(tensor).reshape(-1), tensor.data_type
+    return None
+
+
+def _label_encoder(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.NodeProto] | None:
+    """Y = the value of X's key, the default where no key matches, for numeric keys and
+    values (a category id -> its encoding in front of a network): X compared with every key
+    (Equal), the one match's value picked by a MatMul, the default where the row of matches
+    is empty. Strings, duplicate or NaN keys, and integer values a float32 cannot hold exactly
+    are left alone."""
+    keys, values = _lookup_table(node, "keys"), _lookup_table(node, "values")
+    if keys is None or values is None or context.elem_type(node.input[0]) != keys[1]:
+        return None
+    (key_array, _), (value_array, value_type) = keys, values
+    if not 0 < key_array.size <= LOOKUP_KEYS or key_array.size != value_array.size:
+        return None
+    if np.unique(key_array).size != key_array.size or np.isnan(key_array.astype(float)).any():
+        return None
+    opset = next((o.version for o in context.model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 13:  # Unsqueeze's axes as an input (a pre-quantized model keeps its opset)
+        return None
+    tensor = edit.attribute(node, "default_tensor", None)
+    if tensor is not None:  # opset 4's form of the default
+        default = float(onnx.numpy_helper.to_array(tensor).reshape(-1)[0])
+    elif value_type == TensorProto.INT64:
+        default = float(edit.attribute(node, "default_int64", -1))
+    else:
+        default = float(edit.attribute(node, "default_float", -0.0))
+    if value_type == TensorProto.INT64 and np.abs(np.append(value_array, default)).max() >= 2**24:
+        return None
+    if np.isnan(value_array.astype(float)).any() or math.isnan(default):
+        return None
+    base = node.output[0]
+    keys_of = ("column", "hit", "hits", "picked", "count", "miss", "fill", "y")
+    name = {k: context.fresh(f"{base}_{k}") for k in keys_of}
+    last = context.constant(np.asarray([-1], np.int64), f"{base}_last_axis")
+    table = context.constant(value_array.astype(np.float32), f"{base}_values")
+    made = [
+        helper.make_node("Unsqueeze", [node.input[0], last], [name["column"]]),
+        helper.make_node(
+            "Equal", [name["column"], context.constant(key_array, f"{base}_keys")], [name["hit"]]
+        ),
+        helper.make_node("Cast", [name["hit"]], [name["hits"]], to=TensorProto.FLOAT),
+        # at most one 1 in a row (the keys are unique): its value exactly, or 0
+        helper.make_node("MatMul", [name["hits"], table], [name["picked"]]),
+    ]
+    result = name["picked"]
+    if default != 0.0:  # + default * (1 - matches): exact, as matches is 0 or 1
+        ones = context.constant(np.ones(key_array.size, np.float32), f"{base}_ones")
+        one = context.constant(np.asarray(1.0, np.float32), f"{base}_one")
+        fill = context.constant(np.asarray(default, np.float32), f"{base}_default")
+        made += [
+            helper.make_node("MatMul", [name["hits"], ones], [name["count"]]),
+            helper.make_node("Sub", [one, name["count"]], [name["miss"]]),
+            helper.make_node("Mul", [name["miss"], fill], [name["fill"]]),
+            helper.make_node("Add", [name["picked"], name["fill"]], [name["y"]]),
+        ]
+        result = name["y"]
+    to = TensorProto.INT64 if value_type == TensorProto.INT64 else TensorProto.FLOAT
+    if result == name["picked"] and to == TensorProto.FLOAT:
+        made[-1].output[0] = base
+    else:
+        made.append(helper.make_node("Cast", [result], [base], to=to))
+    return made
+
+
 RULES: dict[str, Rule] = {
+    "LabelEncoder": _label_encoder,
     "ArrayFeatureExtractor": _feature_extractor,
     "FeatureVectorizer": _feature_vectorizer,
     "Scaler": _scaler,

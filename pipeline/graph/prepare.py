@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..core.errors import ModelError
 from . import edit
-from .tails import STRING_TYPE, model_tail
+from .tails import STRING_TYPE, TAIL_DOMAINS, model_tail
 
 if TYPE_CHECKING:
     import onnx
@@ -253,13 +253,12 @@ DATA_SIZED_OPS = frozenset({"NonMaxSuppression", "NonZero", "Unique", "Compress"
 def _require_static(model: onnx.ModelProto) -> None:
     """A ModelError naming the tensors preparation left without a static shape."""
     dynamic = edit.dynamic_outputs(model)
-    in_tail: set[str] = set()
     if dynamic:  # a declared CPU tail (labels, score maps) needs no static shape
         tail = model_tail(model)
         in_tail = {o for i in tail.nodes for o in model.graph.node[i].output}
         dynamic = [(name, node) for name, node in dynamic if name not in in_tail]
     if dynamic:
-        opaque = _opaque_sources(model, dynamic, in_tail)
+        opaque = _opaque_sources(model, dynamic)
         if opaque:
             raise opaque
         shown = [
@@ -300,18 +299,26 @@ def _require_static(model: onnx.ModelProto) -> None:
 
 
 def _opaque_sources(
-    model: onnx.ModelProto, dynamic: list[tuple[str, onnx.NodeProto | None]], in_tail: set[str]
+    model: onnx.ModelProto, dynamic: list[tuple[str, onnx.NodeProto | None]]
 ) -> ModelError | None:
-    """The refusal when what stays shapeless is computed from an op of the CPU tail's kind
-    (ai.onnx.ml) standing in *front* of the network, or None.
+    """The refusal when what stays shapeless is computed from an ai.onnx.ml op standing in
+    *front* of the network, or None.
 
     Why: onnx infers no shape for what some ai.onnx.ml ops write (a Normalizer over rank 3, an
     old LabelEncoder), so every tensor of the network after one was listed as dynamic with a tip
     to fix [inputs] dims, which cannot help. Such ops stay on the CPU only as a tail, after the
     NPU part; in front of it they must leave the model."""
     writer = {o: n for n in model.graph.node for o in n.output}
+    unshaped = {name for name, _ in dynamic}
     for name, node in dynamic:
-        read = next((i for i in node.input if i in in_tail), None) if node is not None else None
+        read = next(
+            (
+                i
+                for i in (node.input if node is not None else ())
+                if i in unshaped and i in writer and writer[i].domain in TAIL_DOMAINS
+            ),
+            None,
+        )
         if read is None:
             continue
         source = writer[read]

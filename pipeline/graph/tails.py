@@ -69,6 +69,7 @@ def find_tail(
         for i, node in enumerate(nodes)
         if node.domain in TAIL_DOMAINS or any(is_plain(o) is False for o in outputs_of(node) if o)
     }
+    tail -= _in_front(nodes, tail, readers, outputs_of, is_float)
     if not tail:
         return Tail(frozenset(), (), ())
     changed = True
@@ -90,6 +91,35 @@ def find_tail(
         {n for i in tail for n in inputs_of(nodes[i]) if n and n not in produced and n in inner}
     )
     return Tail(frozenset(tail), tuple(o for o in outputs if o in produced), tuple(feeds))
+
+
+def _in_front(
+    nodes: Sequence[Any],
+    seeds: set[int],
+    readers: Mapping[str, list[int]],
+    outputs_of: Callable[[Any], Sequence[str]],
+    is_float: Callable[[Any, str], bool],
+) -> set[int]:
+    """The seeds that feed the network instead of following it: some node reading from them
+    (at any distance) computes float values and is neither a seed nor a move. An ai.onnx.ml
+    encoder in front of a network (a LabelEncoder of category ids into values a MatMul
+    reads) is a CPU node like any other: counted as the tail, the gate passed it unseen."""
+    front = set()
+    for seed in seeds:
+        todo, seen = [seed], {seed}
+        while todo and seed not in front:
+            for out in (o for o in outputs_of(nodes[todo.pop()]) if o):
+                for reader in readers.get(out, []):
+                    node = nodes[reader]
+                    computes = node.op_type not in _MOVES and any(
+                        is_float(node, o) for o in outputs_of(node) if o
+                    )
+                    if reader not in seeds and computes:
+                        front.add(seed)
+                    elif reader not in seen:
+                        seen.add(reader)
+                        todo.append(reader)
+    return front
 
 
 def model_tail(model: Any) -> Tail:
