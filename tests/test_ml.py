@@ -226,21 +226,28 @@ def test_a_scaled_mlp_prepares_static_with_no_ml_op_left() -> None:
     np.testing.assert_allclose(run(prepared, x), run(model, x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.qnn
-def test_a_scaled_mlp_builds_whole_on_the_npu(tmp_path: Path) -> None:
+def assert_released_whole_on_the_npu(
+    root: Path, model: onnx.ModelProto, name: str, inputs: str = ""
+) -> None:
+    """``model`` through quantize, compile and publish: 1 QNN partition, no CPU node, no tail."""
     pytest.importorskip("onnxruntime_qnn")
     from test_tails import released
 
     from pipeline.core.layout import ModelPaths
     from pipeline.core.records import VariantRecord, read_record
 
-    artifacts = released(tmp_path, scaled_mlp(), "mlp", "[inputs]\ndims = { N = 1 }\n", 24)
-    folder = next(ModelPaths.of(artifacts, "mlp").ctx.glob("*/snapdragon-x-elite"))
+    artifacts = released(root, model, name, inputs, 24)
+    folder = next(ModelPaths.of(artifacts, name).ctx.glob("*/snapdragon-x-elite"))
     record, why = read_record(VariantRecord, folder / "variant.json")
     assert record is not None and record.coverage is not None, why
     assert record.coverage.qnn_partitions == 1 and record.coverage.cpu_compute_nodes == []
     assert not record.coverage.cpu_tail_nodes
     assert record.passed
+
+
+@pytest.mark.qnn
+def test_a_scaled_mlp_builds_whole_on_the_npu(tmp_path: Path) -> None:
+    assert_released_whole_on_the_npu(tmp_path, scaled_mlp(), "mlp", "[inputs]\ndims = { N = 1 }\n")
 
 
 def encoder_model(
@@ -363,16 +370,4 @@ def test_an_encoder_in_front_of_the_network_is_not_its_cpu_tail() -> None:
 
 @pytest.mark.qnn
 def test_an_encoded_mlp_builds_whole_on_the_npu(tmp_path: Path) -> None:
-    pytest.importorskip("onnxruntime_qnn")
-    from test_tails import released
-
-    from pipeline.core.layout import ModelPaths
-    from pipeline.core.records import VariantRecord, read_record
-
-    artifacts = released(tmp_path, encoded_mlp(), "encoded", "", 24)
-    folder = next(ModelPaths.of(artifacts, "encoded").ctx.glob("*/snapdragon-x-elite"))
-    record, why = read_record(VariantRecord, folder / "variant.json")
-    assert record is not None and record.coverage is not None, why
-    assert record.coverage.qnn_partitions == 1 and record.coverage.cpu_compute_nodes == []
-    assert not record.coverage.cpu_tail_nodes
-    assert record.passed
+    assert_released_whole_on_the_npu(tmp_path, encoded_mlp(), "encoded")
