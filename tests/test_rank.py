@@ -1,4 +1,5 @@
-"""pipeline.graph.rank: rank-6 tensors with a leading unit axis computed at rank 5."""
+"""pipeline.graph.rank: rank-6 tensors with a leading unit axis computed at rank 5, and the
+element-wise ops the HTP refuses at rank 5 computed at rank 4."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pipeline.graph.rank import (
     collapse_high_rank_reshapes,
     drop_leading_unit_axis,
     input_unit_axis_transposes,
+    rank4_shape,
+    rank5_elementwise_at_rank_4,
 )
 
 QUERIES = 10
@@ -237,3 +240,63 @@ def test_the_htp_runs_a_gray_stem_read_twice(tmp_path: Path) -> None:
     from compile_fixtures import build_whole_on_htp
 
     build_whole_on_htp(tmp_path, "gray_stem", gray_stem())
+
+
+def frames_through_conv3d(activation: str = "Tanh", depth: int = 1) -> onnx.ModelProto:
+    """A watermark encoder's shape: [1, 3, depth, 16, 16] frames through a Conv3d of kernel
+    [1, 3, 3], an element-wise activation at rank 5, and another Conv3d."""
+    rng = np.random.default_rng(5)
+    c = numpy_helper.from_array
+    inits = [
+        c((rng.standard_normal((6, 3, 1, 3, 3)) * 0.3).astype(np.float32), "w1"),
+        c((rng.standard_normal((4, 6, 1, 3, 3)) * 0.3).astype(np.float32), "w2"),
+    ]
+    pads = [0, 1, 1, 0, 1, 1]
+    nodes = [
+        oh.make_node("Conv", ["x", "w1"], ["a"], pads=pads),
+        oh.make_node(activation, ["a"], ["t"]),
+        oh.make_node("Conv", ["t", "w2"], ["y"], pads=pads),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "frames",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, depth, 16, 16])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, depth, 16, 16])],
+        inits,
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_rank_5_tanh_is_computed_at_rank_4_and_the_same(depth: int) -> None:
+    """Its unit axis dropped, or (none) its last two axes merged: the same values."""
+    model = frames_through_conv3d(depth=depth)
+    result, change = rank5_elementwise_at_rank_4(model)
+    assert change.changed
+    ops = [n.op_type for n in result.graph.node]
+    assert ops == ["Conv", "Reshape", "Tanh", "Reshape", "Conv"]
+    inferred = onnx.shape_inference.infer_shapes(result, strict_mode=True)
+    tanh_in = next(n.input[0] for n in result.graph.node if n.op_type == "Tanh")
+    rank = {v.name: len(v.type.tensor_type.shape.dim) for v in inferred.graph.value_info}
+    assert rank[tanh_in] == 4
+    x = np.random.default_rng(0).standard_normal((1, 3, depth, 16, 16)).astype(np.float32)
+    np.testing.assert_array_equal(run(result, {"x": x})[0], run(model, {"x": x})[0])
+
+
+def test_rank4_shapes_keep_the_elements_in_order() -> None:
+    assert rank4_shape((1, 8, 1, 32, 32)) == (1, 8, 32, 32)  # the last unit axis dropped
+    assert rank4_shape((2, 8, 3, 4, 5)) == (2, 8, 3, 20)  # none: the last two merged
+
+
+def test_ops_the_htp_takes_at_rank_5_are_left() -> None:
+    model = frames_through_conv3d("Sigmoid")
+    result, change = rank5_elementwise_at_rank_4(model)
+    assert not change.changed and result is model
+
+
+def test_the_htp_runs_a_rank_5_tanh_whole_quantized(tmp_path: Path) -> None:
+    """Quantized and compiled by the real stages: whole on the HTP (before: the Tanh on the
+    CPU, 2 partitions, compile's gate failed)."""
+    from compile_fixtures import build_whole_on_htp
+
+    build_whole_on_htp(tmp_path, "frames", frames_through_conv3d())

@@ -108,6 +108,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         recurrent.lower_high_rank,  # rank > 5 (an unfold as Gather) -> rank <= 5
         rank.drop_leading_unit_axis,  # rank 6 with batch 1 (deformable attention)
         rank.collapse_high_rank_reshapes,  # tf2onnx's Unsqueeze, rank-6 Reshape, Squeeze
+        rank.rank5_elementwise_at_rank_4,  # a Tanh of Conv3d-shaped frames: CPU at rank 5
         t.col2im_to_conv_transpose,  # the QNN EP has no Col2Im (F.fold: VOLO's outlooker)
         recurrent.dilate_conv_transpose,  # QNN's TransposeConv2d takes dilation 1 only
         recurrent.output_padding_to_pads,  # the HTP's depthwise ConvTranspose drops it

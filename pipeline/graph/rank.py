@@ -275,3 +275,72 @@ def input_unit_axis_transposes(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
         del node.attribute[:]
         node.input.append(target)
     return edit.checked_change(result, "input_unit_axis_transposes", details)
+
+
+# Element-wise ops the QNN EP leaves on the CPU at rank 5 and takes at rank 4, measured with
+# 8- and 16-bit Q/DQ (onnxruntime-qnn 2.7.0; Sigmoid, Relu, Exp, Abs, LeakyRelu, HardSigmoid,
+# HardSwish, Clip and Reciprocal run at rank 5), and their trigonometric kin.
+RANK5_REFUSED = frozenset(
+    {"Tanh", "Log", "Sqrt", "Neg", "Softplus", "Elu", "Selu", "Celu", "Gelu", "Erf", "Floor"}
+    | {"Ceil", "Round", "Sign", "Softsign", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan"}
+    | {"Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "ThresholdedRelu"}
+)
+
+
+def rank4_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """A rank-5 ``shape`` with the same elements in the same order at rank 4: a unit axis
+    dropped (the last one, the depth of a Conv3d used on frames), else the last two merged."""
+    units = [axis for axis, size in enumerate(shape) if size == 1]
+    if units:
+        return tuple(s for axis, s in enumerate(shape) if axis != units[-1])
+    return (*shape[:3], shape[3] * shape[4])
+
+
+def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """An element-wise op of ``RANK5_REFUSED`` on a rank-5 tensor -> Reshape to rank 4, the op,
+    Reshape back: the same values, in an op the HTP takes.
+
+    Why: a RivaGAN watermark encoder computes on [1, C, 1, H, W] frames (Conv3d with a unit
+    depth); every op of it ran on the HTP but its 16-bit Tanhs, which the QNN EP left on the
+    CPU (5 partitions, 12 CPU nodes), and the whole model in fp16 failed to finalize."""
+    values = edit.inferred_values(model)
+    targets: dict[int, tuple[int, ...]] = {}
+    for index, node in enumerate(model.graph.node):
+        if node.op_type not in RANK5_REFUSED or node.domain not in edit.DEFAULT_DOMAINS:
+            continue
+        value = values.get(node.input[0]) if node.input else None
+        shape = edit.value_shape(value) if value is not None else None
+        if shape is not None and len(shape) == 5 and len(node.output) == 1:
+            targets[index] = tuple(shape)
+    if not targets:
+        return model, Change("rank5_elementwise_at_rank_4")
+    result = edit.copy_model(model)
+    graph = result.graph
+    fresh = edit.FreshNames(result)
+    nodes: list[onnx.NodeProto] = []
+    details = []
+    for index, node in enumerate(graph.node):
+        shape = targets.get(index)
+        if shape is None:
+            nodes.append(node)
+            continue
+        base = node.name or node.output[0]
+        flat, back = fresh(f"{base}_rank4_shape"), fresh(f"{base}_rank5_shape")
+        graph.initializer.extend(
+            [
+                numpy_helper.from_array(np.array(rank4_shape(shape), np.int64), flat),
+                numpy_helper.from_array(np.array(shape, np.int64), back),
+            ]
+        )
+        into, out = fresh(f"{base}_rank4_in"), fresh(f"{base}_rank4_out")
+        moved = onnx.NodeProto()
+        moved.CopyFrom(node)
+        moved.input[0], moved.output[0] = into, out
+        nodes += [
+            helper.make_node("Reshape", [node.input[0], flat], [into]),
+            moved,
+            helper.make_node("Reshape", [out, back], [node.output[0]]),
+        ]
+        details.append(f"{edit.node_label(node)}: {list(shape)} -> {list(rank4_shape(shape))}")
+    edit.set_nodes(graph, nodes)
+    return edit.checked_change(result, "rank5_elementwise_at_rank_4", details)
