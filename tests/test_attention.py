@@ -5,6 +5,7 @@ keep the unmasked range when quantized (checked on a small attention block end t
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -470,10 +471,15 @@ def test_the_masks_a_mask_sum_adds_are_cut_with_it() -> None:
     assert weights["causal"] == need
 
 
-def quantized_attention_snr(tmp_path: Path, prepared: onnx.ModelProto | None = None) -> float:
-    """QDQ vs float SNR of the prepared attention block (default: ``masked_attention``),
-    quantized by the pipeline's own calibrate -> range rules -> quantize (no mixed precision,
-    no HTP judge: the rules alone)."""
+def quantized_attention_snr(
+    tmp_path: Path,
+    prepared: onnx.ModelProto | None = None,
+    feeds: Callable[[np.random.Generator], dict[str, np.ndarray]] | None = None,
+) -> float:
+    """QDQ vs float SNR of the prepared attention block (default: ``masked_attention``, fed
+    by ``attention_feeds``), quantized by the pipeline's own calibrate -> range rules ->
+    quantize (no mixed precision, no HTP judge: the rules alone)."""
+    feeds = feeds or attention_feeds
     from pipeline.quantize import quantizer
     from pipeline.quantize.evaluate import evaluate
 
@@ -490,7 +496,7 @@ def quantized_attention_snr(tmp_path: Path, prepared: onnx.ModelProto | None = N
     float_path = tmp_path / "float.onnx"
     onnx.save(prepared, str(float_path))
     rng = np.random.default_rng(5)
-    samples = [attention_feeds(rng) for _ in range(32)]
+    samples = [feeds(rng) for _ in range(32)]
     part = quantizer.calibrate(
         config, float_path, samples, tmp_path / "raw.json", tmp_path / "cal.onnx", "attention"
     )
@@ -500,8 +506,79 @@ def quantized_attention_snr(tmp_path: Path, prepared: onnx.ModelProto | None = N
     heldout = tmp_path / "heldout"
     heldout.mkdir()
     for index in range(8):
-        np.savez(heldout / f"sample_{index:05d}.npz", **attention_feeds(rng))
+        np.savez(heldout / f"sample_{index:05d}.npz", **feeds(rng))
     return min(a.snr_db for a in evaluate(float_path, qdq, heldout).values())
+
+
+def distance_biased_attention() -> onnx.ModelProto:
+    """A graph transformer's attention: scores x x^T / 2 plus a bias gathered from a table by
+    pairwise distance, its row 0 ("no path") at -inf, then Softmax and the values."""
+    table = RNG.standard_normal((6, 1)).astype(np.float32)
+    table[0] = -np.inf
+    nodes = [
+        oh.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+        oh.make_node("MatMul", ["x", "xt"], ["dot"]),
+        oh.make_node("Mul", ["dot", "half"], ["scores"]),
+        oh.make_node("Gather", ["table", "dist"], ["gathered"], axis=0),
+        oh.make_node("Squeeze", ["gathered", "last"], ["bias"]),
+        oh.make_node("Add", ["scores", "bias"], ["biased"]),
+        oh.make_node("Softmax", ["biased"], ["p"], axis=-1),
+        oh.make_node("MatMul", ["p", "x"], ["y"]),
+    ]
+    return model_of(
+        nodes,
+        [
+            oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, SEQ, 4]),
+            oh.make_tensor_value_info("dist", TensorProto.INT64, [1, SEQ, SEQ]),
+        ],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, SEQ, 4])],
+        [const("table", table), const("half", 0.5), const("last", [-1], np.int64)],
+        opset=17,
+    )
+
+
+def distance_feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Two blocks of tokens: distances 1..5 within a block, 0 ("no path") between them."""
+    half = SEQ // 2
+    dist = np.zeros((1, SEQ, SEQ), np.int64)
+    for block in (slice(0, half), slice(half, SEQ)):
+        dist[0, block, block] = rng.integers(1, 6, (half, half))
+    return {"x": rng.standard_normal((1, SEQ, 4)).astype(np.float32), "dist": dist}
+
+
+def test_a_bias_gathered_from_a_table_with_masked_rows_keeps_the_unmasked_range() -> None:
+    """The table's finite entries keep their range, its sentinel saturates at the cut's low
+    end (a weight range), and every tensor from the gathered bias to Softmax is cut: over the
+    sentinel's range one 16-bit step was 15259, every real bias 0 (a reaction-mapping graph
+    transformer: 9.0 dB quantized, whole fp16 kept)."""
+    model = prepare_model(distance_biased_attention(), NO_INPUTS)[0]
+    table = next(i for i in model.graph.initializer if i.dims == [6, 1])
+    finite = numpy_helper.to_array(table)[1:]
+    f_low, f_high = float(finite.min()), float(finite.max())
+    names = {n.op_type: n.output[0] for n in model.graph.node}
+    gathered, bias, biased = names["Gather"], names["Squeeze"], names["Add"]
+    raw = {
+        names["Mul"]: (-5.0, 6.0),
+        gathered: (attention.MASK_FILL, f_high),
+        bias: (attention.MASK_FILL, f_high),
+        biased: (attention.MASK_FILL, 6.0 + f_high),
+    }
+    cut, weights, changed = ranges.mask_fill_ranges(model, raw)
+    assert cut[biased] == (-5.0 + f_low - ranges.SOFTMAX_MARGIN, 6.0 + f_high)
+    need = (f_low - 11.0 - ranges.SOFTMAX_MARGIN, f_high)
+    assert cut[bias] == cut[gathered] == need and weights == {table.name: need}
+    assert sorted(changed) == sorted([gathered, bias, biased])
+
+
+def test_a_distance_biased_attention_quantizes_accurately(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prepared = prepare_model(distance_biased_attention(), NO_INPUTS)[0]
+    good = quantized_attention_snr(tmp_path / "rule", prepared, distance_feeds)
+    assert good > 40.0
+    monkeypatch.setattr(ranges, "mask_fill_ranges", lambda model, r: (r, {}, []))
+    bad = quantized_attention_snr(tmp_path / "no_rule", prepared, distance_feeds)
+    assert bad < good - 15.0
 
 
 def test_masked_attention_quantizes_accurately(

@@ -1024,13 +1024,18 @@ SOFTMAX_MARGIN = 24.0
 
 
 def _mask_fill(
-    node: Any, consts: dict[str, float], ranges: dict[str, Interval]
+    node: Any,
+    consts: dict[str, float],
+    ranges: dict[str, Interval],
+    table_range: Callable[[str], Interval | None] = lambda _: None,
 ) -> tuple[Interval, str | None, str | None] | None:
     """(unmasked range, fill constant, mask bias) when ``node`` masks scores with a sentinel.
 
     Where(c, fill, x) / Where(c, x, fill) with a constant fill, or Add(x, bias) with a bias
-    whose calibrated range is [sentinel, 0] (``(1 - mask) * -10000``); in both, every masked
-    value lies more than ``SOFTMAX_MARGIN`` below every unmasked one.
+    whose calibrated range is [sentinel, 0] (``(1 - mask) * -10000``), or whose values are
+    gathered from a table holding sentinels among finite biases (``table_range``: the finite
+    entries' range; a graph transformer's distance bias, "no path" at -inf); in all, every
+    masked value lies more than ``SOFTMAX_MARGIN`` below every unmasked one.
     """
     if node.op_type == "Where" and len(node.input) == 3:
         fills = [i for i in (1, 2) if node.input[i] in consts]
@@ -1053,6 +1058,32 @@ def _mask_fill(
                 and high + b_low < low - SOFTMAX_MARGIN
             ):
                 return (low, high), None, bias
+            finite = table_range(bias) if b_low <= MASK_SENTINEL < low else None
+            if finite is not None and high + b_low < low + finite[0] - SOFTMAX_MARGIN:
+                return (low + finite[0], high + finite[1]), None, bias
+    return None
+
+
+def _gathered_table(
+    bias: str, producers: dict[str, Any], inits: dict[str, Any], carriers: frozenset[str]
+) -> tuple[str, Interval] | None:
+    """(table, the range of its finite entries) when ``bias`` is gathered, through ops that
+    only move values, from a float constant holding sentinels (<= MASK_SENTINEL) among finite
+    values; else None."""
+    from onnx import numpy_helper
+
+    name = bias
+    while (node := producers.get(name)) is not None and node.op_type in carriers:
+        if node.op_type == "Gather":
+            table = inits.get(node.input[0])
+            if table is None or table.data_type not in _FLOAT_TYPES:
+                return None
+            value = numpy_helper.to_array(table)
+            finite = value[value > MASK_SENTINEL]
+            if finite.size == 0 or finite.size == value.size:
+                return None
+            return node.input[0], (float(finite.min()), float(finite.max()))
+        name = node.input[0]
     return None
 
 
@@ -1131,8 +1162,15 @@ def mask_fill_ranges(
     addend_sums: dict[str, set[str]] = {}  # ... and the sums reading it
     producers = {o: n for n in model.graph.node for o in n.output}
     inits = {i.name: i for i in model.graph.initializer}
+    tables = carriers | {"Gather"}
+
+    def table_range(bias: str) -> Interval | None:
+        found = _gathered_table(bias, producers, inits, tables)
+        return found[1] if found else None
+
+    bias_high: dict[str, float] = {}  # mask bias -> its highest unmasked value (0: a 0/1 mask)
     for node in model.graph.node:
-        found = _mask_fill(node, consts, ranges) or _summed_mask(
+        found = _mask_fill(node, consts, ranges, table_range) or _summed_mask(
             node, ranges, producers.get, lambda name: _constant_range(inits.get(name))
         )
         if found is None:
@@ -1149,7 +1187,11 @@ def mask_fill_ranges(
         if fill is not None:
             weights[fill] = cut
         if bias is not None:
-            need = -(high - low) - SOFTMAX_MARGIN
+            finite = table_range(bias) if not rest else None
+            if finite is not None:  # the scores' own range: the table's finite part removed
+                low, high = low - finite[0], high - finite[1]
+                bias_high[bias] = finite[1]
+            need = (finite[0] if finite else 0.0) - (high - low) - SOFTMAX_MARGIN
             bias_low[bias] = min(bias_low.get(bias, 0.0), need)
             adder = producers[rest[0]] if rest else node  # T5: the sum reads the mask bias
             bias_readers.setdefault(bias, set()).add(adder.name or adder.output[0])
@@ -1170,7 +1212,7 @@ def mask_fill_ranges(
     for bias, need in bias_low.items():
         if readers.get(bias) != len(bias_readers[bias]) or bias in outputs:
             continue
-        cut = (max(need, ranges[bias][0]), 0.0)
+        cut = (max(need, ranges[bias][0]), bias_high.get(bias, 0.0))
         # The bias and what makes it: shape ops back to the Mul/Where that scales or fills
         # the mask with the sentinel; that constant is cut too (a weight range), so the HTP
         # never multiplies a 0/1 mask by -1e9 into a range 40 wide (ctx vs QDQ 0.8 dB).
@@ -1181,6 +1223,10 @@ def mask_fill_ranges(
             name = node.input[0]
             chain.append(name)
         node = producers.get(name)
+        if bias in bias_high and node is not None and node.op_type == "Gather":
+            table = node.input[0]  # its sentinels saturate at the cut's low end
+            if table in inits and readers.get(table) == 1:
+                weights[table] = cut
         if node is not None and node.op_type in ("Mul", "Where"):
             sentinels = [i for i in node.input if i in consts and consts[i] <= MASK_SENTINEL]
             if len(sentinels) == 1 and readers.get(sentinels[0]) == 1:
