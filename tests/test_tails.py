@@ -833,6 +833,16 @@ def test_a_summary_of_outputs_all_picked_by_rank_does_not_read_inf_db() -> None:
     # Stopped early (the judge's evidence, the simulator's budget): the line says on how many.
     validation.requested, validation.samples = 16, 4
     assert _snr_line(validation).startswith("ctx vs QDQ 41.0 dB on 4 of 16 samples (vs float")
+    # ... and beside it the QDQ model's figure on every held-out sample (a classifier read
+    # 79.6 dB on 2 of 6, 57.6 on all 6), but not for a model left in fp16 on the HTP, whose
+    # CPU figure is float32 arithmetic.
+    quantized = SimpleNamespace(worst_snr_db=27.5, heldout_samples=16, float16_on_htp="")
+    line = _snr_line(validation, None, quantized)  # type: ignore[arg-type]
+    assert "(vs float 30.0 dB; the QDQ model on all 16: 27.5 dB)" in line
+    quantized.float16_on_htp = "whole"
+    assert "all 16" not in _snr_line(validation, None, quantized)  # type: ignore[arg-type]
+    quantized.float16_on_htp, validation.samples = "", 16  # every sample ran: its own figure
+    assert "all 16" not in _snr_line(validation, None, quantized)  # type: ignore[arg-type]
 
 
 def test_a_gate_lowered_to_a_rounding_floor_is_said_in_the_compile_report() -> None:

@@ -484,7 +484,9 @@ def compile_model(
             )
             built.append(result)
             target_snr = config.quantization.target_snr_db
-            progress.write(describe(result.record, result.skipped, target_snr))
+            progress.write(
+                describe(result.record, result.skipped, target_snr, inputs.record.summary)
+            )
             note = closed_loop_note(result.record, target_snr)
             if note:
                 progress.write(note)

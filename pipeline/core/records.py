@@ -163,6 +163,9 @@ class QuantizeSummary:
     # found in its held-out windows): the state an app carries from call to call, which compile
     # feeds the ctx back on the HTP (``Validation.closed_loop``). Empty for other models.
     stream_states: dict[str, str] = field(default_factory=dict)
+    # "whole" or "partial" when the kept model leaves tensors in float16 on the HTP: the CPU
+    # computes those in float32, so ``worst_snr_db`` then says nothing of what the NPU computes.
+    float16_on_htp: str = ""
 
 
 @dataclass(frozen=True)

@@ -1421,8 +1421,15 @@ def _record(
             },
             htp_failure=_htp_failure(report.htp),
             stream_states=dict(report.stream_states),
+            float16_on_htp=_float16_on_htp(report.htp),
         ),
     )
+
+
+def _float16_on_htp(judgement: HtpJudgement | None) -> str:
+    if judgement is None:
+        return ""
+    return "whole" if judgement.whole_float16 else "partial" if judgement.float16 else ""
 
 
 def _remove_stale_buckets(paths: ModelPaths, plan: BucketPlan) -> None:
