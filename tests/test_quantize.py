@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -482,3 +483,43 @@ def test_a_new_size_the_graph_cannot_take_past_an_op_inference_skips_is_named(
     assert "[inputs] shapes gives 'x' a size the model fixes" in err
     assert "exported for" in err
     assert not ModelPaths.of(tmp_path / "art", "legacy").bucket(SINGLE_BUCKET).qdq.exists()
+
+
+def test_a_kept_candidate_that_is_not_whole_on_the_npu_is_said_at_quantize(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No candidate ran whole (a watermark encoder's rank-5 Tanhs on the CPU, its fp16 one
+    failing to finalize): the judge keeps the best and quantize passes, so it says that
+    compile's coverage gate will fail; a whole one, or CPU nodes the config allows, says
+    nothing."""
+    from pipeline.core.config import load_config
+    from pipeline.quantize.build import _note_not_whole
+    from pipeline.quantize.judge import HtpJudgement, JudgeRound
+
+    config_path = tmp_path / "m.toml"
+    config_path.write_text(
+        '[model]\nname = "frames"\nversion = "1.0.0"\nsource = "m.onnx"\n'
+        '[calibration]\nkind = "random"\n',
+        encoding="utf-8",
+    )
+    (tmp_path / "m.onnx").write_bytes(b"")
+    config = load_config(config_path)
+
+    def judged(partitions: int, cpu_nodes: int) -> HtpJudgement:
+        rounds = [
+            JudgeRound("as quantized", 57.3, 85.4, 57.5, partitions, cpu_nodes, 1.0),
+            JudgeRound("whole model in fp16", None, None, None, 0, 0, 1.0, error="EPFail"),
+        ]
+        return HtpJudgement("htp", "judged", rounds=rounds, chosen="as quantized")
+
+    _note_not_whole(config, judged(5, 12))
+    said = capsys.readouterr().out
+    assert "NOTE frames: no candidate ran whole on the NPU" in said
+    assert "(as quantized) ran in 5 QNN partition(s) with 12 CPU node(s)" in said
+    _note_not_whole(config, judged(1, 0))
+    assert capsys.readouterr().out == ""
+    allowing = dataclasses.replace(
+        config, compile=dataclasses.replace(config.compile, allowed_cpu_ops=["Tanh"])
+    )
+    _note_not_whole(allowing, judged(1, 3))
+    assert capsys.readouterr().out == ""

@@ -791,6 +791,28 @@ def _closed_loop(
     return loop
 
 
+def _note_not_whole(config: ModelConfig, judgement: HtpJudgement | None) -> None:
+    """Say on the console when the candidate kept ran on the HTP in more than one partition or
+    with CPU nodes: no candidate met compile's coverage gate, which will fail, and quantize is
+    where that was seen first (a watermark encoder's rank-5 Tanhs: 5 partitions, 12 CPU nodes,
+    its fp16 candidate failing to finalize; said only at compile, minutes later)."""
+    if judgement is None or judgement.judge != "htp":
+        return
+    kept = next((r for r in judgement.rounds if r.label == judgement.chosen), None)
+    if kept is None or kept.error or (kept.partitions == 1 and not kept.cpu_nodes):
+        return
+    allowed = bool(config.compile.allowed_cpu_ops)  # the probe counts every CPU node alike
+    if kept.partitions <= config.compile.max_partitions and (not kept.cpu_nodes or allowed):
+        return
+    print(
+        f"NOTE {config.model.name}: no candidate ran whole on the NPU; the one kept ("
+        f"{kept.label}) ran in {kept.partitions} QNN partition(s) with {kept.cpu_nodes} CPU "
+        "node(s) on the HTP, so compile's coverage gate will fail unless [compile] "
+        "max_partitions and allowed_cpu_ops allow them. The report's judge table has every "
+        "candidate; compile's report will name the ops."
+    )
+
+
 def _note_short_parts(
     config: ModelConfig, per_bucket: dict[str, dict[str, Accuracy]], states: Iterable[str]
 ) -> None:
@@ -1227,6 +1249,7 @@ def _steps(
     worst_each = [worst_snr(v) for v in per_bucket.values() if v]
     worst = min(worst_each) if worst_each else float("nan")
     _note_short_parts(config, per_bucket, states.values())
+    _note_not_whole(config, judgement)
     if judgement is not None and judgement.whole_float16:
         # No quantization: "QDQ vs float" compares the float model with itself (inf). What
         # the gate must judge is what the HTP computes in fp16 (an fp16 overflow: -51.6 dB).
