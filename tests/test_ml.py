@@ -300,6 +300,29 @@ def test_a_label_encoder_of_numbers_computes_what_onnxruntimes_kernel_does(
     np.testing.assert_array_equal(got, want)
 
 
+def test_a_one_hot_encoder_of_ids_computes_what_onnxruntimes_kernel_does() -> None:
+    """Category ids -> one-hot columns, an unknown id all zeros (zeros = 1), as Equal + Cast."""
+    node = ml("OneHotEncoder", ["x"], "y", cats_int64s=[3, 1, 7, -2], zeros=1)
+    graph = oh.make_graph(
+        [node],
+        "one_hot",
+        [oh.make_tensor_value_info("x", TensorProto.INT64, [3, FEATURES])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [3, FEATURES, 4])],
+    )
+    opsets = [oh.make_opsetid("", 17), oh.make_opsetid("ai.onnx.ml", 1)]
+    model = oh.make_model(graph, ir_version=8, opset_imports=opsets)
+    result = rewritten(model)
+    x = RNG.choice(np.array([3, 1, 7, -2, 0, 5]), size=(3, FEATURES)).astype(np.int64)
+    np.testing.assert_array_equal(run(result, x), run(model, x))
+    left = (  # raises on an unknown id; string categories
+        ml("OneHotEncoder", ["x"], "y", cats_int64s=[1, 2], zeros=0),
+        ml("OneHotEncoder", ["x"], "y", cats_strings=["a", "b"]),
+    )
+    for other in left:
+        model.graph.node[0].CopyFrom(other)
+        assert not standard_ml_ops(model)[1].changed
+
+
 def test_a_label_encoder_it_cannot_write_exactly_stays() -> None:
     """Integer values a float32 cannot hold, duplicate keys, and keys of another type than the
     input's are left to the CPU (as a tail after the network, or named in front of it)."""

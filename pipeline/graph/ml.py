@@ -4,8 +4,8 @@ Converters from scikit-learn (skl2onnx, onnxmltools) write a StandardScaler, Min
 RobustScaler in front of a network as an ai.onnx.ml ``Scaler``, a SimpleImputer as an
 ``Imputer``, a Normalizer as a ``Normalizer``, a Binarizer as a ``Binarizer``, a
 ColumnTransformer's columns as ``ArrayFeatureExtractor`` and ``FeatureVectorizer``, a
-linear model as a ``LinearRegressor``, and a category id's learned value as a numeric
-``LabelEncoder``. The QNN EP runs no ai.onnx.ml op, and ONNX infers no
+linear model as a ``LinearRegressor``, a category id's learned value as a numeric
+``LabelEncoder`` and its one-hot columns as a ``OneHotEncoder``. The QNN EP runs no ai.onnx.ml op, and ONNX infers no
 shape for their outputs: an MLP regressor behind a Scaler had no static shape anywhere and its
 build stopped. Each computes what a few standard ops compute, as onnxruntime's kernels do it
 (onnxruntime/core/providers/cpu/ml): Sub and Mul, Where of IsNaN, Greater, a row's norm with a
@@ -217,6 +217,13 @@ def _feature_vectorizer(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx
 LOOKUP_KEYS = 4096  # a LabelEncoder's keys written as one Equal each: [..., keys] at once
 
 
+def _axes_as_inputs(context: NodeRewrite) -> bool:
+    """Whether the model's opset reads Unsqueeze's axes as an input (13 on; a pre-quantized
+    model keeps its older opset)."""
+    domains = ("", "ai.onnx")
+    return next((o.version for o in context.model.opset_import if o.domain in domains), 0) >= 13
+
+
 def _lookup_table(node: onnx.NodeProto, kind: str) -> tuple[np.ndarray, int] | None:
     """A LabelEncoder's numeric ``keys`` or ``values`` (``kind``) and their elem type, from
     whichever of its attribute forms it has (``*_int64s``, ``*_floats``, ``*_tensor``)."""
@@ -244,8 +251,7 @@ def _label_encoder(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.Node
         return None
     if np.unique(key_array).size != key_array.size or np.isnan(key_array.astype(float)).any():
         return None
-    opset = next((o.version for o in context.model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if opset < 13:  # Unsqueeze's axes as an input (a pre-quantized model keeps its opset)
+    if not _axes_as_inputs(context):
         return None
     tensor = edit.attribute(node, "default_tensor", None)
     if tensor is not None:  # opset 4's form of the default
@@ -292,8 +298,31 @@ def _label_encoder(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.Node
     return made
 
 
+def _one_hot_encoder(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.NodeProto] | None:
+    """Y[..., k] = 1 where X equals the k-th category, for integer categories of an integer
+    input, an unknown one all zeros (``zeros = 1``, the default; with 0 onnxruntime raises on
+    it instead: left alone, as are string categories and float inputs, which it truncates)."""
+    cats = edit.attribute(node, "cats_int64s", None)
+    if not cats or len(cats) > LOOKUP_KEYS or int(edit.attribute(node, "zeros", 1)) != 1:
+        return None
+    if context.elem_type(node.input[0]) != TensorProto.INT64:
+        return None
+    if not _axes_as_inputs(context):
+        return None
+    base = node.output[0]
+    column, hit = context.fresh(f"{base}_column"), context.fresh(f"{base}_hit")
+    last = context.constant(np.asarray([-1], np.int64), f"{base}_last_axis")
+    categories = context.constant(np.asarray(cats, np.int64), f"{base}_categories")
+    return [
+        helper.make_node("Unsqueeze", [node.input[0], last], [column]),
+        helper.make_node("Equal", [column, categories], [hit]),
+        helper.make_node("Cast", [hit], [base], to=TensorProto.FLOAT),
+    ]
+
+
 RULES: dict[str, Rule] = {
     "LabelEncoder": _label_encoder,
+    "OneHotEncoder": _one_hot_encoder,
     "ArrayFeatureExtractor": _feature_extractor,
     "FeatureVectorizer": _feature_vectorizer,
     "Scaler": _scaler,
