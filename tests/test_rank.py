@@ -300,3 +300,49 @@ def test_the_htp_runs_a_rank_5_tanh_whole_quantized(tmp_path: Path) -> None:
     from compile_fixtures import build_whole_on_htp
 
     build_whole_on_htp(tmp_path, "frames", frames_through_conv3d())
+
+
+def layer_norm_at_rank_5(axis: int = -1) -> onnx.ModelProto:
+    """A LayerNormalization over the trailing axes of a [1, 2, 3, 4, 8] tensor, then a MatMul."""
+    rng = np.random.default_rng(6)
+    c = numpy_helper.from_array
+    normalized = [1, 2, 3, 4, 8][axis:]
+    inits = [
+        c((rng.standard_normal(normalized) * 0.5 + 1).astype(np.float32), "gamma"),
+        c((rng.standard_normal(normalized) * 0.1).astype(np.float32), "beta"),
+        c((rng.standard_normal((8, 8)) * 0.3).astype(np.float32), "w"),
+    ]
+    nodes = [
+        oh.make_node("LayerNormalization", ["x", "gamma", "beta"], ["n"], axis=axis),
+        oh.make_node("MatMul", ["n", "w"], ["y"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "ln5",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 3, 4, 8])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 3, 4, 8])],
+        inits,
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize("axis", [-1, 3, -3])
+def test_a_rank_5_layer_norm_is_computed_at_rank_4_and_the_same(axis: int) -> None:
+    """Its two leading axes merged, its normalized axes as they were (counted from the end)."""
+    model = layer_norm_at_rank_5(axis)
+    result, change = rank5_elementwise_at_rank_4(model)
+    assert change.changed
+    norm = next(n for n in result.graph.node if n.op_type == "LayerNormalization")
+    assert [a.i for a in norm.attribute if a.name == "axis"] == [axis % 5 - 5]
+    x = np.random.default_rng(1).standard_normal((1, 2, 3, 4, 8)).astype(np.float32)
+    np.testing.assert_allclose(
+        run(result, {"x": x})[0], run(model, {"x": x})[0], rtol=1e-5, atol=1e-5
+    )
+    left = rank5_elementwise_at_rank_4(layer_norm_at_rank_5(1))[1].details  # axis 1: left,
+    assert [d.split(" ")[0] for d in left] == ["MatMul"]  # its MatMul by a weight merged
+
+
+def test_the_htp_runs_a_rank_5_layer_norm_whole_quantized(tmp_path: Path) -> None:
+    from compile_fixtures import build_whole_on_htp
+
+    build_whole_on_htp(tmp_path, "ln5", layer_norm_at_rank_5())

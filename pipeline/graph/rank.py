@@ -287,6 +287,11 @@ RANK5_REFUSED = frozenset(
 )
 
 
+# Ops the QNN EP leaves on the CPU at rank 5 whose two leading axes merge exactly: a
+# LayerNormalization over trailing axes, a MatMul by a 1-D or 2-D weight.
+_LEADING_MERGED = frozenset({"LayerNormalization", "MatMul"})
+
+
 def rank4_shape(shape: Sequence[int]) -> tuple[int, ...]:
     """A rank-5 ``shape`` with the same elements in the same order at rank 4: a unit axis
     dropped (the last one, the depth of a Conv3d used on frames), else the last two merged."""
@@ -298,20 +303,38 @@ def rank4_shape(shape: Sequence[int]) -> tuple[int, ...]:
 
 def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """An element-wise op of ``RANK5_REFUSED`` on a rank-5 tensor -> Reshape to rank 4, the op,
-    Reshape back: the same values, in an op the HTP takes.
+    Reshape back: the same values, in an op the HTP takes. So too a LayerNormalization over
+    trailing axes of a rank-5 tensor and a MatMul of one by a weight (also left on the CPU
+    there), their two leading axes merged.
 
     Why: a RivaGAN watermark encoder computes on [1, C, 1, H, W] frames (Conv3d with a unit
     depth); every op of it ran on the HTP but its 16-bit Tanhs, which the QNN EP left on the
     CPU (5 partitions, 12 CPU nodes), and the whole model in fp16 failed to finalize."""
     values = edit.inferred_values(model)
-    targets: dict[int, tuple[int, ...]] = {}
+    targets: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+    def rank(name: str) -> int | None:
+        found = values.get(name)
+        shape = edit.value_shape(found) if found is not None else None
+        return None if shape is None else len(shape)
+
     for index, node in enumerate(model.graph.node):
-        if node.op_type not in RANK5_REFUSED or node.domain not in edit.DEFAULT_DOMAINS:
+        op = node.op_type
+        if node.domain not in edit.DEFAULT_DOMAINS or op not in RANK5_REFUSED | _LEADING_MERGED:
             continue
         value = values.get(node.input[0]) if node.input else None
         shape = edit.value_shape(value) if value is not None else None
-        if shape is not None and len(shape) == 5 and len(node.output) == 1:
-            targets[index] = tuple(shape)
+        if shape is None or len(shape) != 5 or len(node.output) != 1:
+            continue
+        merged = (shape[0] * shape[1], *shape[2:])
+        if op in RANK5_REFUSED:
+            targets[index] = (tuple(shape), rank4_shape(shape))
+        elif op == "LayerNormalization" and int(edit.attribute(node, "axis", -1)) % 5 >= 2:
+            # its normalized axes stay; the two leading ones merge (the axis counted from the
+            # end, the same axes at rank 4)
+            targets[index] = (tuple(shape), merged)
+        elif op == "MatMul" and rank(node.input[1]) in (1, 2):  # a layer's weight: batch axes
+            targets[index] = (tuple(shape), merged)
     if not targets:
         return model, Change("rank5_elementwise_at_rank_4")
     result = edit.copy_model(model)
@@ -320,15 +343,15 @@ def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto
     nodes: list[onnx.NodeProto] = []
     details = []
     for index, node in enumerate(graph.node):
-        shape = targets.get(index)
-        if shape is None:
+        if index not in targets:
             nodes.append(node)
             continue
+        shape, lower = targets[index]
         base = node.name or node.output[0]
         flat, back = fresh(f"{base}_rank4_shape"), fresh(f"{base}_rank5_shape")
         graph.initializer.extend(
             [
-                numpy_helper.from_array(np.array(rank4_shape(shape), np.int64), flat),
+                numpy_helper.from_array(np.array(lower, np.int64), flat),
                 numpy_helper.from_array(np.array(shape, np.int64), back),
             ]
         )
@@ -336,11 +359,14 @@ def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto
         moved = onnx.NodeProto()
         moved.CopyFrom(node)
         moved.input[0], moved.output[0] = into, out
+        for attr in moved.attribute:
+            if node.op_type == "LayerNormalization" and attr.name == "axis":
+                attr.i = attr.i % 5 - 5
         nodes += [
             helper.make_node("Reshape", [node.input[0], flat], [into]),
             moved,
             helper.make_node("Reshape", [out, back], [node.output[0]]),
         ]
-        details.append(f"{edit.node_label(node)}: {list(shape)} -> {list(rank4_shape(shape))}")
+        details.append(f"{edit.node_label(node)}: {list(shape)} -> {list(lower)}")
     edit.set_nodes(graph, nodes)
     return edit.checked_change(result, "rank5_elementwise_at_rank_4", details)
