@@ -303,14 +303,15 @@ def test_the_htp_runs_a_rank_5_tanh_whole_quantized(tmp_path: Path) -> None:
 
 
 def layer_norm_at_rank_5(axis: int = -1) -> onnx.ModelProto:
-    """A LayerNormalization over the trailing axes of a [1, 2, 3, 4, 8] tensor, then a MatMul."""
+    """A LayerNormalization over the trailing axes of a [1, 2, 3, 4, 8] tensor, then a MatMul
+    by an [8, 6] weight (its output [1, 2, 3, 4, 6])."""
     rng = np.random.default_rng(6)
     c = numpy_helper.from_array
     normalized = [1, 2, 3, 4, 8][axis:]
     inits = [
         c((rng.standard_normal(normalized) * 0.5 + 1).astype(np.float32), "gamma"),
         c((rng.standard_normal(normalized) * 0.1).astype(np.float32), "beta"),
-        c((rng.standard_normal((8, 8)) * 0.3).astype(np.float32), "w"),
+        c((rng.standard_normal((8, 6)) * 0.3).astype(np.float32), "w"),
     ]
     nodes = [
         oh.make_node("LayerNormalization", ["x", "gamma", "beta"], ["n"], axis=axis),
@@ -320,7 +321,7 @@ def layer_norm_at_rank_5(axis: int = -1) -> onnx.ModelProto:
         nodes,
         "ln5",
         [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 3, 4, 8])],
-        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 3, 4, 8])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 3, 4, 6])],
         inits,
     )
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)

@@ -311,7 +311,8 @@ def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto
     depth); every op of it ran on the HTP but its 16-bit Tanhs, which the QNN EP left on the
     CPU (5 partitions, 12 CPU nodes), and the whole model in fp16 failed to finalize."""
     values = edit.inferred_values(model)
-    targets: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    targets: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # in: rank 5, rank 4
+    back: dict[int, tuple[int, ...]] = {}  # the output's rank-5 shape, where not the input's
 
     def rank(name: str) -> int | None:
         found = values.get(name)
@@ -334,7 +335,11 @@ def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto
             # end, the same axes at rank 4)
             targets[index] = (tuple(shape), merged)
         elif op == "MatMul" and rank(node.input[1]) in (1, 2):  # a layer's weight: batch axes
-            targets[index] = (tuple(shape), merged)
+            out = values.get(node.output[0])
+            out_shape = edit.value_shape(out) if out is not None else None
+            if out_shape is not None and len(out_shape) == 5:
+                back[index] = tuple(out_shape)  # [..., K] by [K, N]: [..., N] back
+                targets[index] = (tuple(shape), merged)
     if not targets:
         return model, Change("rank5_elementwise_at_rank_4")
     result = edit.copy_model(model)
@@ -348,11 +353,11 @@ def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto
             continue
         shape, lower = targets[index]
         base = node.name or node.output[0]
-        flat, back = fresh(f"{base}_rank4_shape"), fresh(f"{base}_rank5_shape")
+        flat, restore = fresh(f"{base}_rank4_shape"), fresh(f"{base}_rank5_shape")
         graph.initializer.extend(
             [
                 numpy_helper.from_array(np.array(lower, np.int64), flat),
-                numpy_helper.from_array(np.array(shape, np.int64), back),
+                numpy_helper.from_array(np.array(back.get(index, shape), np.int64), restore),
             ]
         )
         into, out = fresh(f"{base}_rank4_in"), fresh(f"{base}_rank4_out")
@@ -365,7 +370,7 @@ def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto
         nodes += [
             helper.make_node("Reshape", [node.input[0], flat], [into]),
             moved,
-            helper.make_node("Reshape", [out, back], [node.output[0]]),
+            helper.make_node("Reshape", [out, restore], [node.output[0]]),
         ]
         details.append(f"{edit.node_label(node)}: {list(shape)} -> {list(lower)}")
     edit.set_nodes(graph, nodes)
