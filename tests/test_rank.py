@@ -347,3 +347,23 @@ def test_the_htp_runs_a_rank_5_layer_norm_whole_quantized(tmp_path: Path) -> Non
     from compile_fixtures import build_whole_on_htp
 
     build_whole_on_htp(tmp_path, "ln5", layer_norm_at_rank_5())
+
+
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_a_rank_5_argmax_over_a_trailing_axis_is_computed_at_rank_4(keepdims: int) -> None:
+    """A 3-D segmenter's class index over its last axis: the rank-5 context failed to finalize
+    on the HTP (QNN_COMMON_ERROR_MEM_ALLOC); its leading axes merged, the same indices."""
+    out_shape = [1, 2, 3, 4, 1] if keepdims else [1, 2, 3, 4]
+    graph = oh.make_graph(
+        [oh.make_node("ArgMax", ["x"], ["y"], axis=4, keepdims=keepdims)],
+        "argmax5",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 3, 4, 8])],
+        [oh.make_tensor_value_info("y", TensorProto.INT64, out_shape)],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+    result, change = rank5_elementwise_at_rank_4(model)
+    assert [d.split(":")[1].strip() for d in change.details] == ["[1, 2, 3, 4, 8] -> [2, 3, 4, 8]"]
+    argmax = next(n for n in result.graph.node if n.op_type == "ArgMax")
+    assert [a.i for a in argmax.attribute if a.name == "axis"] == [-1]
+    x = np.random.default_rng(2).standard_normal((1, 2, 3, 4, 8)).astype(np.float32)
+    np.testing.assert_array_equal(run(result, {"x": x})[0], run(model, {"x": x})[0])

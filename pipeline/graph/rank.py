@@ -288,8 +288,9 @@ RANK5_REFUSED = frozenset(
 
 
 # Ops the QNN EP leaves on the CPU at rank 5 whose two leading axes merge exactly: a
-# LayerNormalization over trailing axes, a MatMul by a 1-D or 2-D weight.
-_LEADING_MERGED = frozenset({"LayerNormalization", "MatMul"})
+# LayerNormalization over trailing axes, a MatMul by a 1-D or 2-D weight; and an ArgMax or
+# ArgMin over a trailing axis, whose rank-5 context failed to finalize (QNN_COMMON_ERROR_MEM_ALLOC).
+_LEADING_MERGED = frozenset({"LayerNormalization", "MatMul", "ArgMax", "ArgMin"})
 
 
 def rank4_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -334,10 +335,14 @@ def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto
             # its normalized axes stay; the two leading ones merge (the axis counted from the
             # end, the same axes at rank 4)
             targets[index] = (tuple(shape), merged)
-        elif op == "MatMul" and rank(node.input[1]) in (1, 2):  # a layer's weight: batch axes
+        elif (op == "MatMul" and rank(node.input[1]) in (1, 2)) or (
+            op in ("ArgMax", "ArgMin") and int(edit.attribute(node, "axis", 0)) % 5 >= 2
+        ):  # a layer's weight, or an index over a trailing axis: the leading ones are a batch
             out = values.get(node.output[0])
             out_shape = edit.value_shape(out) if out is not None else None
-            if out_shape is not None and len(out_shape) == 5:
+            if out_shape is not None and len(out_shape) == len(shape) - (
+                op != "MatMul" and not int(edit.attribute(node, "keepdims", 1))
+            ):
                 back[index] = tuple(out_shape)  # [..., K] by [K, N]: [..., N] back
                 targets[index] = (tuple(shape), merged)
     if not targets:
@@ -365,7 +370,7 @@ def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto
         moved.CopyFrom(node)
         moved.input[0], moved.output[0] = into, out
         for attr in moved.attribute:
-            if node.op_type == "LayerNormalization" and attr.name == "axis":
+            if node.op_type != "MatMul" and attr.name == "axis":  # counted from the end
                 attr.i = attr.i % 5 - 5
         nodes += [
             helper.make_node("Reshape", [node.input[0], flat], [into]),
