@@ -367,3 +367,55 @@ def test_a_rank_5_argmax_over_a_trailing_axis_is_computed_at_rank_4(keepdims: in
     assert [a.i for a in argmax.attribute if a.name == "axis"] == [-1]
     x = np.random.default_rng(2).standard_normal((1, 2, 3, 4, 8)).astype(np.float32)
     np.testing.assert_array_equal(run(result, {"x": x})[0], run(model, {"x": x})[0])
+
+
+def upsampled_frames(mode: str = "nearest") -> onnx.ModelProto:
+    """Conv3d-shaped frames [1, 3, 1, 8, 8] upsampled 2x in H and W by a rank-5 Resize (which
+    the QNN EP leaves on the CPU), then another Conv3d."""
+    rng = np.random.default_rng(7)
+    c = numpy_helper.from_array
+    inits = [
+        c((rng.standard_normal((4, 3, 1, 3, 3)) * 0.3).astype(np.float32), "w1"),
+        c((rng.standard_normal((2, 4, 1, 3, 3)) * 0.3).astype(np.float32), "w2"),
+        c(np.array([1, 1, 1, 2, 2], np.float32), "scales"),
+        c(np.array([], np.float32), "roi"),
+    ]
+    pads = [0, 1, 1, 0, 1, 1]
+    nodes = [
+        oh.make_node("Conv", ["x", "w1"], ["a"], pads=pads),
+        oh.make_node("Resize", ["a", "roi", "scales"], ["up"], mode=mode),
+        oh.make_node("Conv", ["up", "w2"], ["y"], pads=pads),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "upsampled",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 1, 8, 8])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 1, 16, 16])],
+        inits,
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_a_rank_5_resize_of_frames_is_computed_at_rank_4_and_the_same(mode: str) -> None:
+    """Its unit depth axis, not resized, dropped with its scale: the same values."""
+    model = upsampled_frames(mode)
+    result, change = rank5_elementwise_at_rank_4(model)
+    assert [d.split(":")[1].strip() for d in change.details] == ["[1, 4, 1, 8, 8] -> [1, 4, 8, 8]"]
+    x = np.random.default_rng(3).standard_normal((1, 3, 1, 8, 8)).astype(np.float32)
+    np.testing.assert_allclose(
+        run(result, {"x": x})[0], run(model, {"x": x})[0], rtol=1e-6, atol=1e-6
+    )
+
+
+def test_a_rank_5_resize_of_its_unit_axis_is_left() -> None:
+    model = upsampled_frames()
+    scales = next(i for i in model.graph.initializer if i.name == "scales")
+    scales.CopyFrom(numpy_helper.from_array(np.array([1, 1, 2, 2, 2], np.float32), "scales"))
+    assert not rank5_elementwise_at_rank_4(model)[1].changed
+
+
+def test_the_htp_runs_upsampled_frames_whole_quantized(tmp_path: Path) -> None:
+    from compile_fixtures import build_whole_on_htp
+
+    build_whole_on_htp(tmp_path, "upsampled", upsampled_frames())

@@ -290,7 +290,7 @@ RANK5_REFUSED = frozenset(
 # Ops the QNN EP leaves on the CPU at rank 5 whose two leading axes merge exactly: a
 # LayerNormalization over trailing axes, a MatMul by a 1-D or 2-D weight; and an ArgMax or
 # ArgMin over a trailing axis, whose rank-5 context failed to finalize (QNN_COMMON_ERROR_MEM_ALLOC).
-_LEADING_MERGED = frozenset({"LayerNormalization", "MatMul", "ArgMax", "ArgMin"})
+_LEADING_MERGED = frozenset({"LayerNormalization", "MatMul", "ArgMax", "ArgMin", "Resize"})
 
 
 def rank4_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -300,6 +300,35 @@ def rank4_shape(shape: Sequence[int]) -> tuple[int, ...]:
     if units:
         return tuple(s for axis, s in enumerate(shape) if axis != units[-1])
     return (*shape[:3], shape[3] * shape[4])
+
+
+_CROP = (b"tf_crop_and_resize", "tf_crop_and_resize")
+
+
+def _resize_at_rank_4(
+    node: onnx.NodeProto, shape: Sequence[int], inits: Mapping[str, onnx.TensorProto]
+) -> tuple[tuple[int, ...], dict[int, np.ndarray]] | None:
+    """A rank-5 Resize's rank-4 form: its unit axis (``rank4_shape``'s) dropped where it is not
+    resized, with the scales or sizes (constant) of the other axes; None for any other."""
+    lower = rank4_shape(shape)
+    unit = next((a for a in range(4, -1, -1) if shape[a] == 1), None)
+    if unit is None or edit.attribute(node, "axes", None) is not None:
+        return None
+    mode = edit.attribute(node, "coordinate_transformation_mode", b"half_pixel")
+    roi = node.input[1] if len(node.input) > 1 else ""
+    if roi and (roi not in inits or numpy_helper.to_array(inits[roi]).size or mode in _CROP):
+        return None
+    for slot in (2, 3):
+        name = node.input[slot] if len(node.input) > slot else ""
+        if not name or name not in inits:
+            continue
+        values = numpy_helper.to_array(inits[name]).reshape(-1)
+        if values.size == 0:
+            continue
+        if values.size != 5 or values[unit] != 1:
+            return None
+        return tuple(lower), {slot: np.delete(values, unit)}
+    return None
 
 
 def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -314,6 +343,8 @@ def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto
     values = edit.inferred_values(model)
     targets: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # in: rank 5, rank 4
     back: dict[int, tuple[int, ...]] = {}  # the output's rank-5 shape, where not the input's
+    replaced: dict[int, dict[int, np.ndarray]] = {}  # constant inputs given at rank 4 (slot)
+    inits = edit.initializers_by_name(model.graph)
 
     def rank(name: str) -> int | None:
         found = values.get(name)
@@ -345,6 +376,12 @@ def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto
             ):
                 back[index] = tuple(out_shape)  # [..., K] by [K, N]: [..., N] back
                 targets[index] = (tuple(shape), merged)
+        elif op == "Resize" and (found := _resize_at_rank_4(node, shape, inits)) is not None:
+            out = values.get(node.output[0])
+            out_shape = edit.value_shape(out) if out is not None else None
+            if out_shape is not None and len(out_shape) == 5:
+                targets[index], back[index] = (tuple(shape), found[0]), tuple(out_shape)
+                replaced[index] = found[1]
     if not targets:
         return model, Change("rank5_elementwise_at_rank_4")
     result = edit.copy_model(model)
@@ -372,6 +409,9 @@ def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto
         for attr in moved.attribute:
             if node.op_type != "MatMul" and attr.name == "axis":  # counted from the end
                 attr.i = attr.i % 5 - 5
+        for slot, array in replaced.get(index, {}).items():
+            moved.input[slot] = fresh(f"{base}_rank4_{slot}")
+            graph.initializer.append(numpy_helper.from_array(array, moved.input[slot]))
         nodes += [
             helper.make_node("Reshape", [node.input[0], flat], [into]),
             moved,
