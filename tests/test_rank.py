@@ -141,14 +141,9 @@ def channel_mean_through_rank_6(size: int = 8, channels: int = 4) -> onnx.ModelP
     ]
     for index, node in enumerate(nodes):  # named, as exporters do: qnn_preprocess then
         node.name = f"{node.op_type}_{index}"  # keeps its input (onnxruntime's fusions unsaved)
-    graph = oh.make_graph(
-        nodes,
-        "channel_mean",
-        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, size, size])],
-        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, channels, size, size])],
-        inits,
+    return x_to_y(
+        nodes, "channel_mean", [1, channels, size, size], [1, channels, size, size], inits
     )
-    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
 
 
 def test_reshapes_through_rank_6_become_one_reshape_and_compute_the_same() -> None:
@@ -209,14 +204,7 @@ def gray_stem(size: int = 12) -> onnx.ModelProto:
         oh.make_node("Conv", ["x4", "w2"], ["b"], "conv_b", kernel_shape=[3, 3], pads=[1] * 4),
         oh.make_node("Add", ["a", "b"], ["y"], "sum"),
     ]
-    graph = oh.make_graph(
-        nodes,
-        "gray_stem",
-        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, size, size, 1])],
-        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, size, size])],
-        inits,
-    )
-    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+    return x_to_y(nodes, "gray_stem", [1, size, size, 1], [1, 4, size, size], inits)
 
 
 def test_a_transpose_of_an_input_moving_unit_axes_is_a_reshape() -> None:
@@ -242,6 +230,24 @@ def test_the_htp_runs_a_gray_stem_read_twice(tmp_path: Path) -> None:
     build_whole_on_htp(tmp_path, "gray_stem", gray_stem())
 
 
+def x_to_y(
+    nodes: list[onnx.NodeProto],
+    name: str,
+    x_shape: list[int],
+    y_shape: list[int],
+    inits: list[onnx.TensorProto],
+) -> onnx.ModelProto:
+    """A float graph from input x to output y (opset 21)."""
+    graph = oh.make_graph(
+        nodes,
+        name,
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, y_shape)],
+        inits,
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
 def frames_through_conv3d(activation: str = "Tanh", depth: int = 1) -> onnx.ModelProto:
     """A watermark encoder's shape: [1, 3, depth, 16, 16] frames through a Conv3d of kernel
     [1, 3, 3], an element-wise activation at rank 5, and another Conv3d."""
@@ -257,14 +263,7 @@ def frames_through_conv3d(activation: str = "Tanh", depth: int = 1) -> onnx.Mode
         oh.make_node(activation, ["a"], ["t"]),
         oh.make_node("Conv", ["t", "w2"], ["y"], pads=pads),
     ]
-    graph = oh.make_graph(
-        nodes,
-        "frames",
-        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, depth, 16, 16])],
-        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, depth, 16, 16])],
-        inits,
-    )
-    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+    return x_to_y(nodes, "frames", [1, 3, depth, 16, 16], [1, 4, depth, 16, 16], inits)
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -317,14 +316,7 @@ def layer_norm_at_rank_5(axis: int = -1) -> onnx.ModelProto:
         oh.make_node("LayerNormalization", ["x", "gamma", "beta"], ["n"], axis=axis),
         oh.make_node("MatMul", ["n", "w"], ["y"]),
     ]
-    graph = oh.make_graph(
-        nodes,
-        "ln5",
-        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 3, 4, 8])],
-        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 3, 4, 6])],
-        inits,
-    )
-    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+    return x_to_y(nodes, "ln5", [1, 2, 3, 4, 8], [1, 2, 3, 4, 6], inits)
 
 
 @pytest.mark.parametrize("axis", [-1, 3, -3])
@@ -386,14 +378,7 @@ def upsampled_frames(mode: str = "nearest") -> onnx.ModelProto:
         oh.make_node("Resize", ["a", "roi", "scales"], ["up"], mode=mode),
         oh.make_node("Conv", ["up", "w2"], ["y"], pads=pads),
     ]
-    graph = oh.make_graph(
-        nodes,
-        "upsampled",
-        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 1, 8, 8])],
-        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 1, 16, 16])],
-        inits,
-    )
-    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+    return x_to_y(nodes, "upsampled", [1, 3, 1, 8, 8], [1, 2, 1, 16, 16], inits)
 
 
 @pytest.mark.parametrize("mode", ["nearest", "linear"])
