@@ -467,11 +467,22 @@ def _mixed_section(r: QuantizeReport) -> list[str]:
             "candidates come next.",
         ]
     if mixed is not None and not mixed.tensors and mixed.ceiling_snr_db is not None:
+        lower = mixed.ceiling_snr_db < mixed.before_snr_db
+        why = (
+            "16 bits is worse here, and what is short is not 8-bit rounding. 16-bit weights "
+            "are built as two 8-bit layers summed (the form the HTP computes right, "
+            "pipeline/graph/qdq_htp.py `split_sixteen_bit_weights`), and their two more "
+            "16-bit roundings of each output can cost more than they save (a PP-OCRv2 "
+            "recogniser, its activations' per-tensor grids coarsened by an outlier channel: "
+            "better up to mid-network, 1-4 dB worse per layer after)"
+            if lower
+            else "what is short is not 8-bit rounding"
+        )
         return [
             "",
             f"Mixed precision: not used. With every 8-bit tensor at 16 bits the worst SNR is "
             f"{fmt(mixed.ceiling_snr_db)} dB (8 bits: {fmt(mixed.before_snr_db)} dB, target "
-            f"{fmt(mixed.target_snr_db)} dB): what is short is not 8-bit rounding.",
+            f"{fmt(mixed.target_snr_db)} dB): {why}.",
             *_ceiling_diagnosis(mixed),
         ]
     if mixed is None or not mixed.tensors:
