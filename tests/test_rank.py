@@ -404,3 +404,38 @@ def test_the_htp_runs_upsampled_frames_whole_quantized(tmp_path: Path) -> None:
     from compile_fixtures import build_whole_on_htp
 
     build_whole_on_htp(tmp_path, "upsampled", upsampled_frames())
+
+
+def test_a_hardswish_spelled_out_at_rank_5_ends_at_rank_4() -> None:
+    """x * Clip(x + 3, 0, 6) / 6 on Conv3d frames becomes a HardSwish late in preparation (after
+    the first rank-5 pass), which the QNN EP refuses at rank 5 in fp16: the pass runs again."""
+    from pipeline.core.config import InputsSection
+    from pipeline.graph.prepare import prepare_model
+
+    c = numpy_helper.from_array
+    rng = np.random.default_rng(8)
+    inits = [
+        c((rng.standard_normal((4, 3, 1, 3, 3)) * 0.3).astype(np.float32), "w1"),
+        c((rng.standard_normal((2, 4, 1, 3, 3)) * 0.3).astype(np.float32), "w2"),
+        c(np.array(3.0, np.float32), "three"),
+        c(np.array(0.0, np.float32), "zero"),
+        c(np.array(6.0, np.float32), "six"),
+    ]
+    pads = [0, 1, 1, 0, 1, 1]
+    nodes = [
+        oh.make_node("Conv", ["x", "w1"], ["a"], pads=pads),
+        oh.make_node("Add", ["a", "three"], ["shifted"]),
+        oh.make_node("Clip", ["shifted", "zero", "six"], ["clipped"]),
+        oh.make_node("Mul", ["a", "clipped"], ["scaled"]),
+        oh.make_node("Div", ["scaled", "six"], ["hs"]),
+        oh.make_node("Conv", ["hs", "w2"], ["y"], pads=pads),
+    ]
+    model = x_to_y(nodes, "hardswish5", [1, 3, 1, 8, 8], [1, 2, 1, 8, 8], inits)
+    prepared, _ = prepare_model(model, InputsSection())
+    inferred = onnx.shape_inference.infer_shapes(prepared)
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in inferred.graph.value_info}
+    ranks |= {i.name: len(i.type.tensor_type.shape.dim) for i in prepared.graph.input}
+    fused = [n for n in prepared.graph.node if n.op_type == "HardSwish"]
+    assert fused and all(ranks[n.input[0]] == 4 for n in fused)
+    x = np.random.default_rng(4).standard_normal((1, 3, 1, 8, 8)).astype(np.float32)
+    np.testing.assert_allclose(run(prepared, {"x": x})[0], run(model, {"x": x})[0], atol=1e-5)

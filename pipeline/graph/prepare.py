@@ -138,6 +138,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.gemm_computed_bias_as_add,  # its MatMul + Add fusion: the QNN EP leaves a DQ on the CPU
         t.fuse_hardswish,  # qnn_preprocess splits HardSwish; the QNN EP's fp16 fusion is wrong
         t.hardswish_from_clip,  # x * Clip(x + 3, 0, 6) / 6: four ops for the HTP's one
+        rank.rank5_elementwise_at_rank_4,  # again: those fusions write rank-5 HardSwishes too
         attention.layernorm_over_last_axis,  # the QNN EP takes LayerNorm over the last axis only
         legacy.explicit_pool_pads,  # the HTP pools non-overlapping windows over start pads wrongly
         t.widen_depthwise_9x9_stride_2,  # the HTP's 9x9 depthwise Conv at stride 2 is wrong

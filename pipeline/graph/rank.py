@@ -278,12 +278,13 @@ def input_unit_axis_transposes(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
 
 
 # Element-wise ops the QNN EP leaves on the CPU at rank 5 and takes at rank 4, measured with
-# 8- and 16-bit Q/DQ (onnxruntime-qnn 2.7.0; Sigmoid, Relu, Exp, Abs, LeakyRelu, HardSigmoid,
-# HardSwish, Clip and Reciprocal run at rank 5), and their trigonometric kin.
+# 8- and 16-bit Q/DQ and in fp16 (onnxruntime-qnn 2.7.0; Sigmoid, Relu, Exp, Abs, LeakyRelu,
+# Clip and Reciprocal run at rank 5 in both; HardSigmoid and HardSwish quantized only), and
+# their trigonometric kin.
 RANK5_REFUSED = frozenset(
     {"Tanh", "Log", "Sqrt", "Neg", "Softplus", "Elu", "Selu", "Celu", "Gelu", "Erf", "Floor"}
     | {"Ceil", "Round", "Sign", "Softsign", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan"}
-    | {"Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "ThresholdedRelu"}
+    | {"Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "ThresholdedRelu", "HardSigmoid", "HardSwish"}
 )
 
 
