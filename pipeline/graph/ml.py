@@ -5,8 +5,8 @@ RobustScaler in front of a network as an ai.onnx.ml ``Scaler``, a SimpleImputer 
 ``Imputer``, a Normalizer as a ``Normalizer``, a Binarizer as a ``Binarizer``, a
 ColumnTransformer's columns as ``ArrayFeatureExtractor`` and ``FeatureVectorizer``, a
 linear model as a ``LinearRegressor``, a category id's learned value as a numeric
-``LabelEncoder`` and its one-hot columns as a ``OneHotEncoder``. The QNN EP runs no ai.onnx.ml op, and ONNX infers no
-shape for their outputs: an MLP regressor behind a Scaler had no static shape anywhere and its
+``LabelEncoder`` and its one-hot columns as a ``OneHotEncoder``. The QNN EP runs no
+ai.onnx.ml op, and ONNX infers no shape for their outputs: an MLP regressor behind a Scaler had no static shape anywhere and its
 build stopped. Each computes what a few standard ops compute, as onnxruntime's kernels do it
 (onnxruntime/core/providers/cpu/ml): Sub and Mul, Where of IsNaN, Greater, a row's norm with a
 norm of 0 leaving the row as it is, Gather, Concat, Gemm. Written so, it runs on the NPU and
@@ -224,6 +224,20 @@ def _axes_as_inputs(context: NodeRewrite) -> bool:
     return next((o.version for o in context.model.opset_import if o.domain in domains), 0) >= 13
 
 
+def _matches(
+    node: onnx.NodeProto, context: NodeRewrite, keys: np.ndarray, hit: str
+) -> list[onnx.NodeProto]:
+    """``hit`` [..., len(keys)] = the node's input equals each key (Equal on the input with a
+    last axis of 1: one comparison per key)."""
+    base = node.output[0]
+    column = context.fresh(f"{base}_column")
+    last = context.constant(np.asarray([-1], np.int64), f"{base}_last_axis")
+    return [
+        helper.make_node("Unsqueeze", [node.input[0], last], [column]),
+        helper.make_node("Equal", [column, context.constant(keys, f"{base}_keys")], [hit]),
+    ]
+
+
 def _lookup_table(node: onnx.NodeProto, kind: str) -> tuple[np.ndarray, int] | None:
     """A LabelEncoder's numeric ``keys`` or ``values`` (``kind``) and their elem type, from
     whichever of its attribute forms it has (``*_int64s``, ``*_floats``, ``*_tensor``)."""
@@ -265,15 +279,11 @@ def _label_encoder(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.Node
     if np.isnan(value_array.astype(float)).any() or math.isnan(default):
         return None
     base = node.output[0]
-    keys_of = ("column", "hit", "hits", "picked", "count", "miss", "fill", "y")
+    keys_of = ("hit", "hits", "picked", "count", "miss", "fill", "y")
     name = {k: context.fresh(f"{base}_{k}") for k in keys_of}
-    last = context.constant(np.asarray([-1], np.int64), f"{base}_last_axis")
     table = context.constant(value_array.astype(np.float32), f"{base}_values")
     made = [
-        helper.make_node("Unsqueeze", [node.input[0], last], [name["column"]]),
-        helper.make_node(
-            "Equal", [name["column"], context.constant(key_array, f"{base}_keys")], [name["hit"]]
-        ),
+        *_matches(node, context, key_array, name["hit"]),
         helper.make_node("Cast", [name["hit"]], [name["hits"]], to=TensorProto.FLOAT),
         # at most one 1 in a row (the keys are unique): its value exactly, or 0
         helper.make_node("MatMul", [name["hits"], table], [name["picked"]]),
@@ -309,14 +319,10 @@ def _one_hot_encoder(node: onnx.NodeProto, context: NodeRewrite) -> list[onnx.No
         return None
     if not _axes_as_inputs(context):
         return None
-    base = node.output[0]
-    column, hit = context.fresh(f"{base}_column"), context.fresh(f"{base}_hit")
-    last = context.constant(np.asarray([-1], np.int64), f"{base}_last_axis")
-    categories = context.constant(np.asarray(cats, np.int64), f"{base}_categories")
+    hit = context.fresh(f"{node.output[0]}_hit")
     return [
-        helper.make_node("Unsqueeze", [node.input[0], last], [column]),
-        helper.make_node("Equal", [column, categories], [hit]),
-        helper.make_node("Cast", [hit], [base], to=TensorProto.FLOAT),
+        *_matches(node, context, np.asarray(cats, np.int64), hit),
+        helper.make_node("Cast", [hit], [node.output[0]], to=TensorProto.FLOAT),
     ]
 
 

@@ -213,13 +213,7 @@ def _require_npu_part(model: onnx.ModelProto, moves: frozenset[str] = frozenset(
     nodes = model.graph.node
     rest = [n for i, n in enumerate(nodes) if i not in tail.nodes]
     if tail and all(n.op_type in moves and n.domain in ("", "ai.onnx") for n in rest):
-        ops = sorted(
-            {
-                f"{n.domain}:{n.op_type}" if n.domain else n.op_type
-                for i, n in enumerate(nodes)
-                if i in tail.nodes
-            }
-        )
+        ops = sorted({_op_of(n) for i, n in enumerate(nodes) if i in tail.nodes})
         raise NothingForTheNpu(
             f"Nothing in this model can run on the NPU: all its {len(tail.nodes)} node(s) "
             f"({', '.join(ops)}) are ai.onnx.ml or label post-processing, which the QNN HTP "
@@ -324,7 +318,7 @@ def _opaque_sources(
         if read is None:
             continue
         source = writer[read]
-        op = f"{source.domain}:{source.op_type}" if source.domain else source.op_type
+        op = _op_of(source)
         after = f" (and {len(dynamic) - 1} more tensor(s) after it)" if len(dynamic) > 1 else ""
         return ModelError(
             f"{name!r} from {edit.node_label(node)}{after} has no static shape: it is computed "
@@ -335,6 +329,11 @@ def _opaque_sources(
             f"({_cut_at(read)}), or re-export the model without it.",
         )
     return None
+
+
+def _op_of(node: onnx.NodeProto) -> str:
+    """The op type, with its domain where it has one (``ai.onnx.ml:LabelEncoder``)."""
+    return f"{node.domain}:{node.op_type}" if node.domain else node.op_type
 
 
 def _cut_at(tensor: str) -> str:
@@ -362,7 +361,7 @@ def refuse_string_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
         reader = next((n for n in graph.node if value.name in n.input), None)
         if reader is None:
             continue  # an unread input is dropped before this step
-        op = f"{reader.domain}:{reader.op_type}" if reader.domain else reader.op_type
+        op = _op_of(reader)
         out = reader.output[0]
         raise ModelError(
             f"Input {value.name!r} holds {held}, read by {op} "

@@ -288,18 +288,23 @@ RANK5_REFUSED = frozenset(
 )
 
 
-# Ops the QNN EP leaves on the CPU at rank 5 whose two leading axes merge exactly: a
-# LayerNormalization over trailing axes, a MatMul by a 1-D or 2-D weight; and an ArgMax or
-# ArgMin over a trailing axis, whose rank-5 context failed to finalize (QNN_COMMON_ERROR_MEM_ALLOC).
-_LEADING_MERGED = frozenset({"LayerNormalization", "MatMul", "ArgMax", "ArgMin", "Resize"})
+# Other ops the QNN EP leaves on the CPU at rank 5: a LayerNormalization over trailing axes
+# and a MatMul by a 1-D or 2-D weight, whose two leading axes merge exactly; an ArgMax or ArgMin
+# over a trailing axis likewise (its rank-5 context failed to finalize: MEM_ALLOC); a Resize
+# that leaves a unit axis as it is, without that axis.
+_RANK5_OTHERS = frozenset({"LayerNormalization", "MatMul", "ArgMax", "ArgMin", "Resize"})
+
+
+def _last_unit_axis(shape: Sequence[int]) -> int | None:
+    return next((axis for axis in range(len(shape) - 1, -1, -1) if shape[axis] == 1), None)
 
 
 def rank4_shape(shape: Sequence[int]) -> tuple[int, ...]:
     """A rank-5 ``shape`` with the same elements in the same order at rank 4: a unit axis
     dropped (the last one, the depth of a Conv3d used on frames), else the last two merged."""
-    units = [axis for axis, size in enumerate(shape) if size == 1]
-    if units:
-        return tuple(s for axis, s in enumerate(shape) if axis != units[-1])
+    unit = _last_unit_axis(shape)
+    if unit is not None:
+        return tuple(s for axis, s in enumerate(shape) if axis != unit)
     return (*shape[:3], shape[3] * shape[4])
 
 
@@ -312,7 +317,7 @@ def _resize_at_rank_4(
     """A rank-5 Resize's rank-4 form: its unit axis (``rank4_shape``'s) dropped where it is not
     resized, with the scales or sizes (constant) of the other axes; None for any other."""
     lower = rank4_shape(shape)
-    unit = next((a for a in range(4, -1, -1) if shape[a] == 1), None)
+    unit = _last_unit_axis(shape)
     if unit is None or edit.attribute(node, "axes", None) is not None:
         return None
     mode = edit.attribute(node, "coordinate_transformation_mode", b"half_pixel")
@@ -334,9 +339,8 @@ def _resize_at_rank_4(
 
 def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """An element-wise op of ``RANK5_REFUSED`` on a rank-5 tensor -> Reshape to rank 4, the op,
-    Reshape back: the same values, in an op the HTP takes. So too a LayerNormalization over
-    trailing axes of a rank-5 tensor and a MatMul of one by a weight (also left on the CPU
-    there), their two leading axes merged.
+    Reshape back: the same values, in an op the HTP takes. So too the ``_RANK5_OTHERS`` (a
+    LayerNormalization, a MatMul by a weight, an ArgMax, a Resize), each at its rank-4 form.
 
     Why: a RivaGAN watermark encoder computes on [1, C, 1, H, W] frames (Conv3d with a unit
     depth); every op of it ran on the HTP but its 16-bit Tanhs, which the QNN EP left on the
@@ -347,42 +351,40 @@ def rank5_elementwise_at_rank_4(model: onnx.ModelProto) -> tuple[onnx.ModelProto
     replaced: dict[int, dict[int, np.ndarray]] = {}  # constant inputs given at rank 4 (slot)
     inits = edit.initializers_by_name(model.graph)
 
-    def rank(name: str) -> int | None:
+    def shape_of(name: str) -> tuple[int, ...] | None:
         found = values.get(name)
         shape = edit.value_shape(found) if found is not None else None
-        return None if shape is None else len(shape)
+        return None if shape is None else tuple(shape)
 
     for index, node in enumerate(model.graph.node):
         op = node.op_type
-        if node.domain not in edit.DEFAULT_DOMAINS or op not in RANK5_REFUSED | _LEADING_MERGED:
+        if node.domain not in edit.DEFAULT_DOMAINS or op not in RANK5_REFUSED | _RANK5_OTHERS:
             continue
-        value = values.get(node.input[0]) if node.input else None
-        shape = edit.value_shape(value) if value is not None else None
+        shape = shape_of(node.input[0]) if node.input else None
         if shape is None or len(shape) != 5 or len(node.output) != 1:
             continue
         merged = (shape[0] * shape[1], *shape[2:])
+        out_shape = shape_of(node.output[0])
         if op in RANK5_REFUSED:
-            targets[index] = (tuple(shape), rank4_shape(shape))
+            targets[index] = (shape, rank4_shape(shape))
         elif op == "LayerNormalization" and int(edit.attribute(node, "axis", -1)) % 5 >= 2:
             # its normalized axes stay; the two leading ones merge (the axis counted from the
             # end, the same axes at rank 4)
-            targets[index] = (tuple(shape), merged)
-        elif (op == "MatMul" and rank(node.input[1]) in (1, 2)) or (
+            targets[index] = (shape, merged)
+        elif (op == "MatMul" and len(shape_of(node.input[1]) or ()) in (1, 2)) or (
             op in ("ArgMax", "ArgMin") and int(edit.attribute(node, "axis", 0)) % 5 >= 2
         ):  # a layer's weight, or an index over a trailing axis: the leading ones are a batch
-            out = values.get(node.output[0])
-            out_shape = edit.value_shape(out) if out is not None else None
-            if out_shape is not None and len(out_shape) == len(shape) - (
-                op != "MatMul" and not int(edit.attribute(node, "keepdims", 1))
-            ):
-                back[index] = tuple(out_shape)  # [..., K] by [K, N]: [..., N] back
-                targets[index] = (tuple(shape), merged)
-        elif op == "Resize" and (found := _resize_at_rank_4(node, shape, inits)) is not None:
-            out = values.get(node.output[0])
-            out_shape = edit.value_shape(out) if out is not None else None
-            if out_shape is not None and len(out_shape) == 5:
-                targets[index], back[index] = (tuple(shape), found[0]), tuple(out_shape)
-                replaced[index] = found[1]
+            kept = op == "MatMul" or int(edit.attribute(node, "keepdims", 1))
+            if out_shape is not None and len(out_shape) == 5 - (not kept):
+                back[index] = out_shape  # [..., K] by [K, N]: [..., N] back
+                targets[index] = (shape, merged)
+        elif (
+            op == "Resize"
+            and out_shape is not None
+            and (found := _resize_at_rank_4(node, shape, inits)) is not None
+        ):
+            targets[index], back[index] = (shape, found[0]), out_shape
+            replaced[index] = found[1]
     if not targets:
         return model, Change("rank5_elementwise_at_rank_4")
     result = edit.copy_model(model)

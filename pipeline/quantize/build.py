@@ -805,7 +805,7 @@ def _note_not_whole(config: ModelConfig, judgement: HtpJudgement | None) -> None
     if judgement is None or judgement.judge != "htp":
         return
     kept = next((r for r in judgement.rounds if r.label == judgement.chosen), None)
-    if kept is None or kept.error or (kept.partitions == 1 and not kept.cpu_nodes):
+    if kept is None or kept.error:
         return
     allowed = bool(config.compile.allowed_cpu_ops)  # the probe counts every CPU node alike
     if kept.partitions <= config.compile.max_partitions and (not kept.cpu_nodes or allowed):
