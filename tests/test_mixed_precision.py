@@ -1377,3 +1377,58 @@ def test_a_ceiling_below_the_8_bit_model_says_16_bits_is_worse_here() -> None:
     assert "plain int16 weights" in worse and "fp16" in worse
     assert "16 bits is worse" not in line(23.5)
     assert "what is short is not 8-bit rounding" in line(23.5)
+
+
+def test_a_sin_whose_phase_no_precision_holds_is_named(tmp_path: Path) -> None:
+    """Fourier features of a [0, 1] coordinate at up to 2^14 pi (a reading-order transformer's
+    line positions): a 16-bit grid over the argument steps 0.74 rad and fp16 32 rad there, so
+    16 bits everywhere read "not 8-bit rounding" with no word of the Sin. Its ceiling diagnosis
+    now names the op, its peak and both steps; a Sin of a small argument is not named."""
+    from pipeline.quantize.mixed_precision import phase_limits
+
+    def qdq_sin(span: float) -> onnx.ModelProto:
+        scale = np.array(span / 65535, np.float32)
+        zero = np.array(0, np.uint16)
+        nodes = [
+            helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+            helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"]),
+            helper.make_node("Sin", ["d"], ["y"], name="phase"),
+        ]
+        inits = [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zero, "z")]
+        return _model(nodes, [_tensor("x", [1, 8])], [_tensor("y", [1, 8])], inits)
+
+    (limit,) = phase_limits(qdq_sin(4.85e4), 25.0)
+    assert (limit.op, limit.node) == ("Sin", "phase")
+    assert limit.peak == pytest.approx(4.85e4, rel=1e-3)
+    assert limit.grid_step == pytest.approx(0.74, rel=0.01)
+    assert limit.float16_step == 32.0
+    assert limit.snr_db == pytest.approx(10 * np.log10(12 / 0.74**2), abs=0.1)
+    assert phase_limits(qdq_sin(2 * np.pi), 25.0) == []
+
+    # Through the stage: the features of x * pi * 2^k, k = 0..15, into a small MatMul head.
+    rng = np.random.default_rng(61)
+    freqs = (np.pi * 2.0 ** np.arange(16)).astype(np.float32)
+    model = _model(
+        [
+            helper.make_node("Unsqueeze", ["x", "axis"], ["column"]),
+            helper.make_node("Mul", ["column", "freqs"], ["arg"]),
+            helper.make_node("Sin", ["arg"], ["sin"], name="features_sin"),
+            helper.make_node("Cos", ["arg"], ["cos"], name="features_cos"),
+            helper.make_node("Concat", ["sin", "cos"], ["both"], axis=-1),
+            helper.make_node("Reshape", ["both", "flat_shape"], ["flat"]),
+            helper.make_node("MatMul", ["flat", "head"], ["y"]),
+        ],
+        [_tensor("x", [1, 16, 4])],
+        [_tensor("y", [1, 16, 8])],
+        [
+            numpy_helper.from_array(np.array([-1], np.int64), "axis"),
+            _init("freqs", freqs),
+            numpy_helper.from_array(np.array([1, 16, 128], np.int64), "flat_shape"),
+            _init("head", rng.normal(0, 1 / 8, (128, 8))),
+        ],
+    )
+    samples = [rng.uniform(0, 1, (1, 16, 4)) for _ in range(8)]
+    report = _build(tmp_path, model, samples, auto_mixed=True)
+    named = {p["node"] for p in report["mixed_precision"]["phase_limits"]}
+    assert named == {"features_sin", "features_cos"}
+    assert "Periodic ops: " in (_paths(tmp_path).root / "report.md").read_text()

@@ -121,6 +121,21 @@ class OutputGrid:
 
 
 @dataclass(frozen=True)
+class PhaseLimit:
+    """A Sin or Cos whose argument no precision of the NPU holds: a 16-bit grid over its
+    input's range and fp16 at its peak both step a sizeable part of a radian, so its output is
+    short of the target from the rounding of its phase alone (Fourier features of a [0, 1]
+    coordinate at up to 2^14 pi: 0.74 and 32 rad)."""
+
+    op: str
+    node: str
+    peak: float  # the largest |argument| its input's grid holds
+    grid_step: float  # radians per step of a 16-bit grid over its input's range
+    float16_step: float  # fp16's spacing at that peak (inf past fp16's largest value)
+    snr_db: float  # its output from the finer of the two alone: 12 / step^2
+
+
+@dataclass(frozen=True)
 class Round:
     tensors: int
     snr_db: float
@@ -145,6 +160,8 @@ class MixedPrecision:
     outlier_channels: list[OutlierChannel] = field(default_factory=list)
     # ... or outputs whose own grid cannot hold them to the target
     output_grids: list[OutputGrid] = field(default_factory=list)
+    # ... or periodic ops whose phase no precision holds
+    phase_limits: list[PhaseLimit] = field(default_factory=list)
 
     @property
     def overrides(self) -> dict[str, str]:
@@ -618,7 +635,8 @@ def raise_precision(
         return summary
     import onnx
 
-    eight_bit = candidates(onnx.load(str(qdq_path)))
+    base = onnx.load(str(qdq_path))
+    eight_bit = candidates(base)
     every = {c.name: raised_type(c) for c in eight_bit}
     ceiling = float("nan")
     if every:
@@ -634,7 +652,12 @@ def raise_precision(
         ):
             outliers = outlier_channels(float_path, calibration)
             grids = output_grids(float_path, qdq_path, heldout, target)
-            return dataclasses.replace(summary, outlier_channels=outliers, output_grids=grids)
+            return dataclasses.replace(
+                summary,
+                outlier_channels=outliers,
+                output_grids=grids,
+                phase_limits=phase_limits(base, target),
+            )
     found, signal, _, stats = measure(float_path, qdq_path, calibration, means=means)
     summary = dataclasses.replace(
         summary,
@@ -760,6 +783,56 @@ def output_grids(
         if count and db < target_db:
             found.append(OutputGrid(name, grids[name][0], db, float(np.sqrt(signal / count))))
     return found
+
+
+PERIODIC_OPS = ("Sin", "Cos")
+FLOAT16_MAX = 65504.0
+
+
+def phase_limits(qdq: Any, target_db: float, limit: int = 3) -> list[PhaseLimit]:
+    """The Sin and Cos ops of a QDQ model whose phase rounding alone keeps their output under
+    ``target_db`` at the finer of a 16-bit grid over their input's range and fp16 at its peak,
+    worst first. A phase error e moves sin by cos(phase) e: noise power step^2 / 24 against a
+    signal power of 1/2, so 12 / step^2."""
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in qdq.graph.initializer}
+    producers = {o: n for n in qdq.graph.node for o in n.output}
+    found = []
+    for node in qdq.graph.node:
+        source = producers.get(node.input[0]) if node.op_type in PERIODIC_OPS else None
+        if source is None or source.op_type != "DequantizeLinear" or len(source.input) < 3:
+            continue
+        if source.input[1] not in inits or source.input[2] not in inits:
+            continue
+        scale = numpy_helper.to_array(inits[source.input[1]]).astype(np.float64)
+        zero = numpy_helper.to_array(inits[source.input[2]])
+        if scale.size != 1 or not np.issubdtype(zero.dtype, np.integer):
+            continue
+        info = np.iinfo(zero.dtype)
+        offset = int(zero.reshape(-1)[0])
+        low, high = (float(scale.item()) * (v - offset) for v in (int(info.min), int(info.max)))
+        peak = max(abs(low), abs(high))
+        grid_step = (high - low) / 65535
+        if peak > FLOAT16_MAX:
+            float16_step = float("inf")  # past fp16's largest value
+        else:
+            float16_step = 2.0 ** (np.floor(np.log2(peak)) - 10) if peak >= 2.0**-14 else 2.0**-24
+        step = min(grid_step, float16_step)
+        db = 10 * np.log10(12 / step**2) if step > 0 else float("inf")
+        if db < target_db:
+            found.append(
+                PhaseLimit(
+                    node.op_type,
+                    node.name or node.output[0],
+                    peak,
+                    grid_step,
+                    float16_step,
+                    float(db),
+                )
+            )
+    found.sort(key=lambda p: p.snr_db)
+    return found[:limit]
 
 
 def outlier_channels(

@@ -421,7 +421,8 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
 
 
 def _ceiling_diagnosis(mixed: MixedPrecision) -> list[str]:
-    """Why 16 bits did not help: outlier channels, outputs their own grid cannot hold."""
+    """Why 16 bits did not help: outlier channels, outputs their own grid cannot hold, periodic
+    ops whose phase no precision holds."""
     lines = []
     if mixed.outlier_channels:
         shown = "; ".join(
@@ -443,6 +444,24 @@ def _ceiling_diagnosis(mixed: MixedPrecision) -> list[str]:
             f"Output grids: {shown}. Values a few steps of their output's 16-bit grid or "
             "smaller (QNN fixes a 16-bit Sigmoid's to 1/65536) cannot be held to the target by "
             "any precision inside the model; the HTP judge's fp16 candidates have no grid."
+        )
+    if mixed.phase_limits:
+        shown = "; ".join(
+            f"{p.op} `{p.node}` reads arguments up to {p.peak:.3g} rad, where a 16-bit grid "
+            f"steps {p.grid_step:.2g} rad and "
+            + (
+                f"fp16 {p.float16_step:.2g} rad"
+                if p.float16_step != float("inf")
+                else "fp16 overflows (65504 at most)"
+            )
+            + ": its output is "
+            f"{fmt(p.snr_db)} dB at best"
+            for p in mixed.phase_limits
+        )
+        lines.append(
+            f"Periodic ops: {shown}. No precision of the NPU holds that phase (Fourier features "
+            "or a sinusoidal embedding of a large value): compute them in float32 before the "
+            "model (in the app, the model cut there), or feed their argument reduced modulo 2 pi."
         )
     return lines
 
