@@ -46,6 +46,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         concat,
         contrib,
         legacy,
+        merged_axes,
         ml,
         numerics,
         prequantized,
@@ -107,6 +108,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         lambda m: recurrent.unroll_recurrent_ops(m, budget=lstm_nodes),
         recurrent.lower_high_rank,  # rank > 5 (an unfold as Gather) -> rank <= 5
         rank.drop_leading_unit_axis,  # rank 6 with batch 1 (deformable attention)
+        merged_axes.high_rank_ops_at_rank_5,  # Hiera's rank-6 windows: neighbour axes merged
         rank.collapse_high_rank_reshapes,  # tf2onnx's Unsqueeze, rank-6 Reshape, Squeeze
         rank.rank5_elementwise_at_rank_4,  # a Tanh of Conv3d-shaped frames: CPU at rank 5
         t.col2im_to_conv_transpose,  # the QNN EP has no Col2Im (F.fold: VOLO's outlooker)

@@ -166,7 +166,7 @@ def _apply(
 
 # Ops that only reshape their first input (their other inputs constants): the same elements in
 # the same order, so any chain of them is one Reshape to its last shape.
-_RESHAPES = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
+RESHAPE_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 
 
 def collapse_high_rank_reshapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -180,7 +180,7 @@ def collapse_high_rank_reshapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto
     its last shape (an identity one goes at the next step). Only chains through rank > 5 change.
     """
     graph = model.graph
-    if not any(n.op_type in _RESHAPES for n in graph.node):
+    if not any(n.op_type in RESHAPE_OPS for n in graph.node):
         return model, Change("collapse_high_rank_reshapes")
     values = edit.inferred_values(model)
     inits = edit.initializers_by_name(graph)
@@ -190,7 +190,7 @@ def collapse_high_rank_reshapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto
 
     def reshape(node: onnx.NodeProto) -> bool:
         return (
-            node.op_type in _RESHAPES
+            node.op_type in RESHAPE_OPS
             and node.domain in edit.DEFAULT_DOMAINS
             and all(not n or n in inits for n in node.input[1:])
         )
