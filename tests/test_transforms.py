@@ -1360,6 +1360,52 @@ def test_qnn_preprocess_keeps_metadata_props() -> None:
     assert not noop.changed
 
 
+def test_qnn_preprocess_names_no_tensor_a_later_fusion_names_again() -> None:
+    """onnxruntime's MatMul+Add -> Gemm fusion names its shape constants gemm_input_shape, ...
+    and again at each later session load for pairs left then, over the constants already there
+    ("Attempt to replace the existing tensor": a BERT exported at opset 23 no longer loaded
+    once prepared). What qnn_preprocess adds is renamed: a pair added after it fuses at load."""
+    rng = np.random.default_rng(4)
+    c = numpy_helper.from_array
+    model = parse(
+        """<ir_version: 10, opset_import: ["": 21]>
+        g (float[1, 8, 16] x) => (float[1, 8, 16] y) {
+            m = MatMul(x, w)
+            a = Add(m, b)
+            y = Relu(a)
+        }"""
+    )
+    model.graph.initializer.extend(
+        [
+            c(rng.normal(size=(16, 16)).astype(np.float32), "w"),
+            c(rng.normal(size=16).astype(np.float32), "b"),
+        ]
+    )
+    result, change = t.qnn_preprocess(model)
+    assert "Gemm: 0 -> 1 node(s)" in change.details
+    minted = {i.name for i in result.graph.initializer} - {"w", "b"}
+    assert minted and all(name.startswith("qnn_preprocess/") for name in minted)
+    # A pair the first pass left: its fusion at load must not meet a name it mints.
+    result.graph.initializer.extend(
+        [
+            c(rng.normal(size=(16, 16)).astype(np.float32), "w2"),
+            c(rng.normal(size=16).astype(np.float32), "b2"),
+        ]
+    )
+    old_output = result.graph.output[0].name
+    result.graph.node.extend(
+        [
+            oh.make_node("MatMul", [old_output, "w2"], ["m2"]),
+            oh.make_node("Add", ["m2", "b2"], ["a2"]),
+            oh.make_node("Relu", ["a2"], ["y2"]),
+        ]
+    )
+    result.graph.output[0].name = "y2"
+    x = rng.normal(size=(1, 8, 16)).astype(np.float32)
+    session = ort.InferenceSession(result.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert session.run(None, {"x": x})[0].shape == (1, 8, 16)
+
+
 def test_one_value_constants_become_scalars_where_that_means_the_same() -> None:
     """A LayerNorm whose exponent and epsilon are stored as [1] (onnxruntime's
     qnn_preprocess_model then failed: "only 0-dimensional arrays can be converted to Python

@@ -414,3 +414,143 @@ def layernorm_over_last_axis(model: onnx.ModelProto) -> tuple[onnx.ModelProto, C
         edit.set_nodes(graph, nodes)
         edit.remove_dead_nodes(graph)
     return edit.checked_change(model, "layernorm_over_last_axis", details)
+
+
+def _attention_op(node: onnx.NodeProto, context: edit.NodeRewrite) -> tuple[list, str] | None:
+    """ONNX ``Attention`` (opset 23) -> per-head MatMul, scaled scores, the mask, Softmax and
+    the weighted values (the forms ``finite_mask_fills`` and the range rules know). 3-D
+    inputs are split into heads and merged back; fewer key/value heads than query heads
+    (grouped-query attention) are repeated; past keys and values are joined in front.
+    Left as it is: softcapped scores, the scores output, a causal mask beside past state."""
+    given = [name for name in node.input]
+    given += [""] * (6 - len(given))
+    q, k, v, mask, past_k, past_v = given[:6]
+    used = [i for i, name in enumerate(node.output) if name]
+    if any(i > 2 for i in used) or float(edit.attribute(node, "softcap", 0.0)):
+        return None
+    if len(node.input) > 6 and node.input[6]:
+        return None  # the padded key lengths of opset 24
+    causal = int(edit.attribute(node, "is_causal", 0))
+    if causal and (past_k or past_v):
+        return None
+    if bool(past_k) != bool(past_v):
+        return None
+    q_shape, k_shape, v_shape = (context.shape(n) for n in (q, k, v))
+    if q_shape is None or k_shape is None or v_shape is None:
+        return None
+    out = node.output[0]
+    fresh = context.fresh
+    nodes: list[onnx.NodeProto] = []
+
+    def const(value: object, dtype: type, base: str) -> str:
+        return context.constant(np.array(value, dtype), f"{out}_{base}")
+
+    def add(op: str, inputs: list[str], base: str, **attrs: object) -> str:
+        name = fresh(f"{out}_{base}")
+        nodes.append(onnx.helper.make_node(op, inputs, [name], **attrs))
+        return name
+
+    def to_heads(name: str, shape: tuple[int, ...], heads: int, base: str) -> tuple[str, int]:
+        """A [B, S, H * D] input as [B, H, S, D]; a 4-D one as it is."""
+        if len(shape) == 4:
+            return name, shape[1]
+        if len(shape) != 3 or heads <= 0 or shape[2] % heads:
+            raise _NotWritten
+        split = add(
+            "Reshape", [name, const([0, 0, heads, shape[2] // heads], np.int64, base)], base
+        )
+        return add("Transpose", [split], f"{base}_heads", perm=[0, 2, 1, 3]), heads
+
+    try:
+        q4, q_heads = to_heads(q, q_shape, int(edit.attribute(node, "q_num_heads", 0)), "q")
+        kv_heads_attr = int(edit.attribute(node, "kv_num_heads", 0))
+        k4, kv_heads = to_heads(k, k_shape, kv_heads_attr, "k")
+        v4, _ = to_heads(v, v_shape, kv_heads_attr, "v")
+    except _NotWritten:
+        return None
+    if past_k:
+        k4 = add("Concat", [past_k, k4], "keys", axis=2)
+        v4 = add("Concat", [past_v, v4], "values", axis=2)
+    presents = {1: k4, 2: v4}
+    if q_heads % kv_heads:
+        return None
+    group = q_heads // kv_heads
+    head = q_shape[3] if len(q_shape) == 4 else q_shape[2] // q_heads
+    batch = q_shape[0]
+    keys, values = k4, v4
+    if group > 1:  # each key/value head serves `group` query heads, in order
+        seq = context.shape(past_k)[2] if past_k else None  # type: ignore[index]
+        kv_len = (seq or 0) + (k_shape[2] if len(k_shape) == 4 else k_shape[1])
+        repeated = []
+        for name, width in (
+            (k4, head),
+            (v4, (v_shape[3] if len(v_shape) == 4 else v_shape[2] // kv_heads)),
+        ):
+            wide = add("Unsqueeze", [name, const([2], np.int64, "group_axis")], "grouped")
+            wide = add(
+                "Expand",
+                [wide, const([batch, kv_heads, group, kv_len, width], np.int64, "group_shape")],
+                "expanded",
+            )
+            repeated.append(
+                add(
+                    "Reshape",
+                    [wide, const([batch, q_heads, kv_len, width], np.int64, "heads_shape")],
+                    "repeated",
+                )
+            )
+        keys, values = repeated
+    scale = float(edit.attribute(node, "scale", 0.0)) or 1.0 / float(np.sqrt(head))
+    keys_t = add("Transpose", [keys], "keys_t", perm=[0, 1, 3, 2])
+    scores = add("MatMul", [q4, keys_t], "scores")
+    scaled = add("Div", [scores, const(1.0 / scale, np.float32, "sqrt_d")], "scaled")
+    q_len = q_shape[2] if len(q_shape) == 4 else q_shape[1]
+    k_len = (context.shape(past_k)[2] if past_k else 0) + (  # type: ignore[index]
+        k_shape[2] if len(k_shape) == 4 else k_shape[1]
+    )
+    keep = None
+    logits = scaled
+    if mask:
+        mask_type = context.elem_type(mask)
+        if mask_type == onnx.TensorProto.BOOL:
+            keep = mask
+        else:
+            logits = add("Add", [scaled, mask], "masked")
+    if causal:
+        lower = np.tril(np.ones((q_len, k_len), dtype=bool))
+        triangle = context.constant(lower, f"{out}_causal")
+        keep = triangle if keep is None else add("And", [keep, triangle], "keep")
+    if keep is not None:
+        fill = const(-np.inf, np.float32, "fill")
+        logits = add("Where", [keep, logits, fill], "masked")
+    probs = add("Softmax", [logits], "probs", axis=-1)
+    mixed = add("MatMul", [probs, values], "mixed")
+    if len(q_shape) == 4:
+        nodes[-1].output[0] = out
+    else:
+        merged = add("Transpose", [mixed], "merged", perm=[0, 2, 1, 3])
+        nodes.append(
+            onnx.helper.make_node(
+                "Reshape", [merged, const([0, 0, -1], np.int64, "y_shape")], [out]
+            )
+        )
+    for slot in (1, 2):
+        if slot in used:
+            nodes.append(onnx.helper.make_node("Identity", [presents[slot]], [node.output[slot]]))
+    what = f"{edit.node_label(node)} -> {q_heads} heads of MatMul / Softmax"
+    if group > 1:
+        what += f" ({kv_heads} key/value heads repeated)"
+    return nodes, what + (" with its mask" if mask or causal else "")
+
+
+class _NotWritten(Exception):
+    """An input form the Attention rewrite does not write."""
+
+
+def attention_op_to_matmuls(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """ONNX ``Attention`` (opset 23: PyTorch's scaled_dot_product_attention as the dynamo
+    exporter writes it there) -> the ops it computes. Why: the QNN EP runs no Attention op;
+    left, each stayed on the CPU and cut the graph (a BERT encoder: 3 partitions, 2 CPU nodes)."""
+    return edit.replace_by_op(
+        model, "attention_op_to_matmuls", {"Attention": _attention_op}, _DEFAULT
+    )

@@ -76,6 +76,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         prequantized.upgrade_opset,  # t.upgrade_opset; a pre-quantized model keeps its opset
         prequantized.standard_qdq_ops,  # onnxruntime's com.microsoft 16-bit Q/DQ: no schema
         contrib.fused_transformer_ops,  # onnxruntime's fused Attention, SkipLayerNorm...
+        attention.attention_op_to_matmuls,  # ONNX Attention (opset 23): the QNN EP runs none
         contrib.fused_cpu_ops,  # onnxruntime's FusedConv, FusedGemm, FusedMatMul
         legacy.restore_pinned_ops,
         ml.standard_ml_ops,  # a scikit-learn Scaler, Imputer...: arithmetic the NPU runs

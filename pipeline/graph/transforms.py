@@ -2679,6 +2679,8 @@ def qnn_preprocess(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     del result.metadata_props[:]
     onnx.helper.set_model_props(result, dict(metadata))
     result.ir_version = model.ir_version
+    if modified:
+        _own_minted_names(work, result)
     # onnxruntime writes an import for every domain it knows; keep the original ones plus any
     # domain a node really uses.
     used = {n.domain for g in all_graphs(result.graph) for n in g.node}
@@ -2697,6 +2699,24 @@ def qnn_preprocess(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         if unnamed:
             details.append(f"named {unnamed} unnamed node(s)")
     return checked_change(result, "qnn_preprocess", details)
+
+
+def _own_minted_names(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
+    """The tensors onnxruntime's optimizer added to ``after`` renamed under "qnn_preprocess/".
+
+    Why: its MatMul+Add -> Gemm fusion names its shape constants gemm_input_shape,
+    gemm_input_shape_token_0, ... and does so again at every later session load, for the pairs
+    the first pass left, without looking at the initializers already there: "AddInitializedOrtValue
+    Attempt to replace the existing tensor", and the prepared model no longer loaded (a BERT
+    exported at opset 23 once its Attention ops were written out: the feed-forward pairs fused
+    here, the projections at load)."""
+    known = {i.name for i in before.graph.initializer} | {i.name for i in before.graph.input}
+    known |= {o for n in before.graph.node for o in n.output}
+    minted = {i.name for i in after.graph.initializer} | {
+        o for n in after.graph.node for o in n.output
+    }
+    mapping = {name: f"qnn_preprocess/{name}" for name in sorted(minted - known) if name}
+    rename_tensors(after.graph, mapping)
 
 
 # The ops whose input 2 onnxruntime's QDQ quantizer quantizes as a bias (operators/conv.py,
