@@ -243,6 +243,27 @@ def test_an_image_setting_the_input_contradicts_is_named(
     assert tip in (info.value.tip or "")
 
 
+def test_float16_images_feed_a_float16_source_prepared_in_float32(tmp_path: Path) -> None:
+    """A model exported with .half() takes float16 pixels; prepared, its input is float32. Its
+    config's dtype = "float16" was refused ("Input ... float32 takes float32 images"): now
+    accepted, each value the float16 number the user's app feeds, as float32."""
+    from PIL import Image
+
+    folder = tmp_path / "img"
+    folder.mkdir()
+    pixels = np.random.default_rng(2).integers(0, 256, (20, 40, 3)).astype(np.uint8)
+    Image.fromarray(pixels).save(folder / "noise.png")
+    config = make_config(
+        tmp_path,
+        'kind = "images"\npath = "img"\nheld_out = 0.0\n[calibration.image]\n'
+        'dtype = "float16"\nmean = [0.485, 0.456, 0.406]\nstd = [0.229, 0.224, 0.225]',
+    )
+    x = next(iter(build_samples(config, SPEC)[0]))["x"]
+    assert x.dtype == np.float32
+    np.testing.assert_array_equal(x, x.astype(np.float16).astype(np.float32))
+    assert not np.array_equal(x, np.round(x))  # normalised values, not pixels
+
+
 def test_text_lines_keep_their_aspect_and_letterboxes_their_fill(tmp_path: Path) -> None:
     """resize = "height" (OCR recognizers): the full height, the width by the aspect ratio, the
     rest of the width filled; pad_value is the fill in the units the model is fed (YOLOX

@@ -120,6 +120,8 @@ def _check_image_input(spec: InputSpec, options: Any) -> None:
                 f"calibration.image.layout is {options.layout!r}.",
                 tip=f'Set layout = "{layout}" under [calibration.image].',
             )
+    if options.dtype == "float16" and spec.dtype == np.float32:
+        return  # a float16 source's input, float32 once prepared: its images in fp16's values
     if np.dtype(options.dtype) != spec.dtype:
         raise CalibrationError(
             f"Input {spec.describe()} takes {spec.dtype} images, but calibration.image.dtype is "
@@ -189,7 +191,9 @@ def load_image(path: Path, spec: InputSpec, config: ModelConfig) -> np.ndarray:
         array = array.transpose(2, 0, 1)
     if options.dtype == "uint8":  # 16-bit sources scale to fractions of 0..255
         array = np.clip(np.rint(array), 0, 255)
-    return array[np.newaxis].astype(options.dtype)
+    # float16 images for a float16 source are fed to the prepared (float32) model as the
+    # float32 numbers the user's float16 pixels are
+    return array[np.newaxis].astype(options.dtype).astype(spec.dtype)
 
 
 # Pillow modes of 16-bit samples (a 16-bit grayscale PNG opens as "I;16"; older Pillow gave "I").
