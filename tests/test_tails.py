@@ -845,6 +845,20 @@ def test_a_summary_of_outputs_all_picked_by_rank_does_not_read_inf_db() -> None:
     assert "all 16" not in _snr_line(validation, None, quantized)  # type: ignore[arg-type]
 
 
+def test_a_table_of_outputs_all_picked_by_rank_does_not_read_inf_db() -> None:
+    """The compile report's tables likewise: an RT-DETR's every output picked by rank showed
+    "SNR vs QDQ inf" beside a cosine of 0.797; the cell is "-" (no output has an SNR that
+    counts), and a gated output's figure stays."""
+    from pipeline.compile.report import _snr_cell
+    from pipeline.core.accuracy import Accuracy
+
+    picked = {"boxes": Accuracy(3.9, 2.2, 0.797, compared_as="picked by rank")}
+    assert _snr_cell(picked, float("inf")) == "-"
+    gated = {**picked, "scores": Accuracy(41.04, 0.01, 1.0)}
+    assert _snr_cell(gated, 41.04) == "41.0"
+    assert _snr_cell({"y": Accuracy(float("inf"), 0.0, 1.0)}, float("inf")) == "inf"
+
+
 def test_a_gate_lowered_to_a_rounding_floor_is_said_in_the_compile_report() -> None:
     """The report's gate line is compile.min_snr_db; a pre-quantized model's variant is held to
     its own rounding floor instead (an int8 keyword spotter passing at 19.3 dB under a 20 dB

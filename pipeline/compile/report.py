@@ -186,6 +186,14 @@ def _num(value: Any, pattern: str) -> str:
     return fmt(value)
 
 
+def _snr_cell(section: dict[str, Any], worst: float | None) -> str:
+    """The worst SNR; "-" where no output has one that counts (labels, outputs picked by rank:
+    an RT-DETR's every output), whose "inf" read as an exact match."""
+    if section and _worst(section, min, "snr_db") is None:
+        return "-"
+    return _num(worst, "{:.1f}")
+
+
 def _ms(seconds: float | None) -> float | None:
     return seconds * 1000.0 if seconds is not None else None
 
@@ -229,8 +237,8 @@ def _variant_rows(rows: list[_Row]) -> list[list[Any]]:
                 result,
                 c.qnn_partitions if c else None,
                 ops,
-                _num(v.worst_snr_db if v else None, "{:.1f}"),
-                _num(v.worst_snr_vs_float_db if v else None, "{:.1f}"),
+                _snr_cell(vs_qdq, v.worst_snr_db if v else None),
+                _snr_cell(v.ctx_vs_float if v else {}, v.worst_snr_vs_float_db if v else None),
                 _num(_worst(vs_qdq, max, "max_abs"), "{:.3g}"),
                 _num(_worst(vs_qdq, min, "cosine"), "{:.5f}"),
                 _mb(primary.total_bytes if primary else None),
@@ -258,8 +266,11 @@ def _bucket_rows(rows: list[_Row]) -> list[list[Any]]:
                     "pass" if cov.passed and val and val.passed else "FAIL",
                     cov.qnn_partitions,
                     len(cov.cpu_compute_nodes),
-                    fmt(val.worst_snr_db if val else None, 1),
-                    fmt(val.worst_snr_vs_float_db if val else None, 1),
+                    _snr_cell(val.ctx_vs_qdq if val else {}, val.worst_snr_db if val else None),
+                    _snr_cell(
+                        val.ctx_vs_float if val else {},
+                        val.worst_snr_vs_float_db if val else None,
+                    ),
                     fmt(loads[name] * 1000, 1) if name in loads else "-",
                 ]
             )
