@@ -362,6 +362,38 @@ def test_ceil_mode_average_pool_becomes_floor_mode_with_the_same_numbers(
     np.testing.assert_allclose(run(ready, x), run(model, x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("op", "kernel", "pads", "ceil", "counts", "global_op"),
+    [
+        ("AveragePool", 1280, 0, 1, 1, "GlobalAveragePool"),  # EfficientNet's pooler
+        ("AveragePool", 9, 1, 0, 0, "GlobalAveragePool"),  # pads that do not count
+        ("MaxPool", 1280, 0, 1, 0, "GlobalMaxPool"),
+        ("AveragePool", 9, 1, 0, 1, None),  # its divisor counts the pads: left
+        ("AveragePool", 5, 0, 1, 0, None),  # windows that leave cells out: left
+    ],
+)
+def test_a_pool_whose_one_window_covers_the_input_is_global(
+    op: str, kernel: int, pads: int, ceil: int, counts: int, global_op: str | None
+) -> None:
+    """Hugging Face's EfficientNet pools its 7x7 map with AvgPool2d(1280, ceil_mode): made a
+    depthwise Conv, its window was a [1280, 1, 1280, 1280] weight (7.8 GiB) and the build was
+    killed for memory. One window over the whole input is the global pool, the same numbers."""
+    attrs = {"kernel_shape": [kernel, kernel], "strides": [kernel, kernel], "ceil_mode": ceil}
+    if op == "AveragePool":
+        attrs["count_include_pad"] = counts
+    pool = oh.make_node(op, ["x"], ["y"], pads=[pads] * 4, **attrs)
+    model = model_of([pool], 21, in_shape=[1, 3, 7, 7])
+    model.ir_version = 10
+    rewritten, change = legacy.whole_input_pools(model)
+    assert [n.op_type for n in rewritten.graph.node] == [global_op or op]
+    assert change.changed == (global_op is not None)
+    x = RNG.standard_normal([1, 3, 7, 7]).astype(np.float32)
+    np.testing.assert_allclose(run(rewritten, x), run(model, x), rtol=1e-6, atol=1e-6)
+    if global_op:
+        ready = prepared(model)  # and nothing after it builds a window of the kernel's size
+        assert all(init.ByteSize() < 1e6 for init in ready.graph.initializer)
+
+
 def whole_fp16_on_htp(
     work: Path, variants: dict[str, onnx.ModelProto], shape: list[int]
 ) -> dict[str, float]:

@@ -706,6 +706,51 @@ def _window_scale(
     return (float(np.prod(kernel)) / counts).astype(np.float32)
 
 
+def whole_input_pools(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """An AveragePool or MaxPool whose one window covers its whole input -> GlobalAveragePool
+    or GlobalMaxPool: the same numbers (pads that do not count, an overhang never does).
+
+    Why: Hugging Face's EfficientNet pools its last 7x7 map with AvgPool2d(1280, ceil_mode)
+    (the kernel set to the channel count); made floor-mode over end pads and then a depthwise
+    Conv (``avg_pool_ceil_mode``, ``explicit_pool_pads``), its window was a [1280, 1, 1280,
+    1280] weight, 7.8 GiB: the build died, killed for memory at 23 GB."""
+    values = None
+    details = []
+    result = edit.copy_model(model)
+    for node in result.graph.node:
+        if node.op_type not in ("AveragePool", "MaxPool") or node.domain not in _DEFAULT:
+            continue
+        attrs = _attrs(node)
+        kernel, _, pads, dilations = _pool_geometry(attrs)
+        spatial = len(kernel)
+        if not kernel or text_attribute(attrs.get("auto_pad"), "NOTSET") != "NOTSET":
+            continue
+        if any(d != 1 for d in dilations) or len([o for o in node.output if o]) != 1:
+            continue
+        counted = node.op_type == "AveragePool" and int(attrs.get("count_include_pad", 0))
+        if counted and any(pads):
+            continue  # its divisor counts pads: not the input's mean
+        values = values if values is not None else edit.inferred_values(result)
+        dims = [
+            edit.value_shape(values[name]) if name in values else None
+            for name in (node.input[0], node.output[0])
+        ]
+        if any(d is None or len(d) != spatial + 2 for d in dims):
+            continue
+        size_in, size_out = dims[0][2:], dims[1][2:]  # type: ignore[index]
+        if any(o != 1 for o in size_out) or any(
+            kernel[i] - pads[i] < size_in[i] for i in range(spatial)
+        ):
+            continue  # more than one window, or one that leaves input cells out
+        old = f"{node.op_type} {kernel}"
+        node.op_type = f"Global{node.op_type}"
+        del node.attribute[:]
+        details.append(f"{edit.node_label(node)}: {old} over {list(size_in)} -> {node.op_type}")
+    if not details:
+        return model, Change("whole_input_pools")
+    return edit.checked_change(result, "whole_input_pools", details)
+
+
 def avg_pool_ceil_mode(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """AveragePool(ceil_mode = 1) -> the same pool in floor mode over explicit end padding.
 

@@ -128,6 +128,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.reverse_sequence_to_gather,  # nor ReverseSequence (tf2onnx's reverse)
         t.argmax_without_keepdims,  # its keepdims form's context is refused at load
         resize.resize_for_htp,  # the HTP resizes by out/in, not by the scale given
+        legacy.whole_input_pools,  # EfficientNet's AvgPool(1280) of a 7x7 map: global
         legacy.avg_pool_ceil_mode,  # the HTP's ceil-mode AveragePool is wrong
         numerics.split_wide_means,  # the HTP's quantized mean of over 2^15 values overflows
         t.rewrite_hypot,  # after Pow(x, 2) -> Mul(x, x)
