@@ -146,3 +146,26 @@ def test_the_htp_runs_an_opset_23_attention_block_whole(tmp_path: Path) -> None:
     from compile_fixtures import build_whole_on_htp
 
     build_whole_on_htp(tmp_path, "bert_block", bert_block())
+
+
+def test_a_key_padding_mask_onnxruntime_refuses_gets_its_fix() -> None:
+    """A mask [B, 1, 1, S] (valid in the spec) makes onnxruntime's own CPU Attention kernel fail
+    ("inconsistent q_sequence_length"): the source does not run at all. The error says so and
+    how to export around it, not that it may be a pipeline bug."""
+    from pipeline.core.cpu import cpu_session
+    from pipeline.core.errors import ModelError
+
+    model, feeds = attention_model([B, 2, S, D], [B, 2, S, D], mask="bool")
+    feeds["mask"] = feeds["mask"][:, :, :1, :]
+    model.graph.input[3].CopyFrom(
+        helper.make_tensor_value_info("mask", TensorProto.BOOL, [1, 1, 1, S])
+    )
+    with pytest.raises(ModelError) as info:
+        cpu_session(model).run(None, feeds)
+    assert "[B, 1, S_q, S_kv]" in (info.value.tip or "")
+    # written out, it runs (and broadcasts the mask as the spec says)
+    written, _ = attention_op_to_matmuls(onnx.shape_inference.infer_shapes(model))
+    (y,) = _run(written, feeds)
+    full = dict(feeds, mask=np.broadcast_to(feeds["mask"], (1, 1, S, S)).copy())
+    full_model, _ = attention_model([B, 2, S, D], [B, 2, S, D], mask="bool")
+    np.testing.assert_allclose(y, _run(full_model, full)[0], rtol=1e-5, atol=1e-5)

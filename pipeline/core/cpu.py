@@ -71,6 +71,18 @@ _OUT_OF_TABLE_TIP = (
 )
 
 
+# onnxruntime's CPU kernel for the ONNX Attention op (opset 23) refuses a mask that broadcasts
+# along the query axis ([B, 1, 1, S], a key-padding mask), valid as the spec writes it.
+_ATTENTION_MASK = "inconsistent q_sequence_length (between attn_mask and Q)"
+_ATTENTION_MASK_TIP = (
+    "onnxruntime's own CPU kernel for the ONNX Attention op takes no attn_mask broadcast along "
+    "the query axis (a key-padding mask of shape [B, 1, 1, S]), so the model does not run in "
+    "onnxruntime at all. Expand the mask to [B, 1, S_q, S_kv] before scaled_dot_product_attention "
+    "in the model's code, or export at opset 22 or lower (the exporter then writes MatMul and "
+    "Softmax); the pipeline writes the Attention op out for the NPU either way."
+)
+
+
 _CONSTANT_INDEX_TIP = (
     "The index is a constant of the graph, not data: the model was exported for a fixed size "
     "(a loop's trip count, an unrolled sequence) that the shapes set in [inputs] changed. Set "
@@ -121,6 +133,8 @@ class _CpuSession:
                 f"{self._what} does not run in onnxruntime on the CPU: {exc}",
                 tip=_out_of_table_tip(self._model, str(exc))
                 if _OUT_OF_TABLE in str(exc)
+                else _ATTENTION_MASK_TIP
+                if _ATTENTION_MASK in str(exc)
                 else "Check the model with onnxruntime alone; a model the pipeline wrote "
                 "that does not run is a pipeline bug: report it with the source model.",
             ) from exc
