@@ -422,8 +422,7 @@ def _attention_op(node: onnx.NodeProto, context: edit.NodeRewrite) -> tuple[list
     inputs are split into heads and merged back; fewer key/value heads than query heads
     (grouped-query attention) are repeated; past keys and values are joined in front.
     Left as it is: softcapped scores, the scores output, a causal mask beside past state."""
-    given = [name for name in node.input]
-    given += [""] * (6 - len(given))
+    given = [*node.input, *[""] * (6 - len(node.input))]
     q, k, v, mask, past_k, past_v = given[:6]
     used = [i for i, name in enumerate(node.output) if name]
     if any(i > 2 for i in used) or float(edit.attribute(node, "softcap", 0.0)):
@@ -438,6 +437,24 @@ def _attention_op(node: onnx.NodeProto, context: edit.NodeRewrite) -> tuple[list
     q_shape, k_shape, v_shape = (context.shape(n) for n in (q, k, v))
     if q_shape is None or k_shape is None or v_shape is None:
         return None
+
+    def heads_of(shape: tuple[int, ...], attribute: int) -> int | None:
+        """A 4-D input's heads; a [B, S, H * D] one's from its attribute, when it divides."""
+        if len(shape) == 4:
+            return shape[1]
+        ok = len(shape) == 3 and attribute > 0 and shape[2] % attribute == 0
+        return attribute if ok else None
+
+    kv_given = int(edit.attribute(node, "kv_num_heads", 0))
+    q_heads = heads_of(q_shape, int(edit.attribute(node, "q_num_heads", 0)))
+    kv_heads = heads_of(k_shape, kv_given)
+    if q_heads is None or kv_heads is None or heads_of(v_shape, kv_given) is None:
+        return None
+    if q_heads % kv_heads:
+        return None
+    past_len = (context.shape(past_k) or (0, 0, 0))[2] if past_k else 0
+    q_len = q_shape[2] if len(q_shape) == 4 else q_shape[1]
+    k_len = past_len + (k_shape[2] if len(k_shape) == 4 else k_shape[1])
     out = node.output[0]
     fresh = context.fresh
     nodes: list[onnx.NodeProto] = []
@@ -450,37 +467,26 @@ def _attention_op(node: onnx.NodeProto, context: edit.NodeRewrite) -> tuple[list
         nodes.append(onnx.helper.make_node(op, inputs, [name], **attrs))
         return name
 
-    def to_heads(name: str, shape: tuple[int, ...], heads: int, base: str) -> tuple[str, int]:
+    def to_heads(name: str, shape: tuple[int, ...], heads: int, base: str) -> str:
         """A [B, S, H * D] input as [B, H, S, D]; a 4-D one as it is."""
         if len(shape) == 4:
-            return name, shape[1]
-        if len(shape) != 3 or heads <= 0 or shape[2] % heads:
-            raise _NotWritten
+            return name
         split = add(
             "Reshape", [name, const([0, 0, heads, shape[2] // heads], np.int64, base)], base
         )
-        return add("Transpose", [split], f"{base}_heads", perm=[0, 2, 1, 3]), heads
+        return add("Transpose", [split], f"{base}_heads", perm=[0, 2, 1, 3])
 
-    try:
-        q4, q_heads = to_heads(q, q_shape, int(edit.attribute(node, "q_num_heads", 0)), "q")
-        kv_heads_attr = int(edit.attribute(node, "kv_num_heads", 0))
-        k4, kv_heads = to_heads(k, k_shape, kv_heads_attr, "k")
-        v4, _ = to_heads(v, v_shape, kv_heads_attr, "v")
-    except _NotWritten:
-        return None
+    q4 = to_heads(q, q_shape, q_heads, "q")
+    k4, v4 = to_heads(k, k_shape, kv_heads, "k"), to_heads(v, v_shape, kv_heads, "v")
     if past_k:
         k4 = add("Concat", [past_k, k4], "keys", axis=2)
         v4 = add("Concat", [past_v, v4], "values", axis=2)
     presents = {1: k4, 2: v4}
-    if q_heads % kv_heads:
-        return None
     group = q_heads // kv_heads
     head = q_shape[3] if len(q_shape) == 4 else q_shape[2] // q_heads
     batch = q_shape[0]
     keys, values = k4, v4
     if group > 1:  # each key/value head serves `group` query heads, in order
-        seq = context.shape(past_k)[2] if past_k else None  # type: ignore[index]
-        kv_len = (seq or 0) + (k_shape[2] if len(k_shape) == 4 else k_shape[1])
         repeated = []
         for name, width in (
             (k4, head),
@@ -489,13 +495,13 @@ def _attention_op(node: onnx.NodeProto, context: edit.NodeRewrite) -> tuple[list
             wide = add("Unsqueeze", [name, const([2], np.int64, "group_axis")], "grouped")
             wide = add(
                 "Expand",
-                [wide, const([batch, kv_heads, group, kv_len, width], np.int64, "group_shape")],
+                [wide, const([batch, kv_heads, group, k_len, width], np.int64, "group_shape")],
                 "expanded",
             )
             repeated.append(
                 add(
                     "Reshape",
-                    [wide, const([batch, q_heads, kv_len, width], np.int64, "heads_shape")],
+                    [wide, const([batch, q_heads, k_len, width], np.int64, "heads_shape")],
                     "repeated",
                 )
             )
@@ -504,10 +510,6 @@ def _attention_op(node: onnx.NodeProto, context: edit.NodeRewrite) -> tuple[list
     keys_t = add("Transpose", [keys], "keys_t", perm=[0, 1, 3, 2])
     scores = add("MatMul", [q4, keys_t], "scores")
     scaled = add("Div", [scores, const(1.0 / scale, np.float32, "sqrt_d")], "scaled")
-    q_len = q_shape[2] if len(q_shape) == 4 else q_shape[1]
-    k_len = (context.shape(past_k)[2] if past_k else 0) + (  # type: ignore[index]
-        k_shape[2] if len(k_shape) == 4 else k_shape[1]
-    )
     keep = None
     logits = scaled
     if mask:
@@ -541,10 +543,6 @@ def _attention_op(node: onnx.NodeProto, context: edit.NodeRewrite) -> tuple[list
     if group > 1:
         what += f" ({kv_heads} key/value heads repeated)"
     return nodes, what + (" with its mask" if mask or causal else "")
-
-
-class _NotWritten(Exception):
-    """An input form the Attention rewrite does not write."""
 
 
 def attention_op_to_matmuls(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:

@@ -163,6 +163,16 @@ def _grouped(shape: Sequence[int], special: set[int], together: bool) -> Groups 
     return groups if len(groups) <= MAX_RANK else None
 
 
+def _broadcast_groups(
+    shapes: Sequence[Sequence[int]], out: Sequence[int]
+) -> tuple[list[list[int]], Groups]:
+    """The inputs' shapes padded to the rank of ``out`` (numpy's alignment), and ``out``'s
+    axes grouped where every input is either full or unit along the whole run."""
+    padded = [[1] * (len(out) - len(s)) + list(s) for s in shapes]
+    flags = [tuple(p[axis] == out[axis] for p in padded) for axis in range(len(out))]
+    return padded, _runs(flags, out)
+
+
 def _plan(
     node: onnx.NodeProto,
     ins: list[tuple[int, ...] | None],
@@ -184,10 +194,7 @@ def _plan(
             merged[:2] = [merged[0] * merged[1]]
         return _Plan([merged])
     if op in _BROADCAST:
-        out = outs[0]
-        padded = [[1] * (len(out) - len(s)) + list(s) for s in ins if s is not None]
-        flags = [tuple(p[axis] == out[axis] for p in padded) for axis in range(len(out))]
-        groups = _runs(flags, out)
+        padded, groups = _broadcast_groups([s for s in ins if s is not None], outs[0])
         if len(groups) > MAX_RANK:
             return None
         shapes: list[list[int] | None] = [
@@ -198,15 +205,13 @@ def _plan(
         out, (a, b) = outs[0], ins
         if a is None or b is None or len(a) < 2 or len(b) < 2:
             return None
-        batch = len(out) - 2
-        padded = [[1] * (len(out) - len(s)) + list(s) for s in (a, b)]
-        flags = [tuple(p[axis] == out[axis] for p in padded) for axis in range(batch)]
-        groups = _runs(flags, out[:batch])
+        batch = len(out) - 2  # the batch axes broadcast; the last two are the product's
+        padded, groups = _broadcast_groups([s[:-2] for s in (a, b)], out[:batch])
         if len(groups) + 2 > MAX_RANK:
             return None
         return _Plan(
             [
-                list(s) if len(s) == 2 else [*_merged(p[:batch], groups), *p[-2:]]
+                list(s) if len(s) == 2 else [*_merged(p, groups), *s[-2:]]
                 for s, p in zip((a, b), padded, strict=True)
             ]
         )
@@ -269,7 +274,7 @@ def high_rank_ops_at_rank_5(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     values = edit.inferred_values(model)
     graph = model.graph
     inits = edit.initializers_by_name(graph)
-    opset = next((o.version for o in model.opset_import if o.domain in edit.DEFAULT_DOMAINS), 21)
+    opset = edit.opset_version(model) or 21
 
     def shape_of(name: str) -> tuple[int, ...] | None:
         if name in inits:
@@ -301,16 +306,10 @@ def _apply(
     shape_of: Callable[[str], tuple[int, ...] | None],
 ) -> tuple[onnx.ModelProto, Change]:
     result = edit.copy_model(model)
-    graph = result.graph
-    inits = edit.initializers_by_name(graph)
-    fresh = edit.FreshNames(result)
+    rewrite = edit.NodeRewrite(result)  # its constants and fresh names
+    inits, fresh, constant = rewrite.inits, rewrite.fresh, rewrite.constant
     nodes: list[onnx.NodeProto] = []
     details: list[str] = []
-
-    def constant(value: np.ndarray, base: str) -> str:
-        name = fresh(base)
-        graph.initializer.append(numpy_helper.from_array(value, name))
-        return name
 
     def reshaped(name: str, shape: Sequence[int], base: str) -> str:
         out = fresh(base)
@@ -318,7 +317,7 @@ def _apply(
         nodes.append(helper.make_node("Reshape", [name, target], [out]))
         return out
 
-    for index, node in enumerate(graph.node):
+    for index, node in enumerate(result.graph.node):
         plan = plans.get(index)
         if plan is None:
             nodes.append(node)
@@ -364,6 +363,6 @@ def _apply(
                 back.append(helper.make_node("Reshape", [moved.output[slot], target], [name]))
         nodes += [moved, *back]
         details.append(f"{edit.node_label(node)}: rank {len(shape)} at merged axes")
-    edit.set_nodes(graph, nodes)
-    edit.remove_dead_nodes(graph)  # the rank-6 constants given anew
+    edit.set_nodes(result.graph, nodes)
+    edit.remove_dead_nodes(result.graph)  # the rank-6 constants given anew
     return edit.checked_change(result, "high_rank_ops_at_rank_5", details)
