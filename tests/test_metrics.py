@@ -37,6 +37,36 @@ def test_the_same_infinity_on_both_sides_is_left_out_and_one_sided_is_an_error()
     assert pooled([(masked_ref, masked_test)]).snr_db == -np.inf
 
 
+def test_a_finite_sentinel_is_left_out_where_the_test_keeps_it_beyond_the_rest() -> None:
+    """torch's finfo.max as a fill (RT-DETR's invalid anchors, added to its box logits) is a
+    mark, not a value: the HTP's fp16 holds 65504 or inf there, a quantized model a value
+    above every real one; measured, it read 0 dB with a cosine of 1 and the judge kept a
+    model at "0 dB". Left out there, the other positions carry the figure; a test that puts a
+    mark among the real values is an infinite error."""
+    ref = RNG.standard_normal(1000).astype(np.float32)
+    test = ref + (RNG.standard_normal(1000) * 1e-2).astype(np.float32)
+    keep = np.ones(1000, bool)
+    keep[::9] = keep[4::9] = False
+    expected = snr_db(ref[keep], test[keep])
+    big = np.finfo(np.float32).max
+    marked_ref = ref.copy()
+    marked_ref[::9] = big
+    marked_ref[4::9] = -big
+    peak = float(np.abs(test[keep]).max())
+    above = peak + np.linspace(0.0, 1.0, len(range(0, 1000, 9)), dtype=np.float32)
+    for top in (65504.0, np.inf, peak, above):  # fp16, inf, a grid's upper part
+        marked_test = test.copy()
+        marked_test[::9] = top
+        marked_test[4::9] = -top if np.isscalar(top) else -top[: len(marked_test[4::9])]
+        got = pooled([(marked_ref, marked_test)])
+        assert got.snr_db == pytest.approx(expected, abs=1e-3), top
+        assert np.isfinite(got.max_abs) and got.cosine > 0.99
+    marked_test = test.copy()
+    marked_test[::9], marked_test[4::9] = 65504.0, -65504.0
+    marked_test[9] = 0.0  # among the real values: the test lost that mark
+    assert pooled([(marked_ref, marked_test)]).snr_db == -np.inf
+
+
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e6, 1e20])
 def test_float32_sums_agree_with_float64(scale: float) -> None:
     """float32 BLAS sums (the fast path) give the float64 figures to 1e-3 dB; at 1e20 the

@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from ..core.metrics import SENTINEL  # a value this large is a mark (finfo.max, inf)
+
 INF = float("inf")
 _FLOAT_TYPE = 1  # onnx TensorProto.FLOAT
 Interval = tuple[float, float]
@@ -109,6 +111,7 @@ class RangeChanges:
     log_outputs: list[str] = field(default_factory=list)  # Log outputs widened for the HTP
     hard_sigmoids: list[str] = field(default_factory=list)  # outputs on the HTP's fixed grid
     packed_outputs: list[str] = field(default_factory=list)  # kept in float (``packed_outputs``)
+    sentinel_constants: list[str] = field(default_factory=list)  # marks saturate (``SENTINEL``)
     # Weight -> (rmin, rmax) for onnxruntime's TensorQuantOverrides (not in the report).
     weight_ranges: dict[str, Interval] = field(default_factory=dict)
 
@@ -764,6 +767,7 @@ def activation_statistics(
     range_names: Iterable[str] = (),
     on_sample: Callable[[], None] | None = None,
     in_place: bool = False,
+    without_sentinels: bool = False,
 ) -> Statistics:
     """RMS of each float tensor in ``rms_names`` and the mean of each tensor in ``mean_axes``
     over those axes, on the first ``max_samples`` samples; with ``range_names``, also the min and
@@ -773,7 +777,8 @@ def activation_statistics(
     only their results leave it, so memory stays what one inference needs: fetching every
     activation of a 1024x2048 segmenter would hold gigabytes at once. ``in_place`` adds the
     reductions to ``model`` itself, for a caller that has no further use for it (a large
-    model's weights are then not copied).
+    model's weights are then not copied). ``without_sentinels`` leaves every value of
+    ``SENTINEL`` or more in magnitude out of the RMS and the ranges (``sentinel_tensors``).
     """
     import onnx
     from onnx import helper, numpy_helper
@@ -812,10 +817,30 @@ def activation_statistics(
         del graph.output[:]
     # Each tensor's reductions run right after its producer (see place_after_producers).
     reductions: list[Any] = []
+    read = {name: name for name in [*wanted, *ranged]}
+    if without_sentinels:  # each value past SENTINEL read as 0, which every range holds
+        for index, name in enumerate(read):
+            dtype = np.float16 if types[name] == _FLOAT16_TYPE else np.float32
+            limit, zero = f"__sentinel_{index}", f"__zero_{index}"
+            graph.initializer.extend(
+                [
+                    numpy_helper.from_array(
+                        np.array(min(SENTINEL, np.finfo(dtype).max), dtype), limit
+                    ),
+                    numpy_helper.from_array(np.array(0, dtype), zero),
+                ]
+            )
+            size, keep = f"__abs_{index}", f"__keep_{index}"
+            read[name] = f"__finite_{index}"
+            reductions += [
+                helper.make_node("Abs", [name], [size]),
+                helper.make_node("Less", [size, limit], [keep]),
+                helper.make_node("Where", [keep, name, zero], [read[name]]),
+            ]
     for index, name in enumerate(wanted):
         squares, size = f"__rms_ss_{index}", f"__rms_n_{index}"
         reductions += [
-            helper.make_node("ReduceSumSquare", [name], [squares], keepdims=0),
+            helper.make_node("ReduceSumSquare", [read[name]], [squares], keepdims=0),
             helper.make_node("Size", [name], [size]),
         ]
         graph.output.extend(
@@ -832,7 +857,7 @@ def activation_statistics(
     for index, name in enumerate(ranged):
         for op in ("ReduceMin", "ReduceMax"):
             out = f"__{op.lower()}_{index}"
-            reductions.append(helper.make_node(op, [name], [out], keepdims=0))
+            reductions.append(helper.make_node(op, [read[name]], [out], keepdims=0))
             graph.output.append(helper.make_tensor_value_info(out, types[name], []))
     place_after_producers(graph, reductions)
     if not wanted and not averaged and not ranged:
@@ -882,6 +907,66 @@ def activation_statistics(
     )
 
 
+def sentinel_tensors(ranges: dict[str, tuple[Any, Any]]) -> list[str]:
+    """The tensors whose calibrated range reaches ``SENTINEL``: they hold a mark such as
+    finfo.max or inf (RT-DETR's invalid anchors: box logits + finfo.max), and MinMax over it
+    gives a scale of 5e33 at 16 bits: every real value rounds to 0, and QNN refused to compose
+    the graph. Calibrated again ``without_sentinels``, the marks saturate at the range's end."""
+    return [
+        name
+        for name, (low, high) in ranges.items()
+        if not np.all(np.abs(np.asarray(low, np.float64)) < SENTINEL)
+        or not np.all(np.abs(np.asarray(high, np.float64)) < SENTINEL)
+    ]
+
+
+# Ops whose output holds their inputs' values: a mark among a constant's values is one there.
+_SENTINEL_MOVES = frozenset({"Where", "Concat", "Max", "Min"})
+
+
+def sentinel_constant_ranges(
+    model: Any, ranges: dict[str, Interval]
+) -> tuple[dict[str, Interval], list[str]]:
+    """Weight ranges for float constants that hold marks (values of ``SENTINEL`` or more in
+    magnitude) beside real values, read by Add or by ops that pass values on (Where, Concat,
+    Max, Min), and the constants given one. A constant's own MinMax range would reach the mark
+    (an infinite or 5e33 scale); its real values' range instead, stretched past them on a
+    mark's side by the span of what the reader writes (``ranges``, calibrated without the
+    marks), so a mark still drives that output to its range's end: RT-DETR's box logits plus
+    finfo.max at an invalid anchor saturate, as in float, instead of reading a real anchor."""
+    from onnx import numpy_helper
+
+    readers: dict[str, list[Any]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    result: dict[str, Interval] = {}
+    for init in model.graph.initializer:
+        if init.data_type not in _FLOAT_TYPES or int(np.prod(init.dims)) > 1 << 24:
+            continue
+        value = numpy_helper.to_array(init).astype(np.float64)
+        marked = np.abs(value) >= SENTINEL
+        if not marked.any():
+            continue
+        nodes = readers.get(init.name, [])
+        if not nodes or any(n.op_type not in _SENTINEL_MOVES | {"Add"} for n in nodes):
+            continue
+        real = value[~marked]
+        low = float(real.min()) if real.size else 0.0
+        high = float(real.max()) if real.size else 0.0
+        for node in nodes:
+            out = ranges.get(node.output[0])
+            if out is None:
+                continue
+            span = out[1] - out[0] if node.op_type == "Add" else 0.0
+            if (value[marked] > 0).any():
+                high = max(high + span, out[1]) if node.op_type != "Add" else high + span
+            if (value[marked] < 0).any():
+                low = min(low - span, out[0]) if node.op_type != "Add" else low - span
+        result[init.name] = (min(low, 0.0), max(high, 0.0))
+    return result, sorted(result)
+
+
 def place_after_producers(graph: Any, reductions: list[Any]) -> None:
     """Insert each reduction right after the node that produces its tensor.
 
@@ -894,11 +979,19 @@ def place_after_producers(graph: Any, reductions: list[Any]) -> None:
     after: dict[str, list[Any]] = {}
     for node in reductions:
         after.setdefault(node.input[0], []).append(node)
-    ordered = [n for name in [i.name for i in graph.input] for n in after.pop(name, [])]
-    for node in graph.node:
+    ordered: list[Any] = []
+
+    def emit(node: Any) -> None:  # and the reductions' own chains (Abs -> Less -> Where) after it
         ordered.append(node)
         for output in node.output:
-            ordered.extend(after.pop(output, []))
+            for follower in after.pop(output, []):
+                emit(follower)
+
+    for name in [i.name for i in graph.input]:
+        for node in after.pop(name, []):
+            emit(node)
+    for node in graph.node:
+        emit(node)
     ordered.extend(n for nodes in after.values() for n in nodes)  # initializers, if any
     del graph.node[:]
     graph.node.extend(ordered)
@@ -1409,5 +1502,7 @@ def tune(
     changes.bias_floor += [BiasFloor(**info) for _, info in weight_ranges.values()]
     changes.weight_ranges = {name: interval for name, (interval, _) in weight_ranges.items()}
     changes.weight_ranges.update(fill_ranges)
+    marked, changes.sentinel_constants = sentinel_constant_ranges(model, ranges)
+    changes.weight_ranges.update(marked)
     write_cache(data, ranges, tuned_cache)
     return changes

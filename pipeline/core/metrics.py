@@ -17,6 +17,8 @@ _TINY = 1e-20
 _CHUNK = 1 << 20  # values compared at a time
 FLOAT16_MAX = 65504.0  # float16's largest finite value
 FLOAT16_TINY = 2.0**-24  # float16's smallest subnormal: the finest value the HTP's fp16 holds
+# A reference value this large marks a position (finfo.max, -1e38, inf), it measures nothing.
+SENTINEL = 1e30
 
 
 def comparable(value: Any) -> tuple[str | None, np.ndarray]:
@@ -81,16 +83,24 @@ def _sums(r: np.ndarray, t: np.ndarray) -> tuple[float, float, float, float, flo
 
 
 def _sums_of_finite(r: np.ndarray, t: np.ndarray) -> tuple[float, float, float, float, float]:
-    """``_sums`` without the positions where the reference holds an infinity and the test
-    the same one, or saturated to fp16's largest value of that sign: a masked score (-inf
-    where a mask rules a position out, a pitch tracker's bins outside its range) is a
-    sentinel, not a value to measure, and summed it made the SNR nan (the HTP's fp16 pads
-    with -65504 where the model says -inf). An infinity the reference does not hold is an
-    infinite error; a NaN stays a NaN (the figure shows it)."""
+    """``_sums`` without the positions where the reference holds a mark (an infinity, or a
+    finite value of ``SENTINEL`` or more: torch's ``finfo.max`` / ``finfo.min`` fills) and the
+    test one of that sign beyond every value it holds elsewhere: a masked score (-inf where a
+    mask rules a position out, a pitch tracker's bins outside its range) or a detector's
+    invalid anchors (RT-DETR: finfo.max) are not values to measure, only to stay above (below)
+    every real one, as fp16's 65504 and a quantized grid's upper part do; summed, the infinity
+    made the SNR nan and finfo.max made it 0 dB with a cosine of 1. A mark the test does not
+    keep beyond the rest, and an infinity the reference does not hold, are infinite errors; a
+    NaN stays a NaN (the figure shows it)."""
     if np.isnan(r).any() or np.isnan(t).any():
         return _sums(r, t)
-    finite = np.isfinite(r) & np.isfinite(t)
-    agree = np.isinf(r) & (np.sign(t) == np.sign(r)) & (np.abs(t) >= FLOAT16_MAX)
+    sentinel = np.abs(r) >= SENTINEL
+    finite = ~sentinel & np.isfinite(t)
+    real = t[finite]
+    # Beyond every real value of the test (fp16's largest will do; with none, nothing less).
+    top = min(float(real.max()), FLOAT16_MAX) if real.size else FLOAT16_MAX
+    bottom = max(float(real.min()), -FLOAT16_MAX) if real.size else -FLOAT16_MAX
+    agree = sentinel & np.where(r > 0, t >= top, t <= bottom)
     sums = _sums(r[finite], t[finite])
     if np.all(finite | agree):
         return sums
@@ -436,7 +446,7 @@ class OutputComparison:
                 sums = _sums(r, t) if fast else None
             if sums is None or not np.isfinite(sums).all():
                 sums = _sums(np.asarray(r, np.float64), np.asarray(t, np.float64))
-            if not np.isfinite(sums).all():
+            if not np.isfinite(sums).all() or (r.size and np.max(np.abs(r)) >= SENTINEL):
                 sums = _sums_of_finite(np.asarray(r, np.float64), np.asarray(t, np.float64))
             signal += sums[0]
             noise += sums[1]

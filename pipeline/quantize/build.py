@@ -1306,6 +1306,7 @@ def _steps(
             changes.dequantized_inputs or None,
             changes.scatter_sums or None,
             changes.packed_outputs or None,
+            changes.sentinel_constants or None,
         ),
         mixed_precision=mixed,
         htp=judgement,

@@ -114,6 +114,22 @@ def calibrate(
             )
         if not stats.range_samples:
             raise CalibrationError(f"{label}: no calibration sample reached the model.")
+        marked = range_rules.sentinel_tensors(stats.ranges)
+        if marked:  # rare: a second pass over the samples for those tensors only
+            model, _ = _calibration_tensors(config, float_path)
+            with Progress(len(samples), f"calibrate {label} without marks", unit="sample") as bar:
+                again = range_rules.activation_statistics(
+                    model,
+                    samples,
+                    marked,
+                    max_samples=RMS_SAMPLES,
+                    range_names=marked,
+                    on_sample=lambda: bar.update(1),
+                    in_place=True,
+                    without_sentinels=True,
+                )
+            stats.ranges.update(again.ranges)
+            stats.rms.update(again.rms)
         _save_ranges(stats.ranges, cache)
         return Calibrated(cache, stats.rms, stats.samples, stats.means, stats.samples)
     with Progress(len(samples), f"calibrate {label}", unit="sample") as progress:

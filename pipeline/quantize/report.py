@@ -56,6 +56,7 @@ class RangeRules:
     dequantized_inputs: list[str] | None = None  # integer inputs' Casts as DequantizeLinear
     scatter_sums: list[str] | None = None  # scatter-adds' inputs onto their output's grid
     packed_outputs: list[str] | None = None  # outputs packing parts of different scale, in fp16
+    sentinel_constants: list[str] | None = None  # constants holding finfo.max / inf marks
 
 
 @dataclass(frozen=True)
@@ -308,6 +309,15 @@ def _quantization_section(r: QuantizeReport) -> list[str]:
             f"SiLU for the HTP: {len(rules.swish_splits)} x * sigmoid(x) read a requantized copy "
             "of x (the HTP's fused 16-bit SiLU is wrong for some shapes; "
             "pipeline/graph/qdq_htp.py)."
+        )
+    if rules.sentinel_constants:
+        names = ", ".join(f"`{n}`" for n in rules.sentinel_constants[:5])
+        more = len(rules.sentinel_constants) - 5
+        lines.append(
+            f"Marks: constant(s) {names}{f' and {more} more' if more > 0 else ''} hold values "
+            "of 1e30 or more (finfo.max or inf fills) beside real ones: they and the tensors "
+            "carrying them are quantized on the real values' range, a mark saturating at its "
+            "end (pipeline/calibration/ranges.py `SENTINEL`)."
         )
     if rules.selections:
         lines.append(
