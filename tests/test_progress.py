@@ -23,15 +23,22 @@ def test_a_log_gets_plain_lines_once_per_status() -> None:
     assert "\r" not in stream.getvalue() and "\x1b" not in stream.getvalue()
 
 
-def test_a_heartbeat_status_prints_each_time() -> None:
+def test_a_heartbeat_status_prints_each_time_enough_of_the_step_has_passed() -> None:
     """A status sent with the step's seconds (a probe waiting on a slow simulator, every 30 s)
-    is printed each time, though its text is the same."""
+    is printed again, though its text is the same, once ``LOG_EVERY_S`` of the step passed
+    since its last line: a compile child polled twice a second wrote 620 lines for one
+    validation. The seconds are the caller's, so no clock is raced."""
     stream = io.StringIO()
     with Progress(3, "judge", "round", stream=stream) as progress:
         progress.status("round 1: 0 of 6 samples run on the HTP", 30.0)
         progress.status("round 1: 0 of 6 samples run on the HTP", 60.0)
+        for half_seconds in range(121, 141):  # polls at 60.5 ... 70 s: one more line, at 70
+            progress.status("round 1: 0 of 6 samples run on the HTP", half_seconds / 2)
+        progress.status("round 2: as quantized", 0.5)  # a new step prints at once
     lines = [line.split(" (")[0] for line in stream.getvalue().splitlines()]
-    assert lines == ["  judge: round 1: 0 of 6 samples run on the HTP"] * 2
+    assert lines == ["  judge: round 1: 0 of 6 samples run on the HTP"] * 3 + [
+        "  judge: round 2: as quantized"
+    ]
 
 
 def test_counting_work_prints_a_line_when_enough_time_passed(

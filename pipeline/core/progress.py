@@ -26,6 +26,7 @@ class Progress:
         self.started = time.monotonic()
         self.last_status = ""
         self.last_line = self.started
+        self.last_beat = 0.0  # the step's seconds at its last line in a log
         self.bar: Any = None
         if self.stream.isatty():
             try:
@@ -52,15 +53,20 @@ class Progress:
 
     def status(self, text: str, seconds: float | None = None) -> None:
         """What is being done now; in a log, printed once per change. With ``seconds`` (how
-        long this step has run: a heartbeat the caller sends now and then), printed each time,
-        so a log hears of a step that runs for minutes."""
+        long this step has run: a heartbeat the caller sends now and then), printed again once
+        it is ``LOG_EVERY_S`` past the last line of that step, so a log hears of a step that
+        runs for minutes, but not of every poll (a compile child's, twice a second: 620 lines
+        for one validation)."""
         if self.bar is not None:
             shown = text if seconds is None else f"{text} {seconds:.0f} s"
             self.bar.set_postfix_str(shown, refresh=True)
-        elif text != self.last_status or seconds is not None:
+        elif text != self.last_status or (
+            seconds is not None and seconds - self.last_beat >= LOG_EVERY_S
+        ):
             elapsed = time.monotonic() - self.started
             print(f"  {self.desc}: {text} ({elapsed:.0f} s)", file=self.stream, flush=True)
             self.last_line = time.monotonic()
+            self.last_beat = seconds if seconds is not None else 0.0
         self.last_status = text
 
     def note(self, text: str) -> None:
