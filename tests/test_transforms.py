@@ -2475,6 +2475,48 @@ def test_adds_of_zero_and_products_with_one_are_dropped_exactly() -> None:
     assert not t.drop_neutral_arithmetic(dropped)[1].changed
 
 
+def test_a_filled_constant_too_large_to_fold_is_neutral_too() -> None:
+    """x + ConstantOfShape(shape, 0) and x * ConstantOfShape(shape, 1), their shapes constant
+    (ZoeDepth's attractors add zeros of [1, 64, 192, 256], 12.6 MB, over what folding writes):
+    dropped with the ConstantOfShape, which stayed on the CPU beside the QNN graph and made
+    its context fail to load. Zeros of a wider shape, and a fill of 2, stay."""
+    shape = numpy_helper.from_array(np.array([1, 4, 8, 8], np.int64), "shape")
+    wide = numpy_helper.from_array(np.array([2, 4, 8, 8], np.int64), "wide_shape")
+
+    def fill(value: float) -> onnx.TensorProto:
+        return numpy_helper.from_array(np.array([value], np.float32), "value")
+
+    nodes = [
+        oh.make_node("ConstantOfShape", ["shape"], ["zeros"], value=fill(0.0)),
+        oh.make_node("ConstantOfShape", ["shape"], ["ones"], value=fill(1.0)),
+        oh.make_node("ConstantOfShape", ["shape"], ["twos"], value=fill(2.0)),
+        oh.make_node("ConstantOfShape", ["wide_shape"], ["wide_zeros"], value=fill(0.0)),
+        oh.make_node("Add", ["zeros", "x"], ["a"], name="plus_zeros"),
+        oh.make_node("Mul", ["a", "ones"], ["m"], name="times_ones"),
+        oh.make_node("Mul", ["m", "twos"], ["y"], name="times_twos"),
+        oh.make_node("Add", ["m", "wide_zeros"], ["w"], name="plus_wide_zeros"),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "filled",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [
+            oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8]),
+            oh.make_tensor_value_info("w", TensorProto.FLOAT, [2, 4, 8, 8]),
+        ],
+        [shape, wide],
+    )
+    source = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    dropped, change = t.drop_neutral_arithmetic(source)
+    names = {n.name for n in dropped.graph.node}
+    assert not names & {"plus_zeros", "times_ones"} and len(change.details) == 2, names
+    assert {"times_twos", "plus_wide_zeros"} <= names
+    assert ops(dropped).count("ConstantOfShape") == 2  # the 2s and the wide zeros
+    x = RNG.standard_normal((1, 4, 8, 8)).astype(np.float32)
+    for got, expected in zip(run(dropped, {"x": x}), run(source, {"x": x}), strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
 def _moves(noops: bool) -> onnx.ModelProto:
     """Conv -> a chain of moves -> ReLU: each of them gives back its input (``noops``), or
     each changes it (a half Slice, a swapping Transpose, two inputs, scale 2...)."""

@@ -2066,26 +2066,51 @@ def _bypassed(model: onnx.ModelProto, step: str, rule: _Bypass) -> tuple[onnx.Mo
     return checked_change(model, step, details)
 
 
+def _filled_constants(graph: onnx.GraphProto) -> dict[str, tuple[np.ndarray, int]]:
+    """ConstantOfShape outputs of a constant shape: name -> (a broadcast view of the value it
+    fills, its data type). Too large to fold (ZoeDepth's attractors add zeros of [1, 64, 192,
+    256], 12.6 MB), they stayed on the CPU beside the QNN graph."""
+    inits = initializers_by_name(graph)
+    filled = {}
+    for node in graph.node:
+        if node.op_type != "ConstantOfShape" or node.domain not in DEFAULT_DOMAINS:
+            continue
+        if not node.input or node.input[0] not in inits:
+            continue
+        shape = tuple(int(d) for d in numpy_helper.to_array(inits[node.input[0]]).reshape(-1))
+        value = next((a.t for a in node.attribute if a.name == "value"), None)
+        array = numpy_helper.to_array(value) if value is not None else np.zeros(1, np.float32)
+        data_type = value.data_type if value is not None else onnx.TensorProto.FLOAT
+        filled[node.output[0]] = (np.broadcast_to(array.reshape(()), shape), data_type)
+    return filled
+
+
 def _neutral_operand(
     node: onnx.NodeProto,
     inits: Mapping[str, onnx.TensorProto],
     typed_shape: _TypedShape,
+    filled: Mapping[str, tuple[np.ndarray, int]] | None = None,
 ) -> tuple[str, str] | None:
-    """The other operand of x + 0, x - 0, x * 1, x / 1 that does not broadcast x."""
+    """The other operand of x + 0, x - 0, x * 1, x / 1 that does not broadcast x; the 0 or 1
+    an initializer or a ConstantOfShape of a constant shape (``_filled_constants``)."""
     neutral = _NEUTRAL_OPERANDS.get(node.op_type)
     if neutral is None or len(node.input) != 2:
         return None
     value, positions = neutral
     for position in positions:
-        constant = inits.get(node.input[position])
-        other = node.input[1 - position]
-        if constant is None or other in inits or not other:
+        name, other = node.input[position], node.input[1 - position]
+        if other in inits or not other:
             continue
-        array = numpy_helper.to_array(constant)
+        if name in inits:
+            array, data_type = numpy_helper.to_array(inits[name]), inits[name].data_type
+        elif filled and name in filled:
+            array, data_type = filled[name]
+        else:
+            continue
         if array.dtype.kind != "f" or array.size == 0 or not np.all(array == value):
             continue
         known = typed_shape(other)
-        if known is None or known[1] != constant.data_type:
+        if known is None or known[1] != data_type:
             continue
         try:
             if np.broadcast_shapes(array.shape, known[0]) != known[0]:
@@ -2106,9 +2131,16 @@ def drop_neutral_arithmetic(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     0 + x, x - 0, x * 1 and x / 1 are right: dropped all the same, as the ops they are). A
     BatchNorm or GroupNorm with its initial shift of 0 (timm's MixNet and PoolFormer, their
     affine parameters as initialized) gave such Adds: MixNet-S at -13 dB on the HTP where its
-    CPU QDQ model was at 32 dB.
+    CPU QDQ model was at 32 dB. The 0 may be a ConstantOfShape too large to fold: ZoeDepth's
+    two left on the CPU fed the QNN graph, whose context then failed to load ("The count of
+    graph inputs should be at least the count of tensor_wrapper!").
     """
-    return _bypassed(model, "drop_neutral_arithmetic", _neutral_operand)
+    filled = _filled_constants(model.graph)
+    return _bypassed(
+        model,
+        "drop_neutral_arithmetic",
+        lambda node, inits, typed_shape: _neutral_operand(node, inits, typed_shape, filled),
+    )
 
 
 def _moves_nothing(
