@@ -2517,6 +2517,49 @@ def test_a_filled_constant_too_large_to_fold_is_neutral_too() -> None:
         np.testing.assert_array_equal(got, expected)
 
 
+def _zero_padded(channels: int = 64) -> onnx.ModelProto:
+    """x [1, c, 96, 128] and c more channels of zeros from a ConstantOfShape (3 MB at c = 64:
+    over what folding writes), then a Relu."""
+    shape = numpy_helper.from_array(np.array([1, channels, 96, 128], np.int64), "shape")
+    value = numpy_helper.from_array(np.array([0.0], np.float32), "value")
+    nodes = [
+        oh.make_node("ConstantOfShape", ["shape"], ["zeros"], value=value, name="fill"),
+        oh.make_node("Concat", ["x", "zeros"], ["padded"], axis=1),
+        oh.make_node("Relu", ["padded"], ["y"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "zero_padded",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, 96, 128])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2 * channels, 96, 128])],
+        [shape],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_fill_too_large_to_fold_becomes_an_expand_of_its_value() -> None:
+    source = _zero_padded()
+    assert not t.fold_constants(source)[1].changed  # 3 MB: kept as a node
+    expanded, change = t.filled_constants_as_expand(source)
+    assert ops(expanded) == ["Expand", "Concat", "Relu"] and change.details == (
+        "ConstantOfShape 'fill': Expand of 0",
+    )
+    x = RNG.standard_normal((1, 64, 96, 128)).astype(np.float32)
+    np.testing.assert_array_equal(run(expanded, {"x": x})[0], run(source, {"x": x})[0])
+    assert not t.filled_constants_as_expand(expanded)[1].changed
+
+
+def test_the_htp_runs_the_expanded_fill_whole(tmp_path: Path) -> None:
+    """Left on the CPU, the ConstantOfShape fed the QNN graph and its context failed to load
+    ("The count of graph inputs should be at least the count of tensor_wrapper!"; ZoeDepth's,
+    whose shape was constant only after qnn_preprocess had run); the Expand runs on the HTP."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    expanded, _ = t.filled_constants_as_expand(_zero_padded())
+    samples = [{"x": RNG.standard_normal((1, 64, 96, 128)).astype(np.float32)}]
+    assert whole_ctx_vs_float(tmp_path, {"float": expanded}, samples)["float"] > 60.0
+
+
 def _moves(noops: bool) -> onnx.ModelProto:
     """Conv -> a chain of moves -> ReLU: each of them gives back its input (``noops``), or
     each changes it (a half Slice, a swapping Transpose, two inputs, scale 2...)."""

@@ -156,6 +156,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.drop_neutral_arithmetic,  # x + 0: the HTP drops the Add's requantization with it
         t.drop_noop_moves,  # a whole-tensor Slice: the HTP drops it and its requantization
         t.fold_constants,  # fusions can leave constant subexpressions behind
+        t.filled_constants_as_expand,  # fills too large to fold: no ConstantOfShape on QNN
         t.quantizer_free_names,  # T and T_scale: the quantizer takes the model's for its own
         t.topological_sort,
         t.store_inferred_shapes,

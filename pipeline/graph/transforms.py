@@ -2143,6 +2143,30 @@ def drop_neutral_arithmetic(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     )
 
 
+def _filled_as_expand(node: onnx.NodeProto, context: NodeRewrite) -> tuple[list, str] | None:
+    if node.op_type != "ConstantOfShape" or node.domain not in DEFAULT_DOMAINS:
+        return None
+    if not node.input or node.input[0] not in context.inits:
+        return None
+    value = next((a.t for a in node.attribute if a.name == "value"), None)
+    array = numpy_helper.to_array(value) if value is not None else np.zeros(1, np.float32)
+    if array.dtype.kind != "f":
+        return None  # integer fills are shapes and ids: the CPU's, and folded when small
+    fill = context.constant(array.reshape(()), f"{node.output[0]}_value")
+    expand = onnx.helper.make_node("Expand", [fill, node.input[0]], list(node.output))
+    expand.name = node.name
+    return [expand], f"{node_label(node)}: Expand of {float(array.reshape(-1)[0]):g}"
+
+
+def filled_constants_as_expand(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A float ConstantOfShape of a constant shape (left by ``fold_constants`` as too large to
+    write) -> Expand(its value, shape): the same values. The QNN EP takes no ConstantOfShape,
+    and one left on the CPU beside the QNN graph made its context fail to load ("The count of
+    graph inputs should be at least the count of tensor_wrapper!", a zero-padding Concat of
+    3 MB); the HTP expands the scalar."""
+    return replace_nodes(model, "filled_constants_as_expand", _filled_as_expand)
+
+
 def _moves_nothing(
     node: onnx.NodeProto,
     inits: Mapping[str, onnx.TensorProto],
