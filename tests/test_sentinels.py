@@ -96,3 +96,42 @@ def test_marked_anchors_build_whole_and_accurate_on_the_htp(tmp_path: Path, fill
     float 12 dB, and a finfo.max output read 0 dB with a cosine of 1; now it runs whole and
     both outputs pass 30 dB, the marks measured as marks (the logits output holds them)."""
     build_whole_on_htp(tmp_path, "anchored_boxes", anchored_boxes(fill))
+
+
+def test_a_negative_mark_on_its_way_to_a_softmax_stays_for_the_mask_rules() -> None:
+    """Attention scores plus a finfo.min mask: mask_fill_ranges finds the mask by the mark in
+    its calibrated range and gives it the cut it needs below the scores; calibrated without
+    the mark, the mask bias would read 0 and every masked score would count. So a negative
+    mark that reaches a Softmax (through Add, Where, shape ops) is left in; a positive one,
+    or one that reaches no Softmax, is taken out."""
+    scores = helper.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 4, 8])
+    mask = numpy_helper.from_array(
+        np.where(np.arange(8) < 5, 0.0, -BIG).astype(np.float32).reshape(1, 1, 8), "mask"
+    )
+    nodes = [
+        helper.make_node("Add", ["scores", "mask"], ["masked"]),
+        helper.make_node("Reshape", ["masked", "shape"], ["flat"]),
+        helper.make_node("Softmax", ["flat"], ["weights"], axis=-1),
+        helper.make_node("Sigmoid", ["masked"], ["gates"]),
+    ]
+    shape = numpy_helper.from_array(np.array([4, 8], np.int64), "shape")
+    graph = helper.make_graph(
+        nodes,
+        "masked_attention",
+        [scores],
+        [
+            helper.make_tensor_value_info("weights", TensorProto.FLOAT, [4, 8]),
+            helper.make_tensor_value_info("gates", TensorProto.FLOAT, [1, 4, 8]),
+        ],
+        [mask, shape],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    low, high = np.array([-BIG], np.float32), np.array([5.0], np.float32)
+    ranges = {"masked": (low, high), "flat": (low, high), "gates": (np.zeros(1), np.ones(1))}
+    assert sentinel_tensors(ranges) == ["masked", "flat"]
+    assert sentinel_tensors(ranges, model) == []
+    ranges["masked"] = (np.array([-5.0]), np.array([BIG]))  # a positive mark: an anchor's
+    assert sentinel_tensors(ranges, model) == ["masked"]
+    del model.graph.node[2]  # no Softmax: nothing to leave to the mask rules
+    ranges["masked"] = (low, high)
+    assert sentinel_tensors(ranges, model) == ["masked", "flat"]

@@ -907,17 +907,56 @@ def activation_statistics(
     )
 
 
-def sentinel_tensors(ranges: dict[str, tuple[Any, Any]]) -> list[str]:
+def sentinel_tensors(ranges: dict[str, tuple[Any, Any]], model: Any = None) -> list[str]:
     """The tensors whose calibrated range reaches ``SENTINEL``: they hold a mark such as
     finfo.max or inf (RT-DETR's invalid anchors: box logits + finfo.max), and MinMax over it
     gives a scale of 5e33 at 16 bits: every real value rounds to 0, and QNN refused to compose
-    the graph. Calibrated again ``without_sentinels``, the marks saturate at the range's end."""
-    return [
-        name
-        for name, (low, high) in ranges.items()
-        if not np.all(np.abs(np.asarray(low, np.float64)) < SENTINEL)
-        or not np.all(np.abs(np.asarray(high, np.float64)) < SENTINEL)
-    ]
+    the graph. Calibrated again ``without_sentinels``, the marks saturate at the range's end.
+    A negative mark on its way to a Softmax (``_masks_scores``, given ``model``) is left to
+    ``mask_fill_ranges``, which finds masks by it."""
+    masking = _masks_scores(model) if model is not None else set()
+    found = []
+    for name, (low, high) in ranges.items():
+        low_mark = not np.all(np.abs(np.asarray(low, np.float64)) < SENTINEL)
+        high_mark = not np.all(np.abs(np.asarray(high, np.float64)) < SENTINEL)
+        if (low_mark and name not in masking) or high_mark:
+            found.append(name)
+    return found
+
+
+# What a mask passes through on its way to the scores' Softmax (``_masks_scores``).
+_MASK_PATH = frozenset({"Add", "Sub", "Where", "Mul", "Expand", "Cast", "Slice", "Concat"})
+
+
+def _masks_scores(model: Any) -> set[str]:
+    """Tensors from which a Softmax is reached through ``_MASK_PATH`` and shape ops only."""
+    from ..graph.attention import SHAPE_OPS
+
+    passes = _MASK_PATH | SHAPE_OPS
+    readers: dict[str, list[Any]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    reach: dict[str, bool] = {}
+
+    def reaches(name: str, depth: int) -> bool:
+        if name in reach:
+            return reach[name]
+        if depth > 12:
+            return False
+        reach[name] = False  # a cycle-free graph; this only stops runaway recursion
+        found = False
+        for node in readers.get(name, []):
+            if node.op_type == "Softmax" or (
+                node.op_type in passes and any(reaches(o, depth + 1) for o in node.output if o)
+            ):
+                found = True
+                break
+        reach[name] = found
+        return found
+
+    names = {o for node in model.graph.node for o in node.output if o}
+    return {name for name in names if reaches(name, 0)}
 
 
 # Ops whose output holds their inputs' values: a mark among a constant's values is one there.
@@ -1502,7 +1541,10 @@ def tune(
     changes.bias_floor += [BiasFloor(**info) for _, info in weight_ranges.values()]
     changes.weight_ranges = {name: interval for name, (interval, _) in weight_ranges.items()}
     changes.weight_ranges.update(fill_ranges)
-    marked, changes.sentinel_constants = sentinel_constant_ranges(model, ranges)
-    changes.weight_ranges.update(marked)
+    marked, _ = sentinel_constant_ranges(model, ranges)
+    for name, interval in marked.items():  # a mask's own cut (mask_fill_ranges) comes first
+        if name not in changes.weight_ranges:
+            changes.weight_ranges[name] = interval
+            changes.sentinel_constants.append(name)
     write_cache(data, ranges, tuned_cache)
     return changes

@@ -117,6 +117,8 @@ def calibrate(
         marked = range_rules.sentinel_tensors(stats.ranges)
         if marked:  # rare: a second pass over the samples for those tensors only
             model, _ = _calibration_tensors(config, float_path)
+            marked = range_rules.sentinel_tensors(stats.ranges, model)
+        if marked:
             with Progress(len(samples), f"calibrate {label} without marks", unit="sample") as bar:
                 again = range_rules.activation_statistics(
                     model,
