@@ -929,34 +929,23 @@ _MASK_PATH = frozenset({"Add", "Sub", "Where", "Mul", "Expand", "Cast", "Slice",
 
 
 def _masks_scores(model: Any) -> set[str]:
-    """Tensors from which a Softmax is reached through ``_MASK_PATH`` and shape ops only."""
+    """Tensors from which a Softmax is reached through ``_MASK_PATH`` and shape ops only:
+    walked back from each Softmax's input through the producers of those kinds."""
     from ..graph.attention import SHAPE_OPS
 
     passes = _MASK_PATH | SHAPE_OPS
-    readers: dict[str, list[Any]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    reach: dict[str, bool] = {}
-
-    def reaches(name: str, depth: int) -> bool:
-        if name in reach:
-            return reach[name]
-        if depth > 12:
-            return False
-        reach[name] = False  # a cycle-free graph; this only stops runaway recursion
-        found = False
-        for node in readers.get(name, []):
-            if node.op_type == "Softmax" or (
-                node.op_type in passes and any(reaches(o, depth + 1) for o in node.output if o)
-            ):
-                found = True
-                break
-        reach[name] = found
-        return found
-
-    names = {o for node in model.graph.node for o in node.output if o}
-    return {name for name in names if reaches(name, 0)}
+    producers = {o: n for n in model.graph.node for o in n.output if o}
+    todo = [n.input[0] for n in model.graph.node if n.op_type == "Softmax" and n.input]
+    found: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        node = producers.get(name)
+        if node is not None and node.op_type in passes:
+            todo.extend(i for i in node.input if i)
+    return found
 
 
 # Ops whose output holds their inputs' values: a mark among a constant's values is one there.

@@ -2066,6 +2066,14 @@ def _bypassed(model: onnx.ModelProto, step: str, rule: _Bypass) -> tuple[onnx.Mo
     return checked_change(model, step, details)
 
 
+def _fill_value(node: onnx.NodeProto) -> tuple[np.ndarray, int]:
+    """A ConstantOfShape's fill as a 0-d array, and its data type (ONNX's default: float 0)."""
+    value = next((a.t for a in node.attribute if a.name == "value"), None)
+    if value is None:
+        return np.zeros((), np.float32), onnx.TensorProto.FLOAT
+    return numpy_helper.to_array(value).reshape(()), value.data_type
+
+
 def _filled_constants(graph: onnx.GraphProto) -> dict[str, tuple[np.ndarray, int]]:
     """ConstantOfShape outputs of a constant shape: name -> (a broadcast view of the value it
     fills, its data type). Too large to fold (ZoeDepth's attractors add zeros of [1, 64, 192,
@@ -2078,10 +2086,8 @@ def _filled_constants(graph: onnx.GraphProto) -> dict[str, tuple[np.ndarray, int
         if not node.input or node.input[0] not in inits:
             continue
         shape = tuple(int(d) for d in numpy_helper.to_array(inits[node.input[0]]).reshape(-1))
-        value = next((a.t for a in node.attribute if a.name == "value"), None)
-        array = numpy_helper.to_array(value) if value is not None else np.zeros(1, np.float32)
-        data_type = value.data_type if value is not None else onnx.TensorProto.FLOAT
-        filled[node.output[0]] = (np.broadcast_to(array.reshape(()), shape), data_type)
+        fill, data_type = _fill_value(node)
+        filled[node.output[0]] = (np.broadcast_to(fill, shape), data_type)
     return filled
 
 
@@ -2148,14 +2154,13 @@ def _filled_as_expand(node: onnx.NodeProto, context: NodeRewrite) -> tuple[list,
         return None
     if not node.input or node.input[0] not in context.inits:
         return None
-    value = next((a.t for a in node.attribute if a.name == "value"), None)
-    array = numpy_helper.to_array(value) if value is not None else np.zeros(1, np.float32)
-    if array.dtype.kind != "f":
+    fill, _ = _fill_value(node)
+    if fill.dtype.kind != "f":
         return None  # integer fills are shapes and ids: the CPU's, and folded when small
-    fill = context.constant(array.reshape(()), f"{node.output[0]}_value")
-    expand = onnx.helper.make_node("Expand", [fill, node.input[0]], list(node.output))
+    name = context.constant(fill, f"{node.output[0]}_value")
+    expand = onnx.helper.make_node("Expand", [name, node.input[0]], list(node.output))
     expand.name = node.name
-    return [expand], f"{node_label(node)}: Expand of {float(array.reshape(-1)[0]):g}"
+    return [expand], f"{node_label(node)}: Expand of {float(fill):g}"
 
 
 def filled_constants_as_expand(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
