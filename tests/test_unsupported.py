@@ -390,3 +390,115 @@ def test_the_htp_runs_a_3d_max_pool_whole_quantized(tmp_path: Path) -> None:
     )
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
     build_whole_on_htp(tmp_path, "pool3d", model)
+
+
+def masked_rows(
+    value: float = -5.0, swap_columns: bool = False, reduction: str = "none", updates: str = "fill"
+) -> onnx.ModelProto:
+    """TorchScript's ``x[torch.where(x.sum(-1) > 0)] = value`` over x [2, 3, 4] (the chain
+    Mask2Former/OneFormer's masked attention exports): NonZero -> Transpose -> Split -> Squeeze
+    -> Unsqueeze -> Concat -> ScatterND, the updates a fill Expanded to the positions' count.
+    ``swap_columns`` writes at (j, i) instead of (i, j); ``updates="gathered"`` writes twice the
+    values read there (not one value)."""
+    nodes = [
+        oh.make_node("ReduceSum", ["x", "last"], ["sum"], keepdims=0),
+        oh.make_node("Greater", ["sum", "zero"], ["c"]),
+        oh.make_node("NonZero", ["c"], ["nz"]),
+        oh.make_node("Transpose", ["nz"], ["rows"], perm=[1, 0]),
+        oh.make_node("Split", ["rows", "ones"], ["i2", "j2"], axis=1),
+        oh.make_node("Squeeze", ["i2", "one_axis"], ["i"]),
+        oh.make_node("Squeeze", ["j2", "one_axis"], ["j"]),
+        oh.make_node("Unsqueeze", ["j" if swap_columns else "i", "one_axis"], ["first"]),
+        oh.make_node("Unsqueeze", ["i" if swap_columns else "j", "one_axis"], ["second"]),
+        oh.make_node("Concat", ["first", "second"], ["indices"], axis=1),
+        oh.make_node("Shape", ["i"], ["count"]),
+        oh.make_node("Concat", ["count", "width"], ["updates_shape"], axis=0),
+    ]
+    if updates == "fill":
+        nodes.append(oh.make_node("Expand", ["value", "updates_shape"], ["updates"]))
+    else:
+        nodes += [
+            oh.make_node("GatherND", ["x", "indices"], ["read"]),
+            oh.make_node("Mul", ["read", "two"], ["updates"]),
+        ]
+    scatter = {} if reduction == "none" else {"reduction": reduction}
+    nodes.append(oh.make_node("ScatterND", ["x", "indices", "updates"], ["y"], **scatter))
+    constants = {
+        "last": np.array([-1], np.int64),
+        "zero": np.array(0.0, np.float32),
+        "ones": np.array([1, 1], np.int64),
+        "one_axis": np.array([1], np.int64),
+        "width": np.array([4], np.int64),
+        "value": np.array(value, np.float32),
+        "two": np.array(2.0, np.float32),
+    }
+    graph = oh.make_graph(
+        nodes,
+        "masked_rows",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4])],
+        [numpy_helper.from_array(v, name) for name, v in constants.items()],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=9)
+
+
+@pytest.mark.parametrize("reduction", ["none", "add"])
+def test_a_fill_written_at_nonzero_positions_becomes_a_where(reduction: str) -> None:
+    """Every data-sized tensor goes (the NonZero, its chain, the ScatterND); the result is the
+    scatter's, exactly, for conditions true nowhere, somewhere and everywhere."""
+    from pipeline.graph.prepare import dynamic_tensors
+    from pipeline.graph.unsupported import positions_written_as_where
+
+    model = masked_rows(reduction=reduction)
+    assert dynamic_tensors(model)
+    rewritten, change = positions_written_as_where(model)
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert change.changed and "Where" in ops, change.details
+    assert not {"NonZero", "ScatterND", "Transpose", "Split"} & set(ops), ops
+    assert dynamic_tensors(rewritten) == []
+    rng = np.random.default_rng(1)
+    for sign in (rng.choice([-1.0, 1.0], (2, 3, 1)), -np.ones((2, 3, 1)), np.ones((2, 3, 1))):
+        x = (np.abs(rng.standard_normal((2, 3, 4))) * sign).astype(np.float32)
+        np.testing.assert_array_equal(run(rewritten, x), run(model, x))
+
+
+@pytest.mark.parametrize(
+    "variant", [{"swap_columns": True}, {"updates": "gathered"}, {"reduction": "mul"}]
+)
+def test_other_writes_at_nonzero_positions_stay(variant: dict) -> None:
+    """Positions read in another order, updates that are not one value, a reduction other than
+    add: no select computes those, so the scatter stays (and preparation names it later)."""
+    from pipeline.graph.unsupported import positions_written_as_where
+
+    same, change = positions_written_as_where(masked_rows(**variant))
+    assert not change.changed
+    assert "ScatterND" in [n.op_type for n in same.graph.node]
+
+
+def test_preparation_leaves_a_masked_fill_static() -> None:
+    """Through the whole preparation (its step comes before the check for static shapes)."""
+    from pipeline.core.config import InputsSection
+    from pipeline.graph.prepare import prepare_model
+
+    model = masked_rows(value=3.0)
+    prepared, _ = prepare_model(model, InputsSection())
+    x = np.random.default_rng(2).standard_normal((2, 3, 4)).astype(np.float32)
+    np.testing.assert_array_equal(run(prepared, x), run(model, x))
+
+
+@pytest.mark.qnn
+def test_a_fill_at_nonzero_positions_runs_whole_on_the_htp(tmp_path: Path) -> None:
+    """Rewritten, the masked fill runs whole on the HTP simulator (fp16) and agrees with the
+    CPU; the NonZero it replaces has no QNN kernel (a data-sized output)."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    from pipeline.graph.unsupported import positions_written_as_where
+    from pipeline.htp.probe import qnn_available
+
+    if qnn_available():
+        pytest.skip(qnn_available())
+    rewritten, _ = positions_written_as_where(masked_rows())
+    rng = np.random.default_rng(3)
+    samples = [{"x": rng.standard_normal((2, 3, 4)).astype(np.float32)} for _ in range(3)]
+    snr = whole_ctx_vs_float(tmp_path, {"float": rewritten}, samples)
+    assert snr["float"] > 50.0, snr

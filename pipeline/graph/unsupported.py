@@ -548,3 +548,162 @@ def ops_without_qnn_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     """Each op of ``_REWRITES`` the QNN EP has no kernel for -> ops it runs (module doc)."""
 
     return replace_by_op(model, "ops_without_qnn_kernels", _REWRITES, DEFAULT_DOMAINS)
+
+
+# How many nodes may lie between a NonZero and the indices / updates of the ScatterND that
+# writes at its positions (TorchScript spends ~20 on ``x[torch.where(c)] = v``).
+_POSITION_CHAIN_MAX = 64
+
+
+def _chain_from_nonzero(
+    names: list[str], context: NodeRewrite
+) -> tuple[onnx.NodeProto, list[onnx.NodeProto]] | None:
+    """The one NonZero that ``names`` are computed from, with nothing else but constants, and
+    the nodes between (in graph order); None for anything else (a graph input, a second
+    NonZero, a tensor of the network, a chain over ``_POSITION_CHAIN_MAX``)."""
+    nonzero: onnx.NodeProto | None = None
+    chain: dict[str, onnx.NodeProto] = {}
+    stack = [n for n in names if n]
+    seen: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if name in seen or name in context.inits:
+            continue
+        seen.add(name)
+        producer = context.producers.get(name)
+        if producer is None or producer.domain not in DEFAULT_DOMAINS:
+            return None
+        if producer.op_type == "NonZero":
+            if nonzero is not None and nonzero.output[0] != name:
+                return None
+            nonzero = producer
+            continue
+        if any(True for a in producer.attribute if a.type in (a.GRAPH, a.GRAPHS)):
+            return None
+        chain.setdefault(producer.output[0], producer)
+        if len(chain) > _POSITION_CHAIN_MAX:
+            return None
+        stack.extend(i for i in producer.input if i)
+    if nonzero is None:
+        return None
+    order = {n.output[0]: i for i, n in enumerate(context.model.graph.node) if n.output}
+    return nonzero, sorted(chain.values(), key=lambda n: order.get(n.output[0], 0))
+
+
+def _probe_conditions(shape: tuple[int, ...]) -> list[np.ndarray]:
+    """Conditions whose positions tell a chain that passes NonZero's positions on from one
+    that computes something else with them: one true value, and three (seeded)."""
+    size = int(np.prod(shape))
+    rng = np.random.default_rng(0)
+    probes = []
+    for count in sorted({1, min(3, size)}):
+        flat = np.zeros(size, bool)
+        flat[rng.choice(size, count, replace=False)] = True
+        probes.append(flat.reshape(shape))
+    return probes
+
+
+def _positions_fill(
+    node: onnx.NodeProto,
+    nonzero: onnx.NodeProto,
+    chain: list[onnx.NodeProto],
+    condition_shape: tuple[int, ...],
+    data_shape: tuple[int, ...],
+    context: NodeRewrite,
+) -> np.ndarray | None:
+    """The one value ``node`` writes, when its indices are exactly NonZero's positions (as
+    rows) and its updates that value at each, for every probe condition; else None."""
+    from .transforms import run_nodes
+
+    rank = len(condition_shape)
+    fill: np.ndarray | None = None
+    needed = {i for n in chain for i in n.input if i in context.inits}
+    constants = {i: onnx.numpy_helper.to_array(context.inits[i]) for i in needed}
+    for condition in _probe_conditions(condition_shape):
+        positions = np.array(np.nonzero(condition), np.int64)
+        values = {**constants, nonzero.output[0]: positions}
+        try:
+            computed = run_nodes(chain, values, context.model) if chain else {}
+        except Exception:  # onnxruntime cannot run the chain alone: keep the scatter
+            return None
+        computed = {**values, **computed}
+        indices, updates = computed.get(node.input[1]), computed.get(node.input[2])
+        if indices is None or updates is None:
+            return None
+        count = positions.shape[1]
+        if indices.shape != (count, rank) or not np.array_equal(indices, positions.T):
+            return None
+        if updates.shape != (count, *data_shape[rank:]) or updates.size == 0:
+            return None
+        value = updates.reshape(-1)[:1]
+        if not (updates == value[0]).all() or (fill is not None and fill[0] != value[0]):
+            return None
+        fill = value
+    return fill
+
+
+def _scatter_at_positions(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """ScatterND(data, indices, updates) whose indices are NonZero(c)'s positions and whose
+    updates one value v -> Where(c, v, data) (``reduction = "add"``: Where(c, data + v, data)).
+
+    TorchScript writes ``x[torch.where(c)] = v`` so (Mask2Former/OneFormer's masked attention:
+    ``attn_mask[torch.where(attn_mask.sum(-1) == attn_mask.shape[-1])] = False``): NonZero ->
+    Transpose -> Split -> Squeeze -> Expand -> Concat -> ScatterND, every shape after the
+    NonZero decided by the data, so nothing after it reaches the NPU. NonZero lists each
+    position once, so a scatter there is a select. Whether indices and updates are that is
+    not read from the ops between (each exporter spells them its own way) but computed: the
+    chain runs on the positions of probe conditions, and must give them back as rows and one
+    value for each."""
+    reduction = attribute(node, "reduction", b"none")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    data_shape = context.shape(node.input[0])
+    found = _chain_from_nonzero([node.input[1], node.input[2]], context)
+    if reduction not in ("none", "add") or data_shape is None or found is None:
+        return None
+    nonzero, chain = found
+    condition_shape = context.shape(nonzero.input[0])
+    if (
+        condition_shape is None
+        or not condition_shape
+        or 0 in condition_shape
+        or tuple(data_shape[: len(condition_shape)]) != tuple(condition_shape)
+    ):
+        return None
+    fill = _positions_fill(node, nonzero, chain, condition_shape, data_shape, context)
+    if fill is None or (reduction == "add" and fill.dtype == np.bool_):
+        return None
+    out = node.output[0]
+    nodes = []
+    condition = nonzero.input[0]
+    if context.elem_type(condition) != onnx.TensorProto.BOOL:  # NonZero takes x != 0
+        condition = context.fresh(f"{out}_condition")
+        nodes.append(
+            helper.make_node("Cast", [nonzero.input[0]], [condition], to=onnx.TensorProto.BOOL)
+        )
+    trailing = len(data_shape) - len(condition_shape)
+    if trailing:
+        shape = np.array([*condition_shape, *[1] * trailing], np.int64)
+        reshaped = context.fresh(f"{out}_condition")
+        target = context.constant(shape, f"{out}_condition_shape")
+        nodes.append(helper.make_node("Reshape", [condition, target], [reshaped]))
+        condition = reshaped
+    value = context.constant(fill.reshape(()), f"{out}_fill")
+    written = value
+    if reduction == "add":
+        written = context.fresh(f"{out}_added")
+        nodes.append(helper.make_node("Add", [node.input[0], value], [written]))
+    nodes.append(helper.make_node("Where", [condition, written, node.input[0]], [out]))
+    return nodes, (
+        f"{node_label(node)} at the positions of NonZero '{nonzero.name}' "
+        f"({len(chain)} node(s) between) -> Where(condition, {fill[0].item()!r}, data)"
+        + (" after an Add" if reduction == "add" else "")
+    )
+
+
+def positions_written_as_where(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A ScatterND writing one value at the positions a NonZero lists -> a Where over its
+    condition (``_scatter_at_positions``): the NonZero and its data-sized chain go with it."""
+
+    return replace_by_op(
+        model, "positions_written_as_where", {"ScatterND": _scatter_at_positions}, DEFAULT_DOMAINS
+    )
