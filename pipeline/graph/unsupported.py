@@ -687,17 +687,23 @@ def _scatter_at_positions(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite
         target = context.constant(shape, f"{out}_condition_shape")
         nodes.append(helper.make_node("Reshape", [condition, target], [reshaped]))
         condition = reshaped
+    label = f"{node_label(node)} at the positions of NonZero '{nonzero.name}' ({len(chain)} node(s) between)"
+    if fill.dtype == np.bool_:  # onnxruntime's CPU has no boolean Where: logic says the same
+        if fill[0]:
+            nodes.append(helper.make_node("Or", [node.input[0], condition], [out]))
+            return nodes, f"{label} -> Or(data, condition)"
+        kept = context.fresh(f"{out}_kept")
+        nodes.append(helper.make_node("Not", [condition], [kept]))
+        nodes.append(helper.make_node("And", [node.input[0], kept], [out]))
+        return nodes, f"{label} -> And(data, Not(condition))"
     value = context.constant(fill.reshape(()), f"{out}_fill")
     written = value
     if reduction == "add":
         written = context.fresh(f"{out}_added")
         nodes.append(helper.make_node("Add", [node.input[0], value], [written]))
     nodes.append(helper.make_node("Where", [condition, written, node.input[0]], [out]))
-    return nodes, (
-        f"{node_label(node)} at the positions of NonZero '{nonzero.name}' "
-        f"({len(chain)} node(s) between) -> Where(condition, {fill[0].item()!r}, data)"
-        + (" after an Add" if reduction == "add" else "")
-    )
+    what = "data + " if reduction == "add" else ""
+    return nodes, f"{label} -> Where(condition, {what}{fill[0].item()!r}, data)"
 
 
 def positions_written_as_where(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
