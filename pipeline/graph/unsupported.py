@@ -656,9 +656,11 @@ def _scatter_at_positions(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite
     value for each."""
     reduction = attribute(node, "reduction", b"none")
     reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
-    data_shape = context.shape(node.input[0])
     found = _chain_from_nonzero([node.input[1], node.input[2]], context)
-    if reduction not in ("none", "add") or data_shape is None or found is None:
+    if reduction not in ("none", "add") or found is None:
+        return None  # before any shape: inferring them is the costly part
+    data_shape = context.shape(node.input[0])
+    if data_shape is None:
         return None
     nonzero, chain = found
     condition_shape = context.shape(nonzero.input[0])
