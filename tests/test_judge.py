@@ -257,6 +257,9 @@ def test_fp16_first_still_runs_the_quantized_model_when_it_falls_short(tmp_path:
     assert "SNR fp16 model vs float (dB)" in report and "SNR QDQ vs float" not in report
     # Its CPU figure is the float32 graph's, and the table says so.
     assert "For the whole model in fp16 the CPU column is its float32 graph" in report
+    # Nothing passed: the report says whether the float model itself could (fp16's rounding of
+    # its inputs alone leaves it ~70 dB from itself, far under 150 dB).
+    assert any("the float model itself: fp16's rounding" in r for r in htp["remedies"])
 
 
 def test_cpu_judge_keeps_the_cpu_decision_and_says_so(tmp_path: Path):

@@ -523,3 +523,33 @@ def test_a_kept_candidate_that_is_not_whole_on_the_npu_is_said_at_quantize(
     )
     _note_not_whole(allowing, judged(1, 3))
     assert capsys.readouterr().out == ""
+
+
+def test_fp16_conditioning_tells_a_cancelling_model_from_a_linear_one(tmp_path: Path) -> None:
+    """x - 100 of inputs 100 + 0.01 * noise: fp16's rounding of 100 (2^-11 of it, 0.05) is
+    larger than the signal, so the model is below 0 dB from itself; 2 * x is ~70 dB."""
+    import onnx.helper as oh
+    from onnx import TensorProto, numpy_helper
+
+    from pipeline.quantize.evaluate import float16_conditioning
+
+    rng = np.random.default_rng(0)
+    paths = []
+    for index in range(3):
+        paths.append(tmp_path / f"sample_{index:04d}.npz")
+        x = (100.0 + 0.01 * rng.standard_normal((1, 64))).astype(np.float32)
+        np.savez(paths[-1], x=x)
+    figures = {}
+    for name, op in (("cancelling", "Sub"), ("linear", "Mul")):
+        graph = oh.make_graph(
+            [oh.make_node(op, ["x", "c"], ["y"])],
+            name,
+            [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+            [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
+            [numpy_helper.from_array(np.array(100.0 if op == "Sub" else 2.0, np.float32), "c")],
+        )
+        path = tmp_path / f"{name}.onnx"
+        model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=9)
+        onnx.save(model, str(path))
+        figures[name] = float16_conditioning(path, paths)["y"].snr_db
+    assert figures["cancelling"] < 0.0 < 60.0 < figures["linear"] < 90.0, figures

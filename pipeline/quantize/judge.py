@@ -61,7 +61,7 @@ from ..core.layout import (
 from ..core.progress import Progress
 from ..core.records import HtpProbeRecord, write_record
 from ..htp.probe import CTX_NAME, ProbeResult, TensorAgreement, probe, qnn_available
-from .evaluate import cpu_accuracy, kept_outputs
+from .evaluate import cpu_accuracy, float16_conditioning, kept_outputs
 from .mixed_precision import EIGHT_BIT, HOPELESS_DB, SIXTEEN_BIT, measure
 
 HTP_GAP_DB = 3.0  # the HTP may lose this much against the CPU QDQ model before it is "diverging"
@@ -240,6 +240,24 @@ def _score(result: ProbeResult) -> float:
     if not result.ok or result.partitions != 1 or result.cpu_nodes:
         return float("-inf")
     return result.worst_ctx_vs_float
+
+
+def _conditioning(float_path: Path, samples: list[Path], target_db: float) -> str:
+    """The report's line on whether the float model itself amplifies fp16-sized changes of its
+    inputs past the target (``evaluate.float16_conditioning``): then no precision meets it."""
+    worst = worst_snr(float16_conditioning(float_path, samples))
+    if worst < target_db:
+        return (
+            f"the float model itself: fp16's rounding of its inputs alone (2^-11 of each value) "
+            f"moves its outputs to {worst:.1f} dB on the CPU in float32, under the target, which "
+            "no precision on the NPU can then meet on these inputs (a model fed inputs unlike "
+            "those its normalizations were fitted to is so: check the config's scale, mean and "
+            "std against the model's training)"
+        )
+    return (
+        f"not the float model's own conditioning: fp16's rounding of its inputs moves its "
+        f"outputs to {worst:.1f} dB only (CPU, float32)"
+    )
 
 
 def judge_on_htp(
@@ -696,6 +714,8 @@ def judge_on_htp(
             # Nothing passed: the report names where the HTP parts from the CPU after all.
             builder.build(unlocated)
             locate()
+        if decide and _score(best_result) < target_db:  # nothing passed: is the model itself?
+            remedies.append(_conditioning(float_path, samples, target_db))
         if (builder.built or initial) is not best:
             builder.build(best)  # leave the kept candidate on disk
         if probe_record is not None:
