@@ -487,11 +487,9 @@ def input_jitter(
     grid (integer pixels at step 1) would not move at all, so there a quarter of the values
     move one whole step instead.
     """
-    session = cpu_session(model)
-    names = [o.name for o in session.get_outputs()]
     rng = np.random.default_rng(seed)
-    comparison = OutputComparison.for_models(model)
-    for feeds in iter_samples(heldout):
+
+    def move(feeds: Feeds) -> Feeds:
         moved = dict(feeds)
         for name, step in steps.items():
             if name not in moved:
@@ -509,8 +507,21 @@ def input_jitter(
                 else:
                     noise = rng.uniform(-0.5 * step, 0.5 * step, value.shape)
                 moved[name] = (value + noise).astype(value.dtype)
+        return moved
+
+    return _against_itself(model, heldout, move)
+
+
+def _against_itself(
+    model: Path, samples: Path | list[Path], move: Callable[[Feeds], Feeds]
+) -> dict[str, Accuracy]:
+    """``model`` on each sample against itself on the sample as ``move`` changes it (CPU)."""
+    session = cpu_session(model)
+    names = [o.name for o in session.get_outputs()]
+    comparison = OutputComparison.for_models(model)
+    for feeds in iter_samples(samples):
         expected = dict(zip(names, session.run(names, feeds), strict=True))
-        comparison.add(expected, dict(zip(names, session.run(names, moved), strict=True)))
+        comparison.add(expected, dict(zip(names, session.run(names, move(feeds)), strict=True)))
     return comparison.summary()
 
 
@@ -528,19 +539,17 @@ def float16_conditioning(model: Path, samples: list[Path], seed: int = 0) -> dic
     images like the held-out ones: 8 dB from a 1e-3 input noise, 5.6 dB whole in fp16 on the
     HTP). Inputs outside the distribution the model's normalizations were fitted to (a wrong
     mean, std or scale in the config) make a trained model so too."""
-    session = cpu_session(model)
-    names = [o.name for o in session.get_outputs()]
     rng = np.random.default_rng(seed)
-    comparison = OutputComparison.for_models(model)
-    for feeds in iter_samples(samples):
+
+    def move(feeds: Feeds) -> Feeds:
         moved = dict(feeds)
         for name, value in feeds.items():
             if np.issubdtype(value.dtype, np.floating):
                 jitter = rng.uniform(-FLOAT16_ROUNDING, FLOAT16_ROUNDING, value.shape)
                 moved[name] = (value * (1.0 + jitter)).astype(value.dtype)
-        expected = dict(zip(names, session.run(names, feeds), strict=True))
-        comparison.add(expected, dict(zip(names, session.run(names, moved), strict=True)))
-    return comparison.summary()
+        return moved
+
+    return _against_itself(model, samples, move)
 
 
 def state_like_inputs(model: Path) -> set[str]:
