@@ -2057,3 +2057,44 @@ def test_int16_weights_of_a_kept_model_reach_the_htp_as_two_int8_layers(tmp_path
     assert types["wq"] == types["wq_rest"] == TensorProto.INT8
     x = np.load(tmp_path / "sample.npz")["x"]
     assert snr_db(cpu_run(model, x), cpu_run(ready, x)) > 70.0
+
+
+def test_a_qoperator_conv_is_measured_in_exact_integers_on_every_cpu() -> None:
+    """A QLinearConv of uint8 activations and full-range int8 weights, run by the stages'
+    CPU session, against the same integer arithmetic in numpy: equal on every element.
+    onnxruntime's default uint8 x int8 kernel saturates its paired products to 16 bits on x86
+    CPUs without VNNI (this EPYC: 88% of these outputs off, by up to 20 steps), so every
+    figure of a QOperator source was measured against a wrong reference there."""
+    from pipeline.core.cpu import cpu_session
+
+    rng = np.random.default_rng(0)
+    weight = rng.integers(-127, 128, (16, 64, 3, 3)).astype(np.int8)
+    x = rng.integers(0, 256, (1, 64, 8, 8)).astype(np.uint8)
+    out_scale = 0.01 * 0.01 * 64 * 9 * 127 / 16
+    constants = {
+        "w": weight,
+        "x_scale": np.array(0.01, np.float32),
+        "x_zero": np.array(0, np.uint8),
+        "w_scale": np.array(0.01, np.float32),
+        "w_zero": np.array(0, np.int8),
+        "y_scale": np.array(out_scale, np.float32),
+        "y_zero": np.array(128, np.uint8),
+    }
+    inputs = ["x", "x_scale", "x_zero", "w", "w_scale", "w_zero", "y_scale", "y_zero"]
+    graph = oh.make_graph(
+        [oh.make_node("QLinearConv", inputs, ["y"])],
+        "qlinear_conv",
+        [oh.make_tensor_value_info("x", TensorProto.UINT8, [1, 64, 8, 8])],
+        [oh.make_tensor_value_info("y", TensorProto.UINT8, [1, 16, 6, 6])],
+        [numpy_helper.from_array(value, name) for name, value in constants.items()],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 13)], ir_version=8)
+    got = cpu_session(model).run(None, {"x": x})[0]
+    accumulated = np.zeros((16, 6, 6), np.int64)
+    for i in range(3):
+        for j in range(3):
+            window = x[0, :, i : i + 6, j : j + 6].astype(np.int64)
+            accumulated += np.einsum("oc,chw->ohw", weight[:, :, i, j].astype(np.int64), window)
+    scaled = accumulated * np.float32(0.01 * 0.01 / out_scale)
+    expected = np.clip(np.round(scaled) + 128, 0, 255).astype(np.uint8)
+    np.testing.assert_array_equal(got[0], expected)
