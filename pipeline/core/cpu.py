@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
+
 
 def cpu_session(
     model: Any, optimize: bool = True, in_node_order: bool = False, threads: int = 0
@@ -51,6 +53,8 @@ def cpu_session(
         options.intra_op_num_threads = threads
     if in_node_order:
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    if not optimize:  # onnxruntime's own exact form is a transformer the basic level skips
+        model = _uint8_weights(model) or model
     payload = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
     what = str(model) if isinstance(payload, str) else f"model {model.graph.name!r}"
     try:
@@ -66,6 +70,68 @@ def cpu_session(
         ) from exc
     del payload  # a proto's serialized copy (a 1024x1024 U-Net's 176 MB): re-made if needed
     return _CpuSession(session, model, what)
+
+
+# Integer ops onnxruntime multiplies as uint8 x int8 (ONNX's, and its own QGemm): the input
+# positions of the activation's zero point, the weight and the weight's zero point.
+_INTEGER_OPS = {
+    "QLinearConv": (2, 3, 5),
+    "QLinearMatMul": (2, 3, 5),
+    "ConvInteger": (2, 1, 3),
+    "MatMulInteger": (2, 1, 3),
+    "QGemm": (2, 3, 5),
+}
+
+
+def _uint8_weights(model: Any) -> Any:
+    """A copy of ``model`` whose int8 weights read beside uint8 activations by an integer op
+    are uint8 (each value and the zero point + 128: the same products), or None if it has
+    none. onnxruntime's uint8 x int8 kernels saturate paired products to 16 bits on x86 CPUs
+    without VNNI; its uint8 x uint8 ones are exact, and ``session.x64quantprecision`` makes
+    this rewrite itself only at the extended optimization level, which a model measured as
+    written (``optimize = False``) does not get."""
+    import onnx
+    from onnx import numpy_helper
+
+    proto = model if hasattr(model, "graph") else onnx.load(str(model), load_external_data=False)
+    if not any(n.op_type in _INTEGER_OPS for n in proto.graph.node):
+        return None
+    if not hasattr(model, "graph"):
+        proto = onnx.load(str(model))
+    proto = proto.__class__.FromString(proto.SerializeToString())  # a copy: the caller's stays
+    inits = {i.name: i for i in proto.graph.initializer}
+    quantized_at_run_time = {
+        n.output[2] for n in proto.graph.node if n.op_type == "DynamicQuantizeLinear"
+    }
+    changed = False
+    for node in proto.graph.node:
+        positions = _INTEGER_OPS.get(node.op_type)
+        if positions is None or node.domain not in ("", "ai.onnx", "com.microsoft"):
+            continue
+        act_zero, weight, weight_zero = positions
+        names = list(node.input) + [""] * (weight_zero + 1 - len(node.input))
+        zero = inits.get(names[act_zero])
+        held = inits.get(names[weight])
+        dynamic = names[act_zero] in quantized_at_run_time  # always uint8
+        if held is None or not (dynamic or (zero and zero.data_type == onnx.TensorProto.UINT8)):
+            continue
+        if held.data_type != onnx.TensorProto.INT8:
+            continue
+        values = numpy_helper.to_array(held).astype(np.int16) + 128
+        if names[weight_zero]:
+            if names[weight_zero] not in inits:
+                continue  # a computed zero point: left as it is
+            offset = numpy_helper.to_array(inits[names[weight_zero]]).astype(np.int16) + 128
+        else:
+            offset = np.array(128, np.int16)
+        for position, array in ((weight, values), (weight_zero, offset)):
+            name = f"{node.name or node.output[0]}_uint8_{position}"
+            proto.graph.initializer.append(numpy_helper.from_array(array.astype(np.uint8), name))
+            names[position] = name
+        del node.input[:]
+        node.input.extend(names)
+        changed = True
+    return proto if changed else None
 
 
 # onnxruntime's words for an index past its table: the data fed is wrong, not the model.
