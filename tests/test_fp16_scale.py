@@ -1062,3 +1062,88 @@ def test_fit_float16_scales_through_a_mask_that_fills_with_a_constant() -> None:
     for x in samples:
         got, want = every_tensor(fitted, x), every_tensor(model, x)
         np.testing.assert_allclose(got["db"], want["db"], rtol=1e-5, atol=1e-4)
+
+
+def linear_attention() -> onnx.ModelProto:
+    """EfficientViT's LiteMLA over 256 tokens of 16 channels, after a HardSwish (so no input
+    scale reaches it): q, k = ReLU(x W), v padded with a column of ones, q (K^T [V 1]), its
+    last column the denominator (+ eps). The sums over the tokens pass fp16's 65504 while
+    every input of them and their ratio are small."""
+    rng = np.random.default_rng(4)
+    weights = {n: rng.normal(0, 1.0, (16, 8)).astype(np.float32) for n in ("wq", "wk", "wv")}
+    nodes = [
+        oh.make_node("HardSwish", ["x"], ["h"]),
+        oh.make_node("Transpose", ["h"], ["tokens"], perm=[0, 2, 1]),
+        oh.make_node("MatMul", ["tokens", "wq"], ["q_lin"]),
+        oh.make_node("Relu", ["q_lin"], ["q"]),
+        oh.make_node("MatMul", ["tokens", "wk"], ["k_lin"]),
+        oh.make_node("Relu", ["k_lin"], ["k"]),
+        oh.make_node("MatMul", ["tokens", "wv"], ["v"]),
+        oh.make_node("Pad", ["v", "pads", "one"], ["v1"]),
+        oh.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
+        oh.make_node("MatMul", ["kt", "v1"], ["kv"]),
+        oh.make_node("MatMul", ["q", "kv"], ["qkv"]),
+        oh.make_node("Slice", ["qkv", "start", "last", "axis"], ["num"]),
+        oh.make_node("Slice", ["qkv", "last", "end", "axis"], ["den"]),
+        oh.make_node("Add", ["den", "eps"], ["den_eps"]),
+        oh.make_node("Div", ["num", "den_eps"], ["y"]),
+    ]
+    constants = {
+        **weights,
+        "pads": np.array([0, 0, 0, 0, 0, 1], np.int64),
+        "one": np.array(1.0, np.float32),
+        "start": np.array([0], np.int64),
+        "last": np.array([8], np.int64),
+        "end": np.array([9], np.int64),
+        "axis": np.array([2], np.int64),
+        "eps": np.array(1e-5, np.float32),
+    }
+    graph = oh.make_graph(
+        nodes,
+        "lite_mla",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 256])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 256, 8])],
+        [numpy_helper.from_array(value, name) for name, value in constants.items()],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def attention_inputs(count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(5)
+    return [rng.normal(0, 3.0, (1, 16, 256)).astype(np.float32) for _ in range(count)]
+
+
+def test_fit_float16_scales_inside_where_no_input_can() -> None:
+    """The sums overflow fp16 (checked); no input scale passes the HardSwish, so tensors before
+    them are scaled instead (the ratio cancels it): the same outputs in float32, every tensor
+    under the target, no scaled tensor pushed under fp16's normals."""
+    model = linear_attention()
+    samples = attention_inputs(4)
+    peaks = peaks_of(model, samples)
+    assert peaks["qkv"] > 65504 and peaks["y"] < 100, peaks
+    fitted, change = fit_float16(model, peaks)
+    assert fitted is not None, change.details
+    assert all(d.startswith("tensor '") for d in change.details), change.details
+    for x in samples:
+        got, want = every_tensor(fitted, x), every_tensor(model, x)
+        np.testing.assert_allclose(got["y"], want["y"], rtol=1e-5, atol=1e-6)
+        inner = {n: float(np.abs(v).max()) for n, v in got.items() if n != "x"}
+        assert max(inner.values()) <= FLOAT16_TARGET, inner
+        assert min(p for n, p in inner.items() if n.endswith("_scaled")) >= 2.0**-4
+
+
+@pytest.mark.qnn
+def test_the_htp_runs_a_linear_attention_scaled_inside_in_fp16(tmp_path: Path) -> None:
+    """Measured: as it is, the fp16 ctx overflows in the sums (~0 dB vs float); scaled
+    inside, it agrees."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = linear_attention()
+    samples = attention_inputs(3)
+    fitted, _ = fit_float16(model, peaks_of(model, samples))
+    assert fitted is not None
+    results = whole_ctx_vs_float(
+        tmp_path, {"float": model, "fitted": fitted}, [{"x": x} for x in samples]
+    )
+    assert results["float"] < 10.0, results
+    assert results["fitted"] > 40.0, results

@@ -213,11 +213,114 @@ def fit_float16(
                 why = f"so that {worst_name!r} ({peaks[worst_name]:.3g}) fits fp16"
                 return _rescale(model, name, shift, plan, why)
         reasons.append(f"scaling {name!r} cannot bring every tensor under {FLOAT16_TARGET:g}")
+    fitted, details = _fit_inside(model, peaks)
+    if details:
+        return checked_change(fitted, "fit_float16", details)
     detail = (
         f"kept: {worst_name!r} peaks at {over[worst_name]:.3g} (fp16 max {FLOAT16_MAX:g}); "
         + "; ".join(reasons or ["the model has no float input"])
     )
     return None, Change("fit_float16", (detail,))
+
+
+# How far back from a tensor too large for fp16 a tensor to scale is looked for (operands of
+# its producer, theirs, ...): a linear attention's keys are 3 ops before its ratio's terms.
+_INSIDE_DEPTH = 4
+
+
+def _upstream(name: str, graph: onnx.GraphProto) -> list[str]:
+    """Computed tensors ``name`` is made from, nearest first, up to ``_INSIDE_DEPTH`` ops back."""
+    producers = {o: n for n in graph.node for o in n.output if o}
+    inits = initializers_by_name(graph)
+    found: list[str] = []
+    layer = [name]
+    for _ in range(_INSIDE_DEPTH):
+        nxt = []
+        for tensor in layer:
+            node = producers.get(tensor)
+            for source in node.input if node is not None else ():
+                if source and source not in inits and source not in found:
+                    found.append(source)
+                    nxt.append(source)
+        layer = nxt
+    return found
+
+
+def _fit_inside(
+    model: onnx.ModelProto, peaks: Mapping[str, float]
+) -> tuple[onnx.ModelProto, list[str]]:
+    """``model`` (edited in place) with tensors inside it scaled by powers of two, one region
+    at a time, where no input's scaling fits it: each tensor too large for fp16, from the
+    largest, gets tensors before it (each fitting fp16 itself) scaled so that what follows is
+    as exact and fits, up to where their scale cancels (the details say what was scaled). No
+    scaled tensor's peak goes under ``FLOAT16_KEPT_PEAK`` (its small values would fall into
+    fp16's subnormals), so a large gap is closed by several tensors' scales together.
+
+    Why: a linear attention (EfficientViT's LiteMLA) divides two sums over every token, q (K^T
+    [V 1]) by its last column: 2.2e5 in a seeded model, past fp16's 65504, while their ratio is
+    10. Its inputs pass HardSwishes first, so no input's scale reaches it; its keys' and
+    queries' can (the ratio cancels them, the eps added to the denominator scaled alike)."""
+    peaks = dict(peaks)
+    details: list[str] = []
+    given_up: set[str] = set()
+    for _ in range(4 * len(peaks) + 1):  # each round scales something or gives a tensor up
+        over = {n: p for n, p in peaks.items() if p > FLOAT16_TARGET}
+        worst = max((n for n in over if n not in given_up), key=over.__getitem__, default=None)
+        if worst is None:
+            break
+        best: tuple[bool, int, int, str, _Plan] | None = None
+        for source in _upstream(worst, model.graph):
+            if peaks.get(source, math.inf) > FLOAT16_MAX / 2:
+                continue  # computed in fp16 before its scaling: it must fit as it is
+            plan = input_degrees(model, source)
+            if isinstance(plan, str) or plan.of(worst) <= 0:
+                continue
+            restored = [n.input[i] for n, i, _ in plan.unscale]
+            if any(peaks.get(t, math.inf) > FLOAT16_TARGET for t in restored):
+                continue
+            shift = _inside_shift(plan, peaks)
+            shrunk = sum(1 for n in over if plan.of(n) > 0 and n != source)
+            fits = peaks.get(source, math.inf) <= FLOAT16_TARGET  # with the usual headroom
+            if shift and (best is None or (fits, shrunk, shift) > best[:3]):
+                best = (fits, shrunk, shift, source, plan)
+        if best is None:
+            given_up.add(worst)
+            continue
+        *_, shift, source, plan = best
+        why = f"so that {worst!r} ({peaks[worst]:.3g}) fits fp16"
+        model, change = _rescale(model, source, shift, plan, why)
+        details += [d.replace("input ", "tensor ", 1) for d in change.details]
+        for name in list(peaks):
+            if plan.of(name) and name != source:  # the source itself is computed as before
+                peaks[name] *= 2.0 ** (-shift * float(plan.of(name)))
+    return model, details
+
+
+# A tensor scaled down inside the model keeps its peak at least this: its values down to a
+# thousandth of it stay fp16 normals (smallest 6.1e-5).
+FLOAT16_KEPT_PEAK = 2.0**-4
+
+
+def _inside_shift(plan: _Plan, peaks: Mapping[str, float]) -> int:
+    """The shift (0: none) that brings the plan's tensors under ``FLOAT16_TARGET``, or as near
+    as keeping each scaled-down one at ``FLOAT16_KEPT_PEAK`` (if it was above) allows."""
+    inside = {n: p for n, p in peaks.items() if plan.of(n)}
+    for shift in range(1, 64):
+        small = any(
+            p > FLOAT16_KEPT_PEAK and p * 2.0 ** (-shift * float(plan.of(n))) < FLOAT16_KEPT_PEAK
+            for n, p in inside.items()
+            if plan.of(n) > 0
+        )
+        grown = any(
+            p * 2.0 ** (-shift * float(plan.of(n))) > FLOAT16_TARGET
+            for n, p in inside.items()
+            if plan.of(n) < 0
+        )
+        if small or grown:
+            return shift - 1  # further would lose a tensor's small values, or overflow one
+        if _scaled_peak(plan, inside, shift) <= FLOAT16_TARGET:
+            return shift
+    return 0
 
 
 def _lift_log_floors(
