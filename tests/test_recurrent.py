@@ -249,6 +249,26 @@ def test_an_lstm_over_a_sequence_is_unrolled_within_the_budget(
     assert not any(n.op_type == "LSTM" for n in rc.unroll_recurrent_ops(refused)[0].graph.node)
 
 
+def test_the_cells_qnn_builds_lengthen_the_compile_time_limit() -> None:
+    """QNN builds an LSTM/GRU it takes one cell per step and direction, and compiles them for
+    minutes (4 bidirectional layers over 589 steps: 783 s): the time limit grows with them."""
+    from pipeline.core.config import QNN_SECONDS_PER_RECURRENT_STEP, CompileSection
+
+    assert rc.qnn_recurrent_steps(rnn_model("LSTM", direction="bidirectional", steps=7)) == 14
+    assert rc.qnn_recurrent_steps(rnn_model("GRU", steps=5, batch=2, layout=1)) == 5
+    # X's shape from inference, behind another op; two nodes add up
+    model = rnn_model("GRU", steps=6, direction="reverse")
+    model.graph.node.insert(0, oh.make_node("Relu", ["x_in"], ["x"]))
+    model.graph.input[0].name = "x_in"
+    second = onnx.helper.make_node("GRU", ["x", "W", "R", "B"], ["y2"], hidden_size=4)
+    model.graph.node.append(second)
+    assert rc.qnn_recurrent_steps(model) == 12
+    assert rc.qnn_recurrent_steps(leaky_integrator(0.1)) == 0
+    section = CompileSection(timeout_s=100.0)
+    assert section.timeout_for(0) == 100.0
+    assert section.timeout_for(14) == 100.0 + 14 * QNN_SECONDS_PER_RECURRENT_STEP > 100.0
+
+
 def test_a_long_unrolled_sequence_splits_by_count() -> None:
     """Past 128 steps a Split's sizes constant is 1 KiB, which onnxruntime's qnn_preprocess_model
     stores as external data that ONNX shape inference cannot read ("Cannot parse data from

@@ -363,8 +363,12 @@ def build_variant(
 
     preload_plotting()  # report.html at the end: its import overlaps the variants' workers
     # k buckets: compiled (twice when a shared set is validated through the standalone one),
-    # loaded and validated in one child, so the time limit grows with them.
-    timeout = config.compile.timeout_s * max(1, len(inputs.buckets))
+    # loaded and validated in one child, so the time limit grows with them, and with the
+    # recurrent cells QNN builds for each.
+    timeout = (
+        sum(config.compile.timeout_for(b.recurrent_steps) for b in inputs.buckets)
+        or config.compile.timeout_s
+    )
     inputs.paths.ctx.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".work-", dir=inputs.paths.ctx))
 

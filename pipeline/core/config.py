@@ -172,6 +172,14 @@ class QuantizationSection:
     bias_correction: bool = True
 
 
+# QNN builds a recurrent op it takes whole one cell per step and direction, and its compile
+# time grows with them faster than linearly (float, compile and load on this x86 machine, alone:
+# one bidirectional LSTM layer of 128 over 300 steps 32 s, over 589 steps 73 s, four such layers
+# 783 s, where a 900 s limit cut a pyannote-like VAD twice). The compile time limit grows by
+# this much per cell QNN builds (``CompileSection.timeout_for``): 4 x 2 x 589 cells, 2356 s.
+QNN_SECONDS_PER_RECURRENT_STEP = 0.5
+
+
 @dataclass(frozen=True)
 class CompileSection:
     """Which targets and toolchains to compile for, and the gates a variant must pass."""
@@ -182,11 +190,16 @@ class CompileSection:
     max_partitions: int = 1
     allowed_cpu_ops: list[str] = field(default_factory=list)
     min_snr_db: float = 0.0  # gate on ctx vs QDQ; 0 disables
-    timeout_s: float = 900.0
+    timeout_s: float = 900.0  # per bucket; more for recurrent ops (timeout_for)
     load_runs: int = 3
     # A published fallback for devices whose NPU cannot run the release: the prepared float
     # model ("float32") or its fp16 copy ("float16") for QNN's GPU backend (pipeline.compile.gpu).
     gpu: Literal["off", "float32", "float16"] = "off"
+
+    def timeout_for(self, recurrent_steps: int) -> float:
+        """``timeout_s`` plus ``QNN_SECONDS_PER_RECURRENT_STEP`` per LSTM/GRU/RNN cell QNN builds
+        (``graph.recurrent.qnn_recurrent_steps``): a long BiLSTM compiles for minutes, not hangs."""
+        return self.timeout_s + QNN_SECONDS_PER_RECURRENT_STEP * recurrent_steps
 
 
 @dataclass(frozen=True)

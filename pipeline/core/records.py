@@ -132,6 +132,8 @@ class BucketArtifacts:
     qdq_sha256: str
     heldout_digest: str
     heldout_samples: int
+    # LSTM/GRU/RNN cells QNN builds for the QDQ model: they lengthen compile's time limit
+    recurrent_steps: int = 0
 
 
 @dataclass(frozen=True)

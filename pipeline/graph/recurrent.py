@@ -175,6 +175,30 @@ def normalize_recurrent_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
 # unroll: elementary ops for the forms QNN refuses
 
 
+def qnn_recurrent_steps(model: onnx.ModelProto) -> int:
+    """The cells QNN builds for the LSTM, GRU and RNN nodes left in ``model``: each node's
+    sequence length times its directions, summed (0 without such nodes, or where a length is
+    not static). Why: they, not the node count, set how long QNN compiles such a model
+    (``CompileSection.timeout_for``)."""
+    nodes = [
+        n
+        for n in model.graph.node
+        if n.op_type in RECURRENT_OPS and n.domain in edit.DEFAULT_DOMAINS and n.input
+    ]
+    if not nodes:
+        return 0
+    values = edit.inferred_values(model)
+    steps = 0
+    for node in nodes:
+        value = values.get(node.input[0])
+        shape = edit.value_shape(value) if value is not None else None
+        if shape is None or len(shape) != 3:
+            continue
+        attrs = _attrs(node)
+        steps += shape[int(attrs.get("layout", 0))] * len(_directions(attrs))
+    return steps
+
+
 def qnn_refuses(node: onnx.NodeProto) -> list[str]:
     """Why the QNN EP would not run ``node`` (an LSTM/GRU/RNN) right; [] = it does."""
     attrs = _attrs(node)

@@ -609,6 +609,7 @@ def _quantize_all(
         paths.bucket(probe).htp_probe if len(order) == 1 else None,
         mixed.after_snr_db if mixed else None,
         on_short=on_short,
+        recurrent_steps=prepared[probe].recurrent_steps,
     )
     timings["judge"] = time.perf_counter() - t0
     # The same choices in every bucket, so the weights stay identical.
@@ -648,6 +649,7 @@ def _measure_own(config: ModelConfig, paths: ModelPaths, state: _State) -> HtpJu
         decide=False,
         # compile's gate, which gates nothing at 0: below it, the locator says where
         diagnose_below_db=gate if config.compile.min_snr_db > 0 else float("-inf"),
+        recurrent_steps=state.prepared[names[0]].recurrent_steps,
     )
     state.timings["judge"] = time.perf_counter() - started
     if judgement.judge == "htp":
@@ -1049,8 +1051,9 @@ def _unroll_lstms_the_htp_computes_short(
     with tempfile.TemporaryDirectory(prefix=".htp-lstm-", dir=paths.root) as work_text:
         work = Path(work_text)
 
-        def in_fp16(float_path: Path, label: str) -> float | None:
-            """The form's worst ctx vs float, whole in fp16 (its exact fp16 forms) on the HTP."""
+        def in_fp16(float_path: Path, label: str, steps: int = 0) -> float | None:
+            """The form's worst ctx vs float, whole in fp16 (its exact fp16 forms) on the HTP;
+            ``steps``: the LSTM cells QNN builds for it (they lengthen the time limit)."""
             import onnx
 
             from ..graph.fp16_scale import exact_float16_forms
@@ -1064,11 +1067,12 @@ def _unroll_lstms_the_htp_computes_short(
                 work / label,
                 chip.soc_model,
                 chip.htp_arch,
+                timeout_s=config.compile.timeout_for(steps),
                 budget_s=HTP_BUDGET_S,
             )
             return result.worst_ctx_vs_float if result.ok else None
 
-        native = in_fp16(largest.float_path, "native")
+        native = in_fp16(largest.float_path, "native", largest.recurrent_steps)
         unrolled, measured = None, ""
         if native is not None:
             measured = (
@@ -1414,6 +1418,7 @@ def _record(
             qdq_sha256=sha256_file(paths.bucket(b.name).qdq),
             heldout_digest=folder_digest(paths.bucket(b.name).heldout, "sample_*.npz"),
             heldout_samples=b.heldout_samples,
+            recurrent_steps=state.prepared[b.name].recurrent_steps,
         )
         for b in report.buckets
     ]

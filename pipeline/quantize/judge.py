@@ -274,6 +274,7 @@ def judge_on_htp(
     decide: bool = True,
     on_short: Callable[[], None] | None = None,
     diagnose_below_db: float = float("-inf"),
+    recurrent_steps: int = 0,
 ) -> tuple[HtpJudgement, Candidate]:
     """Check the current QDQ model on the HTP and improve it while it is short of the target.
 
@@ -287,7 +288,8 @@ def judge_on_htp(
     and reported, no remedy. ``on_short`` is called once, before any remedy, when the first
     round is short of the target: it may raise to rebuild on another preparation.
     ``diagnose_below_db``: with nothing to decide, a context below it is located all the same
-    (the report names where the HTP parts from the CPU)."""
+    (the report names where the HTP parts from the CPU). ``recurrent_steps``: the LSTM/GRU
+    cells QNN builds, which lengthen each round's time limit (``CompileSection.timeout_for``)."""
     q = config.quantization
     current = Candidate("as quantized" if decide else "its own quantization", dict(overrides))
     initial = current  # on disk until the builder builds another
@@ -300,6 +302,7 @@ def judge_on_htp(
     if not heldout:
         return HtpJudgement("cpu", "judged on the CPU: no held-out samples to run"), current
     chip = get_target(config.compile.targets[0])
+    timeout_s = config.compile.timeout_for(recurrent_steps)
     # Every candidate runs on the samples compile validates on, so compile can reuse the run of
     # the one kept (its digests proven) instead of running the simulator again; the locator
     # only needs to find a tensor.
@@ -375,6 +378,7 @@ def judge_on_htp(
                 chip.soc_model,
                 chip.htp_arch,
                 locate=locate,
+                timeout_s=timeout_s,
                 budget_s=HTP_BUDGET_S,
                 references=references if on is None else None,
                 enough_db=enough_db,

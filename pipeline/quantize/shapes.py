@@ -27,6 +27,7 @@ from ..core.fileio import atomic_path
 from ..core.progress import Progress
 from ..graph import buckets as plans
 from ..graph.prepare import prepare_model
+from ..graph.recurrent import qnn_recurrent_steps
 from ..graph.source import onnxruntime_load_error
 from ..graph.transforms import Change
 
@@ -40,6 +41,8 @@ class PreparedBucket:
     specs: list[InputSpec]
     changes: list[Change]
     nodes: int
+    # LSTM/GRU/RNN cells QNN builds (``recurrent.qnn_recurrent_steps``): its compile time limit
+    recurrent_steps: int = 0
 
 
 def signatures(model: Any, constants: dict[str, Any]) -> tuple[plans.Signature, dict[str, Any]]:
@@ -230,7 +233,9 @@ def _save(
     path = Path(path_of(bucket.name))
     with atomic_path(path) as tmp:
         onnx.save(prepared, str(tmp))
-    return PreparedBucket(bucket, path, specs, changes, len(prepared.graph.node))
+    return PreparedBucket(
+        bucket, path, specs, changes, len(prepared.graph.node), qnn_recurrent_steps(prepared)
+    )
 
 
 def fit_crops(config: ModelConfig, source: Any, plan: plans.BucketPlan) -> plans.BucketPlan:
