@@ -18,6 +18,7 @@ from pipeline.core.config import InputsSection, load_config
 from pipeline.core.dtypes import np_dtype
 from pipeline.core.errors import ModelError
 from pipeline.core.metrics import comparable, snr_db
+from pipeline.graph import edit
 from pipeline.graph.prepare import dynamic_tensors, prepare_model, quantization_issues
 from pipeline.graph.tails import model_tail
 from pipeline.quantize.build import load_source_model
@@ -196,6 +197,72 @@ def test_a_detector_with_its_nms_gets_a_tip_to_leave_it_out() -> None:
     assert "from NonMaxSuppression" in str(info.value)
     tip = info.value.tip or ""
     assert "[model] outputs" in tip and "Fix more dims" not in tip
+
+
+def ssd_with_per_class_post_processing(classes: int = 3) -> onnx.ModelProto:
+    """SSDlite's export 'with post', small: a head's boxes and class scores, then per class a
+    column of the scores, a threshold, NonZero's positions, the boxes and scores gathered there
+    and NMS over them (torchvision's postprocess_detections, traced)."""
+    h = onnx.helper
+    f = onnx.TensorProto.FLOAT
+    nodes = [
+        h.make_node("Conv", ["x", "w"], ["feat"]),  # [1, 4 + classes, 8, 1]
+        h.make_node("Squeeze", ["feat", "three"], ["flat"]),  # [1, 4 + classes, 8]
+        h.make_node("Transpose", ["flat"], ["rows"], perm=[0, 2, 1]),  # [1, 8, 4 + classes]
+        h.make_node("Split", ["rows", "sizes"], ["boxes", "logits"], axis=2),
+        h.make_node("Softmax", ["logits"], ["scores"], axis=2),
+        h.make_node("Squeeze", ["boxes", "zero"], ["box_rows"]),  # [8, 4]
+    ]
+    kept = []
+    for c in range(classes):
+        nodes += [
+            h.make_node("Gather", ["scores", f"c{c}"], [f"col{c}"], axis=2),  # [1, 8]
+            h.make_node("Squeeze", [f"col{c}", "zero"], [f"s{c}"]),  # [8]
+            h.make_node("Greater", [f"s{c}", "threshold"], [f"over{c}"]),
+            h.make_node("NonZero", [f"over{c}"], [f"nz{c}"]),
+            h.make_node("Squeeze", [f"nz{c}", "zero"], [f"at{c}"]),
+            h.make_node("Gather", ["box_rows", f"at{c}"], [f"b{c}"]),
+            h.make_node("Gather", [f"s{c}", f"at{c}"], [f"p{c}"]),
+        ]
+        kept += [f"b{c}", f"p{c}"]
+    nodes.append(h.make_node("Concat", kept[0::2], ["all_boxes"], axis=0))
+    rng = np.random.default_rng(5)
+    inits = [
+        numpy_helper.from_array(rng.normal(0, 0.5, (4 + classes, 4, 1, 1)).astype(np.float32), "w"),
+        numpy_helper.from_array(np.array([3], np.int64), "three"),
+        numpy_helper.from_array(np.array([0], np.int64), "zero"),
+        numpy_helper.from_array(np.array([4, classes], np.int64), "sizes"),
+        numpy_helper.from_array(np.array(0.2, np.float32), "threshold"),
+        *[numpy_helper.from_array(np.array(c, np.int64), f"c{c}") for c in range(classes)],
+    ]
+    graph = h.make_graph(
+        nodes,
+        "ssd",
+        [h.make_tensor_value_info("x", f, [1, 4, 8, 1])],
+        [h.make_tensor_value_info("all_boxes", f, None)],
+        inits,
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 13)], ir_version=8)
+
+
+def test_a_data_sized_refusal_names_the_network_outputs_to_cut_at() -> None:
+    """The data-sized op's own inputs are a per-class slice of the scores after a threshold
+    (SSDlite: 751 shapeless tensors behind 90 NonZeros): the tip names the head's boxes and
+    scores instead, and cutting there builds."""
+    from pipeline.graph.prepare import post_processing_inputs
+    from pipeline.graph.transforms import cut_at_outputs
+
+    model = ssd_with_per_class_post_processing()
+    with pytest.raises(ModelError) as info:
+        prepare_model(model, InputsSection())
+    assert "from NonZero" in str(info.value)
+    tip = info.value.tip or ""
+    assert 'Set [model] outputs = ["scores", "box_rows"]' in tip, tip
+    # the detector with one NMS: its inputs, the boxes and scores, are the cut
+    dynamic = {name for name, _ in edit.dynamic_outputs(detector_with_nms())}
+    assert post_processing_inputs(detector_with_nms(), dynamic) == ["boxes", "scores"]
+    cut = cut_at_outputs(model, ["scores", "box_rows"])
+    prepare_model(cut, InputsSection())  # static all the way: it builds
 
 
 def test_model_outputs_cut_the_source_before_its_post_processing() -> None:

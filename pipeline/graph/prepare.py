@@ -8,6 +8,7 @@ still dynamic at the end: the QNN EP refuses dynamic shapes and says little abou
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -275,13 +276,19 @@ def _require_static(model: onnx.ModelProto) -> None:
         loops = [n for _, n in dynamic if n is not None and n.op_type in ("Loop", "Scan")]
         sized = [n for _, n in dynamic if n is not None and n.op_type in DATA_SIZED_OPS]
         if sized:  # no dims fix how many boxes NMS keeps (a detector exported "with post")
+            read = post_processing_inputs(model, {name for name, _ in dynamic})
+            cut = "Set [model] outputs to the tensors the data-sized part reads"
+            if 0 < len(read) <= 8:
+                cut = f"Set [model] outputs = {json.dumps(read)}, the tensors it reads"
+            elif read:
+                cut += f" ({len(read)}, the first {', '.join(map(repr, read[:8]))})"
+            cut += " (a detector's boxes and scores before its NMS)"
             tip = (
                 f"{edit.node_label(sized[0])} returns as many values as the data decides, so "
                 "what it and everything after it produce has no static shape, whatever the "
-                "dims: the HTP holds no such tensor. Set [model] outputs to that node's "
-                "inputs (a detector's boxes and scores before its NMS): the part computing them "
-                "is built, and the app runs the rest on the CPU; or export the model without "
-                "that post-processing."
+                f"dims: the HTP holds no such tensor. {cut}: the part computing them is built, "
+                "and the app runs the rest on the CPU; or export the model without that "
+                "post-processing."
             )
         elif loops:  # no dims fix a trip count the data decides (an autoregressive decoder)
             tip = (
@@ -298,6 +305,84 @@ def _require_static(model: onnx.ModelProto) -> None:
             + ".",
             tip=tip,
         )
+
+
+# Ops that pass a tensor on reshaped or retyped, and ops that select part of it with constant
+# indices: ``post_processing_inputs`` looks through them for the tensor a cut should expose.
+_VIEW_OPS = frozenset(
+    {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Transpose", "Identity", "Cast"}
+)
+_SELECT_OPS = frozenset({"Gather", "Slice"})
+# onnx.TensorProto's FLOAT, FLOAT16, DOUBLE, BFLOAT16 (onnx is not imported at module level)
+_FLOAT_TYPES = frozenset({1, 10, 11, 16})
+
+
+def post_processing_inputs(model: onnx.ModelProto, dynamic: set[str]) -> list[str]:
+    """The tensors of the network a data-sized post-processing reads: where to cut.
+
+    Why: a detector exported with its NMS has hundreds of shapeless tensors (SSDlite: 751,
+    behind a NonZero per class), and the data-sized op's own inputs are a per-class slice of
+    the scores after a threshold: no one would cut there. The part that writes a shapeless
+    tensor, with the static index work only it reads (comparisons, counts: not float), is the
+    post-processing; the float tensors it reads from the rest, each traced back through
+    reshapes to another of them, or through constant-index selections (one class's column of
+    the scores) to the tensor selected from, are the network's outputs a cut keeps."""
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    constant = {i.name for i in graph.initializer}
+    for node in graph.node:  # graph order: a node's inputs are decided before it
+        if all(not i or i in constant for i in node.input):
+            constant.update(node.output)
+    values = edit.inferred_values(model)
+    outputs = {o.name for o in graph.output}
+
+    def floating(name: str) -> bool:
+        value = values.get(name)
+        if value is None or not value.type.HasField("tensor_type"):
+            return True
+        return value.type.tensor_type.elem_type in _FLOAT_TYPES
+
+    post = {id(n) for n in graph.node if any(o in dynamic for o in n.output)}
+    for node in reversed(graph.node):  # consumers come after: one pass absorbs chains
+        if id(node) in post or any(o in outputs or floating(o) for o in node.output):
+            continue
+        readers = [c for o in node.output for c in consumers.get(o, [])]
+        if readers and all(id(c) in post for c in readers):
+            post.add(id(node))
+    frontier = [
+        i
+        for n in graph.node
+        if id(n) in post
+        for i in n.input
+        if i
+        and i not in dynamic
+        and i not in constant
+        and (i not in producer or id(producer[i]) not in post)
+        and floating(i)
+    ]
+    wanted = set(frontier)
+
+    def source(name: str) -> str:
+        """``name`` traced back to another frontier tensor or through a selection."""
+        chosen, current = name, name
+        while current in producer:
+            node = producer[current]
+            if node.op_type not in _VIEW_OPS | _SELECT_OPS or not node.input:
+                break
+            if any(i and i not in constant for i in node.input[1:]):
+                break
+            current = node.input[0]
+            if current in wanted or node.op_type in _SELECT_OPS:
+                chosen = current
+            if current in wanted:
+                break
+        return chosen
+
+    return list(dict.fromkeys(source(t) for t in frontier))
 
 
 def _opaque_sources(
