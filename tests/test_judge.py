@@ -1613,3 +1613,37 @@ def test_a_slow_simulator_without_16_bit_weights_goes_to_fp16_and_locates_only_a
     # the kept model is the one on disk, not the quantized one the locate ran on
     qdq = onnx.load(str(ModelPaths.of(tmp_path / "artifacts", "m").bucket("static").qdq))
     assert not any(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
+
+
+def test_a_quantized_model_qnn_refuses_for_an_int16_weight_is_retried_with_it_at_8_bits(
+    tmp_path: Path,
+) -> None:
+    """One int16 weight QNN refuses (an InstanceNormalization's scale: the QNN EP rewrites the
+    norm to NHWC, then refuses it) fails the whole quantized model on the HTP. Before the whole
+    model in fp16 (slower on the device), the judge tries the same candidate with its 16-bit
+    weights back at 8 bits, and keeps it when it runs."""
+    from test_mixed_precision import group_norm_block
+
+    rng = np.random.default_rng(8)
+    samples = [rng.normal(0, 1, (1, 3, 8, 8)) for _ in range(16)]
+    config = _write(
+        tmp_path,
+        group_norm_block(),
+        samples,
+        "auto_mixed_precision = false\n[quantization.overrides]\n"
+        'tensors = { "gn_scale" = "int16", "w2" = "int16" }\n',
+    )
+    quantize_model(load_config(config), tmp_path / "artifacts", force=True)
+    htp = _report(tmp_path)["htp"]
+    first, second = htp["rounds"][:2]
+    assert first["ctx_vs_float_db"] is None and "not selected by that EP" in first["error"]
+    assert second["label"] == "its 2 16-bit weight(s) at 8 bits" and not second["error"]
+    assert second["ctx_vs_float_db"] is not None
+    assert second["partitions"] == 1 and second["cpu_nodes"] == 0
+    # the rounds go on from it (here a tensor the HTP computes wrongly goes to fp16), never to
+    # the whole model in fp16
+    assert not htp["whole_float16"] and all("whole model" not in r["label"] for r in htp["rounds"])
+    assert htp["ctx_vs_float_db"] > 25.0
+    qdq = onnx.load(str(ModelPaths.of(tmp_path / "artifacts", "m").bucket("static").qdq))
+    types = {i.name: i.data_type for i in qdq.graph.initializer}
+    assert types["gn_scale_quantized"] != TensorProto.INT16

@@ -235,6 +235,21 @@ def _round(label: str, result: ProbeResult) -> JudgeRound:
     )
 
 
+def _sixteen_bit_weights_at_8(candidate: Candidate) -> Candidate | None:
+    """``candidate`` with its int16 weights back at 8 bits (its 16-bit activations kept), or
+    None when it has none. Why: QNN refuses some ops with an int16 weight (an
+    InstanceNormalization's scale: ``mixed_precision.EIGHT_BIT_ONLY_WEIGHTS``), and one such
+    weight fails the whole quantized model; tried before the whole model in fp16, which the
+    device runs slower, when a quantized model fails on the HTP."""
+    if candidate.whole_float16:
+        return None
+    kept = {n: t for n, t in candidate.overrides.items() if not t.startswith("int16")}
+    dropped = len(candidate.overrides) - len(kept)
+    if not dropped:
+        return None
+    return Candidate(f"its {dropped} 16-bit weight(s) at 8 bits", kept)
+
+
 def _score(result: ProbeResult) -> float:
     """What the NPU delivers (whole on it: a partition count above 1 or CPU nodes disqualify)."""
     if not result.ok or result.partitions != 1 or result.cpu_nodes:
@@ -448,6 +463,19 @@ def judge_on_htp(
                 builder.build(current)
             elif not first.ok and early is None and decide:  # QNN refused or crashed on it
                 quantized = current
+                failed = first.error.splitlines()[0][:160] if first.error else "no message"
+                eight = _sixteen_bit_weights_at_8(current)
+                if eight is not None:  # an int16 weight QNN refuses sinks the whole model
+                    remedies.append(
+                        f"{eight.label}: the quantized model failed on the HTP ({failed})"
+                    )
+                    builder.build(eight)
+                    retried = run(eight.label)
+                    if retried.ok:
+                        current, first, first_sha = eight, retried, sha256_file(qdq_path)
+                    else:
+                        builder.build(quantized)
+            if not first.ok and early is None and decide:
                 fp16 = whole_float16(
                     f"the quantized model failed on the HTP ({first.error.splitlines()[0][:160]})"
                     if first.error
