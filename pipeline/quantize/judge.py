@@ -464,8 +464,11 @@ def judge_on_htp(
             elif not first.ok and early is None and decide:  # QNN refused or crashed on it
                 quantized = current
                 failed = first.error.splitlines()[0][:160] if first.error else "no message"
-                eight = _sixteen_bit_weights_at_8(current)
-                if eight is not None:  # an int16 weight QNN refuses sinks the whole model
+                # an int16 weight QNN refuses sinks the whole model; a compile that ran out of
+                # time would only run out again
+                timed_out = first.error.startswith("timed out")
+                eight = None if timed_out else _sixteen_bit_weights_at_8(current)
+                if eight is not None:
                     remedies.append(
                         f"{eight.label}: the quantized model failed on the HTP ({failed})"
                     )
