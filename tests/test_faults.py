@@ -756,6 +756,36 @@ def test_a_child_past_its_memory_is_stopped_and_says_what_it_held(
     assert result.error.startswith("the HTP child ran out of memory in ") and "GiB" in result.error
 
 
+IDLE_HANG = "import threading\nthreading.Event().wait()  # never set: no CPU, no end\n"
+SPIN_HANG = "while True:\n    pass\n"
+
+
+@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="CPU time is read from Linux's /proc")
+def test_a_child_is_cut_after_its_time_of_work_and_a_hang_that_does_no_work_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The time limit counts work: a child is cut once it has run ``timeout_s`` and used as much
+    CPU time, so a compile slowed by other builds on the machine is not taken for a hang (a
+    pyannote-like VAD's QNN compile ran past its limit beside two other builds). A child that
+    does nothing is still cut, after ``HANG_WALL_FACTOR`` times the limit."""
+    from pipeline.htp import isolation
+
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    (tmp_path / "idle_module.py").write_text(IDLE_HANG)
+    (tmp_path / "spin_module.py").write_text(SPIN_HANG)
+    job = tmp_path / "job.json"
+    started = time.monotonic()
+    idle = isolation.wait_for(isolation.start_module("idle_module", job, tmp_path / "i.log"), 1.0)
+    assert idle.timed_out and idle.returncode is not None and idle.returncode < 0, idle
+    # it used no CPU, so only the wall-time cap ended it, never before it
+    assert time.monotonic() - started >= isolation.HANG_WALL_FACTOR * 1.0
+    spinning = isolation.start_module("spin_module", job, tmp_path / "s.log")
+    done = isolation.wait_for(spinning, 1.0)
+    assert done.timed_out, done
+    assert isolation.group_cpu_seconds(spinning.proc.pid) == 0.0  # its group is gone
+    assert isolation.group_cpu_seconds(os.getpgrp()) > 0.0  # this process's own work counts
+
+
 def test_the_machines_guard_stops_a_child_only_when_the_machine_runs_short(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,14 +160,22 @@ def run_module(
     return wait_for(start_module(module, job_path, log_path), timeout_s, on_tick)
 
 
+# A child is cut once it has run ``timeout_s`` of wall time *and* used as much CPU time (its
+# process group's, every thread's), or after HANG_WALL_FACTOR times ``timeout_s`` whatever it
+# used: beside other work a QNN compile that gets a third of a core is slow, not hung (a
+# pyannote-like VAD's compile ran past its limit beside two other builds), and a hang that
+# uses no CPU is still cut. Alone on the machine a single-threaded child is cut as before.
+HANG_WALL_FACTOR = 3.0
+
+
 def wait_for(
     child: Started,
     timeout_s: float,
     on_tick: Callable[[float], None] | None = None,
     memory: MemoryGuard | None = None,
 ) -> Finished:
-    """Wait for a started child, killed (with what it started) after ``timeout_s`` from now,
-    on Ctrl-C, or when ``memory`` (by default: the machine's, ``MemoryGuard.for_machine``)
+    """Wait for a started child, killed (with what it started) after ``timeout_s`` from now
+    of wall and CPU time both (``HANG_WALL_FACTOR``), on Ctrl-C, or when ``memory`` (by default: the machine's, ``MemoryGuard.for_machine``)
     says it holds what the machine cannot spare; how it ended."""
     guard = memory if memory is not None else MemoryGuard.for_machine()
     waiting = time.monotonic()
@@ -186,7 +194,10 @@ def wait_for(
                 if out_of_memory:
                     child.kill()
                     break
-                if elapsed > timeout_s:
+                if elapsed > timeout_s and (
+                    elapsed > timeout_s * HANG_WALL_FACTOR
+                    or group_cpu_seconds(child.proc.pid) >= timeout_s
+                ):
                     timed_out = True
                     child.kill()
                     break
@@ -265,28 +276,53 @@ def _meminfo() -> dict[str, int]:
     return found
 
 
+def _group_members(pgid: int) -> Iterator[tuple[str, list[bytes]]] | None:
+    """Each process of group ``pgid`` as (its /proc entry, its stat fields from the state on),
+    or None where /proc is absent."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+
+    def members() -> Iterator[tuple[str, list[bytes]]]:
+        for entry in entries:
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_bytes()
+                # after the command name (which may hold spaces and parentheses): state, ppid,
+                # pgrp, ... utime, stime, cutime, cstime (fields 11-14 from the state on)
+                fields = stat[stat.rindex(b")") + 2 :].split()
+                if int(fields[2]) == pgid:
+                    yield entry, fields
+            except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+                continue
+
+    return members()
+
+
 def group_resident_bytes(pgid: int) -> int:
     """The resident memory of every process in process group ``pgid`` (0 where /proc is absent
     or the group is gone)."""
     page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
     total = 0
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return 0
-    for entry in entries:
-        if not entry.isdigit():
-            continue
+    for entry, _ in _group_members(pgid) or ():
         try:
-            stat = Path(f"/proc/{entry}/stat").read_bytes()
-            # after the command name (which may hold spaces and parentheses): state, ppid, pgrp
-            fields = stat[stat.rindex(b")") + 2 :].split()
-            if int(fields[2]) != pgid:
-                continue
             total += int(Path(f"/proc/{entry}/statm").read_bytes().split()[1]) * page
-        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+        except (OSError, ValueError, IndexError):  # gone meanwhile
             continue
     return total
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """The CPU time (user and system, every thread, and the children it waited for) of every
+    process in process group ``pgid``; infinite where /proc is absent (the wall time alone then
+    decides)."""
+    members = _group_members(pgid)
+    if members is None:
+        return float("inf")
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return sum(sum(int(f) for f in fields[11:15]) for _, fields in members) / ticks
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float) -> None:
