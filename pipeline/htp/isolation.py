@@ -175,8 +175,9 @@ def wait_for(
     memory: MemoryGuard | None = None,
 ) -> Finished:
     """Wait for a started child, killed (with what it started) after ``timeout_s`` from now
-    of wall and CPU time both (``HANG_WALL_FACTOR``), on Ctrl-C, or when ``memory`` (by default: the machine's, ``MemoryGuard.for_machine``)
-    says it holds what the machine cannot spare; how it ended."""
+    of wall and CPU time both (``HANG_WALL_FACTOR``), on Ctrl-C, or when ``memory`` (by
+    default: the machine's, ``MemoryGuard.for_machine``) says it holds what the machine cannot
+    spare; how it ended."""
     guard = memory if memory is not None else MemoryGuard.for_machine()
     waiting = time.monotonic()
     timed_out = False
