@@ -1438,6 +1438,43 @@ def test_lstms_kept_whole_for_the_budget_are_unrolled_when_the_htp_falls_short(
     assert not lstms and "unrolled up to" in unroll["details"][-1], unroll
 
 
+def test_a_long_recurrent_graph_is_judged_and_compiled_at_the_fast_finalization(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A graph with many LSTM cells QNN builds is compiled at HTP finalization level 1, by the
+    judge and by compile alike: the judge's record says so, compile adopts the judge's context
+    (the same compile), and the variant's record and report name the option."""
+    from test_recurrent import lstm_stack
+
+    import pipeline.core.config as config_module
+    import pipeline.graph.recurrent as rc
+    from pipeline.compile.build import compile_model
+    from pipeline.core.records import VariantRecord, read_record
+    from qnn_ctx_runtime import qnn
+    from qnn_ctx_runtime.toolchains import load_toolchains
+
+    monkeypatch.setattr(rc, "LSTM_UNROLL_NODES", 50)  # kept whole: QNN builds its cells
+    monkeypatch.setattr(config_module, "FAST_FINALIZE_RECURRENT_STEPS", 40)  # 2 layers x 20
+    rng = np.random.default_rng(3)
+    samples = [rng.standard_normal((20, 1, 16)) for _ in range(16)]
+    config_path = _write(tmp_path, lstm_stack(layers=2, hidden=32, steps=20, size=16), samples, "")
+    config = load_config(config_path)
+    artifacts = tmp_path / "artifacts"
+    quantize_model(config, artifacts, force=True)
+    fast = {config_module.FINALIZATION_OPTION: "1"}
+    paths = ModelPaths.of(artifacts, "m")
+    assert json.loads(paths.bucket("static").htp_probe.read_text())["qnn_options"] == fast
+    table = load_toolchains()
+    toolchain = table.get(table.default)
+    compile_model(config, artifacts, table, toolchain, qnn.installed_qnn(), True, out=str)
+    folder = paths.variant(toolchain.onnxruntime_qnn, config.compile.targets[0])
+    record, why = read_record(VariantRecord, folder.record)
+    assert record is not None and record.status == "ok", why
+    assert record.qnn_options == fast
+    assert "the HTP judge's context, adopted" in folder.log.read_text()
+    assert f"`{config_module.FINALIZATION_OPTION} = 1`" in paths.ctx_report.read_text()
+
+
 def test_the_quantize_gate_holds_the_htp_judges_figure_too() -> None:
     """A model whose lookups the HTP computed wrongly (5.6 dB there, its CPU QDQ model at
     56.5) passed quantize and failed only at compile: the gate now reads the judge's ctx vs

@@ -230,6 +230,16 @@ def ctx_file_name(model: str, bucket: str | None, target: Target, toolchain: Too
     return f"{model}_{middle}{target.name}_qnn{toolchain.qnn_sdk}_ctx.onnx"
 
 
+def qnn_options(inputs: ModelInputs) -> dict[str, str]:
+    """The QNN EP options of a variant: [compile]'s for its graphs (the HTP judge compiled the
+    same way, so its context can be adopted), then the buckets' own QNN options over them."""
+    steps = max((b.recurrent_steps for b in inputs.buckets), default=0)
+    return {
+        **inputs.config.compile.qnn_options_for(steps),
+        **inputs.config.buckets.qnn_options,
+    }
+
+
 def make_job(
     inputs: ModelInputs,
     toolchain: Toolchain,
@@ -269,7 +279,7 @@ def make_job(
         qnn_sdk=toolchain.qnn_sdk,
         packaging=list(config.buckets.packaging) if multi else [],
         embed=settings.embed,
-        qnn_options=dict(config.buckets.qnn_options),
+        qnn_options=qnn_options(inputs),
         log_severity=log_severity,
         load_runs=settings.load_runs,
         max_partitions=settings.max_partitions,
@@ -421,6 +431,7 @@ def build_variant(
                 memory=result.memory,
                 compile_time_s=result.compile_time_s,
                 error=failure,
+                qnn_options=dict(job.qnn_options),
             )
             write_record(VariantPaths(out).record, record)
     finally:

@@ -311,6 +311,9 @@ def _notes(rows: list[_Row], quantized: QuantizeSummary | None = None) -> list[s
             )
         for problem in r.coverage.problems if r.coverage else []:
             notes.append(f"- **{where}** coverage: {problem}")
+        if r.qnn_options:
+            shown = ", ".join(f"`{k} = {v}`" for k, v in sorted(r.qnn_options.items()))
+            notes.append(f"- **{where}** compiled with the QNN EP options {shown}")
         tail = r.coverage.cpu_tail_nodes if r.coverage else None
         if tail:
             names = ", ".join(f"{n.name} ({n.op_type})" for n in tail[:10])

@@ -179,6 +179,16 @@ class QuantizationSection:
 # this much per cell QNN builds (``CompileSection.timeout_for``): 4 x 2 x 589 cells, 2356 s.
 QNN_SECONDS_PER_RECURRENT_STEP = 0.5
 
+# From this many recurrent cells on, "auto" finalizes the HTP graph at QNN's level 1 (faster
+# preparation) instead of QNN's default: the default level's preparation grows with the cells
+# *and* the size of the rest of the graph. A pyannote-like VAD (SincNet front end on 160,000
+# samples + one BiLSTM of 128 over 589 frames, 1178 cells) compiled in 184 s at the default and
+# 26 s at level 1 (the BiLSTM alone: 30 vs 25 s); with four such layers the default ran past
+# 1763 s. The simulator counted fewer cycles at level 1 for it (3.8e9 vs 4.5e9), but QNN calls
+# level 1 "less optimal", so models with few cells keep the default (every dev model).
+FAST_FINALIZE_RECURRENT_STEPS = 512
+FINALIZATION_OPTION = "htp_graph_finalization_optimization_mode"
+
 
 @dataclass(frozen=True)
 class CompileSection:
@@ -195,6 +205,18 @@ class CompileSection:
     # A published fallback for devices whose NPU cannot run the release: the prepared float
     # model ("float32") or its fp16 copy ("float16") for QNN's GPU backend (pipeline.compile.gpu).
     gpu: Literal["off", "float32", "float16"] = "off"
+    # QNN's HTP graph finalization level: "default" (QNN's), "1" (fastest to prepare) to "3"
+    # (slowest, most optimized), or "auto": "1" for graphs with many recurrent cells (see
+    # FAST_FINALIZE_RECURRENT_STEPS), else QNN's default. The judge compiles with the same.
+    htp_finalization: Literal["auto", "default", "1", "2", "3"] = "auto"
+
+    def qnn_options_for(self, recurrent_steps: int) -> dict[str, str]:
+        """The QNN EP options this section sets for a graph with ``recurrent_steps`` cells
+        (``graph.recurrent.qnn_recurrent_steps``); {} leaves every option at QNN's default."""
+        level = self.htp_finalization
+        if level == "auto":
+            level = "1" if recurrent_steps >= FAST_FINALIZE_RECURRENT_STEPS else "default"
+        return {} if level == "default" else {FINALIZATION_OPTION: level}
 
     def timeout_for(self, recurrent_steps: int) -> float:
         """``timeout_s`` plus ``QNN_SECONDS_PER_RECURRENT_STEP`` per LSTM/GRU/RNN cell QNN builds

@@ -409,6 +409,9 @@ class VariantRecord:
     memory: Memory | None
     compile_time_s: float
     error: Failure | None
+    # QNN EP options the context was compiled with beyond backend, chip and arch ({}: QNN's
+    # defaults), e.g. the HTP graph finalization level [compile] chose (CompileSection)
+    qnn_options: dict[str, str] = field(default_factory=dict)
 
     @property
     def deferred_to_device(self) -> bool:

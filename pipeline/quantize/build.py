@@ -1067,6 +1067,7 @@ def _unroll_lstms_the_htp_computes_short(
                 work / label,
                 chip.soc_model,
                 chip.htp_arch,
+                qnn_options=config.compile.qnn_options_for(steps),
                 timeout_s=config.compile.timeout_for(steps),
                 budget_s=HTP_BUDGET_S,
             )

@@ -318,6 +318,7 @@ def judge_on_htp(
         return HtpJudgement("cpu", "judged on the CPU: no held-out samples to run"), current
     chip = get_target(config.compile.targets[0])
     timeout_s = config.compile.timeout_for(recurrent_steps)
+    qnn_options = config.compile.qnn_options_for(recurrent_steps)  # compile's own, to adopt
     # Every candidate runs on the samples compile validates on, so compile can reuse the run of
     # the one kept (its digests proven) instead of running the simulator again; the locator
     # only needs to find a tensor.
@@ -392,6 +393,7 @@ def judge_on_htp(
                 folder,
                 chip.soc_model,
                 chip.htp_arch,
+                qnn_options=qnn_options,
                 locate=locate,
                 timeout_s=timeout_s,
                 budget_s=HTP_BUDGET_S,
@@ -755,7 +757,13 @@ def judge_on_htp(
             builder.build(best)  # leave the kept candidate on disk
         if probe_record is not None:
             _write_probe_record(
-                probe_record, qdq_path, best_sha, best_result, chip, ctx_of[id(best_result)]
+                probe_record,
+                qdq_path,
+                best_sha,
+                best_result,
+                chip,
+                ctx_of[id(best_result)],
+                qnn_options,
             )
         where = f"the HTP simulator for {chip.name} (soc {chip.soc_model}, HTP v{chip.htp_arch})"
         return (
@@ -782,7 +790,13 @@ def judge_on_htp(
 
 
 def _write_probe_record(
-    path: Path, qdq_path: Path, qdq_sha: str, result: ProbeResult, chip: Target, ctx: Path
+    path: Path,
+    qdq_path: Path,
+    qdq_sha: str,
+    result: ProbeResult,
+    chip: Target,
+    ctx: Path,
+    qnn_options: dict[str, str],
 ) -> None:
     """The kept candidate's figures, for compile to reuse, if the QDQ on disk is still the one
     probed (re-quantizing the same choices is deterministic, but only the digest proves it)."""
@@ -801,7 +815,7 @@ def _write_probe_record(
         qnn_sdk=result.qnn_sdk,
         soc_model=chip.soc_model,
         htp_arch=chip.htp_arch,
-        qnn_options={},
+        qnn_options=dict(qnn_options),
         sample_sha256=list(result.sample_sha256),
         requested=result.requested,
         cut_by=result.cut_by,
