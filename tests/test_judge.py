@@ -1684,3 +1684,51 @@ def test_a_quantized_model_qnn_refuses_for_an_int16_weight_is_retried_with_it_at
     qdq = onnx.load(str(ModelPaths.of(tmp_path / "artifacts", "m").bucket("static").qdq))
     types = {i.name: i.data_type for i in qdq.graph.initializer}
     assert types["gn_scale_quantized"] != TensorProto.INT16
+
+
+def _lrn_model(rng: np.random.Generator) -> onnx.ModelProto:
+    """Conv -> Relu -> LRN -> Conv, as in CaffeNet/GoogLeNet-era classifiers."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu"),
+        helper.make_node("LRN", ["r1"], ["n1"], size=5, alpha=1e-4, beta=0.75, bias=1.0),
+        helper.make_node("Conv", ["n1", "w2", "b2"], ["y"], name="conv2"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "lrn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])],
+        [
+            _init("w1", rng.normal(0, 0.3, (16, 3, 3, 3))),
+            _init("b1", rng.normal(0, 0.1, 16)),
+            _init("w2", rng.normal(0, 0.3, (8, 16, 1, 1))),
+            _init("b2", rng.normal(0, 0.1, 8)),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_an_op_qnn_refuses_with_16_bit_activations_is_retried_with_its_outputs_at_8_bits(
+    tmp_path: Path,
+) -> None:
+    """The HTP's LRN takes 8-bit activations only: at uint16 the QNN EP rewrites it to NHWC,
+    then refuses it, and the whole quantized model fails. The judge reads the op type from the
+    QNN EP's error and tries the model with that op's outputs at 8 bits before the whole model
+    in fp16; the first round failing is also the sentinel for a QNN that takes 16-bit LRN."""
+    rng = np.random.default_rng(9)
+    samples = [rng.normal(0, 1, (1, 3, 16, 16)) for _ in range(16)]
+    config = _write(tmp_path, _lrn_model(rng), samples, "")
+    quantize_model(load_config(config), tmp_path / "artifacts", force=True)
+    htp = _report(tmp_path)["htp"]
+    first, second = htp["rounds"][:2]
+    assert first["ctx_vs_float_db"] is None and "OpType:LRN" in first["error"]
+    assert second["label"] == "the outputs of its LRN node(s) at 8 bits" and not second["error"]
+    assert second["partitions"] == 1 and second["cpu_nodes"] == 0
+    assert not htp["whole_float16"] and htp["chosen"] == second["label"]
+    qdq = onnx.load(str(ModelPaths.of(tmp_path / "artifacts", "m").bucket("static").qdq))
+    quantized_lrn_output = next(
+        n for n in qdq.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "n1"
+    )
+    types = {i.name: i.data_type for i in qdq.graph.initializer}
+    assert types[quantized_lrn_output.input[2]] == TensorProto.UINT8  # its zero point's type

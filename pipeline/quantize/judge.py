@@ -35,6 +35,7 @@ Without onnxruntime-qnn in this environment the CPU decision stands and the repo
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import tempfile
 import time
@@ -248,6 +249,48 @@ def _sixteen_bit_weights_at_8(candidate: Candidate) -> Candidate | None:
     if not dropped:
         return None
     return Candidate(f"its {dropped} 16-bit weight(s) at 8 bits", kept)
+
+
+# The QNN EP's words for an op it rewrote to NHWC and then refused in its quantized form (an LRN
+# with 16-bit activations: the HTP's LRN takes 8-bit ones; an InstanceNormalization's int16 scale)
+_REFUSED_AFTER_NHWC = re.compile(
+    r"OpType:(\w+) with domain:com\.ms\.internal\.nhwc was inserted using the NHWC format"
+)
+
+
+def _refused_op_at_8(
+    candidate: Candidate, error: str, float_path: Path, activation_type: str
+) -> Candidate | None:
+    """``candidate`` with the outputs of the op type the QNN EP refused (``error``) at 8 bits,
+    or None when the error names none, the model has no such node with a 16-bit output, or the
+    activations are 8-bit already. Why: QNN takes some ops with 8-bit activations only (LRN:
+    a CaffeNet-like model at uint16 failed whole and fell back to fp16, at 8 bits there it
+    reads 26 dB on the HTP); one such node sank the whole quantized model."""
+    found = _REFUSED_AFTER_NHWC.search(error or "")
+    eight = EIGHT_BIT_OF.get(activation_type)
+    if found is None or eight is None or candidate.whole_float16:
+        return None
+    import onnx
+
+    op_type = found.group(1)
+    model = onnx.load(str(float_path), load_external_data=False)
+    outputs = [
+        o
+        for n in model.graph.node
+        if n.op_type == op_type
+        for o in n.output
+        if o and candidate.overrides.get(o) != eight
+    ]
+    if not outputs:
+        return None
+    return Candidate(
+        f"the outputs of its {op_type} node(s) at 8 bits",
+        {**candidate.overrides, **dict.fromkeys(outputs, eight)},
+    )
+
+
+EIGHT_BIT_OF = {"uint16": "uint8", "int16": "int8"}  # an activation type's 8-bit form
+REFUSED_OP_RETRIES = 3  # op types refused in turn, each named by the QNN EP's error
 
 
 def _score(result: ProbeResult) -> float:
@@ -469,17 +512,32 @@ def judge_on_htp(
                 # an int16 weight QNN refuses sinks the whole model; a compile that ran out of
                 # time would only run out again
                 timed_out = first.error.startswith("timed out")
-                eight = None if timed_out else _sixteen_bit_weights_at_8(current)
-                if eight is not None:
-                    remedies.append(
-                        f"{eight.label}: the quantized model failed on the HTP ({failed})"
+                # then the op types the QNN EP names as refused, each one's outputs at 8 bits
+                # (on top of what failed before it), before the whole model in fp16
+                retry_from, error = current, first.error
+                retries = [lambda c, _: _sixteen_bit_weights_at_8(c)] + [
+                    lambda c, e: _refused_op_at_8(
+                        c, e, float_path, config.quantization.activation_type
                     )
-                    builder.build(eight)
-                    retried = run(eight.label)
+                ] * REFUSED_OP_RETRIES
+                for make in [] if timed_out else retries:
+                    retry = make(retry_from, error)
+                    if retry is None:
+                        continue
+                    remedies.append(
+                        f"{retry.label}: the quantized model failed on the HTP ({failed})"
+                    )
+                    builder.build(retry)
+                    retried = run(retry.label)
                     if retried.ok:
-                        current, first, first_sha = eight, retried, sha256_file(qdq_path)
-                    else:
-                        builder.build(quantized)
+                        current, first, first_sha = retry, retried, sha256_file(qdq_path)
+                        break
+                    if retried.error.startswith("timed out"):
+                        break
+                    retry_from, error = retry, retried.error
+                    failed = error.splitlines()[0][:160] if error else "no message"
+                if not first.ok and retry_from is not quantized:
+                    builder.build(quantized)
             if not first.ok and early is None and decide:
                 fp16 = whole_float16(
                     f"the quantized model failed on the HTP ({first.error.splitlines()[0][:160]})"
