@@ -182,6 +182,75 @@ def test_a_legacy_op_left_for_the_converter_names_the_right_fix() -> None:
     assert "first" not in info.value.tip
 
 
+NUMPY_OPS = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide}
+
+
+def ir3(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its initializers also graph inputs, as IR 3 (opset <= 8) wants."""
+    model.graph.input.extend(
+        oh.make_tensor_value_info(i.name, i.data_type, list(i.dims))
+        for i in model.graph.initializer
+    )
+    return model
+
+
+def run_prepared(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    """The prepared model's output: onnxruntime runs no opset < 7 model to compare with."""
+    ready = prepared(model)
+    assert edit.opset_version(ready) == t.TARGET_OPSET
+    return run(ready, x)
+
+
+@pytest.mark.parametrize("op", sorted(NUMPY_OPS))
+@pytest.mark.parametrize("computed", [False, True])
+def test_an_opset_6_axis_broadcast_keeps_its_meaning(op: str, computed: bool) -> None:
+    """Opset <= 6 elementwise ops broadcast B at ``axis`` (``broadcast = 1``): a per-channel
+    bias [C] at axis 1 of [N, C, H, W] is B[:, None, None]. The onnx version converter
+    unsqueezes it to [C, 1, 1, 1] (the batch grows to C); the pipeline reshapes B itself, an
+    initializer's copy or, for a computed B (here the channel means), an Unsqueeze."""
+    x = RNG.standard_normal(SHAPE).astype(np.float32)
+    if computed:
+        nodes = [oh.make_node("ReduceMean", ["x"], ["b"], axes=[0, 2, 3], keepdims=0)]
+        inits = []
+        b = x.mean(axis=(0, 2, 3))
+    else:
+        nodes, b = [], np.array([0.5, -2.0], np.float32)
+        inits = [numpy_helper.from_array(b, "b")]
+    nodes.append(oh.make_node(op, ["x", "b"], ["y"], broadcast=1, axis=1))
+    model = ir3(model_of(nodes, 6, inits, out_shape=SHAPE))
+    expected = NUMPY_OPS[op](x, b[:, None, None])
+    np.testing.assert_allclose(run_prepared(model, x), expected, rtol=1e-5, atol=1e-6)
+    # the converter alone (the sentinel: when it gets this right, the rewrite can go)
+    from onnx import version_converter
+
+    upgraded = version_converter.convert_version(model, 7)
+    del upgraded.graph.value_info[:]  # its own, partly untyped
+    upgraded.graph.output[0].type.tensor_type.ClearField("shape")
+    assert run(upgraded, x).shape == (2, *SHAPE[1:])
+
+
+def test_a_caffe2_era_reshape_then_gemm_upgrades_one_opset_at_a_time() -> None:
+    """An opset-4 Reshape (shape as an attribute) before a Gemm with ``broadcast``: in one call
+    the version converter infers shapes once, the Reshape's adapter makes its shape an input
+    and the Gemm's adapter then fails ("Shape of input 0 is not available"); one opset at a
+    time it converts, and computes what the ops meant."""
+    w = RNG.standard_normal((5, 84)).astype(np.float32)
+    bias = RNG.standard_normal(5).astype(np.float32)
+    nodes = [
+        oh.make_node("Reshape", ["x"], ["flat"], shape=[1, 84]),
+        oh.make_node("Gemm", ["flat", "w", "bias"], ["y"], transB=1, broadcast=1),
+    ]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(bias, "bias")]
+    model = ir3(model_of(nodes, 4, inits, out_shape=[1, 5]))
+    from onnx import version_converter
+
+    with pytest.raises(Exception, match="Shape of input 0 is not available"):
+        version_converter.convert_version(model, t.TARGET_OPSET)
+    x = RNG.standard_normal(SHAPE).astype(np.float32)
+    expected = x.reshape(1, -1) @ w.T + bias
+    np.testing.assert_allclose(run_prepared(model, x), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_pin_is_a_no_op_on_current_models() -> None:
     s = numpy_helper.from_array(np.array(UP, np.float32), "s")
     roi = numpy_helper.from_array(np.zeros(0, np.float32), "roi")

@@ -822,3 +822,75 @@ def avg_pool_ceil_mode(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     if details:
         edit.set_nodes(graph, nodes)
     return edit.checked_change(model, "avg_pool_ceil_mode", details)
+
+
+# Ops whose opset-1..6 forms broadcast only with ``broadcast = 1``, B aligned to A at ``axis``
+# (default: A's trailing dims); opset 7 broadcasts numpy-style (Gemm's C: unidirectionally).
+_LEGACY_BROADCAST_OPS = frozenset(
+    {"Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Xor", "Equal", "Greater", "Less", "Gemm"}
+)
+
+
+def explicit_legacy_broadcasts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Opset <= 6 ``broadcast``/``axis`` attributes -> B reshaped to broadcast numpy-style (an
+    initializer's copy reshaped, else an Unsqueeze), the attributes dropped. Why: the onnx
+    version converter's adapter unsqueezes B to the wrong rank (a bias [16] added at axis 1 of
+    [1, 16, 32, 32] became [16, 1, 1, 1]: the batch grew to 16) and fails on a model without
+    stored shapes ("Shape of input 0 is not available"), which a Caffe2-era model is."""
+    if edit.opset_version(model) >= 7:
+        return edit.checked_change(edit.copy_model(model), "explicit_legacy_broadcasts", [])
+    model = edit.copy_model(model)
+    graph = model.graph
+    namer = edit.FreshNames(model)
+    inits = {i.name: i for i in graph.initializer}
+    values: dict[str, onnx.ValueInfoProto] | None = None
+    details: list[str] = []
+    new_nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        attrs = _attrs(node)
+        if (
+            node.op_type not in _LEGACY_BROADCAST_OPS
+            or node.domain not in _DEFAULT
+            or "broadcast" not in attrs
+        ):
+            new_nodes.append(node)
+            continue
+        b_index = 2 if node.op_type == "Gemm" else 1
+        axis = attrs.get("axis") if node.op_type != "Gemm" else None
+        if attrs["broadcast"] and axis is not None and len(node.input) > b_index:
+            if values is None:
+                values = edit.inferred_values(model)
+            a_value, b_value = values.get(node.input[0]), values.get(node.input[b_index])
+            a_shape = edit.value_shape(a_value) if a_value is not None else None
+            b_shape = edit.value_shape(b_value) if b_value is not None else None
+            if a_shape is None or b_shape is None:
+                new_nodes.append(node)  # left to the converter, which needs the same shapes
+                continue
+            axis = axis + len(a_shape) if axis < 0 else axis
+            trailing = len(a_shape) - axis - len(b_shape)
+            if trailing > 0:
+                b = node.input[b_index]
+                aligned = namer(f"{b}_aligned")
+                if b in inits:
+                    array = numpy_helper.to_array(inits[b])
+                    array = array.reshape(*array.shape, *([1] * trailing))
+                    graph.initializer.append(numpy_helper.from_array(array, aligned))
+                else:
+                    axes = list(range(len(b_shape), len(b_shape) + trailing))
+                    new_nodes.append(
+                        onnx.helper.make_node(
+                            "Unsqueeze", [b], [aligned], axes=axes, name=namer(f"{b}_unsqueeze")
+                        )
+                    )
+                node.input[b_index] = aligned
+                details.append(
+                    f"{edit.node_label(node)}: B {list(b_shape)} at axis {axis} of "
+                    f"{list(a_shape)} -> {list(b_shape) + [1] * trailing}"
+                )
+        kept = [a for a in node.attribute if a.name not in ("broadcast", "axis")]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        new_nodes.append(node)
+    if len(new_nodes) != len(graph.node):
+        edit.set_nodes(graph, new_nodes)
+    return edit.checked_change(model, "explicit_legacy_broadcasts", details)

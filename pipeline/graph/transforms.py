@@ -1483,7 +1483,6 @@ def upgrade_opset(
     The quantizer converts to 21 itself for 16-bit Q/DQ and only warns when that fails; doing
     it here makes a failure loud, names the op, and lets later steps see the final ops.
     """
-    from onnx import version_converter
 
     current = opset_version(model)
     if current >= target:
@@ -1516,9 +1515,9 @@ def upgrade_opset(
     try:
         # Without the weights' bytes (edit.without_weight_data): a 176 MB model cost +1152 MB
         # here. An adapter that changed a weight needs its data: converted again with it.
-        converted = version_converter.convert_version(without_weight_data(model), target)
+        converted = _convert_version(without_weight_data(model), target)
         if not restore_weight_data(converted, model):
-            converted = version_converter.convert_version(model, target)
+            converted = _convert_version(model, target)
     except Exception as exc:  # the converter raises bare RuntimeErrors
         raise ModelError(
             f"The onnx version converter could not bring the model from opset {current} to "
@@ -1527,6 +1526,25 @@ def upgrade_opset(
         ) from exc
     converted.ir_version = max(model.ir_version, min_ir_version(converted))
     return checked_change(converted, "upgrade_opset", [f"opset {current} -> {target}"])
+
+
+def _convert_version(model: onnx.ModelProto, target: int) -> onnx.ModelProto:
+    """onnx's version converter in one call, or else one opset at a time. Why: in one call it
+    infers shapes once, on the source; an adapter that needs the shape of a tensor an earlier
+    adapter changed then fails ("Shape of input 0 is not available": a Caffe2-era opset-4
+    Reshape whose shape attribute became an input, then the Gemm after it), while each call
+    of its own infers them again."""
+    from onnx import version_converter
+
+    try:
+        return version_converter.convert_version(model, target)
+    except Exception:
+        current = opset_version(model)
+        if target - current < 2:
+            raise
+        for opset in range(current + 1, target + 1):
+            model = version_converter.convert_version(model, opset)
+        return model
 
 
 # --------------------------------------------------------------------------------------------
