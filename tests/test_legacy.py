@@ -229,6 +229,17 @@ def test_an_opset_6_axis_broadcast_keeps_its_meaning(op: str, computed: bool) ->
     assert run(upgraded, x).shape == (2, *SHAPE[1:])
 
 
+def test_an_opset_6_prelu_slope_per_channel_stays_per_channel() -> None:
+    """Caffe2-era PRelu: a slope [C] over [N, C, H, W] is per channel; opset 7 broadcasts it
+    over the last axis (here [2] against W = 7: onnxruntime refuses the upgraded model)."""
+    slope = np.array([0.1, 0.3], np.float32)
+    node = oh.make_node("PRelu", ["x", "slope"], ["y"])
+    model = ir3(model_of([node], 6, [numpy_helper.from_array(slope, "slope")], out_shape=SHAPE))
+    x = RNG.standard_normal(SHAPE).astype(np.float32)
+    expected = np.where(x > 0, x, x * slope[:, None, None])
+    np.testing.assert_allclose(run_prepared(model, x), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_a_caffe2_era_reshape_then_gemm_upgrades_one_opset_at_a_time() -> None:
     """An opset-4 Reshape (shape as an attribute) before a Gemm with ``broadcast``: in one call
     the version converter infers shapes once, the Reshape's adapter makes its shape an input

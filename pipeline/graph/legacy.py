@@ -828,7 +828,7 @@ def avg_pool_ceil_mode(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
 # (default: A's trailing dims); opset 7 broadcasts numpy-style (Gemm's C: unidirectionally).
 _LEGACY_BROADCAST_OPS = frozenset(
     {"Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Xor", "Equal", "Greater", "Less", "Gemm"}
-)
+)  # and PRelu, whose slope [C] meant per channel (``_per_channel_slope``)
 
 
 def explicit_legacy_broadcasts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -836,7 +836,8 @@ def explicit_legacy_broadcasts(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
     initializer's copy reshaped, else an Unsqueeze), the attributes dropped. Why: the onnx
     version converter's adapter unsqueezes B to the wrong rank (a bias [16] added at axis 1 of
     [1, 16, 32, 32] became [16, 1, 1, 1]: the batch grew to 16) and fails on a model without
-    stored shapes ("Shape of input 0 is not available"), which a Caffe2-era model is."""
+    stored shapes ("Shape of input 0 is not available"), which a Caffe2-era model is. A
+    PRelu's per-channel slope [C] is reshaped too (``_per_channel_slope``)."""
     if edit.opset_version(model) >= 7:
         return edit.checked_change(edit.copy_model(model), "explicit_legacy_broadcasts", [])
     model = edit.copy_model(model)
@@ -848,6 +849,14 @@ def explicit_legacy_broadcasts(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
     new_nodes: list[onnx.NodeProto] = []
     for node in graph.node:
         attrs = _attrs(node)
+        if node.op_type == "PRelu" and node.domain in _DEFAULT and len(node.input) > 1:
+            if values is None:
+                values = edit.inferred_values(model)
+            aligned = _per_channel_slope(node, values, inits, graph, namer)
+            if aligned:
+                details.append(aligned)
+            new_nodes.append(node)
+            continue
         if (
             node.op_type not in _LEGACY_BROADCAST_OPS
             or node.domain not in _DEFAULT
@@ -894,3 +903,28 @@ def explicit_legacy_broadcasts(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
     if len(new_nodes) != len(graph.node):
         edit.set_nodes(graph, new_nodes)
     return edit.checked_change(model, "explicit_legacy_broadcasts", details)
+
+
+def _per_channel_slope(
+    node: onnx.NodeProto,
+    values: dict[str, onnx.ValueInfoProto],
+    inits: dict[str, onnx.TensorProto],
+    graph: onnx.GraphProto,
+    namer: edit.FreshNames,
+) -> str:
+    """An opset <= 6 PRelu's slope [C] over X [N, C, ...] is per channel (Caffe2's meaning; opset
+    7 would broadcast it over X's last axis and fail or mix the channels): its initializer is
+    reshaped to [C, 1, ...]. What was done, or "" when nothing was."""
+    slope = inits.get(node.input[1])
+    x_value = values.get(node.input[0])
+    x_shape = edit.value_shape(x_value) if x_value is not None else None
+    if slope is None or x_shape is None or len(x_shape) < 3 or len(slope.dims) != 1:
+        return ""
+    channels = slope.dims[0]
+    if channels == 1 or channels != x_shape[1]:
+        return ""
+    array = numpy_helper.to_array(slope).reshape(channels, *([1] * (len(x_shape) - 2)))
+    aligned = namer(f"{node.input[1]}_per_channel")
+    graph.initializer.append(numpy_helper.from_array(array, aligned))
+    node.input[1] = aligned
+    return f"{edit.node_label(node)}: slope [{channels}] per channel of {list(x_shape)}"
