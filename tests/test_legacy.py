@@ -229,6 +229,16 @@ def test_an_opset_6_axis_broadcast_keeps_its_meaning(op: str, computed: bool) ->
     assert run(upgraded, x).shape == (2, *SHAPE[1:])
 
 
+@pytest.mark.parametrize("axis", [1, 2, -1])
+def test_an_opset_11_hardmax_keeps_its_2d_meaning(axis: int) -> None:
+    """Below opset 13 Hardmax marks the maximum of all dims from ``axis`` on; the version
+    converter keeps the node, which from opset 13 marks it along ``axis`` alone."""
+    model = model_of([oh.make_node("Hardmax", ["x"], ["y"], axis=axis)], 11, out_shape=SHAPE)
+    ready = assert_same_function(model)
+    if axis != -1:  # over the last axis both meanings agree: nothing to rewrite
+        assert any(n.op_type == "Flatten" for n in ready.graph.node)
+
+
 def test_an_opset_6_prelu_slope_per_channel_stays_per_channel() -> None:
     """Caffe2-era PRelu: a slope [C] over [N, C, H, W] is per channel; opset 7 broadcasts it
     over the last axis (here [2] against W = 7: onnxruntime refuses the upgraded model)."""

@@ -928,3 +928,43 @@ def _per_channel_slope(
     graph.initializer.append(numpy_helper.from_array(array, aligned))
     node.input[1] = aligned
     return f"{edit.node_label(node)}: slope [{channels}] per channel of {list(x_shape)}"
+
+
+def coerced_hardmax(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Opset < 13 Hardmax over an inner axis -> Flatten, Hardmax over axis 1, Reshape back.
+    Why: below opset 13 Hardmax takes the maximum over all dims from ``axis`` on (the input
+    coerced to 2-D), from 13 over ``axis`` alone, and the onnx version converter, which
+    rewrites Softmax and LogSoftmax so, keeps a Hardmax as it is: a [1, 3, 4, 5] Hardmax over
+    axis 1 then marked one of 3 values instead of one of 60."""
+    if edit.opset_version(model) >= 13:
+        return edit.checked_change(edit.copy_model(model), "coerced_hardmax", [])
+    model = edit.copy_model(model)
+    namer = edit.FreshNames(model)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+    details: list[str] = []
+    new_nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        if node.op_type != "Hardmax" or node.domain not in _DEFAULT:
+            new_nodes.append(node)
+            continue
+        if values is None:
+            values = edit.inferred_values(model)
+        value = values.get(node.input[0])
+        shape = edit.value_shape(value) if value is not None else None
+        axis = int(_attrs(node).get("axis", 1))
+        rank = len(shape) if shape is not None else None
+        if rank is None or (axis + rank if axis < 0 else axis) >= rank - 1:
+            new_nodes.append(node)  # one axis from there on: both meanings agree
+            continue
+        base = node.name or namer(f"{node.output[0]}_hardmax")
+        flat, picked, dims = namer(f"{base}_flat"), namer(f"{base}_2d"), namer(f"{base}_shape")
+        new_nodes += [
+            onnx.helper.make_node("Flatten", [node.input[0]], [flat], axis=axis),
+            onnx.helper.make_node("Hardmax", [flat], [picked], axis=1, name=base),
+            onnx.helper.make_node("Shape", [node.input[0]], [dims]),
+            onnx.helper.make_node("Reshape", [picked, dims], [node.output[0]]),
+        ]
+        details.append(f"{edit.node_label(node)}: over dims {axis}.. of {list(shape)} (2-D)")
+    if details:
+        edit.set_nodes(model.graph, new_nodes)
+    return edit.checked_change(model, "coerced_hardmax", details)

@@ -72,6 +72,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.float16_to_float32,  # the version converter fails on fp16 graphs
         t.float64_to_float32,  # the HTP has no float64, the quantizer quantizes none
         legacy.explicit_legacy_broadcasts,  # opset <= 6 broadcast/axis: the adapter errs
+        legacy.coerced_hardmax,  # opset < 13 Hardmax: the converter changes its meaning
         t.replace_legacy_ops,  # ... and on ops without an adapter
         legacy.pin_legacy_semantics,  # Upsample/Resize-10/Crop: the converter loses their meaning
         prequantized.qoperator_to_qdq,  # QLinear* ops -> DQ, float op, Q (what QNN groups)
