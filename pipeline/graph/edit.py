@@ -195,6 +195,12 @@ def int_constant(inits: Mapping[str, onnx.TensorProto], name: str) -> int | None
     return int(value.reshape(-1)[0])
 
 
+def shape_in(values: Mapping[str, onnx.ValueInfoProto], name: str) -> tuple[int, ...] | None:
+    """The static shape of tensor ``name`` among ``values`` (``inferred_values``), else None."""
+    value = values.get(name)
+    return value_shape(value) if value is not None else None
+
+
 def value_shape(value: onnx.ValueInfoProto) -> tuple[int, ...] | None:
     """The static shape of a tensor value, or None if the rank or any dim is unknown."""
     if not value.type.HasField("tensor_type"):

@@ -869,9 +869,8 @@ def explicit_legacy_broadcasts(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
         if attrs["broadcast"] and axis is not None and len(node.input) > b_index:
             if values is None:
                 values = edit.inferred_values(model)
-            a_value, b_value = values.get(node.input[0]), values.get(node.input[b_index])
-            a_shape = edit.value_shape(a_value) if a_value is not None else None
-            b_shape = edit.value_shape(b_value) if b_value is not None else None
+            a_shape = edit.shape_in(values, node.input[0])
+            b_shape = edit.shape_in(values, node.input[b_index])
             if a_shape is None or b_shape is None:
                 new_nodes.append(node)  # left to the converter, which needs the same shapes
                 continue
@@ -916,8 +915,7 @@ def _per_channel_slope(
     7 would broadcast it over X's last axis and fail or mix the channels): its initializer is
     reshaped to [C, 1, ...]. What was done, or "" when nothing was."""
     slope = inits.get(node.input[1])
-    x_value = values.get(node.input[0])
-    x_shape = edit.value_shape(x_value) if x_value is not None else None
+    x_shape = edit.shape_in(values, node.input[0])
     if slope is None or x_shape is None or len(x_shape) < 3 or len(slope.dims) != 1:
         return ""
     channels = slope.dims[0]
@@ -949,8 +947,7 @@ def coerced_hardmax(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             continue
         if values is None:
             values = edit.inferred_values(model)
-        value = values.get(node.input[0])
-        shape = edit.value_shape(value) if value is not None else None
+        shape = edit.shape_in(values, node.input[0])
         axis = int(_attrs(node).get("axis", 1))
         rank = len(shape) if shape is not None else None
         if rank is None or (axis + rank if axis < 0 else axis) >= rank - 1:
