@@ -880,8 +880,9 @@ def test_a_gate_lowered_to_a_rounding_floor_is_said_in_the_compile_report() -> N
             requested=16, samples=16, cut_by="", closed_loop={},
         )  # fmt: skip
         record = SimpleNamespace(
-            error=None, coverage=None, validation=validation, load=None, shared_load_probe=""
-        )
+            error=None, coverage=None, validation=validation, load=None, shared_load_probe="",
+            qnn_options={},
+        )  # fmt: skip
         return SimpleNamespace(record=record, where="snapdragon-x-elite / onnxruntime-qnn 2.7.0")
 
     notes = "\n".join(_notes([row(lowered)]))
