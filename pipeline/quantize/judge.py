@@ -532,9 +532,9 @@ def judge_on_htp(
                     if retried.ok:
                         current, first, first_sha = retry, retried, sha256_file(qdq_path)
                         break
-                    if retried.error.startswith("timed out"):
-                        break
                     retry_from, error = retry, retried.error
+                    if error.startswith("timed out"):
+                        break
                     failed = error.splitlines()[0][:160] if error else "no message"
                 if not first.ok and retry_from is not quantized:
                     builder.build(quantized)
