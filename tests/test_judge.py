@@ -1712,7 +1712,7 @@ def _lrn_model(rng: np.random.Generator) -> onnx.ModelProto:
 def test_an_op_qnn_refuses_with_16_bit_activations_is_retried_with_its_outputs_at_8_bits(
     tmp_path: Path,
 ) -> None:
-    """The HTP's LRN takes 8-bit activations only: at uint16 the QNN EP rewrites it to NHWC,
+    """The QNN EP refuses an LRN feeding a Conv at 16 bits: it rewrites it to NHWC,
     then refuses it, and the whole quantized model fails. The judge reads the op type from the
     QNN EP's error and tries the model with that op's outputs at 8 bits before the whole model
     in fp16; the first round failing is also the sentinel for a QNN that takes 16-bit LRN."""

@@ -252,7 +252,7 @@ def _sixteen_bit_weights_at_8(candidate: Candidate) -> Candidate | None:
 
 
 # The QNN EP's words for an op it rewrote to NHWC and then refused in its quantized form (an LRN
-# with 16-bit activations: the HTP's LRN takes 8-bit ones; an InstanceNormalization's int16 scale)
+# feeding a Conv with 16-bit activations; an InstanceNormalization's int16 scale)
 _REFUSED_AFTER_NHWC = re.compile(
     r"OpType:(\w+) with domain:com\.ms\.internal\.nhwc was inserted using the NHWC format"
 )
@@ -263,9 +263,10 @@ def _refused_op_at_8(
 ) -> Candidate | None:
     """``candidate`` with the outputs of the op type the QNN EP refused (``error``) at 8 bits,
     or None when the error names none, the model has no such node with a 16-bit output, or the
-    activations are 8-bit already. Why: QNN takes some ops with 8-bit activations only (LRN:
-    a CaffeNet-like model at uint16 failed whole and fell back to fp16, at 8 bits there it
-    reads 26 dB on the HTP); one such node sank the whole quantized model."""
+    activations are 8-bit already. Why: QNN takes some ops in some places with 8-bit
+    activations only (an LRN that feeds a Conv; one feeding a MaxPool it takes at 16 bits): a
+    CaffeNet-like model at uint16 fell back to fp16 whole, with its LRNs' outputs at 8 bits it
+    reads 31.3 dB on the HTP. One such node sank the whole quantized model."""
     found = _REFUSED_AFTER_NHWC.search(error or "")
     eight = EIGHT_BIT_OF.get(activation_type)
     if found is None or eight is None or candidate.whole_float16:
