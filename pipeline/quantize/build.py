@@ -205,8 +205,11 @@ def _typed_io_shapes(model: Any) -> Any:
     bare = _bare_tensor_values(model)
     if not bare:
         return model
+    from ..graph.edit import without_weight_data  # the shapes only: not the weights' bytes
+
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+        bare = without_weight_data(model)
+        inferred = onnx.shape_inference.infer_shapes(bare, strict_mode=False).graph
     except Exception:  # the checker then names what is wrong
         return model
     known = {v.name: v for v in (*inferred.input, *inferred.output, *inferred.value_info)}
