@@ -314,7 +314,7 @@ def end_to_end(
                 config, kept.runnable(), heldout, expected, kept.optimize, progress.update
             )
         except _SourceDoesNotLoad as exc:
-            return EndToEnd(0, error=f"the source model does not load on the CPU EP: {exc}"[:400])
+            return EndToEnd(0, error=_unloadable_source(kept, str(exc))[:400])
         release_freed_memory()  # the source's session
         shipped_figures: tuple[dict[str, Accuracy], str] = ({}, "")
         if shipped is not None:
@@ -340,6 +340,28 @@ def end_to_end(
 
 class _SourceDoesNotLoad(Exception):
     pass
+
+
+ORT_OLDEST_OPSET = 7  # onnxruntime runs no model of an older ai.onnx opset
+
+
+def _unloadable_source(source: Any, error: str) -> str:
+    """Why the source-model comparison could not run, in words: a Caffe2-era model (opset 3-6)
+    is not an export fault, onnxruntime simply runs none that old."""
+    from ..graph.edit import opset_version
+
+    try:
+        opset = opset_version(source.load())
+    except Exception:  # unreadable: onnxruntime's own message says enough
+        opset = None
+    if opset is not None and 0 < opset < ORT_OLDEST_OPSET:
+        return (
+            f"the source model is opset {opset}, which onnxruntime does not run (opset "
+            f"{ORT_OLDEST_OPSET} and newer), so the prepared model could not be compared with it; "
+            "its older forms are rewritten by exact rules (pipeline/graph/legacy.py, checked "
+            "against numpy in tests/test_legacy.py)"
+        )
+    return f"the source model does not load on the CPU EP: {error}"
 
 
 def _source_outputs(
