@@ -208,8 +208,8 @@ def _typed_io_shapes(model: Any) -> Any:
     from ..graph.edit import without_weight_data  # the shapes only: not the weights' bytes
 
     try:
-        bare = without_weight_data(model)
-        inferred = onnx.shape_inference.infer_shapes(bare, strict_mode=False).graph
+        weightless = without_weight_data(model)
+        inferred = onnx.shape_inference.infer_shapes(weightless, strict_mode=False).graph
     except Exception:  # the checker then names what is wrong
         return model
     known = {v.name: v for v in (*inferred.input, *inferred.output, *inferred.value_info)}
