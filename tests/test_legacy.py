@@ -256,34 +256,17 @@ def test_an_opset_6_model_builds_and_says_why_it_has_no_source_comparison(
     """onnxruntime runs no opset < 7 model, so the prepared model cannot be compared with the
     source: the build goes on and its report says why in words (not as an export fault)."""
     import json
-    import textwrap
+
+    from test_judge import _write
 
     from pipeline.core.config import load_config
     from pipeline.quantize.build import quantize_model
 
     bias = numpy_helper.from_array(np.array([0.5, -1.0], np.float32), "b")
     nodes = [oh.make_node("Add", ["x", "b"], ["y"], broadcast=1, axis=1)]
-    onnx.save(ir3(model_of(nodes, 6, [bias], out_shape=SHAPE)), str(tmp_path / "m.onnx"))
-    (tmp_path / "calib").mkdir()
-    for i in range(8):
-        np.save(tmp_path / "calib" / f"s{i}.npy", RNG.standard_normal(SHAPE).astype(np.float32))
-    config = tmp_path / "m.toml"
-    config.write_text(
-        textwrap.dedent(
-            """
-            [model]
-            name = "m"
-            source = "m.onnx"
-            [calibration]
-            kind = "tensors"
-            path = "calib"
-            samples = 8
-            held_out = 0.25
-            [quantization]
-            judge = "cpu"
-            """
-        )
-    )
+    model = ir3(model_of(nodes, 6, [bias], out_shape=SHAPE))
+    samples = [RNG.standard_normal(SHAPE) for _ in range(16)]
+    config = _write(tmp_path, model, samples, 'judge = "cpu"\n')
     quantize_model(load_config(config), tmp_path / "artifacts", force=True)
     report = json.loads((tmp_path / "artifacts/build/m/report.json").read_text())
     said = report["end_to_end"]["error"]
