@@ -127,13 +127,12 @@ def model_tail(model: Any) -> Tail:
     from schema inference where that gives them)."""
     import onnx
 
-    from .edit import without_weight_data  # a 530 MB model: 2.2 s with its weights, 0.01 without
+    from .edit import inferred_graph
 
     graph = model.graph
     types: dict[str, Any] = {}
     try:
-        bare = without_weight_data(model)
-        inferred = onnx.shape_inference.infer_shapes(bare, strict_mode=False).graph
+        inferred = inferred_graph(model)
         values: Iterable[Any] = (*inferred.value_info, *inferred.output, *inferred.input)
     except Exception:  # inference failing on an odd model must not hide the stored types
         values = ()
@@ -457,13 +456,10 @@ def label_scores(model: Any) -> list[str]:
     producers = {o: node for node in graph.node for o in node.output if o}
     values = (*graph.input, *graph.value_info, *graph.output)
     if len(graph.value_info) < len(producers) - len(graph.output):  # a source: infer them
-        import onnx
-
-        from .edit import without_weight_data
+        from .edit import inferred_graph
 
         try:
-            bare = without_weight_data(model)
-            inferred = onnx.shape_inference.infer_shapes(bare, strict_mode=False).graph
+            inferred = inferred_graph(model)
             values = (*inferred.input, *inferred.value_info, *inferred.output, *values)
         except Exception:  # inference failing on an odd model: the stored types decide
             pass
@@ -652,7 +648,6 @@ def packed_output_parts(model: Any) -> dict[str, tuple[list[str], Any]]:
     with their index, moved as the graph moves them. Left out where a shape or a move's
     operand is not static."""
     import numpy as np
-    import onnx
     from onnx import numpy_helper
 
     graph = model.graph
@@ -672,9 +667,9 @@ def packed_output_parts(model: Any) -> dict[str, tuple[list[str], Any]]:
 
     wanted = {i for o in candidates for i in concat_of(o).input if i}
     if any(shapes.get(name) is None for name in wanted):  # not stored: inferred
-        from .edit import without_weight_data
+        from .edit import inferred_graph
 
-        shapes = _static_shapes(onnx.shape_inference.infer_shapes(without_weight_data(model)).graph)
+        shapes = _static_shapes(inferred_graph(model))
     constants = {i.name: i for i in graph.initializer}
 
     def constant(name: str) -> Any:

@@ -200,16 +200,14 @@ def _typed_io_shapes(model: Any) -> Any:
     onnxruntime does not and runs such a model (an exporter that writes an output's element
     type only, or a value info of a function op's output); it was refused before preparation,
     whose own inference and static shapes are what the build needs."""
-    import onnx
 
     bare = _bare_tensor_values(model)
     if not bare:
         return model
-    from ..graph.edit import without_weight_data  # the shapes only: not the weights' bytes
+    from ..graph.edit import inferred_graph
 
     try:
-        weightless = without_weight_data(model)
-        inferred = onnx.shape_inference.infer_shapes(weightless, strict_mode=False).graph
+        inferred = inferred_graph(model)
     except Exception:  # the checker then names what is wrong
         return model
     known = {v.name: v for v in (*inferred.input, *inferred.output, *inferred.value_info)}

@@ -515,16 +515,18 @@ def judge_on_htp(
                 timed_out = first.error.startswith("timed out")
                 # then the op types the QNN EP names as refused, each one's outputs at 8 bits
                 # (on top of what failed before it), before the whole model in fp16
-                retry_from, error = current, first.error
-                retries = [lambda c, _: _sixteen_bit_weights_at_8(c)] + [
-                    lambda c, e: _refused_op_at_8(
-                        c, e, float_path, config.quantization.activation_type
-                    )
-                ] * REFUSED_OP_RETRIES
-                for make in [] if timed_out else retries:
-                    retry = make(retry_from, error)
-                    if retry is None:
-                        continue
+                activations = config.quantization.activation_type
+                weights = None if timed_out else _sixteen_bit_weights_at_8(current)
+                retry = weights or (
+                    None
+                    if timed_out
+                    else _refused_op_at_8(current, first.error, float_path, activations)
+                )
+                runs_left = REFUSED_OP_RETRIES + (weights is not None)
+                built_retry = False
+                while retry is not None and runs_left > 0:
+                    runs_left -= 1
+                    built_retry = True
                     remedies.append(
                         f"{retry.label}: the quantized model failed on the HTP ({failed})"
                     )
@@ -533,11 +535,11 @@ def judge_on_htp(
                     if retried.ok:
                         current, first, first_sha = retry, retried, sha256_file(qdq_path)
                         break
-                    retry_from, error = retry, retried.error
-                    if error.startswith("timed out"):
+                    if retried.error.startswith("timed out"):
                         break
-                    failed = error.splitlines()[0][:160] if error else "no message"
-                if not first.ok and retry_from is not quantized:
+                    failed = (retried.error.splitlines() or ["no message"])[0][:160]
+                    retry = _refused_op_at_8(retry, retried.error, float_path, activations)
+                if not first.ok and built_retry:  # the QDQ on disk is a failed retry's
                     builder.build(quantized)
             if not first.ok and early is None and decide:
                 fp16 = whole_float16(
