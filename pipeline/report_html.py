@@ -739,6 +739,12 @@ def fig_load(variants: list[dict[str, Any]]) -> Any | None:
             ax.barh(y, value, height=height * 0.95, color=colour, label=label if g == 0 else None)
             _bar_label(ax, f"{value:.1f} ms", value, y)
     ax.set_xscale("log")
+    # Plain tick labels: the log axis's default "10^k" goes through mathtext, a third of this
+    # figure's drawing time.
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
     finite = [x for _, _, vals in series for x in vals if x]
     ax.set_xlim(min(finite) / 2, max(finite) * 4)
     ax.set_yticks(range(len(groups)), groups, fontsize=8)

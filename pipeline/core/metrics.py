@@ -7,9 +7,12 @@ import math
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from qnn_ctx_runtime.qnn import ModelSummary
 
 from .accuracy import ANGLES, BELOW_STEP, LABELS, MAP_VALUES, PART, PICKED, Accuracy
 
@@ -136,13 +139,23 @@ def _per_file(
         yield cache[key]
 
 
-def _read_output_grids(path: Path) -> dict[str, Grid]:
+_SUMMARIES: dict[tuple[str, int, int], ModelSummary] = {}
+
+
+def _structure(path: Path) -> ModelSummary:
+    """``qnn_ctx_runtime.qnn.read_model_summary`` of ``path``, read once per file version: the
+    output readers below each ask it of the same few files (16 parses, 0.2 s of a small
+    detector's quantize stage). Callers only read it."""
     from qnn_ctx_runtime.qnn import read_model_summary
 
+    return next(_per_file([path], _SUMMARIES, read_model_summary))
+
+
+def _read_output_grids(path: Path) -> dict[str, Grid]:
     # The outputs' types first, over mmap: loading a model to find none costs its size in memory
     # (a segmenter's 176 MB) where the quantize stage's peak is measured.
     quantized_types = {"int8", "uint8", "int16", "uint16"}
-    if not any(o.dtype in quantized_types for o in read_model_summary(path).outputs):
+    if not any(o.dtype in quantized_types for o in _structure(path).outputs):
         return {}
     return {
         name: (float(params[0]), int(params[1]))
@@ -189,9 +202,7 @@ def output_steps(*models: str | Path | None) -> dict[str, float]:
 
 
 def _read_output_steps(path: Path) -> dict[str, float]:
-    from qnn_ctx_runtime.qnn import read_model_summary
-
-    summary = read_model_summary(path)  # over mmap first: most models have no such output
+    summary = _structure(path)  # over mmap first: most models have no such output
     outputs = {o.name for o in summary.outputs}
     if not any(n.op_type == "DequantizeLinear" and outputs & set(n.outputs) for n in summary.nodes):
         return {}
@@ -274,10 +285,9 @@ def _outputs_by_structure(
     finder: Callable[[Iterable[tuple[str, Sequence[str], Sequence[str]]], Iterable[str]], set[str]],
 ) -> set[str]:
     """The outputs ``finder`` picks from each file's nodes (op, inputs, outputs) and outputs."""
-    from qnn_ctx_runtime.qnn import read_model_summary
 
     def read(path: Path) -> set[str]:
-        summary = read_model_summary(path)
+        summary = _structure(path)
         return finder(
             ((n.op_type, n.inputs, n.outputs) for n in summary.nodes),
             (o.name for o in summary.outputs),
@@ -297,11 +307,9 @@ def packed_parts(*models: str | Path | None) -> Parts:
     its structure, read over mmap, has such an output."""
 
     def read(path: Path) -> Parts:
-        from qnn_ctx_runtime.qnn import read_model_summary
-
         from ..graph.tails import packed_output_candidates, packed_output_parts
 
-        summary = read_model_summary(path)
+        summary = _structure(path)
         nodes = ((n.op_type, n.inputs, n.outputs) for n in summary.nodes)
         if not packed_output_candidates(nodes, (o.name for o in summary.outputs)):
             return {}

@@ -80,6 +80,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# gzip's own default, not GzipFile's 9: quantized weights and context binaries hardly compress,
+# and 9 took 7x as long for 0.8% less (a small detector's release: 0.19 s vs 0.03 s).
+ARCHIVE_GZIP_LEVEL = 6
+
+
 def _write_archive(folder: Path, manifest: Manifest) -> Path:
     """A reproducible tar.gz of the release (sorted, fixed times and owners), with its .sha256."""
     target = folder / archive_name(manifest)
@@ -87,7 +92,9 @@ def _write_archive(folder: Path, manifest: Manifest) -> Path:
     names = [MANIFEST_FILE, *signature, *sorted(e.path for e in manifest.files())]
     with (
         open(target, "xb") as raw,
-        gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz,
+        gzip.GzipFile(
+            filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=ARCHIVE_GZIP_LEVEL
+        ) as gz,
         tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
     ):
         for name in names:
