@@ -251,7 +251,7 @@ def restore_pinned_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
 _NEG_LIMIT = -float(np.finfo(np.float32).max)
 
 
-def _pad_spec(
+def constant_pad_spec(
     model: onnx.ModelProto, pad: onnx.NodeProto, rank: int
 ) -> tuple[list[int], float] | None:
     """(pads over all axes [begin..., end...], constant value) of a constant-mode Pad."""
@@ -359,7 +359,7 @@ def _fold_pads(
         if not kernel or auto_pad not in ("NOTSET", "VALID"):
             continue
         rank = len(kernel) + 2
-        spec = _pad_spec(model, pad, rank)
+        spec = constant_pad_spec(model, pad, rank)
         if spec is None:
             continue
         pads, value = spec

@@ -57,7 +57,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..core.errors import ModelError
-from . import edit, qdq_htp
+from . import edit, legacy, qdq_htp
 from . import transforms as t
 from .edit import Change
 
@@ -978,6 +978,15 @@ def _same_grid(a: onnx.NodeProto, b: onnx.NodeProto, inits: dict[str, onnx.Tenso
     )
 
 
+def _one_grid(inits: dict[str, onnx.TensorProto], *nodes: onnx.NodeProto) -> bool:
+    """Whether Q/DQ ``nodes`` all have the same per-tensor scale, zero point and type."""
+    grids = {
+        (p.scale, p.zero_point, p.elem_type) if p else None
+        for p in (_params(n, inits) for n in nodes)
+    }
+    return len(grids) == 1 and None not in grids
+
+
 def per_tensor_activations(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Activations quantized per channel (a Q/DQ pair with one scale per channel) -> one grid
     of the same width (unsigned) over the union of the channels' ranges.
@@ -1448,6 +1457,107 @@ def unsigned_activations(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
         if value.name in retyped and value.type.HasField("tensor_type"):
             value.type.tensor_type.elem_type = retyped[value.name]
     return _finish(model, "unsigned_activations", details)
+
+
+def pads_into_quantized_convs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A quantized Pad of zeros before a Conv (DQ -> Pad -> Q -> DQ -> Conv, the Pad's Q/DQ on
+    the grid of the DQ before it, as TFLite requires) -> the Conv with those pads, reading that
+    first DQ: the same sums over the same zeros (0.0 is on every grid, at its zero point).
+
+    Why: the HTP fills an explicit Pad wrongly at the end of larger tensors (the "same" padding
+    TFLite and tf2onnx write before a stride-2 Conv: ZeroPadding2D ((0, 1), (0, 1))), at every
+    type (a depthwise 3x3 at stride 2 over 8x16x16: uint16 at zero point 0 16.4 dB against
+    the CPU, uint8 at 128 12.4 dB; as the Conv's own pads 92.7 dB and exact), and an int8 Pad
+    without a constant_value (tf2onnx writes none) on any side (``explicit_pad_values``).
+    ``legacy.fold_pad_into_conv`` does this for float models before quantization; a
+    pre-quantized model keeps its Pad between its own Q/DQ, where that fold does not look (a
+    TFLite int8 MobileNetV2: 7.8 dB from itself on the HTP, diverging at its first Pad)."""
+    model = edit.copy_model(model)
+    graph = model.graph
+    view = _Graph(graph)
+    details = []
+    for conv in graph.node:
+        if conv.op_type != "Conv" or conv.domain not in _DEFAULT or len(conv.input) < 2:
+            continue
+        dq = view.activation_dq(conv.input[0])
+        q = view.producer.get(dq.input[0]) if dq is not None else None
+        pad = view.producer.get(q.input[0]) if q is not None and q.op_type == QUANTIZE else None
+        if pad is None or pad.op_type != "Pad" or pad.domain not in _DEFAULT:
+            continue
+        before = view.activation_dq(pad.input[0])
+        if before is None or not _one_grid(view.inits, before, q, dq):
+            continue  # a Pad of a float tensor, or one that requantizes: the HTP needs an op
+        if any(len(view.consumers.get(n, [])) != 1 for n in (pad.output[0], q.output[0])):
+            continue
+        if len(view.consumers.get(dq.output[0], [])) != 1 or view.outputs & {
+            pad.output[0],
+            q.output[0],
+            dq.output[0],
+        }:
+            continue
+        weight = view.inits.get(conv.input[1])
+        weight_dq = view.constant_dq(conv.input[1]) if weight is None else None
+        dims = weight.dims if weight is not None else None
+        if dims is None and weight_dq is not None:
+            dims = view.inits[weight_dq.input[0]].dims
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in conv.attribute}
+        if dims is None or len(dims) < 3:
+            continue
+        if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET", b"VALID", "VALID"):
+            continue
+        rank = len(dims)
+        spec = legacy.constant_pad_spec(model, pad, rank)
+        if spec is None or spec[1] != 0.0:
+            continue
+        pads = spec[0]
+        if any(pads[i] != 0 for i in (0, 1, rank, rank + 1)) or any(p < 0 for p in pads):
+            continue
+        old = [int(p) for p in attrs.get("pads", [0] * 2 * (rank - 2))]
+        extra = pads[2:rank] + pads[rank + 2 :]
+        new = [a + b for a, b in zip(old, extra, strict=True)]
+        for attribute in [a for a in conv.attribute if a.name in ("pads", "auto_pad")]:
+            conv.attribute.remove(attribute)
+        conv.attribute.append(onnx.helper.make_attribute("pads", new))
+        conv.input[0] = pad.input[0]  # the DQ before the Pad; the Pad's Q/DQ end unread
+        details.append(f"{edit.node_label(pad)} folded into {edit.node_label(conv)}: pads {new}")
+    return _finish(model, "pads_into_quantized_convs", details)
+
+
+def explicit_pad_values(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A constant-mode Pad of a dequantized tensor without a constant_value -> the same Pad
+    with an explicit 0.0 (the default it stands for): the same tensor.
+
+    Why: the HTP pads such an int8 tensor with the wrong value (an int8 Pad at zero point -128,
+    both sides: 1.0 dB against the CPU; end only: 7.0 dB), and right with the 0.0 written out
+    (exact), measured on the simulator (QNN 2.51). tf2onnx writes TFLite's Pads without one;
+    those before a Conv fold into it first (``pads_into_quantized_convs``)."""
+    model = edit.copy_model(model)
+    graph = model.graph
+    view = _Graph(graph)
+    namer = edit.FreshNames(model)
+    zero: dict[int, str] = {}
+    details = []
+    for pad in graph.node:
+        if pad.op_type != "Pad" or pad.domain not in _DEFAULT or len(pad.input) < 2:
+            continue
+        if any(a.name in ("pads", "value") for a in pad.attribute):
+            continue  # opset < 11, where the value is an attribute (0.0 by default, written)
+        mode = next((a.s for a in pad.attribute if a.name == "mode"), b"constant")
+        if mode not in (b"constant", "constant") or (len(pad.input) > 2 and pad.input[2]):
+            continue
+        dq = view.activation_dq(pad.input[0])
+        scale = _array(view.inits, dq.input[1]) if dq is not None else None
+        if scale is None:
+            continue
+        dtype = np.dtype(scale.dtype)
+        if dtype.num not in zero:
+            zero[dtype.num] = _initializer(graph, namer, "pad_zero", np.zeros((), dtype))
+        if len(pad.input) == 2:
+            pad.input.append(zero[dtype.num])
+        else:
+            pad.input[2] = zero[dtype.num]
+        details.append(f"{edit.node_label(pad)}: constant_value 0 written out")
+    return _finish(model, "explicit_pad_values", details)
 
 
 def batchnorm_as_depthwise_conv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -2016,6 +2126,8 @@ def input_steps(model: onnx.ModelProto) -> dict[str, float]:
 
 HTP_STEPS = (
     per_tensor_activations,  # not exact; first: int32_biases needs an input grid per tensor
+    pads_into_quantized_convs,
+    explicit_pad_values,  # after the fold: the Pads it left
     affine_into_quantized_conv,
     finer_weight_steps,  # after the fold, which may move a channel's weight scale
     matmul_bias_to_gemm,
