@@ -312,6 +312,8 @@ LOWEST = float(-np.finfo(np.float32).max)
 
 
 def padded_pool(pads: list[int], value: float, pool: str, **attrs: object) -> onnx.ModelProto:
+    if "own_pads" in attrs:  # the pool's own pads attribute
+        attrs["pads"] = attrs.pop("own_pads")
     p = numpy_helper.from_array(np.array(pads, np.int64), "pads")
     v = numpy_helper.from_array(np.array(value, np.float32), "value")
     nodes = [
@@ -344,7 +346,8 @@ def test_pad_with_zero_folds_into_averagepool_that_counts_padding() -> None:
         ([0, 0, 0, 0, 0, 0, 3, 3], LOWEST, "MaxPool", {}),  # a window of padding only
         ([0, 0, 0, 1, 0, 0, 1, 1], 0.0, "MaxPool", {}),  # 0 can win a max
         ([0, 1, 0, 0, 0, 0, 0, 0], LOWEST, "MaxPool", {}),  # pads a channel
-        ([0, 0, 1, 1, 0, 0, 1, 1], 0.0, "AveragePool", {}),  # count_include_pad = 0
+        # its own pads not counted, the Pad's counted: no one count_include_pad says both
+        ([0, 0, 1, 1, 0, 0, 1, 1], 0.0, "AveragePool", {"own_pads": [1, 0, 0, 0]}),
     ],
     ids=["pad>=kernel", "zero-for-max", "channel", "avg-excludes-pad"],
 )
@@ -353,6 +356,17 @@ def test_pad_stays_when_folding_would_change_the_result(
 ) -> None:
     _, change = legacy.fold_pad_into_pool(padded_pool(pads, value, pool, **attrs))
     assert not change.changed
+
+
+def test_pad_with_zero_folds_into_averagepool_without_pads_of_its_own_counting_them() -> None:
+    """timm's AvgPool2dSame: an end-only Pad of zeros, then an AveragePool whose windows count
+    them (whatever its count_include_pad says of pads it does not have)."""
+    model = padded_pool([0, 0, 0, 0, 0, 0, 1, 1], 0.0, "AveragePool")
+    folded, change = legacy.fold_pad_into_pool(model)
+    assert [n.op_type for n in folded.graph.node] == ["AveragePool"] and change.changed
+    assert edit.attribute(folded.graph.node[0], "count_include_pad", 0) == 1
+    x = RNG.standard_normal(SHAPE).astype(np.float32)
+    np.testing.assert_allclose(run(folded, x), run(model, x), rtol=1e-6, atol=1e-6)
 
 
 def test_zero_pad_after_a_relu_folds_into_maxpool() -> None:
@@ -417,6 +431,31 @@ def test_the_htp_pads_the_end_only_wrongly_and_the_folded_conv_right(tmp_path: P
     source = end_padded_conv()
     models = {"float": source, "folded": legacy.fold_pad_into_conv(source)[0]}
     x = np.random.default_rng(0).standard_normal([1, 8, 16, 16]).astype(np.float32)
+    snr = whole_ctx_vs_float(tmp_path, models, [{"x": x}])
+    assert snr["float"] < 20.0 and snr["folded"] > 40.0, snr
+
+
+@pytest.mark.qnn
+def test_the_htp_averages_an_end_only_pad_wrongly_and_the_folded_pool_right(
+    tmp_path: Path,
+) -> None:
+    """As for the Conv above: the explicit end-only Pad before an AveragePool comes out wrong
+    on the simulator (fp16), the pool's own counted pads right."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    from pipeline.htp.probe import qnn_available
+
+    if qnn_available():
+        pytest.skip(qnn_available())
+    shape = [1, 8, 16, 16]
+    p = numpy_helper.from_array(np.array([0, 0, 0, 0, 0, 0, 1, 1], np.int64), "pads")
+    nodes = [
+        oh.make_node("Pad", ["x", "pads"], ["padded"]),
+        oh.make_node("AveragePool", ["padded"], ["y"], kernel_shape=[3, 3], strides=[2, 2]),
+    ]
+    source = model_of(nodes, 17, [p], [1, 8, 8, 8], shape)
+    models = {"float": source, "folded": legacy.fold_pad_into_pool(source)[0]}
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     snr = whole_ctx_vs_float(tmp_path, models, [{"x": x}])
     assert snr["float"] < 20.0 and snr["folded"] > 40.0, snr
 
