@@ -2257,7 +2257,7 @@ def linear_attention(heads: int = 2, tokens: int = 8, dim: int = 4) -> onnx.Mode
 
 def test_a_pad_of_a_slice_becomes_a_concat_with_constants() -> None:
     model = linear_attention()
-    rewritten, change = t.pads_of_slices_as_concat(model)
+    rewritten, change = t.pads_as_concat(model)
     assert change.changed and "Pad" not in ops(rewritten) and ops(rewritten).count("Concat") == 1
     feeds = {
         "r": RNG.standard_normal((1, 2, 8, 8)).astype(np.float32),
@@ -2284,7 +2284,7 @@ def test_a_pad_of_a_split_on_several_axes_is_the_same_tensor(pads, axes, value) 
     if axes:
         arrays.append(("axes", np.array(axes, np.int64)))
     model = with_inits(model, *arrays)
-    rewritten, change = t.pads_of_slices_as_concat(model)
+    rewritten, change = t.pads_as_concat(model)
     assert change.changed and "Pad" not in ops(rewritten), change
     feeds = {"x": RNG.standard_normal((2, 6, 5)).astype(np.float32)}
     np.testing.assert_array_equal(run(rewritten, feeds)[0], run(model, feeds)[0])
@@ -2299,12 +2299,62 @@ def test_a_pad_of_anything_but_a_slice_or_not_constant_stays() -> None:
         }"""
     )
     conv_input = with_inits(conv_input, ("pads", np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64)))
-    assert not t.pads_of_slices_as_concat(conv_input)[1].changed
+    assert not t.pads_as_concat(conv_input)[1].changed
     reflected = linear_attention()
     pad = next(n for n in reflected.graph.node if n.op_type == "Pad")
     edit.replace_attributes(pad, (), mode="reflect")
     del pad.input[2:]
-    assert not t.pads_of_slices_as_concat(reflected)[1].changed
+    assert not t.pads_as_concat(reflected)[1].changed
+
+
+def end_padded(shape: list[int], end: int = 3, begin: int = 0) -> onnx.ModelProto:
+    """A Relu, then a Pad of zeros at the end of its last axis (a time axis padded up to whole
+    frames), then a Relu."""
+    rank = len(shape)
+    padded = [*shape[:-1], shape[-1] + begin + end]
+    pads = [0] * (2 * rank)
+    pads[rank - 1], pads[2 * rank - 1] = begin, end
+    model = parse(
+        f"""<ir_version: 10, opset_import: ["": 21]>
+        g (float{shape} x) => (float{padded} y) {{
+          r = Relu(x)
+          p = Pad<mode = "constant">(r, pads)
+          y = Relu(p)
+        }}"""
+    )
+    return with_inits(model, ("pads", np.array(pads, np.int64)))
+
+
+@pytest.mark.parametrize("shape", [[1, 8, 100], [1, 16, 16, 8]])
+def test_a_pad_at_the_end_of_the_last_axis_becomes_a_concat(shape: list[int]) -> None:
+    model = end_padded(shape)
+    rewritten, change = t.pads_as_concat(model)
+    assert change.changed and "Pad" not in ops(rewritten), change
+    assert "end of its last axis" in change.details[0]
+    feeds = {"x": RNG.standard_normal(shape).astype(np.float32)}
+    np.testing.assert_array_equal(run(rewritten, feeds)[0], run(model, feeds)[0])
+
+
+@pytest.mark.parametrize(
+    ("shape", "begin"), [([1, 100], 0), ([1, 8, 100], 1)], ids=["rank-2", "both-ends"]
+)
+def test_a_pad_the_htp_writes_right_stays(shape: list[int], begin: int) -> None:
+    assert not t.pads_as_concat(end_padded(shape, begin=begin))[1].changed
+
+
+@pytest.mark.qnn
+def test_the_htp_pads_the_end_of_a_last_axis_right_as_a_concat(tmp_path) -> None:
+    """In fp16 (the judge's fallback) the simulator pads the end of the last axis of a rank-3
+    tensor wrongly (16 dB against the CPU); the Concat form agrees."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = end_padded([1, 8, 100])
+    samples = [{"x": RNG.standard_normal((1, 8, 100)).astype(np.float32) + 1.0}]
+    variants = {"float": model, "as_concat": t.pads_as_concat(model)[0]}
+    results = whole_ctx_vs_float(tmp_path, variants, samples)
+    assert results["as_concat"] > 50.0, results
+    # If a new QNN SDK pads it right, this says so: the rewrite is then only exact.
+    assert results["float"] < 25.0, results
 
 
 @pytest.mark.qnn
@@ -2321,7 +2371,7 @@ def test_the_htp_pads_a_slice_of_a_shared_transpose_right_as_a_concat(tmp_path) 
             "k": np.abs(RNG.standard_normal((1, 2, 4, 8))).astype(np.float32),
         }
     ]
-    variants = {"float": model, "as_concat": t.pads_of_slices_as_concat(model)[0]}
+    variants = {"float": model, "as_concat": t.pads_as_concat(model)[0]}
     results = whole_ctx_vs_float(tmp_path, variants, samples)
     assert results["as_concat"] > 50.0, results
     # If a new QNN SDK pads such a slice right, this says so: the rewrite is then only exact.

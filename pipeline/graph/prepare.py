@@ -152,7 +152,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.widen_depthwise_9x9_stride_2,  # the HTP's 9x9 depthwise Conv at stride 2 is wrong
         t.explicit_conv_pads,  # the HTP pads a 9x9 Conv of 3 channels wrongly (after
         # qnn_preprocess, whose optimizer folds a Pad of zeros back into the Conv)
-        t.pads_of_slices_as_concat,  # the HTP pads a slice of a shared Transpose wrongly
+        t.pads_as_concat,  # the HTP pads a last axis's end, or a shared Transpose's slice, wrongly
         t.unshare_biases,  # onnxruntime's quantizer names its copies into other tensors
         t.flatten_gemm_biases,  # ... and reads a Gemm's bias as one value per column
         attention.standard_gelu,  # qnn_preprocess fuses TF/Keras GELU into com.microsoft Gelu

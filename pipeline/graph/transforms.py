@@ -3092,30 +3092,40 @@ def widen_depthwise_9x9_stride_2(model: onnx.ModelProto) -> tuple[onnx.ModelProt
     return checked_change(model, "widen_depthwise_9x9_stride_2", details)
 
 
-def pads_of_slices_as_concat(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
-    """A constant-mode Pad of a Slice's or a Split's output -> a Concat of that output with
-    constant blocks of the pad value along each padded axis: the same tensor, exactly.
+def pads_as_concat(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A constant-mode Pad the HTP writes wrongly -> a Concat of its input with constant blocks
+    of the pad value along each padded axis: the same tensor, exactly. A Concat with a
+    constant is what the HTP writes right (measured in every case below).
 
-    Why: the HTP computes such a Pad wrong when the sliced tensor is a Transpose's output
-    that another Slice also reads (QNN 2.51, fp16 and quantized alike): the padded entries
-    hold whatever follows the slice in memory instead of the pad value. EfficientViT's
-    linear attention (timm ``LiteMLA``) pads its value slice with ones to get the softmax-free
-    normalizer in the same MatMul; on the simulator the normalizer came out as garbage and the
-    model at -0.7 dB vs float, the ctx of the Concat form agrees with the CPU at 64 dB. A
-    Concat with a constant is what the HTP writes right; a Pad of anything else (a Conv's
-    input padding) stays a Pad.
+    Why: on the simulator (QNN 2.51), in fp16,
+    - a Pad at the end of the last axis of a rank-3 or rank-4 tensor (begin 0 there: padding a
+      time axis up to whole frames, "same" padding of a width): 4.5-16.6 dB against the CPU
+      over [1, 8, 100], [1, 64, 100], [1, 8, 16, 16], [1, 16, 16, 8] (right at rank 2 and 5,
+      and with a begin pad on that axis). Quantized, the same Pads came out right; the Pads
+      before a Conv or a pool fold into it first (``legacy.fold_pad_into_conv``);
+    - a Pad of a Slice's or a Split's output, fp16 and quantized alike, where the sliced tensor
+      is a Transpose's output another Slice reads: the padded entries hold whatever follows the
+      slice in memory. EfficientViT's linear attention (timm ``LiteMLA``) pads its value slice
+      with ones to get the softmax-free normalizer in the same MatMul; on the simulator the
+      normalizer came out as garbage and the model at -0.7 dB vs float, the ctx of the Concat
+      form agrees with the CPU at 64 dB.
+    A Pad of anything else (both ends, or a Conv's input padding) stays a Pad.
     """
-    return replace_nodes(model, "pads_of_slices_as_concat", _pad_of_slice_as_concat)
+    return replace_nodes(model, "pads_as_concat", _pad_as_concat)
 
 
-def _pad_of_slice_as_concat(
+# Ranks at which the HTP pads the end of the last axis wrongly (fp16, QNN 2.51; 2 and 5 right).
+_END_PADDED_RANKS = (3, 4)
+
+
+def _pad_as_concat(
     node: onnx.NodeProto, context: NodeRewrite
 ) -> tuple[list[onnx.NodeProto], str] | None:
     if node.op_type != "Pad" or node.domain not in DEFAULT_DOMAINS:
         return None
     mode = next((a.s.decode() for a in node.attribute if a.name == "mode"), "constant")
     source = context.producers.get(node.input[0])
-    if mode != "constant" or source is None or source.op_type not in ("Slice", "Split"):
+    if mode != "constant":
         return None
     data, out = node.input[0], node.output[0]
     inputs = [*node.input, "", "", ""][:4]
@@ -3139,11 +3149,17 @@ def _pad_of_slice_as_concat(
     fill = np.asarray(0 if value is None or value.size == 0 else value.reshape(-1)[0], dtype)
     if len(pads) != 2 * len(axes) or (pads < 0).any() or not pads.any():
         return None
+    widened = [(axis, int(pads[i]), int(pads[i + len(axes)])) for i, axis in enumerate(axes)]
+    widened = [(axis, before, after) for axis, before, after in widened if before or after]
+    sliced = source is not None and source.op_type in ("Slice", "Split")
+    end_of_last = rank in _END_PADDED_RANKS and any(
+        axis == rank - 1 and not before for axis, before, _ in widened
+    )
+    if not (sliced or end_of_last):
+        return None
     base = node.name or out
     nodes: list[onnx.NodeProto] = []
     current, running = data, list(shape)
-    widened = [(axis, int(pads[i]), int(pads[i + len(axes)])) for i, axis in enumerate(axes)]
-    widened = [(axis, before, after) for axis, before, after in widened if before or after]
 
     def block(width: int, axis: int, side: str) -> list[str]:
         """A constant of the pad value, ``width`` wide on ``axis`` (none when 0)."""
@@ -3159,8 +3175,9 @@ def _pad_of_slice_as_concat(
         name = base if last else f"{base}_axis_{axis}"
         nodes.append(onnx.helper.make_node("Concat", parts, [joined], name=name, axis=axis))
         current, running[axis] = joined, running[axis] + before + after
+    why = f"of {node_label(source)}'s output" if sliced else "at the end of its last axis"
     return nodes, (
-        f"{node_label(node)} of {node_label(source)}'s output: "
+        f"{node_label(node)} {why}: "
         + ", ".join(f"axis {a} +{b}/+{c}" for a, b, c in widened)
         + f" of {fill.item():g} -> Concat with constants"
     )
