@@ -946,6 +946,28 @@ def test_a_qonnx_model_is_refused_naming_the_export_that_builds(tmp_path: Path) 
     assert "QONNX" in info.value.tip and "export_onnx_qcdq" in info.value.tip
 
 
+def test_an_op_written_before_its_opset_names_the_opset_to_export_at(tmp_path: Path) -> None:
+    """tf2onnx's TFLite path writes HardSwish (opset 14) into an opset-13 model, which
+    onnxruntime refuses too: the tip names the op and the opset to export at."""
+    import onnx
+    import onnx.helper as oh
+
+    from pipeline.core.errors import ModelError
+    from pipeline.quantize.build import load_source_model
+
+    graph = oh.make_graph(
+        [oh.make_node("HardSwish", ["x"], ["y"])],
+        "early",
+        [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])],
+    )
+    path = tmp_path / "early.onnx"
+    onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 13)], ir_version=8), path)
+    with pytest.raises(ModelError, match="HardSwish") as info:
+        load_source_model(path)
+    assert "from opset 14" in info.value.tip and "declares opset 13" in info.value.tip
+
+
 def test_a_float16_source_onnxruntimes_full_optimization_crashes_on_builds(
     tmp_path: Path,
 ) -> None:

@@ -156,10 +156,37 @@ def load_source_model(path: Path) -> Any:
                 "QuantToQCDQ transformation), which this pipeline builds with its own "
                 "quantization kept, or give the float model as model.source."
             )
-        elif not tip:
+        elif early := _op_before_its_opset(first):
+            op_type, since, declared = early
+            tip = (
+                f"{op_type} is an ONNX op from opset {since}, but the model declares opset "
+                f"{declared}: its exporter wrote it early (tf2onnx's TFLite path does so for "
+                f"HardSwish), and onnxruntime cannot load it either. Export it again at opset "
+                f"{since} or newer (tf2onnx: --opset {max(since, 13)})."
+            )
+        if not tip:
             tip = _runtime_verdict(path)
         raise ModelError(f"Model file {path} is not a valid ONNX model: {first}", tip=tip) from None
     return model
+
+
+def _op_before_its_opset(message: str) -> tuple[str, int, int] | None:
+    """(op type, the opset it first exists in, the opset declared) where the checker says a
+    standard op is not registered at the model's opset but exists at a later one."""
+    import onnx
+
+    found = re.search(r"no op registered for (\w+) with domain_version of (\d+)", message, re.I)
+    if not found:
+        return None
+    op_type, declared = found.group(1), int(found.group(2))
+    since = [
+        schema.since_version
+        for schema in onnx.defs.get_all_schemas_with_history()
+        if schema.name == op_type and schema.domain == ""
+    ]
+    if not since or min(since) <= declared:
+        return None
+    return op_type, min(since), declared
 
 
 def _runtime_verdict(path: Path) -> str:
