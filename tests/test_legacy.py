@@ -369,6 +369,49 @@ def test_pad_with_zero_folds_into_averagepool_without_pads_of_its_own_counting_t
     np.testing.assert_allclose(run(folded, x), run(model, x), rtol=1e-6, atol=1e-6)
 
 
+def as_onnx_defines(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    """The model's output by ONNX's definition: onnxruntime with no graph rewrite at all."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return session.run(None, {"x": x})[0]
+
+
+def test_a_zero_pad_before_a_maxpool_of_negative_values_keeps_its_meaning() -> None:
+    """A window of negative values over the Pad's zeros has max 0. onnxruntime's PadFusion
+    folds the Pad into the MaxPool (whose pads never win a max) in its sessions and in
+    qnn_preprocess_model alike; the pipeline's preparation and CPU sessions keep ONNX's
+    meaning (the Pad as a Concat with zeros)."""
+    from pipeline.core.cpu import cpu_session
+
+    model = padded_pool([0, 0, 0, 0, 0, 0, 1, 1], 0.0, "MaxPool")
+    x = -np.abs(RNG.standard_normal(SHAPE)).astype(np.float32) - 0.1
+    expected = as_onnx_defines(model, x)
+    assert (expected[..., -1, :] == 0).all()  # the last row's windows reach the zeros
+    # If this fails, onnxruntime no longer folds such a Pad: the guard is then only exact.
+    assert not np.array_equal(run(model, x), expected)
+    np.testing.assert_array_equal(cpu_session(model).run(None, {"x": x})[0], expected)
+    ready = prepared(model)
+    assert "Pad" not in [n.op_type for n in ready.graph.node]
+    np.testing.assert_array_equal(as_onnx_defines(ready, x), expected)
+    np.testing.assert_array_equal(run(ready, x), expected)
+
+
+def test_only_a_pad_a_maxpool_alone_reads_becomes_a_concat() -> None:
+    model = padded_pool([0, 0, 0, 0, 0, 0, 1, 1], 0.0, "AveragePool", count_include_pad=1)
+    assert not t.max_pool_pads_as_concat(model)[1].changed
+    model = padded_pool([0, 0, 0, 0, 0, 0, 1, 1], 0.0, "MaxPool")
+    done, change = t.max_pool_pads_as_concat(model)
+    assert change.changed and [n.op_type for n in done.graph.node] == [
+        "Concat",
+        "Concat",
+        "MaxPool",
+    ]
+
+
 def test_zero_pad_after_a_relu_folds_into_maxpool() -> None:
     """A zero can win no max over a ReLU's output (timm's MaxPool2dSame after a ReLU)."""
     p = numpy_helper.from_array(np.array([0, 0, 0, 0, 0, 0, 1, 1], np.int64), "pads")

@@ -22,6 +22,11 @@ from typing import Any
 
 import numpy as np
 
+# onnxruntime rewrites that change what a model computes, disabled in every CPU session the
+# pipeline measures with: PadFusion folds a Pad of zeros into a MaxPool, whose pads never win a
+# max (a window of negative values then reads its max instead of 0).
+ONNX_EXACT = ["Pad_Fusion"]
+
 
 def cpu_session(
     model: Any, optimize: bool = True, in_node_order: bool = False, threads: int = 0
@@ -58,7 +63,9 @@ def cpu_session(
     payload = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
     what = str(model) if isinstance(payload, str) else f"model {model.graph.name!r}"
     try:
-        session = ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(
+            payload, options, providers=["CPUExecutionProvider"], disabled_optimizers=ONNX_EXACT
+        )
     except Exception as exc:  # onnxruntime's error types are not public
         from .errors import ModelError
 

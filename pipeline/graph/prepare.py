@@ -142,6 +142,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         numerics.thresholds_on_logits,  # sigmoid(x) > c decided near c by an HTP step: x > logit(c)
         numerics.log_of_large_gain,  # log(1 + 2^20 * magnitude): the product overflows fp16
         t.scalar_shaped_constants,  # qnn_preprocess reads a LayerNorm's eps as a scalar
+        t.max_pool_pads_as_concat,  # onnxruntime's PadFusion folds them wrongly
         t.qnn_preprocess,
         t.gemm_computed_bias_as_add,  # its MatMul + Add fusion: the QNN EP leaves a DQ on the CPU
         t.fuse_hardswish,  # qnn_preprocess splits HardSwish; the QNN EP's fp16 fusion is wrong
