@@ -2342,6 +2342,30 @@ def test_a_pad_the_htp_writes_right_stays(shape: list[int], begin: int) -> None:
     assert not t.pads_as_concat(end_padded(shape, begin=begin))[1].changed
 
 
+def test_a_pre_quantized_models_own_pad_is_left_to_its_rules() -> None:
+    """A Pad between a model's own DQ and Q (a TFLite int8 export's "same" padding) is folded
+    or completed by ``prequantized``'s rules, which keep its unit quantized; a Concat with a
+    float constant there would not be."""
+    model = parse(
+        """<ir_version: 10, opset_import: ["": 21]>
+        g (float[1, 8, 16, 16] x) => (float[1, 8, 17, 17] y) {
+          q = QuantizeLinear(x, s, z)
+          d = DequantizeLinear(q, s, z)
+          p = Pad<mode = "constant">(d, pads)
+          pq = QuantizeLinear(p, s, z)
+          y = DequantizeLinear(pq, s, z)
+        }"""
+    )
+    model = with_inits(
+        model,
+        ("s", np.array(0.02, np.float32)),
+        ("z", np.array(-128, np.int8)),
+        ("pads", np.array([0, 0, 0, 0, 0, 0, 1, 1], np.int64)),
+    )
+    assert not t.pads_as_concat(model)[1].changed
+    assert not t.max_pool_pads_as_concat(model)[1].changed
+
+
 @pytest.mark.qnn
 def test_the_htp_pads_the_end_of_a_last_axis_right_as_a_concat(tmp_path) -> None:
     """In fp16 (the judge's fallback) the simulator pads the end of the last axis of a rank-3

@@ -3158,8 +3158,8 @@ def _pad_as_concat(
         return None
     mode = next((a.s.decode() for a in node.attribute if a.name == "mode"), "constant")
     source = context.producers.get(node.input[0])
-    if mode != "constant":
-        return None
+    if mode != "constant" or (source is not None and source.op_type == "DequantizeLinear"):
+        return None  # a pre-quantized model's own Pad: its rules fold it or write its 0 out
     data, out = node.input[0], node.output[0]
     inputs = [*node.input, "", "", ""][:4]
     shape, elem_type = context.shape(data), context.elem_type(data)
