@@ -12,6 +12,7 @@ import onnxruntime as ort
 import pytest
 from compile_fixtures import build_whole_on_htp
 from onnx import TensorProto, numpy_helper
+from test_prequantized import run as as_onnx_defines  # ONNX's meaning: no rewrite at all
 
 from pipeline.core.config import InputsSection
 from pipeline.core.errors import ModelError
@@ -367,17 +368,6 @@ def test_pad_with_zero_folds_into_averagepool_without_pads_of_its_own_counting_t
     assert edit.attribute(folded.graph.node[0], "count_include_pad", 0) == 1
     x = RNG.standard_normal(SHAPE).astype(np.float32)
     np.testing.assert_allclose(run(folded, x), run(model, x), rtol=1e-6, atol=1e-6)
-
-
-def as_onnx_defines(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
-    """The model's output by ONNX's definition: onnxruntime with no graph rewrite at all."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    return session.run(None, {"x": x})[0]
 
 
 def test_a_zero_pad_before_a_maxpool_of_negative_values_keeps_its_meaning() -> None:

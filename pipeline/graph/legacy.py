@@ -367,24 +367,20 @@ def _fold_pads(
             continue
         pads, value = spec
         spatial = len(kernel)
-        if any(pads[i] != 0 for i in (0, 1, rank, rank + 1)) or any(p < 0 for p in pads):
+        new = pads_added(attrs, pads, rank)
+        if new is None:
             continue
         before = producers.get(pad.input[0])
         rectified = before is not None and graph.node[before].op_type == "Relu"
         if not neutral(node, attrs, value, rectified):
             continue
-        old = [int(p) for p in attrs.get("pads", [0] * 2 * spatial)]
-        extra = pads[2:rank] + pads[rank + 2 :]
-        new = [a + b for a, b in zip(old, extra, strict=True)]
         pool = node.op_type != "Conv"
         if pool and any(new[i] >= kernel[i % spatial] for i in range(2 * spatial)):
             continue
-        counted = ("count_include_pad",) if node.op_type == "AveragePool" else ()
-        for attr in [a for a in node.attribute if a.name in ("pads", "auto_pad", *counted)]:
-            node.attribute.remove(attr)
-        node.attribute.append(onnx.helper.make_attribute("pads", new))
-        if counted:  # the Pad's zeros were counted: its pads are
-            node.attribute.append(onnx.helper.make_attribute("count_include_pad", 1))
+        if node.op_type == "AveragePool":  # the Pad's zeros were counted: its pads are
+            set_pads(node, new, count_include_pad=1)
+        else:
+            set_pads(node, new)
         node.input[0] = pad.input[0]
         drop.add(at)
         details.append(f"{edit.node_label(pad)} folded into {edit.node_label(node)}: pads {new}")
@@ -392,6 +388,26 @@ def _fold_pads(
         edit.drop_nodes(graph, drop)
         edit.remove_dead_nodes(graph)
     return edit.checked_change(model, step, details)
+
+
+def pads_added(attrs: dict[str, Any], pads: list[int], rank: int) -> list[int] | None:
+    """An op's own spatial pads plus a Pad's (``constant_pad_spec``'s, over all ``rank`` axes):
+    None where the Pad pads the batch or channel axis, or crops."""
+    if any(pads[i] != 0 for i in (0, 1, rank, rank + 1)) or any(p < 0 for p in pads):
+        return None
+    own = [int(p) for p in attrs.get("pads", [0] * 2 * (rank - 2))]
+    extra = pads[2:rank] + pads[rank + 2 :]
+    return [a + b for a, b in zip(own, extra, strict=True)]
+
+
+def set_pads(node: onnx.NodeProto, pads: list[int], **also: Any) -> None:
+    """``node``'s explicit ``pads`` (no auto_pad), and the attributes ``also`` sets."""
+    replaced = ("pads", "auto_pad", *also)
+    for attribute in [a for a in node.attribute if a.name in replaced]:
+        node.attribute.remove(attribute)
+    node.attribute.append(onnx.helper.make_attribute("pads", pads))
+    for name, value in also.items():
+        node.attribute.append(onnx.helper.make_attribute(name, value))
 
 
 def batchnorm_to_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:

@@ -1509,15 +1509,10 @@ def pads_into_quantized_convs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
         spec = legacy.constant_pad_spec(model, pad, rank)
         if spec is None or spec[1] != 0.0:
             continue
-        pads = spec[0]
-        if any(pads[i] != 0 for i in (0, 1, rank, rank + 1)) or any(p < 0 for p in pads):
+        new = legacy.pads_added(attrs, spec[0], rank)
+        if new is None:
             continue
-        old = [int(p) for p in attrs.get("pads", [0] * 2 * (rank - 2))]
-        extra = pads[2:rank] + pads[rank + 2 :]
-        new = [a + b for a, b in zip(old, extra, strict=True)]
-        for attribute in [a for a in conv.attribute if a.name in ("pads", "auto_pad")]:
-            conv.attribute.remove(attribute)
-        conv.attribute.append(onnx.helper.make_attribute("pads", new))
+        legacy.set_pads(conv, new)
         conv.input[0] = pad.input[0]  # the DQ before the Pad; the Pad's Q/DQ end unread
         details.append(f"{edit.node_label(pad)} folded into {edit.node_label(conv)}: pads {new}")
     return _finish(model, "pads_into_quantized_convs", details)

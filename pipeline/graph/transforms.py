@@ -3127,14 +3127,14 @@ def max_pool_pads_as_concat(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     on the HTP: 74 dB in fp16). The CPU sessions the pipeline measures with disable the fusion
     (``core.cpu.ONNX_EXACT``), so a source's reference follows ONNX too."""
 
-    def read_by_max_pool(node: onnx.NodeProto, context: NodeRewrite) -> bool:
-        readers = consumers.get(node.output[0], [])
-        return len(readers) == 1 and readers[0].op_type == "MaxPool"
-
-    consumers: dict[str, list[onnx.NodeProto]] = {}
+    readers: dict[str, list[str]] = {}
     for node in model.graph.node:
         for name in node.input:
-            consumers.setdefault(name, []).append(node)
+            readers.setdefault(name, []).append(node.op_type)
+
+    def read_by_max_pool(pad: onnx.NodeProto) -> bool:
+        return readers.get(pad.output[0]) == ["MaxPool"]
+
     return replace_nodes(
         model,
         "max_pool_pads_as_concat",
@@ -3149,12 +3149,12 @@ _END_PADDED_RANKS = (3, 4)
 def _pad_as_concat(
     node: onnx.NodeProto,
     context: NodeRewrite,
-    only: Callable[[onnx.NodeProto, NodeRewrite], bool] | None = None,
+    only: Callable[[onnx.NodeProto], bool] | None = None,
 ) -> tuple[list[onnx.NodeProto], str] | None:
     """The Concat form of a Pad ``pads_as_concat`` takes or, with ``only``, of one it says."""
     if node.op_type != "Pad" or node.domain not in DEFAULT_DOMAINS:
         return None
-    if only is not None and not only(node, context):
+    if only is not None and not only(node):
         return None
     mode = next((a.s.decode() for a in node.attribute if a.name == "mode"), "constant")
     source = context.producers.get(node.input[0])
