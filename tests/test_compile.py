@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import pytest
 from compile_fixtures import (
@@ -272,6 +273,34 @@ def test_model_summary_matches_onnx(tmp_path: Path) -> None:
     assert [v.name for v in summary.outputs] == ["y"]
     assert summary.ir_version == model.ir_version
     assert summary.initializers == {i.name for i in model.graph.initializer}
+
+
+def test_model_summary_keeps_the_values_of_small_int64_initializers(tmp_path: Path) -> None:
+    """A TopK's K, axes, a shape: int64 tensors of at most SMALL_INTS elements, in raw_data
+    or in int64_data, negative ones too; not larger ones, nor other types."""
+    from onnx import TensorProto, numpy_helper
+    from onnx import helper as oh
+
+    inits = [
+        numpy_helper.from_array(np.array([10], np.int64), "k"),
+        numpy_helper.from_array(np.array(-3, np.int64), "scalar"),
+        oh.make_tensor("listed", TensorProto.INT64, [3], [1, -2, 1 << 40]),
+        numpy_helper.from_array(np.arange(qnn.SMALL_INTS + 1, dtype=np.int64), "large"),
+        numpy_helper.from_array(np.ones(2, np.int32), "int32"),
+        numpy_helper.from_array(np.ones(2, np.float32), "float"),
+    ]
+    graph = oh.make_graph(
+        [oh.make_node("Identity", ["x"], ["y"])],
+        "g",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        inits,
+    )
+    path = tmp_path / "ints.onnx"
+    onnx.save(oh.make_model(graph), str(path))
+    summary = qnn.read_model_summary(path)
+    assert summary.small_ints == {"k": [10], "scalar": [-3], "listed": [1, -2, 1 << 40]}
+    assert summary.initializers == {i.name for i in inits}
 
 
 def test_coverage_counts_cpu_nodes_but_not_graph_io_qdq(tmp_path: Path) -> None:

@@ -1050,3 +1050,85 @@ def test_a_cpu_only_model_given_another_size_is_refused_for_what_it_is(tmp_path:
     report = (tmp_path / "artifacts" / "build" / "linear" / "report.md").read_text()
     assert "Nothing in this model can run on the NPU" in report
     assert "a size the model fixes" not in report and "exported for" not in report
+
+
+def nearest_neighbour_classifier(k_input: str = "k") -> onnx.ModelProto:
+    """A DGCNN-style block: each point's K nearest neighbours (TopK of negative squared
+    distances), their features gathered and max-pooled over the K, then logits; beside them
+    the gathered neighbour rows themselves, which keep the K axis."""
+    points, k, channels, classes = 16, 4, 3, 5
+    model = onnx.parser.parse_model(
+        f"""<ir_version: 10, opset_import: ["": 21]>
+        g (float[1, {points}, {channels}] x) => (float[1, {classes}] logits,
+                                                 float[1, {points}, {k}, {channels}] neighbours) {{
+            xt = Transpose<perm = [0, 2, 1]>(x)
+            inner = MatMul(x, xt)
+            squares = Mul(x, x)
+            norms = ReduceSum<keepdims = 1>(squares, last)
+            normst = Transpose<perm = [0, 2, 1]>(norms)
+            twice = Add(inner, inner)
+            near = Sub(twice, norms)
+            score = Sub(near, normst)
+            values, indices = TopK<axis = -1>(score, {k_input})
+            flat = Reshape(indices, flat_shape)
+            rows = Reshape(x, rows_shape)
+            picked = Gather<axis = 0>(rows, flat)
+            neighbours = Reshape(picked, out_shape)
+            pooled = ReduceMax<keepdims = 0>(neighbours, pool_axes)
+            features = Reshape(pooled, feature_shape)
+            logits = MatMul(features, weights)
+        }}"""
+    )
+    rng = np.random.default_rng(3)
+    model.graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([k], np.int64), "k"),
+            numpy_helper.from_array(np.array([-1], np.int64), "last"),
+            numpy_helper.from_array(np.array([-1], np.int64), "flat_shape"),
+            numpy_helper.from_array(np.array([points, channels], np.int64), "rows_shape"),
+            numpy_helper.from_array(np.array([1, points, k, channels], np.int64), "out_shape"),
+            numpy_helper.from_array(np.array([2], np.int64), "pool_axes"),
+            numpy_helper.from_array(np.array([1, points * channels], np.int64), "feature_shape"),
+            numpy_helper.from_array(
+                rng.standard_normal((points * channels, classes)).astype(np.float32), "weights"
+            ),
+        ]
+    )
+    if k_input != "k":  # K computed at run time: a Shape's length, no constant to read
+        model.graph.node.insert(0, oh.make_node("Shape", ["x"], [k_input], start=2, end=3))
+    onnx.checker.check_model(model)
+    return model
+
+
+def test_an_output_that_pools_its_picks_away_is_gated_and_the_picked_rows_are_not(
+    tmp_path: Path,
+) -> None:
+    """Logits max-pooled over each point's K nearest neighbours have no K axis left: they do
+    not depend on the neighbours' order, only on which were picked, and their SNR measures the
+    arithmetic (a DGCNN: 10.4 dB on the HTP, ungated, while the scores its TopKs rank read
+    34.6 dB). The gathered rows keep the K axis and stay picked by rank, read from the model
+    and from its file's summary alike; with K computed at run time, both stay picked."""
+    from pipeline.core.metrics import picked_outputs
+    from pipeline.graph.tails import output_shapes, selection_outputs, small_int_values
+
+    model = nearest_neighbour_classifier()
+    nodes = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+    names = ["logits", "neighbours"]
+    assert selection_outputs(nodes, names) == {"logits", "neighbours"}  # no shapes: as before
+    graph = model.graph
+    found = selection_outputs(nodes, names, output_shapes(graph), small_int_values(graph))
+    assert found == {"neighbours"}
+    path = tmp_path / "knn.onnx"
+    onnx.save(model, str(path))
+    assert picked_outputs(path) == {"neighbours"}
+
+    runtime_k = nearest_neighbour_classifier("k_of_shape")
+    path = tmp_path / "knn_runtime_k.onnx"
+    onnx.save(runtime_k, str(path))
+    assert picked_outputs(path) == {"logits", "neighbours"}
+    comparison = OutputComparison.for_models(tmp_path / "knn.onnx")
+    logits = np.linspace(-1, 1, 5, dtype=np.float32).reshape(1, 5)
+    rows = np.ones((1, 16, 4, 3), np.float32)
+    comparison.add({"logits": logits, "neighbours": rows}, {"logits": -logits, "neighbours": rows})
+    summary = comparison.summary()
+    assert summary["logits"].compared_as is None and worst_snr(summary) < 0

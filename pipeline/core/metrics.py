@@ -247,7 +247,16 @@ def picked_outputs(*models: str | Path | None) -> set[str]:
     (``graph.tails.selection_outputs``), read from the files' structure over mmap."""
     from ..graph.tails import selection_outputs
 
-    return _outputs_by_structure(models, _PICKED, selection_outputs)
+    def read(path: Path) -> set[str]:
+        summary = _structure(path)
+        return selection_outputs(
+            ((n.op_type, n.inputs, n.outputs) for n in summary.nodes),
+            (o.name for o in summary.outputs),
+            {o.name: o.shape for o in summary.outputs},
+            summary.small_ints,
+        )
+
+    return set().union(*_per_file(models, _PICKED, read))
 
 
 _ANGLES: dict[tuple[str, int, int], set[str]] = {}

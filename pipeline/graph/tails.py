@@ -19,6 +19,7 @@ model (``qnn_ctx_runtime.qnn.ModelSummary``) without onnx.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -330,7 +331,10 @@ def angle_outputs(
 
 
 def selection_outputs(
-    nodes: Iterable[tuple[str, Sequence[str], Sequence[str]]], outputs: Iterable[str]
+    nodes: Iterable[tuple[str, Sequence[str], Sequence[str]]],
+    outputs: Iterable[str],
+    shapes: Mapping[str, Sequence[int | str]] | None = None,
+    small_ints: Mapping[str, Sequence[int]] | None = None,
 ) -> set[str]:
     """Graph outputs computed from a TopK's indices: the rows a detector's end-to-end head
     picks (YOLOv10-style: the 300 best boxes, their scores and classes, gathered by rank); or
@@ -342,11 +346,54 @@ def selection_outputs(
     rows then differs: an fp16 run of such a YOLO on the CPU read 7 dB "vs float" with the
     same detections, the quantized one 1 dB. Their SNR measures the ranking's ties, not the
     arithmetic: the tensors they select from are judged instead (``expose_selection_sources``).
+
+    With the outputs' ``shapes`` and the ``small_ints`` initializers (every TopK's K among
+    them), an output computed from TopK picks that has no axis of any K's length is not picked:
+    the network has reduced the picks away (a point-cloud network's logits, max-pooled over
+    each point's k nearest neighbours; a classifier's pooled tokens after TopK token pruning).
+    Its value no longer depends on the picks' order, only on which were picked, and its SNR
+    measures the network's arithmetic: such an output is gated (a DGCNN read 10.4 dB on the
+    HTP against the float model, ungated, while the scores its TopKs rank read 34.6 dB).
     """
     outputs = list(outputs)
     labels = float_label_outputs(nodes := list(nodes), outputs)
     picked = _picked_by_rank(nodes)
-    return {o for o in outputs if o in picked and o not in labels}
+    ks = _top_k_lengths(nodes, small_ints or {})
+    # Values picked at an ArgMax's index keep no K to look for: those stay picked.
+    at_a_peak = _picked_by_rank([n for n in nodes if n[0] != "TopK"])
+    return {
+        o
+        for o in outputs
+        if o in picked
+        and o not in labels
+        and (o in at_a_peak or not _picks_reduced(o, ks, shapes or {}))
+    }
+
+
+def _top_k_lengths(
+    nodes: list[tuple[str, Sequence[str], Sequence[str]]], small_ints: Mapping[str, Sequence[int]]
+) -> set[int] | None:
+    """The K of every TopK, or None when one is not a constant or there is none (then no
+    output is known to have lost its picks' axis)."""
+    ks: set[int] = set()
+    for op, inputs, _ in nodes:
+        if op != "TopK":
+            continue
+        values = small_ints.get(inputs[1]) if len(inputs) > 1 else None
+        if values is None or len(values) != 1:
+            return None
+        ks.add(int(values[0]))
+    return ks or None
+
+
+def _picks_reduced(
+    output: str, ks: set[int] | None, shapes: Mapping[str, Sequence[int | str]]
+) -> bool:
+    """Whether ``output``, of a known static shape, has no axis as long as any TopK's K."""
+    shape = shapes.get(output)
+    if ks is None or not shape or not all(isinstance(d, int) and d > 0 for d in shape):
+        return False
+    return not ks.intersection(shape)
 
 
 # Ops that pick values at the indices of their second input.
@@ -387,7 +434,9 @@ def selection_sources(model: Any) -> list[str]:
     per-anchor best score the first TopK ranks."""
     graph = model.graph
     triples = [(n.op_type, list(n.input), list(n.output)) for n in graph.node]
-    chosen = selection_outputs(triples, (o.name for o in graph.output))
+    chosen = selection_outputs(
+        triples, (o.name for o in graph.output), output_shapes(graph), small_int_values(graph)
+    )
     if not chosen:
         return []
     picked, best = _ranked(triples)
@@ -410,6 +459,34 @@ def selection_sources(model: Any) -> list[str]:
         found=lambda read: read not in ranked and is_float(read),
         through=lambda read: read in ranked,
     )
+
+
+def output_shapes(graph: Any) -> dict[str, list[int | str]]:
+    """Each graph output's shape as ``selection_outputs`` takes it (a dim_param as its name)."""
+    from . import edit
+
+    shapes = {}
+    for value in graph.output:
+        shape = edit.value_shape(value)
+        if shape is not None:
+            shapes[value.name] = list(shape)
+    return shapes
+
+
+def small_int_values(graph: Any) -> dict[str, list[int]]:
+    """The int64 initializers of at most ``SMALL_INTS`` elements, by name, as the runtime's
+    file summary keeps them (``qnn_ctx_runtime.qnn.ModelSummary.small_ints``)."""
+    from onnx import TensorProto, numpy_helper
+
+    from qnn_ctx_runtime.qnn import SMALL_INTS
+
+    return {
+        i.name: [int(v) for v in numpy_helper.to_array(i).reshape(-1)]
+        for i in graph.initializer
+        if i.data_type == TensorProto.INT64
+        and math.prod(i.dims) <= SMALL_INTS
+        and i.data_location != TensorProto.EXTERNAL
+    }
 
 
 def expose_selection_sources(model: Any) -> tuple[Any, Any]:

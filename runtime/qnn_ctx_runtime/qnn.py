@@ -387,6 +387,8 @@ class ModelSummary:
     outputs: list[ValueInfo]
     nodes: list[NodeInfo]
     initializers: set[str]
+    # Small int64 initializers (at most SMALL_INTS elements: a TopK's K, axes, shapes) by name.
+    small_ints: dict[str, list[int]] = field(default_factory=dict)
 
     def nodes_of(self, op_type: str) -> list[NodeInfo]:
         return [n for n in self.nodes if n.op_type == op_type]
@@ -448,11 +450,39 @@ def _value_info(buf: memoryview) -> ValueInfo:
     return info
 
 
-def _initializer_name(buf: memoryview) -> str:
-    for number, _, raw in _fields(buf):
+SMALL_INTS = 8  # elements of an int64 initializer the summary keeps the values of
+_INT64 = 7  # TensorProto.INT64
+
+
+def _initializer(buf: memoryview) -> tuple[str, list[int] | None]:
+    """An initializer's name, and its values when it is a small int64 tensor (else None)."""
+    name, kind, count, values, raw_data = "", 0, 1, [], None
+    for number, wire, raw in _fields(buf):
         if number == 8:
-            return _text(raw)
-    return ""
+            name = _text(raw)
+        elif number == 2:
+            kind = raw
+        elif number == 1:  # dims: one varint each, or packed
+            for dim in [raw] if wire == 0 else _packed_varints(raw):
+                count *= dim
+        elif number == 7:  # int64_data: one varint each, or packed
+            values.extend([raw] if wire == 0 else _packed_varints(raw))
+        elif number == 9:
+            raw_data = raw
+    if kind != _INT64 or count > SMALL_INTS:
+        return name, None
+    if raw_data is not None:
+        values = list(struct.unpack(f"<{len(raw_data) // 8}q", raw_data))
+    else:
+        values = [v - (1 << 64) if v >= 1 << 63 else v for v in values]
+    return name, values if len(values) == count else None
+
+
+def _packed_varints(buf: memoryview) -> Iterator[int]:
+    pos = 0
+    while pos < len(buf):
+        value, pos = _varint(buf, pos)
+        yield value
 
 
 def read_model_summary(path: str | Path) -> ModelSummary:
@@ -495,7 +525,10 @@ def _summary(view: memoryview) -> ModelSummary:
                 elif gnum == 12:
                     summary.outputs.append(_value_info(graw))
                 elif gnum == 5:
-                    summary.initializers.add(_initializer_name(graw))
+                    name, values = _initializer(graw)
+                    summary.initializers.add(name)
+                    if values is not None:
+                        summary.small_ints[name] = values
     # Graph inputs that are initializers (old exporters) are not real inputs.
     summary.inputs = [i for i in summary.inputs if i.name not in summary.initializers]
     return summary
