@@ -1132,3 +1132,26 @@ def test_an_output_that_pools_its_picks_away_is_gated_and_the_picked_rows_are_no
     comparison.add({"logits": logits, "neighbours": rows}, {"logits": -logits, "neighbours": rows})
     summary = comparison.summary()
     assert summary["logits"].compared_as is None and worst_snr(summary) < 0
+
+
+def test_a_layer_computing_on_values_picked_at_an_argmin_is_gated() -> None:
+    """A VQ-VAE: each position's nearest codebook vector (ArgMin of distances, Gather) is
+    decoded by a Conv: that output is the decoder's arithmetic on its picks, gated (it was
+    left out of every figure, which read inf); the picked vectors themselves stay picked."""
+    from pipeline.graph.tails import selection_outputs
+
+    model = onnx.parser.parse_model(
+        """<ir_version: 10, opset_import: ["": 21]>
+        g (float[16, 4] latents) => (float[1, 3, 4, 4] image, float[16, 4] vectors) {
+            booked = Transpose<perm = [1, 0]>(book)
+            inner = MatMul(latents, booked)
+            distance = Sub(norms, inner)
+            code = ArgMin<axis = 1, keepdims = 0>(distance)
+            vectors = Gather<axis = 0>(book, code)
+            grid = Reshape(vectors, grid_shape)
+            planes = Transpose<perm = [0, 3, 1, 2]>(grid)
+            image = Conv<pads = [1, 1, 1, 1]>(planes, kernel)
+        }"""
+    )
+    nodes = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+    assert selection_outputs(nodes, ["image", "vectors"]) == {"vectors"}
