@@ -526,6 +526,46 @@ def test_models_with_a_figure_already_are_left_alone() -> None:
     assert [o.name for o in exposed.graph.output] == ["class_map", "map_copy", "logits"]
 
 
+def test_labels_beside_a_float_output_of_other_scores_are_judged_by_their_own() -> None:
+    """A multitask model: an ArgMax class map beside a float depth head computed from the
+    shared features, not from the class logits. The depth map carried every figure and the
+    logits were judged by nothing; now they are output too. A float output computed from the
+    logits themselves (their softmax) covers them: nothing is added."""
+    from pipeline.graph.tails import expose_label_scores, judged_outputs
+
+    rng = np.random.default_rng(5)
+    depth_weights = numpy_helper.from_array(
+        (rng.standard_normal((1, 6, 1, 1)) * 0.5).astype("f4"), "w_depth"
+    )
+
+    def with_head(op: str, reads: str) -> onnx.ModelProto:
+        model = segmenter("argmax")
+        model.graph.initializer.append(depth_weights)
+        node = (
+            oh.make_node("Conv", [reads, "w_depth"], ["head"], name="depth")
+            if op == "Conv"
+            else oh.make_node("Softmax", [reads], ["head"], name="probs", axis=1)
+        )
+        model.graph.node.append(node)
+        channels = 1 if op == "Conv" else 3
+        model.graph.output.append(
+            oh.make_tensor_value_info("head", TensorProto.FLOAT, [1, channels, 16, 16])
+        )
+        return onnx.shape_inference.infer_shapes(model)
+
+    exposed, change = expose_label_scores(with_head("Conv", "r1"))
+    meta = {e.key: e.value for e in exposed.metadata_props}
+    assert judged_outputs(meta) == ["logits"]
+    assert [o.name for o in exposed.graph.output] == ["classes", "head", "logits"]
+    assert list(change.details) == [
+        "'logits' (what 'classes' is computed from) output too, to judge accuracy by; the "
+        "shipped model does not output it"
+    ]
+    covered = with_head("Softmax", "logits")
+    same, change = expose_label_scores(covered)
+    assert same is covered and not change.changed
+
+
 @pytest.mark.parametrize("head", ["argmax", "float_map"])
 def test_a_label_only_model_is_gated_on_its_scores(tmp_path: Path, head: str) -> None:
     """Its labels alone read "inf dB" (a float class map: the SNR of class ids) and passed

@@ -549,9 +549,10 @@ _QUANTIZERS = frozenset({"QuantizeLinear", "DynamicQuantizeLinear"})
 
 
 def label_scores(model: Any) -> list[str]:
-    """The float tensors a label-only model's outputs are computed from, in the order the walk
-    from its outputs meets them (see ``expose_label_scores``); [] when any output is not a
-    label. Types come from the stored value info, else from ONNX schema inference."""
+    """The float tensors a model's label outputs are computed from, in the order the walk
+    from those outputs meets them (see ``expose_label_scores``), less those any other output is
+    computed from (a classifier's probabilities beside its top-1 index carry its logits'
+    figure already). Types come from the stored value info, else from ONNX schema inference."""
     graph = model.graph
     if not graph.output:
         return []
@@ -586,17 +587,36 @@ def label_scores(model: Any) -> list[str]:
             return False
         return value.name in float_labels or is_float(value.name) is False
 
-    if not all(is_label(o) for o in graph.output):
+    labels = [o.name for o in graph.output if is_label(o)]
+    if not labels:
         return []
     constants = {i.name for i in graph.initializer} | {i.name for i in graph.input}
     outputs = {o.name for o in graph.output}  # a label read by another: walked through
-    return _first_reads(
-        [o.name for o in reversed(graph.output)],
+    scores = _first_reads(
+        labels[::-1],
         producers,
         constants,
         found=lambda read: bool(is_float(read)) and read not in outputs,
         through=lambda read: True,
     )
+    others = [name for name in outputs if name not in labels]
+    covered = _ancestors(others, producers) if others else set()
+    return [s for s in scores if s not in covered]
+
+
+def _ancestors(names: list[str], producers: Mapping[str, Any]) -> set[str]:
+    """Every tensor ``names`` are computed from, themselves included."""
+    seen: set[str] = set()
+    pending = list(names)
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = producers.get(name)
+        if node is not None:
+            pending.extend(i for i in node.input if i and i not in seen)
+    return seen
 
 
 def _first_reads(
@@ -630,9 +650,12 @@ def _first_reads(
 
 
 def expose_label_scores(model: Any) -> tuple[Any, Any]:
-    """A model whose every output is a label (a segmenter's class map from ArgMax, a top-1
-    index, a detector's boolean decision, string labels from a lookup) also outputs the float
-    tensors those labels are computed from, to be judged by.
+    """A model's label outputs (a segmenter's class map from ArgMax, a top-1 index, a
+    detector's boolean decision, string labels from a lookup) are judged by the float tensors
+    they are computed from: those are output too, unless another output is computed from them
+    (a classifier's probabilities beside its index). A multitask model's ArgMax class map
+    beside a float depth map had the class logits judged by nothing: the depth map carried
+    every figure.
 
     Labels have no SNR: built as it was, such a model's accuracy read "inf dB", so mixed
     precision, the HTP judge and every gate passed it unseen, whatever the NPU computed (a
@@ -651,10 +674,19 @@ def expose_label_scores(model: Any) -> tuple[Any, Any]:
     scores = [s for s in scores if edit.value_shape(_value(graph, s)) is not None]
     if not scores:
         return model, edit.Change("expose_label_scores")
+    float_labels = float_label_outputs(
+        ((n.op_type, n.input, n.output) for n in graph.node), (o.name for o in graph.output)
+    )
+    named = [
+        o.name
+        for o in graph.output
+        if o.name in float_labels
+        or not (o.type.HasField("tensor_type") and o.type.tensor_type.elem_type in FLOAT_TYPES)
+    ] or [o.name for o in graph.output]
     model = _with_judged_outputs(model, scores)
-    labels = ", ".join(repr(o.name) for o in graph.output)
+    labels = ", ".join(repr(name) for name in named)
     details = [
-        f"{name!r} (what {labels} {'is' if len(graph.output) == 1 else 'are'} computed from) "
+        f"{name!r} (what {labels} {'is' if len(named) == 1 else 'are'} computed from) "
         "output too, to judge accuracy by; the shipped model does not output it"
         for name in scores
     ]
