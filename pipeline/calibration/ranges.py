@@ -932,20 +932,14 @@ def _masks_scores(model: Any) -> set[str]:
     """Tensors from which a Softmax is reached through ``_MASK_PATH`` and shape ops only:
     walked back from each Softmax's input through the producers of those kinds."""
     from ..graph.attention import SHAPE_OPS
+    from ..graph.edit import ancestors
 
     passes = _MASK_PATH | SHAPE_OPS
     producers = {o: n for n in model.graph.node for o in n.output if o}
-    todo = [n.input[0] for n in model.graph.node if n.op_type == "Softmax" and n.input]
-    found: set[str] = set()
-    while todo:
-        name = todo.pop()
-        if name in found:
-            continue
-        found.add(name)
-        node = producers.get(name)
-        if node is not None and node.op_type in passes:
-            todo.extend(i for i in node.input if i)
-    return found
+    softmax_inputs = [n.input[0] for n in model.graph.node if n.op_type == "Softmax" and n.input]
+    return ancestors(
+        softmax_inputs, producers, lambda node: node.input if node.op_type in passes else []
+    )
 
 
 # Ops whose output holds their inputs' values: a mark among a constant's values is one there.

@@ -685,3 +685,23 @@ def numpy_dtype(elem_type: int) -> np.dtype:
 
 def min_ir_version(model: onnx.ModelProto) -> int:
     return onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+
+
+def ancestors(
+    names: Iterable[str],
+    producers: Mapping[str, Any],
+    reads: Callable[[Any], Iterable[str]] = lambda node: node.input,
+) -> set[str]:
+    """Every tensor ``names`` are computed from, themselves included: walking back through
+    each producing node's ``reads`` (its inputs; a caller adds its subgraphs' outer reads)."""
+    seen: set[str] = set()
+    pending = list(names)
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = producers.get(name)
+        if node is not None:
+            pending.extend(i for i in reads(node) if i and i not in seen)
+    return seen

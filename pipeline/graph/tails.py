@@ -599,24 +599,10 @@ def label_scores(model: Any) -> list[str]:
         found=lambda read: bool(is_float(read)) and read not in outputs,
         through=lambda read: True,
     )
-    others = [name for name in outputs if name not in labels]
-    covered = _ancestors(others, producers) if others else set()
+    from .edit import ancestors
+
+    covered = ancestors((name for name in outputs if name not in labels), producers)
     return [s for s in scores if s not in covered]
-
-
-def _ancestors(names: list[str], producers: Mapping[str, Any]) -> set[str]:
-    """Every tensor ``names`` are computed from, themselves included."""
-    seen: set[str] = set()
-    pending = list(names)
-    while pending:
-        name = pending.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        node = producers.get(name)
-        if node is not None:
-            pending.extend(i for i in node.input if i and i not in seen)
-    return seen
 
 
 def _first_reads(

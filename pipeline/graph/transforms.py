@@ -32,6 +32,7 @@ from .edit import (
     FreshNames,
     NodeRewrite,
     all_graphs,
+    ancestors,
     bypass_nodes,
     checked_change,
     copy_model,
@@ -396,17 +397,21 @@ def cut_at_outputs(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.Model
             "NonMaxSuppression.",
         )
     producer = {o: n for n in graph.node for o in n.output if o}
-    needed, stack = set(), list(outputs)
-    while stack:  # the tensors the outputs depend on, through subgraphs' outer references
-        name = stack.pop()
-        if name in needed:
-            continue
-        needed.add(name)
-        node = producer.get(name)
-        if node is not None:
-            stack += [i for i in node.input if i]
-            for sub in subgraphs(node):
-                stack += [i for g in all_graphs(sub) for n in g.node for i in n.input if i]
+    # the tensors the outputs depend on, through subgraphs' outer references
+    needed = ancestors(
+        outputs,
+        producer,
+        lambda node: [
+            *node.input,
+            *(
+                i
+                for sub in subgraphs(node)
+                for g in all_graphs(sub)
+                for n in g.node
+                for i in n.input
+            ),
+        ],
+    )
     used_inputs = [name for name in inputs if name in needed]
     try:
         cut = Extractor(with_inferred_shapes(model)).extract_model(used_inputs, list(outputs))
