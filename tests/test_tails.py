@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from pipeline.compile import coverage
-from pipeline.core.accuracy import LABELS, MAP_VALUES, worst_snr
+from pipeline.core.accuracy import LABELS, MAP_VALUES, Accuracy, worst_snr
 from pipeline.core.config import InputsSection
 from pipeline.core.errors import ModelError
 from pipeline.core.metrics import OutputComparison, comparable
@@ -768,10 +768,56 @@ def test_rows_picked_by_rank_are_found_and_what_they_pick_from_exposed() -> None
     exposed, change = expose_selection_sources(onnx.shape_inference.infer_shapes(model))
     added = [o.name for o in exposed.graph.output][2:]
     # The boxes of every anchor, the per-anchor best score TopK ranks, and the ranked values
-    # (sorted, they move smoothly); not the indices, nor anything computed from them.
-    assert set(added) == {"boxes", "best", "values3"}, added
+    # (sorted, they move smoothly); nothing computed from the indices, but the indices
+    # themselves: the detections' rows are their picks, compared pick by pick.
+    assert set(added) == {"boxes", "best", "values3", "indices"}, added
     meta = {e.key: e.value for e in exposed.metadata_props}
-    assert judged_outputs(meta) == added and len(change.details) == 3
+    assert judged_outputs(meta) == added and len(change.details) == 4
+
+
+def test_rows_of_the_same_picks_are_compared_and_gated_with_the_indices_beside_them(
+    tmp_path: Path,
+) -> None:
+    """With the TopK indices output beside the detections (as preparation exposes them),
+    each reference row is compared with the test's row of the same pick: near-equal scores
+    trading places cost nothing, a row only one side picked is left out, and an error in the
+    rows' own values is measured and gated (a DETR's decoder after its query selection read
+    37.3 dB so, and 9.3 dB by rank). Without the indices: picked by rank, as before."""
+    from pipeline.core.accuracy import MATCHED, PICKED
+    from pipeline.core.metrics import picked_row_indices
+    from pipeline.graph.tails import expose_selection_sources
+
+    exposed, _ = expose_selection_sources(onnx.shape_inference.infer_shapes(end_to_end_head()))
+    path = tmp_path / "head_judged.onnx"
+    onnx.save(exposed, str(path))
+    assert picked_row_indices(path) == {"detections": ("indices", 1)}
+    rng = np.random.default_rng(13)
+    rows = rng.standard_normal((1, BEST, 5)).astype(np.float32)
+    picks = rng.permutation(ANCHORS)[:BEST].reshape(1, BEST).astype(np.int64)
+    order = [1, 0, *range(2, BEST)]  # the first two trade places, their picks with them
+    traded_rows, traded_picks = rows[:, order], picks[:, order]
+    other = picks.copy()
+    other[0, -1] = next(a for a in range(ANCHORS) if a not in picks)  # the last one differs
+    scores = np.linspace(0.1, 0.9, ANCHORS, dtype=np.float32).reshape(1, ANCHORS)
+
+    def compare(test_rows: np.ndarray, test_picks: np.ndarray | None) -> Accuracy:
+        comparison = OutputComparison.for_models(path)
+        reference = {"detections": rows, "mean_score": scores, "indices": picks}
+        test = {"detections": test_rows, "mean_score": scores, "indices": test_picks}
+        if test_picks is None:
+            reference.pop("indices"), test.pop("indices")
+        comparison.add(reference, test)
+        return comparison.summary()["detections"]
+
+    assert compare(traded_rows, traded_picks).snr_db == float("inf")
+    unmatched_last = rows.copy()
+    unmatched_last[0, -1] += 100.0
+    assert compare(unmatched_last, other).snr_db == float("inf")
+    noisy = compare(traded_rows * 1.01, traded_picks)
+    assert noisy.compared_as == MATCHED and 39 < noisy.snr_db < 41
+    assert worst_snr({"detections": noisy}) == noisy.snr_db  # gated
+    by_rank = compare(traded_rows, None)
+    assert by_rank.compared_as == PICKED and by_rank.snr_db < 20
 
 
 def test_values_picked_at_an_argmax_are_picked_by_rank_and_a_label_lookup_is_not() -> None:

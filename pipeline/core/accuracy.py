@@ -24,6 +24,11 @@ BELOW_STEP = "below its step"
 # the worst SNR and the gates; the tensors it picks from are judged in its place
 # (``graph.tails.expose_selection_sources``).
 PICKED = "picked by rank"
+# An output picked by rank whose rows are a TopK's picks, compared with the TopK's indices
+# beside it (``graph.tails.picked_rows``): each reference row against the test's row of the
+# same pick, rows picked by one side only left out. Its SNR measures the arithmetic after
+# the pick (a DETR's decoder); gated.
+MATCHED = "rows matched by pick"
 # A float output computed from an Atan (``graph.tails.angle_outputs``): where the reference and
 # the test are both angles in [-pi, pi] more than pi apart, the test is taken the short way
 # round the circle (one value just across the cut at +-pi is the same direction). Gated.
@@ -56,6 +61,8 @@ def figure(accuracy: Accuracy | None) -> float | str | None:
         return f"below its step (max abs {accuracy.max_abs:.3g})"
     if accuracy.compared_as == PICKED:
         return f"picked by rank ({accuracy.snr_db:.2f} dB, not gated)"
+    if accuracy.compared_as == MATCHED:
+        return f"{accuracy.snr_db:.2f} dB, rows matched by pick"
     if accuracy.compared_as == PART:
         return f"part: {accuracy.snr_db:.2f} dB"
     return accuracy.snr_db
@@ -84,6 +91,12 @@ def comparison_note(summaries: list[Mapping[str, Accuracy]]) -> str:
             "Outputs picked by rank (rows gathered by a TopK's indices: near-equal scores trade "
             "places and move whole rows) are shown but not gated; the tensors they pick from "
             "are compared in their place."
+        )
+    if MATCHED in kinds:
+        picked += (" " if picked else "") + (
+            "Outputs whose rows are a TopK's picks are compared row by row with the test's row "
+            "of the same pick (rows only one side picked are left out): that measures the "
+            "arithmetic after the pick, and is gated."
         )
     angles = ""
     if ANGLES in kinds:

@@ -14,7 +14,16 @@ import numpy as np
 if TYPE_CHECKING:
     from qnn_ctx_runtime.qnn import ModelSummary
 
-from .accuracy import ANGLES, BELOW_STEP, LABELS, MAP_VALUES, PART, PICKED, Accuracy
+from .accuracy import (
+    ANGLES,
+    BELOW_STEP,
+    LABELS,
+    MAP_VALUES,
+    MATCHED,
+    PART,
+    PICKED,
+    Accuracy,
+)
 
 _TINY = 1e-20
 _CHUNK = 1 << 20  # values compared at a time
@@ -242,21 +251,40 @@ def _zipmap_outputs(
 _PICKED: dict[tuple[str, int, int], set[str]] = {}
 
 
+def _with_shapes(path: Path, finder: Callable[..., Any]) -> Any:
+    """``finder`` over a file's nodes (op, inputs, outputs), outputs, their shapes and its
+    small int64 initializers, from its structure over mmap."""
+    summary = _structure(path)
+    return finder(
+        ((n.op_type, n.inputs, n.outputs) for n in summary.nodes),
+        (o.name for o in summary.outputs),
+        {o.name: o.shape for o in summary.outputs},
+        summary.small_ints,
+    )
+
+
 def picked_outputs(*models: str | Path | None) -> set[str]:
     """Graph outputs of ``models`` computed from a TopK's indices
     (``graph.tails.selection_outputs``), read from the files' structure over mmap."""
     from ..graph.tails import selection_outputs
 
-    def read(path: Path) -> set[str]:
-        summary = _structure(path)
-        return selection_outputs(
-            ((n.op_type, n.inputs, n.outputs) for n in summary.nodes),
-            (o.name for o in summary.outputs),
-            {o.name: o.shape for o in summary.outputs},
-            summary.small_ints,
-        )
+    return set().union(
+        *_per_file(models, _PICKED, lambda path: _with_shapes(path, selection_outputs))
+    )
 
-    return set().union(*_per_file(models, _PICKED, read))
+
+_ROWS: dict[tuple[str, int, int], dict[str, tuple[str, int]]] = {}
+
+
+def picked_row_indices(*models: str | Path | None) -> dict[str, tuple[str, int]]:
+    """Outputs picked by rank whose rows are the picks of a TopK whose indices the file also
+    outputs (``graph.tails.picked_rows``): output -> (those indices, its axis of rows)."""
+    from ..graph.tails import picked_rows
+
+    found: dict[str, tuple[str, int]] = {}
+    for rows in _per_file(models, _ROWS, lambda path: _with_shapes(path, picked_rows)):
+        found.update(rows)
+    return found
 
 
 _ANGLES: dict[tuple[str, int, int], set[str]] = {}
@@ -358,6 +386,39 @@ class OutputKinds:
 PLAIN = OutputKinds()  # every output compared as its values
 
 
+def _rows_of_the_same_picks(
+    ref: np.ndarray,
+    test: np.ndarray,
+    reference: Mapping[str, Any],
+    tested: Mapping[str, Any],
+    index_name: str,
+    axis: int,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rows of ``ref`` and ``test`` (along ``axis``) that hold the same TopK pick, paired
+    (rows only one side picked left out); None without both sides' indices, or where the
+    shapes do not fit them."""
+    if index_name not in reference or index_name not in tested:
+        return None
+    ref_index = np.asarray(reference[index_name])
+    test_index = np.asarray(tested[index_name])
+    lead = ref_index.shape
+    if test_index.shape != lead or ref.shape != test.shape or ref.shape[: axis + 1] != lead:
+        return None
+    groups = int(np.prod(lead[:-1], dtype=np.int64))
+    ref_rows = ref.reshape(groups, lead[-1], -1)
+    test_rows = test.reshape(groups, lead[-1], -1)
+    ref_picks = ref_index.reshape(groups, -1)
+    test_picks = test_index.reshape(groups, -1)
+    paired_ref, paired_test = [], []
+    for group in range(groups):
+        _, in_ref, in_test = np.intersect1d(
+            ref_picks[group], test_picks[group], assume_unique=True, return_indices=True
+        )
+        paired_ref.append(ref_rows[group, in_ref])
+        paired_test.append(test_rows[group, in_test])
+    return np.concatenate(paired_ref), np.concatenate(paired_test)
+
+
 class OutputComparison:
     """Accumulates reference/test pairs per output over samples, without keeping the samples.
 
@@ -376,8 +437,11 @@ class OutputComparison:
         maps: Collection[str] = (),
         angles: Collection[str] = (),
         parts: Parts | None = None,
+        rows: Mapping[str, tuple[str, int]] | None = None,
     ) -> None:
         self.grids = dict(grids or {})
+        # picked outputs whose rows are a TopK's picks: (its indices, the axis) (``MATCHED``)
+        self.rows = dict(rows or {})
         self.parts = dict(parts or {})  # packed outputs' parts, compared apart (``PART``)
         self.angles = frozenset(angles)  # outputs computed from an Atan (``angle_outputs``)
         self.labels = frozenset(labels)
@@ -409,6 +473,7 @@ class OutputComparison:
             map_outputs(*models),
             angle_outputs(*models),
             packed_parts(*models) if parts is None else parts,
+            picked_row_indices(*models),
         )
 
     def add(self, reference: Mapping[str, Any], test: Mapping[str, Any]) -> None:
@@ -425,6 +490,12 @@ class OutputComparison:
             kind = PICKED if kind is None and name in self.picked else kind
             kind = MAP_VALUES if kind is None and name in self.maps else kind
             kind = ANGLES if kind is None and name in self.angles else kind
+            if kind == PICKED and name in self.rows:
+                matched = _rows_of_the_same_picks(
+                    ref_array, test_array, reference, test, *self.rows[name]
+                )
+                if matched is not None:
+                    kind, (ref_array, test_array) = MATCHED, matched
             self._kind[name] = kind
             if kind == LABELS:
                 same = ref_array.shape == test_array.shape

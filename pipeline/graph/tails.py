@@ -514,10 +514,58 @@ def small_int_values(graph: Any) -> dict[str, list[int]]:
     }
 
 
+def picked_rows(
+    nodes: Iterable[tuple[str, Sequence[str], Sequence[str]]],
+    outputs: Iterable[str],
+    shapes: Mapping[str, Sequence[int | str]],
+    small_ints: Mapping[str, Sequence[int]],
+) -> dict[str, tuple[str, int]]:
+    """Outputs picked by rank whose rows are a TopK's picks, in its order: output -> (that
+    TopK's indices, the output's axis of those rows). The output has one axis of the TopK's
+    K, its dims up to there are the indices' shape (``shapes`` has both), and it is computed
+    from those indices and no other TopK's that would fit as well. An end-to-end detector's
+    boxes [1, K, 4] from TopK indices [1, K]; a DETR's decoder outputs for its K queries."""
+    nodes = list(nodes)
+    outputs = list(outputs)
+    chosen = selection_outputs(nodes, outputs, shapes, small_ints)
+    found: dict[str, list[tuple[str, int]]] = {}
+    for op, inputs, outs in nodes:
+        if op != "TopK" or len(outs) < 2 or not outs[1] or len(inputs) < 2:
+            continue
+        k = small_ints.get(inputs[1])
+        index_shape = list(shapes.get(outs[1]) or [])
+        if k is None or len(k) != 1 or not _static(index_shape) or index_shape[-1] != k[0]:
+            continue
+        reached = _downstream(nodes, outs[1]) - {outs[1]}  # the picks themselves: labels
+        for name in chosen & reached:
+            shape = list(shapes.get(name) or [])
+            if _static(shape) and shape.count(k[0]) == 1:
+                axis = shape.index(k[0])
+                if shape[: axis + 1] == index_shape:
+                    found.setdefault(name, []).append((outs[1], axis))
+    return {name: rows[0] for name, rows in found.items() if len(rows) == 1}
+
+
+def _static(shape: Sequence[int | str]) -> bool:
+    return bool(shape) and all(isinstance(d, int) and d > 0 for d in shape)
+
+
+def _downstream(nodes: list[tuple[str, Sequence[str], Sequence[str]]], name: str) -> set[str]:
+    """``name`` and every tensor computed from it (``nodes`` in graph order)."""
+    reached = {name}
+    for _, inputs, outs in nodes:
+        if any(i in reached for i in inputs if i):
+            reached.update(o for o in outs if o)
+    return reached
+
+
 def expose_selection_sources(model: Any) -> tuple[Any, Any]:
     """A model with outputs picked by rank (``selection_outputs``) also outputs the tensors
     they pick from (``selection_sources``), to be judged by, as ``expose_label_scores`` does
-    for labels: listed in the same metadata entry, dropped from the QDQ model that ships."""
+    for labels: listed in the same metadata entry, dropped from the QDQ model that ships. So
+    does it output the TopK indices whose picks an output's rows are (``picked_rows``): with
+    them, the comparison pairs each row with the test's row of the same pick and judges the
+    arithmetic after the pick (a DETR's decoder), not the order of near-equal scores."""
     from . import edit
 
     graph = model.graph
@@ -527,13 +575,26 @@ def expose_selection_sources(model: Any) -> tuple[Any, Any]:
         for s in selection_sources(model)
         if s not in have and edit.value_shape(_value(graph, s)) is not None
     ]
-    if not sources:
+    shapes = {
+        v.name: list(shape)
+        for v in (*graph.value_info, *graph.output)
+        if (shape := edit.value_shape(v)) is not None
+    }
+    triples = [(n.op_type, list(n.input), list(n.output)) for n in graph.node]
+    rows = picked_rows(triples, (o.name for o in graph.output), shapes, small_int_values(graph))
+    indices = sorted({index for index, _ in rows.values()} - have - set(sources))
+    if not sources and not indices:
         return model, edit.Change("expose_selection_sources")
-    model = _with_judged_outputs(model, sources)
+    model = _with_judged_outputs(model, sources + indices)
     details = [
         f"{name!r} (what the outputs picked by rank select from) output too, to judge accuracy "
         "by; the shipped model does not output it"
         for name in sources
+    ] + [
+        f"{name!r} (the TopK picks whose rows {', '.join(repr(o) for o in sorted(rows))} "
+        "are) output too, to compare those rows pick by pick; the shipped model does not "
+        "output it"
+        for name in indices
     ]
     return edit.checked_change(model, "expose_selection_sources", details)
 
