@@ -32,7 +32,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from .core.accuracy import BELOW_STEP, PICKED
+from .core.accuracy import BELOW_STEP, MATCHED, PICKED
 from .core.fileio import write_text
 from .core.layout import INDEX_HTML, REPORT_HTML, REPORT_JSON, REPORT_MD, VARIANT_FILE, ModelPaths
 
@@ -1214,6 +1214,8 @@ def _accuracy_section(page: _Page) -> None:
             return f"below its step (max abs {_num(a.get('max_abs')) or 0:.3g})"
         if a.get("compared_as") == PICKED:
             return f"picked by rank ({_num(a.get('snr_db')) or 0:.2f} dB, not gated)"
+        if a.get("compared_as") == MATCHED:
+            return f"{_num(a.get('snr_db')) or 0:.2f} (rows matched by pick)"
         return a.get("snr_db")
 
     def fixed(out: str, key: str, pattern: str) -> str | None:

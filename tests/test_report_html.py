@@ -224,6 +224,24 @@ def test_missing_sections_and_a_failed_variant_render(full: Path, tmp_path: Path
     assert "FAILED (abort in compile)" in index
 
 
+def test_rows_matched_by_pick_are_named_in_the_accuracy_table(full: Path, tmp_path: Path) -> None:
+    """An output compared row by row with the test's row of the same TopK pick is gated: its
+    cell is its figure, said to be matched (a picked one says it is not gated)."""
+    from pipeline.core.accuracy import MATCHED
+
+    source = model_paths(full, "cnn").root
+    root = tmp_path / "artifacts" / "build" / "cnn"
+    root.mkdir(parents=True)
+    report = json.loads((source / "report.json").read_text())
+    figures = report["buckets"][-1]["qdq_vs_float"]
+    output = next(iter(figures))
+    figures[output] = {**figures[output], "snr_db": 37.25, "compared_as": MATCHED}
+    (root / "report.json").write_text(json.dumps(report), encoding="utf-8")
+    shutil.copy(source / "record.json", root / "record.json")
+    page = report_html.write_html_reports(root, lambda warning: None)
+    assert "37.25 (rows matched by pick)" in check_self_contained(page)
+
+
 @pytest.mark.qnn
 def test_compile_fixtures_without_quantize_report_and_a_native_abort(tmp_path: Path) -> None:
     """The compile fixtures leave a record but no quantize report; shape_tail's ctx aborts the
