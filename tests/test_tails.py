@@ -1241,3 +1241,82 @@ def test_a_layer_computing_on_values_picked_at_an_argmin_is_gated() -> None:
     )
     nodes = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
     assert selection_outputs(nodes, ["image", "vectors"]) == {"vectors"}
+
+
+def detr_with_post_processing() -> onnx.ModelProto:
+    """An RT-DETR-style graph: the encoder's best anchors picked as queries (TopK 1), a
+    "decoder" on them, then its post-processing: the class scores of every query and class
+    ranked (TopK 2, through a Flatten) and the boxes of the queries picked gathered."""
+    anchors, queries, width, classes = 12, 5, 6, 3
+    model = onnx.parser.parse_model(
+        f"""<ir_version: 10, opset_import: ["": 21]>
+        g (float[{anchors}, {width}] features) => (float[1, {queries}, 4] boxes,
+                                                  float[1, {queries}] scores) {{
+            encoded = MatMul(features, w_score)
+            anchor_scores = Reshape(encoded, row)
+            best, picks = TopK<axis = -1>(anchor_scores, k)
+            flat_picks = Reshape(picks, flat)
+            picked = Gather<axis = 0>(features, flat_picks)
+            query_features = Unsqueeze(picked, zero)
+            logits = MatMul(query_features, w_class)
+            query_boxes = MatMul(query_features, w_box)
+            probs = Sigmoid(logits)
+            flat_probs = Flatten<axis = 1>(probs)
+            scores, ranked = TopK<axis = -1>(flat_probs, k)
+            query = Div(ranked, class_count)
+            query3 = Unsqueeze(query, last)
+            query_rows = Tile(query3, reps)
+            boxes = GatherElements<axis = 1>(query_boxes, query_rows)
+        }}"""
+    )
+    rng = np.random.default_rng(21)
+    model.graph.initializer.extend(
+        [
+            numpy_helper.from_array(rng.standard_normal((width, 1)).astype("f4"), "w_score"),
+            numpy_helper.from_array(rng.standard_normal((width, classes)).astype("f4"), "w_class"),
+            numpy_helper.from_array(rng.standard_normal((width, 4)).astype("f4"), "w_box"),
+            numpy_helper.from_array(np.array([1, anchors], np.int64), "row"),
+            numpy_helper.from_array(np.array([queries], np.int64), "k"),
+            numpy_helper.from_array(np.array([-1], np.int64), "flat"),
+            numpy_helper.from_array(np.array([0], np.int64), "zero"),
+            numpy_helper.from_array(np.array(classes, np.int64), "class_count"),
+            numpy_helper.from_array(np.array([-1], np.int64), "last"),
+            numpy_helper.from_array(np.array([1, 1, 4], np.int64), "reps"),
+        ]
+    )
+    onnx.checker.check_model(model, full_check=True)
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_a_decoder_before_its_post_processing_picks_is_compared_pick_by_pick() -> None:
+    """The outputs keep no one TopK's order (the boxes are gathered at the second TopK's
+    queries, and both TopKs pick K): picked by rank. What the second pick reads, the
+    decoder's class probabilities and boxes for every query, are rows of the first TopK's
+    picks: output for the judge with those indices, compared pick by pick (an RT-DETR export
+    with post-processing had its decoder judged by nothing)."""
+    from pipeline.graph.tails import expose_selection_sources, rows_before_later_picks
+
+    model = detr_with_post_processing()
+    assert rows_before_later_picks(model) == {
+        "probs": ("picks", 1),
+        "query_boxes": ("picks", 1),
+    }
+    exposed, change = expose_selection_sources(model)
+    added = [o.name for o in exposed.graph.output][2:]
+    assert {"probs", "query_boxes", "picks"} <= set(added), added
+    x = RNG.standard_normal((12, 6)).astype("f4")
+    session = ort.InferenceSession(exposed.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in exposed.graph.output]
+    got = dict(zip(names, session.run(None, {"features": x}), strict=True))
+    assert got["probs"].shape == (1, 5, 3) and got["picks"].shape == (1, 5)
+    assert any("a later pick reads" in d for d in change.details)
+    from pipeline.graph.tails import output_shapes, picked_rows, small_int_values
+
+    triples = [(n.op_type, list(n.input), list(n.output)) for n in exposed.graph.node]
+    rows = picked_rows(
+        triples,
+        names,
+        {**output_shapes(exposed.graph), "picks": [1, 5]},
+        small_int_values(exposed.graph),
+    )
+    assert rows == {"probs": ("picks", 1), "query_boxes": ("picks", 1)}  # not the boxes

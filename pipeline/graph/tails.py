@@ -524,24 +524,84 @@ def picked_rows(
     from those indices and no other TopK's that would fit as well. An end-to-end detector's
     boxes [1, K, 4] from TopK indices [1, K]; a DETR's decoder outputs for its K queries."""
     nodes = list(nodes)
-    outputs = list(outputs)
-    chosen = selection_outputs(nodes, outputs, shapes, small_ints)
-    found: dict[str, list[tuple[str, int]]] = {}
+    chosen = selection_outputs(nodes, list(outputs), shapes, small_ints)
+    return _rows_of(nodes, chosen, shapes, small_ints)
+
+
+def _rows_of(
+    nodes: list[tuple[str, Sequence[str], Sequence[str]]],
+    chosen: set[str],
+    shapes: Mapping[str, Sequence[int | str]],
+    small_ints: Mapping[str, Sequence[int]],
+) -> dict[str, tuple[str, int]]:
+    """``picked_rows`` of the tensors ``chosen``: each computed from one TopK's indices only
+    (a tensor computed from two TopKs' picks keeps neither's order, whatever their shapes)."""
+    upstream: dict[str, list[tuple[str, str]]] = {}  # tensor -> the (K input, indices) above it
     for op, inputs, outs in nodes:
-        if op != "TopK" or len(outs) < 2 or not outs[1] or len(inputs) < 2:
+        if op == "TopK" and len(outs) > 1 and outs[1] and len(inputs) > 1:
+            # what its picks and its ranked values are in; the picks themselves are labels
+            below = _downstream(nodes, outs[1]) | _downstream(nodes, outs[0])
+            for name in below - {outs[1]}:
+                upstream.setdefault(name, []).append((inputs[1], outs[1]))
+    found: dict[str, tuple[str, int]] = {}
+    for name in chosen:
+        if len(upstream.get(name, [])) != 1:
             continue
-        k = small_ints.get(inputs[1])
-        index_shape = list(shapes.get(outs[1]) or [])
+        k_input, indices = upstream[name][0]
+        k = small_ints.get(k_input)
+        index_shape = list(shapes.get(indices) or [])
+        shape = list(shapes.get(name) or [])
         if k is None or len(k) != 1 or not _static(index_shape) or index_shape[-1] != k[0]:
             continue
-        reached = _downstream(nodes, outs[1]) - {outs[1]}  # the picks themselves: labels
-        for name in chosen & reached:
-            shape = list(shapes.get(name) or [])
-            if _static(shape) and shape.count(k[0]) == 1:
-                axis = shape.index(k[0])
-                if shape[: axis + 1] == index_shape:
-                    found.setdefault(name, []).append((outs[1], axis))
-    return {name: rows[0] for name, rows in found.items() if len(rows) == 1}
+        if _static(shape) and shape.count(k[0]) == 1:
+            axis = shape.index(k[0])
+            if shape[: axis + 1] == index_shape:
+                found[name] = (indices, axis)
+    return found
+
+
+def rows_before_later_picks(model: Any) -> dict[str, tuple[str, int]]:
+    """Tensors whose rows are one TopK's picks (as ``picked_rows``) that a later pick reads:
+    a second TopK (through moves: a Flatten) or a Gather at indices computed from picks.
+    An RT-DETR export with its post-processing ranks its decoder's class scores for every
+    query and class, then gathers the boxes of the queries picked: its outputs keep no one
+    TopK's order, and the decoder's outputs before that second pick are what can be compared
+    pick by pick. tensor -> (the first TopK's indices, its axis of rows)."""
+    from . import edit
+
+    graph = model.graph
+    triples = [(n.op_type, list(n.input), list(n.output)) for n in graph.node]
+    values = (*graph.value_info, *graph.output)
+    shapes = {v.name: list(s) for v in values if (s := edit.value_shape(v)) is not None}
+    floats = {
+        v.name
+        for v in values
+        if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type in FLOAT_TYPES
+    }
+    picked = _picked_by_rank(triples)
+    producers = {o: n for n in graph.node for o in n.output if o}
+    chains = []
+    for node in graph.node:
+        reads_picks = node.op_type in _PICKERS and len(node.input) > 1 and node.input[1] in picked
+        if not (node.op_type == "TopK" or reads_picks) or node.input[0] not in picked:
+            continue
+        chain = [node.input[0]]
+        while (
+            (producer := producers.get(chain[-1])) is not None
+            and producer.op_type in _MOVES
+            and producer.input[0] in picked
+        ):
+            chain.append(producer.input[0])
+        chains.append([name for name in chain if name in floats])
+    rows = _rows_of(
+        triples, {n for chain in chains for n in chain}, shapes, small_int_values(graph)
+    )
+    found = {}
+    for chain in chains:
+        first = next((name for name in chain if name in rows), None)
+        if first is not None:
+            found[first] = rows[first]
+    return found
 
 
 def _static(shape: Sequence[int | str]) -> bool:
@@ -579,21 +639,36 @@ def expose_selection_sources(model: Any) -> tuple[Any, Any]:
         if (shape := edit.value_shape(v)) is not None
     }
     triples = [(n.op_type, list(n.input), list(n.output)) for n in graph.node]
-    rows = picked_rows(triples, (o.name for o in graph.output), shapes, small_int_values(graph))
-    indices = sorted({index for index, _ in rows.values()} - have - set(sources))
+    outputs = {o.name for o in graph.output}
+    rows = picked_rows(triples, outputs, shapes, small_int_values(graph))
+    before = {
+        name: row
+        for name, row in rows_before_later_picks(model).items()
+        if name not in outputs and name not in have and name not in sources
+    }
+    rows |= before
+    indices = sorted({index for index, _ in rows.values()} - have - set(sources) - outputs)
     if not sources and not indices:
         return model, edit.Change("expose_selection_sources")
-    model = _with_judged_outputs(model, sources + indices)
-    details = [
-        f"{name!r} (what the outputs picked by rank select from) output too, to judge accuracy "
-        "by; the shipped model does not output it"
-        for name in sources
-    ] + [
-        f"{name!r} (the TopK picks whose rows {', '.join(repr(o) for o in sorted(rows))} "
-        "are) output too, to compare those rows pick by pick; the shipped model does not "
-        "output it"
-        for name in indices
-    ]
+    model = _with_judged_outputs(model, sources + sorted(before) + indices)
+    details = (
+        [
+            f"{name!r} (what the outputs picked by rank select from) output too, to judge "
+            "accuracy by; the shipped model does not output it"
+            for name in sources
+        ]
+        + [
+            f"{name!r} (rows of one TopK's picks that a later pick reads) output too, to "
+            "compare pick by pick; the shipped model does not output it"
+            for name in sorted(before)
+        ]
+        + [
+            f"{name!r} (the TopK picks whose rows {', '.join(repr(o) for o in sorted(rows))} "
+            "are) output too, to compare those rows pick by pick; the shipped model does not "
+            "output it"
+            for name in indices
+        ]
+    )
     return edit.checked_change(model, "expose_selection_sources", details)
 
 
