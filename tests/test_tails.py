@@ -1195,14 +1195,14 @@ def test_an_output_that_pools_its_picks_away_is_gated_and_the_picked_rows_are_no
     34.6 dB). The gathered rows keep the K axis and stay picked by rank, read from the model
     and from its file's summary alike; with K computed at run time, both stay picked."""
     from pipeline.core.metrics import picked_outputs
-    from pipeline.graph.tails import output_shapes, selection_outputs, small_int_values
+    from pipeline.graph.tails import selection_outputs, small_int_values, static_shapes
 
     model = nearest_neighbour_classifier()
     nodes = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
     names = ["logits", "neighbours"]
     assert selection_outputs(nodes, names) == {"logits", "neighbours"}  # no shapes: as before
     graph = model.graph
-    found = selection_outputs(nodes, names, output_shapes(graph), small_int_values(graph))
+    found = selection_outputs(nodes, names, static_shapes(graph), small_int_values(graph))
     assert found == {"neighbours"}
     path = tmp_path / "knn.onnx"
     onnx.save(model, str(path))
@@ -1310,13 +1310,13 @@ def test_a_decoder_before_its_post_processing_picks_is_compared_pick_by_pick() -
     got = dict(zip(names, session.run(None, {"features": x}), strict=True))
     assert got["probs"].shape == (1, 5, 3) and got["picks"].shape == (1, 5)
     assert any("a later pick reads" in d for d in change.details)
-    from pipeline.graph.tails import output_shapes, picked_rows, small_int_values
+    from pipeline.graph.tails import picked_rows, small_int_values, static_shapes
 
     triples = [(n.op_type, list(n.input), list(n.output)) for n in exposed.graph.node]
     rows = picked_rows(
         triples,
         names,
-        {**output_shapes(exposed.graph), "picks": [1, 5]},
+        {**static_shapes(exposed.graph), "picks": [1, 5]},
         small_int_values(exposed.graph),
     )
     assert rows == {"probs": ("picks", 1), "query_boxes": ("picks", 1)}  # not the boxes

@@ -458,7 +458,7 @@ def selection_sources(model: Any) -> list[str]:
     graph = model.graph
     triples = [(n.op_type, list(n.input), list(n.output)) for n in graph.node]
     chosen = selection_outputs(
-        triples, (o.name for o in graph.output), output_shapes(graph), small_int_values(graph)
+        triples, (o.name for o in graph.output), static_shapes(graph), small_int_values(graph)
     )
     if not chosen:
         return []
@@ -482,18 +482,6 @@ def selection_sources(model: Any) -> list[str]:
         found=lambda read: read not in ranked and is_float(read),
         through=lambda read: read in ranked,
     )
-
-
-def output_shapes(graph: Any) -> dict[str, list[int | str]]:
-    """Each graph output's shape as ``selection_outputs`` takes it (a dim_param as its name)."""
-    from . import edit
-
-    shapes = {}
-    for value in graph.output:
-        shape = edit.value_shape(value)
-        if shape is not None:
-            shapes[value.name] = list(shape)
-    return shapes
 
 
 def small_int_values(graph: Any) -> dict[str, list[int]]:
@@ -567,15 +555,11 @@ def rows_before_later_picks(model: Any) -> dict[str, tuple[str, int]]:
     query and class, then gathers the boxes of the queries picked: its outputs keep no one
     TopK's order, and the decoder's outputs before that second pick are what can be compared
     pick by pick. tensor -> (the first TopK's indices, its axis of rows)."""
-    from . import edit
-
     graph = model.graph
     triples = [(n.op_type, list(n.input), list(n.output)) for n in graph.node]
-    values = (*graph.value_info, *graph.output)
-    shapes = {v.name: list(s) for v in values if (s := edit.value_shape(v)) is not None}
     floats = {
         v.name
-        for v in values
+        for v in (*graph.value_info, *graph.output)
         if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type in FLOAT_TYPES
     }
     picked = _picked_by_rank(triples)
@@ -594,7 +578,10 @@ def rows_before_later_picks(model: Any) -> dict[str, tuple[str, int]]:
             chain.append(producer.input[0])
         chains.append([name for name in chain if name in floats])
     rows = _rows_of(
-        triples, {n for chain in chains for n in chain}, shapes, small_int_values(graph)
+        triples,
+        {n for chain in chains for n in chain},
+        static_shapes(graph),
+        small_int_values(graph),
     )
     found = {}
     for chain in chains:
@@ -633,14 +620,9 @@ def expose_selection_sources(model: Any) -> tuple[Any, Any]:
         for s in selection_sources(model)
         if s not in have and edit.value_shape(_value(graph, s)) is not None
     ]
-    shapes = {
-        v.name: list(shape)
-        for v in (*graph.value_info, *graph.output)
-        if (shape := edit.value_shape(v)) is not None
-    }
     triples = [(n.op_type, list(n.input), list(n.output)) for n in graph.node]
     outputs = {o.name for o in graph.output}
-    rows = picked_rows(triples, outputs, shapes, small_int_values(graph))
+    rows = picked_rows(triples, outputs, static_shapes(graph), small_int_values(graph))
     before = {
         name: row
         for name, row in rows_before_later_picks(model).items()
@@ -911,7 +893,7 @@ def packed_output_parts(model: Any) -> dict[str, tuple[list[str], Any]]:
     if not candidates:
         return {}
     writer = {o: n for n in graph.node for o in n.output}
-    shapes = _static_shapes(graph)
+    shapes = static_shapes(graph)
 
     def concat_of(output: str) -> Any:
         name = output
@@ -923,7 +905,7 @@ def packed_output_parts(model: Any) -> dict[str, tuple[list[str], Any]]:
     if any(shapes.get(name) is None for name in wanted):  # not stored: inferred
         from .edit import inferred_graph
 
-        shapes = _static_shapes(inferred_graph(model))
+        shapes = static_shapes(inferred_graph(model))
     constants = {i.name: i for i in graph.initializer}
 
     def constant(name: str) -> Any:
@@ -976,8 +958,9 @@ def _before_quantization(name: str, writer: Mapping[str, Any]) -> str:
     return name
 
 
-def _static_shapes(graph: Any) -> dict[str, list[int] | None]:
-    """Each typed tensor's shape where every dimension is a number, else None."""
+def static_shapes(graph: Any) -> dict[str, list[int] | None]:
+    """Each typed tensor's shape where every dimension is a number, else None (as
+    ``selection_outputs`` and ``picked_rows`` take them from a model, or a file's summary)."""
     shapes: dict[str, list[int] | None] = {}
     for value in [*graph.input, *graph.value_info, *graph.output]:
         tensor = value.type.tensor_type
