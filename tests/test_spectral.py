@@ -188,12 +188,57 @@ def test_an_inverse_complex_dft_builds_whole_in_fp16_and_quantized(tmp_path: Pat
     build_whole_on_htp(tmp_path, "inverse_dft", dft([1, 512, 2], 1, None, 1))
 
 
-def test_an_inverse_half_spectrum_dft_is_left_alone() -> None:
+def test_an_inverse_half_spectrum_dft_of_a_real_signal_is_left_alone() -> None:
+    """IRFFT takes a complex half spectrum; of a real one the op's meaning is not defined."""
     model = rfft([1, 20, 64], 2, None)
     next(n for n in model.graph.node if n.op_type == "DFT").attribute.append(
         oh.make_attribute("inverse", 1)
     )
     assert not spectral.dft_to_matmul(model)[1].changed
+
+
+def irfft(shape: list[int], axis: int, length: int) -> onnx.ModelProto:
+    """x [..., bins, ..., 2] (a half spectrum) -> DFT(inverse=1, onesided=1): the real signal
+    [..., length, ..., 1], as the dynamo exporter writes ``torch.fft.irfftn``."""
+    out = list(shape)
+    out[axis], out[-1] = length, 1
+    graph = oh.make_graph(
+        [oh.make_node("DFT", ["x", "points", "axis"], ["y"], inverse=1, onesided=1)],
+        "irfft",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, out)],
+        [
+            numpy_helper.from_array(np.array(length, np.int64), "points"),
+            numpy_helper.from_array(np.array(axis, np.int64), "axis"),
+        ],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize(
+    ("shape", "axis", "length"),
+    [([1, 3, 16, 33, 2], 3, 64), ([1, 3, 32, 16, 2], 3, 31), ([1, 9, 5, 2], 1, 16)],
+)
+def test_an_inverse_half_spectrum_dft_is_one_matmul_to_a_real_signal(
+    shape: list[int], axis: int, length: int
+) -> None:
+    """A Fourier convolution's way back (LaMa's FFC: irfftn over H and W): the bins between
+    0 and length / 2 stand for their conjugates too; their imaginary parts at 0 and at
+    length / 2 count for nothing, as in onnxruntime's kernel and numpy's irfft."""
+    model = irfft(shape, axis, length)
+    rewritten, change = spectral.dft_to_matmul(model)
+    assert change.changed and "half-spectrum inverse" in change.details[0]
+    assert [n.op_type for n in rewritten.graph.node].count("MatMul") == 1
+    x = RNG.normal(0, 1, shape).astype(np.float32)
+    np.testing.assert_allclose(run(rewritten, x), run(model, x), rtol=1e-4, atol=2e-5)
+    spectrum = np.moveaxis(x[..., 0] + 1j * x[..., 1], axis, -1)
+    signal = np.moveaxis(np.fft.irfft(spectrum, n=length, axis=-1), -1, axis)[..., None]
+    np.testing.assert_allclose(run(rewritten, x), signal, rtol=1e-4, atol=2e-5)
+
+
+def test_a_half_spectrum_of_another_length_is_left_alone() -> None:
+    """40 bins for a 64-point inverse: not a half spectrum, whose meaning is not the irfft's."""
+    assert not spectral.dft_to_matmul(irfft([1, 3, 40, 2], 2, 64))[1].changed
 
 
 @pytest.mark.qnn
@@ -210,3 +255,31 @@ def test_a_log_mel_front_end_builds_whole_and_quantized(tmp_path: Path) -> None:
         paths = ModelPaths.of(tmp_path / name / "artifacts", name)
         built = onnx.load(str(paths.bucket(SINGLE_BUCKET).qdq))
         assert "QuantizeLinear" in [n.op_type for n in built.graph.node], name  # not fp16
+
+
+@pytest.mark.qnn
+def test_a_fourier_filter_builds_whole_on_the_htp(tmp_path: Path) -> None:
+    """rfft along the width, a per-bin gain, irfft back (a Fourier convolution's spectral
+    branch): the inverse half spectrum had stayed a DFT on the CPU (LaMa-style FFC: 4 partitions,
+    3 DFTs on the CPU); now both are MatMuls, whole on the HTP."""
+    gain = np.abs(RNG.normal(1, 0.3, (1, 1, 1, 9, 2))).astype(np.float32)
+    graph = oh.make_graph(
+        [
+            oh.make_node("Unsqueeze", ["x", "last"], ["real"]),
+            oh.make_node("DFT", ["real", "points", "width"], ["spectrum"], onesided=1),
+            oh.make_node("Mul", ["spectrum", "gain"], ["filtered"]),
+            oh.make_node("DFT", ["filtered", "points", "width"], ["signal"], inverse=1, onesided=1),
+            oh.make_node("Squeeze", ["signal", "last"], ["y"]),
+        ],
+        "fourier_filter",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 16, 16])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16, 16])],
+        [
+            numpy_helper.from_array(np.array([-1], np.int64), "last"),
+            numpy_helper.from_array(np.array(16, np.int64), "points"),
+            numpy_helper.from_array(np.array(3, np.int64), "width"),
+            numpy_helper.from_array(gain, "gain"),
+        ],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+    build_whole_on_htp(tmp_path, "fourier_filter", model)

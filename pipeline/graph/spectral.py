@@ -175,8 +175,9 @@ def dft_to_matmul(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     A forward DFT of a real signal [..., 1]: Transpose the axis last, MatMul with the cosine
     and sine bases, stack them as DFT's last dimension and Transpose back. A complex signal
     [..., 2] or an inverse DFT (a streaming enhancer's iSTFT, written by the dynamo exporter
-    as DFT(inverse=1) of the full spectrum): one MatMul over both parts. An inverse
-    of a half spectrum (``onesided``) is left alone."""
+    as DFT(inverse=1) of the full spectrum): one MatMul over both parts. An inverse of a half
+    spectrum (``onesided``, an irfft: a Fourier convolution's way back) likewise, its conjugate
+    half counted twice, to a real signal."""
     return _replace_each(model, "DFT", "dft_to_matmul", _dft_to_matmul_at)
 
 
@@ -283,6 +284,19 @@ def general_dft_basis(length: int, size: int, parts: int, inverse: bool) -> np.n
     return basis.reshape(parts * size, 2 * length)
 
 
+def half_spectrum_inverse_basis(length: int, bins: int) -> np.ndarray:
+    """[2 * bins, length]: the inverse DFT of a half spectrum (an irfft; bins = length // 2 + 1,
+    real parts then imaginary parts) to a real signal. The bins other than 0 and length / 2
+    stand for their conjugates too, so they count twice: y[n] = (1 / L) sum_k w_k (re_k cos -
+    im_k sin)(2 pi k n / L)."""
+    cos, minus_sin = fourier_basis(length, bins, length)  # [bins, length], angle k n
+    weights = np.full((bins, 1), 2.0)
+    weights[0] = 1.0
+    if length % 2 == 0:
+        weights[length // 2] = 1.0
+    return np.concatenate([weights * cos, weights * minus_sin]) / length
+
+
 def _general_dft_at(
     node: onnx.NodeProto,
     site: _Site,
@@ -295,10 +309,13 @@ def _general_dft_at(
     flattened together (planar), one MatMul with ``general_dft_basis``, unflattened and moved
     back. (Interleaved, [..., N, 2] flattened as it lies, the HTP fails to finalize the graph
     in fp16: "QNN_COMMON_ERROR_MEM_ALLOC", measured on the simulator.)"""
-    if attrs.get("onesided", 0):  # a half spectrum: only for real forward transforms
-        return None
     graph, fresh = site.graph, site.fresh
     rank, parts, size = len(shape), shape[-1], shape[axis]
+    inverse = bool(attrs.get("inverse", 0))
+    half = bool(attrs.get("onesided", 0))  # an irfft: complex half spectrum -> real signal
+    if half and not (inverse and parts == 2 and size == length // 2 + 1):
+        return None
+    out_parts = 1 if half else 2
     y = node.output[0]
     order = [d for d in range(rank - 1) if d != axis] + [rank - 1, axis]
     back = [int(p) for p in np.argsort(order)]
@@ -306,14 +323,18 @@ def _general_dft_at(
     names = {p: fresh(f"{y}_{p}") for p in ("moved", "flat", "product", "unflat")}
     consts = {p: fresh(f"{y}_{p}_shape") for p in ("flat", "unflat")}
     basis = fresh(f"{y}_dft_basis")
-    inverse = bool(attrs.get("inverse", 0))
+    matrix = (
+        half_spectrum_inverse_basis(length, size)
+        if half
+        else general_dft_basis(length, size, parts, inverse)
+    )
     graph.initializer.extend(
         [
             numpy_helper.from_array(np.array([*outer, parts * size], np.int64), consts["flat"]),
-            numpy_helper.from_array(np.array([*outer, 2, length], np.int64), consts["unflat"]),
             numpy_helper.from_array(
-                general_dft_basis(length, size, parts, inverse).astype(np.float32), basis
+                np.array([*outer, out_parts, length], np.int64), consts["unflat"]
             ),
+            numpy_helper.from_array(matrix.astype(np.float32), basis),
         ]
     )
     base = node.name or y
@@ -337,7 +358,11 @@ def _general_dft_at(
             "Transpose", [names["unflat"]], [y], perm=back, name=fresh(f"{base}_axis_back")
         ),
     ]  # fmt: skip
-    kind = ("inverse " if inverse else "") + ("complex" if parts == 2 else "real")
+    kind = (
+        "half-spectrum inverse"
+        if half
+        else (("inverse " if inverse else "") + ("complex" if parts == 2 else "real"))
+    )
     return nodes, (
         f"{node_label(node)}: {length}-point {kind} DFT along axis {axis} -> MatMul with its "
         "basis over the real and imaginary parts"
