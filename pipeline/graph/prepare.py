@@ -150,7 +150,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         rank.rank5_elementwise_at_rank_4,  # again: those fusions write rank-5 HardSwishes too
         attention.layernorm_over_last_axis,  # the QNN EP takes LayerNorm over the last axis only
         legacy.explicit_pool_pads,  # the HTP pools non-overlapping windows over start pads wrongly
-        t.widen_depthwise_9x9_stride_2,  # the HTP's 9x9 depthwise Conv at stride 2 is wrong
+        t.widen_9x9_stride_2,  # the HTP's 9x9 Conv at stride 2 is wrong (32+ channels)
         t.explicit_conv_pads,  # the HTP pads a 9x9 Conv of 3 channels wrongly (after
         # qnn_preprocess, whose optimizer folds a Pad of zeros back into the Conv)
         t.pads_as_concat,  # the HTP pads a last axis's end, or a shared Transpose's slice, wrongly
