@@ -24,6 +24,7 @@ from pipeline.graph.fp16_scale import (
     fit_float16,
     float16_residual_streams,
     float16_safe_norms,
+    log_softmaxes_written_out,
     max_for_small_clip_floors,
     normal_float16_weights,
 )
@@ -798,6 +799,44 @@ def test_the_htp_runs_asin_whole_in_fp16_from_atan(tmp_path: Path) -> None:
     models = {"float": rewritten}  # the reference is computed on the CPU from the same form
     results = whole_ctx_vs_float(tmp_path, models, [{"x": x}])
     assert results["float"] > 50.0, results
+
+
+def log_softmax_model(shape: list[int], axis: int) -> onnx.ModelProto:
+    graph = oh.make_graph(
+        [oh.make_node("LogSoftmax", ["x"], ["y"], axis=axis)],
+        "log_softmax",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize(("shape", "axis"), [([1, 50, 129], -1), ([1, 65, 4, 4], 1), ([3, 7], 0)])
+def test_a_log_softmax_is_written_out_from_its_max_and_the_same(
+    shape: list[int], axis: int
+) -> None:
+    model = log_softmax_model(shape, axis)
+    rewritten, change = log_softmaxes_written_out(model)
+    assert change.changed and f"axis {axis}" in change.details[0]
+    assert "LogSoftmax" not in {n.op_type for n in rewritten.graph.node}
+    x = (RNG.standard_normal(shape) * 10).astype(np.float32)
+    np.testing.assert_allclose(cpu_outputs(rewritten, x), cpu_outputs(model, x), atol=2e-5)
+    assert "LogSoftmax" not in {n.op_type for n in exact_float16_forms(model)[0].graph.node}
+
+
+@pytest.mark.qnn
+def test_the_htp_computes_a_log_softmax_over_64k_plus_1_values_right_written_out(
+    tmp_path: Path,
+) -> None:
+    """Measured on the simulator (fp16): a CTC head's log_softmax over 128 tokens and a blank
+    is garbage as the HTP's own op, right written out."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = log_softmax_model([1, 64, 129], -1)
+    models = {"float": model, "written": log_softmaxes_written_out(model)[0]}
+    x = (np.random.default_rng(0).standard_normal((1, 64, 129)) * 3).astype(np.float32)
+    results = whole_ctx_vs_float(tmp_path, models, [{"x": x}])
+    assert results["float"] < 40.0 and results["written"] > 60.0, results  # 66 dB at 128
 
 
 # --- norms whose squares overflow fp16 ---------------------------------------------------------
