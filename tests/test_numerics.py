@@ -17,6 +17,7 @@ from pipeline.graph.numerics import (
     finite_scatter_fills,
     log_of_large_gain,
     rewrite_sqrt_of_sigmoids,
+    shifted_log_sum_exps,
     split_wide_means,
     thresholds_on_logits,
 )
@@ -762,3 +763,54 @@ def test_the_htp_takes_atan2_from_a_bounded_ratio(
     report = json.loads((tmp_path / "with/artifacts/build/atan2/report.json").read_text("utf-8"))
     assert report["buckets"][0]["qdq_vs_float"]["angle"]["compared_as"] == "angles"
     assert quantized["ratio"] > 40.0 and quantized["quotient"] < quantized["ratio"] - 10, quantized
+
+
+def _log_sum_exp(keepdims: int, axes: list[int] | None, shape: tuple[int, ...] = (1, 33, 34)):
+    """x [1, 33, 34] @ a [34, 34] -> ReduceLogSumExp: a Sinkhorn step's log-normaliser."""
+    inits = [numpy_helper.from_array(RNG.normal(0, 1, (34, 34)).astype(np.float32), "a")]
+    inputs = ["scores"]
+    reduced = range(len(shape)) if axes is None else axes
+    out = [1 if d in reduced else n for d, n in enumerate(shape) if keepdims or d not in reduced]
+    if axes is not None:
+        inits.append(numpy_helper.from_array(np.array(axes, np.int64), "axes"))
+        inputs.append("axes")
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "a"], ["scores"]),
+            helper.make_node("ReduceLogSumExp", inputs, ["y"], keepdims=keepdims),
+        ],
+        "log_sum_exp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize(("keepdims", "axes"), [(1, [2]), (0, [1]), (0, [1, 2]), (1, None)])
+def test_a_log_sum_exp_is_shifted_by_its_max_and_the_same(keepdims: int, axes: list[int] | None):
+    """Up to float rounding, also where exp(x) itself overflows float32 (x ~ 100)."""
+    model = _log_sum_exp(keepdims, axes)
+    rewritten, change = shifted_log_sum_exps(model)
+    assert change.changed and "max(x)" in change.details[0]
+    assert "ReduceLogSumExp" not in {n.op_type for n in rewritten.graph.node}
+    for scale in (1.0, 12.0):
+        feeds = {"x": (RNG.normal(0, scale, (1, 33, 34))).astype(np.float32)}
+        expected, got = _outputs(model, feeds), _outputs(rewritten, feeds)
+        assert expected.shape == got.shape
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.qnn
+def test_a_log_sum_exp_builds_whole_and_quantized(tmp_path: Path) -> None:
+    """The QNN EP takes no quantized ReduceLogSumExp (a matcher's 40: 41 partitions); shifted
+    by its max it is whole on the HTP, quantized."""
+    from compile_fixtures import build_whole_on_htp
+
+    # judged on the CPU: the quantized model is compiled, not an fp16 fallback the HTP judge picks
+    build_whole_on_htp(tmp_path, "log_sum_exp", _log_sum_exp(0, [2]), quantization='judge = "cpu"')
+
+
+def _outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]

@@ -85,6 +85,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         ml.standard_ml_ops,  # a scikit-learn Scaler, Imputer...: arithmetic the NPU runs
         refuse_cpu_only,  # nothing left for the NPU: say so now, not after 90 steps' copies
         t.expand_function_ops,  # Mish, GroupNormalization, 3 Reduce ops: the QNN EP takes none
+        numerics.shifted_log_sum_exps,  # none quantized; log(sum(exp(x))) overflows
         t.constants_to_initializers,  # the converter may add Constant nodes
         t.fold_constants,
         t.drop_identities,  # before the folds: an Identity hides a BatchNorm's Add from them
