@@ -873,6 +873,29 @@ def test_corrupt_source_model_names_the_file(tmp_path: Path, corrupt) -> None:
     assert str(path) in info.value.message
 
 
+def test_a_source_without_its_external_data_names_the_missing_file(tmp_path: Path) -> None:
+    """torch.onnx's dynamo exporter writes the weights to <model>.onnx.data beside the model;
+    a model copied without it is not "truncated": the error names the file to copy."""
+    import onnx
+    from release_fixtures import float_model
+
+    from pipeline.core.errors import ModelError
+    from pipeline.quantize.build import load_source_model
+
+    exported = tmp_path / "export"
+    exported.mkdir()
+    model = onnx.load(str(float_model(tmp_path / "m.onnx")))
+    onnx.save(model, str(exported / "m.onnx"), save_as_external_data=True,
+              all_tensors_to_one_file=True, location="m.onnx.data", size_threshold=0)  # fmt: skip
+    assert load_source_model(exported / "m.onnx") is not None  # beside it: loads
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    (copied / "m.onnx").write_bytes((exported / "m.onnx").read_bytes())
+    with pytest.raises(ModelError) as info:
+        load_source_model(copied / "m.onnx")
+    assert "m.onnx.data" in info.value.message and str(copied) in info.value.tip
+
+
 def test_a_source_whose_output_has_no_shape_field_is_loaded_as_onnxruntime_runs_it(
     tmp_path: Path,
 ) -> None:

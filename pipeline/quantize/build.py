@@ -110,6 +110,25 @@ def _htp_failure(judgement: HtpJudgement | None) -> str:
     return judgement.reason.removeprefix("judged on the CPU: ")[:400]
 
 
+def _missing_external_data(path: Path) -> list[str]:
+    """The external-data files ``path``'s initializers name that are not beside it (none when
+    the file does not parse: its own error says more)."""
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # the full load below reports it
+        return []
+    names = {
+        entry.value
+        for tensor in model.graph.initializer
+        if tensor.data_location == onnx.TensorProto.EXTERNAL
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+    return sorted(name for name in names if not (path.parent / name).is_file())
+
+
 def load_source_model(path: Path) -> Any:
     """Load and sanity-check the float model; a truncated file gets a clear error."""
     import onnx
@@ -117,6 +136,15 @@ def load_source_model(path: Path) -> Any:
     if not path.is_file():
         raise ModelError(
             f"Model file {path} does not exist.", tip="Fix model.source in the config."
+        )
+    missing = _missing_external_data(path)
+    if missing:
+        raise ModelError(
+            f"Model file {path} keeps its weights in external data that is not beside it: "
+            f"{', '.join(missing)} (exporters write it next to the .onnx, e.g. torch.onnx's "
+            "<model>.onnx.data).",
+            tip=f"Copy {missing[0]} into {path.parent}, or point model.source at the folder the "
+            "model was exported to.",
         )
     try:
         model = onnx.load(str(path))
