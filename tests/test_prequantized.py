@@ -996,6 +996,33 @@ def test_dequantize_gives_the_float_model_behind() -> None:
         np.testing.assert_allclose(run(plain, x), run(reference, x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [128, 120])  # 120: a last block cut short
+def test_dequantize_takes_blocked_int4_weights(rows: int) -> None:
+    """An int4 LLM-style weight, one scale per 32 rows of each column (opset 21's block_size):
+    requantize = true stopped in a raw traceback ("operands could not be broadcast")."""
+    rng = np.random.default_rng(5)
+    q = rng.integers(-8, 8, (rows, 64)).astype(np.int8)
+    scale = rng.uniform(0.01, 0.1, (-(-rows // 32), 64)).astype(np.float32)
+    graph = oh.make_graph(
+        [
+            oh.make_node("DequantizeLinear", ["w4", "s"], ["w"], axis=0, block_size=32),
+            oh.make_node("MatMul", ["x", "w"], ["y"]),
+        ],
+        "int4",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, rows])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 64])],
+        [
+            oh.make_tensor("w4", TensorProto.INT4, [rows, 64], q.flatten().tolist()),
+            numpy_helper.from_array(scale, "s"),
+        ],
+    )
+    source = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+    plain, change = pq.dequantize(source)
+    assert change.changed and "DequantizeLinear" not in ops(plain)
+    x = rng.standard_normal((1, 4, rows)).astype(np.float32)
+    np.testing.assert_allclose(run(plain, x), run(source, x), rtol=1e-5, atol=1e-5)
+
+
 def test_dequantize_takes_weights_given_as_constant_nodes() -> None:
     """PyTorch's export of a quantized model gives weights, scales and zero points as Constant
     nodes, and a bias's zero point computed (Cast of ConstantOfShape): requantize = true left

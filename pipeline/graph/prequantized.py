@@ -329,6 +329,12 @@ def _dq_value(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> np.nd
     zp_name = node.input[2] if len(node.input) > 2 else ""
     zp = _array(inits, zp_name).astype(np.float64) if zp_name else np.zeros_like(scale)
     axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+    block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+    if block and scale.ndim == q.ndim:  # blocked (opset 21: an int4 LLM's weights)
+        axis %= q.ndim
+        scale = np.repeat(scale, block, axis=axis).take(range(q.shape[axis]), axis=axis)
+        zp = np.repeat(zp, block, axis=axis).take(range(q.shape[axis]), axis=axis)
+        return (q - zp) * scale
     if scale.size > 1:
         shape = [1] * q.ndim
         shape[axis % q.ndim] = scale.size
