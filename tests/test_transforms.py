@@ -939,6 +939,27 @@ def test_float16_to_float32_everywhere() -> None:
     assert not noop.changed
 
 
+def test_a_bfloat16_model_becomes_float32_exactly_and_prepares() -> None:
+    """A .bfloat16() export: onnxruntime's CPU EP runs no bfloat16 Conv, numpy feeds none."""
+    w = np.array([0.5, -1.25, 3.0, 0.0078125], np.float32).reshape(4, 1, 1, 1)
+    graph = oh.make_graph(
+        [oh.make_node("Conv", ["x", "w"], ["y"], group=4)],
+        "bf16",
+        [oh.make_tensor_value_info("x", TensorProto.BFLOAT16, [1, 4, 2, 2])],
+        [oh.make_tensor_value_info("y", TensorProto.BFLOAT16, [1, 4, 2, 2])],
+        [oh.make_tensor("w", TensorProto.BFLOAT16, [4, 1, 1, 1], w.flatten().tolist())],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    converted, change = t.bfloat16_to_float32(model)
+    elem = lambda v: v.type.tensor_type.elem_type  # noqa: E731
+    assert elem(converted.graph.input[0]) == elem(converted.graph.output[0]) == TensorProto.FLOAT
+    np.testing.assert_array_equal(numpy_helper.to_array(converted.graph.initializer[0]), w)
+    assert any("bfloat16 initializer" in line for line in change.details)
+    x = np.arange(16, dtype=np.float32).reshape(1, 4, 2, 2)
+    prepared, _ = prepare_model(model, InputsSection(dims={}, shapes={}, constants={}))
+    np.testing.assert_array_equal(run(prepared, {"x": x})[0], x * w.reshape(1, 4, 1, 1))
+
+
 def test_float16_model_with_float_io_keeps_no_cast() -> None:
     """fp16 inside, fp32 at the edges: after float16_to_float32 its Casts are float -> float
     and preparation removes them (quantized, each would be a requantization on the HTP)."""

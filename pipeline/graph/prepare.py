@@ -71,6 +71,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         lambda m: t.fix_input_shapes(m, inputs.dims, inputs.shapes),
         t.float16_to_float32,  # the version converter fails on fp16 graphs
         t.float64_to_float32,  # the HTP has no float64, the quantizer quantizes none
+        t.bfloat16_to_float32,  # onnxruntime's CPU EP runs no bfloat16 Conv, numpy has none
         legacy.explicit_legacy_broadcasts,  # opset <= 6 broadcast/axis: the adapter errs
         legacy.coerced_hardmax,  # opset < 13 Hardmax: the converter changes its meaning
         t.replace_legacy_ops,  # ... and on ops without an adapter

@@ -1343,6 +1343,16 @@ def float16_to_float32(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     return _narrow_to_float32(model, _FLOAT16, "float16_to_float32")
 
 
+def bfloat16_to_float32(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """Make a bfloat16 model (a ``.bfloat16()`` export) float32 everywhere, its inputs and
+    outputs included: exact (bfloat16 is float32 with 16 fewer mantissa bits).
+
+    onnxruntime's CPU EP runs no bfloat16 Conv ("Type 'tensor(bfloat16)' ... is invalid"), so
+    neither calibration nor the quantizer can read the model, and numpy, which feeds it, has no
+    bfloat16; the HTP computes in fp16 or quantized, never in bfloat16."""
+    return _narrow_to_float32(model, onnx.TensorProto.BFLOAT16, "bfloat16_to_float32")
+
+
 def float64_to_float32(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Make float64 tensors, constants and Casts float32, graph inputs and outputs included.
 
