@@ -46,6 +46,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         attention,
         concat,
         contrib,
+        deform,
         legacy,
         merged_axes,
         ml,
@@ -119,6 +120,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         rank.collapse_high_rank_reshapes,  # tf2onnx's Unsqueeze, rank-6 Reshape, Squeeze
         rank.rank5_elementwise_at_rank_4,  # a Tanh of Conv3d-shaped frames: CPU at rank 5
         t.col2im_to_conv_transpose,  # the QNN EP has no Col2Im (F.fold: VOLO's outlooker)
+        deform.deform_conv_to_grid_samples,  # nor DeformConv (DCNv2: DBNet++, CenterNet)
         recurrent.dilate_conv_transpose,  # QNN's TransposeConv2d takes dilation 1 only
         recurrent.output_padding_to_pads,  # the HTP's depthwise ConvTranspose drops it
         t.split_computed_clips,  # the QNN EP takes Clip with constant bounds only
