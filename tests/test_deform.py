@@ -19,10 +19,11 @@ RNG = np.random.default_rng(19)
 def deform_model(
     kernel: int = 3, stride: int = 1, dilation: int = 1, pad: int = 1, mask: bool = True,
     size: int = 12, channels: int = 4, out: int = 5, offset_scale: float = 3.0,
+    offset_groups: int = 1,
 ) -> onnx.ModelProto:  # fmt: skip
     """x -> Conv (the offsets, and the mask through a Sigmoid, as DCNv2 computes them) ->
     DeformConv(x, offsets, mask): torchvision's deform_conv2d as the dynamo exporter writes it."""
-    taps = kernel * kernel
+    taps = kernel * kernel * offset_groups  # offsets and mask weights per offset group
     out_size = (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
     spec = dict(kernel_shape=[kernel, kernel], strides=[stride, stride], pads=[pad] * 4,
                 dilations=[dilation, dilation])  # fmt: skip
@@ -44,7 +45,7 @@ def deform_model(
         oh.make_node("Slice", ["raw", "split", "end", "channel"], ["logits"]),
         oh.make_node("Sigmoid", ["logits"], ["mask"]),
         oh.make_node("DeformConv", ["x", "w", "offsets", "b", "mask" if mask else ""], ["y"],
-                     **spec),
+                     offset_group=offset_groups, **spec),
     ]  # fmt: skip
     graph = oh.make_graph(
         nodes,
@@ -64,7 +65,7 @@ def run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize(
     "spec",
     [{}, {"mask": False}, {"stride": 2}, {"dilation": 2, "pad": 2}, {"kernel": 5, "pad": 0},
-     {"offset_scale": 12.0}],
+     {"offset_scale": 12.0}, {"offset_groups": 2}],
 )  # fmt: skip
 def test_a_deformable_conv_is_grid_samples_and_a_pointwise_conv(spec: dict) -> None:
     """Exact up to float rounding, offsets of several pixels included, and samples that land
@@ -79,7 +80,7 @@ def test_a_deformable_conv_is_grid_samples_and_a_pointwise_conv(spec: dict) -> N
 def test_a_grouped_deformable_conv_is_left_alone() -> None:
     model = deform_model()
     node = next(n for n in model.graph.node if n.op_type == "DeformConv")
-    node.attribute.append(oh.make_attribute("offset_group", 2))
+    node.attribute.append(oh.make_attribute("group", 2))
     assert not deform_conv_to_grid_samples(model)[1].changed
 
 
