@@ -814,3 +814,124 @@ def test_a_log_sum_exp_builds_whole_and_quantized(tmp_path: Path) -> None:
 def _outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, feeds)[0]
+
+
+def _point_prompts() -> onnx.ModelProto:
+    """A SAM-style prompt encoder: points [1, 6, 2] with float labels [1, 6] (-1: padding, 0:
+    background, 1: foreground); each point's Fourier features, replaced by a learned embedding
+    where label == -1, plus a label embedding where label == 1, and a count of foreground
+    points (label >= 1, and > 0.5 as a float threshold on a computed mean, left alone)."""
+    rng = np.random.default_rng(7)
+    inits = [
+        numpy_helper.from_array(rng.normal(0, 1, (2, 16)).astype(np.float32), "gauss"),
+        numpy_helper.from_array(rng.normal(0, 1, (32,)).astype(np.float32), "not_a_point"),
+        numpy_helper.from_array(rng.normal(0, 1, (32,)).astype(np.float32), "foreground"),
+        numpy_helper.from_array(rng.normal(0, 0.2, (32, 8)).astype(np.float32), "proj"),
+        numpy_helper.from_array(np.array(-1.0, np.float32), "minus_one"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+        numpy_helper.from_array(np.array(0.5, np.float32), "half_mean"),
+        numpy_helper.from_array(np.array([-1], np.int64), "last"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["points", "gauss"], ["angles"]),
+        helper.make_node("Sin", ["angles"], ["sin"]),
+        helper.make_node("Cos", ["angles"], ["cos"]),
+        helper.make_node("Concat", ["sin", "cos"], ["fourier"], axis=-1),
+        helper.make_node("Unsqueeze", ["labels", "last"], ["label"]),
+        helper.make_node("Equal", ["label", "minus_one"], ["padding"]),
+        helper.make_node("Where", ["padding", "not_a_point", "fourier"], ["embedded"]),
+        helper.make_node("Equal", ["label", "one"], ["is_foreground"]),
+        helper.make_node("Cast", ["is_foreground"], ["foreground_weight"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["foreground_weight", "foreground"], ["label_embedding"]),
+        helper.make_node("Add", ["embedded", "label_embedding"], ["tokens"]),
+        helper.make_node("MatMul", ["tokens", "proj"], ["y"]),
+        helper.make_node("GreaterOrEqual", ["labels", "one"], ["positive"]),
+        helper.make_node("Cast", ["positive"], ["positive_float"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["positive_float"], ["count"], keepdims=0),
+        helper.make_node("ReduceMean", ["points"], ["mean"], keepdims=0),
+        helper.make_node("Greater", ["mean", "half_mean"], ["right_half"]),
+        helper.make_node("Cast", ["right_half"], ["side"], to=TensorProto.FLOAT),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "prompts",
+        [
+            helper.make_tensor_value_info("points", TensorProto.FLOAT, [1, 6, 2]),
+            helper.make_tensor_value_info("labels", TensorProto.FLOAT, [1, 6]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, 8]),
+            helper.make_tensor_value_info("count", TensorProto.FLOAT, []),
+            helper.make_tensor_value_info("side", TensorProto.FLOAT, []),
+        ],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+def _prompt_samples(count: int, seed: int = 3) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    samples = []
+    for k in range(count):
+        labels = np.full((1, 6), -1.0, np.float32)
+        labels[0, : 1 + k % 5] = rng.integers(0, 2, 1 + k % 5)
+        samples.append(
+            {"points": rng.uniform(0, 1, (1, 6, 2)).astype(np.float32), "labels": labels}
+        )
+    return samples
+
+
+def _all_outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def test_comparisons_of_integer_labels_get_a_half_margin_and_mean_the_same() -> None:
+    from pipeline.graph.numerics import compared_float_inputs, integer_comparisons
+
+    model = _point_prompts()
+    assert compared_float_inputs(model) == {"labels"}  # the points reach one through a mean
+    rewritten, change = integer_comparisons(model, {"labels"})
+    assert len(change.details) == 3  # both Equals and the >=; the float threshold stays
+    assert not any("Greater '" in d and "right_half" in d for d in change.details)
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert "Equal" not in ops and "GreaterOrEqual" not in ops and "Greater" in ops
+    for feeds in _prompt_samples(6):
+        for got, want in zip(
+            _all_outputs(rewritten, feeds), _all_outputs(model, feeds), strict=True
+        ):
+            np.testing.assert_array_equal(got, want)
+        # what quantization does to the labels (-1.00002, 1.00001): the same answers still
+        rounded = dict(feeds, labels=feeds["labels"] * np.float32(1.00002))
+        np.testing.assert_array_equal(
+            _all_outputs(rewritten, rounded)[0], _all_outputs(model, feeds)[0]
+        )
+    assert not integer_comparisons(model, set())[1].changed  # labels not known to be integers
+
+
+@pytest.mark.qnn
+def test_a_prompt_encoder_with_float_labels_builds_quantized_with_its_comparisons(
+    tmp_path: Path,
+) -> None:
+    """End to end: the labels are integer-valued on every sample, so the quantize stage writes
+    the margins; quantized, Equal(label, -1) was false for every padding point."""
+    from pipeline.__main__ import main
+    from pipeline.core.layout import ModelPaths
+
+    onnx.save(_point_prompts(), str(tmp_path / "prompts.onnx"))
+    (tmp_path / "t").mkdir()
+    for index, sample in enumerate(_prompt_samples(24)):
+        np.savez(tmp_path / "t" / f"{index:03d}.npz", **sample)
+    config = tmp_path / "prompts.toml"
+    config.write_text(
+        '[model]\nname = "prompts"\nversion = "1.0.0"\nsource = "prompts.onnx"\n'
+        '[calibration]\nkind = "tensors"\npath = "t"\nsamples = 24\nheld_out = 0.25\n'
+        '[quantization]\njudge = "cpu"\n[compile]\ntargets = ["snapdragon-x-elite"]\n',
+        encoding="utf-8",
+    )
+    assert main(["quantize", "--artifacts", str(tmp_path / "a"), str(config)]) == 0
+    folder = ModelPaths.of(tmp_path / "a", "prompts").report.parent
+    report = json.loads((folder / "report.json").read_text())
+    steps = {entry["step"]: entry["details"] for entry in report["prepare"]}
+    assert len(steps["integer_comparisons"]) == 3, steps.get("integer_comparisons")
+    assert report["worst_snr_db"] > 30.0, report["worst_snr_db"]

@@ -534,6 +534,45 @@ def _weight_sharing(qdq_paths: dict[str, Path]) -> report_mod.WeightSharing:
     )
 
 
+def _integer_comparisons(bucket: PreparedBucket, calibration: BucketSamples, heldout: Path) -> None:
+    """Comparisons of float inputs that hold integers on every sample (labels, flags) get a
+    margin of one half (``numerics.integer_comparisons``), rewritten in the prepared float
+    model before it is calibrated: exact on such data, and robust to the rounding of their
+    quantization, which breaks an Equal."""
+    import onnx
+
+    from ..graph.numerics import compared_float_inputs, integer_comparisons
+
+    model = onnx.load(str(bucket.float_path), load_external_data=False)
+    integral = compared_float_inputs(model)
+    if not integral or calibration.recurrent:  # a recurrent reader's samples cost a model run
+        return
+
+    def everything() -> Iterator[Feeds]:
+        yield from calibration
+        for path in samples_in(heldout):
+            with np.load(path) as kept:
+                yield {name: kept[name] for name in kept.files}
+
+    for sample in everything():
+        for name in list(integral):
+            value = sample.get(name)
+            if (
+                value is None
+                or value.dtype.kind != "f"
+                or not np.array_equal(value, np.round(value))
+            ):
+                integral.discard(name)
+        if not integral:
+            return
+    model = onnx.load(str(bucket.float_path))
+    rewritten, change = integer_comparisons(model, integral)
+    if change.changed:
+        with atomic_path(bucket.float_path) as tmp:
+            onnx.save(rewritten, str(tmp))
+        bucket.changes.append(change)
+
+
 def _quantize_all(
     config: ModelConfig,
     paths: ModelPaths,
@@ -550,6 +589,8 @@ def _quantize_all(
     q = config.quantization
     order = plan.names
     t0 = time.perf_counter()
+    for name in order:
+        _integer_comparisons(prepared[name], samples[name], paths.bucket(name).heldout)
     with tempfile.TemporaryDirectory(prefix=".calibrate-", dir=paths.root) as tmp_text:
         tmp = Path(tmp_text)
         parts = [
