@@ -31,7 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -43,7 +43,7 @@ from qnn_ctx_runtime.typed import parse, to_json_value
 
 from ..core.accuracy import BELOW_STEP, Accuracy, worst_snr
 from ..core.cpu import cpu_session
-from ..core.fileio import sha256_file
+from ..core.fileio import link_or_copy, sha256_file
 from ..core.layout import (
     AGREE_SAMPLES,
     ENOUGH_SAMPLES,
@@ -268,7 +268,7 @@ def probe(
     locate: bool = False,
     timeout_s: float = 900.0,
     budget_s: float = 0.0,
-    references: list[dict[str, np.ndarray]] | None = None,
+    references: Sequence[dict[str, np.ndarray]] | None = None,
     enough_db: float = 0.0,
     enough_floor_db: float = 0.0,
     qdq_references: list[dict[str, np.ndarray]] | None = None,
@@ -354,11 +354,17 @@ def probe(
     return _outcome(job, done, timeout_s)
 
 
-def _write_outputs(folder: Path, outputs: list[dict[str, np.ndarray]]) -> None:
-    """One ``<index>.npz`` per sample: a model's outputs there, for the children to read."""
+def _write_outputs(folder: Path, outputs: Sequence[dict[str, np.ndarray]]) -> None:
+    """One ``<index>.npz`` per sample: a model's outputs there, for the children to read
+    (linked where they are on disk already: ``evaluate.OutputsOnDisk``)."""
     folder.mkdir()
-    for index, named in enumerate(outputs):
-        np.savez(folder / f"{index:04d}.npz", **named)
+    on_disk = getattr(outputs, "path", None)
+    for index in range(len(outputs)):
+        target = folder / f"{index:04d}.npz"
+        if on_disk is not None:
+            link_or_copy(on_disk(index), target)
+        else:
+            np.savez(target, **outputs[index])
 
 
 def _helper_job(job: ProbeJob, work: Path, k: int, core: int) -> ProbeJob:

@@ -39,7 +39,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,7 +62,7 @@ from ..core.layout import (
 from ..core.progress import Progress
 from ..core.records import HtpProbeRecord, write_record
 from ..htp.probe import CTX_NAME, ProbeResult, TensorAgreement, probe, qnn_available
-from .evaluate import cpu_accuracy, float16_conditioning, kept_outputs
+from .evaluate import Feeds, OutputsOnDisk, cpu_accuracy, float16_conditioning, kept_outputs
 from .mixed_precision import EIGHT_BIT, HOPELESS_DB, SIXTEEN_BIT, measure
 
 HTP_GAP_DB = 3.0  # the HTP may lose this much against the CPU QDQ model before it is "diverging"
@@ -373,8 +373,10 @@ def judge_on_htp(
     # the target at least: from the float outputs this process kept when it compared QDQ and
     # float (none: every sample runs).
     enough_db = target_db + ENOUGH_MARGIN_DB if decide else 0.0
-    references = kept_outputs(float_path, samples) if decide else None
     work = Path(tempfile.mkdtemp(prefix=".htp-judge-", dir=scratch))
+    references: Sequence[Feeds] | None = kept_outputs(float_path, samples) if decide else None
+    if decide and references is None:  # too large to keep in memory: on disk, as they run
+        references = OutputsOnDisk(float_path, samples, work / "float_outputs")
     rounds: list[JudgeRound] = []
     ctx_of: dict[int, Path] = {}  # each probe's context file, by id of its result
     remedies: list[str] = []
