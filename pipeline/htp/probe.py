@@ -355,16 +355,21 @@ def probe(
 
 
 def _write_outputs(folder: Path, outputs: Sequence[dict[str, np.ndarray]]) -> None:
-    """One ``<index>.npz`` per sample: a model's outputs there, for the children to read
-    (linked where they are on disk already: ``evaluate.OutputsOnDisk``)."""
+    """One ``<index>.npz`` per sample: a model's outputs there, for the children to read.
+    Outputs on disk (``evaluate.OutputsOnDisk``, computed as asked for) are linked for the
+    samples the early stop reads only, the first ``ENOUGH_SAMPLES`` of its order: the children
+    compute the others' where they need them (and once a round stops there, none)."""
     folder.mkdir()
     on_disk = getattr(outputs, "path", None)
-    for index in range(len(outputs)):
-        target = folder / f"{index:04d}.npz"
-        if on_disk is not None:
-            link_or_copy(on_disk(index), target)
-        else:
-            np.savez(target, **outputs[index])
+    count = len(outputs)
+    if on_disk is None:
+        for index in range(count):
+            np.savez(folder / f"{index:04d}.npz", **outputs[index])
+        return
+    for index in _evidence_order(count, ENOUGH_SAMPLES)[:ENOUGH_SAMPLES] if (
+        count > ENOUGH_SAMPLES
+    ) else range(count):  # fmt: skip
+        link_or_copy(on_disk(index), folder / f"{index:04d}.npz")
 
 
 def _helper_job(job: ProbeJob, work: Path, k: int, core: int) -> ProbeJob:
@@ -822,7 +827,12 @@ def _claim_order(job: ProbeJob, count: int) -> list[int]:
     the figures are on, is then the same however many processes ran and however fast."""
     if job.enough_db <= 0 or count <= job.enough_samples:
         return list(reversed(range(count))) if job.helper else list(range(count))
-    first = [round(i * (count - 1) / (job.enough_samples - 1)) for i in range(job.enough_samples)]
+    return _evidence_order(count, job.enough_samples)
+
+
+def _evidence_order(count: int, enough: int) -> list[int]:
+    """``enough`` samples spread over ``count`` first, then the others in order."""
+    first = [round(i * (count - 1) / (enough - 1)) for i in range(enough)]
     return first + [i for i in range(count) if i not in first]
 
 
@@ -974,9 +984,10 @@ def _wait_for_evidence(job: ProbeJob, stash: Path, order: list[int]) -> bool:
 
 def _note_figure(job: ProbeJob, stash: Path, index: int, names: list[str]) -> None:
     """Sample ``index``'s worst SNR vs float on the HTP (``<index>.db``), for ``_enough``."""
-    if job.enough_db <= 0:
+    reference = Path(job.references) / f"{index:04d}.npz"
+    if job.enough_db <= 0 or not reference.is_file():  # not one the early stop reads
         return
-    with np.load(Path(job.references) / f"{index:04d}.npz", allow_pickle=False) as data:
+    with np.load(reference, allow_pickle=False) as data:
         expected = {k: data[k] for k in data.files}
     with np.load(_stashed(stash, index)) as saved:
         got = {n: saved[f"arr_{i}"] for i, n in enumerate(names) if n in expected}
