@@ -27,6 +27,7 @@ from pipeline.graph.fp16_scale import (
     log_softmaxes_written_out,
     max_for_small_clip_floors,
     normal_float16_weights,
+    separable_float16_pools,
 )
 
 RNG = np.random.default_rng(11)
@@ -837,6 +838,52 @@ def test_the_htp_computes_a_log_softmax_over_64k_plus_1_values_right_written_out
     x = (np.random.default_rng(0).standard_normal((1, 64, 129)) * 3).astype(np.float32)
     results = whole_ctx_vs_float(tmp_path, models, [{"x": x}])
     assert results["float"] < 40.0 and results["written"] > 60.0, results  # 66 dB at 128
+
+
+def pool_model(op: str, kernel: int, stride: int, size: int = 33, **attrs) -> onnx.ModelProto:
+    node = oh.make_node(op, ["x"], ["y"], kernel_shape=[kernel, kernel], strides=[stride] * 2,
+                        **attrs)  # fmt: skip
+    graph = oh.make_graph(
+        [node],
+        "pool",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, size, size])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, "h", "w"])],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize(
+    ("op", "kernel", "stride", "attrs"),
+    [("MaxPool", 7, 2, {}), ("MaxPool", 8, 2, {"pads": [3, 2, 4, 1], "ceil_mode": 1}),
+     ("AveragePool", 9, 3, {}), ("AveragePool", 9, 2, {"pads": [4, 4, 4, 4]}),
+     ("AveragePool", 17, 2, {"pads": [8, 8, 8, 8], "count_include_pad": 1}),
+     ("MaxPool", 9, 2, {"dilations": [2, 1], "pads": [2, 2, 2, 2]})],
+)  # fmt: skip
+def test_a_large_strided_pool_is_two_passes_and_the_same(
+    op: str, kernel: int, stride: int, attrs: dict
+) -> None:
+    model = pool_model(op, kernel, stride, **attrs)
+    rewritten, change = separable_float16_pools(model)
+    assert change.changed and [n.op_type for n in rewritten.graph.node] == [op, op]
+    x = (RNG.standard_normal((1, 32, 33, 33)) * 3).astype(np.float32)
+    np.testing.assert_allclose(cpu_outputs(rewritten, x), cpu_outputs(model, x), atol=2e-6)
+    for kept in (pool_model(op, 5, 2), pool_model(op, 9, 1), pool_model("MaxPool", 3, 3)):
+        assert not separable_float16_pools(kept)[1].changed
+
+
+@pytest.mark.qnn
+def test_the_htp_computes_large_strided_pools_right_in_two_passes(tmp_path: Path) -> None:
+    """Measured on the simulator (fp16): MaxPool 7x7 at stride 2 reads ~25 dB against the
+    CPU and AveragePool 9x9 at stride 2 ~12 dB; in two passes both are right."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    x = np.random.default_rng(3).standard_normal((1, 32, 33, 33)).astype(np.float32)
+    for op, kernel in (("MaxPool", 7), ("AveragePool", 9)):
+        model = pool_model(op, kernel, 2)
+        models = {"float": model, "passes": separable_float16_pools(model)[0]}
+        (tmp_path / op).mkdir()
+        results = whole_ctx_vs_float(tmp_path / op, models, [{"x": x}])
+        assert results["float"] < 35.0 and results["passes"] > 60.0, (op, results)
 
 
 # --- norms whose squares overflow fp16 ---------------------------------------------------------

@@ -950,10 +950,82 @@ def log_softmaxes_written_out(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
     return checked_change(out, "log_softmaxes_written_out", details)
 
 
+# Square pooling windows from this size, at strides from 2, are computed as two passes in the fp16
+# form (measured on the simulator, HTP v73, fp16, 16-64 channels: MaxPool 7x7 and 8x8 at stride 2
+# read 23.6-27.5 dB against the CPU, AveragePool 9x9 and 17x17 at strides 2-3 without pads 7.0-16.7
+# dB; each as a column pass then a row pass 69-74 dB; smaller windows, stride 1 and the quantized
+# pools are right).
+SEPARABLE_POOL = 7
+
+
+def separable_float16_pools(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """In a model the HTP runs in fp16: a MaxPool or AveragePool with a window of
+    ``SEPARABLE_POOL`` or more at a stride of 2 or more -> a pass over the rows (k x 1) and one
+    over the columns (1 x k), each with its axis's stride, pads and dilation.
+
+    The same values: a max over a rectangle is the max of its columns' maxima, and an average
+    over one (its padding counted or not, the valid cells being a rectangle too) the average of
+    its columns' averages."""
+    out = copy_model(model)
+    graph = out.graph
+    fresh = FreshNames(out)
+    nodes: list[onnx.NodeProto] = []
+    details = []
+    for node in graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        kernel = [int(k) for k in attrs.get("kernel_shape", [])]
+        strides = [int(v) for v in attrs.get("strides", [1] * len(kernel))]
+        auto_pad = attrs.get("auto_pad", b"NOTSET")
+        if (
+            node.op_type not in ("MaxPool", "AveragePool")
+            or node.domain not in DEFAULT_DOMAINS
+            or len(kernel) != 2
+            or min(kernel) < 2
+            or max(kernel) < SEPARABLE_POOL
+            or max(strides) < 2
+            or len([o for o in node.output if o]) != 1
+            or (auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad) != "NOTSET"
+        ):
+            nodes.append(node)
+            continue
+        pads = [int(v) for v in attrs.get("pads", [0, 0, 0, 0])]
+        dilations = [int(v) for v in attrs.get("dilations", [1, 1])]
+        kept = {k: v for k, v in attrs.items() if k in ("ceil_mode", "count_include_pad")}
+        rows = fresh(f"{node.output[0]}_rows")
+        base = node.name or node.output[0]
+        passes = (
+            ([node.input[0]], [rows], 0, f"{base}_rows"),
+            ([rows], list(node.output), 1, base),
+        )
+        for inputs, outputs, axis, name in passes:
+            along = [1, 1]
+            along[axis] = kernel[axis]
+            step, spread = [1, 1], [1, 1]
+            step[axis], spread[axis] = strides[axis], dilations[axis]
+            pad = [0, 0, 0, 0]
+            pad[axis], pad[axis + 2] = pads[axis], pads[axis + 2]
+            nodes.append(
+                helper.make_node(
+                    node.op_type, inputs, outputs, fresh(name) if outputs != list(node.output)
+                    else name, kernel_shape=along, strides=step, pads=pad, dilations=spread,
+                    **kept,
+                )
+            )  # fmt: skip
+        details.append(
+            f"{node_label(node)}: {kernel[0]}x{kernel[1]} at strides {strides} -> "
+            f"{kernel[0]}x1 then 1x{kernel[1]}"
+        )
+    if not details:
+        return model, Change("separable_float16_pools")
+    set_nodes(graph, nodes)
+    return checked_change(out, "separable_float16_pools", details)
+
+
 def exact_float16_forms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Change]]:
     """The rewrites of the whole-fp16 form that need no calibrated ranges, in order: GELUs
     decomposed, then Sigmoid, Tanh and Softplus in their exact forms, small Clip floors as
-    Max, Logs kept finite, Asin from Atan, LogSoftmax written out. What the HTP computes in fp16 is judged on this form (an LSTM
+    Max, Logs kept finite, Asin from Atan, LogSoftmax written out, large strided pools in two
+    passes. What the HTP computes in fp16 is judged on this form (an LSTM
     unrolled into Sigmoids and Tanhs gains from it; the HTP's own LSTM op cannot)."""
     changes = []
     for step in (
@@ -965,6 +1037,7 @@ def exact_float16_forms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[C
         finite_float16_logs,
         asins_from_atan,
         log_softmaxes_written_out,
+        separable_float16_pools,
     ):
         model, change = step(model)
         changes.append(change)
