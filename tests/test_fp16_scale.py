@@ -27,6 +27,7 @@ from pipeline.graph.fp16_scale import (
     log_softmaxes_written_out,
     max_for_small_clip_floors,
     normal_float16_weights,
+    padded_float16_resizes,
     separable_float16_pools,
 )
 
@@ -884,6 +885,55 @@ def test_the_htp_computes_large_strided_pools_right_in_two_passes(tmp_path: Path
         (tmp_path / op).mkdir()
         results = whole_ctx_vs_float(tmp_path / op, models, [{"x": x}])
         assert results["float"] < 35.0 and results["passes"] > 60.0, (op, results)
+
+
+def resize_model(
+    width: int, wide: int, mode: str = "linear", transform: str = "asymmetric"
+) -> onnx.ModelProto:
+    """x [1, 32, 8, width] -> Resize to [1, 32, 16, wide] (sizes)."""
+    graph = oh.make_graph(
+        [
+            oh.make_node(
+                "Resize",
+                ["x", "", "", "sizes"],
+                ["y"],
+                mode=mode,
+                coordinate_transformation_mode=transform,
+            )
+        ],  # fmt: skip
+        "resize",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 8, width])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, 16, wide])],
+        [numpy_helper.from_array(np.array([1, 32, 16, wide], np.int64), "sizes")],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize(("width", "wide"), [(33, 66), (17, 68), (65, 130)])
+def test_an_asymmetric_resize_of_16k_plus_1_columns_is_padded_and_the_same(
+    width: int, wide: int
+) -> None:
+    model = resize_model(width, wide)
+    rewritten, change = padded_float16_resizes(model)
+    assert change.changed and f"{width} columns" in change.details[0]
+    x = RNG.standard_normal((1, 32, 8, width)).astype(np.float32)
+    np.testing.assert_allclose(cpu_outputs(rewritten, x), cpu_outputs(model, x), atol=1e-6)
+    for kept in (resize_model(25, 50), resize_model(33, 65), resize_model(33, 66, "linear",
+                 "half_pixel"), resize_model(33, 66, "nearest")):  # fmt: skip
+        assert not padded_float16_resizes(kept)[1].changed
+
+
+@pytest.mark.qnn
+def test_the_htp_resizes_16k_plus_1_columns_right_padded(tmp_path: Path) -> None:
+    """Measured on the simulator (fp16): a linear asymmetric x2 from 33 columns reads ~7-20 dB
+    against the CPU; from 34 columns, the extra ones cut off, it is right."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = resize_model(33, 66)
+    models = {"float": model, "padded": padded_float16_resizes(model)[0]}
+    x = np.random.default_rng(3).standard_normal((1, 32, 8, 33)).astype(np.float32)
+    results = whole_ctx_vs_float(tmp_path, models, [{"x": x}])
+    assert results["float"] < 35.0 and results["padded"] > 55.0, results
 
 
 # --- norms whose squares overflow fp16 ---------------------------------------------------------
