@@ -900,7 +900,7 @@ def resize_model(
                 mode=mode,
                 coordinate_transformation_mode=transform,
             )
-        ],  # fmt: skip
+        ],
         "resize",
         [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 8, width])],
         [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, 16, wide])],
