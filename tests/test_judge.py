@@ -780,6 +780,16 @@ def test_a_round_stops_once_enough_samples_are_well_above_the_target(
         "agreement": "the HTP agreed with the CPU QDQ model",
     }
     assert noted[stop] in paths.ctx_report.read_text()
+    # A variant the judge did not run (another target or toolchain; here its record no longer
+    # matches) validates itself and stops by the same rule, on the same 4 samples.
+    bucket.htp_probe.write_text(json.dumps({**record, "ctx_sha256": "0" * 64}))
+    compile_model(config, artifacts, table, toolchain, qnn.installed_qnn(), True, out=str)
+    own, why = read_record(VariantRecord, folder.record)
+    assert own is not None, why
+    check = own.validation
+    assert check.measured_by == "" and check.cut_by == "evidence", check
+    assert (check.samples, check.requested) == (ENOUGH_SAMPLES, 10)
+    assert check.worst_snr_vs_float_db >= 28.0
 
 
 def _outlier_row_matmul() -> tuple[onnx.ModelProto, list[np.ndarray]]:

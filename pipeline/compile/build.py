@@ -29,6 +29,7 @@ from ..core.fileio import atomic_dir, sha256_file
 from ..core.layout import (
     CLOSED_LOOP_BUDGET_S,
     CLOSED_LOOP_WINDOWS,
+    ENOUGH_MARGIN_DB,
     GPU_TARGET,
     HTP_BUDGET_S,
     VALIDATE_SAMPLES,
@@ -293,6 +294,10 @@ def make_job(
         },
         validate_samples=VALIDATE_SAMPLES,
         validate_budget_s=HTP_BUDGET_S,
+        # the judge's early stop (a model keeping its own quantization: every sample, as there)
+        enough_db=0.0
+        if inputs.record.summary.rounding_floor_db
+        else config.quantization.target_snr_db + ENOUGH_MARGIN_DB,
         stream_states=states,
         closed_loop_windows=CLOSED_LOOP_WINDOWS,
         closed_loop_budget_s=CLOSED_LOOP_BUDGET_S,

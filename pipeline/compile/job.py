@@ -74,6 +74,10 @@ class CompileJob:
     snr_floor_db: dict[str, float] = field(default_factory=dict)
     validate_samples: int = 16
     validate_budget_s: float = 0.0  # HTP seconds for validation (core.layout.HTP_BUDGET_S); 0: none
+    # Validation stops once ENOUGH_SAMPLES (core.layout) have run this far or more vs float pooled,
+    # each of them ENOUGH_MARGIN_DB less at least, as the quantize stage's judge does (its target
+    # plus that margin; 0: every sample runs, as for a model keeping its own quantization).
+    enough_db: float = 0.0
     probe_timeout_s: float = 300.0
     # A streaming model's state input -> the output that feeds it (the quantize record's): the
     # ctx is also run fed its own state over ``BucketJob.stream``: this many windows at most,

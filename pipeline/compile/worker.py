@@ -41,9 +41,12 @@ from ..core.dtypes import np_dtype, value_type_name
 from ..core.fileio import sha256_file
 from ..core.layout import (
     AGREE_SAMPLES,
+    ENOUGH_MARGIN_DB,
+    ENOUGH_SAMPLES,
     HTP_MIN_SAMPLES,
     HTP_PROBE_CTX,
     STANDALONE_DIR,
+    evidence_order,
     past_htp_budget,
     simulator_seconds,
 )
@@ -437,10 +440,14 @@ def _feed_count(job: CompileJob, bucket: BucketJob) -> int:
     return held or max(1, min(job.validate_samples or 4, 4))
 
 
-def _feeds(job: CompileJob, bucket: BucketJob, session: Any) -> Iterator[dict[str, np.ndarray]]:
-    """Held-out samples from quantize, else seeded random feeds shaped like the inputs."""
-    for path in bucket.heldout[: job.validate_samples or None]:
-        with np.load(path, allow_pickle=False) as data:
+def _feeds(
+    job: CompileJob, bucket: BucketJob, session: Any, order: list[int] | None = None
+) -> Iterator[dict[str, np.ndarray]]:
+    """Held-out samples from quantize (in ``order``, else as listed), else seeded random feeds
+    shaped like the inputs."""
+    held = bucket.heldout[: job.validate_samples or None]
+    for index in order if order is not None else range(len(held)):
+        with np.load(held[index], allow_pickle=False) as data:
             yield {k: data[k] for k in data.files}
     if bucket.heldout:
         return
@@ -498,13 +505,24 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
     # HTP_MIN_SAMPLES ran). Its CPU time, not the wall clock's, which the machine's load stretches.
     on_htp = 0.0
     cut_by = ""
-    for feeds in _feeds(job, bucket, ctx_session):
+    count = _feed_count(job, bucket)
+    # As the judge: once ENOUGH_SAMPLES spread over the held-out ones have run at enough_db vs
+    # float pooled, each within ENOUGH_MARGIN_DB of it, the figure over them carries the
+    # statement (a target or toolchain the judge did not run: its every sample ran before).
+    evidence = (
+        job.enough_db > 0 and flt is not None and bool(bucket.heldout) and count > ENOUGH_SAMPLES
+    )
+    each: list[float] = []  # each sample's worst SNR vs float, while the first ones run
+    for feeds in _feeds(job, bucket, ctx_session, evidence_order(count) if evidence else None):
         ran = vs_qdq.samples
         if ran >= HTP_MIN_SAMPLES and past_htp_budget(on_htp, ran, job.validate_budget_s):
             cut_by = "budget"
             break
         if scored and ran >= AGREE_SAMPLES and labels_all_agree(vs_qdq.summary()):
             cut_by = "labels"
+            break
+        if evidence and ran == ENOUGH_SAMPLES and _enough(each, vs_float, job.enough_db):
+            cut_by = "evidence"
             break
         started = simulator_seconds()
         got = dict(zip(names, ctx_session.run(names, feeds), strict=True))
@@ -515,6 +533,10 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
             ref_flt = dict(zip(names, flt.run([float_map[n] for n in names], feeds), strict=True))
             vs_float.add(ref_flt, got)
             qdq_vs_float.add(ref_flt, ref_qdq)
+            if evidence and ran < ENOUGH_SAMPLES:
+                alone = output_comparison(job, bucket, parts)
+                alone.add(ref_flt, got)
+                each.append(worst_snr(alone.summary()))
     summary = vs_qdq.summary()
     worst = worst_snr(summary)
     passed, gate = snr_gate(job.min_snr_db, job.snr_floor_db, summary, vs_float.summary())
@@ -531,6 +553,14 @@ def validate(job: CompileJob, bucket: BucketJob, ctx_session: Any) -> Validation
         requested=_feed_count(job, bucket),
         cut_by=cut_by if vs_qdq.samples < _feed_count(job, bucket) else "",
     )
+
+
+def _enough(each: list[float], vs_float: OutputComparison, enough_db: float) -> bool:
+    """Whether the samples run so far decide: pooled at ``enough_db`` vs float, each of them
+    ``ENOUGH_MARGIN_DB`` below that at least (a NaN, nothing to compare, decides nothing)."""
+    pooled = worst_snr(vs_float.summary())
+    floor = enough_db - ENOUGH_MARGIN_DB
+    return pooled >= enough_db and all(figure >= floor for figure in each)
 
 
 def closed_loop_on_htp(

@@ -76,6 +76,16 @@ AGREE_MARGIN_DB = 10.0
 AGREE_BOUND_DB = 20 * math.log10(1 + 10 ** (-AGREE_MARGIN_DB / 20))  # 2.4 dB
 
 
+def evidence_order(count: int, enough: int = ENOUGH_SAMPLES) -> list[int]:
+    """The order samples run in where ``enough`` of them may decide: ``enough`` spread over the
+    ``count`` first, then the others in order. The same in the judge's probes and compile's
+    validation, so whichever stops early, its figures are on the same samples."""
+    if count <= enough:
+        return list(range(count))
+    first = [round(i * (count - 1) / (enough - 1)) for i in range(enough)]
+    return first + [i for i in range(count) if i not in first]
+
+
 def simulator_seconds() -> float:
     """CPU seconds the HTP simulator has taken in this process so far: read around its runs
     (the only work a probe child or compile worker does then), their difference is its pace.

@@ -48,6 +48,7 @@ from ..core.layout import (
     AGREE_SAMPLES,
     ENOUGH_SAMPLES,
     HTP_MIN_SAMPLES,
+    evidence_order,
     past_htp_budget,
     simulator_seconds,
 )
@@ -366,9 +367,7 @@ def _write_outputs(folder: Path, outputs: Sequence[dict[str, np.ndarray]]) -> No
         for index in range(count):
             np.savez(folder / f"{index:04d}.npz", **outputs[index])
         return
-    for index in _evidence_order(count, ENOUGH_SAMPLES)[:ENOUGH_SAMPLES] if (
-        count > ENOUGH_SAMPLES
-    ) else range(count):  # fmt: skip
+    for index in evidence_order(count)[:ENOUGH_SAMPLES]:
         link_or_copy(on_disk(index), folder / f"{index:04d}.npz")
 
 
@@ -827,13 +826,7 @@ def _claim_order(job: ProbeJob, count: int) -> list[int]:
     the figures are on, is then the same however many processes ran and however fast."""
     if job.enough_db <= 0 or count <= job.enough_samples:
         return list(reversed(range(count))) if job.helper else list(range(count))
-    return _evidence_order(count, job.enough_samples)
-
-
-def _evidence_order(count: int, enough: int) -> list[int]:
-    """``enough`` samples spread over ``count`` first, then the others in order."""
-    first = [round(i * (count - 1) / (enough - 1)) for i in range(enough)]
-    return first + [i for i in range(count) if i not in first]
+    return evidence_order(count, job.enough_samples)
 
 
 def _enough(job: ProbeJob, stash: Path, order: list[int]) -> str:
