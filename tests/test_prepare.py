@@ -152,6 +152,24 @@ def test_prepare_refuses_string_inputs_naming_the_encoder_and_the_cut(version: i
     assert "input_names=['ids']" in tip and "[inputs]" not in tip  # no dims fix it
 
 
+def test_an_input_passed_through_as_an_output_is_refused_naming_the_outputs_to_build() -> None:
+    """A model that returns an input unchanged beside what it computes: its build stopped with
+    "no static shape: 'y' from Conv" (onnx's inference gave up on the graph once that output's
+    shape was cleared) or, shaped, in onnxruntime's quantizer ("Graph is not a DAG")."""
+    model = onnx.parser.parse_model(
+        '<ir_version: 8, opset_import: ["": 17]> g (float[1, 3, 8, 8] x) => '
+        "(float[1, 2, 8, 8] y, float[1, 3, 8, 8] x) { y = Conv <pads = [1, 1, 1, 1]> (x, w) }"
+    )
+    model.graph.initializer.append(
+        numpy_helper.from_array(RNG.standard_normal((2, 3, 3, 3)).astype(np.float32), "w")
+    )
+    assert edit.dynamic_outputs(model) == []  # its shapes infer, the passthrough's kept
+    with pytest.raises(ModelError) as info:
+        prepare_model(model, InputsSection())
+    assert "Output(s) 'x' are graph inputs passed through unchanged" in info.value.message
+    assert 'outputs = ["y"]' in (info.value.tip or "")
+
+
 def test_prepare_names_an_unshaped_ml_op_in_front_of_the_network() -> None:
     """A Normalizer over rank 3 (not rewritten: onnxruntime's kernel strides over the last
     axis of rank 1 or 2 only) leaves its output without an inferred shape, and every tensor

@@ -221,8 +221,11 @@ def strip_shape_info(model: onnx.ModelProto) -> onnx.ModelProto:
     bare = copy_model(model)
     for graph in all_graphs(bare.graph):
         del graph.value_info[:]
+        inputs = {i.name for i in graph.input}
         for out in graph.output:
-            if out.type.HasField("tensor_type"):
+            # An input passed through as an output keeps the input's shape: cleared, onnx's
+            # inference gave up on the whole graph and every tensor read as dynamic.
+            if out.type.HasField("tensor_type") and out.name not in inputs:
                 out.type.tensor_type.ClearField("shape")
     return bare
 

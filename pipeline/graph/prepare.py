@@ -69,6 +69,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         lambda m: t.bake_constant_inputs(m, inputs.constants, inputs.shapes, inputs.dims),
         t.drop_unread_inputs,  # after the constants: one may name an input no node reads
         refuse_string_inputs,  # the NPU computes on numbers: the app encodes strings
+        refuse_passthrough_outputs,  # an input as an output: no context writes it
         lambda m: t.fix_input_shapes(m, inputs.dims, inputs.shapes),
         t.float16_to_float32,  # the version converter fails on fp16 graphs
         t.float64_to_float32,  # the HTP has no float64, the quantizer quantizes none
@@ -436,6 +437,33 @@ def _op_of(node: onnx.NodeProto) -> str:
 
 def _cut_at(tensor: str) -> str:
     return f"onnx.utils.extract_model(source, out, input_names=[{tensor!r}], output_names=...)"
+
+
+def refuse_passthrough_outputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, edit.Change]:
+    """A ModelError for a graph output that is a graph input passed through unchanged, naming
+    it and the ``[model] outputs`` that build the rest.
+
+    Why: a context cannot output one of its inputs (no op writes it: onnxruntime's quantizer
+    stopped with "Graph is not a DAG"), and with that output in the graph onnx's shape
+    inference gave every tensor up as dynamic, the error then blaming the first Conv's shape.
+    The app has the input already."""
+    graph = model.graph
+    inputs = {i.name for i in graph.input} - {t.name for t in graph.initializer}
+    through = [o.name for o in graph.output if o.name in inputs]
+    if not through:
+        return model, edit.Change("refuse_passthrough_outputs", ())
+    rest = [o.name for o in graph.output if o.name not in inputs]
+    fix = (
+        f"Set [model] outputs = {json.dumps(rest)} in the config: the app already holds "
+        f"{' and '.join(map(repr, through))}."
+        if rest
+        else "The model computes nothing: every output is an input."
+    )
+    raise ModelError(
+        f"Output(s) {', '.join(map(repr, through))} are graph inputs passed through unchanged: "
+        "a context cannot output its own input.",
+        tip=fix,
+    )
 
 
 def refuse_string_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
