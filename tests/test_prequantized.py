@@ -1593,6 +1593,62 @@ def test_dynamic_quantization_becomes_the_float_model_behind_it(tmp_path: Path) 
     assert "LSTM" in ops(restored) and not pq.is_prequantized(restored)
 
 
+def test_a_quantized_embedding_fed_straight_into_a_matmul_integer_is_restored(
+    tmp_path: Path,
+) -> None:
+    """quantize_dynamic quantizes a word embedding's table and feeds the rows it gathers, as
+    integers, straight into the first MatMulInteger (the table's scale in the scale product),
+    and dequantizes them for their other uses: the dynamically quantized encoders of
+    transformers.js and Optimum. requantize stopped: "cannot be removed completely
+    (DequantizeLinear x1, MatMulInteger x1 left)"."""
+    rng = np.random.default_rng(9)
+    table = rng.normal(0, 1, (64, 16)).astype(np.float32)
+    weight = rng.normal(0, 0.3, (16, 8)).astype(np.float32)
+    graph = oh.make_graph(
+        [
+            oh.make_node("Gather", ["table", "ids"], ["embedded"]),
+            oh.make_node("Transpose", ["embedded"], ["by_time"], perm=[1, 0, 2]),
+            oh.make_node("MatMul", ["by_time", "weight"], ["y"]),
+            oh.make_node("ReduceSum", ["embedded", "time"], ["total"], keepdims=0),
+        ],
+        "embedding",
+        [oh.make_tensor_value_info("ids", TensorProto.INT64, [1, 12])],
+        [
+            oh.make_tensor_value_info("y", TensorProto.FLOAT, [12, 1, 8]),
+            oh.make_tensor_value_info("total", TensorProto.FLOAT, [1, 16]),
+        ],
+        [
+            numpy_helper.from_array(table, "table"),
+            numpy_helper.from_array(weight, "weight"),
+            numpy_helper.from_array(np.array([1], np.int64), "time"),
+        ],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    onnx.save(model, str(tmp_path / "float.onnx"))
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(
+        str(tmp_path / "float.onnx"), str(tmp_path / "dynamic.onnx"), weight_type=QuantType.QUInt8
+    )
+    dynamic = onnx.load(str(tmp_path / "dynamic.onnx"))
+    straight = next(n for n in dynamic.graph.node if n.op_type == "MatMulInteger")
+    assert "DynamicQuantizeLinear" not in ops(dynamic) and straight.input[0].endswith("quantized")
+    restored, _ = pq.dequantize(dynamic)
+    assert not pq.is_prequantized(restored), ops(restored)
+    session = {
+        name: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        for name, m in (("dynamic", dynamic), ("restored", restored), ("float", model))
+    }
+    ids = {"ids": rng.integers(0, 64, (1, 12)).astype(np.int64)}
+    got = session["restored"].run(None, ids)
+    # The integers the dynamic model multiplies, exactly (its table and weight dequantized)...
+    for want, have in zip(session["dynamic"].run(None, ids), got, strict=True):
+        np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-4)
+    # ... and the float model up to their 8-bit rounding.
+    for want, have in zip(session["float"].run(None, ids), got, strict=True):
+        assert snr_db(want, have) > 30
+
+
 def test_a_dynamically_quantized_model_is_built_from_its_float_model(tmp_path: Path) -> None:
     """Its activation scales exist only at run time, so requantize = false cannot keep them: the
     quantize stage takes the float model behind it and says so."""

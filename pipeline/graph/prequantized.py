@@ -2244,21 +2244,79 @@ def _integer_operand(
         return quantizer.input[0], quantizer.output[1], None
     value = _array(view.inits, name)
     zero = _array(view.inits, zp_name) if zp_name else np.zeros((), np.float64)
-    if value is None or zero is None:
+    if zero is None:
         return None
+    if value is None:  # integers moved out of a constant table (a quantized embedding's rows)
+        moved = _moved_table(view, name)
+        if moved is None or zero.size != 1:
+            return None
+        return name, _TABLE, None
     zero = zero.astype(np.float64)
     if node.op_type == "ConvInteger" and zero.size > 1:  # per output channel
         zero = zero.reshape([-1] + [1] * (value.ndim - 1))
     return "", "", value.astype(np.float64) - zero
 
 
+_TABLE = "table"  # ``_integer_operand``'s mark for an operand moved out of an integer table
+
+
+def _moved_table(view: _Graph, name: str) -> tuple[str, list[onnx.NodeProto]] | None:
+    """(integer constant, the moves from it to ``name`` in order) when ``name`` is only
+    ``_TABLE_MOVES`` of an integer constant (their data input), else None."""
+    chain: list[onnx.NodeProto] = []
+    while name not in view.inits:
+        node = view.producer.get(name)
+        if node is None or node.op_type not in _TABLE_MOVES or node.domain not in _DEFAULT:
+            return None
+        chain.append(node)
+        name = node.input[0]
+    if numpy_helper.to_array(view.inits[name]).dtype.kind not in "iu":
+        return None
+    return name, chain[::-1]
+
+
+def _float_moves(
+    view: _Graph, node: onnx.NodeProto, position: int, namer: edit.FreshNames
+) -> tuple[str, list[onnx.NodeProto], onnx.TensorProto] | None:
+    """Operand ``position`` of ``node``, integers moved out of a constant table: the same moves
+    of the table less its zero point, in float (unscaled: the operand's scale is one of the
+    scale product's factors, all of which the other operand takes). (the float operand, the
+    moves that make it, the float table)."""
+    name = node.input[position]
+    moved = _moved_table(view, name)
+    zp_name = node.input[position + 2] if len(node.input) > position + 2 else ""
+    zero = _array(view.inits, zp_name) if zp_name else np.zeros((), np.float64)
+    if moved is None or zero is None:
+        return None
+    table, chain = moved
+    values = numpy_helper.to_array(view.inits[table]).astype(np.float64) - float(zero.reshape(()))
+    floated = numpy_helper.from_array(values.astype(np.float32), namer(f"{table}_float"))
+    source, nodes = floated.name, []
+    for move in chain:
+        out = namer(f"{move.output[0]}_float")
+        copy = onnx.NodeProto()
+        copy.CopyFrom(move)
+        copy.name = namer(f"{move.name or move.output[0]}_float")
+        copy.input[0] = source
+        del copy.output[:]
+        copy.output.append(out)
+        nodes.append(copy)
+        source = out
+    return source, nodes, floated
+
+
 def _integer_to_float(
     view: _Graph, node: onnx.NodeProto, namer: edit.FreshNames
-) -> tuple[onnx.NodeProto, list[onnx.NodeProto], onnx.TensorProto | None] | None:
+) -> (
+    tuple[onnx.NodeProto, list[onnx.NodeProto], list[onnx.TensorProto], list[onnx.NodeProto]] | None
+):
     """ConvInteger/MatMulInteger -> Cast -> Mul(scale_a * scale_b), as onnxruntime's dynamic
     quantizer writes it, as one float Conv/MatMul on the float operands; (new node, nodes it
-    replaces, new initializer)."""
+    replaces, new initializers, new nodes before it). An operand moved out of an integer table
+    (quantize_dynamic feeds a quantized embedding's rows straight into the first MatMulInteger)
+    is the same moves of the float table, and the scale product goes to the other operand."""
     operands = [_integer_operand(view, node, i) for i in (0, 1)]
+    tables = [i for i, o in enumerate(operands) if o is not None and o[1] == _TABLE]
     after, bias, add = node.output[0], "", _only_consumer(view, node.output[0], "Add")
     if add is not None and node.op_type == "ConvInteger":
         bias = _integer_bias(view, add, after)
@@ -2276,9 +2334,19 @@ def _integer_to_float(
     if product is None or product.op_type != "Mul":
         return None
     factors = list(product.input)
-    inputs, initializer = [], None
-    for source, scale, value in operands:
-        if value is None:  # dynamically quantized: its run-time scale is one of the factors
+    inputs, initializers, moves = [], [], []
+    if tables and (node.op_type != "MatMulInteger" or len(tables) != 1):
+        return None
+    for position, (source, scale, value) in enumerate(operands):
+        if position in tables:  # its scale stays among the factors, for the other operand
+            floated = _float_moves(view, node, position, namer)
+            if floated is None:
+                return None
+            source, made, table = floated
+            moves += made
+            initializers.append(table)
+            inputs.append(source)
+        elif value is None:  # dynamically quantized: its run-time scale is one of the factors
             if scale not in factors:
                 return None
             factors.remove(scale)
@@ -2286,15 +2354,22 @@ def _integer_to_float(
     for position, (_, _, value) in enumerate(operands):
         if value is None:
             continue
-        if len(factors) != 1 or _array(view.inits, factors[0]) is None:
+        constants = [_array(view.inits, f) for f in factors]
+        if len(constants) != (2 if tables else 1) or any(c is None for c in constants):
             return None
-        weight_scale = _array(view.inits, factors[0]).astype(np.float64)
+        weight_scale = np.ones((), np.float64)  # this operand's scale, and the table's
+        for constant in constants:
+            if constant.size > 1 and weight_scale.size > 1:
+                return None
+            weight_scale = weight_scale * constant.astype(np.float64)
         if node.op_type == "ConvInteger" and weight_scale.size > 1:
             weight_scale = weight_scale.reshape([-1] + [1] * (value.ndim - 1))
         name = namer(f"{node.input[position]}_float")
-        initializer = numpy_helper.from_array((value * weight_scale).astype(np.float32), name)
+        initializers.append(
+            numpy_helper.from_array((value * weight_scale).astype(np.float32), name)
+        )
         inputs.insert(position, name)
-        factors.pop()
+        factors.clear()
     if factors:
         return None
     float_node = onnx.helper.make_node(
@@ -2305,7 +2380,7 @@ def _integer_to_float(
     )
     if node.op_type == "ConvInteger":
         float_node.attribute.extend(node.attribute)
-    return float_node, [node, *([add] if bias else []), cast, mul], initializer
+    return float_node, [node, *([add] if bias else []), cast, mul], initializers, moves
 
 
 def _integer_bias(view: _Graph, add: onnx.NodeProto, accumulator: str) -> str | None:
@@ -2370,6 +2445,7 @@ def dynamic_to_float(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     namer = edit.FreshNames(model)
     view = _Graph(graph)
     replaced: dict[int, onnx.NodeProto] = {}
+    before: dict[int, list[onnx.NodeProto]] = {}  # nodes that make a replacement's operand
     drop: set[int] = set()
     index_of = {id(n): i for i, n in enumerate(graph.node)}
     counts: Counter[str] = Counter()
@@ -2378,11 +2454,11 @@ def dynamic_to_float(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             found = _integer_to_float(view, node, namer)
             if found is None:
                 continue
-            float_node, gone, initializer = found
+            float_node, gone, initializers, moves = found
             replaced[index] = float_node
+            before[index] = moves
             drop.update(index_of[id(n)] for n in gone[1:])
-            if initializer is not None:
-                graph.initializer.append(initializer)
+            graph.initializer.extend(initializers)
             counts[node.op_type] += 1
         elif node.op_type == "DynamicQuantizeLSTM" and node.domain == _MS:
             found_lstm = _lstm_to_float(view, node, namer)
@@ -2395,7 +2471,11 @@ def dynamic_to_float(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         return model, Change("dynamic_to_float")
     for index, new in replaced.items():
         graph.node[index].CopyFrom(new)
-    edit.drop_nodes(graph, drop)
+    nodes = []
+    for index, node in enumerate(graph.node):
+        if index not in drop:
+            nodes.extend([*before.get(index, []), node])
+    edit.set_nodes(graph, nodes)
     edit.remove_dead_nodes(graph)
     details = [
         f"{count} {op} -> float {_INTEGER_OPS.get(op, 'LSTM')} (weights dequantized)"
