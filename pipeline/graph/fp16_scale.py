@@ -29,17 +29,17 @@ from .edit import (
     DEFAULT_DOMAINS,
     Change,
     FreshNames,
+    NodeRewrite,
     checked_change,
     copy_model,
-    inferred_values,
     initializers_by_name,
     node_label,
     readers_by_tensor,
     remove_dead_nodes,
+    replace_by_op,
     set_nodes,
     sort_graph,
     subgraphs,
-    value_shape,
 )
 
 FLOAT16_MAX = 65504.0
@@ -916,40 +916,33 @@ def log_softmaxes_written_out(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
     along its axis (the same function in float32).
 
     The HTP's fp16 LogSoftmax is garbage over an axis of 64k + 1 values (65, 129, 257, 385,
-    513, 1025, 2049: -4.5 to 47.6 dB against the CPU, varying from run to run; a CTC head's vocabulary plus its blank,
-    128 + 1 or 1024 + 1 tokens), and 66-67 dB elsewhere; written out, 69-71 dB at every width
-    (measured on the simulator; its quantized LogSoftmax is right)."""
-    out = copy_model(model)
-    graph = out.graph
-    fresh = FreshNames(out)
-    nodes: list[onnx.NodeProto] = []
-    details = []
-    for node in graph.node:
-        if node.op_type != "LogSoftmax" or node.domain not in DEFAULT_DOMAINS:
-            nodes.append(node)
-            continue
-        axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
-        y, base = node.output[0], node.name or node.output[0]
-        axes = fresh(f"{y}_axes")
-        graph.initializer.append(numpy_helper.from_array(np.array([axis], np.int64), axes))
-        names = {p: fresh(f"{y}_{p}") for p in ("max", "shifted", "exp", "sum", "log")}
-        recipe = [
-            ("ReduceMax", [node.input[0], axes], "max", {"keepdims": 1}),
-            ("Sub", [node.input[0], names["max"]], "shifted", {}),
-            ("Exp", [names["shifted"]], "exp", {}),
-            ("ReduceSum", [names["exp"], axes], "sum", {"keepdims": 1}),
-            ("Log", [names["sum"]], "log", {}),
-        ]
-        for op, inputs, output, attrs in recipe:
-            nodes.append(
-                helper.make_node(op, inputs, [names[output]], fresh(f"{base}_{output}"), **attrs)
-            )
-        nodes.append(helper.make_node("Sub", [names["shifted"], names["log"]], [y], base))
-        details.append(f"{node_label(node)}: d - log(sum(exp(d))), d = x - max(x), axis {axis}")
-    if not details:
-        return model, Change("log_softmaxes_written_out")
-    set_nodes(graph, nodes)
-    return checked_change(out, "log_softmaxes_written_out", details)
+    513, 1025, 2049: -4.5 to 47.6 dB against the CPU, varying from run to run; a CTC head's
+    vocabulary plus its blank, 128 + 1 or 1024 + 1 tokens), and 66-67 dB elsewhere; written
+    out, 69-71 dB at every width (measured on the simulator; its quantized LogSoftmax is
+    right)."""
+    return replace_by_op(
+        model, "log_softmaxes_written_out", {"LogSoftmax": _written_out}, DEFAULT_DOMAINS
+    )
+
+
+def _written_out(node: onnx.NodeProto, context: NodeRewrite) -> tuple[list[onnx.NodeProto], str]:
+    axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+    y, base, fresh = node.output[0], node.name or node.output[0], context.fresh
+    axes = context.constant(np.array([axis], np.int64), f"{y}_axes")
+    names = {p: fresh(f"{y}_{p}") for p in ("max", "shifted", "exp", "sum", "log")}
+    recipe = [
+        ("ReduceMax", [node.input[0], axes], "max", {"keepdims": 1}),
+        ("Sub", [node.input[0], names["max"]], "shifted", {}),
+        ("Exp", [names["shifted"]], "exp", {}),
+        ("ReduceSum", [names["exp"], axes], "sum", {"keepdims": 1}),
+        ("Log", [names["sum"]], "log", {}),
+    ]
+    nodes = [
+        helper.make_node(op, inputs, [names[output]], fresh(f"{base}_{output}"), **attrs)
+        for op, inputs, output, attrs in recipe
+    ]
+    nodes.append(helper.make_node("Sub", [names["shifted"], names["log"]], [y], base))
+    return nodes, f"{node_label(node)}: d - log(sum(exp(d))), d = x - max(x), axis {axis}"
 
 
 # Square pooling windows from this size, at strides from 2, are computed as two passes in the fp16
@@ -968,59 +961,49 @@ def separable_float16_pools(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     The same values: a max over a rectangle is the max of its columns' maxima, and an average
     over one (its padding counted or not, the valid cells being a rectangle too) the average of
     its columns' averages."""
-    out = copy_model(model)
-    graph = out.graph
-    fresh = FreshNames(out)
-    nodes: list[onnx.NodeProto] = []
-    details = []
-    for node in graph.node:
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        kernel = [int(k) for k in attrs.get("kernel_shape", [])]
-        strides = [int(v) for v in attrs.get("strides", [1] * len(kernel))]
-        auto_pad = attrs.get("auto_pad", b"NOTSET")
-        if (
-            node.op_type not in ("MaxPool", "AveragePool")
-            or node.domain not in DEFAULT_DOMAINS
-            or len(kernel) != 2
-            or min(kernel) < 2
-            or max(kernel) < SEPARABLE_POOL
-            or max(strides) < 2
-            or len([o for o in node.output if o]) != 1
-            or (auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad) != "NOTSET"
-        ):
-            nodes.append(node)
-            continue
-        pads = [int(v) for v in attrs.get("pads", [0, 0, 0, 0])]
-        dilations = [int(v) for v in attrs.get("dilations", [1, 1])]
-        kept = {k: v for k, v in attrs.items() if k in ("ceil_mode", "count_include_pad")}
-        rows = fresh(f"{node.output[0]}_rows")
-        base = node.name or node.output[0]
-        passes = (
-            ([node.input[0]], [rows], 0, f"{base}_rows"),
-            ([rows], list(node.output), 1, base),
-        )
-        for inputs, outputs, axis, name in passes:
-            along = [1, 1]
-            along[axis] = kernel[axis]
-            step, spread = [1, 1], [1, 1]
-            step[axis], spread[axis] = strides[axis], dilations[axis]
-            pad = [0, 0, 0, 0]
-            pad[axis], pad[axis + 2] = pads[axis], pads[axis + 2]
-            nodes.append(
-                helper.make_node(
-                    node.op_type, inputs, outputs, fresh(name) if outputs != list(node.output)
-                    else name, kernel_shape=along, strides=step, pads=pad, dilations=spread,
-                    **kept,
-                )
-            )  # fmt: skip
-        details.append(
-            f"{node_label(node)}: {kernel[0]}x{kernel[1]} at strides {strides} -> "
-            f"{kernel[0]}x1 then 1x{kernel[1]}"
-        )
-    if not details:
-        return model, Change("separable_float16_pools")
-    set_nodes(graph, nodes)
-    return checked_change(out, "separable_float16_pools", details)
+    rules = {"MaxPool": _in_two_passes, "AveragePool": _in_two_passes}
+    return replace_by_op(model, "separable_float16_pools", rules, DEFAULT_DOMAINS)
+
+
+def _in_two_passes(
+    node: onnx.NodeProto, context: NodeRewrite
+) -> tuple[list[onnx.NodeProto], str] | None:
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    kernel = [int(k) for k in attrs.get("kernel_shape", [])]
+    strides = [int(v) for v in attrs.get("strides", [1] * len(kernel))]
+    auto_pad = attrs.get("auto_pad", b"NOTSET")
+    if (
+        len(kernel) != 2
+        or min(kernel) < 2
+        or max(kernel) < SEPARABLE_POOL
+        or max(strides) < 2
+        or len([o for o in node.output if o]) != 1
+        or (auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad) != "NOTSET"
+    ):
+        return None
+    pads = [int(v) for v in attrs.get("pads", [0, 0, 0, 0])]
+    dilations = [int(v) for v in attrs.get("dilations", [1, 1])]
+    kept = {k: v for k, v in attrs.items() if k in ("ceil_mode", "count_include_pad")}
+    rows = context.fresh(f"{node.output[0]}_rows")
+    base = node.name or node.output[0]
+    nodes = []
+    for axis, inputs, outputs, name in (
+        (0, [node.input[0]], [rows], context.fresh(f"{base}_rows")),
+        (1, [rows], list(node.output), base),
+    ):
+        along, step, spread, pad = [1, 1], [1, 1], [1, 1], [0, 0, 0, 0]
+        along[axis], step[axis], spread[axis] = kernel[axis], strides[axis], dilations[axis]
+        pad[axis], pad[axis + 2] = pads[axis], pads[axis + 2]
+        nodes.append(
+            helper.make_node(
+                node.op_type, inputs, outputs, name, kernel_shape=along, strides=step,
+                pads=pad, dilations=spread, **kept,
+            )
+        )  # fmt: skip
+    return nodes, (
+        f"{node_label(node)}: {kernel[0]}x{kernel[1]} at strides {strides} -> "
+        f"{kernel[0]}x1 then 1x{kernel[1]}"
+    )
 
 
 # The width (last axis) a linear asymmetric Resize by an integer factor is computed wrongly from,
@@ -1039,65 +1022,45 @@ def padded_float16_resizes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Cha
     last column the op repeats it, as the copy does; the columns kept read only positions
     before the copy's. TF1 exports (tf2onnx's ResizeBilinear without half-pixel centers)
     upsample 33- and 65-wide maps so (33 -> 66 columns: 6.7 dB against the CPU in fp16)."""
-    out = copy_model(model)
-    graph = out.graph
-    values: dict[str, onnx.ValueInfoProto] | None = None
-    fresh = FreshNames(out)
-    nodes: list[onnx.NodeProto] = []
-    details = []
+    return replace_by_op(
+        model, "padded_float16_resizes", {"Resize": _padded_resize}, DEFAULT_DOMAINS
+    )
+
+
+def _padded_resize(
+    node: onnx.NodeProto, context: NodeRewrite
+) -> tuple[list[onnx.NodeProto], str] | None:
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    text = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+    if text.get("mode") != "linear" or text.get("coordinate_transformation_mode") != "asymmetric":
+        return None
+    shape_in, shape_out = context.shape(node.input[0]), context.shape(node.output[0])
+    if shape_in is None or shape_out is None or len(shape_in) != 4 or len(shape_out) != 4:
+        return None
     period, remainder = _MISREAD_WIDTH
-    for node in graph.node:
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        text = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
-        if (
-            node.op_type != "Resize"
-            or node.domain not in DEFAULT_DOMAINS
-            or text.get("mode") != "linear"
-            or text.get("coordinate_transformation_mode") != "asymmetric"
-        ):
-            nodes.append(node)
-            continue
-        if values is None:
-            values = inferred_values(model)
-        shape_in = value_shape(values[node.input[0]]) if node.input[0] in values else None
-        shape_out = value_shape(values[node.output[0]]) if node.output[0] in values else None
-        if shape_in is None or shape_out is None or len(shape_in) != 4 or len(shape_out) != 4:
-            nodes.append(node)
-            continue
-        width, wide = shape_in[-1], shape_out[-1]
-        if width % period != remainder or width < period or wide % width:
-            nodes.append(node)
-            continue
-        factor = wide // width
-        base = node.name or node.output[0]
-        names = {p: fresh(f"{node.output[0]}_{p}") for p in ("padded", "resized")}
-        constants = {
-            "pads": np.array([0, 0, 0, 0, 0, 0, 0, 1], np.int64),
-            "sizes": np.array([*shape_out[:3], factor * (width + 1)], np.int64),
-            "start": np.array([0], np.int64),
-            "end": np.array([wide], np.int64),
-            "axis": np.array([3], np.int64),
-        }
-        named = {k: fresh(f"{base}_{k}") for k in constants}
-        graph.initializer.extend(numpy_helper.from_array(v, named[k]) for k, v in constants.items())
-        kept = {k: v for k, v in attrs.items() if k != "keep_aspect_ratio_policy"}
-        nodes += [
-            helper.make_node("Pad", [node.input[0], named["pads"]], [names["padded"]],
-                             fresh(f"{base}_last_column"), mode="edge"),
-            helper.make_node("Resize", [names["padded"], "", "", named["sizes"]],
-                             [names["resized"]], base, **kept),
-            helper.make_node("Slice", [names["resized"], named["start"], named["end"],
-                                       named["axis"]], list(node.output), fresh(f"{base}_cut")),
-        ]  # fmt: skip
-        details.append(
-            f"{node_label(node)}: {width} columns x{factor} -> {width + 1} columns, "
-            f"{factor} cut off"
-        )
-    if not details:
-        return model, Change("padded_float16_resizes")
-    set_nodes(graph, nodes)
-    remove_dead_nodes(graph)  # the old scales or sizes
-    return checked_change(out, "padded_float16_resizes", details)
+    width, wide = shape_in[-1], shape_out[-1]
+    if width % period != remainder or width < period or wide % width:
+        return None
+    factor = wide // width
+    base, fresh = node.name or node.output[0], context.fresh
+    padded, resized = (fresh(f"{node.output[0]}_{p}") for p in ("padded", "resized"))
+
+    def constant(values: list[int], tag: str) -> str:
+        return context.constant(np.array(values, np.int64), f"{base}_{tag}")
+
+    kept = {k: v for k, v in attrs.items() if k != "keep_aspect_ratio_policy"}
+    sizes = constant([*shape_out[:3], factor * (width + 1)], "sizes")
+    ends = [constant([0], "start"), constant([wide], "end"), constant([3], "axis")]
+    nodes = [
+        helper.make_node("Pad", [node.input[0], constant([0, 0, 0, 0, 0, 0, 0, 1], "pads")],
+                         [padded], fresh(f"{base}_last_column"), mode="edge"),
+        helper.make_node("Resize", [padded, "", "", sizes], [resized], base, **kept),
+        helper.make_node("Slice", [resized, *ends], list(node.output), fresh(f"{base}_cut")),
+    ]  # fmt: skip
+    return (
+        nodes,
+        f"{node_label(node)}: {width} columns x{factor} -> {width + 1} columns, {factor} cut off",
+    )
 
 
 def exact_float16_forms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Change]]:
