@@ -834,6 +834,116 @@ def test_mish_is_refused_by_the_qnn_ep_and_its_definition_is_whole(tmp_path: Pat
         build_whole_on_htp(tmp_path / op, op.lower(), conv_then(op))
 
 
+def conv_pad_conv(mode: str, axes: list[int], pads: list[int]) -> onnx.ModelProto:
+    """Conv -> Pad(mode, pads of ``axes`` only) -> Conv, opset 21 (the axes input: opset 18)."""
+    rng = np.random.default_rng(5)
+    conv = [rng.normal(0, 0.4, (8, c, 3, 3)).astype(np.float32) for c in (3, 8)]
+    graph = oh.make_graph(
+        [
+            oh.make_node("Conv", ["x", "w1"], ["c"]),
+            oh.make_node("Pad", ["c", "pads", "", "axes"], ["p"], mode=mode),
+            oh.make_node("Conv", ["p", "w2"], ["y"]),
+        ],
+        "pad_axes",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 18, 18])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, "h", "w"])],
+        weights(
+            ("w1", conv[0]),
+            ("w2", conv[1]),
+            ("pads", np.array(pads, np.int64)),
+            ("axes", np.array(axes, np.int64)),
+        ),
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize(
+    ("mode", "axes", "pads"),
+    [("reflect", [2, 3], [1, 2, 2, 1]), ("constant", [-1], [0, 3]), ("edge", [3, 2], [1, 0, 0, 2])],
+)
+def test_pads_of_some_axes_become_pads_of_every_axis(mode: str, axes: list, pads: list) -> None:
+    model = conv_pad_conv(mode, axes, pads)
+    full, change = t.pads_over_every_axis(model)
+    assert change.changed
+    (pad,) = [n for n in full.graph.node if n.op_type == "Pad"]
+    assert len(pad.input) == 2 and edit.initializers_by_name(full.graph)[pad.input[1]].dims == [8]
+    feeds = {"x": RNG.standard_normal((1, 3, 18, 18)).astype(np.float32)}
+    assert_same(model, full, feeds)
+    assert not t.pads_over_every_axis(full)[1].changed
+
+
+def center_crop_then_rms_norm() -> onnx.ModelProto:
+    """Conv -> CenterCropPad to 12x20 (crops H, pads W) -> RMSNormalization over the channels
+    (opset 23: an image model's crop and a modern normalization, both function ops)."""
+    rng = np.random.default_rng(6)
+    graph = oh.make_graph(
+        [
+            oh.make_node("Conv", ["x", "w1"], ["c"], pads=[1, 1, 1, 1]),
+            oh.make_node("CenterCropPad", ["c", "size"], ["cropped"], axes=[2, 3]),
+            oh.make_node("Transpose", ["cropped"], ["last"], perm=[0, 2, 3, 1]),
+            oh.make_node("RMSNormalization", ["last", "scale"], ["normed"], axis=-1),
+            oh.make_node("Transpose", ["normed"], ["back"], perm=[0, 3, 1, 2]),
+            oh.make_node("Conv", ["back", "w2"], ["y"], pads=[1, 1, 1, 1]),
+        ],
+        "crop_norm",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 12, 20])],
+        weights(
+            ("w1", rng.normal(0, 0.4, (8, 3, 3, 3)).astype(np.float32)),
+            ("w2", rng.normal(0, 0.4, (8, 8, 3, 3)).astype(np.float32)),
+            ("size", np.array([12, 20], np.int64)),
+            ("scale", rng.uniform(0.5, 1.5, 8).astype(np.float32)),
+        ),
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 23)], ir_version=10)
+
+
+def test_center_crop_pad_and_rms_norm_become_their_definitions_exactly() -> None:
+    model = center_crop_then_rms_norm()
+    prepared, changes = prepare_model(model, InputsSection())
+    kinds = set(ops(prepared))
+    assert not kinds & {"CenterCropPad", "RMSNormalization", "Shape"}, kinds
+    pads = [n for n in prepared.graph.node if n.op_type == "Pad"]
+    assert all(len(n.input) < 4 or not n.input[3] for n in pads)  # no axes left
+    assert any(c.step == "pads_over_every_axis" and c.changed for c in changes)
+    assert_same(model, prepared, {"x": RNG.standard_normal((1, 3, 16, 16)).astype(np.float32)})
+
+
+def test_rotary_embedding_becomes_its_definition_exactly() -> None:
+    """RotaryEmbedding-23 over [batch, heads, sequence, head size] with cos/sin caches read at
+    position ids (a decoder's attention): the QNN EP has no kernel for it."""
+    rng = np.random.default_rng(7)
+    angles = np.outer(np.arange(16), 1.0 / 10000 ** (np.arange(4) / 4)).astype(np.float32)
+    graph = oh.make_graph(
+        [oh.make_node("RotaryEmbedding", ["x", "cos", "sin", "positions"], ["y"])],
+        "rope",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 6, 8])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 6, 8])],
+        weights(
+            ("cos", np.cos(angles)),
+            ("sin", np.sin(angles)),
+            ("positions", np.arange(3, 9, dtype=np.int64).reshape(1, 6)),
+        ),
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 23)], ir_version=10)
+    expanded, change = t.expand_function_ops(model)
+    assert change.changed and "RotaryEmbedding" not in ops(expanded)
+    feeds = {"x": rng.standard_normal((1, 2, 6, 8)).astype(np.float32)}
+    assert_same(model, expanded, feeds)
+
+
+@pytest.mark.qnn
+def test_pads_of_some_axes_and_center_crops_are_whole_on_the_htp(tmp_path: Path) -> None:
+    """A reflect Pad of H and W only and a CenterCropPad: every context of either failed to
+    build before; now whole on the HTP and accurate."""
+    for name, model in (
+        ("pad_axes", conv_pad_conv("reflect", [2, 3], [1, 2, 2, 1])),
+        ("crop_norm", center_crop_then_rms_norm()),
+    ):
+        (tmp_path / name).mkdir()
+        build_whole_on_htp(tmp_path / name, name, model)
+
+
 def einsum_model(equation: str, shapes: list[tuple[int, ...]], out: list[int]) -> onnx.ModelProto:
     inputs = [f"x{i}" for i in range(len(shapes))]
     graph = oh.make_graph(
@@ -1533,7 +1643,7 @@ def _weighted_reshape() -> onnx.ModelProto:
         ],
         "weighted",
         [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 8, 8])],
-        [oh.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, "h", "w"])],
         [
             numpy_helper.from_array(rng.standard_normal((64, 16, 4, 4)).astype(np.float32), "w"),
             numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"),
@@ -2746,7 +2856,7 @@ def test_input_sizes_a_layer_does_not_take_are_blamed_on_the_inputs_given() -> N
         [oh.make_node("Gemm", ["x", "w"], ["y"], name="frames_to_hidden")],
         "tracker",
         [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 314])],
-        [oh.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, "h", "w"])],
         [weights],
     )
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])

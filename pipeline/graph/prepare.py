@@ -92,6 +92,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.constants_to_initializers,  # the converter may add Constant nodes
         t.fold_constants,
         t.drop_identities,  # before the folds: an Identity hides a BatchNorm's Add from them
+        t.pads_over_every_axis,  # a Pad with axes (CenterCropPad's body): no context builds
         unsupported.positions_written_as_where,  # x[torch.where(c)] = v: no data-sized chain
         t.plain_tensor_names,  # a ';' in a context's output name aborts its load
         recurrent.unroll_static_loops,  # a while loop's count is constant once shapes are fixed

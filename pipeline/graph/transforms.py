@@ -33,6 +33,7 @@ from .edit import (
     NodeRewrite,
     all_graphs,
     ancestors,
+    attribute,
     bypass_nodes,
     checked_change,
     copy_model,
@@ -51,6 +52,7 @@ from .edit import (
     remove_dead_nodes,
     rename_tensors,
     replace_attributes,
+    replace_by_op,
     replace_nodes,
     restore_weight_data,
     set_nodes,
@@ -2043,6 +2045,46 @@ def drop_identities(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     )
 
 
+def _pads_of_every_axis(
+    node: onnx.NodeProto, context: NodeRewrite
+) -> tuple[list[onnx.NodeProto], str] | None:
+    """Pad(x, pads, value, axes) with constant pads and axes -> Pad(x, pads over every axis)."""
+    if len(node.input) < 4 or not node.input[3]:
+        return None
+    shape = context.shape(node.input[0])
+    pads, axes = context.inits.get(node.input[1]), context.inits.get(node.input[3])
+    if shape is None or pads is None or axes is None:
+        return None
+    rank = len(shape)
+    chosen = [int(a) % rank for a in numpy_helper.to_array(axes).reshape(-1)]
+    amounts = numpy_helper.to_array(pads).astype(np.int64).reshape(-1)
+    if len(amounts) != 2 * len(chosen) or len(set(chosen)) != len(chosen):
+        return None
+    full = np.zeros(2 * rank, np.int64)
+    for k, axis in enumerate(chosen):
+        full[axis], full[rank + axis] = amounts[k], amounts[len(chosen) + k]
+    out = node.output[0]
+    inputs = [node.input[0], context.constant(full, f"{out}_pads")]
+    if len(node.input) > 2 and node.input[2]:
+        inputs.append(node.input[2])
+    mode = attribute(node, "mode", b"constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    padded = onnx.helper.make_node("Pad", inputs, list(node.output), name=node.name, mode=mode)
+    return [padded], f"{node_label(node)}: pads of axes {chosen} -> pads over all {rank} axes"
+
+
+def pads_over_every_axis(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A Pad with an ``axes`` input (opset 18; CenterCropPad's ONNX definition writes one) ->
+    the same Pad with pads over every axis.
+
+    Why: every context of a Pad with axes failed (reflect and constant modes, measured on the
+    simulator), and the pad rules that follow (folds into Conv and pools, pads as Concat)
+    read pads as one begin and end per axis."""
+    return replace_by_op(
+        model, "pads_over_every_axis", {"Pad": _pads_of_every_axis}, DEFAULT_DOMAINS
+    )
+
+
 # op -> (the constant that leaves the other operand as it is, the input positions it may take)
 _NEUTRAL_OPERANDS = {
     "Add": (0.0, (0, 1)),
@@ -3435,11 +3477,14 @@ def store_inferred_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
 # ReduceSumSquare, ReduceL1, ReduceLogSum-18 (left on the CPU: an audio front end's power
 # spectrum, re^2 + im^2 over one axis, cut a log-mel extractor in two partitions); Softsign (a
 # Keras activation, and an RNN's), Celu-12 and Shrink stay on the CPU; MeanVarianceNormalization
-# comes out of onnxruntime's qnn_preprocess_model with no type for shape inference.
+# comes out of onnxruntime's qnn_preprocess_model with no type for shape inference;
+# CenterCropPad (its context failed to build), RMSNormalization-23 and RotaryEmbedding-23
+# (opset-23 ops the QNN EP leaves on the CPU).
 EXPANDED_FUNCTION_OPS = frozenset(
     {
         "Mish", "GroupNormalization", "ReduceSumSquare", "ReduceL1", "ReduceLogSum",
         "Softsign", "Celu", "Shrink", "MeanVarianceNormalization",
+        "CenterCropPad", "RMSNormalization", "RotaryEmbedding",
     }
 )  # fmt: skip
 
@@ -3537,13 +3582,13 @@ def _inlined(
         copy.output[:] = [rename(n) for n in inner.output]
         copy.name = namer(f"{base}/{inner.name or inner.op_type}")
         kept = []
-        for attribute in copy.attribute:
-            if not attribute.ref_attr_name:
-                kept.append(attribute)
-            elif attribute.ref_attr_name in attrs:
+        for attr in copy.attribute:
+            if not attr.ref_attr_name:
+                kept.append(attr)
+            elif attr.ref_attr_name in attrs:
                 value = onnx.AttributeProto()
-                value.CopyFrom(attrs[attribute.ref_attr_name])
-                value.name = attribute.name
+                value.CopyFrom(attrs[attr.ref_attr_name])
+                value.name = attr.name
                 kept.append(value)
         del copy.attribute[:]
         copy.attribute.extend(kept)
