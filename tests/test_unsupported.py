@@ -91,6 +91,16 @@ CASES = {
         {"pads": np.array([2, 0, 1, 3], np.int64), "axes": np.array([2, 3], np.int64)},
         [1, 8, 9, 9],
     ),
+    "LpPool p=2": (
+        [oh.make_node("LpPool", ["x"], ["y"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], p=2)],
+        {},
+        SHAPE,
+    ),
+    "LpPool p=1": (
+        [oh.make_node("LpPool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2], p=1)],
+        {},
+        [1, 8, 3, 3],
+    ),
     "Sinh": ([oh.make_node("Sinh", ["x"], ["y"])], {}, SHAPE),
     "Cosh": ([oh.make_node("Cosh", ["x"], ["y"])], {}, SHAPE),
     "Asinh": ([oh.make_node("Asinh", ["x"], ["y"])], {}, SHAPE),
@@ -520,3 +530,40 @@ def test_a_fill_at_nonzero_positions_runs_whole_on_the_htp(tmp_path: Path) -> No
     samples = [{"x": rng.standard_normal((2, 3, 4)).astype(np.float32)} for _ in range(3)]
     snr = whole_ctx_vs_float(tmp_path, {"float": rewritten}, samples)
     assert snr["float"] > 50.0, snr
+
+
+def image_model(
+    between: list[onnx.NodeProto], constants: dict[str, np.ndarray], channels: int = 16
+) -> onnx.ModelProto:
+    """x [1, 3, 16, 16] -> Conv to ``channels`` -> a; ``between`` reads a and writes b; b ->
+    Conv -> y (the ops of a CNN's block, seeded weights)."""
+    rng = np.random.default_rng(11)
+    inits = {
+        "w1": (rng.standard_normal((channels, 3, 3, 3)) / 3).astype(np.float32),
+        "w2": (rng.standard_normal((channels, channels, 3, 3)) / channels).astype(np.float32),
+        **constants,
+    }
+    graph = oh.make_graph(
+        [
+            oh.make_node("Conv", ["x", "w1"], ["a"], pads=[1, 1, 1, 1]),
+            *between,
+            oh.make_node("Conv", ["b", "w2"], ["y"], pads=[1, 1, 1, 1]),
+        ],
+        "image",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, channels, "h", "w"])],
+        [numpy_helper.from_array(value, name) for name, value in inits.items()],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.qnn
+def test_an_lp_pool_is_right_on_the_htp(tmp_path: Path) -> None:
+    """The HTP takes LpPool whole but computes it wrongly (16 channels of 16x16: ctx vs QDQ
+    3.9 dB); as an AveragePool of squares it is right there."""
+    from compile_fixtures import build_whole_on_htp
+
+    for p, attrs in ((2, {"pads": [1, 1, 1, 1]}), (1, {"strides": [2, 2]})):
+        pool = oh.make_node("LpPool", ["a"], ["b"], kernel_shape=[3, 3], p=p, **attrs)
+        (tmp_path / f"p{p}").mkdir()
+        build_whole_on_htp(tmp_path / f"p{p}", f"lp_pool_{p}", image_model([pool], {}))
