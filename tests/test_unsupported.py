@@ -567,3 +567,78 @@ def test_an_lp_pool_is_right_on_the_htp(tmp_path: Path) -> None:
         pool = oh.make_node("LpPool", ["a"], ["b"], kernel_shape=[3, 3], p=p, **attrs)
         (tmp_path / f"p{p}").mkdir()
         build_whole_on_htp(tmp_path / f"p{p}", f"lp_pool_{p}", image_model([pool], {}))
+
+
+def pooled_with_indices(
+    kernel: int, stride: int, shape: tuple[int, ...] = (2, 3, 7, 8), unpool: bool = False
+) -> onnx.ModelProto:
+    """MaxPool(x) -> (y, indices), both outputs; ``unpool``: y -> Relu -> MaxUnpool at the
+    indices instead (SegNet's decoder)."""
+    nodes = [
+        oh.make_node("MaxPool", ["x"], ["y", "i"], kernel_shape=[kernel] * 2, strides=[stride] * 2)
+    ]
+    outputs = [
+        oh.make_tensor_value_info("y", TensorProto.FLOAT, None),
+        oh.make_tensor_value_info("i", TensorProto.INT64, None),
+    ]
+    if unpool:
+        nodes += [
+            oh.make_node("Relu", ["y"], ["r"]),
+            oh.make_node(
+                "MaxUnpool", ["r", "i"], ["u"], kernel_shape=[kernel] * 2, strides=[stride] * 2
+            ),
+        ]
+        outputs = [oh.make_tensor_value_info("u", TensorProto.FLOAT, None)]
+    graph = oh.make_graph(
+        nodes, "pool", [oh.make_tensor_value_info("x", TensorProto.FLOAT, shape)], outputs
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def run_all(model: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})
+
+
+@pytest.mark.parametrize(("kernel", "unpool"), [(2, False), (3, False), (1, False), (2, True)])
+def test_max_pool_indices_and_unpooling_are_computed_the_same(kernel: int, unpool: bool) -> None:
+    """Indices as ONNX counts them (over the whole tensor, batch and channel included), the
+    first maximum of a window on ties (x rounded to few levels: many ties, as quantized)."""
+    shape = (2, 3, 6, 8) if unpool else (2, 3, 7, 8)  # unpooled: sizes the windows tile
+    model = pooled_with_indices(kernel, kernel, shape, unpool=unpool)
+    rewritten, change = ops_without_qnn_kernels(model)
+    assert change.changed and len(change.details) == 1 + unpool, change.details
+    kinds = [n.op_type for n in rewritten.graph.node]
+    assert "MaxUnpool" not in kinds
+    assert all(len(n.output) == 1 for n in rewritten.graph.node if n.op_type == "MaxPool")
+    for seed in range(3):
+        x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+        if seed:
+            x = np.round(x * seed).astype(np.float32)  # ties
+        for want, got in zip(run_all(model, x), run_all(rewritten, x), strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_max_pool_indices_of_overlapping_windows_stay() -> None:
+    """Stride 1 under a 3x3 kernel (windows overlap) and a 4x4 kernel: left as they are."""
+    for kernel, stride in ((3, 1), (4, 4)):
+        same, change = ops_without_qnn_kernels(pooled_with_indices(kernel, stride, (1, 2, 8, 8)))
+        assert not change.changed and same.graph.node[0].op_type == "MaxPool"
+
+
+@pytest.mark.qnn
+def test_segnet_style_unpooling_is_whole_on_the_htp(tmp_path: Path) -> None:
+    """Conv -> MaxPool 2x2 with indices -> Conv -> MaxUnpool at those indices -> Conv (SegNet's
+    encoder-decoder): MaxPool's indices and MaxUnpool stayed on the CPU, three partitions."""
+    from compile_fixtures import build_whole_on_htp
+
+    rng = np.random.default_rng(12)
+    between = [
+        oh.make_node("MaxPool", ["a"], ["p", "i"], kernel_shape=[2, 2], strides=[2, 2]),
+        oh.make_node("Conv", ["p", "w_mid"], ["m"], pads=[1, 1, 1, 1]),
+        oh.make_node("Relu", ["m"], ["r"]),
+        oh.make_node("MaxUnpool", ["r", "i"], ["b"], kernel_shape=[2, 2], strides=[2, 2]),
+    ]
+    mid = {"w_mid": (rng.standard_normal((16, 16, 3, 3)) / 8).astype(np.float32)}
+    build_whole_on_htp(tmp_path, "unpool", image_model(between, mid))

@@ -3,11 +3,11 @@
 Each stays on the CPU otherwise and cuts the graph in two partitions (measured on the HTP
 simulator, one op between two Convs, quantized, onnxruntime-qnn 2.7.0): GlobalLpPool, Hardmax,
 OneHot, Trilu, a float Mod, a standalone Erf (a GELU's Erf is fused into Gelu by
-``attention.fuse_erf_gelu`` first), CumSum reversed or exclusive, a 3D MaxPool, Pad in wrap
-mode, Sinh, Cosh, Asinh, Acosh, Atanh and Acos; and forms it takes not: Gemm with alpha or
-beta, Compress with a constant condition; and ops the HTP takes but computes wrongly: an
-integer Mod (in fp16) and LpPool. The rewrites compute the same, except Erf,
-whose polynomial form is within 1.5e-7 of it (Abramowitz and Stegun 7.1.26; 5e-7 in float32),
+``attention.fuse_erf_gelu`` first), CumSum reversed or exclusive, a 3D MaxPool, a MaxPool's
+indices, MaxUnpool, Pad in wrap mode, Sinh, Cosh, Asinh, Acosh, Atanh and Acos; and forms it
+takes not: Gemm with alpha or beta, Compress with a constant condition; and ops the HTP takes
+but computes wrongly: an integer Mod (in fp16) and LpPool. The rewrites compute the same,
+except Erf, whose polynomial form is within 1.5e-7 of it (Abramowitz and Stegun 7.1.26; 5e-7 in float32),
 and Mod where a / b rounds to an integer it is not (fmod's 0 or b there, a step either way).
 """
 
@@ -411,6 +411,126 @@ def _lp_pool(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     )
 
 
+def _max_pool_indices(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """MaxPool(x) -> (y, indices) with windows that do not overlap (stride = kernel <= 3, no
+    pads, dilations or ceil mode, row-major indices) -> the MaxPool for y, and the indices
+    computed: each window's origin (a constant, ((n C + c) H + h) W + w as ONNX counts) plus
+    the offset i W + j of its first maximum, found by comparing the k * k strided slices of x.
+
+    Why: the QNN EP takes no MaxPool with an Indices output (SegNet's and ENet's encoders, whose
+    decoders unpool at the indices: ``_max_unpool``). The slices of one tensor share its
+    quantization, so their comparisons are exact on the HTP too; the first maximum wins ties,
+    as onnxruntime's MaxPool."""
+    kernel = [int(k) for k in attribute(node, "kernel_shape", [])]
+    shape = context.shape(node.input[0])
+    result = context.shape(node.output[0])
+    if (
+        shape is None
+        or result is None
+        or len(shape) != 4
+        or len(kernel) != 2
+        or kernel[0] > 3
+        or kernel[1] > 3
+        or [int(s) for s in attribute(node, "strides", [1, 1])] != kernel
+        or any(int(v) for v in attribute(node, "pads", []))
+        or any(int(d) != 1 for d in attribute(node, "dilations", []))
+        or int(attribute(node, "ceil_mode", 0))
+        or int(attribute(node, "storage_order", 0))
+        or attribute(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET", b"VALID", "VALID")
+    ):
+        return None
+    n, c, h, w = shape
+    rows, cols = result[2], result[3]
+    out, indices = node.output[0], node.output[1]
+    fresh = context.fresh
+    pool = helper.make_node(
+        "MaxPool", [node.input[0]], [out], name=node.name, kernel_shape=kernel, strides=kernel
+    )
+    planes = (np.arange(n * c, dtype=np.int64) * h * w).reshape(n, c, 1, 1)
+    origins = planes + (np.arange(rows, dtype=np.int64) * kernel[0] * w).reshape(1, 1, rows, 1)
+    origins = origins + (np.arange(cols, dtype=np.int64) * kernel[1]).reshape(1, 1, 1, cols)
+    origin = context.constant(origins, f"{indices}_origins")
+    if kernel == [1, 1]:  # every window is one position: the indices are the positions
+        nodes = [pool, helper.make_node("Identity", [origin], [indices])]
+        return nodes, f"{node_label(node)} (1x1 windows): indices -> the constant positions"
+    axes = context.constant(np.array([2, 3], np.int64), f"{indices}_axes")
+    steps = context.constant(np.array(kernel, np.int64), f"{indices}_steps")
+    offsets = [(i, j) for i in range(kernel[0]) for j in range(kernel[1])]
+    nodes = [pool]
+    slices = []
+    for i, j in offsets:
+        piece = fresh(f"{indices}_at_{i}_{j}")
+        starts = context.constant(np.array([i, j], np.int64), f"{indices}_start_{i}_{j}")
+        ends = context.constant(
+            np.array([i + rows * kernel[0], j + cols * kernel[1]], np.int64),
+            f"{indices}_end_{i}_{j}",
+        )
+        nodes.append(helper.make_node("Slice", [node.input[0], starts, ends, axes, steps], [piece]))
+        slices.append(piece)
+    # Position p is the first maximum when no earlier one is and it is >= every later one.
+    chosen = context.constant(
+        np.array(offsets[-1][0] * w + offsets[-1][1], np.int64), f"{indices}_offset_last"
+    )
+    for p in range(len(offsets) - 2, -1, -1):
+        tests = []
+        for q in range(p + 1, len(offsets)):
+            test = fresh(f"{indices}_{p}_ge_{q}")
+            nodes.append(helper.make_node("GreaterOrEqual", [slices[p], slices[q]], [test]))
+            tests.append(test)
+        while len(tests) > 1:
+            both = fresh(f"{indices}_{p}_max")
+            nodes.append(helper.make_node("And", tests[:2], [both]))
+            tests = [both, *tests[2:]]
+        i, j = offsets[p]
+        offset = context.constant(np.array(i * w + j, np.int64), f"{indices}_offset_{i}_{j}")
+        picked = fresh(f"{indices}_offset_from_{p}")
+        nodes.append(helper.make_node("Where", [tests[0], offset, chosen], [picked]))
+        chosen = picked
+    nodes.append(helper.make_node("Add", [origin, chosen], [indices]))
+    return nodes, (
+        f"{node_label(node)} ({kernel[0]}x{kernel[1]} windows): indices -> window origins + "
+        "the offset of each window's first maximum"
+    )
+
+
+def _max_pool(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """A MaxPool with indices: ``_max_pool_indices``; a 3D one: ``_max_pool_3d``."""
+    if len(node.output) > 1 and node.output[1]:
+        return _max_pool_indices(node, context)
+    return _max_pool_3d(node, context)
+
+
+def _max_unpool(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
+    """MaxUnpool(x, indices) -> zeros of the output's size, flat, ScatterND of x's values at
+    the indices, reshaped to the output's shape (static, output_shape input or not).
+
+    Why: the QNN EP has no MaxUnpool (SegNet's and ENet's decoders). Indices that repeat (from
+    overlapping windows) write one of their values, as MaxUnpool leaves it open which."""
+    result = context.shape(node.output[0])
+    shape = context.shape(node.input[0])
+    if result is None or shape is None:
+        return None
+    out = node.output[0]
+    fresh = context.fresh
+    elem = context.elem_type(node.input[0]) or onnx.TensorProto.FLOAT
+    zero = context.constant(np.zeros((), helper.tensor_dtype_to_np_dtype(elem)), f"{out}_zero")
+    total = context.constant(np.array([int(np.prod(result))], np.int64), f"{out}_size")
+    rows = context.constant(np.array([-1, 1], np.int64), f"{out}_rows")
+    flat_shape = context.constant(np.array([-1], np.int64), f"{out}_flat_shape")
+    final = context.constant(np.array(result, np.int64), f"{out}_shape")
+    zeros, where, values, written = (
+        fresh(f"{out}_{s}") for s in ("zeros", "where", "values", "flat")
+    )
+    nodes = [
+        helper.make_node("Expand", [zero, total], [zeros]),
+        helper.make_node("Reshape", [node.input[1], rows], [where]),
+        helper.make_node("Reshape", [node.input[0], flat_shape], [values]),
+        helper.make_node("ScatterND", [zeros, where, values], [written]),
+        helper.make_node("Reshape", [written, final], [out]),
+    ]
+    return nodes, f"{node_label(node)} -> ScatterND of x at the indices into zeros"
+
+
 def _pad_wrap(node: onnx.NodeProto, context: NodeRewrite) -> Rewrite | None:
     """Pad(mode = wrap) with constant, non-negative pads -> a Concat of the slices it wraps."""
     shape = context.shape(node.input[0])
@@ -585,7 +705,8 @@ _REWRITES: dict[str, NodeRule] = {
     "Mod": _mod,
     "Erf": _erf,
     "CumSum": _cum_sum,
-    "MaxPool": _max_pool_3d,
+    "MaxPool": _max_pool,
+    "MaxUnpool": _max_unpool,
     "Pad": _pad_wrap,
     "LpPool": _lp_pool,
     "Sinh": _from_exp,
