@@ -935,3 +935,91 @@ def test_a_prompt_encoder_with_float_labels_builds_quantized_with_its_comparison
     steps = {entry["step"]: entry["details"] for entry in report["prepare"]}
     assert len(steps["integer_comparisons"]) == 3, steps.get("integer_comparisons")
     assert report["worst_snr_db"] > 30.0, report["worst_snr_db"]
+
+
+def _gathered_at_computed_positions(perturb: float = 1.0, compare: bool = True) -> onnx.ModelProto:
+    """x [1, 8, 32] -> each row's value at a position the model computes (Floor(31 *
+    sigmoid(mean))), and (``compare``) whether that position is the middle one (Equal to 15).
+    ``perturb`` scales the Floor's output the way quantization moves it (2.99998 for 3)."""
+    nodes = [
+        helper.make_node("ReduceMean", ["x", "last"], ["mean"], keepdims=1),
+        helper.make_node("Sigmoid", ["mean"], ["share"]),
+        helper.make_node("Mul", ["share", "span"], ["spot"]),
+        helper.make_node("Floor", ["spot"], ["position"]),
+        helper.make_node("Mul", ["position", "perturb"], ["read"]),
+        helper.make_node("Cast", ["read"], ["index"], to=TensorProto.INT64),
+        helper.make_node("GatherElements", ["x", "index"], ["y"], axis=2),
+        helper.make_node("Equal", ["read", "middle"], ["at_middle"]),
+        helper.make_node("Cast", ["at_middle"], ["centred"], to=TensorProto.FLOAT),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 1])]
+    if compare:
+        outputs.append(helper.make_tensor_value_info("centred", TensorProto.FLOAT, [1, 8, 1]))
+    else:
+        del nodes[-2:]
+    graph = helper.make_graph(
+        nodes,
+        "positions",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 32])],
+        outputs,
+        [
+            numpy_helper.from_array(np.array([2], np.int64), "last"),
+            numpy_helper.from_array(np.array(31.0, np.float32), "span"),
+            numpy_helper.from_array(np.array(perturb, np.float32), "perturb"),
+            numpy_helper.from_array(np.array(15.0, np.float32), "middle"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+def _positions_samples(count: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(11)
+    # row means spread over (-3, 3): positions over most of 0..30, some rows at 15
+    means = rng.uniform(-3, 3, (count, 1, 8, 1)).astype(np.float32)
+    means[:, 0, 0, 0] = 0.0  # Floor(31 * 0.5) = 15
+    noise = rng.normal(0, 1, (count, 1, 8, 32)).astype(np.float32)
+    noise -= noise.mean(axis=-1, keepdims=True)
+    return [{"x": m + n} for m, n in zip(means, noise, strict=True)]
+
+
+def test_casts_and_comparisons_of_rounded_values_get_a_half_margin() -> None:
+    """A Floor's output holds integers: the Cast of it reads the nearest integer and the
+    Equal gets a margin, so a 2.99998 (what quantization makes of 3) still reads 3; on exact
+    integers nothing changes."""
+    from pipeline.graph.numerics import integer_casts_with_margin
+
+    for perturb in (1.0, 1.0 - 2e-5):
+        model = _gathered_at_computed_positions(perturb)
+        exact = _gathered_at_computed_positions()
+        # a perturbing factor hides the integers: rewrite the exact model, then set its factor
+        rewritten, change = integer_casts_with_margin(exact)
+        assert len(change.details) == 2, change.details  # the Cast to int64 and the Equal
+        perturb_init = next(i for i in rewritten.graph.initializer if i.name == "perturb")
+        perturb_init.CopyFrom(numpy_helper.from_array(np.array(perturb, np.float32), "perturb"))
+        for feeds in _positions_samples(8):
+            want = _all_outputs(exact, feeds)
+            assert want[1].any()  # the middle position is reached
+            for got, expected in zip(_all_outputs(rewritten, feeds), want, strict=True):
+                np.testing.assert_array_equal(got, expected)
+        if perturb != 1.0:  # without the margins the moved integers read wrong
+            feeds = _positions_samples(1)[0]
+            truncated = _all_outputs(model, feeds)
+            assert not np.array_equal(truncated[0], _all_outputs(exact, feeds)[0])
+            assert not truncated[1].any()
+    # a Cast of a computed float that is not known to hold integers stays a truncation
+    plain = _gathered_at_computed_positions()
+    for node in plain.graph.node:
+        if node.op_type == "Floor":
+            node.op_type = "Relu"
+    assert not integer_casts_with_margin(plain)[1].changed
+
+
+@pytest.mark.qnn
+def test_positions_computed_by_a_floor_are_read_right_quantized(tmp_path: Path) -> None:
+    """Quantized, Cast(Floor(..)) truncated 14.99998 to 14: the gathered values were wrong (ctx
+    vs float 1.6 dB); with the margin the quantized ctx is whole on the HTP, 86.7 dB."""
+    from compile_fixtures import build_whole_on_htp
+
+    # judged on the CPU: the quantized model is compiled, not an fp16 fallback the HTP judge picks
+    model = _gathered_at_computed_positions(compare=False)
+    build_whole_on_htp(tmp_path, "positions", model, quantization='judge = "cpu"')

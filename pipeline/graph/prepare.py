@@ -164,6 +164,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.flatten_gemm_biases,  # ... and reads a Gemm's bias as one value per column
         attention.standard_gelu,  # qnn_preprocess fuses TF/Keras GELU into com.microsoft Gelu
         unsupported.ops_without_qnn_kernels,  # after every GELU fusion: a lone Erf, OneHot...
+        numerics.integer_casts_with_margin,  # Cast(Floor(..)) of 2.99998 quantized: 2
         t.drop_neutral_arithmetic,  # x + 0: the HTP drops the Add's requantization with it
         t.drop_noop_moves,  # a whole-tensor Slice: the HTP drops it and its requantization
         t.fold_constants,  # fusions can leave constant subexpressions behind
