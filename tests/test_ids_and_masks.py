@@ -271,8 +271,10 @@ def test_an_inverted_mask_compared_with_zero_gets_scale_one_from_its_source() ->
 @pytest.mark.skipif(bool(qnn_available()), reason="needs onnxruntime-qnn (the HTP simulator)")
 def test_a_compared_inverted_mask_reads_unmasked_on_the_htp(tmp_path: Path) -> None:
     """On the calibrated grid the HTP computed 1 - 1 one step above 0 and (1 - mask) > 0 read
-    every key as padded (XLNet: 28.1 dB where its CPU QDQ model is at 60.5). On the integer
-    grid, from the Sub on, the quantized model is what the HTP runs."""
+    every key as padded (XLNet: 28.1 dB where its CPU QDQ model is at 60.5). (1 - mask) holds
+    integers by construction (a cast of the int64 mask), so preparation compares it with a
+    half margin, (1 - mask) > 0.5, and the quantized model is what the HTP runs. (Where the
+    comparison stays, the integer grid does the same: the unit test above.)"""
     report = _quantize(
         tmp_path,
         compared_mask_model(),
@@ -280,7 +282,8 @@ def test_a_compared_inverted_mask_reads_unmasked_on_the_htp(tmp_path: Path) -> N
         16,
         "auto_mixed_precision = false",
     )
-    assert {"inverted", "rows"} <= set(report["range_rules"]["integer_inputs"])
+    steps = {entry["step"]: entry["details"] for entry in report["prepare"]}
+    assert any("> +0.5" in d for d in steps["integer_casts_with_margin"]), steps
     first = report["htp"]["rounds"][0]
     assert first["label"] == "as quantized" and first["ctx_vs_qdq_db"] > 30.0, first
 
