@@ -983,9 +983,9 @@ def _positions_samples(count: int) -> list[dict[str, np.ndarray]]:
 
 
 def test_casts_and_comparisons_of_rounded_values_get_a_half_margin() -> None:
-    """A Floor's output holds integers: the Cast of it reads the nearest integer and the
-    Equal gets a margin, so a 2.99998 (what quantization makes of 3) still reads 3; on exact
-    integers nothing changes."""
+    """A Floor's output holds integers: the Cast of it gets a quarter's margin and the Equal
+    a half's, so a 2.99998 (what quantization makes of 3) still reads 3; on exact integers
+    nothing changes."""
     from pipeline.graph.numerics import integer_casts_with_margin
 
     for perturb in (1.0, 1.0 - 2e-5):
@@ -1023,3 +1023,50 @@ def test_positions_computed_by_a_floor_are_read_right_quantized(tmp_path: Path) 
     # judged on the CPU: the quantized model is compiled, not an fp16 fallback the HTP judge picks
     model = _gathered_at_computed_positions(compare=False)
     build_whole_on_htp(tmp_path, "positions", model, quantization='judge = "cpu"')
+
+
+@pytest.mark.qnn
+def test_positions_past_1024_are_cast_right_in_fp16_on_the_htp(tmp_path: Path) -> None:
+    """The whole-fp16 candidate: integers from 1024 to 2048 are one apart in fp16, and a
+    margin of a half made a tie that the HTP rounded to the even neighbour (every odd
+    position read one too high); a quarter reads them all right."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    nodes = [
+        helper.make_node("Floor", ["at"], ["position"]),
+        helper.make_node("Cast", ["position"], ["index"], to=TensorProto.INT64),
+        helper.make_node("GatherElements", ["x", "index"], ["y"], axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "far_positions",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2048]),
+            helper.make_tensor_value_info("at", TensorProto.FLOAT, [1, 64]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    from pipeline.graph.numerics import integer_casts_with_margin
+
+    rewritten, change = integer_casts_with_margin(model)
+    assert change.changed
+    # a half's margin, for contrast: what the rule first wrote
+    halved = onnx.ModelProto()
+    halved.CopyFrom(rewritten)
+    for init in halved.graph.initializer:
+        if init.name.startswith("integer_cast_quarter"):
+            init.CopyFrom(numpy_helper.from_array(np.array(0.5, np.float32), init.name))
+    rng = np.random.default_rng(2)
+    # unrelated neighbours, so one position off shows; odd and even positions past 1024
+    samples = [
+        {
+            "x": rng.normal(0, 1, (1, 2048)).astype(np.float32),
+            "at": rng.integers(1024, 2048, (1, 64)).astype(np.float32) + 0.25,
+        }
+        for _ in range(2)
+    ]
+    models = {"float": model, "rewritten": rewritten, "halved": halved}
+    results = whole_ctx_vs_float(tmp_path, models, samples)
+    assert results["rewritten"] > 60.0, results
+    assert results["halved"] < 10.0, results
