@@ -28,6 +28,7 @@ from pipeline.graph.fp16_scale import (
     max_for_small_clip_floors,
     normal_float16_weights,
     padded_float16_resizes,
+    rounds_of_float16_integers,
     separable_float16_pools,
 )
 
@@ -1283,3 +1284,46 @@ def test_the_htp_runs_a_linear_attention_scaled_inside_in_fp16(tmp_path: Path) -
     )
     assert results["float"] < 10.0, results
     assert results["fitted"] > 40.0, results
+
+
+def fractions_model() -> onnx.ModelProto:
+    """x -> x - Round(x): a phase or position's fractional part, over 4096 values."""
+    graph = oh.make_graph(
+        [oh.make_node("Round", ["x"], ["whole"]), oh.make_node("Sub", ["x", "whole"], ["y"])],
+        "fractions",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4096])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4096])],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def _float16_values(low: float, high: float, count: int) -> np.ndarray:
+    """``count`` values of [low, high) that fp16 holds exactly (ties of .5 among them)."""
+    return (RNG.uniform(low, high, (1, count)) * 4).round().astype(np.float16).astype(
+        np.float32
+    ) / 4
+
+
+def test_rounds_keep_what_fp16_holds_as_integers_and_are_the_same() -> None:
+    model = fractions_model()
+    rewritten, change = rounds_of_float16_integers(model)
+    assert change.changed and "Round" in {n.op_type for n in rewritten.graph.node}
+    x = _float16_values(-3000, 3000, 4096)
+    x[0, :4] = [2.5, -2.5, 1023.5, -1023.5]  # ties still go to the even neighbour
+    np.testing.assert_array_equal(cpu_outputs(rewritten, x), cpu_outputs(model, x))
+    assert rounds_of_float16_integers(asin_model())[1].changed is False
+
+
+@pytest.mark.qnn
+def test_the_htp_rounds_fp16_integers_to_themselves_with_the_rule(tmp_path: Path) -> None:
+    """Measured: the HTP's fp16 Round adds one from 1024 on, so x - round(x) reads -1 there
+    where it is 0; with the rule it agrees with the CPU."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = fractions_model()
+    x = _float16_values(-2048, 2048, 4096)
+    models = {"float": model, "rewritten": rounds_of_float16_integers(model)[0]}
+    results = whole_ctx_vs_float(tmp_path, models, [{"x": x}])
+    assert results["rewritten"] > 50.0, results
+    # If a new QNN SDK rounds fp16 integers right, this says so: the rule is then only harmless.
+    assert results["float"] < 10.0, results

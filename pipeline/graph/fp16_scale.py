@@ -911,6 +911,34 @@ def asins_from_atan(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     )
 
 
+# fp16 holds only integers from here on (one apart up to 2048, then further): Round is the
+# identity there.
+_FLOAT16_INTEGERS = 1024.0
+
+
+def rounds_of_float16_integers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """In a model the HTP runs in fp16: Round(x) -> Where(|x| < 1024, Round(x), x).
+
+    The HTP's fp16 Round adds one to every value from 1024 on (1024 -> 1025, 1025 -> 1026;
+    measured on the simulator, below 1024 it rounds half to even as ONNX does), where fp16
+    holds only integers and Round must change nothing: a pixel or frame position rounded
+    there read the next one. In float32 the form differs only for fractions past 1024, which
+    the fp16 model has none of."""
+    return _expand_each(
+        model,
+        "Round",
+        {"limit": _FLOAT16_INTEGERS},
+        [
+            ("Abs", ("x",), "size"),
+            ("Less", ("size", "limit"), "fractional"),
+            ("Round", ("x",), "rounded"),
+            ("Where", ("fractional", "rounded", "x"), "kept"),
+        ],
+        "Where(|x| < 1024, round(x), x)",
+        "rounds_of_float16_integers",
+    )
+
+
 def log_softmaxes_written_out(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """In a model the HTP runs in fp16: LogSoftmax(x) -> d - log(sum(exp(d))), d = x - max(x),
     along its axis (the same function in float32).
@@ -1066,9 +1094,10 @@ def _padded_resize(
 def exact_float16_forms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Change]]:
     """The rewrites of the whole-fp16 form that need no calibrated ranges, in order: GELUs
     decomposed, then Sigmoid, Tanh and Softplus in their exact forms, small Clip floors as
-    Max, Logs kept finite, Asin from Atan, LogSoftmax written out, large strided pools in two
-    passes, asymmetric resizes of 16k + 1 columns padded. What the HTP computes in fp16 is judged on this form (an LSTM
-    unrolled into Sigmoids and Tanhs gains from it; the HTP's own LSTM op cannot)."""
+    Max, Logs kept finite, Asin from Atan, Rounds of fp16's integers kept, LogSoftmax written
+    out, large strided pools in two passes, asymmetric resizes of 16k + 1 columns padded. What
+    the HTP computes in fp16 is judged on this form (an LSTM unrolled into Sigmoids and Tanhs
+    gains from it; the HTP's own LSTM op cannot)."""
     changes = []
     for step in (
         decomposed_gelus,
@@ -1078,6 +1107,7 @@ def exact_float16_forms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[C
         max_for_small_clip_floors,
         finite_float16_logs,
         asins_from_atan,
+        rounds_of_float16_integers,
         log_softmaxes_written_out,
         separable_float16_pools,
         padded_float16_resizes,
