@@ -15,6 +15,7 @@ from onnx import TensorProto, numpy_helper
 from pipeline.graph.fp16_scale import (
     FLOAT16_TARGET,
     asins_from_atan,
+    bounded_float16_atans,
     decomposed_gelus,
     exact_float16_forms,
     exact_sigmoids,
@@ -1327,3 +1328,48 @@ def test_the_htp_rounds_fp16_integers_to_themselves_with_the_rule(tmp_path: Path
     assert results["rewritten"] > 50.0, results
     # If a new QNN SDK rounds fp16 integers right, this says so: the rule is then only harmless.
     assert results["float"] < 10.0, results
+
+
+def atan_model() -> onnx.ModelProto:
+    graph = oh.make_graph(
+        [oh.make_node("Atan", ["x"], ["y"])],
+        "atan",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4096])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4096])],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def _signed_decades(top: float) -> np.ndarray:
+    """4096 fp16 values from 0.5 to ``top`` (infinity past fp16's largest), signs alternating."""
+    x = np.geomspace(0.5, top, 4096).astype(np.float16).astype(np.float32).reshape(1, -1)
+    x[0, ::2] *= -1
+    return x
+
+
+def test_an_atan_is_bounded_where_it_is_pi_over_2_already() -> None:
+    model = atan_model()
+    rewritten, change = bounded_float16_atans(model)
+    assert change.changed
+    x = _signed_decades(1e6)
+    x[0, -2:] = [np.inf, -np.inf]
+    np.testing.assert_allclose(cpu_outputs(rewritten, x), cpu_outputs(model, x), atol=3.1e-5)
+    below = _signed_decades(32768.0)
+    np.testing.assert_array_equal(cpu_outputs(rewritten, below), cpu_outputs(model, below))
+    # the form's Asin from Atan reads ratios in [-1, 1]: no bound there
+    formed, changes = exact_float16_forms(asin_model())
+    assert not next(c for c in changes if c.step == "bounded_float16_atans").changed
+    assert "Clip" not in {n.op_type for n in formed.graph.node}
+
+
+@pytest.mark.qnn
+def test_the_htp_takes_fp16_atans_of_large_values_right_bounded(tmp_path: Path) -> None:
+    """Measured: the HTP's fp16 Atan returns +-131008 past |x| = 32768; bounded, pi/2."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = atan_model()
+    models = {"float": model, "bounded": bounded_float16_atans(model)[0]}
+    results = whole_ctx_vs_float(tmp_path, models, [{"x": _signed_decades(65504.0)}])
+    assert results["bounded"] > 50.0, results
+    # If a new QNN SDK takes such Atans right, this says so: the rule is then only harmless.
+    assert results["float"] < 0.0, results

@@ -939,6 +939,27 @@ def rounds_of_float16_integers(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
     )
 
 
+# atan(x) for |x| from here on is pi/2 within 3.1e-5, under a third of fp16's step there.
+_ATAN_BOUND = 32768.0
+
+
+def bounded_float16_atans(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """In a model the HTP runs in fp16: Atan(x) -> Atan(Clip(x, -32768, 32768)).
+
+    The HTP's fp16 Atan returns +-131008 past |x| = 32768 (an infinity included), where the
+    angle is pi/2 to fp16's precision (measured on the simulator: right up to 32768, the
+    first value past it wrong); clipped, the angle is right. An atan of a quotient is bounded
+    before (``numerics.bounded_atan_ratios``); this catches any other input that grows."""
+    return _expand_each(
+        model,
+        "Atan",
+        {"low": -_ATAN_BOUND, "high": _ATAN_BOUND},
+        [("Clip", ("x", "low", "high"), "bounded"), ("Atan", ("bounded",), "angle")],
+        "atan(clip(x, -32768, 32768))",
+        "bounded_float16_atans",
+    )
+
+
 def log_softmaxes_written_out(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """In a model the HTP runs in fp16: LogSoftmax(x) -> d - log(sum(exp(d))), d = x - max(x),
     along its axis (the same function in float32).
@@ -1094,10 +1115,10 @@ def _padded_resize(
 def exact_float16_forms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Change]]:
     """The rewrites of the whole-fp16 form that need no calibrated ranges, in order: GELUs
     decomposed, then Sigmoid, Tanh and Softplus in their exact forms, small Clip floors as
-    Max, Logs kept finite, Asin from Atan, Rounds of fp16's integers kept, LogSoftmax written
-    out, large strided pools in two passes, asymmetric resizes of 16k + 1 columns padded. What
-    the HTP computes in fp16 is judged on this form (an LSTM unrolled into Sigmoids and Tanhs
-    gains from it; the HTP's own LSTM op cannot)."""
+    Max, Logs kept finite, Atans bounded, Asin from Atan, Rounds of fp16's integers kept,
+    LogSoftmax written out, large strided pools in two passes, asymmetric resizes of 16k + 1
+    columns padded. What the HTP computes in fp16 is judged on this form (an LSTM unrolled
+    into Sigmoids and Tanhs gains from it; the HTP's own LSTM op cannot)."""
     changes = []
     for step in (
         decomposed_gelus,
@@ -1106,6 +1127,7 @@ def exact_float16_forms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[C
         exact_softpluses,
         max_for_small_clip_floors,
         finite_float16_logs,
+        bounded_float16_atans,  # before asins_from_atan, whose Atans read ratios in [-1, 1]
         asins_from_atan,
         rounds_of_float16_integers,
         log_softmaxes_written_out,
