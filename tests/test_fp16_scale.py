@@ -773,15 +773,20 @@ def test_the_htp_computes_lifted_weights_right(tmp_path: Path) -> None:
     assert results["float"] < results["lifted"] - 15.0, results
 
 
-def asin_model() -> onnx.ModelProto:
-    """x in [-1, 1] -> Asin -> y, over 4096 values."""
+def unary_model(op_type: str) -> onnx.ModelProto:
+    """x -> ``op_type`` -> y, over 4096 values."""
     graph = oh.make_graph(
-        [oh.make_node("Asin", ["x"], ["y"])],
-        "asin",
+        [oh.make_node(op_type, ["x"], ["y"])],
+        op_type.lower(),
         [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4096])],
         [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4096])],
     )
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def asin_model() -> onnx.ModelProto:
+    """x in [-1, 1] -> Asin -> y."""
+    return unary_model("Asin")
 
 
 def test_asin_is_computed_from_atan_and_the_same() -> None:
@@ -1330,16 +1335,6 @@ def test_the_htp_rounds_fp16_integers_to_themselves_with_the_rule(tmp_path: Path
     assert results["float"] < 10.0, results
 
 
-def atan_model() -> onnx.ModelProto:
-    graph = oh.make_graph(
-        [oh.make_node("Atan", ["x"], ["y"])],
-        "atan",
-        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4096])],
-        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4096])],
-    )
-    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
-
-
 def _signed_decades(top: float) -> np.ndarray:
     """4096 fp16 values from 0.5 to ``top`` (infinity past fp16's largest), signs alternating."""
     x = np.geomspace(0.5, top, 4096).astype(np.float16).astype(np.float32).reshape(1, -1)
@@ -1348,7 +1343,7 @@ def _signed_decades(top: float) -> np.ndarray:
 
 
 def test_an_atan_is_bounded_where_it_is_pi_over_2_already() -> None:
-    model = atan_model()
+    model = unary_model("Atan")
     rewritten, change = bounded_float16_atans(model)
     assert change.changed
     x = _signed_decades(1e6)
@@ -1367,7 +1362,7 @@ def test_the_htp_takes_fp16_atans_of_large_values_right_bounded(tmp_path: Path) 
     """Measured: the HTP's fp16 Atan returns +-131008 past |x| = 32768; bounded, pi/2."""
     from compile_fixtures import whole_ctx_vs_float
 
-    model = atan_model()
+    model = unary_model("Atan")
     models = {"float": model, "bounded": bounded_float16_atans(model)[0]}
     results = whole_ctx_vs_float(tmp_path, models, [{"x": _signed_decades(65504.0)}])
     assert results["bounded"] > 50.0, results
