@@ -23,6 +23,7 @@ from pipeline.graph.fp16_scale import (
     exact_tanhs,
     finite_float16_logs,
     fit_float16,
+    float16_large_divisors,
     float16_residual_streams,
     float16_safe_norms,
     log_softmaxes_written_out,
@@ -1368,3 +1369,66 @@ def test_the_htp_takes_fp16_atans_of_large_values_right_bounded(tmp_path: Path) 
     assert results["bounded"] > 50.0, results
     # If a new QNN SDK takes such Atans right, this says so: the rule is then only harmless.
     assert results["float"] < 0.0, results
+
+
+def overlap_shares() -> onnx.ModelProto:
+    """Boxes' widths and heights in pixels [1, 4096] -> the share of each box's area that a
+    100 x 150 box at the same centre covers: intersection / area, per box."""
+    graph = oh.make_graph(
+        [
+            oh.make_node("Mul", ["w", "h"], ["area"]),
+            oh.make_node("Min", ["w", "box_w"], ["inter_w"]),
+            oh.make_node("Min", ["h", "box_h"], ["inter_h"]),
+            oh.make_node("Mul", ["inter_w", "inter_h"], ["inter"]),
+            oh.make_node("Div", ["inter", "area"], ["y"]),
+        ],
+        "overlap_shares",
+        [oh.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4096]) for n in ("w", "h")],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4096])],
+        [
+            numpy_helper.from_array(np.float32(100.0), "box_w"),
+            numpy_helper.from_array(np.float32(150.0), "box_h"),
+        ],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def _boxes(largest: float, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: rng.uniform(2, largest, (1, 4096)).round().astype(np.float32) for n in "wh"}
+
+
+def _shares(model: onnx.ModelProto, boxes: dict[str, np.ndarray]) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, boxes)[0]
+
+
+def test_a_large_divisor_is_divided_in_two_steps_exactly() -> None:
+    model = overlap_shares()
+    rewritten, change = float16_large_divisors(model, {"area": 40000.0})
+    assert change.changed and "'area'" in change.details[0]
+    for scale in (1.0, 0.15, 2.5e-4):  # both branches, and areas of 0.0025 at most
+        boxes = {k: v * np.float32(scale) for k, v in _boxes(200.0, 1).items()}
+        np.testing.assert_array_equal(_shares(rewritten, boxes), _shares(model, boxes))
+    assert not float16_large_divisors(model, {"area": 2000.0})[1].changed
+    constant = onnx.ModelProto()
+    constant.CopyFrom(model)
+    constant.graph.initializer.append(numpy_helper.from_array(np.float32(40000.0), "area"))
+    del constant.graph.node[0]
+    assert not float16_large_divisors(constant, {"area": 40000.0})[1].changed
+
+
+@pytest.mark.qnn
+def test_the_htp_divides_by_large_divisors_in_two_steps_right(tmp_path: Path) -> None:
+    """Measured: the HTP's fp16 Div by a tensor of the dividend's shape reads 0 past 16384
+    (boxes up to 250 x 250 pixels: every share of a box over 16384 pixels came out 0); divided
+    in two steps, it agrees with the CPU."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = overlap_shares()
+    rewritten, _ = float16_large_divisors(model, {"area": 62500.0})
+    models = {"float": model, "rewritten": rewritten}
+    results = whole_ctx_vs_float(tmp_path, models, [_boxes(250.0, 3), _boxes(250.0, 4)])
+    assert results["rewritten"] > 50.0, results
+    # If a new QNN SDK divides by such values right, this says so: the rule is then harmless.
+    assert results["float"] < 10.0, results

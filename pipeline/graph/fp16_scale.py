@@ -1415,6 +1415,61 @@ def _residual_stream(
     return stream
 
 
+# The HTP's fp16 Div by a computed tensor past 16384 reads 0 whatever the dividend (it takes
+# the reciprocal, a subnormal that it flushes; a divisor of one value per row, broadcast, was
+# right); a calibrated divisor past this, with the 8x headroom of FLOAT16_TARGET for values
+# calibration never saw, is divided in two steps.
+_LARGE_DIVISOR = 16384.0 / 8
+# Divisors past this take the scaled division: 2^-8 of them is still a normal fp16 value from
+# 0.004, so both branches are right between 0.004 and 16384.
+_SCALED_FROM = 1024.0
+_DIVISOR_SCALE = 2.0**-8
+
+
+def float16_large_divisors(
+    model: onnx.ModelProto, peaks: Mapping[str, float]
+) -> tuple[onnx.ModelProto, Change]:
+    """In a model the HTP runs in fp16: a / b, b computed and calibrated past 2048 ->
+    Where(|b| > 1024, (a / (b 2^-8)) 2^-8, a / b): the same quotient, exactly (powers of two).
+
+    Why: the HTP's fp16 Div by a tensor of the dividend's shape gives 0 past 16384 (0.75 x /
+    x: 0.75 up to 16384, then 0; boxes' intersection / area in pixels: 7.1 dB vs float, so
+    67.5; measured on the simulator). Constant divisors and one value per row broadcast were
+    right; the form is exact, so every large computed divisor takes it."""
+    inits = initializers_by_name(model.graph)
+
+    def divided_in_two(
+        node: onnx.NodeProto, context: NodeRewrite
+    ) -> tuple[list[onnx.NodeProto], str] | None:
+        a, b = node.input[0], node.input[1]
+        if b in inits or peaks.get(b, 0.0) <= _LARGE_DIVISOR:
+            return None
+        fresh, base, y = context.fresh, node.name or node.output[0], node.output[0]
+        scale = context.constant(np.array(_DIVISOR_SCALE, np.float32), f"{y}_divisor_scale")
+        split = context.constant(np.array(_SCALED_FROM, np.float32), f"{y}_scaled_from")
+        names = {
+            k: fresh(f"{y}_{k}") for k in ("size", "large", "small_b", "part", "scaled", "plain")
+        }
+        recipe = [
+            ("Abs", [b], "size"),
+            ("Greater", [names["size"], split], "large"),
+            ("Mul", [b, scale], "small_b"),
+            ("Div", [a, names["small_b"]], "part"),
+            ("Mul", [names["part"], scale], "scaled"),
+            ("Div", [a, b], "plain"),
+        ]
+        nodes = [
+            helper.make_node(op, inputs, [names[out]], fresh(f"{base}_{out}"))
+            for op, inputs, out in recipe
+        ]
+        where = [names["large"], names["scaled"], names["plain"]]
+        nodes.append(helper.make_node("Where", where, [y], base))
+        detail = f"{node_label(node)}: divisor {b!r} peaks at {peaks[b]:.3g}, past 1024 divided by 2^-8 first"
+        return nodes, detail
+
+    return replace_by_op(model, "float16_large_divisors", {"Div": divided_in_two}, DEFAULT_DOMAINS)
+
+
 def float16_residual_streams(
     model: onnx.ModelProto, peaks: Mapping[str, float]
 ) -> tuple[onnx.ModelProto, Change, dict[str, float]]:

@@ -657,6 +657,7 @@ def _quantize_all(
         from ..graph.fp16_scale import (
             exact_float16_forms,
             fit_float16,
+            float16_large_divisors,
             float16_residual_streams,
             float16_safe_norms,
             normal_float16_weights,
@@ -670,8 +671,9 @@ def _quantize_all(
         peaks = {t: p * factors.get(t, 1.0) for t, p in calibrated_peaks().items()}
         model, weights = normal_float16_weights(model, peaks)
         model, norms = float16_safe_norms(model, peaks)
+        model, divisors = float16_large_divisors(model, peaks)
         model, inputs = dequantized_integer_inputs(model)
-        for step in (change, *exact, streams, weights, norms, inputs):
+        for step in (change, *exact, streams, weights, norms, divisors, inputs):
             if step.changed:  # reported with the preparation steps (once: a rebuild replaces it)
                 prepared[name].changes[:] = [
                     c for c in prepared[name].changes if c.step != step.step
