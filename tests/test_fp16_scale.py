@@ -26,6 +26,7 @@ from pipeline.graph.fp16_scale import (
     float16_large_divisors,
     float16_residual_streams,
     float16_safe_norms,
+    float16_scaled_l2_norms,
     log_softmaxes_written_out,
     max_for_small_clip_floors,
     normal_float16_weights,
@@ -1431,4 +1432,65 @@ def test_the_htp_divides_by_large_divisors_in_two_steps_right(tmp_path: Path) ->
     results = whole_ctx_vs_float(tmp_path, models, [_boxes(250.0, 3), _boxes(250.0, 4)])
     assert results["rewritten"] > 50.0, results
     # If a new QNN SDK divides by such values right, this says so: the rule is then harmless.
+    assert results["float"] < 10.0, results
+
+
+def normalized(keepdims: int = 1, axes: list[int] | None = None) -> onnx.ModelProto:
+    """F.normalize as torch exports it: x / max(ReduceL2(x), eps), x [4, 1024]; with
+    ``keepdims`` 0 the norm is an output of its own."""
+    inits = [numpy_helper.from_array(np.float32(1e-12), "eps")]
+    reduce_inputs = ["x"]
+    if axes is not None:
+        inits.append(numpy_helper.from_array(np.array(axes, np.int64), "axes"))
+        reduce_inputs.append("axes")
+    nodes = [oh.make_node("ReduceL2", reduce_inputs, ["norm"], keepdims=keepdims)]
+    if keepdims:
+        nodes += [
+            oh.make_node("Clip", ["norm", "eps"], ["floor"]),
+            oh.make_node("Div", ["x", "floor"], ["y"]),
+        ]
+        out = oh.make_tensor_value_info("y", TensorProto.FLOAT, [4, 1024])
+    else:
+        out = oh.make_tensor_value_info("norm", TensorProto.FLOAT, [4] if axes else [])
+    graph = oh.make_graph(
+        nodes,
+        "normalized",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [4, 1024])],
+        [out],
+        inits,
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10)
+
+
+def _features(norms: list[float], seed: int = 5) -> np.ndarray:
+    rows = np.random.default_rng(seed).standard_normal((len(norms), 1024))
+    rows *= np.array(norms)[:, None] / np.linalg.norm(rows, axis=1, keepdims=True)
+    return rows.astype(np.float32)
+
+
+@pytest.mark.parametrize(("keepdims", "axes"), [(1, [1]), (0, [1]), (0, None), (1, None)])
+def test_a_large_l2_norm_is_taken_of_its_scaled_input_and_the_same(
+    keepdims: int, axes: list[int] | None
+) -> None:
+    model = normalized(keepdims, axes)
+    rewritten, change = float16_scaled_l2_norms(model, {"norm": 3000.0})
+    assert change.changed, change
+    x = _features([3000.0, 40.0, 1e-3, 0.0])  # a row of zeros stays 0, not nan
+    np.testing.assert_allclose(cpu_outputs(rewritten, x), cpu_outputs(model, x), rtol=2e-6)
+    assert not float16_scaled_l2_norms(model, {"norm": 40.0})[1].changed
+
+
+@pytest.mark.qnn
+def test_the_htp_takes_large_l2_norms_right_of_the_scaled_input(tmp_path: Path) -> None:
+    """Measured: the HTP's fp16 ReduceL2 stops near 362, so F.normalize of features with norms
+    up to 3000 came out up to 8x too large; of the scaled input it agrees."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = normalized()
+    rewritten, _ = float16_scaled_l2_norms(model, {"norm": 3000.0})
+    models = {"float": model, "rewritten": rewritten}
+    samples = [{"x": _features([100.0, 400.0, 1200.0, 3000.0], seed)} for seed in (1, 2)]
+    results = whole_ctx_vs_float(tmp_path, models, samples)
+    assert results["rewritten"] > 50.0, results
+    # If a new QNN SDK takes such norms right, this says so: the rule is then only harmless.
     assert results["float"] < 10.0, results

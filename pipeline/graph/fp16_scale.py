@@ -34,6 +34,7 @@ from .edit import (
     copy_model,
     initializers_by_name,
     node_label,
+    opset_version,
     readers_by_tensor,
     remove_dead_nodes,
     replace_by_op,
@@ -1413,6 +1414,81 @@ def _residual_stream(
             else:
                 return None
     return stream
+
+
+# The HTP's fp16 ReduceL2 stops at about 362 (sqrt(2^17): a norm of 375 read 362; measured on
+# the simulator), whatever the sum of squares; a norm calibrated past an eighth of it (the
+# headroom of FLOAT16_TARGET) is taken of the input scaled by its largest magnitude.
+_L2_NORM_LIMIT = 362.0 / 8
+_SMALLEST_NORMAL = 2.0**-14
+
+
+def float16_scaled_l2_norms(
+    model: onnx.ModelProto, peaks: Mapping[str, float]
+) -> tuple[onnx.ModelProto, Change]:
+    """In a model the HTP runs in fp16: ReduceL2(x), calibrated past 45 -> ReduceL2(x / s) * s,
+    s = max(max |x| over the reduced axes, 2^-14): the same norm (every scaled value within
+    +-1), up to float rounding.
+
+    Why: the HTP's fp16 ReduceL2 saturates near 362 (F.normalize of 1024 features with norms
+    from 100 to 3000 divided by 362 at most: -18.1 dB vs float, so 65.8; ``unsupported``'s
+    GlobalLpPool is a ReduceL2 over a whole map). LpNormalization is right at every scale."""
+    version = opset_version(model)
+
+    def scaled(
+        node: onnx.NodeProto, context: NodeRewrite
+    ) -> tuple[list[onnx.NodeProto], str] | None:
+        y = node.output[0]
+        if version < 18 or peaks.get(y, 0.0) <= _L2_NORM_LIMIT:
+            return None
+        keep = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+        if any(a.name == "noop_with_empty_axes" and a.i for a in node.attribute):
+            return None
+        fresh, base = context.fresh, node.name or y
+        axes = list(node.input[1:2])
+        floor = context.constant(np.array(_SMALLEST_NORMAL, np.float32), f"{y}_smallest")
+        names = {k: fresh(f"{y}_{k}") for k in ("abs", "peak", "scale", "unit", "norm")}
+        nodes = [
+            helper.make_node("Abs", [node.input[0]], [names["abs"]], fresh(f"{base}_abs")),
+            helper.make_node(
+                "ReduceMax",
+                [names["abs"], *axes],
+                [names["peak"]],
+                fresh(f"{base}_peak"),
+                keepdims=1,
+            ),
+            helper.make_node(
+                "Max", [names["peak"], floor], [names["scale"]], fresh(f"{base}_scale")
+            ),
+            helper.make_node(
+                "Div", [node.input[0], names["scale"]], [names["unit"]], fresh(f"{base}_unit")
+            ),
+            helper.make_node(
+                "ReduceL2",
+                [names["unit"], *axes],
+                [names["norm"]],
+                fresh(f"{base}_norm"),
+                keepdims=keep,
+            ),
+        ]
+        factor = names["scale"]
+        if not keep:
+            factor = fresh(f"{y}_scale_kept")
+            peak = fresh(f"{y}_peak_kept")
+            nodes += [
+                helper.make_node(
+                    "ReduceMax",
+                    [names["abs"], *axes],
+                    [peak],
+                    fresh(f"{base}_peak_kept"),
+                    keepdims=0,
+                ),
+                helper.make_node("Max", [peak, floor], [factor], fresh(f"{base}_scale_kept")),
+            ]
+        nodes.append(helper.make_node("Mul", [names["norm"], factor], [y], base))
+        return nodes, f"{node_label(node)}: norm {peaks[y]:.3g} taken of x / max|x|"
+
+    return replace_by_op(model, "float16_scaled_l2_norms", {"ReduceL2": scaled}, DEFAULT_DOMAINS)
 
 
 # The HTP's fp16 Div by a computed tensor past 16384 reads 0 whatever the dividend (it takes

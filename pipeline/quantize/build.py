@@ -660,6 +660,7 @@ def _quantize_all(
             float16_large_divisors,
             float16_residual_streams,
             float16_safe_norms,
+            float16_scaled_l2_norms,
             normal_float16_weights,
         )
         from ..graph.qdq_htp import dequantized_integer_inputs
@@ -671,9 +672,10 @@ def _quantize_all(
         peaks = {t: p * factors.get(t, 1.0) for t, p in calibrated_peaks().items()}
         model, weights = normal_float16_weights(model, peaks)
         model, norms = float16_safe_norms(model, peaks)
+        model, l2_norms = float16_scaled_l2_norms(model, peaks)
         model, divisors = float16_large_divisors(model, peaks)
         model, inputs = dequantized_integer_inputs(model)
-        for step in (change, *exact, streams, weights, norms, divisors, inputs):
+        for step in (change, *exact, streams, weights, norms, l2_norms, divisors, inputs):
             if step.changed:  # reported with the preparation steps (once: a rebuild replaces it)
                 prepared[name].changes[:] = [
                     c for c in prepared[name].changes if c.step != step.step
