@@ -27,6 +27,7 @@ from pipeline.graph.fp16_scale import (
     float16_residual_streams,
     float16_safe_norms,
     float16_scaled_l2_norms,
+    floored_float16_exps,
     log_softmaxes_written_out,
     max_for_small_clip_floors,
     normal_float16_weights,
@@ -1494,3 +1495,35 @@ def test_the_htp_takes_large_l2_norms_right_of_the_scaled_input(tmp_path: Path) 
     assert results["rewritten"] > 50.0, results
     # If a new QNN SDK takes such norms right, this says so: the rule is then only harmless.
     assert results["float"] < 10.0, results
+
+
+def test_exps_that_could_read_past_88_are_floored_and_the_same() -> None:
+    """The Sigmoid and Tanh forms clip their inputs: their Exps stay; the Softplus form's
+    exp(-|x|) and a model's own Exp get the floor, which changes nothing in float32 that
+    fp16 could hold."""
+    for op_type, floored in (("Sigmoid", 0), ("Tanh", 0), ("Gelu", 0), ("Softplus", 1), ("Exp", 1)):
+        _, changes = exact_float16_forms(unary_model(op_type))
+        change = next(c for c in changes if c.step == "floored_float16_exps")
+        assert len(change.details) == floored, (op_type, change.details)
+    model = unary_model("Exp")
+    rewritten, _ = floored_float16_exps(model)
+    x = np.linspace(-400, 10, 4096, dtype=np.float32).reshape(1, -1)
+    np.testing.assert_allclose(
+        cpu_outputs(rewritten, x), cpu_outputs(model, x), rtol=1e-7, atol=2e-35
+    )
+
+
+@pytest.mark.qnn
+def test_the_htp_takes_exps_past_88_right_floored(tmp_path: Path) -> None:
+    """Measured: the HTP's fp16 Exp returns garbage (+-131008) between -88 and about -362, so
+    the Softplus form over +-300 read -131008 inside a log; floored, it agrees."""
+    from compile_fixtures import whole_ctx_vs_float
+
+    model = unary_model("Softplus")
+    unfloored, _ = exact_softpluses(model)
+    models = {"float": model, "unfloored": unfloored, "formed": exact_float16_forms(model)[0]}
+    x = np.linspace(-300, 300, 4096, dtype=np.float32).reshape(1, -1)
+    results = whole_ctx_vs_float(tmp_path, models, [{"x": x.astype(np.float16).astype(np.float32)}])
+    assert results["formed"] > 50.0, results
+    # If a new QNN SDK takes such Exps right, this says so: the rule is then only harmless.
+    assert results["unfloored"] < results["formed"] - 20.0, results

@@ -1113,13 +1113,100 @@ def _padded_resize(
     )
 
 
+# Past this the HTP's fp16 Exp is right again (0), but nothing between is: an input is floored
+# at -SIGMOID_LOGIT_LIMIT unless its bounds say it stays above the cliff already.
+_EXP_CLIFF = -88.0
+_BOUNDS_DEPTH = 8
+_Bounds = tuple[float, float]
+
+
+def _bounds(
+    name: str,
+    producers: Mapping[str, onnx.NodeProto],
+    inits: Mapping[str, onnx.TensorProto],
+    depth: int = _BOUNDS_DEPTH,
+) -> _Bounds:
+    """Bounds of tensor ``name`` that the ops before it guarantee (a Clip, a Min or Max with a
+    constant, |x|, -x, a constant multiple...), (-inf, inf) where they guarantee none."""
+    if name in inits:
+        values = numpy_helper.to_array(inits[name])
+        return (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+    node = producers.get(name)
+    if node is None or depth == 0 or node.domain not in DEFAULT_DOMAINS:
+        return -math.inf, math.inf
+
+    def of(index: int) -> _Bounds:
+        if index >= len(node.input) or not node.input[index]:
+            return -math.inf, math.inf
+        return _bounds(node.input[index], producers, inits, depth - 1)
+
+    op = node.op_type
+    if op == "Clip":
+        (low, high), (floor, _), (_, ceiling) = of(0), of(1), of(2)
+        return max(low, floor), min(high, ceiling)
+    if op in ("Min", "Max"):
+        parts = [of(i) for i in range(len(node.input))]
+        pick = min if op == "Min" else max
+        return pick(p[0] for p in parts), pick(p[1] for p in parts)
+    if op == "Neg":
+        low, high = of(0)
+        return -high, -low
+    if op in ("Abs", "Relu"):
+        low, high = of(0)
+        top = max(abs(low), abs(high)) if op == "Abs" else max(high, 0.0)
+        return (0.0 if op == "Abs" or low < 0 else low), top
+    if op in ("Add", "Sub"):
+        (a_low, a_high), (b_low, b_high) = of(0), of(1)
+        if op == "Add":
+            return a_low + b_low, a_high + b_high
+        return a_low - b_high, a_high - b_low
+    if op == "Mul":
+        (a_low, a_high), (b_low, b_high) = of(0), of(1)
+        corners = [a * b for a in (a_low, a_high) for b in (b_low, b_high)]
+        if any(math.isnan(c) for c in corners):  # 0 * inf: no bound
+            return -math.inf, math.inf
+        return min(corners), max(corners)
+    return -math.inf, math.inf
+
+
+def floored_float16_exps(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """In a model the HTP runs in fp16: Exp(x) -> Exp(Max(x, -80)), unless the ops before it
+    keep x above -88 already (the Sigmoid and Tanh forms clip their inputs).
+
+    The HTP's fp16 Exp returns garbage between -88 and about -362 (-131008, 131008, 1e-3:
+    measured on the simulator; from -18 to -88 and past -362 it gives 0, as fp16 must): a
+    softmax or log-sum-exp written out over logits that spread past 88, or a Softplus form's
+    exp(-|x|) past |x| = 88, read it (a channel softmax at 50x the usual activations:
+    -110.3 dB). e^-80 is 0 in fp16 and 1.8e-35 in float32."""
+    inits = initializers_by_name(model.graph)
+    producers = {out: node for node in model.graph.node for out in node.output if out}
+
+    def floored(
+        node: onnx.NodeProto, context: NodeRewrite
+    ) -> tuple[list[onnx.NodeProto], str] | None:
+        x = node.input[0]
+        if _bounds(x, producers, inits)[0] >= _EXP_CLIFF:
+            return None
+        floor = context.constant(np.array(-SIGMOID_LOGIT_LIMIT, np.float32), f"{x}_exp_floor")
+        kept = context.fresh(f"{x}_floored")
+        base = node.name or node.output[0]
+        nodes = [helper.make_node("Max", [x, floor], [kept], context.fresh(f"{base}_floor"))]
+        rewritten = onnx.NodeProto()
+        rewritten.CopyFrom(node)
+        rewritten.input[0] = kept
+        return [*nodes, rewritten], f"{node_label(node)}: exp(max(x, -80))"
+
+    return replace_by_op(model, "floored_float16_exps", {"Exp": floored}, DEFAULT_DOMAINS)
+
+
 def exact_float16_forms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Change]]:
     """The rewrites of the whole-fp16 form that need no calibrated ranges, in order: GELUs
     decomposed, then Sigmoid, Tanh and Softplus in their exact forms, small Clip floors as
     Max, Logs kept finite, Atans bounded, Asin from Atan, Rounds of fp16's integers kept,
     LogSoftmax written out, large strided pools in two passes, asymmetric resizes of 16k + 1
-    columns padded. What the HTP computes in fp16 is judged on this form (an LSTM unrolled
-    into Sigmoids and Tanhs gains from it; the HTP's own LSTM op cannot)."""
+    columns padded, and every Exp that could read past -88 floored. What the HTP computes in
+    fp16 is judged on this form (an LSTM unrolled into Sigmoids and Tanhs gains from it; the
+    HTP's own LSTM op cannot)."""
     changes = []
     for step in (
         decomposed_gelus,
@@ -1134,6 +1221,7 @@ def exact_float16_forms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[C
         log_softmaxes_written_out,
         separable_float16_pools,
         padded_float16_resizes,
+        floored_float16_exps,  # last: the forms before it write Exps
     ):
         model, change = step(model)
         changes.append(change)
