@@ -1113,8 +1113,8 @@ def _padded_resize(
     )
 
 
-# Past this the HTP's fp16 Exp is right again (0), but nothing between is: an input is floored
-# at -SIGMOID_LOGIT_LIMIT unless its bounds say it stays above the cliff already.
+# Below this the HTP's fp16 Exp returns garbage (down to about -362, past which it gives 0
+# again): an input is floored at -SIGMOID_LOGIT_LIMIT unless its bounds keep it above.
 _EXP_CLIFF = -88.0
 _BOUNDS_DEPTH = 8
 _Bounds = tuple[float, float]
