@@ -1151,10 +1151,12 @@ def _bounds(
     if op == "Neg":
         low, high = of(0)
         return -high, -low
-    if op in ("Abs", "Relu"):
+    if op == "Relu":
         low, high = of(0)
-        top = max(abs(low), abs(high)) if op == "Abs" else max(high, 0.0)
-        return (0.0 if op == "Abs" or low < 0 else low), top
+        return max(low, 0.0), max(high, 0.0)
+    if op == "Abs":
+        low, high = of(0)
+        return 0.0, max(abs(low), abs(high))
     if op in ("Add", "Sub"):
         (a_low, a_high), (b_low, b_high) = of(0), of(1)
         if op == "Add":
@@ -1560,19 +1562,11 @@ def float16_scaled_l2_norms(
             ),
         ]
         factor = names["scale"]
-        if not keep:
+        if not keep:  # the scale without the reduced axes: a pass over it, its values as they are
             factor = fresh(f"{y}_scale_kept")
-            peak = fresh(f"{y}_peak_kept")
-            nodes += [
-                helper.make_node(
-                    "ReduceMax",
-                    [names["abs"], *axes],
-                    [peak],
-                    fresh(f"{base}_peak_kept"),
-                    keepdims=0,
-                ),
-                helper.make_node("Max", [peak, floor], [factor], fresh(f"{base}_scale_kept")),
-            ]
+            inputs = [names["scale"], *axes]
+            kept = fresh(f"{base}_scale_kept")
+            nodes.append(helper.make_node("ReduceMax", inputs, [factor], kept, keepdims=0))
         nodes.append(helper.make_node("Mul", [names["norm"], factor], [y], base))
         return nodes, f"{node_label(node)}: norm {peaks[y]:.3g} taken of x / max|x|"
 

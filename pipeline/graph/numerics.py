@@ -782,7 +782,13 @@ def integer_comparisons(
     -1``: padding points) read 11.4 dB quantized on the CPU whatever the precision, the judge
     fell back to fp16; with the margins, 43.3 dB quantized on the HTP. On integers the margins
     change nothing; they absorb any rounding under half a unit."""
-    integral = _integral_tensors(model, integer_inputs)
+    return _compared_with_margins(model, _integral_tensors(model, integer_inputs))
+
+
+def _compared_with_margins(
+    model: onnx.ModelProto, integral: set[str]
+) -> tuple[onnx.ModelProto, Change]:
+    """``integer_comparisons`` for the float tensors ``integral`` known to hold integers."""
     inits = edit.initializers_by_name(model.graph)
     targets = [
         index
@@ -879,15 +885,15 @@ def integer_casts_with_margin(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
     candidate) integers from 1024 to 2048 are one apart, x + 0.5 is a tie that rounds to the
     even neighbour, and the HTP cast every odd position one too high (its Round is no help:
     1024 -> 1025 there). On exact integers both rewrites change nothing."""
-    model, compared = integer_comparisons(model, set())
-    integral = _integral_tensors(model, set())
+    integral = _integral_tensors(model, set())  # the comparisons' rewrite keeps these names
+    model, compared = _compared_with_margins(model, integral)
     to_integers = _INTEGER_TYPES - {onnx.TensorProto.BOOL}
     quarter: list[str] = []  # one shared 0.25, made on first use
 
     def to_nearest(
         node: onnx.NodeProto, context: edit.NodeRewrite
     ) -> tuple[list[onnx.NodeProto], str] | None:
-        x = node.input[0] if node.op_type == "Cast" else ""
+        x = node.input[0]
         if x not in integral or edit.attribute(node, "to", 0) not in to_integers:
             return None
         if context.elem_type(x) != _FLOAT:
@@ -907,7 +913,9 @@ def integer_casts_with_margin(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
         ]
         return nodes, f"{edit.node_label(node)} of integer values -> Cast(x + 0.25 sign(x))"
 
-    result, cast = edit.replace_nodes(model, "integer_casts_with_margin", to_nearest)
+    result, cast = edit.replace_by_op(
+        model, "integer_casts_with_margin", {"Cast": to_nearest}, edit.DEFAULT_DOMAINS
+    )
     return result, Change("integer_casts_with_margin", compared.details + cast.details)
 
 
