@@ -47,14 +47,13 @@ QUANTIZE_DEPS = [*NEWEST.requirements, *RUNTIME, "-e", ".[build]"]
 # Compile/doctor need the pinned pair, the runtime package and tqdm for progress (EPContext nodes
 # are read with the runtime's small protobuf reader), and onnx for compile.gpu = "float16" only:
 # its fp16 copy of the float model is made by onnxruntime's own converter, which needs onnx.
-ONNX = next(
-    d for d in PYPROJECT["project"]["optional-dependencies"]["build"] if d.startswith("onnx")
-)
+BUILD_EXTRAS = PYPROJECT["project"]["optional-dependencies"]["build"]
+ONNX = next(d for d in BUILD_EXTRAS if d.startswith("onnx"))
+# onnx's ml_dtypes, capped as in pyproject.toml (a 1 s import in 0.7.0).
+ML_DTYPES = next(d for d in BUILD_EXTRAS if d.startswith("ml_dtypes"))
 # matplotlib draws the compile plots of report.html (accuracy per output, load times).
-MATPLOTLIB = next(
-    d for d in PYPROJECT["project"]["optional-dependencies"]["build"] if d.startswith("matplotlib")
-)
-COMPILE_EXTRAS = [*RUNTIME, "numpy", "tqdm>=4.66", ONNX, MATPLOTLIB]
+MATPLOTLIB = next(d for d in BUILD_EXTRAS if d.startswith("matplotlib"))
+COMPILE_EXTRAS = [*RUNTIME, "numpy", "tqdm>=4.66", ONNX, ML_DTYPES, MATPLOTLIB]
 # Ed25519 signing of manifests (publish --sign-key) and its checks in the tests.
 SIGN_DEPS = PYPROJECT["project"]["optional-dependencies"]["sign"]
 
