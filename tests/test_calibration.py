@@ -216,6 +216,53 @@ def test_images_preprocessing(tmp_path: Path) -> None:
     assert np.allclose(x[0, :, 4:, :], 0.0)
 
 
+@pytest.mark.parametrize("resize", ["stretch", "shorter-crop", "pad", "height"])
+def test_a_large_jpeg_decodes_at_a_reduced_scale_to_the_same_pixels(
+    tmp_path: Path, resize: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A JPEG far larger than the input is decoded at a DCT scale that keeps twice the resized
+    size (Pillow's draft): the same preprocessed tensor to within the resize filter's noise,
+    for every resize mode, and the decode really is reduced."""
+    from PIL import Image
+
+    from pipeline.calibration import samples
+
+    rng = np.random.default_rng(0)
+    rows, cols = np.mgrid[0:500, 0:900].astype(np.float32)
+    photo = np.stack(
+        [128 + 100 * np.sin(rows / 40), 128 + 100 * np.cos(cols / 55), (rows + cols) / 6], -1
+    ) + rng.normal(0, 8, (500, 900, 3))
+    folder = tmp_path / "img"
+    folder.mkdir()
+    Image.fromarray(np.clip(photo, 0, 255).astype(np.uint8)).save(folder / "p.jpg", quality=92)
+    config = make_config(
+        tmp_path, f'kind = "images"\npath = "img"\n[calibration.image]\nresize = "{resize}"'
+    )
+    spec = InputSpec("x", (1, 3, 48, 64), np.dtype("float32"))
+
+    decoded: list[tuple[int, int]] = []
+    real_load = Image.Image.load
+
+    def spy_load(image: Image.Image) -> object:
+        result = real_load(image)
+        decoded.append(image.size)
+        return result
+
+    monkeypatch.setattr(Image.Image, "load", spy_load)
+    drafted = samples.load_image(folder / "p.jpg", spec, config)
+    assert decoded and max(decoded) == (225, 125)  # 1/4 scale: still twice any fit of 64x48
+
+    decoded.clear()
+    from PIL import JpegImagePlugin
+
+    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", lambda self, mode, size: None)
+    full = samples.load_image(folder / "p.jpg", spec, config)
+    assert max(decoded) == (900, 500)
+    assert drafted.shape == full.shape == (1, 3, 48, 64)
+    noise = float(np.mean((drafted - full) ** 2))
+    assert 10 * np.log10(float(np.mean(full**2)) / noise) > 40.0
+
+
 @pytest.mark.parametrize(
     ("image", "spec", "message", "tip"),
     [
