@@ -189,7 +189,115 @@ def _cases() -> dict[str, tuple[onnx.ModelProto, list[int]]]:
         ),
         [2, 6, 20, 8],
     )
+    # Gathers along an inner axis: a vector of positions, and the scalar positions the dynamo
+    # exporter's adaptive average pooling picks window offsets with (a rank-5 output each)
+    cases["gather_inner"] = (
+        _model(
+            [
+                helper.make_node("Reshape", ["x", "s6"], ["b"]),
+                helper.make_node("Gather", ["b", "index"], ["g"], axis=3),
+                helper.make_node("Reshape", ["g", "s4"], ["y"]),
+            ],
+            [2, 6, 20, 8],
+            {"y": [2, 6, 8, 8]},
+            [
+                _int64("s6", [2, 3, 2, 5, 4, 8]),
+                _int64("index", [0, 2]),
+                _int64("s4", [2, 6, 8, 8]),
+            ],
+        ),
+        [2, 6, 20, 8],
+    )
     return cases
+
+
+def _windows(size: int, bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Adaptive pooling's windows along one axis: [bins, longest] positions (the last valid
+    one repeated) and which of them are inside."""
+    starts = [(i * size) // bins for i in range(bins)]
+    ends = [-(-(i + 1) * size // bins) for i in range(bins)]
+    longest = max(e - s for s, e in zip(starts, ends, strict=True))
+    offsets = np.arange(longest)
+    positions = np.array(
+        [np.minimum(s + offsets, e - 1) for s, e in zip(starts, ends, strict=True)]
+    )
+    inside = np.array([s + offsets < e for s, e in zip(starts, ends, strict=True)])
+    return positions, inside
+
+
+def adaptive_average_pool(x: np.ndarray, bins: tuple[int, int]) -> np.ndarray:
+    """torch's adaptive_avg_pool2d in numpy: the reference."""
+    (height, width), out = x.shape[2:], np.zeros((*x.shape[:2], *bins), np.float64)
+    for i in range(bins[0]):
+        top, bottom = (i * height) // bins[0], -(-(i + 1) * height // bins[0])
+        for j in range(bins[1]):
+            left, right = (j * width) // bins[1], -(-(j + 1) * width // bins[1])
+            out[:, :, i, j] = x[:, :, top:bottom, left:right].mean(axis=(2, 3))
+    return out
+
+
+def adaptive_pool_selects(
+    channels: int = 8, size: tuple[int, int] = (11, 16), bins: tuple[int, int] = (3, 3)
+) -> onnx.ModelProto:
+    """Adaptive average pooling as the dynamo exporter writes it where the sizes do not
+    divide (torch's decomposition): the map transposed to [H, W, N, C], a GatherND of every
+    window's positions ([bins, longest] each way: rank 6 with a leading bins), transposed to
+    [N, C, bins, kh, bins, kw], the positions past each window's end masked to 0, a scalar
+    Gather per row offset then per column offset (rank 5, then 4), summed, divided by each
+    window's size. Fast-SCNN's and PSPNet's pyramid pooling (bins 3 and 6 of a 32 x 64 map)
+    left 20 such Gathers and their Reshapes on the CPU in 2 partitions."""
+    rows, rows_inside = _windows(size[0], bins[0])
+    cols, cols_inside = _windows(size[1], bins[1])
+    kh, kw = rows.shape[1], cols.shape[1]
+    grid = np.stack(np.broadcast_arrays(rows[:, :, None, None], cols[None, None]), -1)
+    counts = np.outer(rows_inside.sum(1), cols_inside.sum(1)).astype(np.float32)
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Transpose", ["r"], ["hwnc"], perm=[2, 3, 0, 1]),
+        helper.make_node("GatherND", ["hwnc", "grid"], ["picked"]),
+        helper.make_node("Transpose", ["picked"], ["windows"], perm=[4, 5, 0, 1, 2, 3]),
+        helper.make_node("Where", ["rows_outside", "zero", "windows"], ["masked_rows"]),
+        helper.make_node("Where", ["cols_outside", "zero", "masked_rows"], ["masked"]),
+    ]
+    for k in range(kh):
+        nodes.append(helper.make_node("Gather", ["masked", f"i{k}"], [f"row{k}"], axis=3))
+    nodes.append(helper.make_node("Sum", [f"row{k}" for k in range(kh)], ["rows"]))
+    for k in range(kw):
+        nodes.append(helper.make_node("Gather", ["rows", f"i{k}"], [f"col{k}"], axis=4))
+    nodes += [
+        helper.make_node("Sum", [f"col{k}" for k in range(kw)], ["total"]),
+        helper.make_node("Div", ["total", "counts"], ["y"]),
+    ]
+    inits = [
+        numpy_helper.from_array(grid.astype(np.int64), "grid"),
+        numpy_helper.from_array(~rows_inside[:, :, None, None], "rows_outside"),
+        numpy_helper.from_array(~cols_inside, "cols_outside"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+        numpy_helper.from_array(counts, "counts"),
+    ]
+    inits += [numpy_helper.from_array(np.array(k, np.int64), f"i{k}") for k in range(max(kh, kw))]
+    return _model(nodes, [1, channels, *size], {"y": [1, channels, *bins]}, inits)
+
+
+def test_adaptive_pool_selects_prepared_whole_rank_5_and_exact() -> None:
+    """Through every preparation step: no tensor above rank 5 left, and the values are
+    adaptive average pooling's (checked against numpy)."""
+    from pipeline.core.config import InputsSection
+    from pipeline.graph.prepare import prepare_model
+
+    model = adaptive_pool_selects()
+    assert _max_rank(model) == 6
+    prepared, changes = prepare_model(model, InputsSection())
+    assert _max_rank(prepared) <= 5
+    merged = next(c for c in changes if c.step == "high_rank_ops_at_rank_5")
+    assert sum(d.startswith("Gather") for d in merged.details) == 5  # the row offsets
+    # ... which read one merged view of the windows (one Reshape, not one each)
+    gathers = [n for n in prepared.graph.node if n.op_type == "Gather"]
+    assert len(gathers) == 12 and len({n.input[0] for n in gathers}) == 3
+    x = np.random.default_rng(9).normal(0, 1, (1, 8, 11, 16)).astype(np.float32)
+    want = adaptive_average_pool(np.maximum(x, 0), (3, 3))
+    np.testing.assert_allclose(_run(prepared, x)[0], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_run(model, x)[0], want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(_cases()))
@@ -221,16 +329,21 @@ def test_transpose_steps_cover_every_order_of_six_axes() -> None:
 
 
 def test_an_op_it_does_not_know_is_left(tmp_path: Path) -> None:
-    """A rank-6 op outside its lists (a Gather along an inner axis) is left as it was."""
+    """A rank-6 op outside its lists (a GatherElements along an inner axis) is left as it was."""
+    index = np.zeros((2, 3, 2, 2, 4, 8), np.int64)
     model = _model(
         [
             helper.make_node("Reshape", ["x", "s6"], ["b"]),
-            helper.make_node("Gather", ["b", "index"], ["g"], axis=3),
+            helper.make_node("GatherElements", ["b", "index"], ["g"], axis=3),
             helper.make_node("Reshape", ["g", "s4"], ["y"]),
         ],
         [2, 6, 20, 8],
-        {"y": [2, 6, 10, 8]},
-        [_int64("s6", [2, 3, 2, 5, 4, 8]), _int64("index", [0, 2]), _int64("s4", [2, 6, 10, 8])],
+        {"y": [2, 6, 8, 8]},
+        [
+            _int64("s6", [2, 3, 2, 5, 4, 8]),
+            numpy_helper.from_array(index, "index"),
+            _int64("s4", [2, 6, 8, 8]),
+        ],
     )
     merged, change = high_rank_ops_at_rank_5(model)
     assert not change.changed and merged is model
@@ -283,3 +396,22 @@ def test_the_htp_runs_a_hiera_block_whole_quantized(tmp_path: Path) -> None:
     from compile_fixtures import build_whole_on_htp
 
     build_whole_on_htp(tmp_path, "hiera_block", hiera_block())
+
+
+def test_the_htp_runs_adaptive_pool_selects_whole_quantized(tmp_path: Path) -> None:
+    """The dynamo exporter's adaptive average pooling (above) between two Convs, quantized
+    and compiled by the real stages: whole on the HTP."""
+    from compile_fixtures import build_whole_on_htp
+
+    rng = np.random.default_rng(5)
+    pool = adaptive_pool_selects()
+    graph = pool.graph
+    conv_in = numpy_helper.from_array(rng.normal(0, 0.4, (8, 8, 3, 3)).astype(np.float32), "w0")
+    conv_out = numpy_helper.from_array(rng.normal(0, 0.4, (4, 8, 1, 1)).astype(np.float32), "w1")
+    graph.initializer.extend([conv_in, conv_out])
+    graph.node[0].input[0] = "features"
+    graph.node.insert(0, helper.make_node("Conv", ["x", "w0"], ["features"], pads=[1, 1, 1, 1]))
+    graph.node[-1].output[0] = "pooled"
+    graph.node.append(helper.make_node("Conv", ["pooled", "w1"], ["y"]))
+    graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 3, 3]))
+    build_whole_on_htp(tmp_path, "adaptive_pool_selects", pool)

@@ -255,6 +255,15 @@ def _plan(
         if op == "CumSum":
             return _Plan([_merged(shape, groups), None], inputs={1: np.array(at, np.int64)})
         return _Plan([_merged(shape, groups)], attributes={"axis": at})
+    if op == "Gather":
+        axis = int(edit.attribute(node, "axis", 0)) % rank
+        indices = ins[1]
+        if indices is None:
+            return None
+        groups = _grouped(shape, {axis}, together=False)
+        if groups is None or len(groups) - 1 + len(indices) > MAX_RANK:
+            return None
+        return _Plan([_merged(shape, groups), None], attributes={"axis": _group_of(groups, axis)})
     if op == "Slice":
         axes = _constant_axes(node, 3, inits)
         if not axes or any(n and n not in inits for n in node.input[1:]):
@@ -311,11 +320,17 @@ def _apply(
     nodes: list[onnx.NodeProto] = []
     details: list[str] = []
 
+    made: dict[tuple[str, tuple[int, ...]], str] = {}
+
     def reshaped(name: str, shape: Sequence[int], base: str) -> str:
-        out = fresh(base)
-        target = constant(np.array(shape, np.int64), f"{out}_shape")
-        nodes.append(helper.make_node("Reshape", [name, target], [out]))
-        return out
+        """``name`` at ``shape``, one Reshape for every op that reads it so (the dynamo
+        exporter's adaptive pooling picks 12 window offsets from one rank-6 tensor)."""
+        key = (name, tuple(shape))
+        if key not in made:
+            made[key] = fresh(base)
+            target = constant(np.array(shape, np.int64), f"{made[key]}_shape")
+            nodes.append(helper.make_node("Reshape", [name, target], [made[key]]))
+        return made[key]
 
     for index, node in enumerate(result.graph.node):
         plan = plans.get(index)
