@@ -15,7 +15,7 @@ import pytest
 from compile_fixtures import build_whole_on_htp
 from onnx import TensorProto, numpy_helper
 
-from pipeline.graph.resize import resize_for_htp
+from pipeline.graph.resize import antialiased_resizes_as_matmuls, resize_for_htp
 
 RNG = np.random.default_rng(17)
 
@@ -252,3 +252,58 @@ def test_the_judge_says_when_its_context_is_not_whole(
         "nodes",
         captured.out + captured.err,
     )
+
+
+ANTIALIASED = [
+    ([1, 3, 32, 32], [1, 1, 0.5, 0.5], "linear", "half_pixel"),
+    ([1, 2, 40, 30], [1, 1, 0.37, 0.6], "cubic", "half_pixel"),
+    ([1, 2, 8, 64], [1, 1, 1, 0.25], "linear", "align_corners"),
+    ([1, 2, 36, 20], [1, 1, 0.5, 1.6], "linear", "pytorch_half_pixel"),
+    ([2, 48], [1, 0.3], "linear", "asymmetric"),
+]
+
+
+@pytest.mark.parametrize(("shape", "scales", "mode", "coords"), ANTIALIASED)
+def test_antialiased_resize_becomes_matmuls_with_the_same_values(
+    shape: list[int], scales: list[float], mode: str, coords: str
+) -> None:
+    """torchvision's antialiased resize (opset 18): one MatMul by a constant per shrunk or
+    resized axis, the values onnxruntime's own antialiased Resize gives."""
+    model = resize_model(shape, scales, mode, coords, antialias=1)
+    rewritten, change = antialiased_resizes_as_matmuls(model)
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert "Resize" not in ops and ops.count("MatMul") == sum(s != 1 for s in scales)
+    assert change.details and "antialiased" in change.details[0]
+    x = RNG.standard_normal(shape).astype(np.float32)
+    np.testing.assert_allclose(run(rewritten, x), run(model, x), rtol=1e-5, atol=1e-6)
+
+
+def test_antialiased_resize_sized_and_enlarging() -> None:
+    """Given as output sizes it is rewritten too; one that only enlarges keeps its Resize,
+    without the antialias the QNN EP refuses (it filters nothing when enlarging)."""
+    sized = sized_resize([1, 2, 37, 45], [1, 2, 13, 20], "linear", "half_pixel")
+    sized.graph.node[0].attribute.append(oh.make_attribute("antialias", 1))
+    rewritten, _ = antialiased_resizes_as_matmuls(sized)
+    assert [n.op_type for n in rewritten.graph.node] == ["MatMul", "MatMul"]
+    x = RNG.standard_normal((1, 2, 37, 45)).astype(np.float32)
+    np.testing.assert_allclose(run(rewritten, x), run(sized, x), rtol=1e-5, atol=1e-6)
+
+    larger = resize_model([1, 2, 8, 8], [1, 1, 2.0, 1.5], "linear", "half_pixel", antialias=1)
+    rewritten, change = antialiased_resizes_as_matmuls(larger)
+    (node,) = rewritten.graph.node
+    assert node.op_type == "Resize" and "antialias" not in [a.name for a in node.attribute]
+    assert "antialias dropped" in change.details[0]
+    x = RNG.standard_normal((1, 2, 8, 8)).astype(np.float32)  # the same to float rounding
+    np.testing.assert_allclose(run(rewritten, x), run(larger, x), rtol=1e-5, atol=1e-6)
+
+
+def test_antialiased_downscale_builds_whole_on_the_htp(tmp_path: Path) -> None:
+    """Conv -> antialiased half-size Resize -> Conv (PyTorch's interpolate(antialias=True),
+    dynamo export): the Resize and its Q/DQ were on the CPU, 2 partitions."""
+    model = resize_model([1, 4, 32, 32], [1, 1, 0.5, 0.5], "linear", "pytorch_half_pixel")
+    model.graph.node[0].attribute.append(oh.make_attribute("antialias", 1))
+    w = numpy_helper.from_array((RNG.standard_normal((4, 4, 3, 3)) * 0.3).astype("f4"), "w")
+    model.graph.initializer.append(w)
+    model.graph.node.insert(0, oh.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]))
+    model.graph.node[1].input[0] = "c"
+    build_whole_on_htp(tmp_path, "antialiased", model)

@@ -137,6 +137,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.drop_empty_concat_inputs,  # nor empty tensors (a streaming cache of length 0)
         t.reverse_sequence_to_gather,  # nor ReverseSequence (tf2onnx's reverse)
         t.argmax_without_keepdims,  # its keepdims form's context is refused at load
+        resize.antialiased_resizes_as_matmuls,  # the QNN EP takes no antialias (torchvision)
         resize.resize_for_htp,  # the HTP resizes by out/in, not by the scale given
         legacy.whole_input_pools,  # EfficientNet's AvgPool(1280) of a 7x7 map: global
         legacy.avg_pool_ceil_mode,  # the HTP's ceil-mode AveragePool is wrong

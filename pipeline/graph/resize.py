@@ -91,21 +91,30 @@ def _gathered_axes(
 def _picks(size: int, scale: float, attrs: dict[str, Any], length: int | None = None) -> np.ndarray:
     """The input rows onnxruntime's nearest Resize reads along one axis of ``size`` (resized
     by ``scale``, or to ``length`` rows when the model gives sizes)."""
-    import onnxruntime as ort
-
     ramp = np.arange(size, dtype=np.float32).reshape(1, size)
     kwargs = {
         k: v for k, v in attrs.items() if k in ("coordinate_transformation_mode", "nearest_mode")
     }
+    resized = _onnxruntime_resize(ramp, scale, length, mode="nearest", **kwargs)
+    return resized.reshape(-1).astype(np.int64)
+
+
+def _onnxruntime_resize(
+    x: np.ndarray, scale: float | None, length: int | None, **attrs: Any
+) -> np.ndarray:
+    """onnxruntime's Resize (``attrs``) of the last axis of a 2-D ``x`` by ``scale``, or to
+    ``length`` when the model gives sizes: the reference the rewrites read their rows or
+    weights off."""
+    import onnxruntime as ort
+
     if length is None:
         inputs, target = ["x", "", "s"], np.array([1.0, scale], np.float32)
     else:
-        inputs, target = ["x", "", "", "s"], np.array([1, length], np.int64)
-    node = onnx.helper.make_node("Resize", inputs, ["y"], mode="nearest", **kwargs)
+        inputs, target = ["x", "", "", "s"], np.array([x.shape[0], length], np.int64)
     graph = onnx.helper.make_graph(
-        [node],
-        "picks",
-        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, size])],
+        [onnx.helper.make_node("Resize", inputs, ["y"], **attrs)],
+        "reference",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, list(x.shape))],
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
         [numpy_helper.from_array(target, "s")],
     )
@@ -116,7 +125,7 @@ def _picks(size: int, scale: float, attrs: dict[str, Any], length: int | None = 
     session = ort.InferenceSession(
         model.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
-    return session.run(None, {"x": ramp})[0].reshape(-1).astype(np.int64)
+    return session.run(None, {"x": x})[0]
 
 
 _FLOOR_FORM = {"coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}
@@ -300,3 +309,109 @@ def resize_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     if details:
         edit.set_nodes(graph, nodes)
     return edit.checked_change(model, "resize_for_htp", details)
+
+
+def _axis_matrix(
+    node: onnx.NodeProto, size: int, scale: float | None, length: int | None
+) -> np.ndarray:
+    """[out, in]: the weights onnxruntime's own Resize (``node``'s attributes) gives each input
+    row of one axis of ``size`` in each output row, read off by resizing the identity (its
+    rows are the batch, its columns the resized axis)."""
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    attrs.pop("axes", None)
+    identity = np.eye(size, dtype=np.float32)
+    return np.ascontiguousarray(_onnxruntime_resize(identity, scale, length, **attrs).T)
+
+
+def antialiased_resizes_as_matmuls(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """An antialiased Resize (opset 18; torchvision's ``Resize(antialias=True)`` and
+    ``interpolate(..., antialias=True)`` baked into a graph) -> one MatMul by a constant per
+    axis it changes: the QNN EP takes no antialias and leaves the op, with its Q/DQ, on the
+    CPU in a partition of its own. Antialiasing widens the filter by the scale, so each output
+    row is a fixed weighted sum of input rows along each axis, separably: the weights are read
+    off onnxruntime's own Resize with the node's attributes, so every mode and coordinate
+    transformation is matched. The last axis: x @ A^T; the one before: A @ x (a leading
+    constant broadcast over the batch axes). Static input shape, constant scales or sizes, and
+    only the last two axes changed; anything else is left. One that only enlarges loses the
+    attribute instead (antialiasing filters only when downscaling: the same values)."""
+    inits = edit.initializers_by_name(model.graph)
+    values: dict[str, onnx.ValueInfoProto] | None = None
+    plans: dict[int, tuple[int, list[tuple[int, np.ndarray]]]] = {}
+    growing: set[int] = set()
+    for index, node in enumerate(model.graph.node):
+        antialias = any(a.name == "antialias" and a.i for a in node.attribute)
+        if node.op_type != "Resize" or node.domain not in _DEFAULT or not antialias:
+            continue
+        if any(a.name == "axes" for a in node.attribute) or _nearest(node):
+            continue  # antialias applies to linear and cubic only
+        by_scales = len(node.input) >= 3 and node.input[2] in inits
+        by_sizes = len(node.input) >= 4 and node.input[3] in inits
+        if by_scales == by_sizes:
+            continue
+        if values is None:
+            values = edit.inferred_values(model)
+        value = values.get(node.input[0])
+        shape = edit.value_shape(value) if value is not None else None
+        target = numpy_helper.to_array(inits[node.input[3 if by_sizes else 2]]).reshape(-1)
+        if shape is None or len(shape) < 2 or len(shape) != target.size:
+            continue
+        if by_sizes:
+            changed = [a for a in range(len(shape)) if int(target[a]) != shape[a]]
+        else:
+            changed = [a for a in range(len(shape)) if float(target[a]) != 1.0]
+        if not changed:
+            continue
+        outs = [int(target[a]) if by_sizes else _out(shape[a], float(target[a])) for a in changed]
+        if all(out >= shape[a] for a, out in zip(changed, outs, strict=True)):
+            growing.add(index)  # antialiasing filters only what shrinks: a plain Resize
+            continue
+        if min(changed) < len(shape) - 2:
+            continue
+        plans[index] = (
+            len(shape),
+            [
+                (
+                    axis,
+                    _axis_matrix(
+                        node,
+                        shape[axis],
+                        None if by_sizes else float(target[axis]),
+                        int(target[axis]) if by_sizes else None,
+                    ),
+                )
+                for axis in changed
+            ],
+        )
+    if not plans and not growing:
+        return model, Change("antialiased_resizes_as_matmuls")
+    result = edit.copy_model(model)
+    rewrite = edit.NodeRewrite(result)
+    nodes: list[onnx.NodeProto] = []
+    details = []
+    for index, node in enumerate(result.graph.node):
+        if index in growing:
+            kept = [a for a in node.attribute if a.name != "antialias"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+            details.append(f"{edit.node_label(node)}: enlarges only, antialias dropped (no effect)")
+        if index not in plans:
+            nodes.append(node)
+            continue
+        current = node.input[0]
+        rank, axes = plans[index]
+        steps = sorted(axes, key=lambda p: -p[0])  # the last axis first
+        base = node.name or node.output[0]
+        for number, (axis, weights) in enumerate(steps):
+            out = node.output[0] if number == len(steps) - 1 else rewrite.fresh(f"{base}_rows")
+            if axis == rank - 1:
+                matrix = rewrite.constant(weights.T.copy(), f"{base}_columns_weights")
+                nodes.append(onnx.helper.make_node("MatMul", [current, matrix], [out]))
+            else:
+                matrix = rewrite.constant(weights, f"{base}_rows_weights")
+                nodes.append(onnx.helper.make_node("MatMul", [matrix, current], [out]))
+            current = out
+        sizes = " x ".join(f"{w.shape[1]} -> {w.shape[0]}" for _, w in reversed(steps))
+        details.append(f"{edit.node_label(node)}: antialiased {sizes}, as MatMuls by its weights")
+    edit.set_nodes(result.graph, nodes)
+    edit.remove_dead_nodes(result.graph)
+    return edit.checked_change(result, "antialiased_resizes_as_matmuls", details)
