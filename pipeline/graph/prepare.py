@@ -133,6 +133,7 @@ def preparation_steps(inputs: InputsSection, lstm_nodes: int | None = None) -> l
         t.rewrite_for_htp,
         t.gathernd_to_gather,  # the QNN EP takes no GatherND (transformers' mask lookups)
         t.flat_gather_indices,  # and aborts on some Gathers of rank-4 indices (as_strided)
+        t.pad_short_row_gathers,  # the HTP zeroes a read of the last of many short rows
         t.sequence_at_to_slices,  # nor sequences (the dynamo exporter's unbind / split)
         t.drop_empty_concat_inputs,  # nor empty tensors (a streaming cache of length 0)
         t.reverse_sequence_to_gather,  # nor ReverseSequence (tf2onnx's reverse)

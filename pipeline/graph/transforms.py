@@ -1864,6 +1864,61 @@ def _gather_of_flat_indices(
     ], f"{node_label(node)}: indices {list(indices.dims)} -> {index.size} flat + Reshape"
 
 
+# The HTP's Gather of many short rows (measured with onnxruntime-qnn 2.7.0, QNN 2.51, on the
+# simulator): gathering along the leading axis of a computed [N, 1, C] or [N, C] tensor with
+# C <= 16 values a row (4, 8 and 16 measured, from a Conv + ReLU through a Transpose and a
+# Reshape) returns zeros for the first output row that reads the data's last row (later reads
+# of that row are right) with N = 384, 512, 1024, 1200 rows and as many indices or more; right
+# are rows of 24 or 32 values, N = 64 or 256 (258 indices), or 4 or 64 indices of 1200 rows.
+# One row of padding after the data makes it right.
+SHORT_GATHER_ROW = 16
+MANY_GATHERED = 256  # rows in the data and indices: above this both, where it was measured wrong
+
+
+def pad_short_row_gathers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
+    """A Gather along the leading axis of a computed tensor whose rows hold at most
+    ``SHORT_GATHER_ROW`` values, with more than ``MANY_GATHERED`` rows and constant indices ->
+    the same Gather of the data padded by one zero row at the end of that axis, its negative
+    indices made positive (the pad row is never read: exact).
+
+    Why: the dynamo exporter's adaptive average pooling of a 16-channel map (a GatherND of
+    every window's positions from the map flattened to [H*W, 1, C]) came out of the HTP 45 dB
+    from the CPU QDQ model, one window position read as zeros (above); padded, 62.6 dB (the
+    gather of rows alone: 34.5 -> 80.4 dB).
+    """
+    return replace_nodes(model, "pad_short_row_gathers", _padded_short_row_gather)
+
+
+def _padded_short_row_gather(
+    node: onnx.NodeProto, context: NodeRewrite
+) -> tuple[list[onnx.NodeProto], str] | None:
+    indices = context.inits.get(node.input[1]) if node.op_type == "Gather" else None
+    if node.domain not in DEFAULT_DOMAINS or indices is None or node.input[0] in context.inits:
+        return None
+    shape = context.shape(node.input[0])
+    producer = context.producers.get(node.input[0])
+    if shape is None or len(shape) < 2 or (producer is not None and producer.op_type == "Pad"):
+        return None  # a Pad before it: padded already (the step runs again on bucket models)
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 0) % len(shape)
+    if any(size != 1 for size in shape[:axis]) or math.prod(shape[axis + 1 :]) > SHORT_GATHER_ROW:
+        return None
+    if shape[axis] <= MANY_GATHERED or math.prod(indices.dims) <= MANY_GATHERED:
+        return None  # a pick of a few slices, or from few rows: right as it is
+    index = np.mod(numpy_helper.to_array(indices).astype(np.int64), shape[axis])
+    pads = [0] * (2 * len(shape))
+    pads[len(shape) + axis] = 1
+    padded = context.fresh(f"{node.input[0]}_padded")
+    pad_amounts = context.constant(np.array(pads, np.int64), f"{padded}_pads")
+    positions = context.constant(index, f"{node.input[1]}_positive")
+    base = node.name or node.output[0]
+    return [
+        onnx.helper.make_node("Pad", [node.input[0], pad_amounts], [padded], name=f"{base}_pad"),
+        onnx.helper.make_node(
+            "Gather", [padded, positions], [node.output[0]], name=base, axis=axis
+        ),
+    ], f"{node_label(node)}: rows of {math.prod(shape[axis + 1 :])} values: data padded by one row"
+
+
 def col2im_to_conv_transpose(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Col2Im (``F.fold``) with constant image and block shapes -> Reshape of its columns to
     their block grid, then a ConvTranspose with ``group`` = channels and a one-hot weight.
