@@ -288,6 +288,10 @@ def test_antialiased_resize_sized_and_enlarging() -> None:
     x = RNG.standard_normal((1, 2, 37, 45)).astype(np.float32)
     np.testing.assert_allclose(run(rewritten, x), run(sized, x), rtol=1e-5, atol=1e-6)
 
+    cropped = resize_model([1, 2, 8, 8], [1, 1, 0.5, 0.5], "linear", "tf_crop_and_resize")
+    cropped.graph.node[0].attribute.append(oh.make_attribute("antialias", 1))
+    assert not antialiased_resizes_as_matmuls(cropped)[1].changed  # its roi moves coordinates
+
     larger = resize_model([1, 2, 8, 8], [1, 1, 2.0, 1.5], "linear", "half_pixel", antialias=1)
     rewritten, change = antialiased_resizes_as_matmuls(larger)
     (node,) = rewritten.graph.node

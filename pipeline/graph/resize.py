@@ -344,6 +344,11 @@ def antialiased_resizes_as_matmuls(model: onnx.ModelProto) -> tuple[onnx.ModelPr
             continue
         if any(a.name == "axes" for a in node.attribute) or _nearest(node):
             continue  # antialias applies to linear and cubic only
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if _text(attrs.get("coordinate_transformation_mode"), "half_pixel") == "tf_crop_and_resize":
+            continue  # its roi input moves the coordinates: not read off here
+        if _text(attrs.get("keep_aspect_ratio_policy"), "stretch") != "stretch":
+            continue  # the sizes are fitted over the axes together
         by_scales = len(node.input) >= 3 and node.input[2] in inits
         by_sizes = len(node.input) >= 4 and node.input[3] in inits
         if by_scales == by_sizes:
