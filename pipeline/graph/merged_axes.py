@@ -5,9 +5,11 @@ reads or writes one on the CPU with its Q/DQ. Vision transformers reach rank 6 o
 between windows and tokens: Hiera's mask units ([4, 14, 2, 14, 2, 48] transposed
 [0, 2, 4, 1, 3, 5]), its q/k/v split along a leading 3 of [3, 1, 4, 49, 16, 48] then squeezed,
 its query pooling (a ReduceMax over one axis of [1, 2, 49, 4, 16, 48]): 7 partitions and 121
-CPU nodes. Most such ops only care about some of their axes (the one reduced, split or
-softmaxed; the two a MatMul contracts; the ones a broadcast stretches): a run of neighbouring
-axes the op treats alike is one axis to it, with the same elements in the same order. So each
+CPU nodes. Most such ops only care about some of their axes (the one reduced, split, gathered
+from or softmaxed; the two a MatMul contracts; the ones a broadcast stretches): a run of
+neighbouring axes the op treats alike is one axis to it, with the same elements in the same
+order. The dynamo exporter's adaptive average pooling, where the sizes do not divide, picks
+window offsets from a rank-6 [N, C, bins, kh, bins, kw] view with scalar Gathers. So each
 op gets its input reshaped to those merged axes, the op itself, and its output reshaped back;
 ``rank.collapse_high_rank_reshapes``, which runs next, then joins the Reshapes on either side of
 each rank-6 tensor into one, and the rank-6 tensors are gone. A Transpose that keeps no two
@@ -263,7 +265,8 @@ def _plan(
         groups = _grouped(shape, {axis}, together=False)
         if groups is None or len(groups) - 1 + len(indices) > MAX_RANK:
             return None
-        return _Plan([_merged(shape, groups), None], attributes={"axis": _group_of(groups, axis)})
+        at = _group_of(groups, axis)
+        return _Plan([_merged(shape, groups), None], attributes={"axis": at})
     if op == "Slice":
         axes = _constant_axes(node, 3, inits)
         if not axes or any(n and n not in inits for n in node.input[1:]):
