@@ -247,7 +247,7 @@ def _draft_size(size: tuple[int, int], target: tuple[int, int]) -> tuple[int, in
     """Twice the largest size any resize mode of ``load_image`` scales ``size`` to for
     ``target``: stretch and pad fit within the target, shorter-crop and height fill one side."""
     (width, height), (want_w, want_h) = size, target
-    fill = max(want_w / width, want_h / height, 0.0)
+    fill = max(want_w / width, want_h / height)
     return (
         max(2 * want_w, math.ceil(2 * width * fill)),
         max(2 * want_h, math.ceil(2 * height * fill)),
