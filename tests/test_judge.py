@@ -245,6 +245,36 @@ def test_a_quantized_model_5_db_short_on_the_cpu_goes_to_fp16_first(tmp_path: Pa
     assert any("7 dB short on the CPU" in r for r in htp["remedies"]), htp["remedies"]
 
 
+def test_a_raise_the_ceiling_rules_out_is_not_searched_again(tmp_path: Path, monkeypatch):
+    """4 dB short (the imbalanced model at 0 dB, the target 4): the quantized model runs, the
+    HTP agrees with the CPU QDQ model, so the judge would raise more tensors to 16 bits on the
+    CPU; mixed precision measured already that every 8-bit tensor at 16 bits stays under 1 dB,
+    so that search is not run a second time (it re-quantized and re-measured the same ceiling:
+    15 s on a YOLOX-nano), and the judging goes on to the tensors in fp16 as before."""
+    from pipeline.quantize import build
+
+    aims: list[float] = []
+    real = build.raise_precision
+
+    def counted(config, *args, **kwargs):
+        aims.append(config.quantization.target_snr_db)
+        return real(config, *args, **kwargs)
+
+    monkeypatch.setattr(build, "raise_precision", counted)
+    report = _build_imbalanced(tmp_path, 4.0)
+    mixed, htp = report["mixed_precision"], report["htp"]
+    assert mixed["ceiling_snr_db"] < mixed["before_snr_db"] + 3.0 and mixed["tensors"] == []
+    first = htp["rounds"][0]
+    assert first["label"] == "as quantized" and first["ctx_vs_float_db"] < 4.0
+    assert first["ctx_vs_qdq_db"] == "inf" or float(first["ctx_vs_qdq_db"]) > 7.0  # agreeing
+    assert aims == [4.0], aims  # mixed precision's own search only
+    assert htp["chosen"] != "as quantized" and _score_of(htp) >= 4.0
+
+
+def _score_of(htp: dict) -> float:
+    return float(next(r for r in htp["rounds"] if r["label"] == htp["chosen"])["ctx_vs_float_db"])
+
+
 def test_fp16_first_still_runs_the_quantized_model_when_it_falls_short(tmp_path: Path):
     """A target even fp16 misses: the quantized model runs too, and the better one is kept."""
     htp = _build_imbalanced(tmp_path, 150.0)["htp"]

@@ -636,6 +636,15 @@ def keep_raising(rounds: list[Round], before_db: float) -> bool:
     return len(rounds) < 2 or any(r.snr_db >= before_db for r in rounds[-2:])
 
 
+def ceiling_rules_out(before_db: float, ceiling_db: float, target_db: float) -> bool:
+    """Whether raising tensors is not worth a per-tensor analysis: every 8-bit tensor at 16 bits
+    (``ceiling_db``) is short of ``target_db`` and gains under ``CEILING_GAIN_DB`` over the model
+    as it is (``before_db``), or is ``HOPELESS_DB`` short."""
+    return ceiling_db < target_db and (
+        ceiling_db < before_db + CEILING_GAIN_DB or ceiling_db < target_db - HOPELESS_DB
+    )
+
+
 def raise_precision(
     config: ModelConfig,
     float_path: Path,
@@ -666,9 +675,7 @@ def raise_precision(
             requantize({**every, **base_overrides})
             ceiling = worst_snr(evaluate(float_path, qdq_path, heldout))
         summary = dataclasses.replace(summary, ceiling_snr_db=ceiling)
-        if ceiling < target and (
-            ceiling < before + CEILING_GAIN_DB or ceiling < target - HOPELESS_DB
-        ):
+        if ceiling_rules_out(before, ceiling, target):
             outliers = outlier_channels(float_path, calibration)
             grids = output_grids(float_path, qdq_path, heldout, target)
             return dataclasses.replace(
