@@ -161,6 +161,13 @@ class BucketPaths:
         return self.root / "float.onnx"
 
     @property
+    def unbalanced_float_model(self) -> Path:
+        """The prepared float model before its channels were balanced (pipeline.graph.balance),
+        which the whole-model fp16 candidate is built from: balancing is for integer grids, and
+        a kernel scaled down by it can fall into fp16's subnormals."""
+        return self.root / "float_unbalanced.onnx"
+
+    @property
     def qdq(self) -> Path:
         return self.root / "qdq.onnx"
 

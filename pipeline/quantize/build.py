@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -665,7 +665,8 @@ def _quantize_all(
         )
         from ..graph.qdq_htp import dequantized_integer_inputs
 
-        source = onnx.load(str(prepared[name].float_path))
+        # before balancing (graph.balance): its scaled-down kernels may be fp16 subnormals
+        source = onnx.load(str(prepared[name].unbalanced_path or prepared[name].float_path))
         model, change = fit_float16(source, calibrated_peaks())
         model, exact = exact_float16_forms(source if model is None else model)
         model, streams, factors = float16_residual_streams(model, calibrated_peaks())
@@ -1279,6 +1280,53 @@ def _own_floor(state: _State) -> list[float]:
     return [a.snr_db for a in jitter if a.snr_db == a.snr_db]
 
 
+# Calibration samples whose per-channel peaks set the balancing factors: the factors need only
+# be near (a channel within 2x of the others is balanced), and each sample is one float run.
+BALANCE_SAMPLES = 8
+
+
+def _balance_channels(
+    config: ModelConfig, state: _State, samples: Mapping[str, BucketSamples]
+) -> None:
+    """Conv output channels rescaled ahead of depthwise Convs (``graph.balance``), with the
+    same factors in every bucket (from the largest's calibration samples), so the buckets keep
+    identical weights; nothing where the buckets' graphs differ there, for a model keeping its
+    own quantization, or without per-channel weights."""
+    q = config.quantization
+    if not (q.balance_channels and q.per_channel) or (state.own is not None and state.own.kept):
+        return
+    import onnx
+
+    from ..calibration.ranges import channel_peaks
+    from ..graph.balance import balance_scales, balance_sites, balanced_depthwise_inputs
+
+    started = time.perf_counter()
+    largest = state.plan.largest.name
+    models = {name: onnx.load(str(b.float_path)) for name, b in state.prepared.items()}
+    sites = {name: balance_sites(model) for name, model in models.items()}
+    if not sites[largest] or any(found != sites[largest] for found in sites.values()):
+        return
+    peaks = channel_peaks(models[largest], sites[largest], samples[largest], BALANCE_SAMPLES)
+    scales = balance_scales(peaks)
+    for name, model in models.items():
+        balanced, change = balanced_depthwise_inputs(model, scales)
+        if not change.changed:
+            continue
+        bucket = state.prepared[name]
+        unbalanced = bucket.float_path.with_name(BucketPaths(Path()).unbalanced_float_model.name)
+        with atomic_path(unbalanced) as tmp:
+            onnx.save(model, str(tmp))
+        with atomic_path(bucket.float_path) as tmp:
+            onnx.save(balanced, str(tmp))
+        state.prepared[name] = dataclasses.replace(
+            bucket,
+            changes=[*bucket.changes, change],
+            nodes=len(balanced.graph.node),
+            unbalanced_path=unbalanced,
+        )
+    state.timings["prepare"] = state.timings.get("prepare", 0.0) + time.perf_counter() - started
+
+
 def _check_preparation(config: ModelConfig, paths: ModelPaths, state: _State) -> PreparationCheck:
     """Prepared float vs source on the largest bucket's held-out samples (``lossless``)."""
     started = time.perf_counter()
@@ -1306,6 +1354,7 @@ def _steps(
     config, samples = _sample_all(config, paths, state)
     adapt_heap_to(sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in state.largest.specs))
     state.own = _keep_own_quantization(config, paths, state) or state.own
+    _balance_channels(config, state, samples)  # before the check, which covers it too
     # Before calibration holds its data and the judge its models: the check's two CPU sessions
     # and their activations came on top of those (a DeepLab at 257x257: 228 -> 281 MiB).
     preparation = _check_preparation(config, paths, state)
@@ -1344,6 +1393,7 @@ def _steps(
             state = restart.state
             release_freed_memory()
             config, samples = _sample_all(config, paths, state)
+            _balance_channels(config, state, samples)
             preparation = _check_preparation(config, paths, state)  # of the unrolled form
             merged, changes, mixed, judgement = _quantize_all(
                 config, paths, state.plan, state.prepared, samples, state.held_counts, state.timings

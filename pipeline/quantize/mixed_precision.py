@@ -875,9 +875,8 @@ def outlier_channels(
     with every tensor at 16 bits). Such a model runs in fp16 on the HTP.
     """
     import onnx
-    from onnx import helper, numpy_helper
 
-    from ..calibration.ranges import place_after_producers
+    from ..calibration.ranges import channel_peaks
 
     model = onnx.load(str(float_path))
     graph = model.graph
@@ -890,34 +889,9 @@ def outlier_channels(
     watched = [n for n, s in shapes.items() if len(s) >= 3 and s[1] >= 8 and n in producers]
     if not watched:
         return []
-    axes_attr = any(o.domain in ("", "ai.onnx") and o.version < 18 for o in model.opset_import)
-    outputs, reductions = [], []
-    for index, name in enumerate(watched):
-        axes = [0, *range(2, len(shapes[name]))]
-        axes_name = f"__outlier_axes_{index}"
-        if not axes_attr:
-            graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), axes_name))
-        for op in ("ReduceMax", "ReduceMin"):
-            extreme = f"__outlier_{op[6:].lower()}_{index}"
-            reductions.append(
-                helper.make_node(op, [name], [extreme], axes=axes, keepdims=0)
-                if axes_attr
-                else helper.make_node(op, [name, axes_name], [extreme], keepdims=0)
-            )
-            outputs.append(extreme)
-            graph.output.append(
-                helper.make_tensor_value_info(extreme, onnx.TensorProto.FLOAT, None)
-            )
-    # Appended at the end, the reductions kept every watched activation of a sample alive at
-    # once: 2.3 GB for a 1x3x1024x2048 LR-ASPP whose calibration pass peaks at 0.4 GB.
-    place_after_producers(graph, reductions)
-    session = cpu_session(model, optimize=False, in_node_order=True)
-    peaks: list[np.ndarray] = []
-    for _, sample in zip(range(OUTLIER_SAMPLES), samples, strict=False):
-        got = session.run(outputs, sample)
-        highs, lows = got[::2], got[1::2]
-        magnitudes = [np.maximum(h, -low) for h, low in zip(highs, lows, strict=True)]
-        peaks = magnitudes if not peaks else list(map(np.maximum, peaks, magnitudes))
+    ranks = {name: len(shapes[name]) for name in watched}
+    measured = channel_peaks(model, ranks, samples, OUTLIER_SAMPLES)
+    peaks = [measured[name] for name in watched if name in measured]
     found = []
     for name, per_channel in zip(watched, peaks, strict=False):
         median = float(np.median(per_channel))

@@ -43,6 +43,8 @@ class PreparedBucket:
     nodes: int
     # LSTM/GRU/RNN cells QNN builds (``recurrent.qnn_recurrent_steps``): its compile time limit
     recurrent_steps: int = 0
+    # the float model before its channels were balanced (None: not balanced), for fp16
+    unbalanced_path: Path | None = None
 
 
 def signatures(model: Any, constants: dict[str, Any]) -> tuple[plans.Signature, dict[str, Any]]:
