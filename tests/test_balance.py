@@ -194,3 +194,26 @@ def test_balanced_channels_hold_on_the_htp(tmp_path: Path) -> None:
     assert first_on["partitions"] == 1 and first_on["cpu_nodes"] == 0
     assert first_on["ctx_vs_float_db"] > 30.0
     assert first_on["ctx_vs_float_db"] > first_off["ctx_vs_float_db"] + 10
+
+
+def test_the_whole_model_in_fp16_is_built_from_the_model_before_balancing(tmp_path: Path):
+    """Balancing is for integer grids: fp16 keeps each value's own precision, and a kernel
+    scaled down by it can fall into fp16's subnormals (a person detector's whole-fp16 context
+    25.6 -> 22.7 dB built from the balanced model). A target no quantization meets keeps the
+    whole model in fp16: its graph is the unbalanced one."""
+    report = _quantize(tmp_path, _chain("silu"), "target_snr_db = 150.0\n")
+    assert any(p["step"] == "balanced_depthwise_inputs" for p in report["prepare"])
+    assert report["htp"]["whole_float16"], report["htp"]["chosen"]
+    bucket = tmp_path / "artifacts/build/m/buckets/static"
+    fp16 = onnx.load(str(bucket / "qdq.onnx"))
+    unbalanced = onnx.load(str(bucket / "float_unbalanced.onnx"))
+    balanced = onnx.load(str(bucket / "float.onnx"))
+    assert [n.op_type for n in unbalanced.graph.node] != [n.op_type for n in balanced.graph.node]
+    assert not any("balance" in i for n in fp16.graph.node for i in n.input)
+
+    def depthwise(model: onnx.ModelProto) -> np.ndarray:
+        (kernel,) = [i for i in model.graph.initializer if list(i.dims[:2]) == [CHANNELS, 1]]
+        return numpy_helper.to_array(kernel).astype(np.float32)
+
+    assert np.allclose(depthwise(fp16), depthwise(unbalanced), rtol=1e-3)
+    assert not np.allclose(depthwise(fp16), depthwise(balanced), rtol=1e-3)
