@@ -47,6 +47,23 @@ def _chain(gate: str, seed: int = 0, reader: str = "depthwise") -> onnx.ModelPro
     elif gate == "hardswish":
         nodes.append(helper.make_node("HardSwish", ["t"], ["u"]))
         gated = "u"
+    elif gate == "leaky":
+        nodes.append(helper.make_node("LeakyRelu", ["t"], ["u"], alpha=0.1))
+        gated = "u"
+    elif gate == "prelu":
+        nodes.append(helper.make_node("PRelu", ["t", "slope"], ["u"]))
+        gated = "u"
+    elif gate == "mish":  # x * tanh(softplus(x))
+        nodes.append(helper.make_node("Softplus", ["t"], ["sp"]))
+        nodes.append(helper.make_node("Tanh", ["sp"], ["g"]))
+        nodes.append(helper.make_node("Mul", ["t", "g"], ["u"]))
+        gated = "u"
+    elif gate == "hardswish_parts":  # x * clip(x + 3, 0, 6) / 6, as exporters write it
+        nodes.append(helper.make_node("Add", ["t", "three"], ["a"]))
+        nodes.append(helper.make_node("Clip", ["a", "lo", "hi"], ["c"]))
+        nodes.append(helper.make_node("Div", ["c", "hi"], ["g"]))
+        nodes.append(helper.make_node("Mul", ["g", "t"], ["u"]))
+        gated = "u"
     elif gate in ("silu", "x_hardsigmoid", "clip"):
         if gate == "clip":
             nodes.append(helper.make_node("Clip", ["t", "lo", "hi"], ["u"]))
@@ -64,6 +81,10 @@ def _chain(gate: str, seed: int = 0, reader: str = "depthwise") -> onnx.ModelPro
         numpy_helper.from_array(w3, "w3"),
         numpy_helper.from_array(np.array(0.0, np.float32), "lo"),
         numpy_helper.from_array(np.array(6.0, np.float32), "hi"),
+        numpy_helper.from_array(np.array(3.0, np.float32), "three"),
+        numpy_helper.from_array(
+            np.linspace(0.05, 0.4, CHANNELS, dtype=np.float32).reshape(CHANNELS, 1, 1), "slope"
+        ),
     ]
     graph = helper.make_graph(
         nodes,
@@ -91,7 +112,20 @@ def _peaks(model: onnx.ModelProto, x: np.ndarray, tensor: str) -> np.ndarray:
     return np.abs(values).max(axis=(0, 2, 3))
 
 
-@pytest.mark.parametrize("gate", ["none", "relu", "silu", "x_hardsigmoid", "hardswish"])
+@pytest.mark.parametrize(
+    "gate",
+    [
+        "none",
+        "relu",
+        "leaky",
+        "prelu",
+        "silu",
+        "x_hardsigmoid",
+        "hardswish",
+        "mish",
+        "hardswish_parts",
+    ],
+)
 def test_the_rewrite_is_exact_and_leaves_the_channels_level(gate: str) -> None:
     model = _chain(gate)
     x = np.random.default_rng(1).normal(0, 1, (1, 4, 16, 16)).astype(np.float32)
@@ -100,7 +134,7 @@ def test_the_rewrite_is_exact_and_leaves_the_channels_level(gate: str) -> None:
     assert peaks.max() / peaks.min() > 300  # the imbalance the rewrite is for
     scales = balance_scales({"t": peaks})
     balanced, change = balanced_depthwise_inputs(model, scales)
-    assert change.changed and "t (Conv)" in change.details[0]
+    assert change.changed and "t (Conv)" in change.details[0], change
     onnx.checker.check_model(balanced)
     (before,), after = _run(model, x), _run(balanced, x)[0]
     noise = float(((after - before) ** 2).sum())
@@ -174,7 +208,7 @@ def test_balanced_channels_quantize_far_closer_to_float_on_the_cpu(tmp_path: Pat
     on = _quantize(tmp_path / "on", model, 'judge = "cpu"\n')
     assert not any(p["step"] == "balanced_depthwise_inputs" for p in off["prepare"])
     step = next(p for p in on["prepare"] if p["step"] == "balanced_depthwise_inputs")
-    assert "x * Sigmoid(x)" in step["details"][0]
+    assert "x * g(x), g: Sigmoid" in step["details"][0]
     assert on["preparation_check"]["snr_db"] is None or on["preparation_check"]["snr_db"] > 60
     assert float(on["worst_snr_db"]) > float(off["worst_snr_db"]) + 10, (
         on["worst_snr_db"],

@@ -171,7 +171,7 @@ class QuantizationSection:
     # (pipeline/quantize/bias_correction.py); input means come from the calibration samples.
     bias_correction: bool = True
     # Rescale the output channels of a Conv whose peaks span 16x or more ahead of depthwise
-    # Convs (through a Relu, SiLU or HardSwish), so one per-tensor grid holds them; the
+    # Convs (through a Relu, SiLU, Mish or HardSwish), so one per-tensor grid holds them; the
     # depthwise kernels compensate, exact in float (pipeline/graph/balance.py). Per-channel
     # weights only: per tensor, the rescaled kernels would share one scale.
     balance_channels: bool = True
