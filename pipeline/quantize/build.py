@@ -1281,8 +1281,11 @@ def _own_floor(state: _State) -> list[float]:
 
 
 # Calibration samples whose per-channel peaks set the balancing factors: the factors need only
-# be near (a channel within 2x of the others is balanced), and each sample is one float run.
+# be near (a channel within 2x of the others is balanced), and each sample is one float run:
+# up to 8, while their inputs hold BALANCE_VALUES values (8 images at 416x416), 2 at least (a
+# 1024x2048 segmenter: 2 runs, not 8 of ~1.5 s each).
 BALANCE_SAMPLES = 8
+BALANCE_VALUES = 8 * 3 * 416 * 416
 
 
 def _balance_channels(
@@ -1306,7 +1309,9 @@ def _balance_channels(
     sites = {name: balance_sites(model) for name, model in models.items()}
     if not sites[largest] or any(found != sites[largest] for found in sites.values()):
         return
-    peaks = channel_peaks(models[largest], sites[largest], samples[largest], BALANCE_SAMPLES)
+    values = sum(int(np.prod(spec.shape)) for spec in state.largest.specs) or 1
+    count = max(2, min(BALANCE_SAMPLES, BALANCE_VALUES // values))
+    peaks = channel_peaks(models[largest], sites[largest], samples[largest], count)
     scales = balance_scales(peaks)
     for name, model in models.items():
         balanced, change = balanced_depthwise_inputs(model, scales)
