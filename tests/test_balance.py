@@ -58,6 +58,11 @@ def _chain(gate: str, seed: int = 0, reader: str = "depthwise") -> onnx.ModelPro
         nodes.append(helper.make_node("Tanh", ["sp"], ["g"]))
         nodes.append(helper.make_node("Mul", ["t", "g"], ["u"]))
         gated = "u"
+    elif gate == "gelu_sigmoid":  # x * sigmoid(1.702 x)
+        nodes.append(helper.make_node("Mul", ["t", "k"], ["kt"]))
+        nodes.append(helper.make_node("Sigmoid", ["kt"], ["g"]))
+        nodes.append(helper.make_node("Mul", ["t", "g"], ["u"]))
+        gated = "u"
     elif gate == "hardswish_parts":  # x * clip(x + 3, 0, 6) / 6, as exporters write it
         nodes.append(helper.make_node("Add", ["t", "three"], ["a"]))
         nodes.append(helper.make_node("Clip", ["a", "lo", "hi"], ["c"]))
@@ -82,6 +87,7 @@ def _chain(gate: str, seed: int = 0, reader: str = "depthwise") -> onnx.ModelPro
         numpy_helper.from_array(np.array(0.0, np.float32), "lo"),
         numpy_helper.from_array(np.array(6.0, np.float32), "hi"),
         numpy_helper.from_array(np.array(3.0, np.float32), "three"),
+        numpy_helper.from_array(np.array(1.702, np.float32), "k"),
         numpy_helper.from_array(
             np.linspace(0.05, 0.4, CHANNELS, dtype=np.float32).reshape(CHANNELS, 1, 1), "slope"
         ),
@@ -124,6 +130,7 @@ def _peaks(model: onnx.ModelProto, x: np.ndarray, tensor: str) -> np.ndarray:
         "hardswish",
         "mish",
         "hardswish_parts",
+        "gelu_sigmoid",
     ],
 )
 def test_the_rewrite_is_exact_and_leaves_the_channels_level(gate: str) -> None:

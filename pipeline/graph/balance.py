@@ -15,7 +15,8 @@ the two only ops that commute with a per-channel factor, or that can be fed the 
 - a gate that multiplies x by a function of x: x * g(x) = s x' * g(s x'), so the gate reads
   s x' (one Mul more, the values it read before) and multiplies the balanced x'. g is any chain
   of element-wise functions of x alone: SiLU's Sigmoid, x * hardsigmoid(x), Mish's Softplus ->
-  Tanh, a HardSwish written out (Add 3 -> Clip -> Div 6), and the HardSwish op itself, made
+  Tanh, a HardSwish written out (Add 3 -> Clip -> Div 6), GELU's x * sigmoid(1.702 x), and
+  the HardSwish op itself, made
   x * HardSigmoid(x). A gate such as a sigmoid lies in [0, 1] whatever the channel, so a small
   channel's error stays relative to it. ReLU6-like clips alone, whose bound would be per
   channel, are left as they are.
@@ -68,7 +69,7 @@ MAX_GATE_OPS = 4
 @dataclass(frozen=True)
 class _Site:
     conv: onnx.NodeProto  # the Conv whose output channels are scaled
-    gate: tuple[onnx.NodeProto, ...]  # Relu | HardSwish | (Sigmoid/HardSigmoid, Mul) | ()
+    gate: tuple[onnx.NodeProto, ...]  # () | (Relu-like or HardSwish,) | (g's ops..., Mul)
     readers: tuple[onnx.NodeProto, ...]  # the depthwise Convs reading the (gated) tensor
 
 
@@ -146,7 +147,13 @@ def _gate(
         return (op,)
     if len(first) != 2:
         return None
-    muls = [r for r in first if r.op_type == "Mul" and list(r.input).count(tensor) == 1]
+    muls = [  # x * g(x): the Mul of x by a computed tensor (a Mul by a constant may start g)
+        r
+        for r in first
+        if r.op_type == "Mul"
+        and list(r.input).count(tensor) == 1
+        and not any(name in inits for name in r.input)
+    ]
     starts = [r for r in first if r not in muls]
     if len(muls) != 1 or len(starts) != 1:
         return None
