@@ -78,14 +78,16 @@ def _channels(inits: Mapping[str, onnx.TensorProto], conv: onnx.NodeProto) -> in
     if conv.op_type != "Conv" or conv.domain not in ("", "ai.onnx") or len(conv.input) < 2:
         return None
     weight = inits.get(conv.input[1])
-    if weight is None or len(weight.dims) < 3:
+    if weight is None or len(weight.dims) < 3 or weight.data_type != onnx.TensorProto.FLOAT:
         return None
     if len(conv.input) > 2 and conv.input[2] and conv.input[2] not in inits:
         return None
     return int(weight.dims[0])
 
 
-def _depthwise(inits: Mapping[str, onnx.TensorProto], node: onnx.NodeProto, tensor: str, c: int):
+def _depthwise(
+    inits: Mapping[str, onnx.TensorProto], node: onnx.NodeProto, tensor: str, c: int
+) -> bool:
     """Whether ``node`` is a Conv of ``tensor`` channel by channel (one kernel each)."""
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or node.input[0] != tensor:
         return False
@@ -94,6 +96,7 @@ def _depthwise(inits: Mapping[str, onnx.TensorProto], node: onnx.NodeProto, tens
     weight = inits.get(node.input[1]) if len(node.input) > 1 else None
     return (
         weight is not None
+        and weight.data_type == onnx.TensorProto.FLOAT
         and attribute(node, "group", 1) == c
         and len(weight.dims) >= 3
         and weight.dims[0] == c
