@@ -1282,10 +1282,10 @@ def _own_floor(state: _State) -> list[float]:
 
 # Calibration samples whose per-channel peaks set the balancing factors: the factors need only
 # be near (a channel within 2x of the others is balanced), and each sample is one float run:
-# up to 8, while their inputs hold BALANCE_VALUES values (8 images at 416x416), 2 at least (a
-# 1024x2048 segmenter: 2 runs, not 8 of ~1.5 s each).
-BALANCE_SAMPLES = 8
-BALANCE_VALUES = 8 * 3 * 416 * 416
+# up to 4, while their inputs hold BALANCE_VALUES values (4 images at 416x416), 2 at least (a
+# 1024x2048 segmenter: 2 runs of ~1.5 s each). The calibration after it sees every sample.
+BALANCE_SAMPLES = 4
+BALANCE_VALUES = 4 * 3 * 416 * 416
 
 
 def _balance_channels(
