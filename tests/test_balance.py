@@ -258,3 +258,42 @@ def test_the_whole_model_in_fp16_is_built_from_the_model_before_balancing(tmp_pa
 
     assert np.allclose(depthwise(fp16), depthwise(unbalanced), rtol=1e-3)
     assert not np.allclose(depthwise(fp16), depthwise(balanced), rtol=1e-3)
+
+
+def test_every_bucket_gets_the_same_factors_so_their_weights_stay_identical(tmp_path: Path):
+    """Shape buckets share one set of weights (packaging "shared"): each bucket's float model
+    is balanced with the factors of the largest's calibration samples, so the rescaled weights
+    are the same bytes in every bucket."""
+    from pipeline.core.config import load_config
+    from pipeline.quantize.build import quantize_model
+
+    model = _chain("silu")
+    for value in (model.graph.input[0], model.graph.output[0]):
+        value.type.tensor_type.shape.dim[3].dim_param = "w"
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    rng = np.random.default_rng(5)
+    (tmp_path / "data").mkdir()
+    for i in range(16):
+        width = int(rng.choice([8, 16]))
+        np.save(tmp_path / f"data/s{i:02d}.npy", rng.normal(0, 1, (1, 4, 16, width)).astype("f4"))
+    (tmp_path / "m.toml").write_text(
+        '[model]\nname = "m"\nversion = "1.0.0"\nsource = "m.onnx"\n'
+        '[calibration]\nkind = "tensors"\npath = "data"\nsamples = 16\n'
+        '[quantization]\njudge = "cpu"\nauto_mixed_precision = false\n'
+        '[compile]\ntargets = ["snapdragon-x-elite"]\nembed = false\n'
+        "[buckets]\ndims = { w = [8, 16] }\npad = { w = { value = 0.0 } }\n",
+        encoding="utf-8",
+    )
+    quantize_model(load_config(tmp_path / "m.toml"), tmp_path / "artifacts", force=True)
+    floats = sorted((tmp_path / "artifacts/build/m/buckets").glob("*/float.onnx"))
+    assert len(floats) == 2
+    balanced = []
+    for path in floats:
+        float_model = onnx.load(str(path))
+        assert any(n.op_type == "Mul" and "_balance" in n.input[1] for n in float_model.graph.node)
+        balanced.append(
+            {i.name: i.raw_data or i.SerializeToString() for i in float_model.graph.initializer}
+        )
+    shared = set(balanced[0]) & set(balanced[1])
+    assert any(name.endswith("_balanced") for name in shared)
+    assert all(balanced[0][name] == balanced[1][name] for name in shared if "balance" in name)
