@@ -297,3 +297,13 @@ def test_every_bucket_gets_the_same_factors_so_their_weights_stay_identical(tmp_
     shared = set(balanced[0]) & set(balanced[1])
     assert any(name.endswith("_balanced") for name in shared)
     assert all(balanced[0][name] == balanced[1][name] for name in shared if "balance" in name)
+
+
+def test_a_build_without_balancing_leaves_no_unbalanced_model_behind(tmp_path: Path) -> None:
+    """The model before balancing is kept for the fp16 candidate of the build that balanced;
+    a later build that does not balance removes it, so no stale model lies in the build."""
+    unbalanced = tmp_path / "artifacts/build/m/buckets/static/float_unbalanced.onnx"
+    _quantize(tmp_path, _chain("silu"), 'judge = "cpu"\n')
+    assert unbalanced.is_file()
+    _quantize(tmp_path, _chain("silu"), 'judge = "cpu"\nbalance_channels = false\n')
+    assert not unbalanced.exists()

@@ -1296,6 +1296,9 @@ def _balance_channels(
     identical weights; nothing where the buckets' graphs differ there, for a model keeping its
     own quantization, or without per-channel weights."""
     q = config.quantization
+    name_unbalanced = BucketPaths(Path()).unbalanced_float_model.name
+    for bucket in state.prepared.values():  # an earlier build's, which nothing reads now
+        bucket.float_path.with_name(name_unbalanced).unlink(missing_ok=True)
     if not (q.balance_channels and q.per_channel) or (state.own is not None and state.own.kept):
         return
     import onnx
@@ -1318,7 +1321,7 @@ def _balance_channels(
         if not change.changed:
             continue
         bucket = state.prepared[name]
-        unbalanced = bucket.float_path.with_name(BucketPaths(Path()).unbalanced_float_model.name)
+        unbalanced = bucket.float_path.with_name(name_unbalanced)
         with atomic_path(unbalanced) as tmp:
             onnx.save(model, str(tmp))
         with atomic_path(bucket.float_path) as tmp:
