@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -247,10 +248,9 @@ def model_paths(root: Path, name: str) -> ModelPaths:
     return ModelPaths.of(root / "artifacts", name)
 
 
-def _quantize_qnn(float_path: Path, qdq_path: Path, calibration: list[Feeds]) -> None:
-    """onnxruntime's QNN QDQ recipe: u16 activations, u8 weights, MinMax."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize
-    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+def feeds_reader(calibration: list[Feeds]) -> Any:
+    """An onnxruntime CalibrationDataReader over these samples, for its quantizer in tests."""
+    from onnxruntime.quantization import CalibrationDataReader
 
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
@@ -259,9 +259,17 @@ def _quantize_qnn(float_path: Path, qdq_path: Path, calibration: list[Feeds]) ->
         def get_next(self) -> Feeds | None:
             return next(self.samples, None)
 
+    return Reader()
+
+
+def _quantize_qnn(float_path: Path, qdq_path: Path, calibration: list[Feeds]) -> None:
+    """onnxruntime's QNN QDQ recipe: u16 activations, u8 weights, MinMax."""
+    from onnxruntime.quantization import QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
     recipe = get_qnn_qdq_config(
         str(float_path),
-        Reader(),
+        feeds_reader(calibration),
         activation_type=QuantType.QUInt16,
         weight_type=QuantType.QUInt8,
     )

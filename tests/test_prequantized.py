@@ -2298,12 +2298,8 @@ def _a16_by_onnxruntime(tmp_path: Path, weights: str) -> onnx.ModelProto:
     ``weights``: "uint16" as onnxruntime writes QUInt16 (full range, zero points near 32768),
     or "uint8_in_uint16": QUInt8 weights retyped to uint16 (values and zero points kept), as
     onnxruntime's own A16W16 MobileNet-EdgeTPU test model holds them."""
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
+    from compile_fixtures import feeds_reader
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
     rng = np.random.default_rng(7)
     w1 = (rng.normal(0, 0.4, (8, SHAPE[1], 3, 3)) + 0.05).astype(np.float32)
@@ -2324,17 +2320,10 @@ def _a16_by_onnxruntime(tmp_path: Path, weights: str) -> onnx.ModelProto:
     model.ir_version = 10
     onnx.save(model, str(tmp_path / "float.onnx"))
 
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.samples = iter([{"x": x} for x in inputs(8)])
-
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            return next(self.samples, None)
-
     quantize_static(
         str(tmp_path / "float.onnx"),
         str(tmp_path / "qdq.onnx"),
-        Reader(),
+        feeds_reader([{"x": x} for x in inputs(8)]),
         quant_format=QuantFormat.QDQ,
         activation_type=QuantType.QUInt16,
         weight_type=QuantType.QUInt16 if weights == "uint16" else QuantType.QUInt8,

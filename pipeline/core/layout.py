@@ -152,6 +152,12 @@ def spread(samples: list[Path], count: int = VALIDATE_SAMPLES) -> list[Path]:
     return [samples[round(i * last / (count - 1))] for i in range(count)]
 
 
+# Beside a bucket's float.onnx: that model before its channels were balanced (graph.balance),
+# which the whole-model fp16 candidate is built from: balancing is for integer grids, and a
+# kernel scaled down by it can fall into fp16's subnormals.
+UNBALANCED_FLOAT = "float_unbalanced.onnx"
+
+
 @dataclass(frozen=True)
 class BucketPaths:
     root: Path
@@ -159,13 +165,6 @@ class BucketPaths:
     @property
     def float_model(self) -> Path:
         return self.root / "float.onnx"
-
-    @property
-    def unbalanced_float_model(self) -> Path:
-        """The prepared float model before its channels were balanced (pipeline.graph.balance),
-        which the whole-model fp16 candidate is built from: balancing is for integer grids, and
-        a kernel scaled down by it can fall into fp16's subnormals."""
-        return self.root / "float_unbalanced.onnx"
 
     @property
     def qdq(self) -> Path:

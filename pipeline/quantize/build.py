@@ -52,6 +52,7 @@ from ..core.fileio import atomic_dir, atomic_path, link_or_copy, sha256_file
 from ..core.layout import (
     ENOUGH_MARGIN_DB,
     HTP_BUDGET_S,
+    UNBALANCED_FLOAT,
     BucketPaths,
     ModelPaths,
     sample_name,
@@ -1296,9 +1297,8 @@ def _balance_channels(
     identical weights; nothing where the buckets' graphs differ there, for a model keeping its
     own quantization, or without per-channel weights."""
     q = config.quantization
-    name_unbalanced = BucketPaths(Path()).unbalanced_float_model.name
     for bucket in state.prepared.values():  # an earlier build's, which nothing reads now
-        bucket.float_path.with_name(name_unbalanced).unlink(missing_ok=True)
+        bucket.float_path.with_name(UNBALANCED_FLOAT).unlink(missing_ok=True)
     if not (q.balance_channels and q.per_channel) or (state.own is not None and state.own.kept):
         return
     import onnx
@@ -1321,7 +1321,7 @@ def _balance_channels(
         if not change.changed:
             continue
         bucket = state.prepared[name]
-        unbalanced = bucket.float_path.with_name(name_unbalanced)
+        unbalanced = bucket.float_path.with_name(UNBALANCED_FLOAT)
         with atomic_path(unbalanced) as tmp:
             onnx.save(model, str(tmp))
         with atomic_path(bucket.float_path) as tmp:
