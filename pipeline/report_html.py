@@ -49,6 +49,7 @@ PLOTS_MISSING = (
 _DIGEST_META = "qnn-ctx-report-inputs"
 _MAX_BARS = 40  # tensors shown in the sensitivity plot; the table below lists them all
 _MAX_GROUPS = 24  # output x variant groups in the accuracy plot
+MIN_COMPARED = 2  # a plot compares this many things (rounds, outputs, variants) or is left out
 # One colour per comparison, the same in every plot and page.
 COLOURS = {
     "ctx_vs_qdq": "#1f77b4",
@@ -337,12 +338,18 @@ def plots_available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
+_PRELOADING = False
+
+
 def preload_plotting() -> None:
     """Import matplotlib in a background thread, so its ~1 s import overlaps the stage's own
     work (onnxruntime and the worker processes run outside the GIL) instead of adding to it.
-    Python's import lock makes a later import wait for this one, never repeat it."""
-    if not plots_available():
+    Python's import lock makes a later import wait for this one, never repeat it. Called
+    where a plot becomes likely (a second judge round, mixed precision), and once only."""
+    global _PRELOADING
+    if _PRELOADING or not plots_available():
         return
+    _PRELOADING = True
 
     def load() -> None:
         try:
@@ -695,8 +702,10 @@ def fig_accuracy(variants: list[dict[str, Any]], gate_db: float | None = None) -
     return fig
 
 
-def fig_load(variants: list[dict[str, Any]]) -> Any | None:
-    """Session creation per variant: QDQ (QNN compiling online) vs ctx, on the simulator."""
+def _load_rows(
+    variants: list[dict[str, Any]],
+) -> list[tuple[str, float | None, float | None, float | None, float | None]]:
+    """(variant, QDQ load s, ctx load s, every bucket's ctx s, ratio) per measured variant."""
     rows = []
     for v in variants:
         load = _dict(v.get("load"))
@@ -705,6 +714,12 @@ def fig_load(variants: list[dict[str, Any]]) -> Any | None:
             continue
         several = len(_dict(load.get("buckets"))) > 1
         rows.append((_where(v), qdq, ctx, every if several else None, _finite(load.get("ratio"))))
+    return rows
+
+
+def fig_load(variants: list[dict[str, Any]]) -> Any | None:
+    """Session creation per variant: QDQ (QNN compiling online) vs ctx, on the simulator."""
+    rows = _load_rows(variants)
     if not rows:
         return None
     fig = _figure(7.2, 1.5 + 0.6 * len(rows))
@@ -757,19 +772,35 @@ def fig_load(variants: list[dict[str, Any]]) -> Any | None:
     return fig
 
 
-def figure_inputs(data: ModelData) -> dict[str, tuple[Any, Callable[[], Any]]]:
-    """Every plot of a model's page: name -> (the data it is drawn from, how to draw it)."""
+def figure_inputs(data: ModelData) -> dict[str, tuple[Any, Callable[[], Any] | None]]:
+    """Every plot of a model's page: name -> (the data it is drawn from, how to draw it, or
+    None when a picture would not read faster than the table beside it: one judge round, one
+    output of one variant, one variant's load times). Deciding that before matplotlib is
+    imported keeps its import (0.3-0.4 s a stage) out of the builds that draw nothing."""
     mixed = _dict(data.quantize.get("mixed_precision"))
     htp = _dict(data.quantize.get("htp"))
     min_snr = _num(_dict(data.ctx.get("gates")).get("min_snr_db"))
     variants = data.variants
+    compared = len(_accuracy_groups(variants)[0]) >= MIN_COMPARED
+    loads = len(_load_rows(variants)) >= MIN_COMPARED
+    rounds = len(_list(htp.get("rounds"))) >= MIN_COMPARED
+    raised = bool(_list(mixed.get("tensors")))  # mixed precision that met its target at 8 bits
     return {
-        "mixed_curve": (mixed, lambda: fig_mixed_curve(mixed) if mixed else None),
-        "sensitivity": (mixed, lambda: fig_sensitivity(mixed) if mixed else None),
-        "judge": (htp, lambda: fig_judge(htp)),
-        "accuracy": ([variants, min_snr], lambda: fig_accuracy(variants, min_snr)),
-        "load": (variants, lambda: fig_load(variants)),
+        "mixed_curve": (mixed, (lambda: fig_mixed_curve(mixed)) if raised else None),
+        "sensitivity": (mixed, (lambda: fig_sensitivity(mixed)) if raised else None),
+        "judge": (htp, (lambda: fig_judge(htp)) if rounds else None),
+        "accuracy": (
+            [variants, min_snr],
+            (lambda: fig_accuracy(variants, min_snr)) if compared else None,
+        ),
+        "load": (variants, (lambda: fig_load(variants)) if loads else None),
     }
+
+
+def plots_wanted(data: ModelData) -> bool:
+    """Whether the page draws any plot it has not drawn before (its import is then worth
+    starting early: ``preload_plotting``)."""
+    return any(draw is not None for _, draw in figure_inputs(data).values())
 
 
 # -- the model page -------------------------------------------------------------------------------
@@ -1627,6 +1658,8 @@ def _render_svgs(data: ModelData) -> tuple[dict[str, str], str]:
     code = _code_digest()
     kept: set[Path] = set()
     for name, (inputs, draw) in figure_inputs(data).items():
+        if draw is None:  # nothing to compare: no file, and no matplotlib import for it
+            continue
         key = hashlib.sha256(
             json.dumps([code, name, inputs], sort_keys=True, default=str).encode()
         ).hexdigest()[:32]

@@ -80,7 +80,8 @@ def compile_cli(root: Path, *configs: Path) -> int:
 
 
 def write_quantize_config(root: Path) -> Path:
-    """small_cnn at 8-bit activations with a 60 dB target: mixed precision raises tensors."""
+    """small_cnn at 8-bit activations with a 60 dB target: mixed precision raises tensors; two
+    targets, so the page's accuracy and load plots compare two variants."""
     rng = np.random.default_rng(0)
     model = helper.make_model(small_cnn(rng), opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = IR_VERSION
@@ -91,7 +92,7 @@ def write_quantize_config(root: Path) -> Path:
         '[calibration]\nkind = "random"\nsamples = 16\n'
         '[quantization]\nactivation_type = "uint8"\nweight_type = "uint8"\nper_channel = false\n'
         'target_snr_db = 60.0\njudge = "htp"\n'
-        "[compile]\nmin_snr_db = 10.0\n",
+        '[compile]\nmin_snr_db = 10.0\ntargets = ["snapdragon-x-elite", "snapdragon-8-gen-3"]\n',
         encoding="utf-8",
     )
     return config
@@ -114,8 +115,9 @@ def test_whole_build_page_has_every_plot_and_section(full: Path) -> None:
     report = json.loads((paths.root / "report.json").read_text())
     mixed = report["mixed_precision"]
     assert mixed["tensors"] and mixed["rounds"]  # the data the curve and the bars need
-    assert report["htp"]["judge"] == "htp" and report["htp"]["rounds"]
-    assert plots_in(text) == set(PLOTS)
+    assert report["htp"]["judge"] == "htp" and len(report["htp"]["rounds"]) == 1
+    # one judge round is a table row, not a plot; every other plot compares two or more
+    assert plots_in(text) == set(PLOTS) - {"judge"}
     for heading in (
         "Gates",
         "Quantization",
@@ -162,7 +164,7 @@ def test_page_is_redrawn_only_when_what_it_shows_changes(full: Path) -> None:
         }
 
     first = drawn()
-    assert first.keys() == set(PLOTS)
+    assert first.keys() == set(PLOTS) - {"judge"}
     try:
         data = json.loads(saved)
         data["load"]["ratio"] = 1234.5
@@ -173,8 +175,8 @@ def test_page_is_redrawn_only_when_what_it_shows_changes(full: Path) -> None:
         # Only the plots drawn from the variants are drawn again (and the old ones removed);
         # the quantize report's plots are the files drawn before.
         again = drawn()
-        assert again.keys() == set(PLOTS)
-        redrawn = {name for name in PLOTS if again[name] != first[name]}
+        assert again.keys() == first.keys()
+        redrawn = {name for name in first if again[name] != first[name]}
         assert redrawn == {"accuracy", "load"}, redrawn
     finally:
         variant.write_bytes(saved)
@@ -250,7 +252,8 @@ def test_compile_fixtures_without_quantize_report_and_a_native_abort(tmp_path: P
     crash = build_inputs(tmp_path, "shape_tail", shape_tail)
     assert compile_cli(tmp_path, good, crash) == 1  # shape_tail's variant failed
     tiny = check_self_contained(model_paths(tmp_path, "tiny").root / REPORT_HTML)
-    assert plots_in(tiny) == {"accuracy", "load"}
+    assert plots_in(tiny) == set()  # one output of one variant: its tables say it all
+    assert ">Compile: EP-context variants" in tiny
     assert "No quantize report.json beside the record" in tiny
     crashed = check_self_contained(model_paths(tmp_path, "shape_tail").root / REPORT_HTML)
     assert "FAILED (abort in load)" in crashed and "Tensor name not found." in crashed
@@ -285,6 +288,30 @@ def test_without_matplotlib_the_page_keeps_its_tables(
     text = check_self_contained(page)
     assert "<svg" not in text and report_html.PLOTS_MISSING.split(":")[0] in text
     assert ">Mixed precision" in text and ">Load times" in text and "<table>" in text
+
+
+@pytest.mark.qnn
+def test_a_plot_is_drawn_only_where_it_compares(full: Path, tmp_path: Path) -> None:
+    """One judge round, one variant: their tables only, and no matplotlib import for them; a
+    second round or variant brings the plot (a picture then reads faster than the table)."""
+    root = tmp_path / "build" / "cnn"
+    shutil.copytree(model_paths(full, "cnn").root, root, ignore=shutil.ignore_patterns("*.onnx"))
+    report = json.loads((root / "report.json").read_text())
+    for extra in root.glob("ctx/*/snapdragon-8-gen-3"):
+        shutil.rmtree(extra)
+    shutil.rmtree(root / report_html.FIGURES)
+    report.pop("mixed_precision")
+    (root / "report.json").write_text(json.dumps(report), encoding="utf-8")
+    data = report_html.load_model(root)
+    assert not report_html.plots_wanted(data)
+    text = check_self_contained(report_html.write_model_html(root))
+    assert plots_in(text) == set() and ">Load times" in text and ">Precision judged" in text
+    assert not (root / report_html.FIGURES).exists()  # nothing drawn, nothing cached
+
+    report["htp"]["rounds"].append({**report["htp"]["rounds"][0], "label": "again"})
+    (root / "report.json").write_text(json.dumps(report), encoding="utf-8")
+    assert report_html.plots_wanted(report_html.load_model(root))
+    assert plots_in(check_self_contained(report_html.write_model_html(root))) == {"judge"}
 
 
 def test_unreadable_report_is_named_on_the_page(tmp_path: Path) -> None:

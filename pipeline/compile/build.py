@@ -32,6 +32,7 @@ from ..core.layout import (
     ENOUGH_MARGIN_DB,
     GPU_TARGET,
     HTP_BUDGET_S,
+    REPORT_JSON,
     VALIDATE_SAMPLES,
     ModelPaths,
     VariantPaths,
@@ -349,6 +350,20 @@ def variants_to_build(
     )
 
 
+def plots_likely(inputs: ModelInputs, variants: int) -> bool:
+    """Whether the page will compare several things in a plot of compile's (variants, buckets,
+    outputs or parts of a packed one; see ``report_html.figure_inputs``), read from what the
+    quantize report compared: one output of one variant is a table, and labels are apart."""
+    if variants >= 2 or len(inputs.buckets) >= 2:
+        return True
+    try:
+        report = json.loads((inputs.paths.root / REPORT_JSON).read_text("utf-8"))
+        compared = report["end_to_end"]["qdq_vs_source"]
+        return sum(c.get("compared_as") != "labels" for c in compared.values()) >= 2
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return True
+
+
 def existing_variant(folder: VariantPaths) -> VariantRecord | None:
     """The variant on disk, if its record parses and every file it lists is there."""
     record, _ = read_record(VariantRecord, folder.record)
@@ -365,7 +380,10 @@ def build_variant(
     force: bool,
     log_severity: int,
     progress: Progress,
+    plots: bool = True,
 ) -> Built:
+    """One target's variant, or the one on disk when it is up to date. ``plots``: the page
+    will likely draw a plot from it (``plots_likely``), so matplotlib is imported meanwhile."""
     config = inputs.config
     folder = inputs.paths.variant(toolchain.onnxruntime_qnn, target.name)
     digest = variant_digest(inputs, toolchain, installed.onnxruntime, target)
@@ -376,7 +394,8 @@ def build_variant(
     # without numpy or matplotlib (whose import in a thread would contend with it).
     from .worker import combine_validation, merge_specs
 
-    preload_plotting()  # report.html at the end: its import overlaps the variants' workers
+    if plots:
+        preload_plotting()  # report.html at the end: its import overlaps the variants' workers
     # k buckets: compiled (twice when a shared set is validated through the standalone one),
     # loaded and validated in one child, so the time limit grows with them, and with the
     # recurrent cells QNN builds for each.
@@ -495,12 +514,13 @@ def compile_model(
     others = frozenset({GPU_TARGET} if gpu_wanted else ())
     _remove_stale(inputs.paths, wanted, toolchain, targets, others)
     built: list[Built] = []
+    plots = plots_likely(inputs, len(targets) + gpu_wanted)
     label = f"{config.model.name} qnn {toolchain.onnxruntime_qnn}"
     with Progress(len(targets) + gpu_wanted, label, unit="variant") as progress:
         for target in targets:
             progress.status(f"{target.name}: start")
             result = build_variant(
-                inputs, toolchain, installed, target, force, log_severity, progress
+                inputs, toolchain, installed, target, force, log_severity, progress, plots
             )
             built.append(result)
             target_snr = config.quantization.target_snr_db

@@ -640,6 +640,8 @@ def _quantize_all(
 
     if q.auto_mixed_precision and held_counts[probe]:
         mixed = dataclasses.replace(raise_on_probe(q.target_snr_db, overrides), bucket=probe)
+        if mixed.tensors:  # report.html plots them: the import overlaps the judge's run
+            preload_plotting()
     chosen = {**overrides, **(mixed.overrides if mixed else {})}
     timings["quantize"] = time.perf_counter() - t0
 
@@ -703,9 +705,6 @@ def _quantize_all(
         more = raise_on_probe(goal_db, base)
         return {**more.overrides, **base} if more.tensors else None
 
-    # report.html at the end needs matplotlib: its ~1 s import runs while this process waits
-    # for the judge's HTP probes in their child processes, instead of after them.
-    preload_plotting()
     judgement, candidate = judge_on_htp(
         config,
         prepared[probe].float_path,

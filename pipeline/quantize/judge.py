@@ -62,6 +62,7 @@ from ..core.layout import (
 from ..core.progress import Progress
 from ..core.records import HtpProbeRecord, write_record
 from ..htp.probe import CTX_NAME, ProbeResult, TensorAgreement, probe, qnn_available
+from ..report_html import MIN_COMPARED, preload_plotting
 from .evaluate import Feeds, OutputsOnDisk, cpu_accuracy, float16_conditioning, kept_outputs
 from .mixed_precision import EIGHT_BIT, HOPELESS_DB, SIXTEEN_BIT, measure
 
@@ -431,6 +432,8 @@ def judge_on_htp(
             if measured is not None and measured >= target_db + ENOUGH_MARGIN_DB:
                 agree_db = measured + AGREE_MARGIN_DB
             progress.status(f"round {len(rounds) + 1}: {shown}: compile and run on the HTP")
+            if len(rounds) + 1 >= MIN_COMPARED:  # report.html plots the rounds: import now
+                preload_plotting()
             folder = work / f"p{len(rounds)}"
             result = probe(
                 qdq_path,
