@@ -334,10 +334,10 @@ def test_compile_reuses_the_judges_figures_for_the_same_ctx_and_only_then(tmp_pa
     reused = first.validation
     assert reused.measured_by.startswith("the quantize stage's HTP judge")
     # The QDQ model's online-compile load is the judge's offline compile of it, not a second one.
-    from pipeline.compile.worker import JUDGE_COMPILE
+    from pipeline.compile.worker import JUDGE_LOAD
 
     judge_compile_s = json.loads(probe.read_text())["compile_s"]
-    assert first.load.qdq_timed_by == JUDGE_COMPILE and first.load.qdq_s == judge_compile_s > 0
+    assert first.load.qdq_timed_by == JUDGE_LOAD and first.load.qdq_s == judge_compile_s > 0
     # Compile adopted the very context the judge ran instead of compiling it again.
     from pipeline.core.fileio import sha256_file
 
@@ -345,7 +345,7 @@ def test_compile_reuses_the_judges_figures_for_the_same_ctx_and_only_then(tmp_pa
     (ctx,) = folder.root.glob("*_ctx.onnx")
     judged = json.loads(probe.read_text())["ctx_sha256"]
     assert sha256_file(ctx) == judged == sha256_file(paths.bucket("static").htp_probe_ctx)
-    assert "the HTP judge's context, adopted" in folder.log.read_text()
+    assert "No worker ran for this variant" in folder.log.read_text()
     assert reused.samples == len(samples) // 4  # every held-out sample (held_out = 0.25)
     # A probe record that no longer matches the ctx: compile runs the simulator itself.
     record = json.loads(probe.read_text())
@@ -363,6 +363,73 @@ def test_compile_reuses_the_judges_figures_for_the_same_ctx_and_only_then(tmp_pa
     assert "adopted" not in folder.log.read_text()
     assert timed.qdq_timed_by == OWN_COMPILE and timed.qdq_s is not None
     assert own.compile_time_s is not None and 0 < timed.qdq_s <= own.compile_time_s
+
+
+def test_the_judges_variant_needs_no_worker_and_is_the_one_a_worker_builds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """When the judge's child compiled, ran and timed the very ctx compile would build, compile
+    starts no worker for it (none is warmed up either) and writes the record a worker writes
+    from the same bytes: the same ctx, coverage, I/O and validation; the load times the
+    judge's child measured. A probe record from before that timing: a worker builds it."""
+    from pipeline.compile import build as compile_build
+    from pipeline.compile import child, worker
+    from pipeline.compile.build import compile_model, variants_to_build
+    from pipeline.core.records import VariantRecord, read_record
+    from qnn_ctx_runtime import qnn
+    from qnn_ctx_runtime.toolchains import load_toolchains
+
+    rng = np.random.default_rng(5)
+    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
+    config = load_config(_write(tmp_path, _dilated_model(rng), samples, ""))
+    artifacts = tmp_path / "artifacts"
+    quantize_model(config, artifacts, force=True)
+    paths = ModelPaths.of(artifacts, "m")
+    probe = paths.bucket("static").htp_probe
+    load = json.loads(probe.read_text())["load"]
+    assert load["runs"] == 3 and load["ctx_load_s"] > 0 and load["inputs"][0]["name"] == "x"
+    table = load_toolchains()
+    toolchain = table.get(table.default)
+    installed = qnn.installed_qnn()
+    workers: list[str] = []
+    real_run_child = child.run_child
+
+    def counted(job, *args, **kwargs):
+        workers.append(job.target)
+        return real_run_child(job, *args, **kwargs)
+
+    monkeypatch.setattr(compile_build, "run_child", counted)
+    folder = paths.variant(toolchain.onnxruntime_qnn, config.compile.targets[0])
+
+    def compiled() -> VariantRecord:
+        compile_model(config, artifacts, table, toolchain, installed, True, out=str)
+        record, why = read_record(VariantRecord, folder.record)
+        assert record is not None, why
+        return record
+
+    assert variants_to_build(config, artifacts, table, toolchain, installed, True) == 0
+    judged = compiled()
+    assert workers == [] and judged.passed and judged.status == "ok"
+    assert "No worker ran for this variant" in folder.log.read_text()
+    assert judged.load.ctx_s == load["ctx_load_s"] and judged.load.ratio > 1
+    assert judged.memory.rss_one_bucket_bytes >= judged.memory.rss_before_bytes > 0
+
+    monkeypatch.setattr(worker, "judged_variant", lambda job, installed: None)
+    built = compiled()
+    assert workers == [config.compile.targets[0]]
+    assert "the HTP judge's context, adopted" in folder.log.read_text()
+    assert built.coverage == judged.coverage and built.coverage.qnn_partitions == 1
+    assert (built.inputs, built.outputs) == (judged.inputs, judged.outputs)
+    assert built.validation == judged.validation  # both the judge's run on those samples
+    assert [s.facts for s in built.sets] == [s.facts for s in judged.sets]  # the same ctx bytes
+    assert built.load.qdq_s == judged.load.qdq_s  # the judge's offline compile, in both
+
+    monkeypatch.undo()
+    record = json.loads(probe.read_text())
+    probe.write_text(json.dumps({k: v for k, v in record.items() if k != "load"}))
+    assert variants_to_build(config, artifacts, table, toolchain, installed, True) == 1
+    monkeypatch.setattr(compile_build, "run_child", counted)
+    assert compiled().coverage == judged.coverage and len(workers) == 2
 
 
 def _cpu_judged_dilated(tmp_path: Path, seed: int, count: int = 16) -> tuple[Any, list[Path]]:
@@ -1517,7 +1584,7 @@ def test_a_long_recurrent_graph_is_judged_and_compiled_at_the_fast_finalization(
     record, why = read_record(VariantRecord, folder.record)
     assert record is not None and record.status == "ok", why
     assert record.qnn_options == fast
-    assert "the HTP judge's context, adopted" in folder.log.read_text()
+    assert "No worker ran for this variant" in folder.log.read_text()  # the judge's ctx
     assert f"`{config_module.FINALIZATION_OPTION} = 1`" in paths.ctx_report.read_text()
 
 

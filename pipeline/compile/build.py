@@ -25,7 +25,7 @@ from qnn_ctx_runtime.toolchains import Toolchain, Toolchains
 
 from ..core.config import ModelConfig
 from ..core.errors import ModelError, PipelineError, ToolchainError
-from ..core.fileio import atomic_dir, sha256_file
+from ..core.fileio import atomic_dir, sha256_file, write_text
 from ..core.layout import (
     CLOSED_LOOP_BUDGET_S,
     CLOSED_LOOP_WINDOWS,
@@ -53,7 +53,7 @@ from ..core.records import (
 )
 from ..report_html import preload_plotting, write_html_reports
 from . import coverage as coverage_mod
-from .child import interpret, run_child
+from .child import ChildOutcome, interpret, run_child
 from .job import BucketJob, CompileJob
 from .report import closed_loop_note, describe, write_model_report
 
@@ -328,26 +328,36 @@ def variants_to_build(
     installed: qnn.InstalledQnn,
     force: bool = False,
 ) -> int:
-    """How many HTP variants of ``config`` this run will build with ``toolchain``: as many
-    workers are warmed up, so a rerun with nothing changed starts none. A model that cannot be
-    compiled counts none; ``compile_model`` says why."""
+    """How many HTP variants of ``config`` this run will build with ``toolchain`` in a worker:
+    as many workers are warmed up, so a rerun with nothing changed starts none, and neither
+    does a variant the HTP judge's child already loaded (``worker.judge_loaded``). A model that
+    cannot be compiled counts none; ``compile_model`` says why."""
     targets = {get_target(n) for n in config.compile.targets}
     if toolchain not in table.selected(config.compile.toolchains):
         return 0
-    if force:
-        return len(targets)
     try:
         inputs = model_inputs(config, artifacts)
     except PipelineError:
-        return 0
-    return sum(
-        reusable_variant(
-            inputs.paths.variant(toolchain.onnxruntime_qnn, t.name),
-            variant_digest(inputs, toolchain, installed.onnxruntime, t),
-        )
-        is None
-        for t in targets
-    )
+        return 0 if not force else len(targets)
+    wanted = 0
+    for target in targets:
+        folder = inputs.paths.variant(toolchain.onnxruntime_qnn, target.name)
+        digest = variant_digest(inputs, toolchain, installed.onnxruntime, target)
+        if not force and reusable_variant(folder, digest) is not None:
+            continue
+        from .worker import judge_loaded  # numpy: only for a variant that is built
+
+        job = make_job(inputs, toolchain, target, folder.root, folder.root / "result.json", 0)
+        wanted += judge_loaded(job, installed) is None
+    return wanted
+
+
+JUDGED_LOG = (
+    "No worker ran for this variant: the quantize stage's HTP judge compiled this QDQ model for "
+    "this chip with this onnxruntime-qnn and these options, and its child loaded, ran and timed "
+    "that very ctx (every digest checked). Its coverage, I/O, memory, load time and validation "
+    "are that child's, in variant.json.\n"
+)
 
 
 def plots_likely(inputs: ModelInputs, variants: int) -> bool:
@@ -392,7 +402,7 @@ def build_variant(
         return Built(existing, folder.root, skipped=True)
     # Imported for a variant that is built: a rerun with nothing changed reads records only,
     # without numpy or matplotlib (whose import in a thread would contend with it).
-    from .worker import combine_validation, merge_specs
+    from .worker import combine_validation, judged_variant, merge_specs
 
     if plots:
         preload_plotting()  # report.html at the end: its import overlaps the variants' workers
@@ -414,7 +424,12 @@ def build_variant(
         # .bin after switching to embed mode, a ctx beside a now-failed record) cannot survive.
         with atomic_dir(folder.root) as out:
             job = make_job(inputs, toolchain, target, out, work / "result.json", log_severity)
-            outcome = run_child(job, work, VariantPaths(out).log, timeout, on_tick=tick)
+            judged = judged_variant(job, installed)
+            if judged is not None:  # the judge's child loaded these bytes: no worker
+                write_text(VariantPaths(out).log, JUDGED_LOG)
+                outcome = ChildOutcome(judged, 0, False, 0.0, JUDGED_LOG)
+            else:
+                outcome = run_child(job, work, VariantPaths(out).log, timeout, on_tick=tick)
             status, failure = interpret(outcome, timeout)
             result = outcome.result
             per_bucket = result.buckets

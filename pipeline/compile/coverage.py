@@ -15,7 +15,7 @@ from typing import Any
 
 from qnn_ctx_runtime.qnn import EP_NAME, ModelSummary
 
-from ..core.records import Coverage, NodeRef
+from ..core.records import Coverage, EpNodes, NodeRef, TensorSpec
 from ..graph.tails import summary_tail
 
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
@@ -30,6 +30,25 @@ def assignment_from_session(session: Any) -> list[tuple[str, list[tuple[str, str
         (subgraph.ep_name, [(node.name, node.op_type) for node in subgraph.get_nodes()])
         for subgraph in session.get_provider_graph_assignment_info()
     ]
+
+
+def tensor_specs(args: list[Any]) -> list[TensorSpec]:
+    """A session's ``get_inputs()`` or ``get_outputs()`` as records (-1 for a symbolic dim)."""
+    from ..core.dtypes import value_type_name  # numpy: not for a rerun's records-only check
+
+    return [
+        TensorSpec(
+            a.name,
+            [d if isinstance(d, int) else -1 for d in a.shape or []],
+            value_type_name(a.type),
+        )
+        for a in args
+    ]
+
+
+def recorded_assignment(parts: list[EpNodes]) -> Assignment:
+    """The assignment as ``assignment_from_session`` gives it, from its record (HtpLoad)."""
+    return [(part.ep, [(n.name, n.op_type) for n in part.nodes]) for part in parts]
 
 
 def _io_qdq_names(graph: ModelSummary) -> set[str]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -37,7 +36,7 @@ from qnn_ctx_runtime import qnn
 
 from ..core.accuracy import LABELS, Accuracy, worst_snr
 from ..core.cpu import cpu_session
-from ..core.dtypes import np_dtype, value_type_name
+from ..core.dtypes import np_dtype
 from ..core.fileio import sha256_file
 from ..core.layout import (
     AGREE_SAMPLES,
@@ -50,7 +49,7 @@ from ..core.layout import (
     past_htp_budget,
     simulator_seconds,
 )
-from ..core.memory import release_freed_memory
+from ..core.memory import release_freed_memory, rss_bytes
 from ..core.metrics import (
     OutputComparison,
     Parts,
@@ -65,6 +64,7 @@ from ..core.records import (
     CtxFacts,
     CtxSet,
     Failure,
+    HtpLoad,
     HtpProbeRecord,
     LoadTimes,
     Memory,
@@ -176,7 +176,7 @@ def compile_set(
         stale.unlink()
     ctxs = {}
     for index, bucket in enumerate(job.buckets):
-        adopted = None if share else adoptable_probe_ctx(job, ep, bucket)
+        adopted = None if share else adoptable_probe_ctx(job, ep.installed, bucket)
         if adopted is not None:
             ctx = out_dir / bucket.ctx_name
             shutil.copyfile(adopted, ctx)
@@ -357,17 +357,6 @@ def probe_shared(job: CompileJob, ctxs: dict[str, Path]) -> tuple[bool, str]:
 # -- loading, validating, timing ------------------------------------------------------------------
 
 
-def _specs(args: list[Any]) -> list[TensorSpec]:
-    return [
-        TensorSpec(
-            a.name,
-            [d if isinstance(d, int) else -1 for d in a.shape or []],
-            value_type_name(a.type),
-        )
-        for a in args
-    ]
-
-
 def merge_specs(per_bucket: list[list[TensorSpec]]) -> list[TensorSpec]:
     """One spec list for the variant: the largest bucket's, with -1 where the buckets differ."""
     merged = []
@@ -382,17 +371,6 @@ def merge_specs(per_bucket: list[list[TensorSpec]]) -> list[TensorSpec]:
                     shape[axis] = -1
         merged.append(TensorSpec(spec.name, shape, spec.dtype))
     return merged
-
-
-def _rss_bytes() -> int:
-    """Resident memory of this process now (Linux /proc; peak RSS elsewhere)."""
-    try:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _session_config(job: CompileJob, index: int, shared: bool) -> dict[str, str]:
@@ -675,7 +653,9 @@ def snr_gate(
     return passed, gate
 
 
-def judged_here(job: CompileJob, ep: qnn.QnnEp, bucket: BucketJob) -> HtpProbeRecord | None:
+def judged_here(
+    job: CompileJob, installed: qnn.InstalledQnn, bucket: BucketJob
+) -> HtpProbeRecord | None:
     """The quantize stage's HTP judge record of this bucket, if it describes this very compile:
     same QDQ bytes, onnxruntime-qnn, chip and QNN options, one bucket on the HTP."""
     if job.multi or not bucket.htp_probe or job.backend_type != "htp":
@@ -683,7 +663,7 @@ def judged_here(job: CompileJob, ep: qnn.QnnEp, bucket: BucketJob) -> HtpProbeRe
     record, _ = read_record(HtpProbeRecord, Path(bucket.htp_probe))
     if (
         record is None
-        or record.onnxruntime_qnn != ep.installed.package_version
+        or record.onnxruntime_qnn != installed.package_version
         or (record.soc_model, record.htp_arch) != (job.soc_model, job.htp_arch)
         or record.qnn_options != job.qnn_options
         or record.qdq_sha256 != sha256_file(Path(bucket.qdq))
@@ -692,12 +672,14 @@ def judged_here(job: CompileJob, ep: qnn.QnnEp, bucket: BucketJob) -> HtpProbeRe
     return record
 
 
-def adoptable_probe_ctx(job: CompileJob, ep: qnn.QnnEp, bucket: BucketJob) -> Path | None:
+def adoptable_probe_ctx(
+    job: CompileJob, installed: qnn.InstalledQnn, bucket: BucketJob
+) -> Path | None:
     """The context the judge compiled and ran, when compiling again would be the same compile
     (``judged_here``) and it is embedded. QNN does not always compile a graph to the same bytes
     twice (recurrent ones), so adopting it is what lets the judge's run stand as this context's
     validation."""
-    record = judged_here(job, ep, bucket) if job.embed else None
+    record = judged_here(job, installed, bucket) if job.embed else None
     if record is None:
         return None
     ctx = Path(bucket.htp_probe).with_name(HTP_PROBE_CTX)
@@ -705,12 +687,12 @@ def adoptable_probe_ctx(job: CompileJob, ep: qnn.QnnEp, bucket: BucketJob) -> Pa
 
 
 def probe_validation(
-    job: CompileJob, ep: qnn.QnnEp, bucket: BucketJob, ctx: Path
+    job: CompileJob, installed: qnn.InstalledQnn, bucket: BucketJob, ctx: Path
 ) -> Validation | None:
     """The quantize stage's HTP judge already ran this very ctx (the same bytes, compiled by the
     same onnxruntime-qnn from the same QDQ) on these very held-out samples: its figures are what
     running it again would measure. None unless every one of those is proven by digest."""
-    record = judged_here(job, ep, bucket)
+    record = judged_here(job, installed, bucket)
     samples = bucket.heldout[: job.validate_samples or None]
     if record is None or not samples or record.ctx_sha256 != sha256_file(ctx):
         return None
@@ -883,6 +865,88 @@ def register(qnn_sdk: str, progress: Progress) -> qnn.QnnEp:
 # -- the variant ------------------------------------------------------------------------------------
 
 
+def judge_loaded(
+    job: CompileJob, installed: qnn.InstalledQnn
+) -> tuple[HtpProbeRecord, HtpLoad, Path] | None:
+    """The quantize stage's HTP judge record, its session's account and its ctx, when they are
+    this whole variant: one embedded bucket on the HTP with no stream to run in a closed loop,
+    the judge's ctx adoptable (``adoptable_probe_ctx``) and its run this variant's validation
+    (``probe_validation``), and its child's load of that ctx timed (``HtpLoad``). A worker
+    would compile nothing then, and load, validate and time the same bytes again."""
+    if job.multi or job.stream_states or job.backend_type != "htp":
+        return None
+    if installed.qnn_sdk and qnn.sdk_version(installed.qnn_sdk) != job.qnn_sdk:
+        return None  # the worker's registration names that mismatch
+    bucket = job.largest
+    record = judged_here(job, installed, bucket)
+    source = adoptable_probe_ctx(job, installed, bucket) if record is not None else None
+    if record is None or record.load is None or record.compile_s is None or source is None:
+        return None
+    if record.load.runs < job.load_runs:  # [compile] load_runs asks for more than it timed
+        return None
+    if probe_validation(job, installed, bucket, source) is None:
+        return None
+    return record, record.load, source
+
+
+def judged_variant(job: CompileJob, installed: qnn.InstalledQnn) -> WorkerResult | None:
+    """The variant built from ``judge_loaded`` in this process, without a worker (0.3-0.5 s of
+    a small model's compile stage: its start, imports and QNN's teardown): the judge's ctx
+    copied and verified, its coverage gated with this config's limits, its I/O, memory and
+    load time as its child measured them. None: a worker builds it (also where the copy fails
+    verification: the worker then fails it the same way, with its own record)."""
+    found = judge_loaded(job, installed)
+    if found is None:
+        return None
+    record, load, source = found
+    bucket = job.largest
+    out = Path(job.out_dir)
+    started = time.perf_counter()
+    ctx = out / bucket.ctx_name
+    shutil.copyfile(source, ctx)
+    result = WorkerResult(
+        installed={
+            "onnxruntime_qnn": installed.package_version,
+            "onnxruntime": installed.onnxruntime,
+            "qnn_sdk": installed.qnn_sdk,
+        },
+        validated_with="single",
+    )
+    result.compile_time_s = time.perf_counter() - started
+    validation = probe_validation(job, installed, bucket, ctx)
+    try:
+        result.sets.append(verify_set(job, {bucket.name: ctx}, "single", out))
+    except StepFailed:
+        validation = None
+    if validation is None:
+        ctx.unlink()
+        return None
+    coverage = coverage_mod.summarize(
+        coverage_mod.recorded_assignment(load.assignment),
+        qnn.read_model_summary(ctx),
+        job.max_partitions,
+        job.allowed_cpu_ops,
+    )
+    result.buckets[bucket.name] = BucketOutcome(coverage, load.inputs, load.outputs, validation)
+    result.memory = Memory(
+        "single", load.rss_before_bytes, load.rss_after_bytes, load.rss_after_bytes
+    )
+    ctx_s = load.ctx_load_s
+    ratio = record.compile_s / ctx_s if record.compile_s and ctx_s > 0 else None
+    result.load = LoadTimes(
+        load.runs, ctx_s, ctx_s, {bucket.name: ctx_s}, record.compile_s, ratio, None, JUDGE_LOAD
+    )
+    result.stage, result.status = "done", "ok"
+    return result
+
+
+JUDGE_LOAD = (
+    "the quantize stage's HTP judge: its offline compile of this very QDQ model (same "
+    "onnxruntime-qnn, chip and options), the work QNN does when it compiles online at load; "
+    "the ctx's session creation timed by the judge's child, on these very bytes"
+)
+
+
 def run(job: CompileJob, progress: Progress) -> None:
     ep = register(job.qnn_sdk, progress)
     out = Path(job.out_dir)
@@ -915,23 +979,25 @@ def run(job: CompileJob, progress: Progress) -> None:
 
     progress.stage("load")
     sessions = {}
-    rss_before = _rss_bytes()
+    rss_before = rss_bytes()
     rss_first = rss_before
     for index, bucket in enumerate(job.buckets):
         session, coverage = load_bucket(job, ep, bucket, index, ctxs[bucket.name], shared)
         sessions[bucket.name] = session
         result.buckets[bucket.name] = BucketOutcome(
-            coverage, _specs(session.get_inputs()), _specs(session.get_outputs())
+            coverage,
+            coverage_mod.tensor_specs(session.get_inputs()),
+            coverage_mod.tensor_specs(session.get_outputs()),
         )
         if index == 0:
-            rss_first = _rss_bytes()
-    result.memory = Memory(result.validated_with, rss_before, rss_first, _rss_bytes())
+            rss_first = rss_bytes()
+    result.memory = Memory(result.validated_with, rss_before, rss_first, rss_bytes())
     progress.save()
 
     progress.stage("validate")
     for bucket in job.buckets:
         try:
-            validation = probe_validation(job, ep, bucket, ctxs[bucket.name]) or validate(
+            validation = probe_validation(job, ep.installed, bucket, ctxs[bucket.name]) or validate(
                 job, bucket, sessions[bucket.name]
             )
             loop = closed_loop_on_htp(job, bucket, sessions[bucket.name])
@@ -956,7 +1022,7 @@ def run(job: CompileJob, progress: Progress) -> None:
     progress.save()
 
     progress.stage("benchmark")
-    judged = judged_here(job, ep, job.largest)
+    judged = judged_here(job, ep.installed, job.largest)
     if judged is not None:
         benchmark(job, ep, ctxs, shared, progress, judged.compile_s)
     elif validated == kind and job.largest.name in offline:  # the very context loaded here

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 
 LARGE_SAMPLE_BYTES = 4 << 20  # a sample this large: its activations are mapped (see above)
 MAPPED_BLOCK_BYTES = 1 << 20
@@ -50,3 +51,14 @@ def adapt_heap_to(sample_bytes: int) -> bool:
     if sample_bytes < LARGE_SAMPLE_BYTES or mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, MAPPED_BLOCK_BYTES))  # type: ignore[operator]
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc; peak RSS elsewhere)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -252,6 +252,29 @@ class Validation:
 
 
 @dataclass(frozen=True)
+class EpNodes:
+    """One subgraph of a session's assignment: the EP that runs it and its nodes."""
+
+    ep: str
+    nodes: list[NodeRef]
+
+
+@dataclass(frozen=True)
+class HtpLoad:
+    """The HTP judge's own session on its ctx: what compile's worker would find loading the
+    same bytes (the EP assignment, the I/O, resident memory around the load) and the time a
+    session takes to create, min of ``runs`` (``pipeline.htp.probe``)."""
+
+    assignment: list[EpNodes]
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    rss_before_bytes: int
+    rss_after_bytes: int
+    runs: int
+    ctx_load_s: float
+
+
+@dataclass(frozen=True)
 class HtpProbeRecord:
     """What the quantize stage's HTP judge measured on one bucket's kept QDQ model
     (``buckets/<b>/htp_probe.json``). A compile of the same QDQ to the same ctx bytes, run on
@@ -274,6 +297,7 @@ class HtpProbeRecord:
     # the samples asked for; more than ran when the simulator's time budget left some out
     requested: int = 0
     cut_by: str = ""  # why fewer ran: "budget", "evidence" or "agreement" (pipeline.htp.probe)
+    load: HtpLoad | None = None  # its session on the ctx, when the load was timed
 
 
 @dataclass(frozen=True)

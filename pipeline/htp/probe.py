@@ -52,8 +52,9 @@ from ..core.layout import (
     past_htp_budget,
     simulator_seconds,
 )
-from ..core.memory import adapt_heap_to, release_freed_memory
+from ..core.memory import adapt_heap_to, release_freed_memory, rss_bytes
 from ..core.metrics import OutputComparison, packed_parts, power_snr_db, storable
+from ..core.records import EpNodes, HtpLoad, NodeRef
 from .isolation import (
     Finished,
     Started,
@@ -146,6 +147,7 @@ class ProbeResult:
     exposable: int = 0  # activations the locator could expose (``tensors`` holds those it did)
     seconds: float = 0.0
     compile_s: float = 0.0  # the offline compile of the QDQ model (what loading it online costs)
+    load: HtpLoad | None = None  # the main child's session on its ctx, when its load was timed
 
     @property
     def ok(self) -> bool:
@@ -731,7 +733,7 @@ def _run_on_htp(
 
     from qnn_ctx_runtime import qnn
 
-    from ..compile.coverage import assignment_from_session, summarize
+    from ..compile.coverage import assignment_from_session, summarize, tensor_specs
 
     stage("register")
     ep = qnn.find_qnn_ep()
@@ -761,14 +763,21 @@ def _run_on_htp(
     result.ctx_sha256 = sha256_file(ctx_path)
     stage("load")
     record = {"session.record_ep_graph_assignment_info": "1"}
+    rss_before = rss_bytes()
+    began = time.perf_counter()
     ctx = ort.InferenceSession(str(ctx_path), ep.session_options(qnn.QnnOptions("htp"), record, 3))
+    first_load_s = time.perf_counter() - began
+    rss_after = rss_bytes()
     ctx.disable_fallback()  # a failed run retried on the CPU hides the QNN EP's own error
     # The same account compile's coverage gate keeps: Q/DQ at the graph I/O and a declared CPU
     # tail (ai.onnx.ml post-processing) are not CPU compute; counting them disqualified every
     # such model's candidates, and the judge went on to try the whole model in fp16 for nothing.
-    coverage = summarize(assignment_from_session(ctx), qnn.read_model_summary(ctx_path))
+    assignment = assignment_from_session(ctx)
+    coverage = summarize(assignment, qnn.read_model_summary(ctx_path))
     result.partitions = coverage.qnn_partitions
     result.cpu_nodes = len(coverage.cpu_compute_nodes)
+    on_qnn = qnn.EP_NAME in ctx.get_providers()
+    session_io = (tensor_specs(ctx.get_inputs()), tensor_specs(ctx.get_outputs()))
 
     # The HTP's outputs go to disk first and its session is closed before the CPU models run:
     # the simulator and two CPU sessions of a 1024x2048 model side by side took 1.7 GiB.
@@ -809,6 +818,41 @@ def _run_on_htp(
         time.sleep(0.02)
     del ctx  # its session holds the simulator; the CPU models run next
     release_freed_memory()
+    if not job.helper and not job.locate and on_qnn and first_load_s <= TIMED_LOAD_MAX_S:
+        stage("time_load")
+        result.load = HtpLoad(
+            [EpNodes(name, [NodeRef(n, op) for n, op in nodes]) for name, nodes in assignment],
+            *session_io,
+            rss_before,
+            rss_after,
+            LOAD_RUNS,
+            min(first_load_s, _ctx_load_s(ep, ctx_path, LOAD_RUNS - 1)),
+        )
+
+
+# The judge's child times its ctx's session creation (what compile's worker would, loading the
+# same bytes) when the first took this long at most, in every round (which one is kept is not
+# known yet): compile then needs no worker of its own for it
+# (``pipeline.compile.worker.judged_variant``); a slower load is left to compile, once.
+TIMED_LOAD_MAX_S = 0.25
+LOAD_RUNS = 3  # the first load and as many more: compile's [compile] load_runs default
+
+
+def _ctx_load_s(ep: Any, ctx_path: Path, runs: int) -> float:
+    """Session creation on the ctx, min of ``runs``, with compile's benchmark's options."""
+    import onnxruntime as ort
+
+    from qnn_ctx_runtime import qnn
+
+    times = [float("inf")]
+    for _ in range(runs):
+        began = time.perf_counter()
+        session = ort.InferenceSession(
+            str(ctx_path), ep.session_options(qnn.QnnOptions("htp"), {}, 3)
+        )
+        times.append(time.perf_counter() - began)
+        del session
+    return min(times)
 
 
 def _over_budget(job: ProbeJob, stash: Path, simulated: float, ran: int) -> bool:

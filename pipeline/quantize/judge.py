@@ -891,6 +891,7 @@ def _write_probe_record(
         ctx_vs_float=result.ctx_vs_float,
         qdq_vs_float=result.qdq_vs_float,
         compile_s=result.compile_s or None,
+        load=result.load,
     )
     write_record(path, record)
 
