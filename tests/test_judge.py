@@ -303,6 +303,18 @@ def test_cpu_judge_keeps_the_cpu_decision_and_says_so(tmp_path: Path):
     assert "Judged on the HTP" in (tmp_path / "artifacts/build/m/report.md").read_text()
 
 
+def _judged_for_compile(tmp_path: Path) -> tuple[Any, Path, ModelPaths, Path]:
+    """The dilated model quantized with the HTP judge: (config, artifacts, its paths, the
+    judge's probe record of its bucket)."""
+    rng = np.random.default_rng(5)
+    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
+    config = load_config(_write(tmp_path, _dilated_model(rng), samples, ""))
+    artifacts = tmp_path / "artifacts"
+    quantize_model(config, artifacts, force=True)
+    paths = ModelPaths.of(artifacts, "m")
+    return config, artifacts, paths, paths.bucket("static").htp_probe
+
+
 def test_compile_reuses_the_judges_figures_for_the_same_ctx_and_only_then(tmp_path: Path):
     """The judge's first probe runs the ctx compile would build (same bytes) on the samples it
     would validate on; compile reuses those figures, proven by digests, and measures itself as
@@ -312,13 +324,7 @@ def test_compile_reuses_the_judges_figures_for_the_same_ctx_and_only_then(tmp_pa
     from qnn_ctx_runtime import qnn
     from qnn_ctx_runtime.toolchains import load_toolchains
 
-    rng = np.random.default_rng(5)
-    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
-    config = load_config(_write(tmp_path, _dilated_model(rng), samples, ""))
-    artifacts = tmp_path / "artifacts"
-    quantize_model(config, artifacts, force=True)
-    paths = ModelPaths.of(artifacts, "m")
-    probe = paths.bucket("static").htp_probe
+    config, artifacts, paths, probe = _judged_for_compile(tmp_path)
     assert probe.is_file()
     table = load_toolchains()
     toolchain = table.get(table.default)
@@ -346,7 +352,7 @@ def test_compile_reuses_the_judges_figures_for_the_same_ctx_and_only_then(tmp_pa
     judged = json.loads(probe.read_text())["ctx_sha256"]
     assert sha256_file(ctx) == judged == sha256_file(paths.bucket("static").htp_probe_ctx)
     assert "No worker ran for this variant" in folder.log.read_text()
-    assert reused.samples == len(samples) // 4  # every held-out sample (held_out = 0.25)
+    assert reused.samples == 16 // 4  # every held-out sample (held_out = 0.25)
     # A probe record that no longer matches the ctx: compile runs the simulator itself.
     record = json.loads(probe.read_text())
     probe.write_text(json.dumps({**record, "ctx_sha256": "0" * 64}))
@@ -379,13 +385,7 @@ def test_the_judges_variant_needs_no_worker_and_is_the_one_a_worker_builds(
     from qnn_ctx_runtime import qnn
     from qnn_ctx_runtime.toolchains import load_toolchains
 
-    rng = np.random.default_rng(5)
-    samples = [rng.normal(0, 1, (1, 16, 24, 24)) for _ in range(16)]
-    config = load_config(_write(tmp_path, _dilated_model(rng), samples, ""))
-    artifacts = tmp_path / "artifacts"
-    quantize_model(config, artifacts, force=True)
-    paths = ModelPaths.of(artifacts, "m")
-    probe = paths.bucket("static").htp_probe
+    config, artifacts, paths, probe = _judged_for_compile(tmp_path)
     load = json.loads(probe.read_text())["load"]
     assert load["runs"] == 3 and load["ctx_load_s"] > 0 and load["inputs"][0]["name"] == "x"
     table = load_toolchains()
