@@ -15,6 +15,7 @@ import json
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -424,10 +425,11 @@ def build_variant(
         # .bin after switching to embed mode, a ctx beside a now-failed record) cannot survive.
         with atomic_dir(folder.root) as out:
             job = make_job(inputs, toolchain, target, out, work / "result.json", log_severity)
+            began = time.monotonic()
             judged = judged_variant(job, installed)
             if judged is not None:  # the judge's child loaded these bytes: no worker
                 write_text(VariantPaths(out).log, JUDGED_LOG)
-                outcome = ChildOutcome(judged, 0, False, 0.0, JUDGED_LOG)
+                outcome = ChildOutcome(judged, 0, False, time.monotonic() - began, JUDGED_LOG)
             else:
                 outcome = run_child(job, work, VariantPaths(out).log, timeout, on_tick=tick)
             status, failure = interpret(outcome, timeout)
