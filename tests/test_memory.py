@@ -244,3 +244,25 @@ def test_the_opset_upgrade_does_not_copy_the_weights_through_cpp() -> None:
     176 MB U-Net); without them, only the result's own copy."""
     copies = _figure_of(_UPGRADE)
     assert copies < 1.6, f"{copies:.1f} x 64 MiB of weights at the peak"
+
+
+def test_resident_memory_is_read_here_and_zero_where_it_cannot_be(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The figure a variant's record carries: this process's RSS on Linux; 0 (never an error)
+    where neither /proc nor the resource module exists, as on Windows."""
+    import builtins
+
+    from pipeline.core.memory import rss_bytes
+
+    assert rss_bytes() > 10 << 20  # this interpreter with numpy loaded
+    real_open = builtins.open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise OSError("no /proc here")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_proc)
+    monkeypatch.setitem(sys.modules, "resource", None)  # as if it did not exist
+    assert rss_bytes() == 0

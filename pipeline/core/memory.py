@@ -54,11 +54,14 @@ def adapt_heap_to(sample_bytes: int) -> bool:
 
 
 def rss_bytes() -> int:
-    """Resident memory of this process now (Linux /proc; peak RSS elsewhere)."""
+    """Resident memory of this process now (Linux /proc; peak RSS elsewhere; 0 where neither
+    can be read, as on Windows: a figure for the report, never a reason to fail)."""
     try:
         with open("/proc/self/statm") as handle:
             return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource
-
+    except (OSError, ValueError, IndexError, AttributeError):
+        try:
+            import resource
+        except ImportError:
+            return 0
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
