@@ -828,6 +828,7 @@ def _run_on_htp(
             LOAD_RUNS,
             min(first_load_s, _ctx_load_s(ep, ctx_path, LOAD_RUNS - 1)),
         )
+        release_freed_memory()  # the timed sessions' simulator state, before the CPU models
 
 
 # The judge's child times its ctx's session creation (what compile's worker would, loading the
