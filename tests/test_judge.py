@@ -425,11 +425,22 @@ def test_the_judges_variant_needs_no_worker_and_is_the_one_a_worker_builds(
     assert built.load.qdq_s == judged.load.qdq_s  # the judge's offline compile, in both
 
     monkeypatch.undo()
+    # This path failing other than on the disk (here: its coverage account) is not the
+    # variant's failure: a worker builds it, as it builds every other variant.
+    monkeypatch.setattr(compile_build, "run_child", counted)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an account this path cannot read")
+
+    monkeypatch.setattr(worker.coverage_mod, "summarize", broken)
+    assert compiled().coverage == judged.coverage and len(workers) == 2
+    assert "stage: register" in folder.log.read_text()
+    monkeypatch.undo()
     record = json.loads(probe.read_text())
     probe.write_text(json.dumps({k: v for k, v in record.items() if k != "load"}))
     assert variants_to_build(config, artifacts, table, toolchain, installed, True) == 1
     monkeypatch.setattr(compile_build, "run_child", counted)
-    assert compiled().coverage == judged.coverage and len(workers) == 2
+    assert compiled().coverage == judged.coverage and len(workers) == 3
 
 
 def _cpu_judged_dilated(tmp_path: Path, seed: int, count: int = 16) -> tuple[Any, list[Path]]:

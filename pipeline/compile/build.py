@@ -349,7 +349,10 @@ def variants_to_build(
         from .worker import judge_loaded  # numpy: only for a variant that is built
 
         job = make_job(inputs, toolchain, target, folder.root, folder.root / "result.json", 0)
-        wanted += judge_loaded(job, installed) is None
+        try:
+            wanted += judge_loaded(job, installed) is None
+        except Exception:  # build_variant finds out again, and a worker builds it then
+            wanted += 1
     return wanted
 
 

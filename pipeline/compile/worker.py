@@ -894,7 +894,24 @@ def judged_variant(job: CompileJob, installed: qnn.InstalledQnn) -> WorkerResult
     a small model's compile stage: its start, imports and QNN's teardown): the judge's ctx
     copied and verified, its coverage gated with this config's limits, its I/O, memory and
     load time as its child measured them. None: a worker builds it (also where the copy fails
-    verification: the worker then fails it the same way, with its own record)."""
+    verification: the worker then fails it the same way, with its own record; and where this
+    path itself fails other than on the disk: the worker's is the one every variant can take)."""
+    ctx = Path(job.out_dir) / job.largest.ctx_name
+    try:
+        return _judged_variant(job, installed, ctx)
+    except OSError:
+        raise  # a full disk, a folder turned read-only: the stage reports it, as for a worker
+    except Exception as exc:
+        ctx.unlink(missing_ok=True)
+        print(
+            f"NOTE {job.model} {job.target}: built in a worker instead of from the HTP judge's "
+            f"run ({type(exc).__name__}: {exc})",
+            flush=True,
+        )
+        return None
+
+
+def _judged_variant(job: CompileJob, installed: qnn.InstalledQnn, ctx: Path) -> WorkerResult | None:
     found = judge_loaded(job, installed)
     if found is None:
         return None
@@ -902,7 +919,6 @@ def judged_variant(job: CompileJob, installed: qnn.InstalledQnn) -> WorkerResult
     bucket = job.largest
     out = Path(job.out_dir)
     started = time.perf_counter()
-    ctx = out / bucket.ctx_name
     shutil.copyfile(source, ctx)
     result = WorkerResult(
         installed={
