@@ -664,7 +664,7 @@ def _run(job: ProbeJob, result: ProbeResult, path: Path) -> None:
     )
     outputs = _output_names(job.float_model)
     names = outputs + [t for t, _, _ in exposed if t not in outputs]
-    _run_on_htp(job, result, stage, model_path, names, stash)
+    time_load = _run_on_htp(job, result, stage, model_path, names, stash)
     if not job.helper:
         if hasattr(os, "sched_setaffinity"):  # pinned for its run when helped: compare on all
             os.sched_setaffinity(0, ALL_CORES)
@@ -672,6 +672,10 @@ def _run(job: ProbeJob, result: ProbeResult, path: Path) -> None:
         _compare(job, result, model_path, outputs, names, exposed, readers, stash)
     result.status = "ok"
     stage("done")
+    if time_load is not None:  # after "done" is saved: should QNN kill it now, the run stands
+        result.load = time_load()
+        if result.load is not None:
+            _save(path, result)
 
 
 def _output_names(float_model: str) -> list[str]:
@@ -724,7 +728,7 @@ def _run_on_htp(
     model_path: Path,
     names: list[str],
     stash: Path,
-) -> None:
+) -> Callable[[], HtpLoad | None] | None:
     """Compile (or, a helper, load the main child's context), measure the partitioning, then run
     the samples this process claims and stash their outputs (written whole, then renamed, so
     another process only ever sees complete files). The main child then waits for the helpers'
@@ -777,7 +781,10 @@ def _run_on_htp(
     result.partitions = coverage.qnn_partitions
     result.cpu_nodes = len(coverage.cpu_compute_nodes)
     on_qnn = qnn.EP_NAME in ctx.get_providers()
-    session_io = (tensor_specs(ctx.get_inputs()), tensor_specs(ctx.get_outputs()))
+    try:  # for compile (``HtpLoad``): never the probe's failure
+        session_io = (tensor_specs(ctx.get_inputs()), tensor_specs(ctx.get_outputs()))
+    except Exception:
+        on_qnn = False  # nothing recorded: compile's worker reads them itself
 
     # The HTP's outputs go to disk first and its session is closed before the CPU models run:
     # the simulator and two CPU sessions of a 1024x2048 model side by side took 1.7 GiB.
@@ -818,17 +825,25 @@ def _run_on_htp(
         time.sleep(0.02)
     del ctx  # its session holds the simulator; the CPU models run next
     release_freed_memory()
-    if not job.helper and not job.locate and on_qnn and first_load_s <= TIMED_LOAD_MAX_S:
-        stage("time_load")
-        result.load = HtpLoad(
-            [EpNodes(name, [NodeRef(n, op) for n, op in nodes]) for name, nodes in assignment],
-            *session_io,
-            rss_before,
-            rss_after,
-            LOAD_RUNS,
-            min(first_load_s, _ctx_load_s(ep, ctx_path, LOAD_RUNS - 1)),
-        )
-        release_freed_memory()  # the timed sessions' simulator state, before the CPU models
+    if job.helper or job.locate or not on_qnn or first_load_s > TIMED_LOAD_MAX_S:
+        return None
+
+    def time_load() -> HtpLoad | None:
+        """The session's account and its load timed (``HtpLoad``), or None: a load that fails
+        here is compile's worker's to report, never this probe's failure."""
+        try:
+            return HtpLoad(
+                [EpNodes(name, [NodeRef(n, op) for n, op in nodes]) for name, nodes in assignment],
+                *session_io,
+                rss_before,
+                rss_after,
+                LOAD_RUNS,
+                min(first_load_s, _ctx_load_s(ep, ctx_path, LOAD_RUNS - 1)),
+            )
+        except Exception:
+            return None
+
+    return time_load
 
 
 # The judge's child times its ctx's session creation (what compile's worker would, loading the
