@@ -540,6 +540,60 @@ def test_helpers_on_other_cores_measure_what_one_child_does_and_a_dead_one_costs
     assert shared.ctx_vs_qdq == one.ctx_vs_qdq and shared.qdq_vs_float == one.qdq_vs_float
 
 
+# Sitecustomize for the probe's processes: the main child dies (SIGKILL, as a native abort
+# would end it) creating its second session on the ctx, i.e. while timing its load.
+DIES_TIMING_LOAD = """\
+import os
+import signal
+import sys
+
+import onnxruntime
+
+_init = onnxruntime.InferenceSession.__init__
+_ctx_sessions = []
+
+
+def _hooked(self, path, *args, **kwargs):
+    if sys.argv[-1].endswith("probe_job.json") and str(path).endswith("_ctx.onnx"):
+        _ctx_sessions.append(path)
+        if len(_ctx_sessions) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return _init(self, path, *args, **kwargs)
+
+
+onnxruntime.InferenceSession.__init__ = _hooked
+"""
+
+
+def test_a_death_while_timing_the_load_leaves_the_run_standing(tmp_path: Path, monkeypatch):
+    """The judge's child times its ctx's load after its run is saved: a native death there
+    leaves the run's figures as measured, only without the load (compile then uses a worker)."""
+    import os
+
+    from pipeline.htp import probe as probe_mod
+
+    bucket, heldout = _cpu_judged_dilated(tmp_path, seed=5)
+    monkeypatch.setattr(probe_mod, "_cores", lambda count, locate: [])
+
+    def run(work: str):
+        return probe_mod.probe(
+            bucket.qdq, bucket.float_model, heldout, tmp_path / work, 60, 73, timeout_s=300
+        )
+
+    whole = run("whole")
+    assert whole.ok and whole.load is not None and whole.load.runs == probe_mod.LOAD_RUNS
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(DIES_TIMING_LOAD)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p)
+    )
+    died = run("died")
+    assert died.ok and died.load is None, died.error
+    assert died.stage == "done" and died.samples == whole.samples == len(heldout)
+    assert died.ctx_vs_float == whole.ctx_vs_float and died.ctx_vs_qdq == whole.ctx_vs_qdq
+
+
 # Sitecustomize for the probe's processes: the main child kills itself with SIGKILL at its
 # first session run, as the kernel's out-of-memory killer does (an outside kill).
 MAIN_KILLED = """\
