@@ -867,9 +867,9 @@ def register(qnn_sdk: str, progress: Progress) -> qnn.QnnEp:
 
 def judge_loaded(
     job: CompileJob, installed: qnn.InstalledQnn
-) -> tuple[HtpProbeRecord, HtpLoad, Path] | None:
-    """The quantize stage's HTP judge record, its session's account and its ctx, when they are
-    this whole variant: one embedded bucket on the HTP with no stream to run in a closed loop,
+) -> tuple[HtpProbeRecord, HtpLoad, Path, Validation] | None:
+    """The quantize stage's HTP judge record, its session's account, its ctx and its run as this
+    variant's validation, when they are this whole variant: one embedded bucket on the HTP with no stream to run in a closed loop,
     the judge's ctx adoptable (``adoptable_probe_ctx``) and its run this variant's validation
     (``probe_validation``), and its child's load of that ctx timed (``HtpLoad``). A worker
     would compile nothing then, and load, validate and time the same bytes again."""
@@ -884,9 +884,8 @@ def judge_loaded(
         return None
     if record.load.runs < job.load_runs:  # [compile] load_runs asks for more than it timed
         return None
-    if probe_validation(job, installed, bucket, source) is None:
-        return None
-    return record, record.load, source
+    validation = probe_validation(job, installed, bucket, source)
+    return None if validation is None else (record, record.load, source, validation)
 
 
 def judged_variant(job: CompileJob, installed: qnn.InstalledQnn) -> WorkerResult | None:
@@ -915,7 +914,7 @@ def _judged_variant(job: CompileJob, installed: qnn.InstalledQnn, ctx: Path) -> 
     found = judge_loaded(job, installed)
     if found is None:
         return None
-    record, load, source = found
+    record, load, source, validation = found
     bucket = job.largest
     out = Path(job.out_dir)
     started = time.perf_counter()
@@ -929,12 +928,9 @@ def _judged_variant(job: CompileJob, installed: qnn.InstalledQnn, ctx: Path) -> 
         validated_with="single",
     )
     result.compile_time_s = time.perf_counter() - started
-    validation = probe_validation(job, installed, bucket, ctx)
     try:
         result.sets.append(verify_set(job, {bucket.name: ctx}, "single", out))
     except StepFailed:
-        validation = None
-    if validation is None:
         ctx.unlink()
         return None
     coverage = coverage_mod.summarize(

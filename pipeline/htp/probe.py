@@ -24,6 +24,7 @@ start-up ran on the other core.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -781,10 +782,9 @@ def _run_on_htp(
     result.partitions = coverage.qnn_partitions
     result.cpu_nodes = len(coverage.cpu_compute_nodes)
     on_qnn = qnn.EP_NAME in ctx.get_providers()
-    try:  # for compile (``HtpLoad``): never the probe's failure
+    session_io = None  # for compile (``HtpLoad``); unreadable: compile's worker reads them itself
+    with contextlib.suppress(Exception):  # never the probe's failure
         session_io = (tensor_specs(ctx.get_inputs()), tensor_specs(ctx.get_outputs()))
-    except Exception:
-        on_qnn = False  # nothing recorded: compile's worker reads them itself
 
     # The HTP's outputs go to disk first and its session is closed before the CPU models run:
     # the simulator and two CPU sessions of a 1024x2048 model side by side took 1.7 GiB.
@@ -825,8 +825,15 @@ def _run_on_htp(
         time.sleep(0.02)
     del ctx  # its session holds the simulator; the CPU models run next
     release_freed_memory()
-    if job.helper or job.locate or not on_qnn or first_load_s > TIMED_LOAD_MAX_S:
+    if (
+        job.helper
+        or job.locate
+        or not on_qnn
+        or session_io is None
+        or first_load_s > TIMED_LOAD_MAX_S
+    ):
         return None
+    inputs, outputs = session_io
 
     def time_load() -> HtpLoad | None:
         """The session's account and its load timed (``HtpLoad``), or None: a load that fails
@@ -834,7 +841,8 @@ def _run_on_htp(
         try:
             return HtpLoad(
                 [EpNodes(name, [NodeRef(n, op) for n, op in nodes]) for name, nodes in assignment],
-                *session_io,
+                inputs,
+                outputs,
                 rss_before,
                 rss_after,
                 LOAD_RUNS,
