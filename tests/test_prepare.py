@@ -4,6 +4,7 @@ and the real models in ../shared/models all come out strictly static with unchan
 from __future__ import annotations
 
 import collections
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,49 @@ def test_prepare_makes_the_cnn_static_float_and_foldless() -> None:
     assert {"fix_input_shapes", "fold_constants", "fold_batchnorm", "rewrite_for_htp"} <= changed
     x = RNG.standard_normal((1, 3, 8, 12)).astype(np.float32)
     np.testing.assert_allclose(run(prepared, {"x": x})[0], run(model, {"x": x})[0], rtol=1e-4)
+
+
+def test_steps_edit_the_model_the_step_before_made_never_the_callers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Preparation hands each step the model the step before made, to edit in place (each of
+    ~110 steps copied the whole model, most of them to change nothing); the caller's model is
+    never edited, and only a step's own ``edit.writable`` takes what was handed over."""
+    copies: list[str] = []  # the copies ``writable`` made
+    real_copy = edit.copy_model
+
+    def counted(m: onnx.ModelProto) -> onnx.ModelProto:
+        copies.append(sys._getframe(1).f_code.co_name)
+        return real_copy(m)
+
+    monkeypatch.setattr(edit, "copy_model", counted)
+    model = cnn()
+    before = model.SerializeToString()
+    prepared, _ = prepare_model(model, CNN_INPUTS)
+    assert model.SerializeToString() == before
+    assert prepared is not model
+    assert copies.count("writable") <= 1  # the first such step's, of the caller's model
+
+    def step(m: onnx.ModelProto) -> onnx.ModelProto:
+        return edit.writable(m)
+
+    def twice(m: onnx.ModelProto) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+        return edit.writable(m), edit.writable(m)
+
+    def through_a_helper(m: onnx.ModelProto) -> onnx.ModelProto:
+        return step(m)  # a helper's edits would land under its caller's feet: a copy
+
+    with edit.handed_over(model, step):
+        assert step(model) is model
+        assert step(model) is not model  # handed over once
+    assert step(model) is not model  # outside a hand-over: a copy
+    with edit.handed_over(model, twice):
+        first, second = twice(model)
+        assert first is model and second is not model
+    with edit.handed_over(model, through_a_helper):
+        assert through_a_helper(model) is not model
+    with edit.handed_over(None, step):
+        assert step(model) is not model
 
 
 def test_prepare_names_the_unfixed_dim_and_the_key_to_set() -> None:

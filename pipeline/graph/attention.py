@@ -137,7 +137,7 @@ def finite_mask_fills(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     uniform distribution. The fill gets its own initializer, so a constant shared with
     something else keeps its value there.
     """
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     graph = model.graph
     inits = edit.initializers_by_name(graph)
     namer = edit.FreshNames(model)
@@ -242,7 +242,7 @@ def fuse_erf_gelu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     The same function (ai.onnx Gelu's definition); the QNN HTP computes Gelu but no quantized
     Erf. Intermediates read by anything else keep the chain as it is.
     """
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     # Below opset 20 (a pre-quantized model keeps its opset) there is no ai.onnx Gelu: the
     # com.microsoft Gelu onnxruntime's own fusion writes, which the QNN EP takes too.
     contrib = edit.opset_version(model) < 20
@@ -300,7 +300,7 @@ def standard_gelu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     tanh approximation (FastGelu), exactly what ai.onnx Gelu computes with approximate "none"
     and "tanh"; ONNX shape inference types the standard op.
     """
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     if edit.opset_version(model) < 20:
         return edit.checked_change(model, "standard_gelu", [])
     graph = model.graph
@@ -346,7 +346,7 @@ def layernorm_over_last_axis(model: onnx.ModelProto) -> tuple[onnx.ModelProto, C
     cut the graph into 6 partitions). Left alone: unknown shapes, a scale or bias that is not
     a constant, or the optional mean / inverse-deviation outputs read by something.
     """
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     graph = model.graph
     targets = [
         i

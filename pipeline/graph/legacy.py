@@ -173,7 +173,7 @@ def _crop_nodes(
 def pin_legacy_semantics(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Upsample (opset 7/9), Resize (opset 10) and Crop -> the opset-21 Resize/Slice computing
     the same, in ``PINNED_DOMAIN`` until ``restore_pinned_ops`` (after ``upgrade_opset``)."""
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     opset = edit.opset_version(model)
     graph = model.graph
     namer = edit.FreshNames(model)
@@ -230,7 +230,7 @@ def pin_legacy_semantics(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
 
 def restore_pinned_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Move the ops ``pin_legacy_semantics`` parked back into the default domain (opset 21)."""
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     details = []
     for graph in edit.all_graphs(model.graph):
         for node in graph.node:
@@ -418,7 +418,7 @@ def batchnorm_to_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
     and Add it is the same affine map (computed in float64, rounded once), and the ops around
     it can fold or fuse with it; the HTP also quantizes the two ops like any other.
     """
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     graph = model.graph
     inits = edit.initializers_by_name(graph)
     used = edit.used_names(graph)
@@ -478,7 +478,7 @@ def batchnorm_of_computed_statistics(model: onnx.ModelProto) -> tuple[onnx.Model
     two (a Magika file-type classifier: 2 partitions, 7 CPU nodes). The same arithmetic in
     elementary ops, which the HTP runs (exact up to float rounding).
     """
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     graph = model.graph
     inits = edit.initializers_by_name(graph)
     used = edit.used_names(graph)
@@ -573,7 +573,7 @@ def explicit_auto_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     a fingerprint-minutiae network's nine SAME_UPPER AveragePools were never rewritten, though
     the HTP computes padded AveragePools wrongly (``explicit_pool_pads``).
     """
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     values: dict[str, onnx.ValueInfoProto] | None = None
     details = []
     for node in model.graph.node:
@@ -637,7 +637,7 @@ def explicit_pool_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     """
     from .prequantized import is_prequantized
 
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     if is_prequantized(model):
         return edit.checked_change(model, "explicit_pool_pads", [])
     graph = model.graph
@@ -784,7 +784,7 @@ def avg_pool_ceil_mode(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     11.8 dB in fp16 on a 3x3/2 pool), and ResNet-D / ResNet_vd shortcuts (timm, PaddleClas:
     AvgPool 2x2/2, ceil_mode) and Caffe exports use it.
     """
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     graph = model.graph
     namer = edit.FreshNames(model)
     values: dict[str, onnx.ValueInfoProto] | None = None

@@ -20,12 +20,12 @@ from .edit import (
     Change,
     FreshNames,
     checked_change,
-    copy_model,
     inferred_values,
     node_label,
     remove_dead_nodes,
     set_nodes,
     value_shape,
+    writable,
 )
 from .transforms import scalar_const, topological_sort
 
@@ -53,7 +53,7 @@ def rewrite_sqrt_of_sigmoids(model: onnx.ModelProto) -> tuple[onnx.ModelProto, C
     near zero. Measured on PP-PicoDet (HTP simulator, fp16): class scores 5.6 dB -> 32.5 dB vs
     float. Only products whose every factor is a Sigmoid used nowhere else are rewritten.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     producer = _producers(graph)
     uses = _consumers(graph)
@@ -147,7 +147,7 @@ def log_of_large_gain(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     15.7 dB scaled); taken out of the Log, the largest tensor is the magnitude itself (37.1 dB).
     Only chains whose intermediate tensors nothing else reads are rewritten.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     producer = _producers(graph)
@@ -224,7 +224,7 @@ def thresholds_on_logits(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
     35.7 dB quantized); a detection head's ``sigmoid(score) > threshold`` alike. The Sigmoid
     stays for any other reader.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     producer = _producers(graph)
     inits = {i.name: i for i in graph.initializer}
@@ -331,7 +331,7 @@ def finite_scatter_fills(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
     by their group (``_masked_extreme``), with no scatter left: a molecular GNN's max readout
     stayed on the CPU as a scatter, QNN's validation refusing it (error 3110, which a
     standalone copy of it with the same shapes and grids did not reproduce)."""
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     fresh = FreshNames(model)
@@ -432,7 +432,7 @@ def split_wide_means(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     into rows first, where its length factors into rows of at most that many; left alone
     otherwise, as is a reduction over several axes one of which is that long.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     values = None
@@ -618,7 +618,7 @@ def bounded_atan_ratios(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
     rewritten (a constant divisor keeps the quotient in the numerator's own range); a Div read
     elsewhere stays for its other readers.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     producer = _producers(graph)
     inits = {t.name for t in graph.initializer}

@@ -251,12 +251,16 @@ def _run_steps(
     from ..core.memory import release_freed_memory
 
     changes: list[Change] = []
+    source = model
     for step in preparation_steps(inputs, lstm_nodes):
         if on_step is not None:
             on_step(getattr(step, "__name__", "step").replace("<lambda>", "inputs"))
-        model, change = step(model)
+        # A model a step made is this loop's alone: the next step may edit it in place
+        # (``edit.writable``). The caller's model never is (a failure reruns from it).
+        with edit.handed_over(None if model is source else model, step):
+            model, change = step(model)
         changes.append(change)
-        release_freed_memory()  # each step copies the model: do not let copies pile up
+        release_freed_memory()  # a step's copy replaced the model: do not let copies pile up
     return model, changes
 
 

@@ -752,7 +752,7 @@ def fold_quantized_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, C
     run; the DequantizeLinear after a folded Q stays, and the QNN EP sees a quantized weight.
     (``fold_constants`` never folds Q/DQ: that would lose the model's quantization.)
     """
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     if not is_prequantized(model):
         return edit.checked_change(model, "fold_quantized_constants", [])
     details: list[str] = []
@@ -807,7 +807,7 @@ def drop_noop_casts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     the HTP runs as its own requantization (39 around an IS-Net's Resizes: its ctx 2.2x
     slower on the simulator). The cast changes nothing.
     """
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     if not any(n.op_type == "Cast" for n in model.graph.node):
         return edit.checked_change(model, "drop_noop_casts", [])
     graph = model.graph

@@ -130,7 +130,7 @@ def normalize_recurrent_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     (it compares with lower-case names), and Keras/TF exporters always write one; a constant
     ``sequence_lens`` equal to the sequence length is the same as none. Same function.
     """
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     graph = model.graph
     inits = edit.initializers_by_name(graph)
     values: dict[str, onnx.ValueInfoProto] | None = None
@@ -750,7 +750,7 @@ def lower_high_rank(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     Why: GTCRN's subband unfolds made 7 such Gather -> Transpose -> Reshape chains; the HTP
     refused each Gather (error 3110), and each chain cost a CPU round trip and a partition.
     """
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     graph = model.graph
     inits = edit.initializers_by_name(graph)
     values = edit.inferred_values(model)
@@ -938,7 +938,7 @@ def dilate_conv_transpose(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
     ((k - 1) d + 1 taps either way), same sums. Why: QNN's TransposeConv2d only takes dilation 1,
     and GTCRN's decoder (dilations 2 and 5 over time) lost two ConvTranspose to the CPU.
     """
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     graph = model.graph
     inits = edit.initializers_by_name(graph)
     used = edit.used_names(graph)
@@ -980,7 +980,7 @@ def output_padding_to_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Cha
     and PyTorch's ConvTranspose2d(k=3, stride=2, padding=1, output_padding=1) is a common
     2x upsampler in decoders.
     """
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     details = []
     for node in model.graph.node:
         if node.op_type != "ConvTranspose" or node.domain not in edit.DEFAULT_DOMAINS:
@@ -1181,7 +1181,7 @@ def unroll_static_loops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
     """
     from .transforms import fold_constants
 
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     details: list[str] = []
     reasons: dict[tuple[str, ...], str] = {}  # loops kept in the last round, and why
     while True:  # a loop fed by an unrolled one gets its constants only after the folding

@@ -253,7 +253,7 @@ def _rewrite(
 def resize_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Resize nodes the HTP computes wrongly (in * scale not an integer; nearest by a ratio
     that is not whole, or by output sizes) -> forms it computes exactly."""
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     graph = model.graph
     inits = edit.initializers_by_name(graph)
     namer = edit.FreshNames(model)

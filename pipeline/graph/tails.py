@@ -218,7 +218,7 @@ def static_tail_outputs(model: Any) -> tuple[Any, Any]:
 
     from . import edit  # onnx: not in the compile environment, which reads summaries only
 
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     tail = model_tail(model)
     graph = model.graph
     wanted = [

@@ -62,6 +62,7 @@ from .edit import (
     value_shape,
     with_inferred_shapes,
     without_weight_data,
+    writable,
 )
 
 # onnxruntime 1.24+ loads IR <= 11 at least and the quantizer needs opset 21 (IR 10) for 16-bit
@@ -113,7 +114,7 @@ def set_ir_version(
 
     Raised to what the model's opsets need if that is higher than ``version``.
     """
-    model = copy_model(model)
+    model = writable(model)
     target = max(version, min_ir_version(model))
     if target > ORT_MAX_IR_VERSION:
         raise ModelError(
@@ -172,7 +173,7 @@ def drop_initializer_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     Left in, the quantizer and the QNN EP treat those weights as runtime inputs: they are not
     quantized as weights and cannot be folded. Needs IR >= 4 (run ``set_ir_version`` first).
     """
-    model = copy_model(model)
+    model = writable(model)
     inits = {t.name for t in model.graph.initializer}
     keep = [i for i in model.graph.input if i.name not in inits]
     dropped = [i.name for i in model.graph.input if i.name in inits]
@@ -578,7 +579,7 @@ def constants_to_initializers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
     The quantizer and ONNX Runtime's fusions (Conv+BatchNorm, ...) only treat initializers as
     weights; a Constant-node weight is quantized as an activation and blocks folding.
     """
-    model = copy_model(model)
+    model = writable(model)
     details = []
     for graph in all_graphs(model.graph):
         outputs = {o.name for o in graph.output}
@@ -948,7 +949,7 @@ def lower_data_dependent_ifs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, C
     taken (even inf/NaN) never reaches the output. An If that fails those conditions is kept and
     named in the details.
     """
-    model = copy_model(model)
+    model = writable(model)
     details: list[str] = []
     kept: set[tuple[str, ...]] = set()  # by outputs: indices move as branches are inlined
     while True:
@@ -985,7 +986,7 @@ def fold_constants(
     Q/DQ nodes, random ops and loops are never folded; results over ``max_bytes`` that are also
     bigger than their inputs are kept as nodes.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     sort_graph(graph)
     details: list[str] = []
@@ -1173,7 +1174,7 @@ def fold_batchnorm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     Unfused BNs are quantized on their own and often fall back to the CPU, splitting the QNN
     graph. The fold is exact up to float rounding (computed in float64).
     """
-    model = copy_model(model)
+    model = writable(model)
     folder = _BnFolder(model)
     removed: set[int] = set()
     details = []
@@ -1246,7 +1247,7 @@ def fold_conv_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     detector's head, that tensor went from 71 dB to 22 dB against the CPU. A BatchNorm behind
     such an Add could not fold either. onnxruntime's own fusions cover Conv + Add only.
     """
-    model = copy_model(model)
+    model = writable(model)
     folder = _BnFolder(model)
     details: list[str] = []
     removed: set[int] = set()
@@ -1462,7 +1463,7 @@ def replace_legacy_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     into Mul/Add/Tanh/Softplus, because the onnx version converter has no adapter for them and
     fails when the quantizer upgrades the opset. Assumes float32 (run after float16_to_float32).
     """
-    model = copy_model(model)
+    model = writable(model)
     namer = FreshNames(model)
     details = []
     for graph in all_graphs(model.graph):
@@ -1661,7 +1662,7 @@ def split_computed_clips(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
     end's ``top_db`` floor, ``max(x) - 80``) stays on the CPU and cuts the graph in two. A
     constant no-op bound (±float max) that comes along is dropped later by rewrite_for_htp.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     inits = initializers_by_name(graph)
     nodes: list[onnx.NodeProto] = []
@@ -1700,7 +1701,7 @@ def rewrite_for_htp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     - Max(x, 0) -> Relu(x): no quantized zero constant, a native HTP op.
     - Expand/Reshape to the shape they already have, and Identity nodes, are removed.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     inits = initializers_by_name(graph)
     values: dict[str, onnx.ValueInfoProto] | None = None
@@ -1742,7 +1743,7 @@ def reverse_sequence_to_gather(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
     the graph. With the lengths constant and equal, the reversal is a fixed permutation of the
     time axis: reversed up to the length, unchanged after it.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     inits = initializers_by_name(graph)
     fresh = FreshNames(model)
@@ -2011,7 +2012,7 @@ def plain_tensor_names(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     outputs, and it died on MediaPipe's hand landmark model. The graph's own inputs and
     outputs keep their names (the app reads them).
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     io = {v.name for v in (*graph.input, *graph.output)}
     fresh = FreshNames(model)
@@ -2057,7 +2058,7 @@ def quantizer_free_names(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
     (5,) (16,)"). The graph's own inputs and outputs keep their names; a model with its own
     Q/DQ is left as its quantizer named it (the pipeline does not quantize it again).
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     if any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in graph.node):
         return checked_change(model, "quantizer_free_names", [])
@@ -2092,7 +2093,7 @@ def drop_identities(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     output was quantized before its BatchNorm, one grid for channels of very different
     scales (the detector's QDQ model 6.7 dB from float on the CPU).
     """
-    model = copy_model(model)
+    model = writable(model)
     outputs = {o.name for o in model.graph.output}
     dropped = _bypass_identities(model.graph, outputs, lambda _source: True)
     return checked_change(
@@ -2393,7 +2394,7 @@ def sequence_at_to_slices(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
     (a streaming speech enhancer's attention caches: 8 CPU nodes, 4 partitions). Needs the
     split axis's size; the split sizes, if given, must be constants.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     inits = initializers_by_name(graph)
     readers = readers_by_tensor(graph)
@@ -2466,7 +2467,7 @@ def drop_empty_concat_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, C
     to the new frame) carries an empty tensor, which the QNN EP cannot hold: the Slice making
     it stayed on the CPU with its Q/DQ and cut the graph in two (LiSenNet).
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     concats = [
         i for i, n in enumerate(graph.node) if n.op_type == "Concat" and n.domain in DEFAULT_DOMAINS
@@ -2610,7 +2611,7 @@ def rewrite_hypot(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     the same form: in fp16 its squares underflow below |x| ~ 2.4e-4 (FastEnhancer's power-law
     compression |X|^0.3 then read 0 for every quiet bin: -8 dB on the HTP in fp16).
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     used = used_names(graph)
     inits = initializers_by_name(graph)
@@ -2684,7 +2685,7 @@ def rewrite_reciprocal(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     computes 1/sqrt(var) that way, and its ctx model fell to 6 dB. Div(1, x) is exact there
     (73 dB). Same value in float.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     targets = [
         i
@@ -2937,7 +2938,7 @@ def unshare_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     parameter shared mode is not supported for weight yet"). A copy named here collides with
     nothing; the values are the same.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     inits = initializers_by_name(graph)
     fresh = FreshNames(model)
@@ -2970,7 +2971,7 @@ def flatten_gemm_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
     fused into Gemm by qnn_preprocess_model, has a [1, 4 * units] bias). Gemm broadcasts C to
     [M, N], so [N] computes the same.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     inits = initializers_by_name(graph)
     fresh = FreshNames(model)
@@ -3010,7 +3011,7 @@ def gemm_computed_bias_as_add(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
     back to fp16). Gemm(A, B) + Add runs whole on the HTP. A C computed from constants alone
     stays (a pre-quantized model's bias, DequantizeLinear of its int32 values).
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     constant = set(initializers_by_name(graph))
     for node in graph.node:  # in graph order: what only constants feed is constant
@@ -3065,7 +3066,7 @@ def argmax_without_keepdims(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     a segmenter's class map, a classifier's top-1); without keepdims, and with the Unsqueeze
     after it, the context runs and its indices match the CPU's.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     fresh = FreshNames(model)
     nodes: list[onnx.NodeProto] = []
@@ -3121,7 +3122,7 @@ def explicit_conv_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     """
     from .prequantized import is_prequantized
 
-    model = copy_model(model)
+    model = writable(model)
     if is_prequantized(model):
         return model, Change("explicit_conv_pads")
     graph = model.graph
@@ -3172,7 +3173,7 @@ def widen_9x9_stride_2(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     side (timm's tf_mixnet_s: the whole model 12.7 dB in fp16, its first stride-2 9x9 at -0.0
     dB; widened, 40.6 dB); a capsule network's primary capsules are a 9x9 stride-2 Conv of a
     20x20 map (the whole network 2.5 dB in fp16; widened, 26.1 dB)."""
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     inits = initializers_by_name(graph)
     fresh = FreshNames(model)
@@ -3348,7 +3349,7 @@ def fuse_hardswish(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     model at 0.9 dB, its first HardSwish 100x too large; the pair -30.6 dB alone, HardSwish
     72.4 dB). Quantized, both forms agree with the CPU.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     if opset_version(model) < 14:
         return checked_change(model, "fuse_hardswish", [])
@@ -3493,7 +3494,7 @@ def hardswish_from_clip(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
 def topological_sort(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Order nodes so each comes after its producers (ONNX requires it; Olive fails on silero
     without it). Subgraphs are sorted too; the original order is kept where possible."""
-    model = copy_model(model)
+    model = writable(model)
     details = []
     for graph in all_graphs(model.graph):
         moved = sort_graph(graph)
@@ -3573,7 +3574,7 @@ def expand_function_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
     Exact by definition: the body is what the ONNX standard says the op computes. Folding then
     removes the body's shape arithmetic (static shapes), and what is left is ops the HTP runs.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     opset = opset_version(model)
     namer = FreshNames(model)
@@ -3757,7 +3758,7 @@ def einsum_to_matmul(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     ones its contraction; equations with an ellipsis, a repeated index or a broadcast index
     are left alone.
     """
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     names = FreshNames(model)
     values: dict[str, onnx.ValueInfoProto] | None = None
