@@ -106,7 +106,15 @@ def test_steps_edit_the_model_the_step_before_made_never_the_callers(
     prepared, _ = prepare_model(model, CNN_INPUTS)
     assert model.SerializeToString() == before
     assert prepared is not model
-    assert copies.count("writable") <= 1  # the first such step's, of the caller's model
+    handing_over = copies.count("writable")
+    del copies[:]
+    real_hand_over = edit.handed_over
+    monkeypatch.setattr(edit, "handed_over", lambda model, step: real_hand_over(None, step))
+    same, _ = prepare_model(model, CNN_INPUTS)
+    assert same.SerializeToString() == prepared.SerializeToString()
+    # 84 copies without the hand-over, 6 with it (helpers that steps call on their input)
+    assert copies.count("writable") - handing_over >= 70, (copies.count("writable"), handing_over)
+    monkeypatch.setattr(edit, "handed_over", real_hand_over)
 
     def step(m: onnx.ModelProto) -> onnx.ModelProto:
         return edit.writable(m)
@@ -128,6 +136,14 @@ def test_steps_edit_the_model_the_step_before_made_never_the_callers(
         assert through_a_helper(model) is not model
     with edit.handed_over(None, step):
         assert step(model) is not model
+
+    def passing_on(m: onnx.ModelProto) -> onnx.ModelProto:
+        return step(edit.passed_on(m))  # the step says it reads its model no more
+
+    with edit.handed_over(model, passing_on):
+        assert passing_on(model) is model
+    with edit.handed_over(model, through_a_helper):
+        assert passing_on(model) is not model  # only the step it was handed to passes it on
 
 
 def test_prepare_names_the_unfixed_dim_and_the_key_to_set() -> None:

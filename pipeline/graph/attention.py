@@ -550,5 +550,5 @@ def attention_op_to_matmuls(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Ch
     exporter writes it there) -> the ops it computes. Why: the QNN EP runs no Attention op;
     left, each stayed on the CPU and cut the graph (a BERT encoder: 3 partitions, 2 CPU nodes)."""
     return edit.replace_by_op(
-        model, "attention_op_to_matmuls", {"Attention": _attention_op}, _DEFAULT
+        edit.passed_on(model), "attention_op_to_matmuls", {"Attention": _attention_op}, _DEFAULT
     )

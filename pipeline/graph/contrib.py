@@ -36,6 +36,7 @@ from .edit import (
     attribute,
     copy_model,
     node_label,
+    passed_on,
     replace_by_op,
     set_nodes,
     subgraphs,
@@ -376,7 +377,7 @@ _REWRITES: dict[str, NodeRule] = {
 
 def fused_transformer_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """onnxruntime's fused encoder ops -> the standard ops they fuse (module doc)."""
-    return replace_by_op(model, "fused_transformer_ops", _REWRITES, (MS,))
+    return replace_by_op(passed_on(model), "fused_transformer_ops", _REWRITES, (MS,))
 
 
 # -- onnxruntime's CPU fusions -----------------------------------------------------------------

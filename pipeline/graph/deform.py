@@ -25,7 +25,10 @@ def deform_conv_to_grid_samples(model: onnx.ModelProto) -> tuple[onnx.ModelProto
     and an input larger than 1x1 -> per tap and offset group a GridSample (times its mask), a
     Concat and a 1x1 Conv. Others are left as they are."""
     return edit.replace_by_op(
-        model, "deform_conv_to_grid_samples", {"DeformConv": _as_grid_samples}, DEFAULT_DOMAINS
+        edit.passed_on(model),
+        "deform_conv_to_grid_samples",
+        {"DeformConv": _as_grid_samples},
+        DEFAULT_DOMAINS,
     )
 
 

@@ -49,7 +49,8 @@ def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
     return result
 
 
-# (model, code of the step function it was handed to), set by ``handed_over`` for one step.
+# (model, code of the step function it was handed to, or None once the step passed it on),
+# set by ``handed_over`` for one step.
 _HANDED_OVER: contextvars.ContextVar[tuple[onnx.ModelProto, Any] | None] = contextvars.ContextVar(
     "handed_over", default=None
 )
@@ -64,10 +65,22 @@ def writable(model: onnx.ModelProto) -> onnx.ModelProto:
     model, ~100 of them to change nothing: 0.23 s a step at 530 MB (VGG-11), and the model
     twice in memory during each."""
     handed = _HANDED_OVER.get()
-    if handed is not None and handed[0] is model and sys._getframe(1).f_code is handed[1]:
+    taken = handed is not None and handed[0] is model
+    if taken and (handed[1] is None or sys._getframe(1).f_code is handed[1]):
         _HANDED_OVER.set(None)  # once: a recursive call on a subgraph's model copies
         return model
     return copy_model(model)
+
+
+def passed_on(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model``, which a step passes on to the helper that edits it (``return
+    replace_nodes(edit.passed_on(model), ...)``): if it was handed over to the calling step
+    (``handed_over``), the next ``writable(model)``, in whatever frame, takes it uncopied. The
+    step must not read ``model`` after that call."""
+    handed = _HANDED_OVER.get()
+    if handed is not None and handed[0] is model and sys._getframe(1).f_code is handed[1]:
+        _HANDED_OVER.set((model, None))
+    return model
 
 
 @contextlib.contextmanager
@@ -603,7 +616,7 @@ def replace_nodes(
     write the node's outputs) and one line for the step's details; what the replaced nodes read
     and nothing else does any more goes.
     """
-    model = copy_model(model)
+    model = writable(model)
     context = NodeRewrite(model)
     constants = len(model.graph.initializer)
     nodes: list[onnx.NodeProto] = []

@@ -307,7 +307,9 @@ def fold_pad_into_pool(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
         counted = int(attrs.get("count_include_pad", 0)) == 1
         return value == 0.0 and (counted or not any(int(p) for p in attrs.get("pads", [])))
 
-    return _fold_pads(model, "fold_pad_into_pool", ("MaxPool", "AveragePool"), neutral)
+    return _fold_pads(
+        edit.passed_on(model), "fold_pad_into_pool", ("MaxPool", "AveragePool"), neutral
+    )
 
 
 def fold_pad_into_conv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -324,7 +326,7 @@ def fold_pad_into_conv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     def zeros(node: onnx.NodeProto, attrs: dict[str, Any], value: float, rectified: bool) -> bool:
         return value == 0.0
 
-    return _fold_pads(model, "fold_pad_into_conv", ("Conv",), zeros)
+    return _fold_pads(edit.passed_on(model), "fold_pad_into_conv", ("Conv",), zeros)
 
 
 def _fold_pads(
@@ -336,7 +338,7 @@ def _fold_pads(
     """The constant Pads read only by one of ``ops`` whose own padding means the same (its pad
     value ``neutral`` there, told whether a Relu made the padded tensor non-negative) become
     that op's pads; pools only by less than their kernel."""
-    model = edit.copy_model(model)
+    model = edit.writable(model)
     graph = model.graph
     used = edit.used_names(graph)
     producers = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
@@ -861,7 +863,7 @@ def explicit_legacy_broadcasts(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
     stored shapes ("Shape of input 0 is not available"), which a Caffe2-era model is. A
     PRelu's per-channel slope [C] is reshaped too (``_per_channel_slope``)."""
     if edit.opset_version(model) >= 7:
-        return edit.checked_change(edit.copy_model(model), "explicit_legacy_broadcasts", [])
+        return edit.checked_change(edit.writable(model), "explicit_legacy_broadcasts", [])
     model = edit.copy_model(model)
     graph = model.graph
     namer = edit.FreshNames(model)
@@ -957,7 +959,7 @@ def coerced_hardmax(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     rewrites Softmax and LogSoftmax so, keeps a Hardmax as it is: a [1, 3, 4, 5] Hardmax over
     axis 1 then marked one of 3 values instead of one of 60."""
     if edit.opset_version(model) >= 13:
-        return edit.checked_change(edit.copy_model(model), "coerced_hardmax", [])
+        return edit.checked_change(edit.writable(model), "coerced_hardmax", [])
     model = edit.copy_model(model)
     namer = edit.FreshNames(model)
     values: dict[str, onnx.ValueInfoProto] | None = None

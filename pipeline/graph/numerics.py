@@ -702,7 +702,10 @@ def shifted_log_sum_exps(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
     and the sum lies in [1, n]: the same function in float32, in ranges both paths keep.
     """
     return edit.replace_by_op(
-        model, "shifted_log_sum_exps", {"ReduceLogSumExp": _shifted_log_sum_exp}, DEFAULT_DOMAINS
+        edit.passed_on(model),
+        "shifted_log_sum_exps",
+        {"ReduceLogSumExp": _shifted_log_sum_exp},
+        DEFAULT_DOMAINS,
     )
 
 

@@ -671,7 +671,7 @@ def upgrade_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     pinned = any(n.domain == PINNED_DOMAIN for g in edit.all_graphs(model.graph) for n in g.node)
     if not is_prequantized(model) or pinned:
         return t.upgrade_opset(model)
-    return edit.checked_change(edit.copy_model(model), "upgrade_opset", [])
+    return edit.checked_change(edit.writable(model), "upgrade_opset", [])
 
 
 # onnxruntime's quantizer writes its Q/DQ in com.microsoft below opset 21 when a type needs it
@@ -694,7 +694,7 @@ def standard_qdq_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
         for g in edit.all_graphs(model.graph)
         for n in g.node
     ):
-        return edit.checked_change(edit.copy_model(model), "standard_qdq_ops", [])
+        return edit.checked_change(edit.writable(model), "standard_qdq_ops", [])
     details = []
     if edit.opset_version(model) < _QDQ_21_OPSET:
         model, upgraded = t.upgrade_opset(model, _QDQ_21_OPSET)

@@ -24,13 +24,14 @@ from .edit import (
     Change,
     FreshNames,
     checked_change,
-    copy_model,
     inferred_values,
     initializers_by_name,
     int_constant,
     node_label,
+    passed_on,
     set_nodes,
     value_shape,
+    writable,
 )
 
 
@@ -70,7 +71,7 @@ def _replace_each(
     rewrite: Callable[[onnx.NodeProto, _Site], tuple[list[onnx.NodeProto], str] | None],
 ) -> tuple[onnx.ModelProto, Change]:
     """Each ``op_type`` node (standard domain) replaced by what ``rewrite`` returns for it."""
-    model = copy_model(model)
+    model = writable(model)
     site = _Site(model)
     nodes: list[onnx.NodeProto] = []
     details = []
@@ -98,7 +99,7 @@ def stft_to_conv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     window and frame length ->
     Conv over [B, 1, L] with one kernel per (bin, real/imaginary) part, stride the frame step,
     then Reshape/Transpose to STFT's [B, frames, bins, 2]."""
-    return _replace_each(model, "STFT", "stft_to_conv", _stft_to_conv_at)
+    return _replace_each(passed_on(model), "STFT", "stft_to_conv", _stft_to_conv_at)
 
 
 def _stft_to_conv_at(node: onnx.NodeProto, site: _Site) -> tuple[list[onnx.NodeProto], str] | None:
@@ -178,7 +179,7 @@ def dft_to_matmul(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     as DFT(inverse=1) of the full spectrum): one MatMul over both parts. An inverse of a half
     spectrum (``onesided``, an irfft: a Fourier convolution's way back) likewise, its conjugate
     half counted twice, to a real signal."""
-    return _replace_each(model, "DFT", "dft_to_matmul", _dft_to_matmul_at)
+    return _replace_each(passed_on(model), "DFT", "dft_to_matmul", _dft_to_matmul_at)
 
 
 def _dft_to_matmul_at(node: onnx.NodeProto, site: _Site) -> tuple[list[onnx.NodeProto], str] | None:

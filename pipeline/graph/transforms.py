@@ -48,6 +48,7 @@ from .edit import (
     numpy_dtype,
     opset_version,
     pad_first_input,
+    passed_on,
     readers_by_tensor,
     remove_dead_nodes,
     rename_tensors,
@@ -1343,7 +1344,7 @@ def float16_to_float32(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     Calibration and the quantizer work on float32 (fp16 models fail with "Invalid input name"),
     and the QNN HTP quantized path does not need fp16 anywhere.
     """
-    return _narrow_to_float32(model, _FLOAT16, "float16_to_float32")
+    return _narrow_to_float32(passed_on(model), _FLOAT16, "float16_to_float32")
 
 
 def bfloat16_to_float32(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -1353,7 +1354,7 @@ def bfloat16_to_float32(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
     onnxruntime's CPU EP runs no bfloat16 Conv ("Type 'tensor(bfloat16)' ... is invalid"), so
     neither calibration nor the quantizer can read the model, and numpy, which feeds it, has no
     bfloat16; the HTP computes in fp16 or quantized, never in bfloat16."""
-    return _narrow_to_float32(model, onnx.TensorProto.BFLOAT16, "bfloat16_to_float32")
+    return _narrow_to_float32(passed_on(model), onnx.TensorProto.BFLOAT16, "bfloat16_to_float32")
 
 
 def float64_to_float32(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -1365,13 +1366,13 @@ def float64_to_float32(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     a float32 network's tail changes its outputs by float32 rounding (the preparation check
     measures it).
     """
-    return _narrow_to_float32(model, _DOUBLE, "float64_to_float32")
+    return _narrow_to_float32(passed_on(model), _DOUBLE, "float64_to_float32")
 
 
 def _narrow_to_float32(
     model: onnx.ModelProto, source: int, step: str
 ) -> tuple[onnx.ModelProto, Change]:
-    model = copy_model(model)
+    model = writable(model)
     details = []
     top = model.graph
     name = onnx.helper.tensor_dtype_to_np_dtype(source).name
@@ -1792,7 +1793,7 @@ def gathernd_to_gather(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]
     up with one (``attention_mask[batch_idx, kv_idx]`` under vmap), which left a node on the
     CPU of a MiniLM encoder.
     """
-    return replace_nodes(model, "gathernd_to_gather", _gathernd_as_gather)
+    return replace_nodes(passed_on(model), "gathernd_to_gather", _gathernd_as_gather)
 
 
 def _gathernd_as_gather(
@@ -1835,7 +1836,7 @@ def flat_gather_indices(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change
     rewrite is exact: Gather's output is the data's leading dims, the indices' shape and the
     data's trailing dims, in the indices' row-major order.
     """
-    return replace_nodes(model, "flat_gather_indices", _gather_of_flat_indices)
+    return replace_nodes(passed_on(model), "flat_gather_indices", _gather_of_flat_indices)
 
 
 def _gather_of_flat_indices(
@@ -1887,7 +1888,7 @@ def pad_short_row_gathers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chan
     from the CPU QDQ model, one window position read as zeros (above); padded, 62.6 dB (the
     gather of rows alone: 34.5 -> 80.4 dB).
     """
-    return replace_nodes(model, "pad_short_row_gathers", _padded_short_row_gather)
+    return replace_nodes(passed_on(model), "pad_short_row_gathers", _padded_short_row_gather)
 
 
 def _padded_short_row_gather(
@@ -1930,7 +1931,7 @@ def col2im_to_conv_transpose(model: onnx.ModelProto) -> tuple[onnx.ModelProto, C
     strides, dilations and pads, and ``output_padding`` makes up the image's size: exact.
     Why: the QNN EP has no Col2Im (VOLO's outlook attention folds 4 times: 5 partitions).
     """
-    return replace_nodes(model, "col2im_to_conv_transpose", _col2im_as_conv_transpose)
+    return replace_nodes(passed_on(model), "col2im_to_conv_transpose", _col2im_as_conv_transpose)
 
 
 def _col2im_as_conv_transpose(
@@ -2137,7 +2138,7 @@ def pads_over_every_axis(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Chang
     simulator), and the pad rules that follow (folds into Conv and pools, pads as Concat)
     read pads as one begin and end per axis."""
     return replace_by_op(
-        model, "pads_over_every_axis", {"Pad": _pads_of_every_axis}, DEFAULT_DOMAINS
+        passed_on(model), "pads_over_every_axis", {"Pad": _pads_of_every_axis}, DEFAULT_DOMAINS
     )
 
 
@@ -2167,7 +2168,7 @@ _Bypass = Callable[
 def _bypassed(model: onnx.ModelProto, step: str, rule: _Bypass) -> tuple[onnx.ModelProto, Change]:
     """``model`` without the default-domain nodes ``rule`` bypasses (their readers read the
     input it names; a node whose output is a graph output is kept)."""
-    model = copy_model(model)
+    model = writable(model)
     graph = model.graph
     inits = initializers_by_name(graph)
     outputs = {o.name for o in graph.output}
@@ -2300,7 +2301,7 @@ def filled_constants_as_expand(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
     and one left on the CPU beside the QNN graph made its context fail to load ("The count of
     graph inputs should be at least the count of tensor_wrapper!", a zero-padding Concat of
     3 MB); the HTP expands the scalar."""
-    return replace_nodes(model, "filled_constants_as_expand", _filled_as_expand)
+    return replace_nodes(passed_on(model), "filled_constants_as_expand", _filled_as_expand)
 
 
 def _moves_nothing(
@@ -2382,7 +2383,7 @@ def drop_noop_moves(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
             return None
         return source, "gives back its input, dropped"
 
-    return _bypassed(model, "drop_noop_moves", unmoved)
+    return _bypassed(passed_on(model), "drop_noop_moves", unmoved)
 
 
 def sequence_at_to_slices(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
@@ -3228,7 +3229,7 @@ def pads_as_concat(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
       form agrees with the CPU at 64 dB.
     A Pad of anything else (both ends, or a Conv's input padding) stays a Pad.
     """
-    return replace_nodes(model, "pads_as_concat", _pad_as_concat)
+    return replace_nodes(passed_on(model), "pads_as_concat", _pad_as_concat)
 
 
 def max_pool_pads_as_concat(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:

@@ -24,6 +24,7 @@ from .edit import (
     NodeRule,
     attribute,
     node_label,
+    passed_on,
     replace_by_op,
 )
 
@@ -723,7 +724,7 @@ _REWRITES: dict[str, NodeRule] = {
 def ops_without_qnn_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Change]:
     """Each op of ``_REWRITES`` the QNN EP has no kernel for -> ops it runs (module doc)."""
 
-    return replace_by_op(model, "ops_without_qnn_kernels", _REWRITES, DEFAULT_DOMAINS)
+    return replace_by_op(passed_on(model), "ops_without_qnn_kernels", _REWRITES, DEFAULT_DOMAINS)
 
 
 # How many nodes may lie between a NonZero and the indices / updates of the ScatterND that
@@ -889,5 +890,8 @@ def positions_written_as_where(model: onnx.ModelProto) -> tuple[onnx.ModelProto,
     condition (``_scatter_at_positions``): the NonZero and its data-sized chain go with it."""
 
     return replace_by_op(
-        model, "positions_written_as_where", {"ScatterND": _scatter_at_positions}, DEFAULT_DOMAINS
+        passed_on(model),
+        "positions_written_as_where",
+        {"ScatterND": _scatter_at_positions},
+        DEFAULT_DOMAINS,
     )
