@@ -64,12 +64,19 @@ def writable(model: onnx.ModelProto) -> onnx.ModelProto:
     so it never sees the model before its own edits. Preparation's ~110 steps each copied the
     model, ~100 of them to change nothing: 0.23 s a step at 530 MB (VGG-11), and the model
     twice in memory during each."""
-    handed = _HANDED_OVER.get()
-    taken = handed is not None and handed[0] is model
-    if taken and (handed[1] is None or sys._getframe(1).f_code is handed[1]):
+    if _handed_to(model, sys._getframe(1).f_code, passed_on=True):
         _HANDED_OVER.set(None)  # once: a recursive call on a subgraph's model copies
         return model
     return copy_model(model)
+
+
+def _handed_to(model: onnx.ModelProto, code: Any, passed_on: bool = False) -> bool:
+    """Whether ``model`` is handed over to the function running ``code`` (or, with
+    ``passed_on``, was passed on by its step to whichever function asks next)."""
+    handed = _HANDED_OVER.get()
+    if handed is None or handed[0] is not model:
+        return False
+    return handed[1] is code or (passed_on and handed[1] is None)
 
 
 def passed_on(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -77,8 +84,7 @@ def passed_on(model: onnx.ModelProto) -> onnx.ModelProto:
     replace_nodes(edit.passed_on(model), ...)``): if it was handed over to the calling step
     (``handed_over``), the next ``writable(model)``, in whatever frame, takes it uncopied. The
     step must not read ``model`` after that call."""
-    handed = _HANDED_OVER.get()
-    if handed is not None and handed[0] is model and sys._getframe(1).f_code is handed[1]:
+    if _handed_to(model, sys._getframe(1).f_code):
         _HANDED_OVER.set((model, None))
     return model
 
